@@ -1,0 +1,170 @@
+"""One typed configuration tree. The only module that reads environment variables.
+
+`ServerArgs` holds every `pdserve serve` flag (the CLI flags are generated from its fields);
+`DisaggEnv` holds the SGLANG_DISAGGREGATION_* / SGLANG_DISAGG_* variables of the seed pages,
+read once at start-up by `DisaggEnv.from_env()`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from pdcore.errors import ConfigError
+
+DISAGG_MODES = ("null", "prefill", "decode")
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"  # auto -> float32 on cpu, bfloat16 on accelerators
+    context_length: int | None = None
+    # server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "info"
+    # parallelism / devices
+    tp_size: int = 1
+    dp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    base_gpu_id: int = 0
+    device: str = "cpu"
+    attention_backend: str | None = None
+    memory_pool: str | None = None  # None -> the platform's default pool
+    # memory and scheduling
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    page_size: int = 1
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    # disaggregation
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "tcp"
+    disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
+    disaggregation_ib_device: str | None = None
+    disaggregation_auth_token: str | None = None
+    num_reserved_decode_tokens: int = 512
+    disaggregation_decode_polling_interval: int = 1
+    # profiling
+    profile_output_dir: str | None = None
+    # identity (not a flag): unique per server process, names shm segments, logs
+    server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def validate(self) -> None:
+        if self.disaggregation_mode not in DISAGG_MODES:
+            raise ConfigError(
+                f"--disaggregation-mode must be one of {', '.join(DISAGG_MODES)}, "
+                f"got {self.disaggregation_mode!r}"
+            )
+        for name in ("tp_size", "dp_size", "nnodes", "page_size", "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError("--node-rank must be in [0, --nnodes)")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ConfigError("--mem-fraction-static must be in (0, 1]")
+        if self.chunked_prefill_size == -1 or self.chunked_prefill_size == 0:
+            self.chunked_prefill_size = 1 << 30  # -1 disables chunking, as in SGLang
+        if self.chunked_prefill_size < 1:
+            raise ConfigError("--chunked-prefill-size must be >= 1 (or -1 to disable chunking)")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError("--context-length must be >= 2")
+        if not 0 < self.port < 65536 or not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ConfigError("ports must be in 1..65535")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "server_id"]
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _env_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def default_thread_pool_size(cpu_count: int | None = None) -> int:
+    """The seed's formula: int(0.75 * cpu_count) // 8, clamped to [4, 12]."""
+    cpus = cpu_count or os.cpu_count() or 1
+    return min(max(4, int(0.75 * cpus) // 8), 12)
+
+
+@dataclass(frozen=True)
+class DisaggEnv:
+    bootstrap_timeout: float = 300.0
+    waiting_timeout: float = 300.0
+    heartbeat_interval: float = 5.0
+    heartbeat_max_failure: int = 2
+    thread_pool_size: int = 4
+    queue_size: int = 4
+    bootstrap_entry_cleanup_interval: float = 120.0
+    staging_buffer: bool = False
+    staging_buffer_size_mb: int = 64
+    staging_pool_size_mb: int = 4096
+    test_failure_prob: float = 0.0
+    raw: Mapping[str, str] = field(default_factory=dict)  # the whole environment, for backends
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DisaggEnv:
+        env = dict(os.environ) if env is None else dict(env)
+        p = "SGLANG_DISAGGREGATION_"
+        queue_size = _env_int(env, p + "QUEUE_SIZE", 4)
+        pool = _env_int(env, p + "THREAD_POOL_SIZE", default_thread_pool_size())
+        if queue_size < 1:
+            raise ConfigError(f"{p}QUEUE_SIZE must be >= 1")
+        if pool < queue_size:
+            raise ConfigError(f"{p}THREAD_POOL_SIZE ({pool}) must be >= {p}QUEUE_SIZE ({queue_size})")
+        out = cls(
+            bootstrap_timeout=_env_float(env, p + "BOOTSTRAP_TIMEOUT", 300.0),
+            waiting_timeout=_env_float(env, p + "WAITING_TIMEOUT", 300.0),
+            heartbeat_interval=_env_float(env, p + "HEARTBEAT_INTERVAL", 5.0),
+            heartbeat_max_failure=_env_int(env, p + "HEARTBEAT_MAX_FAILURE", 2),
+            thread_pool_size=pool,
+            queue_size=queue_size,
+            bootstrap_entry_cleanup_interval=_env_float(
+                env, p + "BOOTSTRAP_ENTRY_CLEANUP_INTERVAL", 120.0
+            ),
+            staging_buffer=_env_bool(env, "SGLANG_DISAGG_STAGING_BUFFER"),
+            staging_buffer_size_mb=_env_int(env, "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB", 64),
+            staging_pool_size_mb=_env_int(env, "SGLANG_DISAGG_STAGING_POOL_SIZE_MB", 4096),
+            test_failure_prob=_env_float(env, "DISAGGREGATION_TEST_FAILURE_PROB", 0.0),
+            raw=env,
+        )
+        for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval"):
+            if getattr(out, name) <= 0:
+                raise ConfigError(f"{p}{name.upper()} must be > 0")
+        return out

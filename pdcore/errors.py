@@ -1,0 +1,51 @@
+"""Error types. Every message says what to do about it."""
+
+from __future__ import annotations
+
+
+class PDError(Exception):
+    """Base of every pdserve error."""
+
+
+class ConfigError(PDError):
+    """Invalid configuration (flag, environment variable, file). CLI exits 2 with the message."""
+
+
+class PluginError(PDError):
+    """A plugin failed to load, or a name is unknown or registered twice."""
+
+
+class UnknownNameError(PluginError):
+    """A backend / pool / platform / planner name nobody registered."""
+
+
+class DuplicateNameError(PluginError):
+    """Two plugins registered the same name of the same kind."""
+
+
+class UnavailableError(PluginError):
+    """The named component is installed but cannot run here (missing SDK or hardware)."""
+
+
+class ModelLoadError(PDError):
+    """The model could not be found or loaded."""
+
+
+class InvalidRequestError(PDError):
+    """A request is malformed; the HTTP layer answers 400 with this message."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class TransferError(PDError):
+    """A KV transfer failed. `room` identifies the request."""
+
+    def __init__(self, message: str, room: int | None = None) -> None:
+        super().__init__(message)
+        self.room = room
+
+
+class ProtocolError(PDError):
+    """A control-plane message was malformed, of another version, or unauthenticated."""

@@ -1,0 +1,1 @@
+"""Small ABCs and frozen dataclasses every plugin implements against."""

@@ -1,0 +1,59 @@
+"""Hook specifications. Every hook takes a `register` callback; the core owns the names.
+
+`register(name, factory, *, description="", availability=None)`:
+- name: lowercase identifier users select (`--backend NAME`, `--memory-pool NAME`, ...);
+- factory: callable building the component (signatures below); it may import vendor SDKs;
+- availability: optional zero-argument callable -> (ok: bool, reason: str), cheap, must not
+  raise; `pdserve plugins` shows the reason when ok is False (e.g. "nixl is not installed:
+  pip install nixl").
+A duplicate name of the same kind raises DuplicateNameError listing who registered it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdcore.plugins import hookspec
+
+Register = Callable[..., None]
+
+
+@hookspec
+def pd_register_transfer_backends(register: Register) -> None:
+    """Register KV transfer backends.
+
+    Called by: the plugin host, once per process, the first time any registry is read.
+    factory(ctx: pdcore.interfaces.transfer.BackendContext) -> TransferEngine.
+    Rule: the hook itself imports only stdlib and pdcore; import the vendor SDK inside the
+    factory (or in availability, guarded) so a missing SDK never breaks other plugins.
+    """
+
+
+@hookspec
+def pd_register_memory_pools(register: Register) -> None:
+    """Register KV / aux memory pools.
+
+    Called by: the plugin host, once per process, the first time any registry is read.
+    factory(ctx: pdcore.interfaces.memory.PoolContext) -> MemoryPool.
+    Rule: same lazy-import rule as transfer backends.
+    """
+
+
+@hookspec
+def pd_register_platforms(register: Register) -> None:
+    """Register device platforms (cpu, cuda, npu ...).
+
+    Called by: the plugin host, once per process, the first time any registry is read.
+    factory() -> Platform. Rule: availability must answer without touching hardware that may
+    hang; a platform unusable here reports why.
+    """
+
+
+@hookspec
+def pd_register_transfer_planners(register: Register) -> None:
+    """Register transfer planners (KV pages -> CopyBatch).
+
+    Called by: the plugin host, once per process, the first time any registry is read.
+    factory() -> TransferPlanner. The core picks `default` unless a configuration (e.g.
+    SGLANG_DISAGG_STAGING_BUFFER=1) selects another by name.
+    """
