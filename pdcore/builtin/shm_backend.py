@@ -1,0 +1,326 @@
+"""`shm` transfer engine: same-host copies straight into the peer's shared-memory KV pool.
+
+Lifecycle:
+1. `ShmTransferEngine(ctx)`: host identity (hostname + boot id, or PDCORE_HOST_ID from
+   ctx.env), a worker pool of ctx.thread_pool_size threads, and an empty "engine alive" marker
+   segment that close() removes, so peers also notice a closed (not only a dead) engine;
+2. `register(regions)`: local memory write() may read from (host or shm);
+3. `endpoint()`: JSON {host_id, pid, pid namespace, marker};
+4. `connect(endpoint, peer_regions)`: refuses a peer on another host identity BEFORE mapping
+   anything; maps each of the peer's SHM segments read-write (once per segment);
+5. `write(peer, batch)`: checks src against local and dst against the peer's mapped regions,
+   checks the peer is alive, then workers copy in parallel chunks (ctypes.memmove releases the
+   GIL); `poll()` -> PENDING / DONE / FAILED(reason);
+6. peer loss (its process exited, its engine closed, or a segment was removed or replaced) fails
+   the write
+   and unmaps the peer once no copy is using the mapping; `disconnect` / `close()` unmap too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdcore.builtin import shm_segment as seg
+from pdcore.builtin.tcp_support import (
+    HandleTable,
+    RegionIndex,
+    SharedExclusive,
+    describe_range,
+    read_timeout,
+)
+from pdcore.errors import TransferError
+from pdcore.interfaces.transfer import (
+    DONE,
+    BackendContext,
+    Capabilities,
+    CopyBatch,
+    MemoryKind,
+    MemoryRegion,
+    Peer,
+    PollResult,
+    TransferEngine,
+    failed,
+)
+
+TIMEOUT_ENV = "PDCORE_SHM_TIMEOUT"
+# Below this many bytes a batch is copied by one worker: splitting costs more than it gains.
+CHUNK_BYTES = 8 << 20
+LIVENESS_EVERY = 0.5  # seconds between checks that the peer's segments are still its own
+
+
+@dataclass(eq=False)
+class _ShmPeer:
+    label: str
+    pid: int
+    same_pidns: bool
+    marker: str
+    maps: list[seg.Mapped]
+    index: RegionIndex  # the peer's SHM regions (peer addresses)
+    bases: np.ndarray  # per index region: local address of its first byte
+    guard: SharedExclusive = field(default_factory=SharedExclusive)
+    lost: str = ""
+    unmapped: bool = False
+    checked_at: float = 0.0
+
+
+class ShmTransferEngine(TransferEngine):
+    name = "shm"
+    capabilities = Capabilities(
+        memory_kinds=frozenset({MemoryKind.SHM, MemoryKind.HOST}),
+        needs_metadata=False,
+        same_host_only=True,
+    )
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+        self.host_id = seg.host_identity(dict(ctx.env))
+        self.timeout = read_timeout(ctx.env, TIMEOUT_ENV, 30.0)
+        self.workers = max(1, ctx.thread_pool_size)
+        self._local = RegionIndex(())
+        self._handles = HandleTable("shm")
+        self._lock = threading.Lock()
+        self._peers: set[_ShmPeer] = set()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="shm-copy")
+        self._marker = seg.segment_name(ctx.server_id or "shm", os.getpid(),
+                                        f"engine-r{ctx.rank}-{uuid.uuid4().hex[:8]}")
+        os.close(os.open(seg.path_of(self._marker), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        self._finalizer = weakref.finalize(self, seg.unlink, self._marker)
+
+    # -- memory --------------------------------------------------------------------------------
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self._check_open()
+        for r in regions:
+            if r.kind not in self.capabilities.memory_kinds:
+                raise TransferError(f"shm backend cannot read {r.kind.value} memory (region "
+                                    f"{r.name or hex(r.addr)}); use a host or shm memory pool")
+        self._local = RegionIndex(self._local.regions + tuple(regions))
+
+    def deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        gone = {(r.addr, r.length) for r in regions}
+        self._local = RegionIndex(
+            [r for r in self._local.regions if (r.addr, r.length) not in gone])
+
+    # -- peers ---------------------------------------------------------------------------------
+    def endpoint(self) -> bytes:
+        return json.dumps({"backend": "shm", "host_id": self.host_id, "pid": os.getpid(),
+                           "pidns": seg.pid_namespace(), "marker": self._marker}).encode()
+
+    def connect(self, peer_endpoint: bytes, peer_regions: Sequence[MemoryRegion]) -> Peer:
+        self._check_open()
+        try:
+            info = json.loads(bytes(peer_endpoint).decode())
+            host_id, pid = str(info["host_id"]), int(info["pid"])
+            pidns, marker = str(info.get("pidns", "")), str(info.get("marker", ""))
+            if marker:
+                seg.path_of(marker)  # a plain segment name, never a path
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise TransferError(f"shm: malformed peer endpoint {bytes(peer_endpoint)[:200]!r} "
+                                f"({e}); expected ShmTransferEngine.endpoint() JSON") from None
+        label = f"{host_id} pid {pid}"
+        if host_id != self.host_id:
+            raise TransferError(
+                f"shm: peer pid {pid} is on host {host_id!r}, this engine on {self.host_id!r}; "
+                f"the shm backend only connects processes on the same host. Use --backend tcp "
+                f"(or an RDMA backend) between hosts")
+        if marker and not os.path.exists(seg.path_of(marker)):
+            raise TransferError(f"shm: peer {label} has closed its engine (marker {marker} is "
+                                f"gone); reconnect with its current endpoint")
+        wanted = [r for r in peer_regions if r.kind is MemoryKind.SHM and r.name]
+        if not wanted:
+            raise TransferError(
+                f"shm: peer {label} registered no shared-memory regions; start it with the shm "
+                f"memory pool (--memory-pool shm) or use another backend")
+        for r in wanted:
+            # Only pdserve segments of that very process: a bad endpoint can never make this
+            # process map (and later write into) somebody else's shared memory.
+            if seg.owner_pid(r.name) != pid:
+                raise TransferError(f"shm: peer region {r.name!r} is not a pdserve segment of "
+                                    f"peer pid {pid}; refusing to map it")
+        maps: dict[str, seg.Mapped] = {}
+        try:
+            for r in wanted:
+                if r.name not in maps:
+                    maps[r.name] = seg.map_existing(r.name)
+                m = maps[r.name]
+                if r.offset < 0 or r.length < 0 or r.offset + r.length > m.size:
+                    raise TransferError(f"shm: peer region {r.name}+{r.offset} ({r.length} bytes) "
+                                        f"does not fit its {m.size}-byte segment")
+        except (OSError, ValueError) as e:
+            self._unmap(list(maps.values()))
+            raise TransferError(f"shm: cannot map peer {label}'s segment: {e}; is the peer alive "
+                                f"and on this host?") from None
+        except TransferError:
+            self._unmap(list(maps.values()))
+            raise
+        index = RegionIndex(wanted)
+        bases = np.array([maps[r.name].addr + r.offset for r in index.regions], dtype=np.uint64)
+        state = _ShmPeer(label, pid, pidns == seg.pid_namespace(), marker, list(maps.values()),
+                         index, bases, checked_at=time.monotonic())
+        with self._lock:
+            if self._closed:
+                self._unmap(state.maps)
+                raise TransferError("shm: engine is closed; create a new one")
+            self._peers.add(state)
+        return Peer(endpoint=bytes(peer_endpoint), key=label, state=state)
+
+    def disconnect(self, peer: Peer) -> None:
+        state: _ShmPeer = peer.state
+        with self._lock:
+            self._peers.discard(state)
+        self._release(state, "disconnected", self.timeout)
+
+    def _release(self, state: _ShmPeer, why: str, timeout: float) -> bool:
+        """Unmap once no copy uses the mapping. False if copies still run after `timeout`."""
+        state.lost = state.lost or why
+        if not state.guard.acquire_exclusive(timeout):
+            return False
+        try:
+            if not state.unmapped:
+                state.unmapped = True
+                self._unmap(state.maps)
+        finally:
+            state.guard.release_exclusive()
+        return True
+
+    @staticmethod
+    def _unmap(maps: list[seg.Mapped]) -> None:
+        for m in maps:
+            m.mm.close()
+
+    def _alive(self, state: _ShmPeer) -> str:
+        """Why the peer is gone, or ''. Segment identity is re-checked every LIVENESS_EVERY s."""
+        if state.same_pidns and not seg.pid_alive(state.pid):
+            return f"peer process {state.pid} exited"
+        if state.marker and not os.path.exists(seg.path_of(state.marker)):
+            return "peer engine closed"
+        now = time.monotonic()
+        if now - state.checked_at >= LIVENESS_EVERY:
+            state.checked_at = now
+            for m in state.maps:
+                if not seg.still_there(m):
+                    return f"peer segment {m.name} was removed or replaced"
+        return ""
+
+    # -- transfers -----------------------------------------------------------------------------
+    def write(self, peer: Peer, batch: CopyBatch) -> int:
+        self._check_open()
+        state: _ShmPeer = peer.state
+        why = state.lost or self._alive(state)
+        if why:
+            if not state.lost:
+                # Unmap in the background: a copy still running must finish first.
+                state.lost = why
+                self._pool.submit(self._release, state, why, self.timeout)
+            return self._handles.add(failed(f"shm: peer {state.label} lost ({why}); nothing "
+                                            f"was copied. Reconnect after it re-registers"))
+        n = len(batch)
+        if n == 0:
+            return self._handles.add(DONE)
+        src = np.ascontiguousarray(batch.src, dtype=np.uint64)
+        dst = np.ascontiguousarray(batch.dst, dtype=np.uint64)
+        length = np.ascontiguousarray(batch.length, dtype=np.uint64)
+        _, sok = self._local.locate(src, length)
+        if not sok.all():
+            i = int(np.argmin(sok))
+            return self._handles.add(failed(
+                f"shm: {describe_range('src', i, src, length)} is not inside memory registered "
+                f"with this engine; register() it first. Nothing was copied"))
+        didx, dok = state.index.locate(dst, length)
+        if not dok.all():
+            i = int(np.argmin(dok))
+            return self._handles.add(failed(
+                f"shm: {describe_range('dst', i, dst, length)} is outside the shared-memory "
+                f"regions of peer {state.label}; nothing was copied"))
+        local_dst = dst - state.index.starts[didx] + state.bases[didx]
+        chunks = self._split(length)
+        futures = [self._pool.submit(self._copy, state, local_dst[a:b], src[a:b], length[a:b])
+                   for a, b in chunks]
+        if len(futures) == 1:
+            return self._handles.add(futures[0])
+        return self._handles.add(self._pool_join(futures))
+
+    def _split(self, length: np.ndarray) -> list[tuple[int, int]]:
+        """Item ranges of roughly equal bytes, one per worker, for big batches only."""
+        total = int(length.sum())
+        parts = min(self.workers, max(1, total // CHUNK_BYTES), len(length))
+        if parts <= 1:
+            return [(0, len(length))]
+        cuts = np.searchsorted(np.cumsum(length, dtype=np.uint64),
+                               np.arange(1, parts, dtype=np.uint64) * (total // parts))
+        bounds = [0, *sorted(set(int(c) + 1 for c in cuts if 0 <= c < len(length) - 1)),
+                  len(length)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    @staticmethod
+    def _pool_join(futures: list[Future]) -> Future:
+        """One future for the chunks of a batch: DONE when all are, else the first failure."""
+        joined: Future = Future()
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def chunk_done(_f: Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            for f in futures:
+                if f.cancelled():
+                    joined.set_result(failed("shm: engine closed before the copy ran"))
+                    return
+                if f.exception() is not None:
+                    joined.set_exception(f.exception())
+                    return
+                if f.result().status is not DONE.status:
+                    joined.set_result(f.result())
+                    return
+            joined.set_result(DONE)
+
+        for f in futures:
+            f.add_done_callback(chunk_done)
+        return joined
+
+    def _copy(self, state: _ShmPeer, dst: np.ndarray, src: np.ndarray,
+              length: np.ndarray) -> PollResult:
+        if not state.guard.acquire_shared(self.timeout):
+            return failed(f"shm: peer {state.label} is being unmapped")
+        try:
+            if state.unmapped:
+                return failed(f"shm: peer {state.label} lost ({state.lost}); nothing copied")
+            move = ctypes.memmove  # releases the GIL: chunks on other workers run in parallel
+            for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist()):
+                move(d, s, n)
+        finally:
+            state.guard.release_shared()
+        return DONE
+
+    def poll(self, handle: int) -> PollResult:
+        return self._handles.poll(handle)
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("shm: engine is closed; create a new one")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers)
+            self._peers.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for p in peers:
+            self._release(p, "engine closed", self.timeout)
+        self._finalizer()  # removes the alive marker

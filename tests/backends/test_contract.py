@@ -1,0 +1,33 @@
+"""The shared backend contract suite (pdcore.testing.backend_contract) run against the built-ins."""
+
+from __future__ import annotations
+
+from pdcore.testing.backend_contract import BackendContract, CrossProcessBackendContract
+
+
+class TestTcpContract(BackendContract):
+    backend_name = "tcp"
+    context_env = {"PDCORE_TCP_TIMEOUT": "10"}
+    dead_peer_timeout = 15.0
+
+
+class TestTcpCrossProcess(CrossProcessBackendContract):
+    backend_name = "tcp"
+    context_env = {"PDCORE_TCP_TIMEOUT": "10"}
+    dead_peer_timeout = 15.0
+
+
+class TestShmContract(BackendContract):
+    backend_name = "shm"
+    pool_name = "shm"
+    dead_peer_timeout = 5.0
+
+
+class TestShmCrossProcess(CrossProcessBackendContract):
+    backend_name = "shm"
+    pool_name = "shm"
+    dead_peer_timeout = 5.0
+
+
+class TestFakeContract(BackendContract):
+    backend_name = "fake"
