@@ -1,0 +1,1 @@
+"""The serving engine: model, paged KV cache, scheduler, sampler."""

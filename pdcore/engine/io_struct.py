@@ -1,0 +1,92 @@
+"""Messages between the HTTP process (tokenizer manager) and the scheduler process.
+
+Sent pickled over pyzmq IPC sockets (PUSH -> PULL, one socket each way). Plain dataclasses so
+both processes share one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # handled by the HTTP process
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-6 or self.top_k == 1
+
+
+@dataclass
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no prompt logprobs; k: prompt logprobs from position k
+    top_logprobs_num: int = 0
+    stream: bool = False
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    arrival_time: float = 0.0
+
+
+@dataclass
+class AbortReq:
+    rid: str
+    reason: str = "aborted by client"
+
+
+@dataclass
+class ControlReq:
+    """Request/response calls: kind in {"flush_cache", "get_load", "stats", "start_profile",
+    "stop_profile"}; the scheduler answers with ControlResp carrying the same `call_id`."""
+
+    call_id: str
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ControlResp:
+    call_id: str
+    ok: bool
+    data: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+# One logprob entry: (logprob, token_id, top) where top is [(logprob, token_id), ...] or None.
+LogprobEntry = tuple[float, int, list[tuple[float, int]] | None]
+
+
+@dataclass
+class TokenOut:
+    """Incremental output of one request. The first message of a request carries prompt
+    statistics; `finished` marks the last one."""
+
+    rid: str
+    new_token_ids: list[int]
+    output_logprobs: list[LogprobEntry] = field(default_factory=list)
+    input_logprobs: list[LogprobEntry] | None = None  # prompt logprobs, sent once
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None  # {"type": "length"|"stop"|"abort", ...}
+    error: str | None = None  # set when the request failed (transfer failure, ...)
+    error_status: int = 500

@@ -1,0 +1,155 @@
+"""Builds an engine (model, KV pool, scheduler) from ServerArgs; also an in-process API.
+
+1. resolve platform and device; load the model through transformers;
+2. size the KV pool (`--max-total-tokens`, else `--mem-fraction-static` of free memory);
+3. allocate it from the memory-pool plugin; build block manager, runner and scheduler;
+4. `LLMEngine.generate()` drives the scheduler in-process (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdcore.config import ServerArgs
+from pdcore.engine.block_manager import BlockManager
+from pdcore.engine.io_struct import GenerateReq, SamplingParams, TokenOut
+from pdcore.engine.kv_cache import KVCache
+from pdcore.engine.model_loader import load_model, resolve_dtype
+from pdcore.engine.model_runner import ModelRunner
+from pdcore.engine.models.layers import TPInfo
+from pdcore.engine.request import Req
+from pdcore.engine.scheduler import Scheduler, SchedulerConfig
+from pdcore.errors import ConfigError
+from pdcore.interfaces.memory import PoolContext
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_MEM_FRACTION = 0.1  # of available RAM, for the KV pool, when nothing is given
+
+
+@dataclass
+class Engine:
+    args: ServerArgs
+    model: Any
+    hf_config: Any
+    kv: KVCache
+    blocks: BlockManager
+    scheduler: Scheduler
+    info: dict[str, Any]
+
+    def close(self) -> None:
+        self.scheduler.ext.close()
+        self.kv.close()
+
+
+def _available_bytes(platform: Any, device: torch.device) -> int:
+    if platform is not None:
+        return int(platform.memory_info(device).free_bytes)
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(pages)
+
+
+def _platform(args: ServerArgs) -> Any:
+    from pdcore.plugins.host import platforms
+
+    reg = platforms()
+    if args.device not in reg:
+        raise ConfigError(f"--device {args.device}: no platform plugin registered under that name;"
+                          f" installed: {', '.join(reg.names())}")
+    return reg.create(args.device)
+
+
+def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
+    tp = tp or TPInfo()
+    platform = _platform(args)
+    device = platform.device_for_rank(tp.rank, args.base_gpu_id)
+    dtype = resolve_dtype(args.dtype, device.type)
+    model, cfg, resolved = load_model(args.model_path, dtype, device, tp, args.trust_remote_code)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = max(1, cfg.num_key_value_heads // tp.size)
+    per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, dtype)
+    if args.max_total_tokens:
+        tokens = args.max_total_tokens
+    else:
+        frac = args.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
+        tokens = int(_available_bytes(platform, device) * frac) // per_token
+    num_pages = max(1, tokens // args.page_size)
+    from pdcore.plugins.host import memory_pools
+
+    pool_name = args.memory_pool or getattr(platform, "default_pool", "torch")
+    pool = memory_pools().create(
+        pool_name, PoolContext(server_id=args.server_id, device=str(device), rank=tp.rank,
+                               env=dict(os.environ)))
+    kv = KVCache(pool, cfg.num_hidden_layers, num_pages, args.page_size, kv_heads, head_dim,
+                 dtype, tp.rank, tp.size, cfg.num_key_value_heads)
+    blocks = BlockManager(num_pages, args.page_size)
+    context = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    sched = Scheduler(ModelRunner(model, kv, blocks), blocks, SchedulerConfig(
+        max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens, context_length=context,
+        eos_ids=frozenset(e for e in eos if e is not None)))
+    info = {
+        "model_path": resolved.display_path, "tokenizer_path": resolved.display_path,
+        "served_model_name": args.served_model_name or resolved.name,
+        "context_length": context, "max_total_tokens": num_pages * args.page_size,
+        "page_size": args.page_size, "num_pages": num_pages, "vocab_size": cfg.vocab_size,
+        "eos_token_ids": sorted(sched.cfg.eos_ids), "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device), "architectures": list(cfg.architectures),
+        "model_type": cfg.model_type, "disaggregation_mode": args.disaggregation_mode,
+        "tp_size": args.tp_size, "dp_size": args.dp_size,
+        "bootstrap_port": args.disaggregation_bootstrap_port, "memory_pool": pool_name,
+    }
+    log.info("KV pool: %d pages x %d tokens (%.1f MiB) in pool %r", num_pages, args.page_size,
+             num_pages * args.page_size * per_token / 2**20, pool_name)
+    return Engine(args, model, cfg, kv, blocks, sched, info)
+
+
+class LLMEngine:
+    """Synchronous in-process engine over token ids (no HTTP, no tokenizer)."""
+
+    def __init__(self, args: ServerArgs) -> None:
+        args.validate()
+        self.engine = build_engine(args)
+        self.scheduler = self.engine.scheduler
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 return_logprob: bool = False, logprob_start_len: int = -1,
+                 top_logprobs_num: int = 0) -> list[dict[str, Any]]:
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        rids = []
+        for ids, sp in zip(prompts, params):
+            rid = uuid.uuid4().hex
+            rids.append(rid)
+            self.scheduler.add(Req.from_generate(GenerateReq(
+                rid, list(ids), sp, return_logprob, logprob_start_len, top_logprobs_num)))
+        acc: dict[str, dict[str, Any]] = {r: {"output_ids": [], "output_logprobs": [],
+                                              "input_logprobs": None} for r in rids}
+        pending = set(rids)
+        while pending:
+            for msg in self.scheduler.step():
+                self._merge(acc, msg)
+                if msg.finished:
+                    pending.discard(msg.rid)
+        return [acc[r] for r in rids]
+
+    @staticmethod
+    def _merge(acc: dict[str, dict[str, Any]], msg: TokenOut) -> None:
+        a = acc.get(msg.rid)
+        if a is None:
+            return
+        a["output_ids"].extend(msg.new_token_ids)
+        a["output_logprobs"].extend(msg.output_logprobs)
+        if msg.input_logprobs is not None:
+            a["input_logprobs"] = msg.input_logprobs
+        if msg.finished:
+            a["finish_reason"], a["error"] = msg.finish_reason, msg.error
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,0 +1,77 @@
+"""Load config and weights through transformers, then copy them into our model.
+
+transformers reads HF folders (safetensors) and GGUF files (dequantised); the forward pass is
+ours because attention must read and write the paged KV pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pdcore.engine.models.layers import TPInfo
+from pdcore.engine.models.llama import SUPPORTED_ARCHS, LlamaForCausalLM
+from pdcore.engine.tokenizer import ResolvedModel, resolve_model
+from pdcore.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"--dtype must be auto or one of {', '.join(DTYPES)}; got {name!r}") from None
+
+
+def load_config(resolved: ResolvedModel, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code,
+                                         **resolved.hf_kwargs())
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the model config at {resolved.display_path}: {e}") from e
+    arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    if not getattr(cfg, "architectures", None):
+        cfg.architectures = [arch]
+    return cfg
+
+
+def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
+               tp: TPInfo | None = None, trust_remote_code: bool = False,
+               ) -> tuple[LlamaForCausalLM, Any, ResolvedModel]:
+    """Our model with weights loaded (progress bars come from transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    resolved = resolve_model(model_path)
+    cfg = load_config(resolved, trust_remote_code)
+    log.info("loading %s (%s) as %s", resolved.display_path, cfg.architectures[0], dtype)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(
+            resolved.path, dtype=torch.float32, trust_remote_code=trust_remote_code,
+            **resolved.hf_kwargs(),
+        )
+    except Exception as e:
+        raise ModelLoadError(f"cannot load weights from {resolved.display_path}: {e}") from e
+    if not getattr(hf.config, "architectures", None):
+        hf.config.architectures = cfg.architectures
+    model = LlamaForCausalLM(hf.config, tp)
+    model.load_hf_state_dict(hf.state_dict())
+    del hf
+    model = model.to(device=device, dtype=dtype).eval()
+    return model, model.cfg, resolved

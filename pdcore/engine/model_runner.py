@@ -1,0 +1,93 @@
+"""Turns scheduled (request, token count) pairs into one packed forward pass, then samples.
+
+1. pack: for each request its next `n` positions (input ids, positions, pool slots);
+2. forward: the model writes K/V into the pool and returns logits for the wanted rows only
+   (each request's last row when it completes its sequence, plus prompt-logprob rows);
+3. sample the requests that completed their sequence; compute prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdcore.engine.block_manager import BlockManager
+from pdcore.engine.io_struct import LogprobEntry
+from pdcore.engine.kv_cache import KVCache
+from pdcore.engine.models.llama import ForwardBatch, SeqSpan
+from pdcore.engine.request import Req
+from pdcore.engine.sampler import logprob_entry, sample
+
+
+@dataclass
+class StepResult:
+    req: Req
+    n: int
+    token: int | None = None  # sampled when the request reached the end of its sequence
+    logprob: LogprobEntry | None = None
+    prompt_logprobs: list[LogprobEntry] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv: KVCache, blocks: BlockManager) -> None:
+        self.model, self.kv, self.blocks = model, kv, blocks
+        self.device = next(model.parameters()).device
+
+    def _prompt_rows(self, r: Req, a: int, n: int) -> tuple[int, int]:
+        """Positions p in [lo, hi) of this chunk whose logits give the logprob of token p+1."""
+        if not r.wants_prompt_logprobs:
+            return 0, 0
+        lo = max(a, r.logprob_start_len - 1, 0)
+        hi = min(a + n, len(r.prompt) - 1)
+        return lo, max(lo, hi)
+
+    @torch.inference_mode()
+    def run(self, items: list[tuple[Req, int]]) -> list[StepResult]:
+        ids, pos, slots, seqs, rows = [], [], [], [], []
+        plan = []  # per item: (first prompt row index, count, sampling row index or None)
+        off = 0
+        for r, n in items:
+            a = r.num_computed
+            ids.extend(r.token_at(p) for p in range(a, a + n))
+            pos.append(torch.arange(a, a + n))
+            new_slots = self.blocks.slots(r.pages, a, a + n)
+            slots.append(new_slots)
+            ctx = new_slots if r.ctx_slots is None or a == 0 else torch.cat([r.ctx_slots, new_slots])
+            r.ctx_slots = ctx
+            seqs.append(SeqSpan(off, n, ctx.to(self.device)))
+            lo, hi = self._prompt_rows(r, a, n)
+            p_first = len(rows)
+            rows.extend(range(off + lo - a, off + hi - a))
+            s_row = None
+            if a + n == r.seq_len:
+                s_row = len(rows)
+                rows.append(off + n - 1)
+            plan.append((p_first, hi - lo, lo, s_row))
+            off += n
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.cat(pos).to(self.device),
+            out_slots=torch.cat(slots).to(self.device),
+            seqs=seqs,
+            logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
+        )
+        logits = self.model(batch, self.kv.layers).cpu()
+        results = [StepResult(r, n) for r, n in items]
+        samp = [(i, plan[i][3]) for i in range(len(items)) if plan[i][3] is not None]
+        if samp:
+            states = [items[i][0].state for i, _ in samp]
+            want = [items[i][0].top_logprobs_num if items[i][0].return_logprob else None
+                    for i, _ in samp]
+            toks, lps = sample(logits[[row for _, row in samp]], states, want)
+            for (i, _), t, lp in zip(samp, toks, lps):
+                results[i].token, results[i].logprob = t, lp
+        for i, (p_first, count, lo, _) in enumerate(plan):
+            if count:
+                r = items[i][0]
+                lp = torch.log_softmax(logits[p_first : p_first + count], -1)
+                results[i].prompt_logprobs = [
+                    logprob_entry(lp[j], r.prompt[lo + j + 1], r.top_logprobs_num)
+                    for j in range(count)
+                ]
+        return results

@@ -1,0 +1,1 @@
+"""Model implementations (llama family) over the paged KV pool."""

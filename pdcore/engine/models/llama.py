@@ -1,0 +1,185 @@
+"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2, Qwen3) over the paged KV pool.
+
+Tokens of all sequences in a step are packed into one [T, hidden] tensor (prefill chunks and
+decode tokens mixed); linear layers run once over the pack; attention runs per sequence over
+the K/V gathered from the pool by slot index. New K/V are written into the pool before
+attention reads it, so a chunk attends to itself and to everything cached before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdcore.engine.models.layers import ColumnLinear, RMSNorm, RowLinear, TPInfo
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass
+class SeqSpan:
+    q_start: int  # offset of this sequence's new tokens in the packed batch
+    q_len: int
+    ctx_slots: torch.Tensor  # long [ctx_len]: pool slots of every position 0..ctx_len-1
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # long [T]
+    positions: torch.Tensor  # long [T]
+    out_slots: torch.Tensor  # long [T]: where each new token's K/V goes
+    seqs: list[SeqSpan]
+    logit_rows: torch.Tensor  # long [R]: rows of the pack whose logits are wanted
+    extra: dict = field(default_factory=dict)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, tp: TPInfo, arch: str) -> None:
+        super().__init__()
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp.size)
+        bias = arch == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        qd, kvd = cfg.num_attention_heads * self.head_dim, cfg.num_key_value_heads * self.head_dim
+        self.qkv = ColumnLinear(cfg.hidden_size, [qd, kvd, kvd], bias, tp)
+        self.o_proj = RowLinear(qd, cfg.hidden_size, False, tp)
+        self.qk_norm = arch == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = h.shape[0]
+        qkv = self.qkv(h)
+        qs, ks = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :qs].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, qs : qs + ks].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, qs + ks :].view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # the pool is [pages, page_size, heads, dim]; as slots it is [pages*page_size, heads, dim]
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat[batch.out_slots] = k.to(k_flat.dtype)
+        v_flat[batch.out_slots] = v.to(v_flat.dtype)
+        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype)
+        for s in batch.seqs:
+            qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, n, d]
+            ki = k_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)  # [KVH, ctx, d]
+            vi = v_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)
+            n, ctx = s.q_len, ki.shape[1]
+            mask = None
+            if n > 1:
+                # query i sits at position ctx-n+i and may see keys 0..ctx-n+i
+                qpos = torch.arange(ctx - n, ctx).unsqueeze(1)
+                mask = torch.arange(ctx).unsqueeze(0) <= qpos
+            o = F.scaled_dot_product_attention(
+                qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask,
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            out[s.q_start : s.q_start + n] = o[0].transpose(0, 1)
+        return self.o_proj(out.view(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, tp: TPInfo) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size // tp.size
+        self.gate_up = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.down = RowLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        return self.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, tp: TPInfo, arch: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, tp, arch)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg, tp: TPInfo | None = None) -> None:
+        super().__init__()
+        arch = SUPPORTED_ARCHS[(cfg.architectures or ["LlamaForCausalLM"])[0]]
+        self.cfg, self.tp, self.arch = cfg, tp or TPInfo(), arch
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, arch)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
+                                    requires_grad=False)
+        self.rotary = self._make_rotary(cfg)
+
+    @staticmethod
+    def _make_rotary(cfg) -> nn.Module:
+        # transformers computes inv_freq (and any rope scaling) for us: same numbers as HF
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        return LlamaRotaryEmbedding(cfg)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                all_hidden: bool = False) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary(h.unsqueeze(0), batch.positions.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1).to(h.dtype), sin[0].unsqueeze(1).to(h.dtype)
+        residual = h
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(residual)
+            x = layer.self_attn(x, cos, sin, kv[i][0], kv[i][1], batch)
+            residual = residual + x
+            x = layer.post_attention_layernorm(residual)
+            residual = residual + layer.mlp(x)
+        h = self.norm(residual[batch.logit_rows])
+        return F.linear(h, self.lm_head).float()
+
+    @torch.inference_mode()
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        def get(name: str) -> torch.Tensor:
+            return sd[name]
+
+        def opt(name: str) -> torch.Tensor | None:
+            return sd.get(name)
+
+        self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+        lm = opt("lm_head.weight")
+        self.lm_head.copy_(lm if lm is not None else get("model.embed_tokens.weight"))
+        self.norm.weight.copy_(get("model.norm.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            names = ("q_proj", "k_proj", "v_proj")
+            w = [get(p + f"self_attn.{n}.weight") for n in names]
+            b = [opt(p + f"self_attn.{n}.bias") for n in names]
+            a.qkv.load(w, b if all(x is not None for x in b) else None)
+            a.o_proj.load(get(p + "self_attn.o_proj.weight"))
+            if a.qk_norm:
+                a.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
+                a.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))
+            layer.mlp.gate_up.load([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            layer.mlp.down.load(get(p + "mlp.down_proj.weight"))
+            layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))

@@ -1,0 +1,110 @@
+"""Token sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Logprobs are those of the model's distribution (log_softmax of the raw logits), as transformers
+reports them; sampling knobs change which token is picked, not the reported logprob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdcore.engine.io_struct import LogprobEntry, SamplingParams
+
+
+@dataclass
+class SampleState:
+    """Per-request sampling state kept by the scheduler."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    counts: dict[int, int] | None = None  # output token counts (frequency/presence penalty)
+    seen: set[int] | None = None  # prompt + output tokens (repetition penalty)
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt: list[int]) -> SampleState:
+        gen = None
+        if params.seed is not None and not params.greedy:
+            gen = torch.Generator().manual_seed(int(params.seed))
+        st = cls(params, gen)
+        if params.frequency_penalty or params.presence_penalty:
+            st.counts = {}
+        if params.repetition_penalty != 1.0:
+            st.seen = set(prompt)
+        return st
+
+    def observe(self, token: int) -> None:
+        if self.counts is not None:
+            self.counts[token] = self.counts.get(token, 0) + 1
+        if self.seen is not None:
+            self.seen.add(token)
+
+    @property
+    def plain_greedy(self) -> bool:
+        return self.params.greedy and self.counts is None and self.seen is None
+
+
+def _penalize(row: torch.Tensor, st: SampleState) -> torch.Tensor:
+    p = st.params
+    if st.seen:
+        idx = torch.tensor(sorted(st.seen), dtype=torch.long)
+        vals = row[idx]
+        row[idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if st.counts:
+        idx = torch.tensor(list(st.counts), dtype=torch.long)
+        cnt = torch.tensor(list(st.counts.values()), dtype=row.dtype)
+        row[idx] -= p.frequency_penalty * cnt + p.presence_penalty
+    return row
+
+
+def _sample_row(row: torch.Tensor, st: SampleState) -> int:
+    p = st.params
+    if p.greedy:
+        return int(torch.argmax(row))
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, -1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sp, -1)
+        drop = cum - sp > p.top_p  # keep the smallest prefix reaching top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, si, sp)
+    return int(torch.multinomial(probs, 1, generator=st.generator))
+
+
+def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[int | None],
+           ) -> tuple[list[int], list[LogprobEntry | None]]:
+    """logits [R, V] (one row per request). want_logprobs[i]: None (no logprobs) or the number
+    of top logprobs to return (0 = only the chosen token's)."""
+    if all(st.plain_greedy for st in states):
+        tokens = torch.argmax(logits, -1).tolist()
+    else:
+        tokens = []
+        for i, st in enumerate(states):
+            row = logits[i].clone()
+            if not st.plain_greedy:
+                row = _penalize(row, st)
+            tokens.append(_sample_row(row, st))
+    entries: list[LogprobEntry | None] = [None] * len(states)
+    if any(w is not None for w in want_logprobs):
+        lp = torch.log_softmax(logits, -1)
+        for i, w in enumerate(want_logprobs):
+            if w is not None:
+                entries[i] = logprob_entry(lp[i], tokens[i], w)
+    for st, t in zip(states, tokens):
+        st.observe(t)
+    return tokens, entries
+
+
+def logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> LogprobEntry:
+    top = None
+    if top_n > 0:
+        v, ix = torch.topk(lp_row, top_n)
+        top = list(zip(v.tolist(), ix.tolist()))
+    return (float(lp_row[token]), int(token), top)

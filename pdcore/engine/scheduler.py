@@ -1,0 +1,281 @@
+"""Continuous batching with chunked prefill, a token budget and preemption.
+
+Each step:
+1. the disaggregation extension (if any) advances its queues (bootstrap, transfer, inflight);
+2. every running request that needs one position (decode) gets it; pages are allocated, and
+   when the pool runs out the newest running request is preempted (pages freed, recomputed
+   later from its prompt + output);
+3. the prefill budget (`--chunked-prefill-size`, `--max-prefill-tokens`) is spent on partly
+   filled requests, then on waiting ones (up to `--max-running-requests`);
+4. one packed forward pass; requests that reached the end of their sequence sample a token;
+5. finish checks (eos, stop ids, max_new_tokens, context length), then outputs are collected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcore.engine.block_manager import BlockManager
+from pdcore.engine.io_struct import TokenOut
+from pdcore.engine.model_runner import ModelRunner, StepResult
+from pdcore.engine.request import Phase, Req
+from pdcore.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    max_running: int = 64
+    chunk_size: int = 2048
+    max_prefill_tokens: int = 8192
+    context_length: int = 8192
+    eos_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    preempted: int = 0
+    steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Extension:
+    """Hooks a disaggregation mode plugs into the scheduler (unified mode: all defaults)."""
+
+    def admit(self, req: Req) -> bool:
+        """Take ownership of a new request (True) or let it go to the waiting queue."""
+        return False
+
+    def poll(self) -> None:
+        """Advance the extension's own queues."""
+
+    def after_step(self, results: list[StepResult]) -> None:
+        """See what the forward pass computed (send finished pages, ...)."""
+
+    def on_finish(self, req: Req) -> bool:
+        """A request reached its end. True: the extension keeps it (pages too) for now."""
+        return False
+
+    def on_abort(self, req: Req) -> None:
+        """Release the extension's per-request state."""
+
+    def busy(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, cfg: SchedulerConfig) -> None:
+        self.runner, self.blocks, self.cfg = runner, blocks, cfg
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.outbox: list[TokenOut] = []
+        self.counters = Counters()
+        self.ext = Extension()
+        self.on_error: Callable[[Req, str], None] | None = None
+
+    # ---- intake -----------------------------------------------------------------------------
+    def validate(self, req: Req) -> None:
+        n = len(req.prompt)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "text")
+        if n >= self.cfg.context_length:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; the context length is {self.cfg.context_length}",
+                "text")
+        if self.blocks.pages_for(n + 1) > self.blocks.num_pages:
+            raise InvalidRequestError(
+                f"the prompt needs {self.blocks.pages_for(n + 1)} KV pages; the pool has "
+                f"{self.blocks.num_pages} (raise --max-total-tokens)", "text")
+
+    def add(self, req: Req) -> None:
+        try:
+            self.validate(req)
+        except InvalidRequestError as e:
+            self.outbox.append(TokenOut(req.rid, [], finished=True, error=str(e), error_status=400,
+                                        finish_reason={"type": "abort", "message": str(e)}))
+            return
+        self.reqs[req.rid] = req
+        self.counters.prompt_tokens += len(req.prompt)
+        if not self.ext.admit(req):
+            self.enqueue(req)
+
+    def enqueue(self, req: Req, front: bool = False) -> None:
+        req.phase = Phase.WAITING
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        self.ext.on_abort(req)
+        self.counters.aborted += 1
+        self.finish(req, {"type": "abort", "message": reason}, drop_ext=False)
+
+    def fail(self, req: Req, message: str, status: int = 500) -> None:
+        req.error, req.error_status = message, status
+        self.ext.on_abort(req)
+        self.finish(req, {"type": "abort", "message": message}, drop_ext=False)
+
+    # ---- page management --------------------------------------------------------------------
+    def release_pages(self, req: Req) -> None:
+        if req.pages:
+            self.blocks.free(req.pages)
+        req.pages, req.ctx_slots, req.num_computed = [], None, 0
+
+    def _ensure_pages(self, req: Req, upto: int) -> bool:
+        need = self.blocks.pages_for(upto) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self.blocks.can_alloc(need):
+            return False
+        req.pages.extend(self.blocks.alloc(need))
+        return True
+
+    def _preempt(self, victim: Req) -> None:
+        log.info("preempting %s (%d tokens) to free KV pages", victim.rid, victim.seq_len)
+        self.running.remove(victim)
+        self.release_pages(victim)
+        victim.preempted = True
+        self.counters.preempted += 1
+        self.enqueue(victim, front=True)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> list[tuple[Req, int]]:
+        items: list[tuple[Req, int]] = []
+        for req in sorted((r for r in self.running if r.remaining == 1), key=lambda r: r.arrival):
+            if req not in self.running:
+                continue  # preempted below as a victim
+            while not self._ensure_pages(req, req.num_computed + 1):
+                victim = max(self.running, key=lambda r: r.arrival)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req in self.running:
+                items.append((req, 1))
+        budget = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
+        scheduled = {id(r) for r, _ in items}
+        for req in [r for r in self.running if r.remaining > 1 and id(r) not in scheduled]:
+            if budget <= 0:
+                break
+            n = min(req.remaining, budget)
+            if self._ensure_pages(req, req.num_computed + n):
+                items.append((req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+            req = self.waiting[0]
+            n = min(req.remaining, budget)
+            if not self._ensure_pages(req, req.num_computed + n):
+                break
+            self.waiting.popleft()
+            req.phase = Phase.RUNNING
+            self.running.append(req)
+            items.append((req, n))
+            budget -= n
+        return items
+
+    def step(self) -> list[TokenOut]:
+        self.ext.poll()
+        items = self.schedule()
+        if items:
+            self.counters.steps += 1
+            results = self.runner.run(items)
+            for res in results:
+                self._apply(res)
+            self.ext.after_step(results)
+        out, self.outbox = self.outbox, []
+        for req in list(self.reqs.values()):
+            msg = self._collect(req)
+            if msg is not None:
+                out.append(msg)
+        return out
+
+    def _apply(self, res: StepResult) -> None:
+        req = res.req
+        req.num_computed += res.n
+        if res.prompt_logprobs:
+            req.pending_in_logprobs.extend(res.prompt_logprobs)
+        if res.token is None:
+            return
+        self.push_token(req, res.token, res.logprob)
+
+    def push_token(self, req: Req, token: int, logprob: Any = None) -> None:
+        req.output.append(token)
+        req.pending_tokens.append(token)
+        if logprob is not None:
+            req.pending_out_logprobs.append(logprob)
+        self.counters.generated_tokens += 1
+        p = req.params
+        if not p.ignore_eos and token in self.cfg.eos_ids:
+            self.finish(req, {"type": "stop", "matched": token})
+        elif token in p.stop_token_ids:
+            self.finish(req, {"type": "stop", "matched": token})
+        elif len(req.output) >= p.max_new_tokens:
+            self.finish(req, {"type": "length", "length": p.max_new_tokens})
+        elif req.seq_len >= self.cfg.context_length:
+            self.finish(req, {"type": "length", "length": len(req.output)})
+
+    def finish(self, req: Req, reason: dict[str, Any], drop_ext: bool = True) -> None:
+        req.finish_reason = reason
+        if drop_ext and self.ext.on_finish(req):
+            return  # the extension holds it (e.g. P waits for the KV transfer to finish)
+        self.drop(req)
+
+    def drop(self, req: Req) -> None:
+        req.phase = Phase.FINISHED
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.release_pages(req)
+        self.counters.finished += 1
+
+    def _collect(self, req: Req) -> TokenOut | None:
+        done = req.phase is Phase.FINISHED
+        held = req.disagg is not None and not done and req.finish_reason is not None
+        if held or (not req.pending_tokens and not done):
+            return None
+        msg = TokenOut(req.rid, req.pending_tokens, req.pending_out_logprobs)
+        req.pending_tokens, req.pending_out_logprobs = [], []
+        if not req.sent_prompt_stats:
+            msg.prompt_tokens = len(req.prompt)
+            if req.wants_prompt_logprobs:
+                head = [(None, req.prompt[0], None)] if req.logprob_start_len == 0 else []
+                msg.input_logprobs = head + req.pending_in_logprobs
+            req.sent_prompt_stats = True
+        if done:
+            msg.finished, msg.finish_reason = True, req.finish_reason
+            msg.error, msg.error_status = req.error, req.error_status
+            del self.reqs[req.rid]
+        return msg
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.outbox or self.ext.busy())
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+            "num_reqs": len(self.reqs), "num_pages_total": self.blocks.num_pages,
+            "num_pages_free": self.blocks.num_free, "num_pages_used": self.blocks.num_used,
+            "page_size": self.blocks.page_size,
+            "num_tokens": sum(r.seq_len for r in self.reqs.values()),
+            "prompt_tokens_total": c.prompt_tokens, "generation_tokens_total": c.generated_tokens,
+            "finished_total": c.finished, "aborted_total": c.aborted,
+            "preempted_total": c.preempted, "steps_total": c.steps, **self.ext.stats(),
+        }
