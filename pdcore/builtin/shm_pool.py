@@ -6,7 +6,7 @@ Lifecycle:
    page-aligned and zero-filled, and returns the tensor over it plus an SHM MemoryRegion
    (segment name, offset 0) that a same-host peer maps to write into;
 3. `close()` (or garbage collection / interpreter exit) unlinks every segment; memory stays
-   valid for tensors still alive and is freed by the kernel when the last mapping goes.
+   valid for tensors still alive and is unmapped when the last of them is freed.
 """
 
 from __future__ import annotations
@@ -89,11 +89,9 @@ class ShmMemoryPool(MemoryPool):
             return
         self._closed = True
         _unlink_all(self._names)
+        # Never mmap.close() here: torch.frombuffer keeps a reference to the mmap object but no
+        # buffer export, so close() would unmap memory under live tensors (a segfault later).
+        # Dropping our references unmaps each segment when its last tensor is gone.
         self._buffers.clear()
-        for mm in self._maps.values():
-            try:
-                mm.close()  # type: ignore[attr-defined]
-            except BufferError:
-                pass  # tensors still use it; the kernel frees it with the last of them
         self._maps.clear()
         self._finalizer.detach()
