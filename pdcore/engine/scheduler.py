@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +86,7 @@ class Scheduler:
         self.outbox: list[TokenOut] = []
         self.counters = Counters()
         self.ext = Extension()
-        self.on_error: Callable[[Req, str], None] | None = None
+        self.last_ran = False
 
     # ---- intake -----------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -192,6 +191,7 @@ class Scheduler:
     def step(self) -> list[TokenOut]:
         self.ext.poll()
         items = self.schedule()
+        self.last_ran = bool(items)
         if items:
             self.counters.steps += 1
             results = self.runner.run(items)

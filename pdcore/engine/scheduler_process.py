@@ -87,7 +87,10 @@ class SchedulerLoop:
         poller.register(self.recv, zmq.POLLIN)
         parent = os.getppid()
         while not self.stop:
-            timeout = 0 if self.sched.has_work() else IDLE_POLL_MS
+            if not self.sched.has_work():
+                timeout = IDLE_POLL_MS
+            else:  # only PD queues waiting on the network: do not spin
+                timeout = 0 if self.sched.last_ran or self.sched.outbox else 1
             if poller.poll(timeout):
                 while True:
                     try:

@@ -1,0 +1,37 @@
+"""Wires a PD mode into the scheduler: builds the aux rows and the KV manager, then installs the
+prefill or decode extension (pdcore.disagg.prefill_sched / decode_sched)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pdcore.config import DisaggEnv
+from pdcore.disagg.aux import AuxBuffers
+
+log = logging.getLogger(__name__)
+
+
+def attach(engine: Any) -> None:
+    args = engine.args
+    env = DisaggEnv.from_env()
+    aux = AuxBuffers(engine.kv.pool, num_slots=max(64, 4 * args.max_running_requests))
+    layout, regions = engine.kv.layout(), engine.kv.regions()
+    backend = args.disaggregation_transfer_backend
+    if args.disaggregation_mode == "prefill":
+        from pdcore.disagg.prefill import PrefillKVManager
+        from pdcore.disagg.prefill_sched import PrefillExtension
+
+        mgr = PrefillKVManager(args, env, layout, regions, aux, backend)
+        ext: Any = PrefillExtension(engine.scheduler, mgr, aux)
+    else:
+        from pdcore.disagg.decode import DecodeKVManager
+        from pdcore.disagg.decode_sched import DecodeExtension
+
+        mgr = DecodeKVManager(args, env, layout, regions, aux, backend)
+        ext = DecodeExtension(engine.scheduler, mgr, aux, args)
+    mgr.start()
+    engine.scheduler.ext = ext
+    engine.info["disaggregation_transfer_backend"] = backend
+    engine.info["bootstrap_addr"] = getattr(mgr, "bootstrap_addr", None)
+    log.info("%s mode with transfer backend %r", args.disaggregation_mode, backend)
