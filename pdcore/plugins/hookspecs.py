@@ -6,7 +6,10 @@
 - availability: optional zero-argument callable -> (ok: bool, reason: str), cheap, must not
   raise; `pdserve plugins` shows the reason when ok is False (e.g. "nixl is not installed:
   pip install nixl").
-A duplicate name of the same kind raises DuplicateNameError listing who registered it.
+A name of the same kind registered by two plugins becomes a conflict: it is reported by
+`pdserve plugins`, and using it raises DuplicateNameError naming both owners (neither wins by load
+order); the plugins' other names stay usable. Lazy helpers: pdcore.plugins.lazy (`lazy`,
+`importable`). Reference with examples: docs/plugin-hooks.md.
 """
 
 from __future__ import annotations

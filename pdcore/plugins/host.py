@@ -1,12 +1,17 @@
 """Plugin host: one pluggy manager per process, loaded lazily from the `pdcore` entry points.
 
-1. first call to `get_host()` builds a PluginManager with the hookspecs;
-2. every entry point in group `pdcore` passing PDCORE_PLUGINS / PDCORE_DISABLE_PLUGINS is loaded;
-   a plugin that fails to import is recorded in `failures`, never fatal for the others;
-3. each pd_register_* hook is called once with a `register` callback bound to its registry;
-   a hook implementation that raises is recorded as a failure of its plugin;
-4. registries are then read-only for the life of the process (safe under spawn: each process
-   loads its own host on first use).
+1. the first call to `get_host()` builds a PluginManager with the hookspecs (nothing happens at
+   import time, so a process started with multiprocessing `spawn` loads its own host on first
+   use, and a forked child inherits its parent's read-only host);
+2. every entry point in group `pdcore` passing PDCORE_PLUGINS / PDCORE_DISABLE_PLUGINS is
+   imported and registered; one that fails to import, or whose hook implementations do not
+   match the hookspecs, is recorded in `failures` and never stops the others. The `builtin`
+   plugin ignores the allow list (it is the core's own cpu platform, pools and backends); only
+   PDCORE_DISABLE_PLUGINS=builtin removes it;
+3. each pd_register_* hook implementation is called once with a `register` callback bound to
+   its registry and plugin; a bad registration or a raising hook is recorded as a failure of that
+   plugin, and a name registered twice becomes a conflict (unusable, DuplicateNameError on use);
+4. registries are then frozen for the life of the process.
 """
 
 from __future__ import annotations
@@ -14,18 +19,23 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
+from pdcore.errors import DuplicateNameError, PluginError
 from pdcore.plugins import hookspecs
 from pdcore.plugins.registry import Entry, Kind, Registry
 
 log = logging.getLogger(__name__)
 
 GROUP = "pdcore"
+BUILTIN = "builtin"  # entry-point name of the core's own plugin (pdcore.builtin.plugin)
+ALLOW_ENV = "PDCORE_PLUGINS"
+DENY_ENV = "PDCORE_DISABLE_PLUGINS"
 HOOKS: dict[Kind, str] = {
     Kind.TRANSFER_BACKEND: "pd_register_transfer_backends",
     Kind.MEMORY_POOL: "pd_register_memory_pools",
@@ -56,45 +66,109 @@ def _split_env(value: str | None) -> set[str] | None:
 
 
 class PluginHost:
-    def __init__(self, env: dict[str, str] | None = None, extra: list[Any] | None = None) -> None:
+    """Loads plugins and fills one Registry per Kind. Read-only once constructed.
+
+    env: environment to read PDCORE_PLUGINS / PDCORE_DISABLE_PLUGINS from (default os.environ).
+    extra: in-process plugin objects (modules, classes, instances with @hookimpl functions),
+      registered after the entry points and not filtered by the allow/deny lists (tests).
+    entry_points: override the discovered entry points (tests); default: group `pdcore`.
+    """
+
+    def __init__(
+        self,
+        env: dict[str, str] | None = None,
+        extra: list[Any] | None = None,
+        *,
+        entry_points: Iterable[metadata.EntryPoint] | None = None,
+    ) -> None:
         env = dict(os.environ) if env is None else env
-        self.allow = _split_env(env.get("PDCORE_PLUGINS"))
-        self.deny = _split_env(env.get("PDCORE_DISABLE_PLUGINS")) or set()
+        self.allow = _split_env(env.get(ALLOW_ENV))
+        self.deny = _split_env(env.get(DENY_ENV)) or set()
         self.pm = pluggy.PluginManager(GROUP)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
         self.failures: list[Failure] = []
         self.skipped: list[str] = []
-        self.registries = {k: Registry(k) for k in Kind}
-        self._load_entry_points()
-        for obj in extra or []:  # in-process plugins (tests)
-            name = getattr(obj, "__name__", repr(obj))
-            self.pm.register(obj, name=name)
-            self.plugins[name] = PluginInfo(name, "<in-process>", "", name)
+        self.skip_reasons: dict[str, str] = {}
+        self.registries = {k: Registry(k, hint=lambda: self.hint()) for k in Kind}
+        eps = metadata.entry_points(group=GROUP) if entry_points is None else entry_points
+        seen = self._load_entry_points(eps)
+        self._note_unmatched(seen)
+        for obj in extra or []:
+            name = getattr(obj, "__name__", None) or type(obj).__name__
+            self._register(name, obj, PluginInfo(name, "<in-process>", "", name))
         self._collect()
+        for registry in self.registries.values():
+            registry.freeze()
 
-    def _wanted(self, name: str) -> bool:
+    # -- loading ----------------------------------------------------------------------------
+
+    def _skip_reason(self, name: str) -> str | None:
         if name in self.deny:
-            return False
-        return self.allow is None or name in self.allow
+            return f"disabled by {DENY_ENV}"
+        if self.allow is not None and name not in self.allow and name != BUILTIN:
+            return f"not in {ALLOW_ENV}"
+        return None
 
-    def _load_entry_points(self) -> None:
-        for ep in metadata.entry_points(group=GROUP):
+    def _load_entry_points(self, eps: Iterable[metadata.EntryPoint]) -> set[str]:
+        seen: set[str] = set()
+        for ep in eps:
+            seen.add(ep.name)
             dist = ep.dist.name if ep.dist else "?"
             version = ep.dist.version if ep.dist else ""
-            if not self._wanted(ep.name):
-                self.skipped.append(ep.name)
+            reason = self._skip_reason(ep.name)
+            if reason is not None:
+                if ep.name not in self.skip_reasons:
+                    self.skipped.append(ep.name)
+                    self.skip_reasons[ep.name] = reason
                 continue
-            if ep.name in self.plugins:
-                continue  # the same distribution seen twice on sys.path
+            prev = self.plugins.get(ep.name)
+            if prev is not None:
+                if (prev.distribution, prev.module) != (dist, ep.value):
+                    self.failures.append(Failure(
+                        ep.name, dist,
+                        f"entry point name {ep.name!r} is already used by {prev.distribution} "
+                        f"({prev.module}); rename one of the [project.entry-points.pdcore] keys",
+                    ))
+                continue  # else: the same distribution seen twice on sys.path
             try:
                 mod = ep.load()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any import error is the plugin's failure
                 log.warning("plugin %s (%s) failed to load: %s", ep.name, dist, e)
-                self.failures.append(Failure(ep.name, dist, f"{type(e).__name__}: {e}"))
+                self.failures.append(Failure(ep.name, dist, f"import {ep.value}: "
+                                             f"{type(e).__name__}: {e}"))
                 continue
-            self.pm.register(mod, name=ep.name)
-            self.plugins[ep.name] = PluginInfo(ep.name, dist, version, ep.value)
+            self._register(ep.name, mod, PluginInfo(ep.name, dist, version, ep.value))
+        return seen
+
+    def _note_unmatched(self, seen: set[str]) -> None:
+        # a typo in PDCORE_PLUGINS / PDCORE_DISABLE_PLUGINS would otherwise go unnoticed
+        for env_name, names in ((ALLOW_ENV, self.allow or set()), (DENY_ENV, self.deny)):
+            for name in sorted(names - seen):
+                self.failures.append(Failure(
+                    name, "", f"{env_name} names {name!r} but no installed distribution has a "
+                    f"'pdcore' entry point of that name; installed: {', '.join(sorted(seen))}",
+                ))
+
+    def _register(self, name: str, obj: Any, info: PluginInfo) -> None:
+        try:
+            self.pm.register(obj, name=name)
+        except Exception as e:  # noqa: BLE001 - pluggy validates hookimpls against the specs
+            self.failures.append(Failure(name, info.distribution, f"{type(e).__name__}: {e}"))
+            return
+        unknown = [
+            hc.name for hc in self.pm.get_hookcallers(obj) or []
+            if hc.spec is None  # an implementation of a hook nobody specified (typo?)
+        ]
+        if unknown:
+            self.pm.unregister(obj, name=name)
+            self.failures.append(Failure(
+                name, info.distribution,
+                f"implements unknown hook(s) {', '.join(sorted(unknown))}; known: "
+                f"{', '.join(HOOKS.values())}",
+            ))
+            return
+        self.plugins[name] = info
 
     def _collect(self) -> None:
         for kind, hook_name in HOOKS.items():
@@ -103,36 +177,75 @@ class PluginHost:
                 info = self.plugins.get(impl.plugin_name) or PluginInfo(
                     impl.plugin_name, "?", "", impl.plugin_name
                 )
-
-                def register(name: str, factory: Any, *, description: str = "",
-                             availability: Any = None, _info: PluginInfo = info,
-                             _reg: Registry = registry) -> None:
-                    _reg.add(Entry(_reg.kind, name, factory, _info.name, _info.distribution,
-                                   _info.version, description, availability))
-
+                if impl.hookwrapper or impl.wrapper:
+                    self.failures.append(Failure(
+                        info.name, info.distribution,
+                        f"{hook_name}: hook wrappers are not supported",
+                    ))
+                    continue
                 try:
-                    impl.function(register=register)
-                except Exception as e:
+                    impl.function(register=self._register_callback(registry, info))
+                except Exception as e:  # noqa: BLE001 - a broken hook is its plugin's failure
                     log.warning("plugin %s hook %s failed: %s", info.name, hook_name, e)
-                    self.failures.append(
-                        Failure(info.name, info.distribution, f"{hook_name}: {type(e).__name__}: {e}")
-                    )
-                    if isinstance(e, (ValueError,)) or type(e).__name__ == "DuplicateNameError":
-                        raise
+                    self.failures.append(Failure(
+                        info.name, info.distribution, f"{hook_name}: {type(e).__name__}: {e}"
+                    ))
+
+    def _register_callback(self, registry: Registry, info: PluginInfo) -> Any:
+        def register(name: str, factory: Any, *, description: str = "",
+                     availability: Any = None) -> None:
+            entry = Entry(registry.kind, name, factory, info.name, info.distribution,
+                          info.version, description, availability)
+            try:
+                registry.add(entry)
+            except DuplicateNameError as e:
+                # Not raised into the hook: the plugin's other names stay usable; this one
+                # becomes a conflict that raises on use and shows in `pdserve plugins`.
+                registry.add_conflict(entry)
+                log.warning("%s", e)
+                self.failures.append(Failure(info.name, info.distribution, str(e)))
+            except PluginError as e:
+                self.failures.append(Failure(info.name, info.distribution, str(e)))
+
+        return register
+
+    # -- queries ----------------------------------------------------------------------------
 
     def registry(self, kind: Kind) -> Registry:
         return self.registries[kind]
 
+    def hint(self) -> str:
+        """What an "unknown name" error should add: plugins that failed or were skipped."""
+        parts = []
+        failed = sorted({f.plugin for f in self.failures if f.plugin not in self.plugins})
+        if failed:
+            parts.append(f"plugins that failed to load: {', '.join(failed)}")
+        if self.skipped:
+            parts.append("skipped plugins: " + ", ".join(
+                f"{n} ({self.skip_reasons[n]})" for n in self.skipped))
+        return "; ".join(parts)
+
 
 _host: PluginHost | None = None
-_lock = threading.Lock()
+_building = False
+_lock = threading.RLock()
 
 
 def get_host() -> PluginHost:
-    global _host
+    """The process-wide host, built on first use."""
+    global _host, _building
     with _lock:
         if _host is None:
-            _host = PluginHost()
+            if _building:
+                raise PluginError(
+                    "a plugin called into the plugin registries while plugins were loading; "
+                    "look names up in factories, not in pd_register_* hooks or at import time"
+                )
+            _building = True
+            try:
+                _host = PluginHost()
+            finally:
+                _building = False
         return _host
 
 

@@ -1,13 +1,20 @@
-"""Typed name -> factory registries, one per plugin kind."""
+"""Typed name -> factory registries, one per plugin kind.
+
+A registry is filled by the plugin host while it calls the pd_register_* hooks, then frozen:
+lookups (`get`, `create`, `names`, `entries`) are the only operations afterwards. A name two
+plugins both registered is a *conflict*: it is kept out of `names()` and every lookup of it raises
+DuplicateNameError naming both owners, so neither silently wins by load order.
+"""
 
 from __future__ import annotations
 
+import difflib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdcore.errors import DuplicateNameError, UnavailableError, UnknownNameError
+from pdcore.errors import DuplicateNameError, PluginError, UnavailableError, UnknownNameError
 
 
 class Kind(str, enum.Enum):
@@ -33,29 +40,66 @@ class Entry:
             return True, ""
         try:
             ok, reason = self.availability()
-        except Exception as e:  # an availability probe must never take the host down
+        except Exception as e:  # noqa: BLE001 - a probe must never take the host down
             return False, f"availability check raised {type(e).__name__}: {e}"
         return bool(ok), str(reason or "")
 
+    @property
+    def owner(self) -> str:
+        """`distribution version (plugin name)`, as error messages show it."""
+        version = f" {self.version}" if self.version else ""
+        return f"{self.distribution}{version} (plugin {self.plugin})"
+
+
+def _check_name(kind: Kind, name: object) -> str:
+    if not isinstance(name, str) or not name or name != name.strip().lower() or " " in name:
+        raise PluginError(
+            f"{kind.value} name {name!r} must be a non-empty lowercase word without spaces"
+        )
+    return name
+
 
 class Registry:
-    def __init__(self, kind: Kind) -> None:
+    def __init__(self, kind: Kind, hint: Callable[[], str] | None = None) -> None:
         self.kind = kind
         self._entries: dict[str, Entry] = {}
+        self._conflicts: dict[str, list[Entry]] = {}
+        self._frozen = False
+        # extra text for "unknown name" errors (e.g. which plugins failed to load); host-provided
+        self._hint = hint
+
+    # -- filling (plugin host only) ---------------------------------------------------------
 
     def add(self, entry: Entry) -> None:
-        name = entry.name
-        if not name or name != name.strip().lower():
-            raise ValueError(f"{self.kind.value} name {name!r} must be a non-empty lowercase word")
-        if name in self._entries:
-            prev = self._entries[name]
-            raise DuplicateNameError(
-                f"{self.kind.value} {name!r} registered twice: by {prev.distribution} "
-                f"(plugin {prev.plugin}) and by {entry.distribution} (plugin {entry.plugin}). "
-                f"Uninstall one or disable it with PDCORE_DISABLE_PLUGINS. "
-                f"Installed: {', '.join(self.names())}"
+        """Add an entry; raises DuplicateNameError when the name is taken (nothing changes)."""
+        if self._frozen:
+            raise PluginError(
+                f"{self.kind.value} registry is read-only after plugins loaded; register "
+                f"{entry.name!r} from a pd_register_* hook instead"
             )
+        name = _check_name(self.kind, entry.name)
+        if not callable(entry.factory):
+            raise PluginError(
+                f"{self.kind.value} {name!r}: factory {entry.factory!r} is not callable")
+        if entry.availability is not None and not callable(entry.availability):
+            raise PluginError(
+                f"{self.kind.value} {name!r}: availability must be a callable or None")
+        if name in self._entries or name in self._conflicts:
+            raise DuplicateNameError(self._duplicate_message(name, [*self._owners(name), entry]))
         self._entries[name] = entry
+
+    def add_conflict(self, entry: Entry) -> None:
+        """Record that `entry` re-registered a taken name: the name becomes unusable."""
+        prev = self._entries.pop(entry.name, None)
+        owners = self._conflicts.setdefault(entry.name, [])
+        if prev is not None:
+            owners.append(prev)
+        owners.append(entry)
+
+    def freeze(self) -> None:
+        self._frozen = True
+
+    # -- lookups ----------------------------------------------------------------------------
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -63,21 +107,56 @@ class Registry:
     def entries(self) -> list[Entry]:
         return [self._entries[n] for n in self.names()]
 
+    def conflicts(self) -> dict[str, list[Entry]]:
+        """Names registered by more than one plugin -> every registering entry."""
+        return {n: list(v) for n, v in sorted(self._conflicts.items())}
+
     def get(self, name: str) -> Entry:
+        if name in self._conflicts:
+            raise DuplicateNameError(self._duplicate_message(name, self._conflicts[name]))
         try:
             return self._entries[name]
         except KeyError:
-            raise UnknownNameError(
-                f"unknown {self.kind.value} {name!r}; installed: {', '.join(self.names()) or 'none'}"
-                f" (see `pdserve plugins`)"
-            ) from None
+            pass
+        msg = f"unknown {self.kind.value} {name!r}; installed: {', '.join(self.names()) or 'none'}"
+        close = difflib.get_close_matches(str(name), self.names(), n=1)
+        if close:
+            msg += f" (did you mean {close[0]!r}?)"
+        hint = self._hint() if self._hint is not None else ""
+        if hint:
+            msg += f". {hint}"
+        raise UnknownNameError(msg + ". Run `pdserve plugins` to see every plugin.") from None
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Check availability, then call the factory. A factory whose import fails (missing
+        SDK) raises UnavailableError with the import error, not a bare ImportError."""
         entry = self.get(name)
         ok, reason = entry.available()
         if not ok:
             raise UnavailableError(f"{self.kind.value} {name!r} is not available here: {reason}")
-        return entry.factory(*args, **kwargs)
+        try:
+            return entry.factory(*args, **kwargs)
+        except ImportError as e:
+            raise UnavailableError(
+                f"{self.kind.value} {name!r} from {entry.owner} failed to import: {e}. "
+                f"Install what it needs or pick another {self.kind.value}."
+            ) from e
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _owners(self, name: str) -> list[Entry]:
+        if name in self._conflicts:
+            return list(self._conflicts[name])
+        return [self._entries[name]] if name in self._entries else []
+
+    def _duplicate_message(self, name: str, owners: list[Entry]) -> str:
+        who = " and ".join(e.owner for e in owners)
+        plugins = ",".join(dict.fromkeys(e.plugin for e in owners))
+        return (
+            f"{self.kind.value} {name!r} is registered by more than one plugin: {who}. "
+            f"Uninstall one, or disable one with PDCORE_DISABLE_PLUGINS (one of: {plugins}). "
+            f"Installed {self.kind.value} names: {', '.join(self.names()) or 'none'}"
+        )

@@ -1,0 +1,1 @@
+"""Built-in plugin: cpu/cuda platforms, torch/pinned/shm pools, tcp/shm/fake backends, planner."""
