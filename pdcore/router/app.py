@@ -1,0 +1,142 @@
+"""The router's FastAPI application.
+
+1. `create_app(config)` validates the config and builds the state that needs no I/O: worker
+   registry (every CLI worker registered, not yet healthy), one policy per role, metrics.
+2. Lifespan start: one shared httpx.AsyncClient; each worker gets a startup health watch and the
+   periodic health (and, for power_of_two, load) tasks start. The server listens at once; a role
+   without a healthy worker yields 503 `server_selection_failed`, and `/health` answers 503 until
+   every worker is healthy. `--mini-lb` skips all of this: workers count as healthy from the start.
+3. Requests: generation routes go through `proxy.Proxy`; admin and info routes live in `admin.py`.
+4. Lifespan end: background prefill drains and monitor tasks are cancelled, the client closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcore.router.admin import build_admin_router
+from pdcore.router.config import RouterConfig
+from pdcore.router.health import HealthMonitor
+from pdcore.router.metrics import RouterMetrics
+from pdcore.router.policies import Policy, make_policy
+from pdcore.router.proxy import Proxy
+from pdcore.router.workers import WorkerRegistry
+
+log = logging.getLogger("pdcore.router")
+
+GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    registry: WorkerRegistry
+    policies: dict[str, Policy]
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    client: httpx.AsyncClient | None = None
+    monitor: HealthMonitor | None = None
+    proxy: Proxy | None = None
+
+
+def build_state(config: RouterConfig) -> RouterState:
+    config.validate()
+    registry = WorkerRegistry(config)
+    policies = {
+        "prefill": make_policy(config.effective_prefill_policy, config),
+        "decode": make_policy(config.effective_decode_policy, config),
+    }
+    for policy in policies.values():
+        registry.add_remove_listener(policy.forget)
+    for url, bootstrap_port in config.prefill:
+        registry.add(url, "prefill", bootstrap_port, healthy=config.mini_lb)
+    for url in config.decode:
+        registry.add(url, "decode", healthy=config.mini_lb)
+    return RouterState(config, registry, policies)
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    """The router app; raises ConfigError on an invalid config."""
+    state = build_state(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+            timeout=httpx.Timeout(config.request_timeout_secs, connect=10.0),
+        )
+        needs_loads = any(p.needs_loads for p in state.policies.values())
+        monitor = HealthMonitor(config, state.registry, client, poll_loads=needs_loads)
+        state.client, state.monitor = client, monitor
+        state.proxy = Proxy(
+            config, state.registry, state.policies["prefill"], state.policies["decode"],
+            client, state.metrics,
+        )
+        if config.prometheus_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(
+                config.prometheus_port, addr=config.prometheus_host, registry=state.metrics.registry
+            )
+        if config.mini_lb:
+            log.warning("mini-lb mode: random pairs, no health checks, retries or circuits")
+        else:
+            for worker in state.registry:
+                monitor.watch_startup(worker)
+            monitor.start()
+        try:
+            yield
+        finally:
+            await state.proxy.close()
+            await monitor.stop()
+            await client.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.router = state
+
+    def _make_route(route: str):  # type: ignore[no-untyped-def]
+        async def generate(request: Request) -> Response:
+            assert state.proxy is not None  # set by lifespan before serving
+            return await state.proxy.handle(route, request)
+
+        return generate
+
+    for route in GENERATION_ROUTES:
+        app.add_api_route(route, _make_route(route), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 when every registered worker is healthy (as sglang-router); else 503."""
+        if state.registry.all_healthy():
+            return JSONResponse({"status": "ok"})
+        bad = [w.url for w in state.registry if not w.healthy]
+        status = "starting" if any(w.starting for w in state.registry) else "unhealthy"
+        return JSONResponse({"status": status, "unhealthy_workers": bad}, status_code=503)
+
+    @app.get("/readiness")
+    async def readiness() -> JSONResponse:
+        """200 when at least one prefill and one decode worker are available."""
+        body = {
+            "ready": state.registry.ready(),
+            "available_prefill": len(state.registry.available("prefill")),
+            "available_decode": len(state.registry.available("decode")),
+        }
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/liveness")
+    async def liveness() -> JSONResponse:
+        return JSONResponse({"status": "alive"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data = state.metrics.render(state.registry)
+        return Response(data, media_type=state.metrics.content_type)
+
+    app.include_router(build_admin_router(state))
+    return app

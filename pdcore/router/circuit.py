@@ -1,0 +1,88 @@
+"""Per-worker circuit breaker: closed -> open -> half-open -> closed.
+
+1. Closed: every outcome is recorded; `failure_threshold` consecutive failures open the circuit.
+2. Open: the worker is not selectable until `timeout_s` has passed since it opened.
+3. Half-open: the worker is selectable again; `success_threshold` consecutive successes close
+   the circuit, a single failure re-opens it (and restarts the timeout).
+
+An outcome is a failure for 5xx answers and transport errors; 2xx and 4xx are successes (a 4xx
+is the client's fault, not the worker's).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+
+class CircuitState(str, enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        failure_threshold: int,
+        success_threshold: int,
+        timeout_s: float,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
+        self.timeout_s = timeout_s
+        self.enabled = enabled
+        self._clock = clock
+        self._state = CircuitState.CLOSED
+        self._failures = 0
+        self._successes = 0
+        self._opened_at = 0.0
+        self.total_failures = 0
+        self.total_successes = 0
+
+    @property
+    def state(self) -> CircuitState:
+        # The open -> half-open move is time driven, so it happens on read.
+        if self._state is CircuitState.OPEN and self._clock() - self._opened_at >= self.timeout_s:
+            self._state = CircuitState.HALF_OPEN
+            self._successes = 0
+        return self._state
+
+    def allows_requests(self) -> bool:
+        return not self.enabled or self.state is not CircuitState.OPEN
+
+    def record(self, success: bool) -> None:
+        if success:
+            self.total_successes += 1
+        else:
+            self.total_failures += 1
+        if not self.enabled:
+            return
+        state = self.state
+        if success:
+            self._failures = 0
+            if state is CircuitState.HALF_OPEN:
+                self._successes += 1
+                if self._successes >= self.success_threshold:
+                    self._state = CircuitState.CLOSED
+            return
+        self._successes = 0
+        self._failures += 1
+        if state is CircuitState.HALF_OPEN or self._failures >= self.failure_threshold:
+            self._open()
+
+    def _open(self) -> None:
+        self._state = CircuitState.OPEN
+        self._opened_at = self._clock()
+        self._failures = 0
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "state": self.state.value,
+            "consecutive_failures": self._failures,
+            "total_failures": self.total_failures,
+            "total_successes": self.total_successes,
+        }

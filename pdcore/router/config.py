@@ -1,0 +1,170 @@
+"""Router configuration: one typed dataclass; the CLI flags are generated from its fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from urllib.parse import urlsplit
+
+from pdcore.errors import ConfigError
+
+POLICIES = ("random", "round_robin", "power_of_two", "cache_aware")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+WORKER_TYPES = ("prefill", "decode")
+
+
+def _opt(help_text: str, **extra: object) -> dict[str, object]:
+    return {"help": help_text, **extra}
+
+
+@dataclass
+class RouterConfig:
+    """Every `pdserve router` flag. Field `foo_bar` is flag `--foo-bar`."""
+
+    pd_disaggregation: bool = field(
+        default=False, metadata=_opt("PD mode (the only mode; accepted for sglang-router parity)")
+    )
+    prefill: list[tuple[str, int | None]] = field(
+        default_factory=list,
+        metadata=_opt("prefill worker: URL [BOOTSTRAP_PORT|none]; repeatable", special=True),
+    )
+    decode: list[str] = field(
+        default_factory=list, metadata=_opt("decode worker URL; repeatable", special=True)
+    )
+    host: str = field(default="127.0.0.1", metadata=_opt("address to listen on"))
+    port: int = field(default=8000, metadata=_opt("port to listen on"))
+    policy: str = field(default="cache_aware", metadata=_opt("policy for both roles", choices=POLICIES))
+    prefill_policy: str | None = field(
+        default=None, metadata=_opt("policy for prefill (default: --policy)", choices=POLICIES)
+    )
+    decode_policy: str | None = field(
+        default=None, metadata=_opt("policy for decode (default: --policy)", choices=POLICIES)
+    )
+    # cache_aware tuning (sglang-router names and defaults)
+    cache_threshold: float = field(default=0.3, metadata=_opt("min prefix match ratio to follow"))
+    balance_abs_threshold: int = field(default=64, metadata=_opt("load gap that means imbalance"))
+    balance_rel_threshold: float = field(default=1.5, metadata=_opt("load ratio meaning imbalance"))
+    max_tree_size: int = field(default=1 << 24, metadata=_opt("cache_aware chars kept per worker"))
+    # power_of_two load source
+    load_check_interval_secs: float = field(default=5.0, metadata=_opt("GET /get_load period"))
+    # health
+    health_check_interval_secs: float = field(default=60.0, metadata=_opt("GET /health period"))
+    health_check_timeout_secs: float = field(default=5.0, metadata=_opt("one health check timeout"))
+    health_check_endpoint: str = field(default="/health", metadata=_opt("worker health path"))
+    health_failure_threshold: int = field(default=3, metadata=_opt("failures -> unhealthy"))
+    health_success_threshold: int = field(default=2, metadata=_opt("successes -> healthy"))
+    worker_startup_timeout_secs: float = field(
+        default=600.0, metadata=_opt("how long to wait for a new worker's first healthy /health")
+    )
+    # retries
+    retry_max_retries: int = field(default=5, metadata=_opt("total attempts per request"))
+    retry_initial_backoff_ms: float = field(default=50.0, metadata=_opt("first retry delay"))
+    retry_max_backoff_ms: float = field(default=30000.0, metadata=_opt("retry delay cap"))
+    retry_backoff_multiplier: float = field(default=1.5, metadata=_opt("retry delay growth"))
+    retry_jitter_factor: float = field(default=0.2, metadata=_opt("retry delay jitter (+-)"))
+    disable_retries: bool = field(default=False, metadata=_opt("one attempt per request"))
+    # circuit breaker
+    cb_failure_threshold: int = field(default=10, metadata=_opt("consecutive failures -> open"))
+    cb_success_threshold: int = field(default=3, metadata=_opt("half-open successes -> closed"))
+    cb_timeout_duration_secs: float = field(default=60.0, metadata=_opt("open -> half-open after"))
+    disable_circuit_breaker: bool = field(default=False, metadata=_opt("never open circuits"))
+    # misc
+    mini_lb: bool = field(
+        default=False, metadata=_opt("minimal mode: random pairs, no health checks/retries/circuits")
+    )
+    request_timeout_secs: float = field(default=1800.0, metadata=_opt("whole-request deadline"))
+    prometheus_host: str = field(default="127.0.0.1", metadata=_opt("extra metrics listener host"))
+    prometheus_port: int | None = field(
+        default=None, metadata=_opt("also serve /metrics on this port (main port always has it)")
+    )
+    log_level: str = field(default="info", metadata=_opt("log level", choices=LOG_LEVELS))
+
+    @property
+    def effective_prefill_policy(self) -> str:
+        return "random" if self.mini_lb else (self.prefill_policy or self.policy)
+
+    @property
+    def effective_decode_policy(self) -> str:
+        return "random" if self.mini_lb else (self.decode_policy or self.policy)
+
+    @property
+    def max_attempts(self) -> int:
+        return 1 if (self.mini_lb or self.disable_retries) else max(1, self.retry_max_retries)
+
+    @property
+    def circuit_breaker_enabled(self) -> bool:
+        return not (self.mini_lb or self.disable_circuit_breaker)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the flag to fix."""
+        if not self.prefill:
+            raise ConfigError("give at least one prefill worker: --prefill URL [BOOTSTRAP_PORT]")
+        if not self.decode:
+            raise ConfigError("give at least one decode worker: --decode URL")
+        self.prefill = [(normalize_url(u, "--prefill"), p) for u, p in self.prefill]
+        self.decode = [normalize_url(u, "--decode") for u in self.decode]
+        urls = [u for u, _ in self.prefill] + self.decode
+        dup = sorted({u for u in urls if urls.count(u) > 1})
+        if dup:
+            raise ConfigError(f"worker URL given twice: {', '.join(dup)}; each URL may appear once")
+        for _, bport in self.prefill:
+            check_port(bport, "--prefill BOOTSTRAP_PORT", allow_none=True)
+        check_port(self.port, "--port")
+        check_port(self.prometheus_port, "--prometheus-port", allow_none=True)
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            if value is not None and value not in POLICIES:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be one of {', '.join(POLICIES)}, got {value!r}"
+                )
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        self.log_level = self.log_level.lower()
+        if not self.health_check_endpoint.startswith("/"):
+            raise ConfigError("--health-check-endpoint must start with '/'")
+        for name in (
+            "health_check_interval_secs", "health_check_timeout_secs", "worker_startup_timeout_secs",
+            "cb_timeout_duration_secs", "request_timeout_secs", "load_check_interval_secs",
+            "retry_backoff_multiplier", "balance_rel_threshold",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
+        for name in (
+            "health_failure_threshold", "health_success_threshold", "retry_max_retries",
+            "cb_failure_threshold", "cb_success_threshold", "max_tree_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ConfigError("--cache-threshold must be in [0, 1]")
+        if not 0 <= self.retry_jitter_factor < 1:
+            raise ConfigError("--retry-jitter-factor must be in [0, 1)")
+        if self.retry_initial_backoff_ms < 0 or self.retry_max_backoff_ms < 0:
+            raise ConfigError("--retry-*-backoff-ms must be >= 0")
+
+    @classmethod
+    def option_fields(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def normalize_url(url: str, flag: str = "url") -> str:
+    """`http(s)://host[:port][/prefix]` without a trailing slash, or ConfigError."""
+    url = url.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"{flag}: {url!r} is not a worker URL; give it with scheme, e.g. http://127.0.0.1:30000"
+        )
+    try:
+        parts.port  # noqa: B018 - validates the port digits
+    except ValueError:
+        raise ConfigError(f"{flag}: {url!r} has an invalid port") from None
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{flag}: {url!r} must not carry a query or fragment")
+    return url
+
+
+def check_port(port: int | None, flag: str, allow_none: bool = False) -> None:
+    if port is None and allow_none:
+        return
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ConfigError(f"{flag} must be an integer in 1..65535, got {port!r}")

@@ -1,0 +1,169 @@
+"""Background health and load monitoring of workers.
+
+1. `watch_startup(worker)`: a new worker (from the CLI or `POST /workers`) is polled on
+   `GET <health endpoint>` with growing backoff (0.1 s x1.5, capped at 5 s) until it answers 200
+   (-> healthy) or `--worker-startup-timeout-secs` passes (-> left unhealthy, logged; the periodic
+   checker keeps probing it). The router listens meanwhile; such a worker is not selectable.
+2. `start()`: a periodic task probes every started worker each `--health-check-interval-secs`
+   with `--health-check-timeout-secs`; `--health-failure-threshold` consecutive failures mark it
+   unhealthy, `--health-success-threshold` consecutive successes mark it healthy again.
+3. When a policy needs loads (power_of_two), another task polls `GET /get_load` each
+   `--load-check-interval-secs`; the answer is a JSON list of per-DP-rank dicts whose
+   `num_tokens` are summed (a dict with `num_tokens` or `load` is accepted too).
+4. `stop()`: cancels every task it started and waits for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from pdcore.router.config import RouterConfig
+from pdcore.router.workers import Worker, WorkerRegistry
+
+log = logging.getLogger("pdcore.router.health")
+
+
+def parse_load(payload: object) -> int:
+    """Token load from a `/get_load` answer; -1 when the shape is not understood."""
+    if isinstance(payload, list):
+        total = 0
+        for item in payload:
+            if not isinstance(item, dict) or not isinstance(item.get("num_tokens"), (int, float)):
+                return -1
+            total += int(item["num_tokens"])
+        return total
+    if isinstance(payload, dict):
+        for key in ("num_tokens", "load"):
+            if isinstance(payload.get(key), (int, float)):
+                return int(payload[key])
+    return -1
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        client: httpx.AsyncClient,
+        poll_loads: bool,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._client = client
+        self._poll_loads = poll_loads
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: object, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def start(self) -> None:
+        self._spawn(self._periodic_health(), "router-health")
+        if self._poll_loads:
+            self._spawn(self._periodic_loads(), "router-loads")
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def watch_startup(self, worker: Worker) -> None:
+        self._spawn(self._startup(worker), f"router-startup-{worker.url}")
+
+    async def probe(self, worker: Worker) -> bool:
+        """One health probe; records the error text on failure."""
+        url = worker.url + self._config.health_check_endpoint
+        try:
+            resp = await self._client.get(url, timeout=self._config.health_check_timeout_secs)
+        except httpx.HTTPError as exc:
+            worker.last_health_error = f"{type(exc).__name__}: {exc}"
+            return False
+        if resp.status_code == 200:
+            worker.last_health_error = None
+            return True
+        worker.last_health_error = f"HTTP {resp.status_code}"
+        return False
+
+    async def _startup(self, worker: Worker) -> None:
+        deadline = time.monotonic() + self._config.worker_startup_timeout_secs
+        delay = 0.1
+        while worker in self._registry:
+            if await self.probe(worker):
+                worker.healthy, worker.starting = True, False
+                worker.health_failures = worker.health_successes = 0
+                log.info("%s worker %s is healthy", worker.worker_type, worker.url)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                worker.starting = False
+                log.error(
+                    "%s worker %s not healthy after %.0f s (%s); it stays unselectable until its "
+                    "health checks pass",
+                    worker.worker_type, worker.url, self._config.worker_startup_timeout_secs,
+                    worker.last_health_error,
+                )
+                return
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 1.5, 5.0)
+
+    async def check_all(self) -> None:
+        """One round of periodic checks over every worker past its startup wait."""
+        workers = [w for w in self._registry if not w.starting]
+        results = await asyncio.gather(*(self.probe(w) for w in workers))
+        cfg = self._config
+        for worker, ok in zip(workers, results):
+            if ok:
+                worker.health_failures = 0
+                worker.health_successes += 1
+                if not worker.healthy and worker.health_successes >= cfg.health_success_threshold:
+                    worker.healthy = True
+                    log.info("%s worker %s is healthy again", worker.worker_type, worker.url)
+            else:
+                worker.health_successes = 0
+                worker.health_failures += 1
+                if worker.healthy and worker.health_failures >= cfg.health_failure_threshold:
+                    worker.healthy = False
+                    log.warning(
+                        "%s worker %s marked unhealthy after %d failed checks (%s)",
+                        worker.worker_type, worker.url, worker.health_failures,
+                        worker.last_health_error,
+                    )
+
+    async def _periodic_health(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.health_check_interval_secs)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not silently stop health checking
+                log.exception("health check round failed")
+
+    async def poll_loads(self) -> None:
+        workers = list(self._registry)
+        results = await asyncio.gather(
+            *(self._fetch_load(w) for w in workers), return_exceptions=True
+        )
+        for worker, load in zip(workers, results):
+            worker.load = load if isinstance(load, int) else -1
+
+    async def _fetch_load(self, worker: Worker) -> int:
+        try:
+            resp = await self._client.get(
+                worker.url + "/get_load", timeout=self._config.health_check_timeout_secs
+            )
+            return parse_load(resp.json()) if resp.status_code == 200 else -1
+        except (httpx.HTTPError, ValueError):
+            return -1
+
+    async def _periodic_loads(self) -> None:
+        while True:
+            try:
+                await self.poll_loads()
+            except Exception:
+                log.exception("load poll round failed")
+            await asyncio.sleep(self._config.load_check_interval_secs)

@@ -1,0 +1,183 @@
+"""Request shaping and response merging for the PD fan-out (pure functions, no I/O).
+
+- `batch_size`, `inject_bootstrap`: which requests are batches and how the bootstrap fields are
+  added (scalars for one request, equal-length lists with a fresh room per item for a batch).
+- `prefill_input_logprobs`, `merge_json`, `SSEMerger`: prepend the prefill worker's
+  `meta_info.input_token_logprobs` to the decode worker's, per batch index, in JSON or SSE.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from pdcore.errors import InvalidRequestError
+from pdcore.router.workers import Worker
+
+ROOM_BITS = 63  # bootstrap_room is uniform in [0, 2**63 - 1]
+
+
+def batch_size(route: str, body: dict[str, Any]) -> int | None:
+    """Number of items of a batch request, or None for a single request."""
+    if route == "/v1/chat/completions":
+        n = body.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
+    if route == "/v1/completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be an empty list", field="prompt")
+            if isinstance(prompt[0], (str, list)):
+                return len(prompt)
+        return None
+    text, ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, list):
+        if not text:
+            raise InvalidRequestError("text must not be an empty list", field="text")
+        return len(text)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    if isinstance(ids, list) and not ids and text is None:
+        raise InvalidRequestError("input_ids must not be empty", field="input_ids")
+    return None
+
+
+def wants_logprobs(route: str, body: dict[str, Any]) -> bool:
+    if route == "/generate":
+        return bool(body.get("return_logprob"))
+    value = body.get("logprobs")
+    if route == "/v1/completions":  # an int; 0 still asks for the sampled token's logprob
+        return value is not None and value is not False
+    return bool(value)
+
+
+def inject_bootstrap(
+    body: dict[str, Any], prefill: Worker, n: int | None, rng: random.Random
+) -> dict[str, Any]:
+    out = dict(body)
+    host, port = prefill.bootstrap_host, prefill.bootstrap_port
+    if n is None:
+        out["bootstrap_host"], out["bootstrap_port"] = host, port
+        out["bootstrap_room"] = rng.getrandbits(ROOM_BITS)
+    else:
+        out["bootstrap_host"], out["bootstrap_port"] = [host] * n, [port] * n
+        out["bootstrap_room"] = [rng.getrandbits(ROOM_BITS) for _ in range(n)]
+    return out
+
+
+def _input_logprobs(obj: Any) -> list[Any] | None:
+    meta = obj.get("meta_info") if isinstance(obj, dict) else None
+    value = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    return value if isinstance(value, list) else None
+
+
+def iter_sse_data(body: bytes) -> list[Any]:
+    """Parsed JSON payloads of the `data:` lines of a complete SSE body (`[DONE]` skipped)."""
+    out = []
+    for line in body.splitlines():
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if not payload or payload == b"[DONE]":
+            continue
+        try:
+            out.append(json.loads(payload))
+        except ValueError:
+            continue
+    return out
+
+
+def prefill_input_logprobs(body: bytes, streamed: bool) -> dict[int, list[Any]]:
+    """Prefill's prompt logprobs per batch index, from its JSON or (first chunks of) its SSE."""
+    found: dict[int, list[Any]] = {}
+    if streamed:
+        for chunk in iter_sse_data(body):
+            idx = chunk.get("index", 0) if isinstance(chunk, dict) else 0
+            lp = _input_logprobs(chunk)
+            if lp is not None and isinstance(idx, int) and idx not in found:
+                found[idx] = lp
+        return found
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return found
+    items = obj if isinstance(obj, list) else [obj]
+    for i, item in enumerate(items):
+        lp = _input_logprobs(item)
+        if lp is not None:
+            found[i] = lp
+    return found
+
+
+def _prepend(obj: Any, prefix: list[Any] | None) -> bool:
+    """Prepend in place when the decode object has the key as a list; True if changed."""
+    if prefix is None:
+        return False
+    current = _input_logprobs(obj)
+    if current is None:
+        return False
+    obj["meta_info"]["input_token_logprobs"] = prefix + current
+    return True
+
+
+def merge_json(decode_body: bytes, found: dict[int, list[Any]]) -> bytes | None:
+    """Decode's JSON with prefill logprobs prepended; None when nothing changed."""
+    if not found:
+        return None
+    try:
+        obj = json.loads(decode_body)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    changed = [_prepend(item, found.get(i)) for i, item in enumerate(items)]
+    return json.dumps(obj, ensure_ascii=False).encode() if any(changed) else None
+
+
+class SSEMerger:
+    """Incremental SSE rewriter: feed decode's bytes, get whole events with logprobs merged."""
+
+    def __init__(self, found: dict[int, list[Any]]) -> None:
+        self._found = found
+        self._buf = b""
+
+    def feed(self, data: bytes) -> bytes:
+        self._buf += data
+        out = []
+        while True:
+            cut, sep = self._split_point()
+            if cut < 0:
+                break
+            event, self._buf = self._buf[:cut], self._buf[cut + len(sep):]
+            out.append(self._rewrite(event) + sep)
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self._buf = self._buf, b""
+        return self._rewrite(rest) if rest.strip() else rest
+
+    def _split_point(self) -> tuple[int, bytes]:
+        best, best_sep = -1, b""
+        for sep in (b"\n\n", b"\r\n\r\n"):
+            pos = self._buf.find(sep)
+            if pos >= 0 and (best < 0 or pos < best):
+                best, best_sep = pos, sep
+        return best, best_sep
+
+    def _rewrite(self, event: bytes) -> bytes:
+        lines = event.split(b"\n")
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                continue
+            idx = obj.get("index", 0) if isinstance(obj, dict) else 0
+            if isinstance(idx, int) and _prepend(obj, self._found.get(idx)):
+                end = b"\r" if line.endswith(b"\r") else b""
+                lines[i] = b"data: " + json.dumps(obj, ensure_ascii=False).encode() + end
+        return b"\n".join(lines)

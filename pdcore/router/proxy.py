@@ -1,0 +1,279 @@
+"""PD fan-out of one generation request (`/generate`, `/v1/completions`, `/v1/chat/completions`).
+
+1. Parse the JSON body (400 on bad JSON or an empty batch); work out batch size, stream,
+   logprobs and the routing text; deadline = now + --request-timeout-secs (whole request).
+2. Per attempt (at most --retry-max-retries): pick (P, D) among available workers (503
+   `server_selection_failed` when a role has none), inject bootstrap_host/port and a fresh
+   bootstrap_room, and start the P call and the D call at the same time.
+3. Commit point: without logprobs, D's first body chunk (stream) or whole body; with logprobs,
+   both whole bodies (D stream: its first chunk). Before it, a failure of one leg cancels the
+   other, so D never waits for KV from a dead P (nor P for a dead D). 408/429/500/502/503/504 and
+   transport errors are retried after 50 ms x 1.5^n (capped, +-20 % jitter); other non-2xx
+   answers go to the client as the worker sent them. Nothing is retried after commit.
+4. After commit the client gets D's status, content-type and body; a stream is passed through
+   (rewritten per SSE event when prefill logprobs are merged). An unfinished P call completes in
+   the background (bounded by the deadline); its errors are logged and counted on P's circuit.
+5. Every leg gives back its in-flight count and connection on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdcore.errors import InvalidRequestError
+from pdcore.router.config import RouterConfig
+from pdcore.router.merge import (
+    SSEMerger,
+    batch_size,
+    inject_bootstrap,
+    merge_json,
+    prefill_input_logprobs,
+    wants_logprobs,
+)
+from pdcore.router.metrics import RouterMetrics
+from pdcore.router.policies import Policy, routing_text
+from pdcore.router.upstream import DecodeLeg, PrefillResult, call_prefill
+from pdcore.router.workers import Worker, WorkerRegistry
+
+log = logging.getLogger("pdcore.router.proxy")
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+FORWARD_HEADERS = ("authorization", "x-request-id", "x-correlation-id")
+_KIND = {408: "timeout", 429: "rate_limited", 500: "internal_error", 502: "bad_gateway",
+         503: "unavailable", 504: "timeout"}
+
+
+@dataclass
+class Failure:
+    status: int
+    code: str
+    message: str
+    retriable: bool
+
+
+def error_response(status: int, code: str, message: str, request_id: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status,
+        headers={"x-request-id": request_id},
+    )
+
+
+def _upstream_failure(role: str, worker: Worker, status: int, body: bytes) -> Failure:
+    text = body[:800].decode("utf-8", "replace")
+    return Failure(
+        status, f"{role}_{_KIND.get(status, 'error')}",
+        f"{role.capitalize()} server error ({status}) from {worker.url}: {text}",
+        retriable=status in RETRY_STATUSES,
+    )
+
+
+class _LegResponse(StreamingResponse):
+    """Streaming response that gives the decode leg back however the send ends."""
+
+    def __init__(self, content: AsyncIterator[bytes], leg: DecodeLeg, **kwargs: object) -> None:
+        super().__init__(content, **kwargs)  # type: ignore[arg-type]
+        self._leg = leg
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._leg.release()
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._cfg = config
+        self._registry = registry
+        self._policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self._client = client
+        self._metrics = metrics
+        self._rng = rng or random.Random()
+        self._background: set[asyncio.Task[PrefillResult]] = set()
+
+    def select_pair(self, text: str) -> tuple[Worker, Worker] | str:
+        """A (P, D) pair, or the reason there is none."""
+        chosen = []
+        for role in ("prefill", "decode"):
+            workers = self._registry.available(role)
+            if not workers:
+                return f"No available {role} workers (all unhealthy or circuits open)"
+            chosen.append(self._policies[role].select(workers, text))
+        return chosen[0], chosen[1]
+
+    def backoff_s(self, retry: int) -> float:
+        cfg = self._cfg
+        base = cfg.retry_initial_backoff_ms * cfg.retry_backoff_multiplier ** (retry - 1)
+        base = min(base, cfg.retry_max_backoff_ms)
+        jitter = self._rng.uniform(-cfg.retry_jitter_factor, cfg.retry_jitter_factor)
+        return max(0.0, base * (1 + jitter)) / 1000
+
+    async def handle(self, route: str, request: Request) -> Response:
+        started = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or f"pdr-{uuid.uuid4().hex}"
+        response = await self._handle(route, request, request_id)
+        self._metrics.observe_request(route, response.status_code, time.perf_counter() - started)
+        return response
+
+    async def _handle(self, route: str, request: Request, request_id: str) -> Response:
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict):
+                raise InvalidRequestError("the request body must be a JSON object")
+            n = batch_size(route, body)
+        except (ValueError, InvalidRequestError) as exc:
+            return error_response(400, "invalid_request", f"bad request body: {exc}", request_id)
+        stream = bool(body.get("stream"))
+        logprobs = wants_logprobs(route, body)
+        text = routing_text(route, body)
+        headers = {"content-type": "application/json"}
+        headers.update({h: v for h in FORWARD_HEADERS if (v := request.headers.get(h))})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._cfg.request_timeout_secs
+        failure: Failure | None = None
+        for attempt in range(self._cfg.max_attempts):
+            if attempt:
+                self._metrics.retries.labels(route=route).inc()
+                await asyncio.sleep(min(self.backoff_s(attempt), max(0.0, deadline - loop.time())))
+            if loop.time() >= deadline:
+                break
+            pair = self.select_pair(text)
+            if isinstance(pair, str):
+                last = f"; last error: {failure.message}" if failure else ""
+                return error_response(
+                    503, "server_selection_failed", f"No available servers: {pair}{last}", request_id
+                )
+            p, d = pair
+            content = json.dumps(inject_bootstrap(body, p, n, self._rng)).encode()
+            outcome = await self._attempt(
+                route, p, d, content, headers, stream, logprobs, deadline, request_id
+            )
+            if isinstance(outcome, Response):
+                return outcome
+            failure = outcome
+            log.warning("attempt %d for %s failed: %s", attempt + 1, route, failure.message)
+            if not failure.retriable:
+                break
+        if failure is None:
+            failure = Failure(504, "request_timeout", "request deadline passed before an attempt",
+                              False)
+        return error_response(failure.status, failure.code, failure.message, request_id)
+
+    def _start_prefill(
+        self, p: Worker, url: str, content: bytes, headers: dict[str, str], deadline: float
+    ) -> asyncio.Task[PrefillResult]:
+        p.in_flight += 1
+        task = asyncio.get_running_loop().create_task(
+            call_prefill(self._client, p, url, content, headers, deadline, self._metrics)
+        )
+
+        def _done(_: asyncio.Task[PrefillResult], worker: Worker = p) -> None:
+            worker.in_flight -= 1
+
+        task.add_done_callback(_done)
+        return task
+
+    async def _attempt(
+        self, route: str, p: Worker, d: Worker, content: bytes, headers: dict[str, str],
+        stream: bool, logprobs: bool, deadline: float, request_id: str,
+    ) -> Response | Failure:
+        loop = asyncio.get_running_loop()
+        p_task = self._start_prefill(p, p.url + route, content, headers, deadline)
+        leg = DecodeLeg(d, self._metrics)
+        d_task = loop.create_task(
+            leg.open(self._client, d.url + route, content, headers, deadline, first_only=stream)
+        )
+        committed = False
+        try:
+            pending: set[asyncio.Task[object]] = {p_task, d_task}  # type: ignore[arg-type]
+            while True:
+                if p_task.done() and not p_task.result().ok:
+                    d_ok = d_task.done() and d_task.exception() is None and leg.ok
+                    if logprobs or not d_ok:
+                        return self._prefill_outcome(p, p_task.result(), request_id)
+                if d_task.done():
+                    if d_task.exception() is not None:
+                        exc = d_task.exception()
+                        return Failure(502, "decode_transport_error",
+                                       f"decode worker {d.url} failed: {exc}", retriable=True)
+                    if not leg.ok:
+                        if leg.status in RETRY_STATUSES:
+                            return _upstream_failure("decode", d, leg.status, leg.body)
+                        return Response(leg.body, leg.status, media_type=leg.content_type,
+                                        headers={"x-request-id": request_id})
+                    if not logprobs or p_task.done():
+                        break
+                done, pending = await asyncio.wait(
+                    pending, timeout=max(0.0, deadline - loop.time()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done:
+                    return Failure(504, "request_timeout",
+                                   f"no answer within --request-timeout-secs "
+                                   f"({self._cfg.request_timeout_secs:g} s)", retriable=False)
+            committed = True
+        finally:
+            if not committed:
+                for task in (p_task, d_task):
+                    task.cancel()
+                await asyncio.gather(p_task, d_task, return_exceptions=True)
+                await leg.release()
+        return await self._commit(p_task, leg, stream, logprobs, deadline, request_id)
+
+    def _prefill_outcome(self, p: Worker, res: PrefillResult, request_id: str) -> Response | Failure:
+        if res.status is None:
+            return Failure(502, "prefill_transport_error",
+                           f"prefill worker {p.url} failed: {res.error}", retriable=True)
+        if res.status in RETRY_STATUSES:
+            return _upstream_failure("prefill", p, res.status, res.body)
+        return Response(res.body, res.status, media_type=res.content_type,
+                        headers={"x-request-id": request_id})
+
+    async def _commit(
+        self, p_task: asyncio.Task[PrefillResult], leg: DecodeLeg, stream: bool, logprobs: bool,
+        deadline: float, request_id: str,
+    ) -> Response:
+        found: dict[int, list[object]] = {}
+        if logprobs:
+            found = prefill_input_logprobs(p_task.result().body, streamed=stream)
+        elif not p_task.done():
+            self._background.add(p_task)
+            p_task.add_done_callback(self._background.discard)
+        headers = {"x-request-id": request_id}
+        if not stream:
+            merged = merge_json(leg.body, found) if found else None
+            await leg.release()
+            if merged is not None:
+                return Response(merged, leg.status, media_type="application/json", headers=headers)
+            return Response(leg.body, leg.status, media_type=leg.content_type, headers=headers)
+        merger = SSEMerger(found) if found else None
+        return _LegResponse(
+            leg.stream(merger, deadline), leg, status_code=leg.status,
+            media_type=leg.content_type or "text/event-stream", headers=headers,
+        )
+
+    async def close(self) -> None:
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

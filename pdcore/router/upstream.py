@@ -1,0 +1,146 @@
+"""The two upstream legs of a PD request: the prefill call and the decode call.
+
+Both record their outcome on the worker's circuit breaker (5xx or transport error = failure) and
+count failures in the metrics. The prefill call is read whole; the decode call is opened as a
+stream so the proxy can commit on its first chunk and pass the rest through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from pdcore.router.merge import SSEMerger
+from pdcore.router.metrics import RouterMetrics
+from pdcore.router.workers import Worker
+
+log = logging.getLogger("pdcore.router.upstream")
+
+
+def request_timeout(deadline: float) -> httpx.Timeout:
+    left = max(0.001, deadline - asyncio.get_running_loop().time())
+    return httpx.Timeout(left, connect=min(left, 10.0))
+
+
+@dataclass
+class PrefillResult:
+    status: int | None  # None: transport error or timeout
+    body: bytes = b""
+    content_type: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+
+async def call_prefill(
+    client: httpx.AsyncClient, worker: Worker, url: str, content: bytes,
+    headers: dict[str, str], deadline: float, metrics: RouterMetrics,
+) -> PrefillResult:
+    """POST to the prefill worker and read the whole answer; never raises transport errors."""
+    left = max(0.001, deadline - asyncio.get_running_loop().time())
+    try:
+        resp = await asyncio.wait_for(
+            client.post(url, content=content, headers=headers, timeout=request_timeout(deadline)),
+            timeout=left,
+        )
+    except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+        worker.circuit.record(False)
+        metrics.upstream_errors.labels(worker_type="prefill", kind="transport").inc()
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.warning("prefill %s failed: %s", url, reason)
+        return PrefillResult(None, error=reason)
+    worker.circuit.record(resp.status_code < 500)
+    if not 200 <= resp.status_code < 300:
+        metrics.upstream_errors.labels(worker_type="prefill", kind=str(resp.status_code)).inc()
+        log.warning("prefill %s answered %d: %s", url, resp.status_code, resp.text[:300])
+    return PrefillResult(resp.status_code, resp.content, resp.headers.get("content-type"))
+
+
+class DecodeLeg:
+    """One decode call. Holds the in-flight count and the connection until `release()`."""
+
+    def __init__(self, worker: Worker, metrics: RouterMetrics) -> None:
+        self.worker = worker
+        self._metrics = metrics
+        self._resp: httpx.Response | None = None
+        self._iter: AsyncIterator[bytes] | None = None
+        self._released = False
+        self.status = 0
+        self.content_type: str | None = None
+        self.body = b""  # whole body (non-stream or error) or the first chunk (stream)
+        worker.in_flight += 1
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    async def open(
+        self, client: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str],
+        deadline: float, first_only: bool,
+    ) -> None:
+        """Send; read the whole body, or only the first chunk of a successful stream."""
+        request = client.build_request(
+            "POST", url, content=content, headers=headers, timeout=request_timeout(deadline)
+        )
+        try:
+            self._resp = await client.send(request, stream=True)
+            self.status = self._resp.status_code
+            self.content_type = self._resp.headers.get("content-type")
+            self.worker.circuit.record(self.status < 500)
+            if not self.ok:
+                self._metrics.upstream_errors.labels(worker_type="decode", kind=str(self.status)).inc()
+            if first_only and self.ok:
+                self._iter = self._resp.aiter_bytes()
+                self.body = await anext(self._iter, b"")  # type: ignore[arg-type]
+            else:
+                self.body = await self._resp.aread()
+        except httpx.HTTPError:
+            self.worker.circuit.record(False)
+            self._metrics.upstream_errors.labels(worker_type="decode", kind="transport").inc()
+            raise
+
+    async def stream(self, merger: SSEMerger | None, deadline: float) -> AsyncIterator[bytes]:
+        """The committed stream: first chunk, then the rest; an error ends it with one
+        `data: {"error": ...}` event (the status line is already sent)."""
+        loop = asyncio.get_running_loop()
+        first = merger.feed(self.body) if merger else self.body
+        if first:
+            yield first
+        if self._iter is None:
+            return
+        try:
+            async for chunk in self._iter:
+                if loop.time() > deadline:
+                    raise asyncio.TimeoutError("request deadline passed while streaming")
+                out = merger.feed(chunk) if merger else chunk
+                if out:
+                    yield out
+            if merger:
+                tail = merger.flush()
+                if tail:
+                    yield tail
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            self.worker.circuit.record(False)
+            self._metrics.upstream_errors.labels(worker_type="decode", kind="stream").inc()
+            message = f"decode stream from {self.worker.url} broke: {type(exc).__name__}: {exc}"
+            log.warning(message)
+            event = {"error": {"code": "decode_stream_error", "message": message}}
+            yield b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.worker.in_flight -= 1
+        if self._resp is not None:
+            try:
+                await self._resp.aclose()
+            except Exception:  # closing a broken connection must not mask the real outcome
+                log.debug("closing decode response failed", exc_info=True)

@@ -1,0 +1,141 @@
+"""Retries, leg cancellation, timeouts, circuit breaker and health checks, end to end."""
+
+from __future__ import annotations
+
+import time
+
+
+def _wait(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_prefill_503_retried_with_fresh_room(fake_worker, router):
+    p = fake_worker("prefill", fail_statuses=[503])
+    d = fake_worker("decode", delay=0.3)  # so prefill's failure arrives before decode answers
+    r = router([(p, None)], [d], retry_initial_backoff_ms=1)
+    resp = r.client.post("/generate", json={"text": "x"})
+    assert resp.status_code == 200, resp.text
+    rooms = [b["bootstrap_room"] for b in p.wait_received(2)]
+    assert len(rooms) == 2 and rooms[0] != rooms[1]
+    # decode may or may not have seen the cancelled first attempt; it served the second one
+    d_rooms = [b["bootstrap_room"] for b in d.bodies()]
+    assert d_rooms[-1] == rooms[1] and set(d_rooms) <= set(rooms)
+    assert resp.json()["room"] == rooms[1]
+    _wait(lambda: r.worker_state(d.url)["in_flight"] == 0)
+    assert "pdrouter_retries_total{route=\"/generate\"} 1.0" in r.client.get("/metrics").text
+
+
+def test_decode_503_retried_then_success(fake_worker, router):
+    p, d = fake_worker("prefill"), fake_worker("decode", fail_statuses=[503, 503])
+    r = router([(p, None)], [d], retry_initial_backoff_ms=1)
+    resp = r.client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert resp.status_code == 200 and "[DONE]" in resp.text
+    assert len(d.received) == 3 and len({b["bootstrap_room"] for b in d.bodies()}) == 3
+
+
+def test_retries_exhausted_returns_json_error(fake_worker, router):
+    p = fake_worker("prefill", fail_statuses=[500] * 3)
+    d = fake_worker("decode", delay=0.3)
+    r = router([(p, None)], [d], retry_max_retries=3, retry_initial_backoff_ms=1)
+    resp = r.client.post("/generate", json={"text": "x"})
+    assert resp.status_code == 500
+    err = resp.json()["error"]
+    assert err["code"] == "prefill_internal_error" and "injected 500" in err["message"]
+    assert len(p.received) == 3
+
+
+def test_prefill_client_error_cancels_decode(fake_worker, router):
+    """A non-retriable prefill error is returned at once and the decode call is dropped, so
+    decode does not wait for KV that will never come."""
+    p = fake_worker("prefill", fail_statuses=[400])
+    d = fake_worker("decode", hang_until_disconnect=True)
+    r = router([(p, None)], [d])
+    started = time.monotonic()
+    resp = r.client.post("/generate", json={"text": "x"})
+    assert resp.status_code == 400 and "injected 400" in resp.text
+    assert time.monotonic() - started < 5
+    _wait(lambda: d.disconnects == 1)
+    _wait(lambda: r.worker_state(d.url)["in_flight"] == 0 and r.worker_state(p.url)["in_flight"] == 0)
+
+
+def test_request_timeout_frees_both_legs(fake_worker, router):
+    p = fake_worker("prefill", hang_until_disconnect=True)
+    d = fake_worker("decode", hang_until_disconnect=True)
+    r = router([(p, None)], [d], request_timeout_secs=0.5)
+    resp = r.client.post("/generate", json={"text": "x"})
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "request_timeout"
+    _wait(lambda: p.disconnects == 1 and d.disconnects == 1)
+
+
+def test_unreachable_decode_is_502(fake_worker, router):
+    p, d = fake_worker("prefill"), fake_worker("decode")
+    r = router([(p, None)], [d], retry_max_retries=2, retry_initial_backoff_ms=1)
+    d.stop()
+    resp = r.client.post("/generate", json={"text": "x"})
+    assert resp.status_code == 502 and resp.json()["error"]["code"] == "decode_transport_error"
+
+
+def test_circuit_opens_and_recovers(fake_worker, router):
+    p = fake_worker("prefill", fail_statuses=[500, 500])
+    d = fake_worker("decode", delay=0.2)
+    r = router([(p, None)], [d], retry_max_retries=1, cb_failure_threshold=2,
+               cb_success_threshold=1, cb_timeout_duration_secs=0.6)
+    for _ in range(2):
+        assert r.client.post("/generate", json={"text": "x"}).status_code == 500
+    assert r.worker_state(p.url)["circuit"]["state"] == "open"
+    resp = r.client.post("/generate", json={"text": "x"})
+    assert resp.status_code == 503
+    assert resp.json()["error"]["code"] == "server_selection_failed"
+    assert "prefill" in resp.json()["error"]["message"]
+    assert len(p.received) == 2  # the open circuit kept the request away from the worker
+    assert r.client.get("/readiness").status_code == 503
+    time.sleep(0.7)
+    assert r.worker_state(p.url)["circuit"]["state"] == "half_open"
+    assert r.client.post("/generate", json={"text": "x"}).status_code == 200
+    _wait(lambda: r.worker_state(p.url)["circuit"]["state"] == "closed")
+
+
+def test_disable_circuit_breaker_keeps_worker(fake_worker, router):
+    p = fake_worker("prefill", fail_statuses=[500, 500])
+    d = fake_worker("decode", delay=0.2)
+    r = router([(p, None)], [d], retry_max_retries=1, cb_failure_threshold=1,
+               disable_circuit_breaker=True)
+    for status in (500, 500, 200):
+        assert r.client.post("/generate", json={"text": "x"}).status_code == status
+
+
+def test_health_checks_exclude_and_readmit(fake_worker, router):
+    p = fake_worker("prefill")
+    d1, d2 = fake_worker("decode"), fake_worker("decode")
+    r = router([(p, None)], [d1, d2], health_check_interval_secs=0.1,
+               health_failure_threshold=2, health_success_threshold=2)
+    d2.health_status = 503
+    _wait(lambda: not r.worker_state(d2.url)["healthy"])
+    assert r.client.get("/health").status_code == 503  # not every worker healthy
+    assert r.client.get("/readiness").status_code == 200  # still a P and a D
+    before = len(d2.received)
+    for _ in range(4):
+        assert r.client.post("/generate", json={"text": "x"}).status_code == 200
+    assert len(d2.received) == before and len(d1.received) >= 4
+    d2.health_status = 200
+    _wait(lambda: r.worker_state(d2.url)["healthy"])
+    r.wait_for("/health")
+    for _ in range(2):
+        r.client.post("/generate", json={"text": "x"})
+    assert len(d2.received) == before + 1  # round robin uses it again
+
+
+def test_router_listens_before_workers_are_healthy(fake_worker, router):
+    p, d = fake_worker("prefill"), fake_worker("decode", health_status=503)
+    r = router([(p, None)], [d], wait_ready=False)
+    assert r.client.get("/liveness").status_code == 200
+    health = r.client.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "starting"
+    resp = r.client.post("/generate", json={"text": "x"})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "server_selection_failed"
+    d.health_status = 200
+    r.wait_for("/health")
+    assert r.client.post("/generate", json={"text": "x"}).status_code == 200
