@@ -1,0 +1,260 @@
+"""P's bootstrap HTTP server and D's client for it.
+
+Lifecycle (server, one per prefill instance, run by P rank 0 in a daemon thread):
+1. `start()` binds `--host`:`--disaggregation-bootstrap-port` (fails fast if taken);
+2. every P rank `PUT /route`s its control address, TP rank/size, page size, KV dtype; the first
+   registration fixes the instance-wide values, a conflicting one is answered 400;
+3. D `GET /route?prefill_dp_rank=-1&target_tp_rank=-1` -> instance info (503 until every rank
+   registered), `GET /route?prefill_dp_rank=D&target_tp_rank=T` -> {rank_ip, rank_port};
+4. D's heartbeat `GET /health` -> 200 "OK" with header X-PD-Instance (a new id after a restart);
+5. `close()` stops the thread and frees the port.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import json
+import logging
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from pdcore.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+INSTANCE_HEADER = "X-PD-Instance"
+_REQUIRED = ("rank_ip", "rank_port", "tp_rank", "tp_size", "page_size", "kv_cache_dtype")
+_INSTANCE_FIELDS = ("tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla",
+                    "total_kv_heads", "backend")
+
+
+class _Table:
+    """Registered ranks of one prefill instance."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.instance_id = uuid.uuid4().hex
+        self.info: dict[str, Any] | None = None
+        self.ranks: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def put(self, body: dict[str, Any]) -> str | None:
+        """Register one rank; an error message (-> 400) or None."""
+        missing = [k for k in _REQUIRED if k not in body]
+        if missing:
+            return f"PUT /route is missing {', '.join(missing)}"
+        try:
+            tp_rank, tp_size = int(body["tp_rank"]), int(body["tp_size"])
+            dp_rank, dp_size = int(body.get("dp_rank", 0)), int(body.get("dp_size", 1))
+            port = int(body["rank_port"])
+        except (TypeError, ValueError):
+            return "tp_rank, tp_size, dp_rank, dp_size and rank_port must be integers"
+        if not (0 <= tp_rank < tp_size and 0 <= dp_rank < dp_size and 0 < port < 65536):
+            return "tp_rank/dp_rank/rank_port out of range"
+        info = {k: body.get(k) for k in _INSTANCE_FIELDS}
+        info["tp_size"], info["dp_size"] = tp_size, dp_size
+        with self.lock:
+            if self.info is None:
+                self.info = info
+            elif self.info != info:
+                diff = [k for k in _INSTANCE_FIELDS if self.info.get(k) != info.get(k)]
+                return f"rank {tp_rank} disagrees with the instance on {', '.join(diff)}"
+            self.ranks[(dp_rank, tp_rank)] = {"rank_ip": str(body["rank_ip"]), "rank_port": port}
+        return None
+
+    def complete(self) -> bool:
+        with self.lock:
+            return self.info is not None and len(self.ranks) >= (
+                self.info["tp_size"] * self.info["dp_size"])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("bootstrap %s: " + format, self.client_address[0], *args)
+
+    def _reply(self, code: int, body: Any, ctype: str = "application/json") -> None:
+        data = (json.dumps(body) if ctype == "application/json" else str(body)).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header(INSTANCE_HEADER, self.server.table.instance_id)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        if url.path == "/health":
+            return self._reply(200, "OK", "text/plain")
+        if url.path != "/route":
+            return self._reply(404, {"error": f"no route {url.path}"})
+        q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        missing = [k for k in ("prefill_dp_rank", "target_tp_rank") if k not in q]
+        if missing:
+            return self._reply(400, {"error": f"GET /route needs {', '.join(missing)}"})
+        try:
+            dp, tp = int(q["prefill_dp_rank"]), int(q["target_tp_rank"])
+        except ValueError:
+            return self._reply(400, {"error": "prefill_dp_rank and target_tp_rank must be ints"})
+        table = self.server.table
+        if not table.complete():
+            return self._reply(503, {"error": "prefill ranks are still registering; retry"})
+        with table.lock:
+            if dp == -1 and tp == -1:
+                info = dict(table.info or {})
+                info.update(attn_tp_size=info["tp_size"], attn_cp_size=1, pp_size=1,
+                            follow_bootstrap_room=True, instance_id=table.instance_id)
+                return self._reply(200, info)
+            entry = table.ranks.get((dp, tp))
+        if entry is None:
+            return self._reply(404, {"error": f"no prefill rank dp={dp} tp={tp}"})
+        return self._reply(200, entry)
+
+    def do_PUT(self) -> None:
+        if urlsplit(self.path).path != "/route":
+            return self._reply(404, {"error": "no such route"})
+        token = self.server.token
+        if token:
+            got = self.headers.get("Authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                log.warning("bootstrap: rejected PUT /route from %s: wrong auth token",
+                            self.client_address[0])
+                return self._reply(401, {"error": "wrong or missing auth token"})
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+            body = json.loads(self.rfile.read(n) or b"{}")
+        except ValueError as e:
+            return self._reply(400, {"error": f"bad JSON: {e}"})
+        if not isinstance(body, dict):
+            return self._reply(400, {"error": "the body must be a JSON object"})
+        err = self.server.table.put(body)
+        if err:
+            return self._reply(400, {"error": err})
+        return self._reply(200, "OK", "text/plain")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    table: _Table
+    token: str | None
+
+
+class BootstrapServer:
+    def __init__(self, host: str, port: int, auth_token: str | None = None) -> None:
+        self.host, self._port, self.token = host, port, auth_token
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        try:
+            srv = _Server((self.host, self._port), _Handler)
+        except OSError as e:
+            raise TransferError(
+                f"cannot bind the bootstrap server on {self.host}:{self._port} ({e}); pick a "
+                f"free --disaggregation-bootstrap-port") from None
+        srv.table, srv.token = _Table(), self.token
+        self._server = srv
+        self._thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="pd-bootstrap", daemon=True)
+        self._thread.start()
+        log.info("bootstrap server on %s:%d (instance %s)", self.host, self.port,
+                 srv.table.instance_id)
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1] if self._server else self._port
+
+    @property
+    def instance_id(self) -> str:
+        return self._server.table.instance_id if self._server else ""
+
+    def close(self) -> None:
+        srv, self._server = self._server, None
+        if srv is not None:
+            srv.shutdown()
+            srv.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class BootstrapClient:
+    """Blocking HTTP calls to a bootstrap server, with timeouts on every call."""
+
+    def __init__(self, connect_timeout: float = 2.0, read_timeout: float = 3.0,
+                 token: str | None = None) -> None:
+        self.connect_timeout, self.read_timeout, self.token = connect_timeout, read_timeout, token
+
+    def _call(self, addr: str, method: str, path: str,
+              body: dict | None = None) -> tuple[int, bytes, str]:
+        host, _, port = addr.rpartition(":")
+        conn = http.client.HTTPConnection(host.strip("[]"), int(port),
+                                          timeout=self.connect_timeout)
+        try:
+            conn.connect()
+            conn.sock.settimeout(self.read_timeout)
+            headers = {"Connection": "close"}
+            data = None
+            if body is not None:
+                data = json.dumps(body).encode()
+                headers["Content-Type"] = "application/json"
+                if self.token:
+                    headers["Authorization"] = f"Bearer {self.token}"
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.read(), resp.getheader(INSTANCE_HEADER, "")
+        finally:
+            conn.close()
+
+    def _retrying(self, addr: str, method: str, path: str, body: dict | None, attempts: int,
+                  interval: float, deadline: float | None = None) -> tuple[bytes, str]:
+        last = ""
+        for i in range(max(1, attempts)):
+            try:
+                status, data, inst = self._call(addr, method, path, body)
+                if status == 200:
+                    return data, inst
+                last = f"HTTP {status}: {data[:200].decode(errors='replace')}"
+                if status != 503:  # only "not ready yet" is worth retrying
+                    break
+            except (OSError, http.client.HTTPException) as e:
+                last = f"{type(e).__name__}: {e}"
+            if i + 1 < attempts and (deadline is None or time.monotonic() + interval < deadline):
+                time.sleep(interval)
+            else:
+                break
+        raise TransferError(f"bootstrap server {addr} {method} {path} failed: {last}")
+
+    def get_info(self, addr: str, attempts: int = 1, interval: float = 1.0,
+                 deadline: float | None = None) -> dict[str, Any]:
+        data, _ = self._retrying(addr, "GET", "/route?prefill_dp_rank=-1&target_tp_rank=-1",
+                                 None, attempts, interval, deadline)
+        return json.loads(data)
+
+    def get_rank(self, addr: str, dp_rank: int, tp_rank: int, attempts: int = 1,
+                 interval: float = 1.0, deadline: float | None = None) -> tuple[str, int]:
+        data, _ = self._retrying(
+            addr, "GET", f"/route?prefill_dp_rank={dp_rank}&target_tp_rank={tp_rank}", None,
+            attempts, interval, deadline)
+        d = json.loads(data)
+        return str(d["rank_ip"]), int(d["rank_port"])
+
+    def put_route(self, addr: str, payload: dict[str, Any], attempts: int = 5,
+                  interval: float = 0.5) -> None:
+        self._retrying(addr, "PUT", "/route", payload, attempts, interval)
+
+    def health(self, addr: str) -> str:
+        """The instance id; TransferError when P does not answer 200."""
+        try:
+            status, _, inst = self._call(addr, "GET", "/health")
+        except (OSError, http.client.HTTPException) as e:
+            raise TransferError(f"bootstrap {addr} /health: {type(e).__name__}: {e}") from None
+        if status != 200:
+            raise TransferError(f"bootstrap {addr} /health answered HTTP {status}")
+        return inst

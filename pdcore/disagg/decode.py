@@ -1,0 +1,408 @@
+"""Decode-side KV manager (the receiver): what D's scheduler drives, whatever the backend.
+
+Lifecycle:
+1. `__init__`: create the transfer backend, register KV regions and the aux region in one call;
+2. `start()`: bind the control plane, start the heartbeat toward known prefill instances;
+3. per request: `add(room, host, port)` -> Bootstrapping; a resolver thread fetches P's instance
+   info from its bootstrap server (cached per address; page size / dtype / backend checked),
+   the rank addresses D needs (rank mapping by TP sizes), and registers with each of those P
+   ranks once per P instance -> WaitingForInput (waiting timeout running);
+4. the scheduler pre-allocates pages and an aux slot, `send_transfer_info()` -> Transferring;
+5. P writes the pages and the aux row, then Status(Success) from every required P rank; the aux
+   row must carry the room -> Success; Status(Failed), the waiting timeout (Abort sent to P),
+   the heartbeat losing P, or `abort()` -> Failed;
+6. `release(room)` forgets the room; `close()` stops heartbeat, resolver, control plane, backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdcore.config import DisaggEnv, ServerArgs
+from pdcore.disagg import wire
+from pdcore.disagg.aux import AuxBuffers, AuxRow
+from pdcore.disagg.bootstrap import BootstrapClient
+from pdcore.disagg.common import (
+    FAKE_BOOTSTRAP_HOST,
+    ControlPlane,
+    Counters,
+    advertised_host,
+    make_backend,
+)
+from pdcore.disagg.heartbeat import Heartbeat
+from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
+from pdcore.errors import PDError, ProtocolError, TransferError
+from pdcore.interfaces.planner import KVLayout
+from pdcore.interfaces.transfer import MemoryRegion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Instance:
+    """One prefill instance as resolved through its bootstrap server."""
+
+    addr: str
+    instance_id: str
+    dp_size: int
+    targets: list[int]  # P TP ranks this D rank pulls from
+    required_dst: int  # TransferInfos each target waits for (D TP > P TP)
+    responses: int  # Success statuses this D rank waits for (P TP > D TP)
+    ctrl_addrs: dict[tuple[int, int], str]  # (dp, tp) -> tcp://ip:port
+
+
+@dataclass(eq=False)
+class _Room:
+    room: int
+    addr: str
+    started: float
+    fake: bool = False
+    inst: _Instance | None = None
+    aux_slot: int = wire.NO_AUX_SLOT
+    deadline: float | None = None
+    responders: set[int] = field(default_factory=set)
+    aux_payload: bytes = b""
+
+
+def rank_mapping(p_tp: int, d_tp: int, d_rank: int, is_mla: bool) -> tuple[list[int], int, int]:
+    """(P ranks to pull from, TransferInfos each waits for, Success statuses to wait for)."""
+    if p_tp == d_tp:
+        return [d_rank], 1, 1
+    if is_mla:
+        raise ProtocolError(f"MLA models need the same TP size on prefill ({p_tp}) and decode "
+                            f"({d_tp})")
+    if d_tp > p_tp:
+        if d_tp % p_tp:
+            raise ProtocolError(f"decode TP {d_tp} is not a multiple of prefill TP {p_tp}")
+        return [d_rank // (d_tp // p_tp)], d_tp // p_tp, 1
+    if p_tp % d_tp:
+        raise ProtocolError(f"prefill TP {p_tp} is not a multiple of decode TP {d_tp}")
+    k = p_tp // d_tp
+    return list(range(d_rank * k, (d_rank + 1) * k)), 1, k
+
+
+class DecodeKVManager:
+    def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
+                 kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.args, self.env, self.kv, self.aux = args, env, kv, aux
+        self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
+        self.token = args.disaggregation_auth_token or None
+        self.kv_regions = list(kv_regions)
+        self.backend = make_backend(backend_name, "decode", args, env, tp_rank, tp_size)
+        self.backend.register(self.kv_regions + [aux.region])
+        self.session = f"{advertised_host(args.host)}/{args.server_id}/{tp_rank}/{uuid.uuid4().hex[:8]}"
+        self.states = RoomStates()
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._rooms: dict[int, _Room] = {}
+        self._instances: dict[str, _Instance] = {}
+        self._addr_locks: dict[str, threading.Lock] = {}
+        self._last_failure: dict[str, tuple[float, str]] = {}
+        self.ctrl = ControlPlane(args.host, self.token, f"decode{tp_rank}", self._on_message,
+                                 self._on_tick)
+        self.client = BootstrapClient(token=self.token)
+        self._resolver = ThreadPoolExecutor(4, thread_name_prefix=f"pd-d{tp_rank}-resolve")
+        self.heartbeat = Heartbeat(env.heartbeat_interval, env.heartbeat_max_failure,
+                                   self._known_instances, self._lose, self.token)
+        self._register: wire.Register | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        addr = self.ctrl.start()
+        self._register = wire.Register(
+            session=self.session, ctrl_addr=addr, backend=self.backend_name,
+            endpoint=self.backend.endpoint(), layout=self.kv.to_dict(),
+            regions=[r.to_dict() for r in self.kv_regions], aux_region=self.aux.region.to_dict(),
+            aux_row_bytes=self.aux.row_bytes, aux_slots=self.aux.num_slots, rank=self.tp_rank,
+            tp_size=self.tp_size, page_size=self.kv.page_size, dtype=str(self.kv.dtype))
+        self.heartbeat.start()
+        log.info("decode KV manager rank %d/%d: control %s, session %s, backend %s",
+                 self.tp_rank, self.tp_size, addr, self.session, self.backend_name)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:  # tell P now rather than letting its rooms run into timeouts
+            rooms = [r for r in self._rooms if self.states.get(r) not in TERMINAL]
+        for room in rooms:
+            self._fail(room, "decode server is shutting down", True)
+        self.heartbeat.close()
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+        self.ctrl.close()
+        self.backend.close()
+
+    # -- scheduler API ---------------------------------------------------------------------
+    def add(self, room: int, bootstrap_host: str, bootstrap_port: int) -> None:
+        host = f"[{bootstrap_host}]" if ":" in bootstrap_host else bootstrap_host
+        addr = f"{host}:{int(bootstrap_port)}"
+        now = time.monotonic()
+        with self._lock:
+            r = _Room(room, addr, now, fake=bootstrap_host == FAKE_BOOTSTRAP_HOST)
+            self._rooms[room] = r
+            if r.fake:
+                self.states.create(room, KVPoll.WaitingForInput)
+                return
+            self.states.create(room, KVPoll.Bootstrapping)
+            inst = self._instances.get(addr)
+            if inst is not None:  # the common case: P already known, no thread hop
+                self._attach(r, inst)
+                return
+        self._resolver.submit(self._resolve, room, addr, now)
+
+    def poll(self, room: int) -> KVPoll:
+        state = self.states.get(room)
+        if state is None:
+            return KVPoll.Failed
+        if (self.env.test_failure_prob > 0 and state not in TERMINAL
+                and random.random() < self.env.test_failure_prob):
+            self._fail(room, "injected failure (DISAGGREGATION_TEST_FAILURE_PROB)", True)
+            return KVPoll.Failed
+        return state
+
+    def failure_reason(self, room: int) -> str:
+        if not self.states.exists(room):
+            return f"room {room} is not known to this decode KV manager"
+        return self.states.reason(room)
+
+    def send_transfer_info(self, room: int, dst_pages: np.ndarray, aux_slot: int) -> None:
+        pages = np.asarray(dst_pages, dtype=np.int64).ravel()
+        if not 0 <= aux_slot < self.aux.num_slots:
+            raise TransferError(f"room {room}: aux slot {aux_slot} out of range", room)
+        if len(pages) and (pages.min() < 0 or pages.max() >= self.kv.num_pages):
+            raise TransferError(f"room {room}: page indices outside this pool", room)
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                raise TransferError(f"send_transfer_info() for room {room} never added", room)
+            if r.fake:  # no prefill involved: a placeholder row, then Success
+                self.aux.write(aux_slot, AuxRow(room=room, first_token_id=0))
+                r.aux_slot = aux_slot
+                self.states.advance(room, KVPoll.Success)
+                return
+            state = self.states.get(room)
+            if state is KVPoll.Failed:
+                return
+            if state is not KVPoll.WaitingForInput or r.inst is None:
+                raise TransferError(f"room {room}: send_transfer_info() in state "
+                                    f"{state.name if state else None}; wait for WaitingForInput",
+                                    room)
+            inst = r.inst
+            self.aux.clear(aux_slot)  # a stale row in a reused slot must never pass the check
+            r.aux_slot = aux_slot
+            r.deadline = time.monotonic() + self.env.waiting_timeout
+            self.states.advance(room, KVPoll.Transferring)
+            dp = room % inst.dp_size
+            addrs = [inst.ctrl_addrs[(dp, t)] for t in inst.targets]
+        msg = wire.TransferInfo(room=room, session=self.session, ctrl_addr=self.ctrl.addr,
+                                rank=self.tp_rank, dst_pages=wire.encode_pages(pages),
+                                aux_slot=aux_slot, required=inst.required_dst)
+        for a in addrs:
+            if not self.ctrl.send(a, msg):
+                self._fail(room, f"cannot reach prefill rank at {a}", False)
+                return
+        log.debug("room %d: transfer info sent (%d pages, aux slot %d)", room, len(pages),
+                  aux_slot)
+
+    def abort(self, room: int, reason: str) -> None:
+        self._fail(room, f"aborted: {reason}", True)
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+            self.states.remove(room)
+
+    def is_fake(self, room: int) -> bool:
+        with self._lock:
+            r = self._rooms.get(room)
+            return bool(r and r.fake)
+
+    def metrics(self) -> dict:
+        out = self.counters.snapshot()
+        out.update(self.ctrl.counters.snapshot())
+        with self._lock:
+            out["prefill_instances"] = len(self._instances)
+        out["inflight_rooms"] = self.states.count(KVPoll.Bootstrapping, KVPoll.WaitingForInput,
+                                                  KVPoll.Transferring)
+        out["heartbeat_checks"] = self.heartbeat.checks
+        return out
+
+    # -- bootstrap resolution (resolver threads) -----------------------------------------------
+    def _resolve(self, room: int, addr: str, started: float) -> None:
+        try:
+            inst = self._instance(addr, started)
+        except PDError as e:
+            self._fail(room, f"cannot bootstrap with prefill {addr}: {e}", False)
+            return
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is not None:
+                self._attach(r, inst)
+
+    def _attach(self, r: _Room, inst: _Instance) -> None:
+        r.inst = inst
+        r.deadline = time.monotonic() + self.env.waiting_timeout
+        if self.states.advance(r.room, KVPoll.WaitingForInput):
+            log.debug("room %d: prefill %s resolved", r.room, r.addr)
+        elif self.states.get(r.room) is KVPoll.Failed:  # aborted while resolving: tell P now
+            self._send_abort(r.room, inst, self.states.reason(r.room))
+
+    def _instance(self, addr: str, started: float) -> _Instance:
+        with self._lock:
+            lock = self._addr_locks.setdefault(addr, threading.Lock())
+        with lock:  # one fetch per address; rooms queued behind a failed fetch fail at once
+            with self._lock:
+                inst = self._instances.get(addr)
+                if inst is not None:
+                    return inst
+                failure = self._last_failure.get(addr)
+                if failure is not None and failure[0] >= started:
+                    raise TransferError(failure[1])
+            try:
+                inst = self._fetch(addr)
+            except PDError as e:
+                with self._lock:
+                    self._last_failure[addr] = (time.monotonic(), str(e))
+                raise
+            with self._lock:
+                self._instances[addr] = inst
+                self._last_failure.pop(addr, None)
+            return inst
+
+    def _fetch(self, addr: str) -> _Instance:
+        budget = max(1.0, self.env.heartbeat_interval * self.env.heartbeat_max_failure)
+        interval = min(1.0, budget / 5)
+        attempts, deadline = int(budget / interval) + 1, time.monotonic() + budget
+        info = self.client.get_info(addr, attempts, interval, deadline)
+        wire.check_compatible("prefill", int(info["page_size"]), str(info["kv_cache_dtype"]),
+                              self.kv)
+        if info.get("backend") and info["backend"] != self.backend_name:
+            raise ProtocolError(f"prefill {addr} uses transfer backend {info['backend']!r}, "
+                                f"decode uses {self.backend_name!r}; use the same on both")
+        targets, required_dst, responses = rank_mapping(
+            int(info["tp_size"]), self.tp_size, self.tp_rank, bool(info.get("is_mla")))
+        dp_size = int(info.get("dp_size") or 1)
+        ctrl: dict[tuple[int, int], str] = {}
+        for dp in range(dp_size):
+            for t in targets:
+                ip, port = self.client.get_rank(addr, dp, t, attempts, interval, deadline)
+                ctrl[(dp, t)] = f"tcp://{ip}:{port}"
+        assert self._register is not None, "start() must run before add()"
+        for a in ctrl.values():
+            if not self.ctrl.send(a, self._register):
+                raise TransferError(f"cannot reach prefill rank at {a} to register")
+        self.counters.add("registrations", len(ctrl))
+        log.info("registered with prefill %s (instance %s, P TP %s -> ranks %s)", addr,
+                 info.get("instance_id"), info["tp_size"], targets)
+        return _Instance(addr, str(info.get("instance_id", "")), dp_size, targets, required_dst,
+                         responses, ctrl)
+
+    # -- control plane (receive thread) ------------------------------------------------------
+    def _on_message(self, msg: wire.Message) -> None:
+        if isinstance(msg, wire.Status):
+            self._on_status(msg)
+        elif isinstance(msg, wire.AbortAck):
+            self.counters.add("abort_acks")
+            log.debug("room %d: abort acknowledged by prefill rank %d", msg.room, msg.rank)
+        else:
+            log.warning("decode: unexpected %s message dropped", type(msg).__name__)
+
+    def _on_status(self, msg: wire.Status) -> None:
+        done = False
+        with self._lock:
+            r = self._rooms.get(msg.room)
+            if r is None or r.fake or self.states.get(msg.room) in TERMINAL:
+                self.counters.add("stale_messages")
+                return
+            inst = r.inst
+            if msg.state == KVPoll.Success:
+                if inst is None or r.aux_slot < 0 or msg.rank not in inst.targets:
+                    log.warning("room %d: unexpected Success from prefill rank %d ignored",
+                                msg.room, msg.rank)
+                    return
+                r.responders.add(msg.rank)
+                r.aux_payload = msg.aux or r.aux_payload
+                done = len(r.responders) >= inst.responses
+        if msg.state == KVPoll.Failed:
+            self._fail(msg.room, f"prefill rank {msg.rank} failed: {msg.reason}", False)
+            if msg.code == wire.UNKNOWN_SESSION and inst is not None:
+                self._forget(r.addr, inst)  # P lost us (restart): the next request re-registers
+        elif done:
+            self._complete(r)
+
+    def _complete(self, r: _Room) -> None:
+        if r.aux_payload:
+            self.aux.write_raw(r.aux_slot, r.aux_payload)
+        row = self.aux.read(r.aux_slot)
+        if row.room != r.room:
+            self._fail(r.room, f"aux row in slot {r.aux_slot} carries room {row.room}, expected "
+                               f"{r.room} (not written or corrupted)", True)
+            return
+        if self.states.advance(r.room, KVPoll.Success):
+            self.counters.add("transfers")
+            log.debug("room %d: KV received", r.room)
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [room for room, r in self._rooms.items()
+                    if r.deadline is not None and now > r.deadline
+                    and self.states.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring)]
+        for room in late:
+            self._fail(room, f"waiting timeout: no KV from prefill within "
+                             f"{self.env.waiting_timeout:g}s", True)
+
+    # -- failures ------------------------------------------------------------------------------
+    def _fail(self, room: int, reason: str, tell_prefill: bool) -> None:
+        if not self.states.fail(room, reason):
+            return
+        self.counters.add("failures")
+        log.warning("room %d: failed: %s", room, reason)
+        with self._lock:
+            r = self._rooms.get(room)
+            inst = r.inst if r is not None else None
+        if tell_prefill and inst is not None:
+            self._send_abort(room, inst, reason)
+
+    def _send_abort(self, room: int, inst: _Instance, reason: str) -> None:
+        msg = wire.Abort(room=room, session=self.session, ctrl_addr=self.ctrl.addr,
+                         reason=reason)
+        dp = room % inst.dp_size
+        for t in inst.targets:
+            self.ctrl.send(inst.ctrl_addrs[(dp, t)], msg)
+
+    def _known_instances(self) -> dict[str, str]:
+        with self._lock:
+            return {a: i.instance_id for a, i in self._instances.items()}
+
+    def _forget(self, addr: str, inst: _Instance) -> None:
+        with self._lock:
+            if self._instances.get(addr) is not inst:
+                return
+            del self._instances[addr]
+        for a in inst.ctrl_addrs.values():
+            self.ctrl.drop(a)
+
+    def _lose(self, addr: str, reason: str) -> None:
+        """Heartbeat verdict: P at addr is gone (or restarted); fail everything waiting on it."""
+        with self._lock:
+            inst = self._instances.get(addr)
+            if inst is None:
+                return
+            rooms = [room for room, r in self._rooms.items()
+                     if r.inst is inst and self.states.get(room) not in TERMINAL]
+        self._forget(addr, inst)
+        self.counters.add("prefill_lost")
+        log.warning("%s: failing %d unfinished rooms", reason, len(rooms))
+        for room in rooms:
+            self._fail(room, reason, False)

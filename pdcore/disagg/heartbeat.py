@@ -1,0 +1,77 @@
+"""D's heartbeat toward every prefill instance it knows.
+
+Lifecycle:
+1. `start()` runs a daemon thread that, every `interval` seconds, GETs `/health` of each address
+   returned by `addresses()` (short connect/read timeouts, so a hung P cannot stall the loop);
+2. after `max_failure` consecutive failures it calls `on_lost(addr, reason)`; an answer carrying
+   another instance id than the one D resolved calls `on_lost(addr, "... restarted")` at once;
+3. `close()` stops the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from pdcore.disagg.bootstrap import BootstrapClient
+from pdcore.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    def __init__(self, interval: float, max_failure: int,
+                 addresses: Callable[[], dict[str, str]],
+                 on_lost: Callable[[str, str], None], token: str | None = None) -> None:
+        self.interval = interval
+        self.max_failure = max(1, max_failure)
+        timeout = min(2.0, max(0.2, interval))
+        self.client = BootstrapClient(connect_timeout=timeout,
+                                      read_timeout=min(3.0, max(0.2, interval)), token=token)
+        self._addresses, self._on_lost = addresses, on_lost
+        self._failures: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pd-heartbeat", daemon=True)
+        self.checks = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            known = self._addresses()  # addr -> instance id D resolved
+            for addr in list(self._failures):
+                if addr not in known:
+                    del self._failures[addr]
+            for addr, instance in known.items():
+                if self._stop.is_set():
+                    return
+                self._check(addr, instance)
+
+    def _check(self, addr: str, instance: str) -> None:
+        self.checks += 1
+        try:
+            got = self.client.health(addr)
+        except TransferError as e:
+            n = self._failures.get(addr, 0) + 1
+            self._failures[addr] = n
+            log.warning("heartbeat to prefill %s failed (%d/%d): %s", addr, n, self.max_failure, e)
+            if n >= self.max_failure:
+                self._failures.pop(addr, None)
+                self._safe_lost(addr, f"lost connection with prefill instance {addr}")
+            return
+        self._failures.pop(addr, None)
+        if got and instance and got != instance:
+            self._safe_lost(addr, f"prefill instance {addr} restarted")
+
+    def _safe_lost(self, addr: str, reason: str) -> None:
+        try:
+            self._on_lost(addr, reason)
+        except Exception:  # never let one callback error end the heartbeat
+            log.exception("heartbeat: on_lost(%s) raised", addr)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)

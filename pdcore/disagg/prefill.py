@@ -1,0 +1,496 @@
+"""Prefill-side KV manager (the sender): what P's scheduler drives, whatever the backend.
+
+Lifecycle:
+1. `__init__`: create the transfer backend, register KV regions and the aux region in one call,
+   pick the planner;
+2. `start()`: bind the control plane; rank 0 starts the bootstrap server; every rank registers
+   its control address there (`PUT /route`); start the sharded transfer workers;
+3. D registers (Register: validated, kept as a session); per request the scheduler `add(room)`s
+   (Bootstrapping, bootstrap timeout running); D's TransferInfo(s) arrive (pages validated) ->
+   WaitingForInput; the scheduler prefills and `send()`s each finished chunk -> Transferring; a
+   worker plans, bounds-checks and writes it; after the last chunk the aux row follows and
+   Status(Success) goes to every D rank of the room -> Success;
+4. any failure (bad message, backend error, timeout, abort from either side) -> Failed, with a
+   Status(Failed) to D; a backend error also marks the D session failed until it re-registers;
+5. `release(room)` forgets the room; `close()` stops workers, control plane, server, backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import numpy as np
+
+from pdcore.config import DisaggEnv, ServerArgs
+from pdcore.disagg import wire
+from pdcore.disagg.aux import AuxBuffers
+from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
+from pdcore.disagg.common import (
+    FAKE_BOOTSTRAP_HOST,
+    UNBOUNDED_PAGES,
+    ControlPlane,
+    Counters,
+    advertised_host,
+    make_backend,
+    make_planner,
+)
+from pdcore.disagg.prefill_rooms import Chunk, Dest, Pending, RoomState
+from pdcore.disagg.sessions import DecodeSession, parse_register
+from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
+from pdcore.disagg.workers import ShardedWorkers
+from pdcore.errors import ProtocolError, TransferError
+from pdcore.interfaces.planner import KVLayout
+from pdcore.interfaces.transfer import CopyBatch, MemoryRegion
+
+log = logging.getLogger(__name__)
+
+
+class PrefillKVManager:
+    def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
+                 kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.args, self.env, self.kv, self.aux = args, env, kv, aux
+        self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
+        self.token = args.disaggregation_auth_token or None
+        self.backend = make_backend(backend_name, "prefill", args, env, tp_rank, tp_size)
+        self.backend.register(list(kv_regions) + [aux.region])
+        self.planner = make_planner(env)
+        self.states = RoomStates()
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._rooms: dict[int, RoomState] = {}
+        self._pending: dict[int, Pending] = {}
+        self._tombstones: dict[int, tuple[str, float]] = {}  # released failed rooms
+        self._sessions: dict[str, DecodeSession] = {}
+        self._rejected: dict[str, str] = {}  # session -> why its registration was refused
+        self.ctrl = ControlPlane(args.host, self.token, f"prefill{tp_rank}", self._on_message,
+                                 self._on_tick)
+        self.workers = ShardedWorkers(env.queue_size, env.thread_pool_size, self._run_chunk,
+                                      label=f"pd-p{tp_rank}-xfer")
+        self.bootstrap: BootstrapServer | None = None
+        # rank 0 serves the bootstrap; on multi-node P the other nodes reach it at the
+        # --dist-init-addr host (as in SGLang)
+        boot_host = advertised_host(args.host)
+        if args.nnodes > 1 and args.dist_init_addr:
+            boot_host = args.dist_init_addr.rpartition(":")[0] or boot_host
+        self.bootstrap_addr = f"{boot_host}:{args.disaggregation_bootstrap_port}"
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        addr = self.ctrl.start()
+        if self.tp_rank == 0:
+            self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
+                                             self.token)
+            self.bootstrap.start()
+            host = self.bootstrap_addr.rpartition(":")[0]
+            self.bootstrap_addr = f"{host}:{self.bootstrap.port}"
+        host, _, port = addr.removeprefix("tcp://").rpartition(":")
+        BootstrapClient(token=self.token).put_route(self.bootstrap_addr, {
+            "rank_ip": host, "rank_port": int(port), "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1, "page_size": self.kv.page_size,
+            "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
+            "total_kv_heads": self.kv.total_kv_heads or self.kv.kv_heads * self.tp_size,
+            "backend": self.backend_name}, attempts=20, interval=0.25)
+        self.workers.start()
+        log.info("prefill KV manager rank %d/%d: control %s, bootstrap %s, backend %s",
+                 self.tp_rank, self.tp_size, addr, self.bootstrap_addr, self.backend_name)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:  # tell D now rather than letting its rooms run into timeouts
+            rooms = [r for r in self._rooms if self.states.get(r) not in TERMINAL]
+        for room in rooms:
+            self._fail(room, "prefill server is shutting down")
+        self.backend.close()  # unblocks workers waiting on in-flight writes
+        self.workers.close()
+        self.ctrl.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+
+    # -- scheduler API ---------------------------------------------------------------------
+    def add(self, room: int, bootstrap_host: str | None = None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if bootstrap_host == FAKE_BOOTSTRAP_HOST:
+                self._rooms[room] = RoomState(room, deadline=float("inf"), fake=True)
+                self.states.create(room, KVPoll.WaitingForInput)
+                return
+            r = RoomState(room, deadline=now + self.env.bootstrap_timeout)
+            self._rooms[room] = r
+            self.states.create(room, KVPoll.Bootstrapping)
+            self._tombstones.pop(room, None)
+            pending = self._pending.pop(room, None)
+            if pending is not None:
+                r.dests, r.required = pending.dests, pending.required
+                if pending.failure:
+                    self._fail(room, pending.failure)
+                else:
+                    self._maybe_ready(r)
+        log.debug("room %d: added", room)
+
+    def poll(self, room: int) -> KVPoll:
+        state = self.states.get(room)
+        if state is None:
+            return KVPoll.Failed
+        if (self.env.test_failure_prob > 0 and state not in TERMINAL
+                and random.random() < self.env.test_failure_prob):
+            self._fail(room, "injected failure (DISAGGREGATION_TEST_FAILURE_PROB)")
+            return KVPoll.Failed
+        return state
+
+    def failure_reason(self, room: int) -> str:
+        if not self.states.exists(room):
+            return f"room {room} is not known to this prefill KV manager"
+        return self.states.reason(room)
+
+    def dest_page_count(self, room: int) -> int:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                return 0
+            if r.fake:
+                return UNBOUNDED_PAGES
+            return min((len(d.pages) for d in r.dests.values()), default=0)
+
+    def send(self, room: int, src_pages: np.ndarray, page_start: int, is_last: bool,
+             aux_slot: int | None) -> None:
+        pages = np.asarray(src_pages, dtype=np.int64).ravel()
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                raise TransferError(f"send() for room {room} that was never added", room)
+            state = self.states.get(room)
+            if r.fake:
+                if is_last:
+                    self.states.advance(room, KVPoll.Success)
+                return
+            if state is KVPoll.Failed:
+                return  # the scheduler sees Failed on its next poll
+            if state is KVPoll.Bootstrapping:
+                raise TransferError(f"room {room}: send() before decode's destination pages "
+                                    f"arrived; wait until poll() >= WaitingForInput", room)
+            if r.last_queued:
+                raise TransferError(f"room {room}: send() after the last chunk", room)
+            why = self._check_chunk(r, pages, page_start)
+            if why:
+                self._fail(room, why)
+                return
+            if is_last and aux_slot is not None and not 0 <= aux_slot < self.aux.num_slots:
+                self._fail(room, f"prefill aux slot {aux_slot} out of range")
+                return
+            self.states.advance(room, KVPoll.Transferring)
+            r.inflight += 1
+            r.last_queued = is_last
+            r.final_aux = aux_slot if is_last else None
+            r.deadline = time.monotonic() + self.env.waiting_timeout
+            key = next(iter(r.dests))
+        self.workers.submit(key, Chunk(room, pages, page_start, is_last))
+
+    def abort(self, room: int, reason: str) -> None:
+        self._fail(room, f"aborted by prefill: {reason}", code="aborted")
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+            self._pending.pop(room, None)
+            if self.states.get(room) is KVPoll.Failed:
+                self._tombstones[room] = (self.states.reason(room), time.monotonic())
+            self.states.remove(room)
+
+    def is_fake(self, room: int) -> bool:
+        with self._lock:
+            r = self._rooms.get(room)
+            return bool(r and r.fake)
+
+    def metrics(self) -> dict:
+        out = self.counters.snapshot()
+        out.update(self.ctrl.counters.snapshot())
+        with self._lock:
+            out["sessions"] = len(self._sessions)
+            out["failed_sessions"] = sum(1 for s in self._sessions.values() if s.failed)
+        out["inflight_rooms"] = self.states.count(KVPoll.Bootstrapping, KVPoll.WaitingForInput,
+                                                  KVPoll.Transferring)
+        out["queued_chunks"] = self.workers.pending()
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_chunk(r: RoomState, pages: np.ndarray, page_start: int) -> str:
+        for d in r.dests.values():
+            if page_start < 0 or page_start + len(pages) > len(d.pages):
+                return (f"chunk pages [{page_start}, {page_start + len(pages)}) exceed the "
+                        f"{len(d.pages)} pages decode rank {d.rank} reserved")
+        return ""
+
+    def _fail(self, room: int, reason: str, code: str = "", notify: bool = True) -> None:
+        if not self.states.fail(room, reason):
+            return
+        self.counters.add("failures")
+        log.warning("room %d: failed: %s", room, reason)
+        with self._lock:
+            r = self._rooms.get(room)
+            dests = list(r.dests.values()) if r is not None else []
+        if notify:
+            for d in dests:
+                self.ctrl.send(d.ctrl_addr, wire.Status(room=room, state=int(KVPoll.Failed),
+                                                        rank=self.tp_rank, reason=reason,
+                                                        code=code))
+
+    def _maybe_ready(self, r: RoomState) -> None:
+        if len(r.dests) >= r.required and self.states.advance(r.room, KVPoll.WaitingForInput):
+            r.deadline = time.monotonic() + self.env.waiting_timeout
+            log.debug("room %d: destination known (%d pages)", r.room,
+                      min(len(d.pages) for d in r.dests.values()))
+
+    def _reply_failed(self, addr: str, room: int, reason: str, code: str = "") -> None:
+        self.ctrl.send(addr, wire.Status(room=room, state=int(KVPoll.Failed), rank=self.tp_rank,
+                                         reason=reason, code=code))
+
+    # -- control plane (receive thread) ------------------------------------------------------
+    def _on_message(self, msg: wire.Message) -> None:
+        if isinstance(msg, wire.TransferInfo):
+            self._on_transfer_info(msg)
+        elif isinstance(msg, wire.Register):
+            self._on_register(msg)
+        elif isinstance(msg, wire.Abort):
+            self._on_abort(msg)
+        else:
+            log.warning("prefill: unexpected %s message dropped", type(msg).__name__)
+
+    def _on_register(self, msg: wire.Register) -> None:
+        try:
+            sess = parse_register(msg, self.kv, self.backend_name, self.aux.row_bytes,
+                                  self.planner)
+        except ProtocolError as e:
+            with self._lock:
+                self._rejected[msg.session] = str(e)
+            self.counters.add("rejected_registrations")
+            log.warning("rejected registration of decode session %s: %s", msg.session, e)
+            return
+        with self._lock:
+            old = self._sessions.get(msg.session)
+            if old is not None and old.reg.endpoint == msg.endpoint and old.layout == sess.layout:
+                old.failed, old.reg = "", msg  # same D again (it lost and found us): keep peer
+                return
+            self._sessions[msg.session] = sess
+            self._rejected.pop(msg.session, None)
+        if old is not None and old.peer is not None:
+            self.backend.disconnect(old.peer)
+        log.info("decode session %s (rank %d/%d, %d pages) registered", msg.session, msg.rank,
+                 msg.tp_size, sess.layout.num_pages)
+
+    def _on_transfer_info(self, msg: wire.TransferInfo) -> None:
+        code, why = "", ""
+        with self._lock:
+            sess = self._sessions.get(msg.session)
+            if sess is None:
+                why = self._rejected.get(msg.session, "")
+                if not why:
+                    code = wire.UNKNOWN_SESSION
+                    why = (f"decode session {msg.session} is not registered here (prefill "
+                           f"restarted?); decode re-registers on its next request")
+            elif sess.failed:
+                why = f"decode session {msg.session} failed earlier: {sess.failed}"
+            pages = np.zeros(0, dtype=np.int64)
+            if not why:
+                try:
+                    pages = msg.pages()
+                except ProtocolError as e:
+                    why = str(e)
+            if not why:
+                why = sess.check_pages(pages) or sess.check_aux_slot(msg.aux_slot)
+            if not why and msg.required < 1:
+                why = f"required TransferInfo count {msg.required} < 1"
+            dest = Dest(msg.session, msg.ctrl_addr, msg.rank, pages, msg.aux_slot)
+            r = self._rooms.get(msg.room)
+            if r is None:
+                tomb = self._tombstones.get(msg.room)
+                if tomb is not None:
+                    why = why or tomb[0]
+                else:
+                    p = self._pending.setdefault(msg.room, Pending(time.monotonic()))
+                    p.required = msg.required
+                    if why:
+                        p.failure = p.failure or why
+                    else:
+                        p.dests[msg.session] = dest
+                if why:
+                    self._reply_failed(msg.ctrl_addr, msg.room, why, code)
+                return
+            r.dests[msg.session] = dest
+            r.required = msg.required
+            if self.states.get(msg.room) is KVPoll.Failed:
+                self._reply_failed(msg.ctrl_addr, msg.room, self.states.reason(msg.room))
+                return
+        if why:
+            log.warning("room %d: invalid transfer info from %s: %s", msg.room, msg.session, why)
+            self._fail(msg.room, why, code)
+            return
+        self._maybe_ready(r)
+
+    def _on_abort(self, msg: wire.Abort) -> None:
+        reason = f"aborted by decode: {msg.reason or 'no reason given'}"
+        with self._lock:
+            r = self._rooms.get(msg.room)
+            if r is None:
+                if msg.room not in self._tombstones:
+                    p = self._pending.setdefault(msg.room, Pending(time.monotonic()))
+                    p.failure = p.failure or reason
+                ack_now = True
+            else:
+                ack_now = r.inflight == 0
+                if not ack_now:  # ack once no write into D's pages is in flight any more
+                    r.abort_acks.append(msg.ctrl_addr)
+        self._fail(msg.room, reason, notify=False)
+        if ack_now:
+            self.ctrl.send(msg.ctrl_addr, wire.AbortAck(room=msg.room, rank=self.tp_rank))
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        expired: list[tuple[int, str]] = []
+        with self._lock:
+            for room, r in self._rooms.items():
+                if now <= r.deadline:
+                    continue
+                state = self.states.get(room)
+                if state is KVPoll.Bootstrapping:
+                    expired.append((room, (
+                        f"bootstrap timeout: decode sent no destination pages within "
+                        f"{self.env.bootstrap_timeout:g}s (decode could not pre-allocate, never "
+                        f"got the request, or is dead)")))
+                elif state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                    expired.append((room, (
+                        f"waiting timeout: no transfer progress for {self.env.waiting_timeout:g}s")))
+            keep = self.env.bootstrap_entry_cleanup_interval
+            for room in [k for k, p in self._pending.items() if now - p.created > keep]:
+                del self._pending[room]
+            for room in [k for k, t in self._tombstones.items() if now - t[1] > keep]:
+                del self._tombstones[room]
+            busy = {key for r in self._rooms.values() for key in r.dests}
+            dead = [s for k, s in self._sessions.items()
+                    if s.failed and k not in busy and now - s.failed_at > keep]
+            for sess in dead:  # a failed D that never came back
+                del self._sessions[sess.key]
+        for sess in dead:
+            if sess.peer is not None:
+                self.backend.disconnect(sess.peer)
+        for room, why in expired:
+            self._fail(room, why)
+
+    # -- transfer workers ------------------------------------------------------------------
+    def _run_chunk(self, job: Chunk) -> None:
+        ok = True
+        try:
+            with self._lock:
+                r = self._rooms.get(job.room)
+                dests = list(r.dests.values()) if r is not None else []
+            if r is None or self.states.get(job.room) is KVPoll.Failed:
+                ok = False
+                return
+            for d in dests:
+                sess = self._session(d.session)
+                if len(job.src_pages) == 0:
+                    continue
+                dst = d.pages[job.page_start: job.page_start + len(job.src_pages)]
+                batch = self.planner.plan(self.kv, sess.layout, job.src_pages, dst)
+                sess.check_kv_batch(batch)
+                self._write(sess, batch, job.room)
+                self.counters.add("bytes", batch.nbytes)
+            self.counters.add("chunks")
+        except TransferError as e:
+            ok = False
+            self._fail(job.room, str(e))
+        except Exception as e:  # a planner bug must fail the room, not hang it
+            ok = False
+            log.exception("room %d: chunk transfer raised", job.room)
+            self._fail(job.room, f"chunk transfer raised {type(e).__name__}: {e}")
+        finally:
+            self._chunk_done(job, ok)
+
+    def _chunk_done(self, job: Chunk, ok: bool) -> None:
+        with self._lock:
+            r = self._rooms.get(job.room)
+            if r is None:
+                return
+            r.inflight -= 1
+            r.deadline = time.monotonic() + self.env.waiting_timeout  # progress
+            acks = r.abort_acks if r.inflight == 0 else []
+            if acks:
+                r.abort_acks = []
+            final = ok and r.last_queued and r.inflight == 0
+            dests = list(r.dests.values())
+            aux_slot = r.final_aux
+        for addr in acks:
+            self.ctrl.send(addr, wire.AbortAck(room=job.room, rank=self.tp_rank))
+        if final and self.states.get(job.room) is not KVPoll.Failed:
+            self._finish(job.room, dests, aux_slot)
+
+    def _finish(self, room: int, dests: list[Dest], aux_slot: int | None) -> None:
+        """All chunks landed: copy the aux row to each D rank, then report Success."""
+        moves = self.backend.capabilities.moves_data
+        try:
+            payloads: dict[str, bytes] = {}
+            for d in dests:
+                payloads[d.session] = b""
+                if aux_slot is None or d.aux_slot == wire.NO_AUX_SLOT:
+                    continue
+                if not moves:  # the backend moves nothing: the row rides on the Status
+                    payloads[d.session] = self.aux.raw(aux_slot)
+                    continue
+                sess = self._session(d.session)
+                n = np.array([self.aux.row_bytes], dtype=np.uint64)
+                batch = CopyBatch(np.array([self.aux.slot_addr(aux_slot)], dtype=np.uint64),
+                                  np.array([sess.aux_addr(d.aux_slot)], dtype=np.uint64), n)
+                self._write(sess, batch, room)
+        except TransferError as e:
+            self._fail(room, str(e))
+            return
+        if self.states.get(room) is KVPoll.Failed:  # aborted meanwhile
+            return
+        for d in dests:
+            sent = self.ctrl.send(d.ctrl_addr, wire.Status(
+                room=room, state=int(KVPoll.Success), rank=self.tp_rank, aux=payloads[d.session]))
+            if not sent:
+                self._fail(room, f"cannot reach decode rank {d.rank} at {d.ctrl_addr}", "",
+                           notify=False)
+                return
+        if self.states.advance(room, KVPoll.Success):
+            self.counters.add("transfers")
+            log.debug("room %d: transferred", room)
+
+    def _session(self, key: str) -> DecodeSession:
+        with self._lock:
+            sess = self._sessions.get(key)
+        if sess is None:
+            raise TransferError(f"decode session {key} is gone (it re-registered or was dropped)")
+        if sess.failed:
+            raise TransferError(f"decode session {key} failed earlier: {sess.failed} "
+                                f"(decode could be dead)")
+        return sess
+
+    def _write(self, sess: DecodeSession, batch: CopyBatch, room: int) -> None:
+        try:
+            sess.write(self.backend, batch, self.env.waiting_timeout)
+        except TransferError as e:
+            self._fail_session(sess, str(e))
+            raise TransferError(f"transfer to decode session {sess.key} failed: {e}",
+                                room) from None
+
+    def _fail_session(self, sess: DecodeSession, why: str) -> None:
+        """Mark a D session failed and fail every unfinished room that writes into it."""
+        with self._lock:
+            if not sess.failed:
+                sess.failed, sess.failed_at = why, time.monotonic()
+            rooms = [room for room, r in self._rooms.items() if sess.key in r.dests]
+        self.counters.add("session_failures")
+        log.warning("decode session %s marked failed: %s", sess.key, why)
+        for room in rooms:
+            if self.states.get(room) not in TERMINAL:
+                self._fail(room, f"transfer to decode session {sess.key} failed: {why} "
+                                 f"(decode could be dead)")

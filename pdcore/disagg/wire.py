@@ -1,0 +1,146 @@
+"""Control-plane messages between decode (D) and prefill (P) KV managers.
+
+Every message is a msgspec Struct encoded as a msgpack map with a type tag `t`, the protocol
+version `v` and the shared auth token `token` (empty when none is configured). Decoding first
+reads only the header: a different version or a wrong token is a ProtocolError before any field
+is interpreted, so a foreign or hostile sender can never make a manager act.
+
+D -> P: Register (once per P rank per P instance), TransferInfo (per room), Abort.
+P -> D: Status (per room: Success / Failed, optional aux row payload), AbortAck.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pdcore.errors import ProtocolError
+from pdcore.interfaces.planner import KVLayout
+
+PROTOCOL_VERSION = 1
+NO_AUX_SLOT = -1
+
+
+class _Msg(msgspec.Struct, tag_field="t", kw_only=True):
+    v: int = PROTOCOL_VERSION
+    token: str = ""
+
+
+class Register(_Msg, tag="register"):
+    """D rank -> P rank: how to reach D's memory. Re-sent after a P restart."""
+
+    session: str  # unique per D manager instance (a restarted D has a new one)
+    ctrl_addr: str  # tcp://ip:port of D's PULL socket
+    backend: str  # D's transfer backend name; P must use the same
+    endpoint: bytes  # backend endpoint / metadata blob
+    layout: dict[str, Any]  # KVLayout.to_dict()
+    regions: list[dict[str, Any]]  # D's KV MemoryRegion.to_dict()s
+    aux_region: dict[str, Any]
+    aux_row_bytes: int
+    aux_slots: int
+    rank: int
+    tp_size: int
+    page_size: int
+    dtype: str
+
+
+class TransferInfo(_Msg, tag="transfer_info"):
+    """D rank -> P rank: the pages and aux slot D reserved for a room."""
+
+    room: int
+    session: str
+    ctrl_addr: str
+    rank: int
+    dst_pages: bytes  # little-endian int32 page indices
+    aux_slot: int = NO_AUX_SLOT
+    required: int = 1  # TransferInfos this P rank needs for the room (D TP > P TP)
+
+    def pages(self) -> np.ndarray:
+        if len(self.dst_pages) % 4:
+            raise ProtocolError("TransferInfo.dst_pages is not a whole number of int32 values")
+        return np.frombuffer(self.dst_pages, dtype="<i4").astype(np.int64)
+
+
+class Abort(_Msg, tag="abort"):
+    room: int
+    session: str
+    ctrl_addr: str
+    reason: str = ""
+
+
+class Status(_Msg, tag="status"):
+    """P rank -> D rank. `aux` carries the aux row when the backend moves no data."""
+
+    room: int
+    state: int  # KVPoll value
+    rank: int
+    reason: str = ""
+    code: str = ""  # machine-readable cause, e.g. UNKNOWN_SESSION
+    aux: bytes = b""
+
+
+class AbortAck(_Msg, tag="abort_ack"):
+    room: int
+    rank: int
+
+
+Message = Register | TransferInfo | Abort | Status | AbortAck
+UNKNOWN_SESSION = "unknown_session"  # Status.code: P does not know D's session (P restarted)
+
+
+class _Header(msgspec.Struct):
+    t: str = ""
+    v: int = -1
+    token: str = ""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header = msgspec.msgpack.Decoder(_Header)
+_full = msgspec.msgpack.Decoder(Message)
+
+
+def encode_pages(pages: np.ndarray) -> bytes:
+    arr = np.asarray(pages)
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError("page indices must be in [0, 2^31)")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def encode(msg: Message, token: str | None = None) -> bytes:
+    if token:
+        msg = msgspec.structs.replace(msg, token=token)
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, token: str | None = None) -> Message:
+    """Parse one message. ProtocolError on garbage, another version, or a wrong token."""
+    try:
+        head = _header.decode(data)
+    except (msgspec.DecodeError, TypeError) as e:
+        raise ProtocolError(f"malformed control message ({e})") from None
+    if head.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"control message {head.t!r} speaks protocol version {head.v}, this server speaks "
+            f"{PROTOCOL_VERSION}; run the same pdserve version on prefill and decode")
+    if token and not hmac.compare_digest(head.token.encode(), token.encode()):
+        raise ProtocolError(f"control message {head.t!r} carries a wrong or missing auth token; "
+                            f"give both servers the same --disaggregation-auth-token")
+    try:
+        return _full.decode(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"malformed control message {head.t!r}: {e}") from None
+
+
+def check_compatible(role: str, peer_page_size: int, peer_dtype: str, local: KVLayout) -> None:
+    """Page size and KV dtype must match on both sides (the pages are copied byte for byte)."""
+    if peer_page_size != local.page_size:
+        raise ProtocolError(
+            f"{role} page size {peer_page_size} != local page size {local.page_size}; start "
+            f"prefill and decode with the same --page-size")
+    if str(peer_dtype) != str(local.dtype):
+        raise ProtocolError(
+            f"{role} KV dtype {peer_dtype} != local KV dtype {local.dtype}; start prefill and "
+            f"decode with the same --dtype")

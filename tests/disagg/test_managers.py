@@ -1,0 +1,268 @@
+"""Prefill and decode KV managers in one process, real tcp backend and sockets on loopback."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from pd_disagg_util import (
+    TestKV,
+    decode,
+    free_port,
+    make_env,
+    prefill,
+    wait_for,
+)
+
+from pdcore.disagg import wire
+from pdcore.disagg.aux import AuxRow
+from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, UNBOUNDED_PAGES
+from pdcore.disagg.decode import DecodeKVManager
+from pdcore.disagg.prefill import PrefillKVManager
+from pdcore.disagg.states import KVPoll
+
+ROW = AuxRow(room=0, first_token_id=42, logprob=-0.25, top_ids=(42, 3), top_logprobs=(-0.25, -3.0),
+             cached_tokens=2, prompt_tokens=13)
+
+
+@dataclasses.dataclass
+class PD:
+    pkv: TestKV
+    p: PrefillKVManager
+    dkv: TestKV
+    d: DecodeKVManager
+    port: int
+
+
+@pytest.fixture
+def pd():
+    """(P kv, P manager, D kv, D manager, bootstrap port) on tcp; closed afterwards."""
+    made = []
+
+    def build(p_env=None, d_env=None, backend="tcp", p_token=None, d_token=None):
+        port = free_port()
+        pkv, dkv = TestKV(seed=1), TestKV()
+        p = prefill(pkv, port, make_env(**(p_env or {})), backend, p_token)
+        made.append(p)
+        d = decode(dkv, make_env(**(d_env or {})), backend, d_token)
+        made.append(d)
+        return PD(pkv, p, dkv, d, port)
+
+    yield build
+    for m in reversed(made):
+        m.close()
+
+
+def run_room(s: PD, room, src, dst, chunks=2, p=None, pkv=None):
+    p, pkv, dkv, d, port = p or s.p, pkv or s.pkv, s.dkv, s.d, s.port
+    p.add(room)
+    d.add(room, "127.0.0.1", port)
+    wait_for(lambda room=room: d.poll(room) == KVPoll.WaitingForInput, what="decode resolved prefill")
+    d_slot = dkv.aux.alloc()
+    d.send_transfer_info(room, np.array(dst), d_slot)
+    assert d.poll(room) == KVPoll.Transferring
+    wait_for(lambda room=room: p.poll(room) == KVPoll.WaitingForInput, what="prefill got pages")
+    assert p.dest_page_count(room) == len(dst)
+    p_slot = pkv.aux.alloc()
+    pkv.aux.write(p_slot, dataclasses.replace(ROW, room=room))
+    bounds = np.linspace(0, len(src), chunks + 1).astype(int)
+    for i in range(chunks):
+        a, b = bounds[i], bounds[i + 1]
+        p.send(room, np.array(src[a:b]), int(a), i == chunks - 1, p_slot if i == chunks - 1 else None)
+    wait_for(lambda room=room: d.poll(room) in (KVPoll.Success, KVPoll.Failed), what="decode done")
+    assert d.poll(room) == KVPoll.Success, d.failure_reason(room)
+    wait_for(lambda room=room: p.poll(room) == KVPoll.Success, what="prefill success")
+    return d_slot, p_slot
+
+
+def test_same_tp_transfer_and_aux(pd):
+    s = pd()
+    src, dst = [0, 1, 2, 7, 8], [10, 11, 3, 4, 20]
+    d_slot, _ = run_room(s, 77, src, dst)
+    np.testing.assert_array_equal(s.dkv.dump(dst), s.pkv.dump(src))
+    assert s.dkv.all_zero_except(dst)
+    row = s.dkv.aux.read(d_slot)
+    assert row.room == 77 and row.first_token_id == 42 and row.top_ids == (42, 3)
+    assert row.top_logprobs == (-0.25, -3.0) and row.cached_tokens == 2
+    m = s.p.metrics()
+    assert m["transfers"] == 1 and m["chunks"] == 2 and m["bytes"] > 0
+    assert s.d.metrics()["transfers"] == 1 and s.d.metrics()["registrations"] == 1
+    # a second room reuses the cached topology and registration
+    run_room(s, 78, [3], [30], chunks=1)
+    assert s.d.metrics()["registrations"] == 1
+    np.testing.assert_array_equal(s.dkv.dump([30]), s.pkv.dump([3]))
+
+
+def test_transfer_info_before_prefill_add(pd):
+    s = pd()
+    s.d.add(5, "127.0.0.1", s.port)
+    wait_for(lambda: s.d.poll(5) == KVPoll.WaitingForInput)
+    s.d.send_transfer_info(5, np.array([1, 2]), s.dkv.aux.alloc())
+    wait_for(lambda: s.p.metrics().get("received_messages", 0) >= 2, what="P got the info")
+    s.p.add(5)  # the scheduler sees the request after D's info arrived
+    assert s.p.poll(5) == KVPoll.WaitingForInput and s.p.dest_page_count(5) == 2
+
+
+def test_out_of_range_page_fails_and_writes_nothing(pd):
+    s = pd()
+    s.p.add(9)
+    s.d.add(9, "127.0.0.1", s.port)
+    wait_for(lambda: s.d.poll(9) == KVPoll.WaitingForInput)
+    # a hostile / buggy TransferInfo straight onto the wire, bypassing D's own checks
+    addr = next(iter(s.d._instances.values())).ctrl_addrs[(0, 0)]
+    s.d.ctrl.send(addr, wire.TransferInfo(room=9, session=s.d.session, ctrl_addr=s.d.ctrl.addr, rank=0,
+                                        dst_pages=np.array([1, 32], "<i4").tobytes(), aux_slot=0))
+    wait_for(lambda: s.p.poll(9) == KVPoll.Failed, what="prefill rejects the pages")
+    assert "outside decode's pool of 32 pages" in s.p.failure_reason(9)
+    s.p.send(9, np.array([0, 1]), 0, True, None)  # failed room: a no-op, nothing is queued
+    assert s.p.metrics().get("chunks", 0) == 0
+    assert s.dkv.all_zero_except([])
+
+
+def test_bad_aux_slot_fails(pd):
+    s = pd()
+    s.p.add(10)
+    s.d.add(10, "127.0.0.1", s.port)
+    wait_for(lambda: s.d.poll(10) == KVPoll.WaitingForInput)
+    addr = next(iter(s.d._instances.values())).ctrl_addrs[(0, 0)]
+    s.d.ctrl.send(addr, wire.TransferInfo(room=10, session=s.d.session, ctrl_addr=s.d.ctrl.addr, rank=0,
+                                        dst_pages=np.array([1], "<i4").tobytes(), aux_slot=99))
+    wait_for(lambda: s.p.poll(10) == KVPoll.Failed)
+    assert "aux slot 99" in s.p.failure_reason(10)
+
+
+def test_chunk_beyond_reserved_pages_fails(pd):
+    s = pd()
+    s.p.add(11)
+    s.d.add(11, "127.0.0.1", s.port)
+    wait_for(lambda: s.d.poll(11) == KVPoll.WaitingForInput)
+    s.d.send_transfer_info(11, np.array([4, 5]), s.dkv.aux.alloc())
+    wait_for(lambda: s.p.poll(11) == KVPoll.WaitingForInput)
+    s.p.send(11, np.array([0, 1, 2]), 0, True, None)
+    assert s.p.poll(11) == KVPoll.Failed and "exceed the 2 pages" in s.p.failure_reason(11)
+    wait_for(lambda: s.d.poll(11) == KVPoll.Failed, what="decode told")
+    assert s.dkv.all_zero_except([])
+
+
+def test_wrong_token_rejected_nothing_written(pd):
+    s = pd(p_token="secret", d_token="wrong")
+    s.p.add(12)
+    s.d.add(12, "127.0.0.1", s.port)
+    wait_for(lambda: s.d.poll(12) == KVPoll.WaitingForInput)
+    s.d.send_transfer_info(12, np.array([1]), s.dkv.aux.alloc())
+    wait_for(lambda: s.p.metrics().get("rejected_messages", 0) >= 2, what="register+info rejected")
+    assert s.p.poll(12) == KVPoll.Bootstrapping
+    assert s.p.metrics()["sessions"] == 0 and s.p.metrics().get("received_messages", 0) == 0
+    assert s.dkv.all_zero_except([])
+
+
+def test_matching_token_works(pd):
+    s = pd(p_token="secret", d_token="secret")
+    run_room(s, 13, [1], [2], chunks=1)
+    np.testing.assert_array_equal(s.dkv.dump([2]), s.pkv.dump([1]))
+
+
+def test_bootstrap_timeout(pd):
+    s = pd(p_env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "0.4"})
+    s.p.add(14)
+    assert s.p.poll(14) == KVPoll.Bootstrapping
+    wait_for(lambda: s.p.poll(14) == KVPoll.Failed, timeout=5)
+    assert "bootstrap timeout" in s.p.failure_reason(14)
+    s.p.release(14)
+    assert s.p.metrics()["inflight_rooms"] == 0
+
+
+def test_decode_waiting_timeout_sends_abort(pd):
+    s = pd(d_env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "0.5"})
+    s.p.add(15)
+    s.d.add(15, "127.0.0.1", s.port)
+    wait_for(lambda: s.d.poll(15) == KVPoll.WaitingForInput)
+    s.d.send_transfer_info(15, np.array([1]), s.dkv.aux.alloc())
+    wait_for(lambda: s.d.poll(15) == KVPoll.Failed, timeout=5)  # P never sends (Transferring)
+    assert "waiting timeout" in s.d.failure_reason(15)
+    wait_for(lambda: s.p.poll(15) == KVPoll.Failed, what="abort reached prefill")
+    assert "aborted by decode" in s.p.failure_reason(15)
+    wait_for(lambda: s.d.metrics().get("abort_acks", 0) == 1, what="abort ack")
+
+
+def test_abort_from_decode_and_from_prefill(pd):
+    s = pd()
+    for room in (16, 17):
+        s.p.add(room)
+        s.d.add(room, "127.0.0.1", s.port)
+        wait_for(lambda room=room: s.d.poll(room) == KVPoll.WaitingForInput)
+        s.d.send_transfer_info(room, np.array([room]), s.dkv.aux.alloc())
+        wait_for(lambda room=room: s.p.poll(room) == KVPoll.WaitingForInput)
+    s.d.abort(16, "client went away")
+    wait_for(lambda: s.p.poll(16) == KVPoll.Failed)
+    assert "client went away" in s.p.failure_reason(16)
+    s.p.abort(17, "prompt too long")
+    wait_for(lambda: s.d.poll(17) == KVPoll.Failed)
+    assert "prompt too long" in s.d.failure_reason(17)
+    # status only moves up, Failed stays; a late message does not resurrect released rooms
+    s.d.release(17)
+    assert s.d.poll(17) == KVPoll.Failed and "not known" in s.d.failure_reason(17)
+
+
+def test_fake_bootstrap_host(pd):
+    s = pd()
+    s.p.add(0, FAKE_BOOTSTRAP_HOST)
+    s.d.add(0, FAKE_BOOTSTRAP_HOST, s.port)
+    assert s.p.poll(0) == KVPoll.WaitingForInput and s.d.poll(0) == KVPoll.WaitingForInput
+    assert s.p.dest_page_count(0) == UNBOUNDED_PAGES and s.p.is_fake(0) and s.d.is_fake(0)
+    slot = s.dkv.aux.alloc()
+    s.d.send_transfer_info(0, np.array([1, 2]), slot)
+    assert s.d.poll(0) == KVPoll.Success and s.dkv.aux.read(slot).room == 0
+    s.p.send(0, np.array([0, 1]), 0, True, None)
+    assert s.p.poll(0) == KVPoll.Success
+    assert s.dkv.all_zero_except([]) and s.p.metrics().get("received_messages", 0) == 0
+
+
+def test_fake_backend_runs_control_plane(pd):
+    s = pd(backend="fake")
+    d_slot, _ = run_room(s, 18, [0, 1], [5, 6])
+    assert s.dkv.all_zero_except([])  # no KV moved
+    assert s.dkv.aux.read(d_slot).first_token_id == 42  # aux row rode on the Status message
+
+
+def test_unreachable_prefill_fails_bootstrap(pd):
+    s = pd(d_env={"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.2"})
+    dead = free_port()
+    s.d.add(19, "127.0.0.1", dead)
+    s.d.add(20, "127.0.0.1", dead)
+    wait_for(lambda: s.d.poll(19) == KVPoll.Failed and s.d.poll(20) == KVPoll.Failed, timeout=8)
+    assert "cannot bootstrap with prefill" in s.d.failure_reason(19)
+
+
+def test_prefill_restart_on_same_port_is_picked_up(pd):
+    s = pd()
+    run_room(s, 30, [1], [2], chunks=1)
+    s.p.add(31)
+    s.d.add(31, "127.0.0.1", s.port)
+    wait_for(lambda: s.d.poll(31) == KVPoll.WaitingForInput)
+    s.d.send_transfer_info(31, np.array([3]), s.dkv.aux.alloc())
+    s.p.ctrl.close()  # P's control plane dies first: D gets no "shutting down" notice ...
+    s.p.close()
+    pkv2 = TestKV(seed=9)
+    p2 = prefill(pkv2, s.port, make_env())  # a new instance behind the same bootstrap s.port
+    try:
+        wait_for(lambda: s.d.poll(31) == KVPoll.Failed, timeout=5, what="old room failed")
+        # ... the heartbeat sees another instance id (or, if slower, no answer at all)
+        assert any(w in s.d.failure_reason(31) for w in ("restarted", "lost connection"))
+        run_room(s, 32, [4], [9], chunks=1, p=p2, pkv=pkv2)
+        np.testing.assert_array_equal(s.dkv.dump([9]), pkv2.dump([4]))
+    finally:
+        p2.close()
+
+
+def test_graceful_shutdown_tells_the_peer(pd):
+    s = pd()
+    s.p.add(40)
+    s.d.add(40, "127.0.0.1", s.port)
+    wait_for(lambda: s.d.poll(40) == KVPoll.WaitingForInput)
+    s.d.send_transfer_info(40, np.array([3]), s.dkv.aux.alloc())
+    wait_for(lambda: s.p.poll(40) == KVPoll.WaitingForInput)
+    s.d.close()
+    wait_for(lambda: s.p.poll(40) == KVPoll.Failed, timeout=3)
+    assert "decode server is shutting down" in s.p.failure_reason(40)

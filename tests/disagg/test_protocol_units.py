@@ -1,0 +1,187 @@
+"""Units: poll-state rules, aux rows, wire messages, bootstrap server and client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import msgspec
+import numpy as np
+import pytest
+from pd_disagg_util import HostPool, TestKV, free_port
+
+from pdcore.disagg import wire
+from pdcore.disagg.aux import EMPTY_ROOM, MAX_TOP_LOGPROBS, AuxBuffers, AuxRow
+from pdcore.disagg.bootstrap import INSTANCE_HEADER, BootstrapClient, BootstrapServer
+from pdcore.disagg.states import KVPoll, RoomStates
+from pdcore.errors import ProtocolError, TransferError
+
+
+# -- states ------------------------------------------------------------------------------------
+def test_states_only_move_up_and_failed_wins() -> None:
+    s = RoomStates()
+    assert not s.advance(1, KVPoll.Transferring)  # unknown room: nothing created
+    assert s.get(1) is None
+    s.create(1)
+    assert s.advance(1, KVPoll.Transferring)
+    assert not s.advance(1, KVPoll.WaitingForInput) and s.get(1) is KVPoll.Transferring
+    assert s.fail(1, "boom") and not s.fail(1, "second")
+    assert not s.advance(1, KVPoll.Success)
+    assert s.get(1) is KVPoll.Failed and s.reason(1) == "boom"
+    s.remove(1)
+    assert not s.fail(1, "late") and s.get(1) is None
+    assert int(KVPoll.Failed) == 0 and int(KVPoll.Success) == 4
+
+
+# -- aux ---------------------------------------------------------------------------------------
+def test_aux_rows_round_trip_and_allocator() -> None:
+    aux = AuxBuffers(HostPool(), 3)
+    assert aux.row_bytes % 64 == 0 and aux.region.length == 3 * aux.row_bytes
+    slots = [aux.alloc() for _ in range(3)]
+    assert slots == [0, 1, 2] and aux.alloc() is None and aux.num_free == 0
+    ids = tuple(range(MAX_TOP_LOGPROBS))
+    lps = tuple(float(-i) for i in range(MAX_TOP_LOGPROBS))
+    row = AuxRow(room=(1 << 63) - 1, first_token_id=123, logprob=-1.5, top_ids=ids,
+                 top_logprobs=lps, cached_tokens=4, prompt_tokens=99)
+    aux.write(1, row)
+    assert aux.read(1) == row
+    assert aux.read(0).room == EMPTY_ROOM  # never written
+    copy = AuxBuffers(HostPool(), 3)
+    copy.write_raw(2, aux.raw(1))
+    assert copy.read(2) == row
+    aux.free(1)  # freeing clears the row: a stale row never passes the room check
+    assert aux.read(1).room == EMPTY_ROOM
+    assert [aux.alloc() for _ in range(1)] == [1]  # FIFO
+    with pytest.raises(ValueError, match="double free|not allocated"):
+        aux.free(1) or aux.free(1)
+    with pytest.raises(ValueError, match="at most"):
+        aux.write(0, AuxRow(room=1, first_token_id=0, top_ids=ids + (1,), top_logprobs=lps + (0.0,)))
+    with pytest.raises(IndexError):
+        aux.read(3)
+
+
+# -- wire --------------------------------------------------------------------------------------
+def _info(**kw) -> wire.TransferInfo:
+    base = {"room": 5, "session": "s", "ctrl_addr": "tcp://127.0.0.1:1", "rank": 0,
+            "dst_pages": wire.encode_pages(np.array([3, 1, 2])), "aux_slot": 4}
+    return wire.TransferInfo(**{**base, **kw})
+
+
+def test_wire_round_trip_and_token() -> None:
+    data = wire.encode(_info(), "tok")
+    msg = wire.decode(data, "tok")
+    assert isinstance(msg, wire.TransferInfo) and msg.pages().tolist() == [3, 1, 2]
+    assert msg.v == wire.PROTOCOL_VERSION and msg.aux_slot == 4
+    with pytest.raises(ProtocolError, match="auth token"):
+        wire.decode(data, "other")
+    with pytest.raises(ProtocolError, match="auth token"):
+        wire.decode(wire.encode(_info()), "tok")
+    st = wire.decode(wire.encode(wire.Status(room=1, state=4, rank=0, aux=b"\x00\x01")))
+    assert isinstance(st, wire.Status) and st.aux == b"\x00\x01"
+
+
+def test_wire_rejects_version_and_garbage() -> None:
+    newer = msgspec.msgpack.encode({"t": "status", "v": 99, "room": 1, "state": 4, "rank": 0})
+    with pytest.raises(ProtocolError, match="protocol version 99"):
+        wire.decode(newer)
+    with pytest.raises(ProtocolError, match="malformed"):
+        wire.decode(b"\xff\x00garbage")
+    with pytest.raises(ProtocolError, match="malformed"):
+        wire.decode(msgspec.msgpack.encode({"t": "status", "v": 1, "room": "x"}))
+    with pytest.raises(ProtocolError, match="whole number"):
+        _info(dst_pages=b"\x00\x01\x02").pages()
+
+
+def test_compatibility_checks() -> None:
+    layout = TestKV().layout
+    wire.check_compatible("prefill", layout.page_size, "float32", layout)
+    with pytest.raises(ProtocolError, match="page size 16"):
+        wire.check_compatible("prefill", 16, "float32", layout)
+    with pytest.raises(ProtocolError, match="dtype bfloat16"):
+        wire.check_compatible("prefill", layout.page_size, "bfloat16", layout)
+
+
+# -- bootstrap ---------------------------------------------------------------------------------
+def _rank(tp_rank: int, tp_size: int = 2, **kw) -> dict:
+    return {"rank_ip": "127.0.0.1", "rank_port": 5000 + tp_rank, "tp_rank": tp_rank,
+            "tp_size": tp_size, "page_size": 4, "kv_cache_dtype": "float32", **kw}
+
+
+def _get(port: int, path: str) -> tuple[int, dict | str, str]:
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            body = r.read().decode()
+            return r.status, (json.loads(body) if body.startswith("{") else body), r.headers.get(
+                INSTANCE_HEADER, "")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read().decode()), ""
+
+
+def test_bootstrap_server_routes() -> None:
+    srv = BootstrapServer("127.0.0.1", 0)
+    srv.start()
+    try:
+        port, addr = srv.port, f"127.0.0.1:{srv.port}"
+        client = BootstrapClient()
+        status, body, inst = _get(port, "/health")
+        assert (status, body, inst) == (200, "OK", srv.instance_id)
+        assert client.health(addr) == srv.instance_id
+        assert _get(port, "/route?target_tp_rank=0")[0] == 400
+        assert _get(port, "/route?prefill_dp_rank=-1&target_tp_rank=-1")[0] == 503
+        client.put_route(addr, _rank(0))
+        assert _get(port, "/route?prefill_dp_rank=0&target_tp_rank=0")[0] == 503  # rank 1 missing
+        with pytest.raises(TransferError, match="disagrees"):
+            client.put_route(addr, _rank(1, page_size=8), attempts=1)
+        client.put_route(addr, _rank(1))
+        info = client.get_info(addr)
+        assert info["tp_size"] == 2 and info["page_size"] == 4 and info["instance_id"]
+        assert client.get_rank(addr, 0, 1) == ("127.0.0.1", 5001)
+        assert _get(port, "/route?prefill_dp_rank=0&target_tp_rank=5")[0] == 404
+        with pytest.raises(TransferError, match="missing"):
+            client.put_route(addr, {"rank_ip": "x"}, attempts=1)
+    finally:
+        srv.close()
+
+
+def test_bootstrap_put_requires_token_when_configured() -> None:
+    srv = BootstrapServer("127.0.0.1", 0, auth_token="s3")
+    srv.start()
+    try:
+        addr = f"127.0.0.1:{srv.port}"
+        with pytest.raises(TransferError, match="401"):
+            BootstrapClient(token="nope").put_route(addr, _rank(0, 1), attempts=1)
+        BootstrapClient(token="s3").put_route(addr, _rank(0, 1))
+        assert BootstrapClient().get_rank(addr, 0, 0) == ("127.0.0.1", 5000)
+    finally:
+        srv.close()
+
+
+def test_bootstrap_client_retries_until_ready_and_bounds_retries() -> None:
+    srv = BootstrapServer("127.0.0.1", 0)
+    srv.start()
+    addr = f"127.0.0.1:{srv.port}"
+    try:
+        threading.Timer(0.3, lambda: BootstrapClient().put_route(addr, _rank(0, 1))).start()
+        t0 = time.monotonic()
+        assert BootstrapClient().get_info(addr, attempts=20, interval=0.1)["tp_size"] == 1
+        assert time.monotonic() - t0 < 3
+    finally:
+        srv.close()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="failed"):
+        BootstrapClient(connect_timeout=0.2).get_info(f"127.0.0.1:{free_port()}", attempts=3,
+                                                      interval=0.1)
+    assert time.monotonic() - t0 < 2
+
+
+def test_bootstrap_port_in_use_is_a_clear_error() -> None:
+    srv = BootstrapServer("127.0.0.1", 0)
+    srv.start()
+    try:
+        with pytest.raises(TransferError, match="--disaggregation-bootstrap-port"):
+            BootstrapServer("127.0.0.1", srv.port).start()
+    finally:
+        srv.close()
