@@ -83,8 +83,9 @@ def render_text(data: dict[str, Any]) -> str:
             out.append(f"  {c['kind']} {c['name']}: {owners}")
     if data["failures"]:
         out.append("\nFailed plugins:")
-        out.extend(f"  {f['plugin']} ({f['distribution'] or '?'}): {f['reason']}"
-                   for f in data["failures"])
+        for f in data["failures"]:
+            dist = f" ({f['distribution']})" if f["distribution"] else ""
+            out.append(f"  {f['plugin']}{dist}: {f['reason']}")
     if data["skipped"]:
         out.append("\nSkipped plugins:")
         out.extend(f"  {s['plugin']}: {s['reason']}" for s in data["skipped"])

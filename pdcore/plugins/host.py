@@ -229,11 +229,21 @@ class PluginHost:
 _host: PluginHost | None = None
 _building = False
 _lock = threading.RLock()
+_fork_hook = False
+
+
+def _after_fork_in_child() -> None:
+    # a fork taken while another thread held the lock would leave it held forever in the child
+    global _lock
+    _lock = threading.RLock()
 
 
 def get_host() -> PluginHost:
     """The process-wide host, built on first use."""
-    global _host, _building
+    global _host, _building, _fork_hook
+    if not _fork_hook and hasattr(os, "register_at_fork"):
+        _fork_hook = True
+        os.register_at_fork(after_in_child=_after_fork_in_child)
     with _lock:
         if _host is None:
             if _building:

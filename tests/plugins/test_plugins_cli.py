@@ -51,7 +51,7 @@ def test_json_output_and_failures_exit_1() -> None:
     assert data["failures"][0]["plugin"] == "nosuch"
     text = io.StringIO()
     plugins_command(host=host, stream=text)
-    assert "Failed plugins:\n  nosuch (?): PDCORE_PLUGINS names 'nosuch'" in text.getvalue()
+    assert "Failed plugins:\n  nosuch: PDCORE_PLUGINS names 'nosuch'" in text.getvalue()
 
 
 def test_typer_command_and_bad_argument(capsys: object) -> None:
