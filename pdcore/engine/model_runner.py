@@ -53,7 +53,12 @@ class ModelRunner:
             pos.append(torch.arange(a, a + n))
             new_slots = self.blocks.slots(r.pages, a, a + n)
             slots.append(new_slots)
-            ctx = new_slots if r.ctx_slots is None or a == 0 else torch.cat([r.ctx_slots, new_slots])
+            if a == 0:
+                ctx = new_slots
+            elif r.ctx_slots is not None and len(r.ctx_slots) == a:
+                ctx = torch.cat([r.ctx_slots, new_slots])
+            else:  # K/V placed by someone else (a KV transfer): rebuild the table
+                ctx = self.blocks.slots(r.pages, 0, a + n)
             r.ctx_slots = ctx
             seqs.append(SeqSpan(off, n, ctx.to(self.device)))
             lo, hi = self._prompt_rows(r, a, n)
