@@ -1,0 +1,105 @@
+"""pdcore entry point `mooncake`: registers the `mooncake` transfer backend and Mooncake's CUDA
+memory pools. Imports only stdlib and pdcore; the SDK is imported inside factories and
+availability probes (through pd_mooncake.engine), so a missing SDK never breaks other plugins.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pdcore.plugins import hookimpl
+
+INSTALL_HINT = ("pip install 'pd-mooncake[cuda]' on GPU machines (mooncake-transfer-engine) or "
+                "'pd-mooncake[cpu]' on CPU-only machines (mooncake-transfer-engine-non-cuda)")
+SYSTEM_LIBS_HINT = "apt-get install -y libibverbs1 librdmacm1 libnuma1 ibverbs-providers"
+
+# memory-pool name -> SGLANG_MOONCAKE_CUSTOM_MEM_POOL value it serves
+POOLS = {
+    "mooncake-nvlink": "NVLINK",
+    "mooncake-barex": "BAREX",
+    "mooncake-intra-node-nvlink": "INTRA_NODE_NVLINK",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def sdk_availability() -> tuple[bool, str]:
+    """(True, "") when the mooncake SDK imports, else (False, why and what to do)."""
+    try:
+        importlib.import_module("pd_mooncake.engine")
+    except ModuleNotFoundError as e:
+        if e.name == "mooncake" or (e.name or "").startswith("mooncake."):
+            return False, f"mooncake-transfer-engine is not installed: {INSTALL_HINT}"
+        return False, f"pd_mooncake.engine failed to import: {type(e).__name__}: {e}"
+    except Exception as e:  # e.g. an ImportError from a missing shared library
+        return False, (f"mooncake-transfer-engine failed to import ({type(e).__name__}: {e}); "
+                       f"missing system libraries? {SYSTEM_LIBS_HINT}")
+    return True, ""
+
+
+def _create_backend(ctx: Any) -> Any:
+    ok, reason = sdk_availability()
+    if not ok:
+        from pdcore.errors import UnavailableError
+
+        raise UnavailableError(f"transfer backend 'mooncake' is not available here: {reason}")
+    from pd_mooncake import engine
+
+    return engine.create(ctx)
+
+
+def _pool_availability(kind: str) -> Callable[[], tuple[bool, str]]:
+    def availability() -> tuple[bool, str]:
+        ok, reason = sdk_availability()
+        if not ok:
+            return ok, reason
+        from pd_mooncake import engine
+
+        return engine.cuda_pool_support(kind)
+
+    return availability
+
+
+def _pool_factory(kind: str, name: str) -> Callable[[Any], Any]:
+    def create(ctx: Any) -> Any:
+        from pd_mooncake import pools
+
+        return pools.MooncakeCudaPool(ctx, kind, name)
+
+    return create
+
+
+def custom_pool_name(env: Mapping[str, str]) -> str | None:
+    """The memory pool SGLANG_MOONCAKE_CUSTOM_MEM_POOL asks for (None when unset).
+
+    Raises pdcore.errors.ConfigError for an unknown value. The core may call this at start-up
+    to select the pool; the backend factory independently refuses a value it cannot honour.
+    """
+    from pd_mooncake.settings import CUSTOM_POOLS, parse_custom_pool
+
+    kind = parse_custom_pool(env)
+    return CUSTOM_POOLS[kind] if kind else None
+
+
+@hookimpl
+def pd_register_transfer_backends(register: Callable[..., None]) -> None:
+    register(
+        "mooncake",
+        _create_backend,
+        description=("Mooncake transfer engine (P2P handshake; MOONCAKE_PROTOCOL rdma|tcp|efa; "
+                     "the transport really in use is logged and exposed as engine.transport)"),
+        availability=sdk_availability,
+    )
+
+
+@hookimpl
+def pd_register_memory_pools(register: Callable[..., None]) -> None:
+    for name, kind in POOLS.items():
+        register(
+            name,
+            _pool_factory(kind, name),
+            description=f"CUDA KV pool for SGLANG_MOONCAKE_CUSTOM_MEM_POOL={kind}",
+            availability=_pool_availability(kind),
+        )
