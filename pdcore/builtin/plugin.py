@@ -50,7 +50,9 @@ def _register_lazy(register: Register, table: dict[str, tuple[str, str]]) -> Non
 
 @hookimpl
 def pd_register_transfer_backends(register: Register) -> None:
-    _register_lazy(register, TRANSFER_BACKENDS)
+    for name, (path, description) in TRANSFER_BACKENDS.items():
+        register(name, lazy(path), description=description, availability=importable(path),
+                 memory_pool="shm" if name == "shm" else None)
 
 
 @hookimpl

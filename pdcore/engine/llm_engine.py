@@ -65,6 +65,15 @@ def _platform(args: ServerArgs) -> Any:
     return reg.create(args.device)
 
 
+def _backend_pool(args: ServerArgs) -> str | None:
+    """The pool a PD transfer backend needs (declared at registration), if any."""
+    if args.disaggregation_mode == "null":
+        return None
+    from pdcore.plugins.host import transfer_backends
+
+    return transfer_backends().get(args.disaggregation_transfer_backend).memory_pool
+
+
 def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     tp = tp or TPInfo()
     platform = _platform(args)
@@ -82,7 +91,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     num_pages = max(1, tokens // args.page_size)
     from pdcore.plugins.host import memory_pools
 
-    pool_name = args.memory_pool or getattr(platform, "default_pool", "torch")
+    pool_name = args.memory_pool or _backend_pool(args) or getattr(platform, "default_pool",
+                                                                    "torch")
     pool = memory_pools().create(
         pool_name, PoolContext(server_id=args.server_id, device=str(device), rank=tp.rank,
                                env=dict(os.environ)))

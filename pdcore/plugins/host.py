@@ -193,9 +193,9 @@ class PluginHost:
 
     def _register_callback(self, registry: Registry, info: PluginInfo) -> Any:
         def register(name: str, factory: Any, *, description: str = "",
-                     availability: Any = None) -> None:
+                     availability: Any = None, memory_pool: str | None = None) -> None:
             entry = Entry(registry.kind, name, factory, info.name, info.distribution,
-                          info.version, description, availability)
+                          info.version, description, availability, memory_pool)
             try:
                 registry.add(entry)
             except DuplicateNameError as e:

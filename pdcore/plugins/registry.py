@@ -34,6 +34,9 @@ class Entry:
     version: str
     description: str = ""
     availability: Callable[[], tuple[bool, str]] | None = None
+    # transfer backends only: the memory pool the KV must live in for this backend to reach it
+    # (e.g. "shm"); used when the user gave no --memory-pool
+    memory_pool: str | None = None
 
     def available(self) -> tuple[bool, str]:
         if self.availability is None:

@@ -1,0 +1,186 @@
+"""`pdserve up`: a whole PD deployment on this machine, as child processes.
+
+1. pick ports (prefill i: port_base+i with bootstrap port bootstrap_base+i; decode j:
+   port_base+100+j; router: --port) and the backend (`shm` when every server is local and the
+   backend was not given, else `tcp`);
+2. start N prefill and M decode `pdserve serve` processes, then wait until each answers
+   /health (a child that exits first stops everything, naming it);
+3. start the router in front of them and wait for its /health;
+4. print the URL and an example; then watch: Ctrl-C / SIGTERM, or any child dying, stops all
+   children (SIGTERM, then SIGKILL after a grace period) and says which one died.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from pdcore.errors import ConfigError
+
+GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class UpConfig:
+    prefill: int = 1
+    decode: int = 1
+    backend: str | None = None
+    model_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    server_port_base: int = 30000
+    bootstrap_port_base: int = 8998
+    policy: str = "round_robin"
+    startup_timeout: float = 600.0
+    serve_args: list[str] = field(default_factory=list)
+    cpus: list[str] = field(default_factory=list)  # optional taskset cpu lists per server
+
+
+def choose_backend(cfg: UpConfig) -> tuple[str, str]:
+    """(backend, why). shm is the same-host default; every server of `up` is local."""
+    if cfg.backend:
+        return cfg.backend, "chosen with --backend"
+    from pdcore.plugins.host import transfer_backends
+
+    reg = transfer_backends()
+    if "shm" in reg and reg.get("shm").available()[0]:
+        return "shm", "every server is on this host, so KV moves through shared memory"
+    return "tcp", "shm is not available here"
+
+
+def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
+    if cfg.prefill < 1 or cfg.decode < 1:
+        raise ConfigError("--prefill and --decode must each be >= 1")
+    py = [sys.executable, "-m", "pdcore", "serve"]
+    common = ["--host", cfg.host, "--disaggregation-transfer-backend", backend, *cfg.serve_args]
+    if cfg.model_path:
+        common += ["--model-path", cfg.model_path]
+    servers = []
+    for i in range(cfg.prefill):
+        port = cfg.server_port_base + i
+        servers.append(Child(f"prefill-{i}", f"http://{cfg.host}:{port}", py + common + [
+            "--port", str(port), "--disaggregation-mode", "prefill",
+            "--disaggregation-bootstrap-port", str(cfg.bootstrap_port_base + i)]))
+    for j in range(cfg.decode):
+        port = cfg.server_port_base + 100 + j
+        servers.append(Child(f"decode-{j}", f"http://{cfg.host}:{port}", py + common + [
+            "--port", str(port), "--disaggregation-mode", "decode"]))
+    for k, child in enumerate(servers):
+        if k < len(cfg.cpus) and cfg.cpus[k]:
+            child.argv = ["taskset", "-c", cfg.cpus[k], *child.argv]
+    router = [sys.executable, "-m", "pdcore.router", "--pd-disaggregation", "--host", cfg.host,
+              "--port", str(cfg.port), "--policy", cfg.policy]
+    for i in range(cfg.prefill):
+        router += ["--prefill", servers[i].url, str(cfg.bootstrap_port_base + i)]
+    for s in servers[cfg.prefill:]:
+        router += ["--decode", s.url]
+    return servers, Child("router", f"http://{cfg.host}:{cfg.port}", router)
+
+
+class Deployment:
+    def __init__(self, cfg: UpConfig, log=print) -> None:
+        self.cfg, self.log = cfg, log
+        self.backend, self.why = choose_backend(cfg)
+        self.servers, self.router = plan(cfg, self.backend)
+        self.children: list[Child] = []
+
+    def _spawn(self, child: Child) -> None:
+        child.proc = subprocess.Popen(child.argv, start_new_session=True)
+        self.children.append(child)
+
+    def _wait_healthy(self, children: list[Child], deadline: float) -> None:
+        pending = list(children)
+        with httpx.Client(timeout=2.0) as http:
+            while pending:
+                for c in list(pending):
+                    if c.proc.poll() is not None:
+                        raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} "
+                                           f"during start-up")
+                    try:
+                        if http.get(c.url + "/health").status_code == 200:
+                            pending.remove(c)
+                            self.log(f"  {c.name} ready at {c.url}")
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    raise RuntimeError(f"timed out waiting for {', '.join(c.name for c in pending)}")
+                time.sleep(0.5)
+
+    def start(self) -> None:
+        self.log(f"pdserve up: {self.cfg.prefill} prefill + {self.cfg.decode} decode, "
+                 f"backend {self.backend} ({self.why})")
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        for s in self.servers:
+            self._spawn(s)
+        self._wait_healthy(self.servers, deadline)
+        self._spawn(self.router)
+        self._wait_healthy([self.router], deadline)
+
+    def watch(self) -> str:
+        """Block until a child dies; returns which one."""
+        while True:
+            for c in self.children:
+                if c.proc.poll() is not None:
+                    return f"{c.name} exited with code {c.proc.returncode}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        for c in reversed(self.children):
+            if c.proc and c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + GRACE_S
+        for c in self.children:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                c.proc.wait(5)
+
+
+def run_up(cfg: UpConfig) -> int:
+    dep = Deployment(cfg)
+
+    def _term(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _term)
+    try:
+        dep.start()
+        url = dep.router.url
+        print(f"\npdserve up: ready at {url}\n  curl {url}/v1/chat/completions -H "
+              "'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
+              "\"content\": \"Hello\"}], \"max_tokens\": 32}'\n  (Ctrl-C stops everything)",
+              flush=True)
+        print(f"pdserve up: stopping: {dep.watch()}", flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("pdserve up: stopping (interrupted)", flush=True)
+        return 0
+    except RuntimeError as e:
+        print(f"pdserve up: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        dep.stop()
