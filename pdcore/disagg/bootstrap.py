@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 INSTANCE_HEADER = "X-PD-Instance"
 _REQUIRED = ("rank_ip", "rank_port", "tp_rank", "tp_size", "page_size", "kv_cache_dtype")
 _INSTANCE_FIELDS = ("tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla",
-                    "total_kv_heads", "backend")
+                    "total_kv_heads", "backend", "protocol_version")
 
 
 class _Table:

@@ -284,6 +284,10 @@ class DecodeKVManager:
         interval = min(1.0, budget / 5)
         attempts, deadline = int(budget / interval) + 1, time.monotonic() + budget
         info = self.client.get_info(addr, attempts, interval, deadline)
+        version = info.get("protocol_version")
+        if version is not None and version != wire.PROTOCOL_VERSION:
+            raise ProtocolError(f"prefill {addr} speaks PD protocol version {version}, decode "
+                                f"speaks {wire.PROTOCOL_VERSION}; run the same pdserve version")
         wire.check_compatible("prefill", int(info["page_size"]), str(info["kv_cache_dtype"]),
                               self.kv)
         if info.get("backend") and info["backend"] != self.backend_name:

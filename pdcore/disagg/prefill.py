@@ -94,7 +94,8 @@ class PrefillKVManager:
             "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1, "page_size": self.kv.page_size,
             "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
             "total_kv_heads": self.kv.total_kv_heads or self.kv.kv_heads * self.tp_size,
-            "backend": self.backend_name}, attempts=20, interval=0.25)
+            "backend": self.backend_name, "protocol_version": wire.PROTOCOL_VERSION},
+            attempts=30, interval=0.5)
         self.workers.start()
         log.info("prefill KV manager rank %d/%d: control %s, bootstrap %s, backend %s",
                  self.tp_rank, self.tp_size, addr, self.bootstrap_addr, self.backend_name)

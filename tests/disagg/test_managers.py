@@ -266,3 +266,40 @@ def test_graceful_shutdown_tells_the_peer(pd):
     s.d.close()
     wait_for(lambda: s.p.poll(40) == KVPoll.Failed, timeout=3)
     assert "decode server is shutting down" in s.p.failure_reason(40)
+
+
+def _decode_with(layout_changes: dict, port_env=None) -> tuple[TestKV, DecodeKVManager]:
+    dkv = TestKV()
+    dkv.layout = dataclasses.replace(dkv.layout, **layout_changes)
+    return dkv, decode(dkv, make_env(**(port_env or {})))
+
+
+@pytest.mark.parametrize("changes,words", [({"dtype": "bfloat16"}, "dtype bfloat16"),
+                                           ({"page_size": 8}, "page size 4")])
+def test_page_size_or_dtype_mismatch_fails_clearly(pd, changes, words):
+    s = pd()
+    _, d = _decode_with(changes)
+    try:
+        s.p.add(50)
+        d.add(50, "127.0.0.1", s.port)
+        wait_for(lambda: d.poll(50) == KVPoll.Failed)
+        assert words in d.failure_reason(50) and "same" in d.failure_reason(50)
+        assert s.p.metrics().get("received_messages", 0) == 0  # never registered
+    finally:
+        d.close()
+
+
+def test_registration_rejected_by_prefill_fails_the_room(pd):
+    s = pd()
+    dkv, d = _decode_with({"head_dim": 4})  # D's checks pass; P's planner refuses the layout
+    try:
+        s.p.add(51)
+        d.add(51, "127.0.0.1", s.port)
+        wait_for(lambda: d.poll(51) == KVPoll.WaitingForInput)
+        d.send_transfer_info(51, np.array([1]), dkv.aux.alloc())
+        wait_for(lambda: d.poll(51) == KVPoll.Failed)
+        assert "head_dim" in d.failure_reason(51)
+        assert s.p.poll(51) == KVPoll.Failed and "head_dim" in s.p.failure_reason(51)
+        assert s.p.metrics()["rejected_registrations"] == 1
+    finally:
+        d.close()

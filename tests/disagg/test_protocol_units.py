@@ -185,3 +185,37 @@ def test_bootstrap_port_in_use_is_a_clear_error() -> None:
             BootstrapServer("127.0.0.1", srv.port).start()
     finally:
         srv.close()
+
+
+def _register(kv: TestKV, **kw) -> wire.Register:
+    base = {"session": "d1", "ctrl_addr": "tcp://127.0.0.1:1", "backend": "tcp",
+            "endpoint": b"{}", "layout": kv.layout.to_dict(),
+            "regions": [r.to_dict() for r in kv.regions], "aux_region": kv.aux.region.to_dict(),
+            "aux_row_bytes": kv.aux.row_bytes, "aux_slots": kv.aux.num_slots, "rank": 0,
+            "tp_size": 1, "page_size": kv.layout.page_size, "dtype": "float32"}
+    return wire.Register(**{**base, **kw})
+
+
+def test_parse_register_rejects_hostile_layouts() -> None:
+    from pdcore.builtin.planner import DefaultPlanner
+    from pdcore.disagg.sessions import parse_register
+
+    local, remote = TestKV(seed=1), TestKV()
+    ok = parse_register(_register(remote), local.layout, "tcp", local.aux.row_bytes,
+                        DefaultPlanner())
+    assert ok.check_pages(np.array([0, 31])) == "" and "page index 32" in ok.check_pages(
+        np.array([3, 32]))
+    assert ok.check_aux_slot(-1) == "" and "aux slot 8" in ok.check_aux_slot(8)
+    bigger = {**remote.layout.to_dict(), "num_pages": 10_000}  # claims more than it registered
+    cases = [
+        ({"layout": bigger}, "outside its registered"),
+        ({"backend": "shm"}, "transfer backend"),
+        ({"aux_slots": 10_000}, "aux region smaller"),
+        ({"aux_row_bytes": 64}, "aux rows are 64 bytes"),
+        ({"layout": {"num_layers": 1}}, "malformed"),
+        ({"page_size": 8}, "page size 8"),
+    ]
+    for change, words in cases:
+        with pytest.raises(ProtocolError, match=words):
+            parse_register(_register(remote, **change), local.layout, "tcp", local.aux.row_bytes,
+                           DefaultPlanner())
