@@ -27,6 +27,7 @@ from pdcore.router.health import HealthMonitor
 from pdcore.router.metrics import RouterMetrics
 from pdcore.router.policies import Policy, make_policy
 from pdcore.router.proxy import Proxy
+from pdcore.router.upstream import UpstreamClients
 from pdcore.router.workers import WorkerRegistry
 
 log = logging.getLogger("pdcore.router")
@@ -67,16 +68,14 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
-            timeout=httpx.Timeout(config.request_timeout_secs, connect=10.0),
-        )
+        # This client serves health checks and admin calls; the data path has per-worker ones.
+        client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_secs, connect=10.0))
         needs_loads = any(p.needs_loads for p in state.policies.values())
         monitor = HealthMonitor(config, state.registry, client, poll_loads=needs_loads)
         state.client, state.monitor = client, monitor
         state.proxy = Proxy(
             config, state.registry, state.policies["prefill"], state.policies["decode"],
-            client, state.metrics,
+            UpstreamClients(), state.metrics,
         )
         if config.prometheus_port is not None:
             from prometheus_client import start_http_server

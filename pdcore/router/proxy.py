@@ -27,7 +27,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -43,7 +42,7 @@ from pdcore.router.merge import (
 )
 from pdcore.router.metrics import RouterMetrics
 from pdcore.router.policies import Policy, routing_text
-from pdcore.router.upstream import DecodeLeg, PrefillResult, call_prefill
+from pdcore.router.upstream import DecodeLeg, PrefillResult, UpstreamClients, call_prefill
 from pdcore.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("pdcore.router.proxy")
@@ -99,14 +98,14 @@ class Proxy:
         registry: WorkerRegistry,
         prefill_policy: Policy,
         decode_policy: Policy,
-        client: httpx.AsyncClient,
+        clients: UpstreamClients,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
     ) -> None:
         self._cfg = config
         self._registry = registry
         self._policies = {"prefill": prefill_policy, "decode": decode_policy}
-        self._client = client
+        self._clients = clients
         self._metrics = metrics
         self._rng = rng or random.Random()
         self._background: set[asyncio.Task[PrefillResult]] = set()
@@ -184,7 +183,7 @@ class Proxy:
     ) -> asyncio.Task[PrefillResult]:
         p.in_flight += 1
         task = asyncio.get_running_loop().create_task(
-            call_prefill(self._client, p, url, content, headers, deadline, self._metrics)
+            call_prefill(self._clients.get(p), p, url, content, headers, deadline, self._metrics)
         )
 
         def _done(_: asyncio.Task[PrefillResult], worker: Worker = p) -> None:
@@ -201,7 +200,7 @@ class Proxy:
         p_task = self._start_prefill(p, p.url + route, content, headers, deadline)
         leg = DecodeLeg(d, self._metrics)
         d_task = loop.create_task(
-            leg.open(self._client, d.url + route, content, headers, deadline, first_only=stream)
+            leg.open(self._clients.get(d), d.url + route, content, headers, deadline, first_only=stream)
         )
         committed = False
         try:
@@ -277,3 +276,4 @@ class Proxy:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._clients.aclose()
