@@ -74,9 +74,10 @@ class TestKV:
     __test__ = False  # not a pytest class
 
     def __init__(self, seed: int | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 total_heads: int = HEADS, pages: int = PAGES, aux_slots: int = 8) -> None:
+                 total_heads: int = HEADS, pages: int = PAGES, aux_slots: int = 8,
+                 pool: MemoryPool | None = None) -> None:
         heads = max(1, total_heads // tp_size)
-        self.pool = HostPool()
+        self.pool = pool or HostPool()
         shape = (pages, PAGE_SIZE, heads, DIM)
         self.k = [self.pool.allocate(f"k{i}", shape, torch.float32) for i in range(LAYERS)]
         self.v = [self.pool.allocate(f"v{i}", shape, torch.float32) for i in range(LAYERS)]

@@ -303,3 +303,27 @@ def test_registration_rejected_by_prefill_fails_the_room(pd):
         assert s.p.metrics()["rejected_registrations"] == 1
     finally:
         d.close()
+
+
+def test_shm_backend_transfer():
+    """Same flow over the `shm` backend: D's KV and aux rows live in named shared memory."""
+    import uuid
+
+    from pdcore.interfaces.memory import PoolContext
+    from pdcore.plugins.host import memory_pools
+
+    pools = [memory_pools().create("shm", PoolContext(server_id=uuid.uuid4().hex[:10]))
+             for _ in range(2)]
+    port = free_port()
+    pkv, dkv = TestKV(seed=6, pool=pools[0]), TestKV(pool=pools[1])
+    p = prefill(pkv, port, make_env(), "shm")
+    d = decode(dkv, make_env(), "shm")
+    try:
+        slot, _ = run_room(PD(pkv, p, dkv, d, port), 60, [1, 2, 3, 9], [4, 5, 6, 0])
+        np.testing.assert_array_equal(dkv.dump([4, 5, 6, 0]), pkv.dump([1, 2, 3, 9]))
+        assert dkv.all_zero_except([4, 5, 6, 0]) and dkv.aux.read(slot).room == 60
+    finally:
+        d.close()
+        p.close()
+        for pool in pools:
+            pool.close()
