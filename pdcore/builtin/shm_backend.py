@@ -9,8 +9,8 @@ Lifecycle:
 4. `connect(endpoint, peer_regions)`: refuses a peer on another host identity BEFORE mapping
    anything; maps each of the peer's SHM segments read-write (once per segment);
 5. `write(peer, batch)`: checks src against local and dst against the peer's mapped regions,
-   checks the peer is alive, then workers copy in parallel chunks (ctypes.memmove releases the
-   GIL); `poll()` -> PENDING / DONE / FAILED(reason);
+   checks the peer is alive, then workers copy in parallel chunks (shm_copy: ctypes.memmove,
+   or process_vm_writev with PDCORE_SHM_COPY=vm); `poll()` -> PENDING / DONE / FAILED(reason);
 6. peer loss (its process exited, its engine closed, or a segment was removed or replaced) fails
    the write
    and unmaps the peer once no copy is using the mapping; `disconnect` / `close()` unmap too.
@@ -18,7 +18,6 @@ Lifecycle:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import threading
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdcore.builtin import shm_copy
 from pdcore.builtin import shm_segment as seg
 from pdcore.builtin.tcp_support import (
     HandleTable,
@@ -87,6 +87,7 @@ class ShmTransferEngine(TransferEngine):
         self.host_id = seg.host_identity(dict(ctx.env))
         self.timeout = read_timeout(ctx.env, TIMEOUT_ENV, 30.0)
         self.workers = max(1, ctx.thread_pool_size)
+        self.copy_strategy, self._copy_items = shm_copy.pick(ctx.env.get(shm_copy.COPY_ENV, ""))
         self._local = RegionIndex(())
         self._handles = HandleTable("shm")
         self._lock = threading.Lock()
@@ -298,9 +299,9 @@ class ShmTransferEngine(TransferEngine):
         try:
             if state.unmapped:
                 return failed(f"shm: peer {state.label} lost ({state.lost}); nothing copied")
-            move = ctypes.memmove  # releases the GIL: chunks on other workers run in parallel
-            for d, s, n in zip(dst.tolist(), src.tolist(), length.tolist()):
-                move(d, s, n)
+            self._copy_items(dst, src, length)  # outside the GIL: chunks overlap
+        except OSError as e:
+            return failed(f"shm: copying into peer {state.label} failed: {e}")
         finally:
             state.guard.release_shared()
         return DONE

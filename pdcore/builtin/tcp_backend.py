@@ -170,7 +170,8 @@ class TcpTransferEngine(TransferEngine):
             raise TransferError(f"tcp: cannot connect to peer {peer.label}: {e}") from None
         try:
             wire.tune(conn)
-            conn.sendall(wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, peer.token))
+            wire.send_buffers(conn, [wire.HELLO.pack(wire.HELLO_MAGIC, wire.VERSION, peer.token)],
+                              deadline)
             answer = wire.recv_exact(conn, 4, deadline)
             if answer != wire.HELLO_OK:
                 (n,) = wire.REASON_LEN.unpack(wire.recv_exact(conn, 2, deadline))
@@ -217,8 +218,6 @@ class TcpTransferEngine(TransferEngine):
     def _send(self, peer: _TcpPeer, dst: np.ndarray, length: np.ndarray,
               views: list[memoryview], sidx: np.ndarray, offs: np.ndarray) -> PollResult:
         deadline = time.monotonic() + self.timeout
-        bufs = [views[r][o : o + k]
-                for r, o, k in zip(sidx.tolist(), offs.tolist(), length.tolist())]
         with peer.lock:
             conn = peer.idle.popleft() if peer.idle else None
         try:
@@ -233,7 +232,8 @@ class TcpTransferEngine(TransferEngine):
             total = int(length.sum())
             head = wire.BATCH.pack(wire.BATCH_MAGIC, wire.VERSION, 0, 0, len(dst), total)
             arrays = np.concatenate([dst, length]).astype("<u8", copy=False)
-            wire.send_buffers(conn, [head, memoryview(arrays).cast("B"), *bufs], deadline)
+            wire.stream(conn, True, (head, memoryview(arrays).cast("B")), views, sidx.tolist(),
+                        offs.tolist(), length.tolist(), deadline)
             magic, _h, status, n = wire.ACK.unpack(wire.recv_exact(conn, wire.ACK.size, deadline))
             if magic != wire.ACK_MAGIC:
                 return failed(f"tcp: peer {peer.label} sent a malformed ack ({magic!r})")

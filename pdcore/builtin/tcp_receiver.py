@@ -117,11 +117,11 @@ class TcpReceiver:
         elif not hmac.compare_digest(token, self._token):
             reason = "wrong data-plane token: connect with this engine's current endpoint()"
         else:
-            conn.sendall(wire.HELLO_OK)
+            wire.send_buffers(conn, [wire.HELLO_OK], deadline)
             return True
         log.warning("%s receiver %s: refused a connection: %s", self._name, self.port, reason)
         r = wire.encode_reason(reason)
-        conn.sendall(wire.HELLO_NO + wire.REASON_LEN.pack(len(r)) + r)
+        wire.send_buffers(conn, [wire.HELLO_NO + wire.REASON_LEN.pack(len(r)) + r], deadline)
         return False
 
     def _batch(self, conn: socket.socket, head: bytes) -> None:
@@ -159,10 +159,9 @@ class TcpReceiver:
         idx, ok = snap.index.locate(dst, length)
         if not ok.all():
             return self._outside(int(np.argmin(ok)), dst, length)
-        offs = (dst - snap.index.starts[idx]).tolist()
-        views = snap.views
-        bufs = [views[r][o : o + n] for r, o, n in zip(idx.tolist(), offs, length.tolist())]
-        wire.recv_buffers(conn, bufs, deadline)
+        offs = dst - snap.index.starts[idx]
+        wire.stream(conn, False, (), snap.views, idx.tolist(), offs.tolist(), length.tolist(),
+                    deadline)
         return None
 
     def _outside(self, i: int, dst: np.ndarray, length: np.ndarray) -> str:
@@ -172,8 +171,8 @@ class TcpReceiver:
 
     def _ack(self, conn: socket.socket, handle: int, error: str | None) -> None:
         reason = wire.encode_reason(error) if error else b""
-        conn.settimeout(self._timeout)
-        conn.sendall(wire.ACK.pack(wire.ACK_MAGIC, handle, 1 if error else 0, len(reason)) + reason)
+        msg = wire.ACK.pack(wire.ACK_MAGIC, handle, 1 if error else 0, len(reason)) + reason
+        wire.send_buffers(conn, [msg], time.monotonic() + self._timeout)
 
     # -- shutdown ------------------------------------------------------------------------------
     def stop(self, join_timeout: float = 5.0) -> None:

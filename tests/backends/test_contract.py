@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdcore.testing.backend_contract import BackendContract, CrossProcessBackendContract
 
 
@@ -31,3 +33,19 @@ class TestShmCrossProcess(CrossProcessBackendContract):
 
 class TestFakeContract(BackendContract):
     backend_name = "fake"
+
+
+class TestShmVmCopyContract(BackendContract):
+    """The shm backend with its process_vm_writev copy strategy."""
+
+    backend_name = "shm"
+    pool_name = "shm"
+    dead_peer_timeout = 5.0
+    context_env = {"PDCORE_SHM_COPY": "vm"}
+
+    def make_engine(self, role: str):
+        from pdcore.builtin import shm_copy
+
+        if not shm_copy.vm_works():
+            pytest.skip("process_vm_writev is not permitted in this sandbox")
+        return super().make_engine(role)

@@ -188,3 +188,15 @@ def test_peer_without_shm_regions_refused(sender) -> None:
             eng.connect(other.endpoint(), [MemoryRegion(a.ctypes.data, 64)])
     finally:
         other.close()
+
+
+def test_copy_strategy_setting_is_validated() -> None:
+    from pdcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="PDCORE_SHM_COPY"):
+        ShmTransferEngine(BackendContext(env={"PDCORE_SHM_COPY": "fastest"}))
+    eng = ShmTransferEngine(BackendContext())
+    try:
+        assert eng.copy_strategy == "memmove"
+    finally:
+        eng.close()
