@@ -1,0 +1,32 @@
+"""The core's backend contract suite against real NIXL: UCX here, LIBFABRIC where it loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcore.testing.backend_contract import BackendContract, CrossProcessBackendContract
+
+pytest.importorskip("nixl._api", reason="nixl not installed")
+
+
+class TestNixlUcxContract(BackendContract):
+    backend_name = "nixl"
+    context_env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX"}
+    many_items = 5000
+    dead_peer_timeout = 15.0
+
+
+class TestNixlUcxCrossProcess(CrossProcessBackendContract):
+    backend_name = "nixl"
+    context_env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX"}
+    many_items = 5000
+    dead_peer_timeout = 15.0
+
+
+class TestNixlUcxProgressThread(CrossProcessBackendContract):
+    """NIXL's own progress thread in place of the pump (PDCORE_NIXL_PROGRESS=thread)."""
+
+    backend_name = "nixl"
+    context_env = {"PDCORE_NIXL_PROGRESS": "thread"}
+    many_items = 2000
+    dead_peer_timeout = 15.0
