@@ -1,0 +1,1 @@
+"""HTTP side of one pdserve server: FastAPI app, schemas, routes, engine client (scheduler IPC)."""

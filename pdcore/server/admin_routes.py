@@ -1,0 +1,170 @@
+"""Operational routes: health, server/model info, load, cache flush, metrics, profiling."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdcore.server.engine_client import EngineClient, EngineError, new_rid
+from pdcore.server.generation import Item, collect
+from pdcore.server.http_errors import error_response
+from pdcore.server.openai_routes import served_model_name
+from pdcore.server.params import PDInfo, make_req
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+# PD managers recognise this host and finish the request without a transfer (SGLang's convention).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+_SECRET_FIELDS = {"disaggregation_auth_token"}
+
+
+def _engine(request: Request) -> EngineClient:
+    return request.app.state.engine
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    engine = _engine(request)
+    if engine.ready:
+        return Response(status_code=200)
+    return JSONResponse({"status": engine.state.value, "error": engine.error}, status_code=503)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """One token through the whole engine; 200 when it comes back in time."""
+    from pdcore.engine.io_struct import SamplingParams
+
+    engine = _engine(request)
+    if not engine.ready:
+        return JSONResponse({"status": engine.state.value, "error": engine.error},
+                            status_code=503)
+    pd = PDInfo()
+    if engine.args.disaggregation_mode != "null":
+        pd = PDInfo(FAKE_BOOTSTRAP_HOST, engine.args.disaggregation_bootstrap_port, 0)
+    token = int((engine.info.get("eos_token_ids") or [0])[0])
+    req = make_req(f"health-{new_rid()}", [token],
+                   SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), pd)
+    try:
+        await collect(engine, [Item(0, req)], request.app.state.metrics,
+                      HEALTH_GENERATE_TIMEOUT_S)
+    except EngineError as e:
+        return error_response(f"health generation failed: {e}", 503)
+    return Response(status_code=200)
+
+
+def server_info(engine: EngineClient) -> dict[str, Any]:
+    args = {k: ("***" if k in _SECRET_FIELDS and v else v)
+            for k, v in dataclasses.asdict(engine.args).items()}
+    info = dict(engine.info)
+    out: dict[str, Any] = {**args, **info}
+    # routers read these; they must be local paths so nobody tries a model hub
+    out["model_path"] = info.get("model_path") or args.get("model_path")
+    out["tokenizer_path"] = info.get("tokenizer_path") or out["model_path"]
+    out["served_model_name"] = served_model_name(engine)
+    out["disaggregation_mode"] = engine.args.disaggregation_mode
+    out["tp_size"] = engine.args.tp_size
+    out["dp_size"] = engine.args.dp_size
+    out["status"] = engine.state.value
+    try:
+        from importlib.metadata import version
+
+        out["version"] = version("pdcore")
+    except Exception:
+        out["version"] = "unknown"
+    return out
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    return server_info(_engine(request))
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    engine = _engine(request)
+    info = server_info(engine)
+    return {"model_path": info["model_path"], "tokenizer_path": info["tokenizer_path"],
+            "is_generation": True, "served_model_name": info["served_model_name"],
+            "model_type": engine.info.get("model_type"),
+            "architectures": engine.info.get("architectures"),
+            "context_length": engine.info.get("context_length")}
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> Response:
+    data = await _engine(request).control("get_load")
+    loads = data.get("loads") if isinstance(data.get("loads"), list) else [data]
+    out = []
+    for i, d in enumerate(loads):
+        d = dict(d)
+        d.setdefault("dp_rank", i)
+        for k in ("num_reqs", "num_waiting_reqs", "num_tokens"):
+            d.setdefault(k, 0)
+        out.append(d)
+    return JSONResponse(out)
+
+
+@router.post("/flush_cache")
+@router.get("/flush_cache")
+async def flush_cache(request: Request) -> Response:
+    try:
+        data = await _engine(request).control("flush_cache")
+    except EngineError as e:
+        if e.status == 500 and _engine(request).ready:  # refused (requests still running)
+            return error_response(f"cache not flushed: {e}", 400)
+        raise
+    return JSONResponse({"success": True, "message": "cache flushed", **data})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    m = request.app.state.metrics
+    engine = _engine(request)
+    if engine.ready:
+        try:
+            m.update_from_stats(await engine.control("stats", timeout=5.0))
+        except EngineError as e:  # scrapes must not fail because the scheduler is busy
+            log.warning("metrics: scheduler stats unavailable: %s", e)
+    from pdcore.server.metrics import CONTENT_TYPE
+
+    return Response(m.render(), media_type=CONTENT_TYPE)
+
+
+async def _profile(request: Request, kind: str) -> Response:
+    args: dict[str, Any] = {}
+    body = await request.body()
+    if body.strip():
+        import json
+
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return error_response("request body is not valid JSON", 400, "body")
+        if not isinstance(parsed, dict):
+            return error_response("request body must be a JSON object", 400, "body")
+        args = {k: v for k, v in parsed.items() if v is not None}
+    engine = _engine(request)
+    args.setdefault("output_dir", engine.args.profile_output_dir)
+    t0 = time.time()
+    data = await engine.control(kind, args, timeout=60.0)
+    return JSONResponse({"success": True, "seconds": round(time.time() - t0, 3), **data})
+
+
+@router.post("/start_profile")
+async def start_profile(request: Request) -> Response:
+    return await _profile(request, "start_profile")
+
+
+@router.post("/stop_profile")
+async def stop_profile(request: Request) -> Response:
+    return await _profile(request, "stop_profile")

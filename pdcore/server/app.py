@@ -1,0 +1,84 @@
+"""FastAPI app factory of one pdserve server.
+
+1. `create_app(args)` builds the app around an EngineClient (not started yet);
+2. the lifespan starts the engine in the background, so /health answers 503 while the model
+   loads and 200 once the scheduler is ready; `app.state.on_ready` / `on_start_failed`
+   (set by the runner) are called when that settles;
+3. at shutdown the engine stops and the scheduler process is terminated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+
+from pdcore.config import ServerArgs
+from pdcore.server import admin_routes, native_routes, openai_routes
+from pdcore.server.engine_client import EngineClient, EngineError, SchedulerTarget
+from pdcore.server.http_errors import install_error_handlers
+from pdcore.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+GENERATE_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions"}
+
+
+async def _start_engine(app: FastAPI) -> None:
+    engine: EngineClient = app.state.engine
+    try:
+        await engine.start()
+    except EngineError as e:
+        log.error("engine failed to start: %s", e)
+        cb = getattr(app.state, "on_start_failed", None)
+        if cb is not None:
+            cb(e)
+        return
+    log.info("engine ready: %s", engine.info.get("model_path"))
+    cb = getattr(app.state, "on_ready", None)
+    if cb is not None:
+        cb(engine)
+
+
+def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
+               scheduler_target: SchedulerTarget | None = None, tokenizer: Any = None,
+               **engine_kwargs: Any) -> FastAPI:
+    """The app for one server. `scheduler_target` / `tokenizer` replace the real scheduler
+    process function and tokenizer (tests)."""
+    engine = engine or EngineClient(args, scheduler_target=scheduler_target, tokenizer=tokenizer,
+                                    **engine_kwargs)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        starter = asyncio.create_task(_start_engine(app), name="pdserve-engine-start")
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+            starter.cancel()
+            await asyncio.gather(starter, return_exceptions=True)
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.args = args
+    app.state.metrics = ServerMetrics()
+    app.state.on_ready = None
+    app.state.on_start_failed = None
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def count_requests(request: Request,
+                             call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        if request.url.path in GENERATE_ROUTES:
+            app.state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    app.include_router(native_routes.router)
+    app.include_router(openai_routes.router)
+    app.include_router(admin_routes.router)
+    return app

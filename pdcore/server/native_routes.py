@@ -1,0 +1,174 @@
+"""SGLang-native `/generate`: `text` or `input_ids` (single or batch), `sampling_params`
+(dict, or one per prompt; `n` samples each), `stream` (SSE with cumulative text, then
+`data: [DONE]`), logprobs, bootstrap fields. A batch answers a list, one entry per sample."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdcore.server import logprobs as lpfmt
+from pdcore.server.engine_client import EngineClient, EngineError, new_rid
+from pdcore.server.generation import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Item, collect,
+                                      run_items, sse, unless_disconnected)
+from pdcore.server.http_errors import error_response, sse_error
+from pdcore.server.output import OutputAssembler
+from pdcore.server.params import (SamplingInput, bad, build_sampling, check_n, check_prompt,
+                                  clamp_max_new_tokens, make_req, pd_items, per_item)
+from pdcore.server.schemas import GenerateRequest, SamplingParamsIn
+
+router = APIRouter()
+DEFAULT_MAX_NEW_TOKENS = 128
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingInput)}
+
+
+@dataclasses.dataclass
+class _Plan:
+    items: list[Item]
+    batch: bool
+    return_logprob: list[bool]
+    top_logprobs_num: list[int]
+
+
+def _prompts(body: GenerateRequest, engine: EngineClient) -> tuple[list[list[int]], bool, str]:
+    if body.text is not None and body.input_ids is not None:
+        raise bad("give either text or input_ids, not both", "text")
+    if body.input_ids is not None:
+        ids = body.input_ids
+        if ids and isinstance(ids[0], list):
+            return [list(x) for x in ids], True, "input_ids"  # type: ignore[arg-type]
+        return [list(ids)], False, "input_ids"  # type: ignore[arg-type]
+    if body.text is None:
+        raise bad("text or input_ids is required", "text")
+    texts = body.text if isinstance(body.text, list) else [body.text]
+    if not texts:
+        raise bad("text is an empty list", "text")
+    tok = engine.tokenizer
+    return [list(tok.encode(t)) for t in texts], isinstance(body.text, list), "text"
+
+
+def plan_generate(body: GenerateRequest, engine: EngineClient) -> _Plan:
+    args, info = engine.args, engine.info
+    prompts, batch, field = _prompts(body, engine)
+    if not prompts:
+        raise bad(f"{field} is an empty list", field)
+    sps = body.sampling_params
+    sp_list: list[SamplingParamsIn] = per_item(
+        sps if sps is not None else SamplingParamsIn(), len(prompts), "sampling_params")
+    rl = per_item(body.return_logprob, len(prompts), "return_logprob")
+    lsl = per_item(body.logprob_start_len, len(prompts), "logprob_start_len")
+    tln = per_item(body.top_logprobs_num, len(prompts), "top_logprobs_num")
+    items: list[Item] = []
+    expanded: list[tuple[int, int, SamplingParamsIn]] = []  # (prompt, sample, params)
+    for p, sp in enumerate(sp_list):
+        n = check_n(sp.n, "sampling_params.n")
+        expanded.extend((p, j, sp) for j in range(n))
+    batch = batch or len(expanded) > 1
+    pds = pd_items(body, len(expanded), args)
+    rids = body.rid if isinstance(body.rid, list) else None
+    if rids is not None and len(rids) != len(expanded):
+        raise bad(f"rid has {len(rids)} entries for {len(expanded)} requests", "rid")
+    prefix = "sampling_params."
+    for k, (p, j, sp) in enumerate(expanded):
+        ids = prompts[p]
+        pf = f"{field}[{p}]" if batch and len(prompts) > 1 else field
+        check_prompt(ids, info, pf)
+        raw = sp.model_dump()
+        if raw.get("sampling_seed") is not None and raw.get("seed") is None:
+            raw["seed"] = raw["sampling_seed"]
+        sampling = build_sampling(
+            SamplingInput(**{f: raw[f] for f in _SAMPLING_FIELDS if f in raw}), prefix)
+        if sampling.seed is not None and j:
+            sampling.seed += j  # n samples with one seed must still differ
+        clamp_max_new_tokens(sampling, len(ids), info, DEFAULT_MAX_NEW_TOKENS,
+                             args.disaggregation_mode)
+        if tln[p] < 0:
+            raise bad("top_logprobs_num must be >= 0", "top_logprobs_num")
+        if rids is not None:
+            rid = rids[k]
+        elif isinstance(body.rid, str):
+            rid = body.rid if len(expanded) == 1 else f"{body.rid}_{k}"
+        else:
+            rid = new_rid()
+        req = make_req(rid, ids, sampling, pds[k], return_logprob=bool(rl[p]),
+                       logprob_start_len=lsl[p] if rl[p] else -1,
+                       top_logprobs_num=tln[p] if rl[p] else 0, stream=body.stream)
+        items.append(Item(k, req))
+    return _Plan(items, batch, [bool(rl[p]) for p, _, _ in expanded],
+                 [tln[p] for p, _, _ in expanded])
+
+
+def _meta(asm: OutputAssembler, plan: _Plan, idx: int, engine: EngineClient,
+          text_in_logprobs: bool, start: float, finished: bool) -> dict[str, Any]:
+    o = asm.out
+    meta: dict[str, Any] = {
+        "id": o.rid, "finish_reason": o.finish_reason if finished else None,
+        "prompt_tokens": o.prompt_tokens, "completion_tokens": len(o.output_ids),
+        "cached_tokens": o.cached_tokens, "e2e_latency": round(time.time() - start, 6),
+    }
+    want = plan.return_logprob[idx]
+    if want or engine.args.disaggregation_mode == "decode":
+        # decode servers always carry the key so a PD router can prepend prefill's prompt part
+        text = lpfmt.TokenText(engine.tokenizer) if text_in_logprobs else None
+        toks, tops = lpfmt.native(o.input_logprobs, text)
+        meta["input_token_logprobs"] = toks
+        if want:
+            out_toks, out_tops = lpfmt.native(o.output_logprobs, text)
+            meta["output_token_logprobs"] = out_toks
+            if plan.top_logprobs_num[idx] > 0:
+                meta["input_top_logprobs"] = tops
+                meta["output_top_logprobs"] = out_tops
+    return meta
+
+
+def _result(asm: OutputAssembler, plan: _Plan, idx: int, engine: EngineClient,
+            body: GenerateRequest, start: float, finished: bool) -> dict[str, Any]:
+    text = asm.out.text if finished else asm.visible_text()
+    out: dict[str, Any] = {"text": text, "output_ids": list(asm.out.output_ids),
+                           "meta_info": _meta(asm, plan, idx, engine,
+                                              body.return_text_in_logprobs, start, finished)}
+    if plan.batch:
+        out["index"] = idx
+    return out
+
+
+async def _stream(engine: EngineClient, plan: _Plan, body: GenerateRequest, request: Request,
+                  start: float) -> AsyncIterator[bytes]:
+    metrics = request.app.state.metrics
+    try:
+        async with contextlib.aclosing(run_items(engine, plan.items, metrics, body.timeout)) \
+                as events:
+            async for ev in events:
+                if ev.error is not None:
+                    yield sse_error(str(ev.error), ev.error.status)
+                    break
+                yield sse(_result(ev.asm, plan, ev.index, engine, body, start, ev.done))
+    except Exception as e:  # the status line is already sent; report in-band
+        yield sse_error(f"internal error: {type(e).__name__}: {e}", 500)
+    yield SSE_DONE
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    engine: EngineClient = request.app.state.engine
+    start = time.time()
+    engine.require_ready()
+    plan = plan_generate(body, engine)
+    if body.stream:
+        return StreamingResponse(_stream(engine, plan, body, request, start),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        done = await unless_disconnected(
+            request, collect(engine, plan.items, request.app.state.metrics, body.timeout))
+    except ClientDisconnected:
+        return error_response("client disconnected", 499)
+    except EngineError as e:
+        return error_response(str(e), e.status)
+    results = [_result(a, plan, i, engine, body, start, True) for i, a in enumerate(done)]
+    return JSONResponse(results if plan.batch else results[0])

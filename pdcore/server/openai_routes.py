@@ -1,0 +1,311 @@
+"""OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and `/v1/models`.
+
+Accepted model names: the served name, the model path and its basename (with or without .gguf).
+`max_completion_tokens` (what sglang-router sends) wins over `max_tokens`. Chat prompts come from
+the tokenizer's chat template with the generation prompt added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdcore.server import logprobs as lpfmt
+from pdcore.server.engine_client import EngineClient, EngineError, new_rid
+from pdcore.server.generation import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Item, collect,
+                                      run_items, sse, unless_disconnected)
+from pdcore.server.http_errors import error_response, sse_error
+from pdcore.server.output import OutputAssembler
+from pdcore.server.params import (SamplingInput, bad, build_sampling, check_n, check_prompt,
+                                  clamp_max_new_tokens, make_req, pd_items)
+from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+MAX_TOP_LOGPROBS = 20
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def served_model_name(engine: EngineClient) -> str:
+    return (engine.args.served_model_name or engine.info.get("served_model_name")
+            or os.path.basename(str(engine.info.get("model_path") or "default")))
+
+
+def accepted_model_names(engine: EngineClient) -> set[str]:
+    names = {served_model_name(engine)}
+    for p in (engine.args.model_path, engine.info.get("model_path"),
+              engine.info.get("served_model_name")):
+        if p:
+            p = str(p).rstrip("/")
+            base = os.path.basename(p)
+            names.update({p, os.path.abspath(os.path.expanduser(p)), base})
+            if base.endswith(".gguf"):
+                names.add(base[: -len(".gguf")])
+    return names
+
+
+def _check_model(model: str | None, engine: EngineClient) -> str:
+    served = served_model_name(engine)
+    if model is None or model == "" or model in accepted_model_names(engine):
+        return model or served
+    raise bad(f"model {model!r} is not served here; use {served!r} (see /v1/models)", "model")
+
+
+@dataclass
+class _Plan:
+    items: list[Item]
+    prompts: list[list[int]]
+    n: int
+    model: str
+    rid: str
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+    echo_texts: list[str] = field(default_factory=list)
+
+
+def _plan(body: Union[CompletionRequest, ChatCompletionRequest], engine: EngineClient,
+          prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
+          max_tokens_field: str, default_max: int | None, want_logprobs: bool, top: int,
+          echo: bool, id_prefix: str) -> _Plan:
+    args, info = engine.args, engine.info
+    model = _check_model(body.model, engine)
+    n = check_n(body.n)
+    for i, ids in enumerate(prompts):
+        check_prompt(ids, info, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field)
+    s = SamplingInput(max_new_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                      ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+                      no_stop_trim=body.no_stop_trim, seed=body.seed)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        v = getattr(body, name)
+        if v is not None:
+            setattr(s, name, v)
+    pds = pd_items(body, len(prompts) * n, args)
+    rid = body.rid if isinstance(body.rid, str) else f"{id_prefix}-{uuid.uuid4().hex}"
+    rids = body.rid if isinstance(body.rid, list) else None
+    if rids is not None and len(rids) != len(prompts) * n:
+        raise bad(f"rid has {len(rids)} entries for {len(prompts) * n} choices", "rid")
+    items = []
+    for p, ids in enumerate(prompts):
+        for j in range(n):
+            k = p * n + j
+            sampling = build_sampling(s, names={"max_new_tokens": max_tokens_field})
+            if sampling.seed is not None and j:
+                sampling.seed += j
+            clamp_max_new_tokens(sampling, len(ids), info, default_max, args.disaggregation_mode)
+            req = make_req(rids[k] if rids else (rid if len(prompts) * n == 1 else new_rid()),
+                           ids, sampling, pds[k], return_logprob=want_logprobs,
+                           logprob_start_len=0 if (echo and want_logprobs) else -1,
+                           top_logprobs_num=top, stream=body.stream)
+            items.append(Item(k, req))
+    echo_texts = [engine.tokenizer.decode(ids) for ids in prompts] if echo else []
+    return _Plan(items, prompts, n, model, rid, want_logprobs, top, echo_texts)
+
+
+def _usage(plan: _Plan, outs: list[OutputAssembler]) -> dict[str, Any]:
+    prompt = sum(len(p) for p in plan.prompts)
+    completion = sum(len(a.out.output_ids) for a in outs)
+    cached = sum(a.out.cached_tokens for a in outs[:: plan.n]) if outs else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish(asm: OutputAssembler) -> tuple[str | None, Any]:
+    r = asm.out.finish_reason or {}
+    return _FINISH.get(r.get("type", ""), r.get("type")), r.get("matched")
+
+
+def _stream_usage_requested(body: Any) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def _run(request: Request, engine: EngineClient, plan: _Plan, timeout: float | None
+               ) -> list[OutputAssembler] | Response:
+    try:
+        return await unless_disconnected(
+            request, collect(engine, plan.items, request.app.state.metrics, timeout))
+    except ClientDisconnected:
+        return error_response("client disconnected", 499)
+    except EngineError as e:
+        return error_response(str(e), e.status)
+
+
+async def _stream(request: Request, engine: EngineClient, plan: _Plan, body: Any, chat: bool
+                  ) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    text_of = lpfmt.TokenText(engine.tokenizer)
+    sent_text = {it.index: 0 for it in plan.items}
+    sent_lp = {it.index: 0 for it in plan.items}
+    finished: dict[int, OutputAssembler] = {}
+
+    def chunk(choices: list[dict[str, Any]]) -> bytes:
+        return sse({"id": plan.rid, "object": obj, "created": created, "model": plan.model,
+                    "choices": choices})
+
+    try:
+        if chat:
+            yield chunk([{"index": it.index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None} for it in plan.items])
+        elif plan.echo_texts:
+            yield chunk([{"index": it.index, "text": plan.echo_texts[it.index // plan.n],
+                          "logprobs": None, "finish_reason": None} for it in plan.items])
+        async with contextlib.aclosing(run_items(engine, plan.items, request.app.state.metrics,
+                                                 body.timeout)) as events:
+            async for ev in events:
+                if ev.error is not None:
+                    yield sse_error(str(ev.error), ev.error.status)
+                    break
+                a, i = ev.asm, ev.index
+                text = a.out.text if ev.done else a.visible_text()
+                delta, sent_text[i] = text[sent_text[i]:], len(text)
+                new_lps = a.out.output_logprobs[sent_lp[i]:] if plan.want_logprobs else []
+                sent_lp[i] += len(new_lps)
+                reason, matched = _finish(a) if ev.done else (None, None)
+                if not delta and not new_lps and not ev.done:
+                    continue
+                if chat:
+                    c: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},
+                                         "logprobs": None, "finish_reason": reason}
+                    if new_lps:
+                        c["logprobs"] = {"content": lpfmt.chat(new_lps, text_of,
+                                                               plan.top_logprobs > 0)}
+                else:
+                    c = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
+                    if new_lps:
+                        c["logprobs"] = lpfmt.completion(new_lps, text_of)
+                if ev.done:
+                    c["matched_stop"] = matched
+                    finished[i] = a
+                yield chunk([c])
+        if _stream_usage_requested(body) and len(finished) == len(plan.items):
+            outs = [finished[it.index] for it in plan.items]
+            yield sse({"id": plan.rid, "object": obj, "created": created, "model": plan.model,
+                       "choices": [], "usage": _usage(plan, outs)})
+    except Exception as e:  # headers are out already: report in-band
+        yield sse_error(f"internal error: {type(e).__name__}: {e}", 500)
+    yield SSE_DONE
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+def _completion_prompts(body: CompletionRequest, engine: EngineClient) -> list[list[int]]:
+    p = body.prompt
+    if isinstance(p, str):
+        return [list(engine.tokenizer.encode(p))]
+    if not p:
+        raise bad("prompt is empty", "prompt")
+    if isinstance(p[0], str):
+        return [list(engine.tokenizer.encode(x)) for x in p]  # type: ignore[arg-type]
+    if isinstance(p[0], int):
+        return [list(p)]  # type: ignore[arg-type]
+    return [list(x) for x in p]  # type: ignore[union-attr]
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    engine: EngineClient = request.app.state.engine
+    engine.require_ready()
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+    if body.max_tokens is not None and body.max_tokens < 0:
+        raise bad(f"max_tokens must be >= 0, got {body.max_tokens}", "max_tokens")
+    want = body.logprobs is not None
+    plan = _plan(body, engine, _completion_prompts(body, engine), "prompt", body.max_tokens,
+                 "max_tokens", None, want, body.logprobs or 0, body.echo, "cmpl")
+    if body.stream:
+        return StreamingResponse(_stream(request, engine, plan, body, chat=False),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await _run(request, engine, plan, body.timeout)
+    if isinstance(outs, Response):
+        return outs
+    text_of = lpfmt.TokenText(engine.tokenizer)
+    choices = []
+    for i, a in enumerate(outs):
+        reason, matched = _finish(a)
+        echo = plan.echo_texts[i // plan.n] if plan.echo_texts else ""
+        logprobs = None
+        if want:
+            entries = list(a.out.input_logprobs or []) if body.echo else []
+            logprobs = lpfmt.completion(entries + a.out.output_logprobs, text_of)
+        choices.append({"index": i, "text": echo + a.out.text, "logprobs": logprobs,
+                        "finish_reason": reason, "matched_stop": matched})
+    return JSONResponse({"id": plan.rid, "object": "text_completion", "created": int(time.time()),
+                         "model": plan.model, "choices": choices, "usage": _usage(plan, outs)})
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+def _message_text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") not in ("text", None):
+            raise bad(f"messages: content type {part.get('type')!r} is not supported (text only)",
+                      "messages")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+    if not body.messages:
+        raise bad("messages must not be empty", "messages")
+    msgs = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+    cont = bool(body.continue_final_message)
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not cont,
+                                             continue_final_message=cont)
+    except Exception as e:
+        raise bad(f"messages do not fit the model's chat template: {e}", "messages") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    engine: EngineClient = request.app.state.engine
+    engine.require_ready()
+    name, max_tokens = "max_tokens", body.max_tokens
+    if body.max_completion_tokens is not None:
+        name, max_tokens = "max_completion_tokens", body.max_completion_tokens
+    if max_tokens is not None and max_tokens < 0:
+        raise bad(f"{name} must be >= 0, got {max_tokens}", name)
+    top = body.top_logprobs or 0
+    if body.top_logprobs is not None:
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if not body.logprobs:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    plan = _plan(body, engine, [chat_prompt(body, engine.tokenizer)], "messages", max_tokens,
+                 name, None, bool(body.logprobs), top, False, "chatcmpl")
+    if body.stream:
+        return StreamingResponse(_stream(request, engine, plan, body, chat=True),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await _run(request, engine, plan, body.timeout)
+    if isinstance(outs, Response):
+        return outs
+    text_of = lpfmt.TokenText(engine.tokenizer)
+    choices = []
+    for i, a in enumerate(outs):
+        reason, matched = _finish(a)
+        logprobs = ({"content": lpfmt.chat(a.out.output_logprobs, text_of, top > 0)}
+                    if body.logprobs else None)
+        choices.append({"index": i, "message": {"role": "assistant", "content": a.out.text},
+                        "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched})
+    return JSONResponse({"id": plan.rid, "object": "chat.completion", "created": int(time.time()),
+                         "model": plan.model, "choices": choices, "usage": _usage(plan, outs)})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    engine: EngineClient = request.app.state.engine
+    return {"object": "list", "data": [{
+        "id": served_model_name(engine), "object": "model", "created": int(time.time()),
+        "owned_by": "pdserve", "root": engine.info.get("model_path") or engine.args.model_path,
+        "max_model_len": engine.info.get("context_length")}]}

@@ -1,0 +1,176 @@
+"""Validation and conversion of request fields into scheduler requests (GenerateReq).
+
+Length policy (documented in the README API section): a prompt of `context_length` tokens or
+more is rejected (HTTP 400, field = the prompt field); otherwise `max_new_tokens` is clamped to
+the room left in the context (`context_length - prompt_tokens`) and in the KV pool
+(`max_total_tokens - prompt_tokens`), and such a request ends with finish_reason "length".
+A prompt that does not fit the KV pool at all is rejected too: it could never be scheduled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pdcore.config import ServerArgs
+from pdcore.engine.io_struct import GenerateReq, SamplingParams
+from pdcore.errors import InvalidRequestError
+
+MAX_N = 64
+_GENERATE_REQ_FIELDS = {f.name for f in dataclasses.fields(GenerateReq)}
+
+
+def bad(message: str, field: str) -> InvalidRequestError:
+    return InvalidRequestError(message, field)
+
+
+@dataclass
+class SamplingInput:
+    """Sampling options common to all routes, before range checks."""
+
+    max_new_tokens: int | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+def build_sampling(s: SamplingInput, prefix: str = "", names: dict[str, str] | None = None
+                   ) -> SamplingParams:
+    """Range-check `s`; errors name `prefix + field` (`names` renames fields, e.g. OpenAI's
+    max_tokens)."""
+    names = names or {}
+
+    def f(name: str) -> str:
+        return prefix + names.get(name, name)
+
+    def finite(name: str, v: float) -> float:
+        if not math.isfinite(v):
+            raise bad(f"{f(name)} must be a finite number", f(name))
+        return v
+
+    if s.max_new_tokens is not None and s.max_new_tokens < 0:
+        raise bad(f"{f('max_new_tokens')} must be >= 0, got {s.max_new_tokens}", f("max_new_tokens"))
+    if finite("temperature", s.temperature) < 0:
+        raise bad(f"{f('temperature')} must be >= 0, got {s.temperature}", f("temperature"))
+    if not 0 < finite("top_p", s.top_p) <= 1:
+        raise bad(f"{f('top_p')} must be in (0, 1], got {s.top_p}", f("top_p"))
+    if s.top_k == 0 or s.top_k < -1:
+        raise bad(f"{f('top_k')} must be -1 (off) or >= 1, got {s.top_k}", f("top_k"))
+    if not 0 <= finite("min_p", s.min_p) <= 1:
+        raise bad(f"{f('min_p')} must be in [0, 1], got {s.min_p}", f("min_p"))
+    if finite("repetition_penalty", s.repetition_penalty) <= 0:
+        raise bad(f"{f('repetition_penalty')} must be > 0", f("repetition_penalty"))
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2 <= finite(name, getattr(s, name)) <= 2:
+            raise bad(f"{f(name)} must be in [-2, 2], got {getattr(s, name)}", f(name))
+    stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
+    if any(not x for x in stop):
+        raise bad(f"{f('stop')} must not contain empty strings", f("stop"))
+    if any(t < 0 for t in s.stop_token_ids or []):
+        raise bad(f"{f('stop_token_ids')} must be token ids >= 0", f("stop_token_ids"))
+    return SamplingParams(
+        max_new_tokens=-1 if s.max_new_tokens is None else s.max_new_tokens,  # -1: fill later
+        temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
+        min_p=float(s.min_p), repetition_penalty=float(s.repetition_penalty),
+        frequency_penalty=float(s.frequency_penalty), presence_penalty=float(s.presence_penalty),
+        seed=s.seed, stop=stop, stop_token_ids=list(s.stop_token_ids or []),
+        ignore_eos=bool(s.ignore_eos), skip_special_tokens=bool(s.skip_special_tokens),
+        no_stop_trim=bool(s.no_stop_trim),
+    )
+
+
+def check_n(n: int, field: str = "n") -> int:
+    if not 1 <= n <= MAX_N:
+        raise bad(f"{field} must be in [1, {MAX_N}], got {n}", field)
+    return n
+
+
+def check_prompt(ids: list[int], info: dict[str, Any], field: str) -> None:
+    if not ids:
+        raise bad(f"{field} is empty: give at least one token", field)
+    vocab = int(info.get("vocab_size") or 0)
+    if vocab and any(not 0 <= t < vocab for t in ids):
+        raise bad(f"{field} holds token ids outside [0, {vocab})", field)
+    ctx = int(info.get("context_length") or 0)
+    if ctx and len(ids) >= ctx:
+        raise bad(f"{field} is too long: {len(ids)} tokens, the context length is {ctx} "
+                  "(prompt and output must fit); shorten it", field)
+    pool = int(info.get("max_total_tokens") or 0)
+    if pool and len(ids) + 1 > pool:
+        raise bad(f"{field} has {len(ids)} tokens but the KV pool holds only {pool}", field)
+
+
+def clamp_max_new_tokens(sampling: SamplingParams, prompt_len: int, info: dict[str, Any],
+                         default: int | None, mode: str) -> None:
+    """Fill the default and clamp to the context / pool room; prefill servers make one token."""
+    room = 1 << 30
+    for key in ("context_length", "max_total_tokens"):
+        limit = int(info.get(key) or 0)
+        if limit:
+            room = min(room, limit - prompt_len)
+    if sampling.max_new_tokens < 0:
+        sampling.max_new_tokens = room if default is None else default
+    sampling.max_new_tokens = max(0, min(sampling.max_new_tokens, room))
+    if mode == "prefill":
+        sampling.max_new_tokens = 1
+
+
+def per_item(value: Any, count: int, field: str) -> list[Any]:
+    """A scalar applies to every item; a list must have one entry per item."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise bad(f"{field} has {len(value)} entries for {count} requests", field)
+        return list(value)
+    return [value] * count
+
+
+@dataclass
+class PDInfo:
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    routed_dp_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+
+
+def pd_items(body: Any, count: int, args: ServerArgs) -> list[PDInfo]:
+    hosts = per_item(body.bootstrap_host, count, "bootstrap_host")
+    ports = per_item(body.bootstrap_port, count, "bootstrap_port")
+    rooms = per_item(body.bootstrap_room, count, "bootstrap_room")
+    dp_rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
+    out = []
+    for h, p, r in zip(hosts, ports, rooms):
+        if r is not None and not 0 <= r < 2**64:
+            raise bad("bootstrap_room must be in [0, 2^64)", "bootstrap_room")
+        if p is not None and not 0 < p < 65536:
+            raise bad("bootstrap_port must be in 1..65535", "bootstrap_port")
+        if p is None and h is not None:
+            p = args.disaggregation_bootstrap_port
+        out.append(PDInfo(h, p, r, dp_rank, body.disagg_prefill_dp_rank))
+    return out
+
+
+def make_req(rid: str, ids: list[int], sampling: SamplingParams, pd: PDInfo, *,
+             return_logprob: bool = False, logprob_start_len: int = -1,
+             top_logprobs_num: int = 0, stream: bool = False) -> GenerateReq:
+    extra = {k: v for k, v in (("routed_dp_rank", pd.routed_dp_rank),
+                               ("disagg_prefill_dp_rank", pd.disagg_prefill_dp_rank))
+             if k in _GENERATE_REQ_FIELDS}
+    return GenerateReq(
+        rid=rid, input_ids=list(ids), sampling=sampling, return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
+        bootstrap_host=pd.bootstrap_host, bootstrap_port=pd.bootstrap_port,
+        bootstrap_room=pd.bootstrap_room, **extra,
+    )

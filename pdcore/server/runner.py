@@ -1,0 +1,82 @@
+"""Run one server in the foreground: `pdserve serve` and `python -m pdcore.launch_server`.
+
+1. bind the listening socket first (a busy port fails before any model loads);
+2. build the app; the lifespan spawns the scheduler and loads the model;
+3. print the URL and an example once the engine is ready; on an engine start-up failure print
+   why and exit 1; Ctrl-C / SIGTERM stop uvicorn, whose shutdown stops the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from typing import Any
+
+from pdcore.config import ServerArgs
+from pdcore.errors import ConfigError
+
+log = logging.getLogger("pdcore.server")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}; "
+                          "pick another --port or --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
+    """Serve until stopped; returns the process exit code."""
+    import uvicorn
+
+    from pdcore.server.app import create_app
+
+    configure_logging(args.log_level)
+    sock = bind_socket(args.host, args.port)
+    url = url_of(args.host, args.port)
+    app = create_app(args, **app_kwargs)
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    server = uvicorn.Server(config)
+    outcome = {"rc": 0}
+
+    def on_ready(engine: Any) -> None:
+        name = engine.info.get("served_model_name") or engine.info.get("model_path")
+        print(f"pdserve ready at {url} (model {name}, mode {args.disaggregation_mode})\n"
+              f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
+              "\"max_tokens\": 32}'", flush=True)
+
+    def on_start_failed(err: Exception) -> None:
+        print(f"pdserve: engine failed to start: {err}", file=sys.stderr, flush=True)
+        outcome["rc"] = 1
+        server.should_exit = True
+
+    app.state.on_ready = on_ready
+    app.state.on_start_failed = on_start_failed
+    print(f"pdserve: listening on {url}; loading the model (/health is 503 until ready)",
+          flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return outcome["rc"]
