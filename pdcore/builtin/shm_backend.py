@@ -18,6 +18,7 @@ Lifecycle:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -89,6 +90,7 @@ class ShmTransferEngine(TransferEngine):
         self.workers = max(1, ctx.thread_pool_size)
         self.copy_strategy, self._copy_items = shm_copy.pick(ctx.env.get(shm_copy.COPY_ENV, ""))
         self._local = RegionIndex(())
+        self._local_guard = SharedExclusive()  # deregister waits for copies reading it
         self._handles = HandleTable("shm")
         self._lock = threading.Lock()
         self._peers: set[_ShmPeer] = set()
@@ -110,8 +112,14 @@ class ShmTransferEngine(TransferEngine):
 
     def deregister(self, regions: Sequence[MemoryRegion]) -> None:
         gone = {(r.addr, r.length) for r in regions}
-        self._local = RegionIndex(
-            [r for r in self._local.regions if (r.addr, r.length) not in gone])
+        if not self._local_guard.acquire_exclusive(self.timeout):
+            raise TransferError(f"shm: deregister timed out after {self.timeout}s waiting for "
+                                f"in-flight copies to finish")
+        try:
+            self._local = RegionIndex(
+                [r for r in self._local.regions if (r.addr, r.length) not in gone])
+        finally:
+            self._local_guard.release_exclusive()
 
     # -- peers ---------------------------------------------------------------------------------
     def endpoint(self) -> bytes:
@@ -260,9 +268,9 @@ class ShmTransferEngine(TransferEngine):
             return [(0, len(length))]
         cuts = np.searchsorted(np.cumsum(length, dtype=np.uint64),
                                np.arange(1, parts, dtype=np.uint64) * (total // parts))
-        bounds = [0, *sorted(set(int(c) + 1 for c in cuts if 0 <= c < len(length) - 1)),
+        bounds = [0, *sorted({int(c) + 1 for c in cuts if 0 <= c < len(length) - 1}),
                   len(length)]
-        return list(zip(bounds[:-1], bounds[1:]))
+        return list(itertools.pairwise(bounds))
 
     @staticmethod
     def _pool_join(futures: list[Future]) -> Future:
@@ -296,6 +304,9 @@ class ShmTransferEngine(TransferEngine):
               length: np.ndarray) -> PollResult:
         if not state.guard.acquire_shared(self.timeout):
             return failed(f"shm: peer {state.label} is being unmapped")
+        if not self._local_guard.acquire_shared(self.timeout):
+            state.guard.release_shared()
+            return failed("shm: local memory is being deregistered; nothing copied")
         try:
             if state.unmapped:
                 return failed(f"shm: peer {state.label} lost ({state.lost}); nothing copied")
@@ -303,6 +314,7 @@ class ShmTransferEngine(TransferEngine):
         except OSError as e:
             return failed(f"shm: copying into peer {state.label} failed: {e}")
         finally:
+            self._local_guard.release_shared()
             state.guard.release_shared()
         return DONE
 

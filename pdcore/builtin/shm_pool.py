@@ -70,7 +70,13 @@ class ShmMemoryPool(MemoryPool):
         if name in self._maps:
             raise ValueError(f"shm pool: labels must stay distinct after cleaning: {label!r} "
                              f"maps to segment {name} already in use")
-        mm = seg.create(name, seg.round_up(nbytes))
+        try:
+            mm = seg.create(name, seg.round_up(nbytes))
+        except seg.NoSpace as e:
+            raise ConfigError(
+                f"shm pool: cannot allocate {label!r}: {e.strerror}. Give the container a "
+                f"bigger /dev/shm (docker --shm-size), lower --max-total-tokens / "
+                f"--mem-fraction-static, or use another memory pool") from None
         self._names.append(name)
         tensor = torch.frombuffer(mm, dtype=dtype, count=numel).view(shape)
         region = MemoryRegion(addr=tensor.data_ptr(), length=nbytes, kind=MemoryKind.SHM,

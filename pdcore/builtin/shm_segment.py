@@ -9,10 +9,12 @@ process remove the segments of a server that died without cleaning up.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
 import re
+import shutil
 import socket
 from dataclasses import dataclass
 
@@ -97,11 +99,28 @@ def address_of(mm: mmap.mmap) -> int:
     return addr
 
 
+class NoSpace(OSError):
+    """/dev/shm cannot hold the segment."""
+
+
 def create(name: str, size: int) -> mmap.mmap:
-    """A new zero-filled segment of `size` bytes (a multiple of the page size), mapped."""
+    """A new zero-filled segment of `size` bytes (a multiple of the page size), mapped.
+
+    The space is reserved now (posix_fallocate): tmpfs otherwise hands out pages on first touch,
+    and a full /dev/shm would then kill the process (or a peer writing into it) with SIGBUS.
+    """
     fd = os.open(path_of(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                free = shutil.disk_usage(SHM_DIR).free
+                raise NoSpace(e.errno, f"{SHM_DIR} has {free / 2**20:.0f} MiB free, segment "
+                                       f"{name} needs {size / 2**20:.0f} MiB") from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         unlink(name)

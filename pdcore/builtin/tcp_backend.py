@@ -35,6 +35,7 @@ from pdcore.builtin.tcp_receiver import MAX_ITEMS, TcpReceiver
 from pdcore.builtin.tcp_support import (
     HandleTable,
     RegionIndex,
+    SharedExclusive,
     describe_range,
     read_timeout,
     region_views,
@@ -89,6 +90,7 @@ class TcpTransferEngine(TransferEngine):
         self._regions: tuple[MemoryRegion, ...] = ()
         self._local = RegionIndex(())
         self._local_views: list[memoryview] = []
+        self._send_guard = SharedExclusive()  # deregister waits for sends reading local memory
         self._handles = HandleTable("tcp")
         self._lock = threading.Lock()
         self._active: set[socket.socket] = set()
@@ -110,14 +112,19 @@ class TcpTransferEngine(TransferEngine):
 
     def deregister(self, regions: Sequence[MemoryRegion]) -> None:
         gone = {(r.addr, r.length) for r in regions}
-        # Wait for batches being written into memory that is about to go away.
-        if not self._receiver.guard.acquire_exclusive(self.timeout):
-            raise TransferError(f"tcp: deregister timed out after {self.timeout}s waiting for "
-                                f"in-flight batches to finish")
+        # Wait for batches reading from, or being written into, memory about to go away.
+        guards = (self._send_guard, self._receiver.guard)
+        taken = []
         try:
+            for g in guards:
+                if not g.acquire_exclusive(self.timeout):
+                    raise TransferError(f"tcp: deregister timed out after {self.timeout}s "
+                                        f"waiting for in-flight batches to finish")
+                taken.append(g)
             self._set_regions(tuple(r for r in self._regions if (r.addr, r.length) not in gone))
         finally:
-            self._receiver.guard.release_exclusive()
+            for g in taken:
+                g.release_exclusive()
 
     def _set_regions(self, regions: tuple[MemoryRegion, ...]) -> None:
         self._regions = regions
@@ -225,6 +232,9 @@ class TcpTransferEngine(TransferEngine):
                 conn = self._open(peer, deadline)
         except TransferError as e:
             return failed(str(e))
+        if not self._send_guard.acquire_shared(self.timeout):
+            conn.close()
+            return failed("tcp: local memory is being deregistered; batch not sent")
         with self._lock:
             self._active.add(conn)
         reusable = False
@@ -240,7 +250,7 @@ class TcpTransferEngine(TransferEngine):
             reason = wire.recv_exact(conn, n, deadline).decode("utf-8", "replace") if n else ""
             reusable = True
             return failed(f"tcp: {reason}") if status else DONE
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return failed(f"tcp: peer {peer.label} did not finish the batch within "
                           f"{self.timeout}s ({TIMEOUT_ENV}); is it frozen or overloaded?")
         except wire.PeerClosed:
@@ -251,6 +261,7 @@ class TcpTransferEngine(TransferEngine):
                 return failed("tcp: engine closed while the batch was in flight")
             return failed(f"tcp: connection to peer {peer.label} failed: {e}")
         finally:
+            self._send_guard.release_shared()
             with self._lock:
                 self._active.discard(conn)
             with peer.lock:
@@ -286,10 +297,3 @@ class TcpTransferEngine(TransferEngine):
             self._drop_idle(p)
         self._pool.shutdown(wait=True)
         self._receiver.stop()
-
-    def __del__(self) -> None:  # best effort for engines a test or script forgot to close
-        try:
-            if not self._closed:
-                self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass

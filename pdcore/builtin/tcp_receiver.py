@@ -35,6 +35,7 @@ from pdcore.interfaces.transfer import MemoryRegion
 log = logging.getLogger(__name__)
 
 MAX_ITEMS = 1 << 21
+MAX_CONNECTIONS = 512  # a connection flood cannot start unbounded threads
 # A rejected batch whose payload is larger than this is not drained: the connection is dropped.
 MAX_DRAIN = 1 << 34
 
@@ -83,6 +84,11 @@ class TcpReceiver:
                 if self._stopped:
                     conn.close()
                     return
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    log.warning("%s receiver %s: refusing a connection: %d already open",
+                                self._name, self.port, len(self._conns))
+                    conn.close()
+                    continue
                 self._conns.add(conn)
                 t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                      name=f"{self._name}-recv-{self.port}")

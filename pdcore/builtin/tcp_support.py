@@ -109,7 +109,7 @@ class HandleTable:
             result = job.result()
         except CancelledError:
             return failed(f"{self._owner}: transfer cancelled because the engine was closed")
-        except Exception as e:  # a worker's failure becomes the handle's reason
+        except Exception as e:  # noqa: BLE001 - a worker's failure becomes the handle's reason
             return failed(f"{self._owner}: {e}")
         return result if isinstance(result, PollResult) else DONE
 

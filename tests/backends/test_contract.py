@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from pdcore.testing.backend_contract import BackendContract, CrossProcessBackendContract
@@ -9,13 +11,13 @@ from pdcore.testing.backend_contract import BackendContract, CrossProcessBackend
 
 class TestTcpContract(BackendContract):
     backend_name = "tcp"
-    context_env = {"PDCORE_TCP_TIMEOUT": "10"}
+    context_env: ClassVar[dict[str, str]] = {"PDCORE_TCP_TIMEOUT": "10"}
     dead_peer_timeout = 15.0
 
 
 class TestTcpCrossProcess(CrossProcessBackendContract):
     backend_name = "tcp"
-    context_env = {"PDCORE_TCP_TIMEOUT": "10"}
+    context_env: ClassVar[dict[str, str]] = {"PDCORE_TCP_TIMEOUT": "10"}
     dead_peer_timeout = 15.0
 
 
@@ -41,7 +43,7 @@ class TestShmVmCopyContract(BackendContract):
     backend_name = "shm"
     pool_name = "shm"
     dead_peer_timeout = 5.0
-    context_env = {"PDCORE_SHM_COPY": "vm"}
+    context_env: ClassVar[dict[str, str]] = {"PDCORE_SHM_COPY": "vm"}
 
     def make_engine(self, role: str):
         from pdcore.builtin import shm_copy

@@ -88,3 +88,18 @@ def test_segment_name_parsing() -> None:
     assert seg.owner_pid("other_x_12_k") is None
     assert not seg.pid_alive(0)
     assert seg.pid_alive(os.getpid())
+
+
+def test_segment_larger_than_dev_shm_fails_clearly() -> None:
+    """Space is reserved at allocation, so a too-small /dev/shm is an error now, not a SIGBUS
+    later. (tmpfs refuses a reservation larger than the whole file system at once.)"""
+    import shutil
+
+    too_big = shutil.disk_usage(seg.SHM_DIR).total + (1 << 20)
+    pool = ShmMemoryPool(PoolContext(server_id="pooltest-big"))
+    try:
+        with pytest.raises(ConfigError, match="--shm-size"):
+            pool.allocate("huge", (too_big,), torch.uint8)
+        assert not any(n.startswith("pdserve_pooltest-big_") for n in os.listdir(seg.SHM_DIR))
+    finally:
+        pool.close()
