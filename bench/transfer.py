@@ -146,7 +146,7 @@ def ratios(results: dict) -> dict:
     return out
 
 
-def plot(results: dict, rat: dict, path: Path) -> None:
+def plot(results: dict, rat: dict, path: Path, note: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,7 +166,8 @@ def plot(results: dict, rat: dict, path: Path) -> None:
                       f"{k} {v['value']:.2f}" for k, v in rat[w].items()) for w in loads],
                   fontsize=8)
     ax.set_ylabel("GB/s (median)")
-    ax.set_title("KV page transfer, SmolLM2-135M layout (item 12 KiB), cross-process")
+    ax.set_title("KV page transfer, SmolLM2-135M layout (item 12 KiB), cross-process\n" + note,
+                 fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -223,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                        "platform": platform.platform()},
            "results": results, "ratios": rat}
     out.write_text(json.dumps(doc, indent=1))
-    plot(results, rat, out.with_suffix(".png"))
+    m = doc["machine"]
+    plot(results, rat, out.with_suffix(".png"),
+         f"{m['cpus']} CPUs, load average {m['loadavg_start'][0]:.1f} -> "
+         f"{m['loadavg_end'][0]:.1f}; median of {args.reps} alternating repetitions")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

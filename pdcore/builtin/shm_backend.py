@@ -91,6 +91,7 @@ class ShmTransferEngine(TransferEngine):
         self.copy_strategy, self._copy_items = shm_copy.pick(ctx.env.get(shm_copy.COPY_ENV, ""))
         self._local = RegionIndex(())
         self._local_guard = SharedExclusive()  # deregister waits for copies reading it
+        self._generation = 0  # bumped by deregister: copies queued before it do not run
         self._handles = HandleTable("shm")
         self._lock = threading.Lock()
         self._peers: set[_ShmPeer] = set()
@@ -118,6 +119,7 @@ class ShmTransferEngine(TransferEngine):
         try:
             self._local = RegionIndex(
                 [r for r in self._local.regions if (r.addr, r.length) not in gone])
+            self._generation += 1
         finally:
             self._local_guard.release_exclusive()
 
@@ -254,8 +256,9 @@ class ShmTransferEngine(TransferEngine):
                 f"regions of peer {state.label}; nothing was copied"))
         local_dst = dst - state.index.starts[didx] + state.bases[didx]
         chunks = self._split(length)
-        futures = [self._pool.submit(self._copy, state, local_dst[a:b], src[a:b], length[a:b])
-                   for a, b in chunks]
+        gen = self._generation
+        futures = [self._pool.submit(self._copy, state, local_dst[a:b], src[a:b], length[a:b],
+                                     gen) for a, b in chunks]
         if len(futures) == 1:
             return self._handles.add(futures[0])
         return self._handles.add(self._pool_join(futures))
@@ -301,7 +304,7 @@ class ShmTransferEngine(TransferEngine):
         return joined
 
     def _copy(self, state: _ShmPeer, dst: np.ndarray, src: np.ndarray,
-              length: np.ndarray) -> PollResult:
+              length: np.ndarray, generation: int) -> PollResult:
         if not state.guard.acquire_shared(self.timeout):
             return failed(f"shm: peer {state.label} is being unmapped")
         if not self._local_guard.acquire_shared(self.timeout):
@@ -310,6 +313,9 @@ class ShmTransferEngine(TransferEngine):
         try:
             if state.unmapped:
                 return failed(f"shm: peer {state.label} lost ({state.lost}); nothing copied")
+            if generation != self._generation:
+                return failed("shm: local memory was deregistered while the batch was queued; "
+                              "nothing copied")
             self._copy_items(dst, src, length)  # outside the GIL: chunks overlap
         except OSError as e:
             return failed(f"shm: copying into peer {state.label} failed: {e}")

@@ -88,9 +88,11 @@ class TcpTransferEngine(TransferEngine):
         self.timeout = read_timeout(ctx.env, TIMEOUT_ENV, DEFAULT_TIMEOUT)
         self._token = secrets.token_bytes(wire.TOKEN_LEN)
         self._regions: tuple[MemoryRegion, ...] = ()
-        self._local = RegionIndex(())
-        self._local_views: list[memoryview] = []
+        # (index, views) swapped as one object so write() never pairs one with the other's
+        # predecessor
+        self._local: tuple[RegionIndex, list[memoryview]] = (RegionIndex(()), [])
         self._send_guard = SharedExclusive()  # deregister waits for sends reading local memory
+        self._generation = 0  # bumped by deregister: batches queued before it are not sent
         self._handles = HandleTable("tcp")
         self._lock = threading.Lock()
         self._active: set[socket.socket] = set()
@@ -122,6 +124,7 @@ class TcpTransferEngine(TransferEngine):
                                         f"waiting for in-flight batches to finish")
                 taken.append(g)
             self._set_regions(tuple(r for r in self._regions if (r.addr, r.length) not in gone))
+            self._generation += 1
         finally:
             for g in taken:
                 g.release_exclusive()
@@ -129,8 +132,7 @@ class TcpTransferEngine(TransferEngine):
     def _set_regions(self, regions: tuple[MemoryRegion, ...]) -> None:
         self._regions = regions
         index = RegionIndex(regions)
-        self._local_views = region_views(index.regions)
-        self._local = index
+        self._local = (index, region_views(index.regions))
         self._receiver.set_regions(regions)
 
     # -- peers ---------------------------------------------------------------------------------
@@ -206,7 +208,8 @@ class TcpTransferEngine(TransferEngine):
         src = np.ascontiguousarray(batch.src, dtype=np.uint64)
         dst = np.ascontiguousarray(batch.dst, dtype=np.uint64)
         length = np.ascontiguousarray(batch.length, dtype=np.uint64)
-        sidx, sok = self._local.locate(src, length)
+        local, views = self._local
+        sidx, sok = local.locate(src, length)
         if not sok.all():
             i = int(np.argmin(sok))
             return self._handles.add(failed(
@@ -218,12 +221,14 @@ class TcpTransferEngine(TransferEngine):
                 return self._handles.add(failed(
                     f"tcp: {describe_range('dst', i, dst, length)} is outside the regions peer "
                     f"{state.label} registered; nothing was sent"))
-        offs = src - self._local.starts[sidx]
-        fut = self._pool.submit(self._send, state, dst, length, self._local_views, sidx, offs)
+        offs = src - local.starts[sidx]
+        fut = self._pool.submit(self._send, state, dst, length, views, sidx, offs,
+                                self._generation)
         return self._handles.add(fut)
 
     def _send(self, peer: _TcpPeer, dst: np.ndarray, length: np.ndarray,
-              views: list[memoryview], sidx: np.ndarray, offs: np.ndarray) -> PollResult:
+              views: list[memoryview], sidx: np.ndarray, offs: np.ndarray,
+              generation: int) -> PollResult:
         deadline = time.monotonic() + self.timeout
         with peer.lock:
             conn = peer.idle.popleft() if peer.idle else None
@@ -235,6 +240,12 @@ class TcpTransferEngine(TransferEngine):
         if not self._send_guard.acquire_shared(self.timeout):
             conn.close()
             return failed("tcp: local memory is being deregistered; batch not sent")
+        if generation != self._generation:
+            self._send_guard.release_shared()
+            with peer.lock:
+                peer.idle.append(conn)
+            return failed("tcp: local memory was deregistered while the batch was queued; "
+                          "nothing was sent")
         with self._lock:
             self._active.add(conn)
         reusable = False

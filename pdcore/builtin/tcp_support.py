@@ -119,16 +119,20 @@ class HandleTable:
 
 
 class SharedExclusive:
-    """Many holders of `shared()` at once, or one of `exclusive()`. Waits are bounded."""
+    """Many holders of the shared side at once, or one exclusive holder. A waiting exclusive
+    request blocks new shared holders (so deregistering memory cannot be starved, and work
+    queued behind it sees the change). Waits are bounded by their timeouts."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._shared = 0
         self._exclusive = False
+        self._waiting = 0  # exclusive requests not yet granted
 
     def acquire_shared(self, timeout: float | None = None) -> bool:
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._exclusive, timeout):
+            if not self._cond.wait_for(lambda: not self._exclusive and not self._waiting,
+                                       timeout):
                 return False
             self._shared += 1
             return True
@@ -140,7 +144,14 @@ class SharedExclusive:
 
     def acquire_exclusive(self, timeout: float | None = None) -> bool:
         with self._cond:
-            ok = self._cond.wait_for(lambda: not self._exclusive and self._shared == 0, timeout)
+            self._waiting += 1
+            try:
+                ok = self._cond.wait_for(lambda: not self._exclusive and self._shared == 0,
+                                         timeout)
+            finally:
+                self._waiting -= 1
+                if not self._waiting:
+                    self._cond.notify_all()
             if ok:
                 self._exclusive = True
             return ok

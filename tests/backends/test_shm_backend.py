@@ -200,3 +200,43 @@ def test_copy_strategy_setting_is_validated() -> None:
         assert eng.copy_strategy == "memmove"
     finally:
         eng.close()
+
+
+def test_deregister_waits_for_running_copy_and_cancels_queued_ones() -> None:
+    """deregister() waits for a copy that is reading local memory; a batch still queued when
+    it returns never reads the deregistered memory (it fails instead)."""
+    import threading
+
+    src = np.ones(1 << 20, dtype=np.uint8)
+    pool = ShmMemoryPool(PoolContext(server_id="shmtest-dereg"))
+    eng = ShmTransferEngine(BackendContext(thread_pool_size=1))
+    other = ShmTransferEngine(BackendContext(server_id="shmtest-dereg"))
+    gate = threading.Event()
+    try:
+        dst = pool.allocate("dst", (1 << 20,), torch.uint8)
+        region = MemoryRegion(src.ctypes.data, src.nbytes)
+        eng.register([region])
+        peer = eng.connect(other.endpoint(), [dst.region])
+        # 1. a copy "in progress" holds the shared side: deregister must wait for it
+        assert eng._local_guard.acquire_shared(1)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (eng.deregister([region]), done.set()))
+        t.start()
+        assert not done.wait(0.3), "deregister returned while a copy was still reading"
+        eng._local_guard.release_shared()
+        assert done.wait(10)
+        t.join(10)
+        # 2. a batch queued before a deregister is refused when its turn comes
+        eng.register([region])
+        eng._pool.submit(gate.wait, 10)  # the only worker is busy: the next write queues
+        queued = eng.write(peer, batch([src.ctypes.data], [dst.region.addr], [4096]))
+        eng.deregister([region])
+        gate.set()
+        res = eng.wait(queued, 10)
+        assert res.status is TransferStatus.FAILED and "deregistered" in res.reason
+        assert not dst.tensor.any()
+    finally:
+        gate.set()
+        eng.close()
+        other.close()
+        pool.close()
