@@ -129,8 +129,9 @@ def test_frozen_peer_times_out(sender, remote) -> None:
     finally:
         os.kill(remote.proc.pid, signal.SIGCONT)
     assert res.status is TransferStatus.FAILED, res
-    assert "did not finish the batch within 2.0s" in res.reason and "PDCORE_TCP_TIMEOUT" in res.reason
-    assert 1.5 < elapsed < 6
+    assert "did not finish the batch within 2.0s" in res.reason, res.reason
+    assert "PDCORE_TCP_TIMEOUT" in res.reason
+    assert 1.5 < elapsed < 10, elapsed  # bounded by the 2 s timeout (+ a loaded machine)
 
 
 def test_connect_errors_are_clear() -> None:
