@@ -88,6 +88,7 @@ class ShmTransferEngine(TransferEngine):
         self.host_id = seg.host_identity(dict(ctx.env))
         self.timeout = read_timeout(ctx.env, TIMEOUT_ENV, 30.0)
         self.workers = max(1, ctx.thread_pool_size)
+        self.chunk_bytes = CHUNK_BYTES
         self.copy_strategy, self._copy_items = shm_copy.pick(ctx.env.get(shm_copy.COPY_ENV, ""))
         self._local = RegionIndex(())
         self._local_guard = SharedExclusive()  # deregister waits for copies reading it
@@ -266,7 +267,7 @@ class ShmTransferEngine(TransferEngine):
     def _split(self, length: np.ndarray) -> list[tuple[int, int]]:
         """Item ranges of roughly equal bytes, one per worker, for big batches only."""
         total = int(length.sum())
-        parts = min(self.workers, max(1, total // CHUNK_BYTES), len(length))
+        parts = min(self.workers, max(1, total // self.chunk_bytes), len(length))
         if parts <= 1:
             return [(0, len(length))]
         cuts = np.searchsorted(np.cumsum(length, dtype=np.uint64),

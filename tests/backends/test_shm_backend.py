@@ -88,13 +88,9 @@ def test_split_across_workers_is_exact(sender) -> None:
         order = np.random.default_rng(3).permutation(n)
         b = batch([base + int(i) * 12288 for i in order],
                   [dst.region.addr + j * 12288 for j in range(n)], [12288] * n)
-        import pdcore.builtin.shm_backend as mod
-        old, mod.CHUNK_BYTES = mod.CHUNK_BYTES, 1 << 20
-        try:
-            assert len(eng._split(b.length)) == 3  # 4 MiB / 1 MiB chunks, 341 items
-            assert eng.wait(eng.write(peer, b), 20).status is TransferStatus.DONE
-        finally:
-            mod.CHUNK_BYTES = old
+        eng.chunk_bytes = 1 << 20
+        assert len(eng._split(b.length)) == 3  # 4 MiB / 1 MiB chunks, 341 items
+        assert eng.wait(eng.write(peer, b), 20).status is TransferStatus.DONE
         got = dst.tensor.numpy()
         want = data[:n * 12288].reshape(n, 12288)[order].ravel()
         assert np.array_equal(got[:n * 12288], want)
