@@ -12,10 +12,23 @@ from pdcore.disagg.aux import AuxBuffers
 log = logging.getLogger(__name__)
 
 
+def _host_pool(engine: Any) -> Any:
+    """Aux rows live in host memory: the KV pool when it is on the host, else a torch pool."""
+    if engine.kv.layers[0][0].device.type == "cpu":
+        return engine.kv.pool
+    import os
+
+    from pdcore.interfaces.memory import PoolContext
+    from pdcore.plugins.host import memory_pools
+
+    return memory_pools().create("torch", PoolContext(server_id=engine.args.server_id,
+                                                      device="cpu", env=dict(os.environ)))
+
+
 def attach(engine: Any) -> None:
     args = engine.args
     env = DisaggEnv.from_env()
-    aux = AuxBuffers(engine.kv.pool, num_slots=max(64, 4 * args.max_running_requests))
+    aux = AuxBuffers(_host_pool(engine), num_slots=max(64, 4 * args.max_running_requests))
     layout, regions = engine.kv.layout(), engine.kv.regions()
     backend = args.disaggregation_transfer_backend
     if args.disaggregation_mode == "prefill":

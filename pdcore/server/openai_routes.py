@@ -13,19 +13,35 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.engine_client import EngineClient, EngineError, new_rid
-from pdcore.server.generation import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Item, collect,
-                                      run_items, sse, unless_disconnected)
+from pdcore.server.generation import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ClientDisconnected,
+    Item,
+    collect,
+    run_items,
+    sse,
+    unless_disconnected,
+)
 from pdcore.server.http_errors import error_response, sse_error
 from pdcore.server.output import OutputAssembler
-from pdcore.server.params import (SamplingInput, bad, build_sampling, check_n, check_prompt,
-                                  clamp_max_new_tokens, make_req, pd_items)
+from pdcore.server.params import (
+    SamplingInput,
+    bad,
+    build_sampling,
+    check_n,
+    check_prompt,
+    clamp_max_new_tokens,
+    make_req,
+    pd_items,
+)
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -51,10 +67,16 @@ def accepted_model_names(engine: EngineClient) -> set[str]:
     return names
 
 
+# sglang-router (0.3.x) fills a request that named no model with this placeholder
+ROUTER_NO_MODEL = "unknown"
+
+
 def _check_model(model: str | None, engine: EngineClient) -> str:
     served = served_model_name(engine)
-    if model is None or model == "" or model in accepted_model_names(engine):
-        return model or served
+    if model in (None, "", ROUTER_NO_MODEL):
+        return served
+    if model in accepted_model_names(engine):
+        return model
     raise bad(f"model {model!r} is not served here; use {served!r} (see /v1/models)", "model")
 
 
@@ -70,7 +92,7 @@ class _Plan:
     echo_texts: list[str] = field(default_factory=list)
 
 
-def _plan(body: Union[CompletionRequest, ChatCompletionRequest], engine: EngineClient,
+def _plan(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
           prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
           max_tokens_field: str, default_max: int | None, want_logprobs: bool, top: int,
           echo: bool, id_prefix: str) -> _Plan:
@@ -190,7 +212,7 @@ async def _stream(request: Request, engine: EngineClient, plan: _Plan, body: Any
             outs = [finished[it.index] for it in plan.items]
             yield sse({"id": plan.rid, "object": obj, "created": created, "model": plan.model,
                        "choices": [], "usage": _usage(plan, outs)})
-    except Exception as e:  # headers are out already: report in-band
+    except Exception as e:  # noqa: BLE001 - headers are out already: report in-band
         yield sse_error(f"internal error: {type(e).__name__}: {e}", 500)
     yield SSE_DONE
 

@@ -1,0 +1,165 @@
+"""Real server processes on loopback for end-to-end tests: one server, or a whole PD cluster
+(N prefill + M decode + router) with kill / restart helpers for fault tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`python -m pdcore serve <flags>` (or another module) on 127.0.0.1:<port>, log in a
+    temp file, in its own session so server and scheduler die together."""
+
+    def __init__(self, *flags: str, port: int | None = None, env: dict[str, str] | None = None,
+                 command: tuple[str, ...] = ("-m", "pdcore", "serve")) -> None:
+        self.flags, self.command, self.extra_env = flags, command, env or {}
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="pdserve-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> ServerProcess:
+        env = {**os.environ, **self.extra_env}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, *self.command, "--host", "127.0.0.1", "--port", str(self.port),
+             *self.flags], stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            cwd=str(REPO_ROOT), start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout: float = 300.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.command} exited with {self.proc.returncode}:\n"
+                                   f"{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"not healthy after {timeout}s:\n{self.log()[-4000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (server and scheduler): a crash."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._log.close()
+        return None if self.proc is None else self.proc.returncode
+
+
+class PDCluster:
+    """N prefill + M decode `pdserve serve` processes and a router (ours by default)."""
+
+    def __init__(self, backend: str = "tcp", prefill: int = 1, decode: int = 1,
+                 model_path: str | None = None, flags: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, router: str = "pdcore",
+                 prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()) -> None:
+        self.env = env or {}
+        common = ("--disaggregation-transfer-backend", backend, *flags)
+        if model_path:
+            common += ("--model-path", str(model_path))
+        self.prefills = []
+        self.bootstrap_ports = []
+        for _ in range(prefill):
+            bport = free_port()
+            self.bootstrap_ports.append(bport)
+            self.prefills.append(ServerProcess(
+                *common, "--disaggregation-mode", "prefill", *prefill_flags,
+                "--disaggregation-bootstrap-port", str(bport), env=self.env))
+        self.decodes = [ServerProcess(*common, "--disaggregation-mode", "decode", *decode_flags,
+                                      env=self.env) for _ in range(decode)]
+        self.router_kind = router
+        self.router: ServerProcess | None = None
+
+    def start(self, timeout: float = 600.0) -> PDCluster:
+        try:
+            for s in self.prefills + self.decodes:
+                s.wait_healthy(timeout)
+            self.router = self._start_router()
+            self.router.wait_healthy(120)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_router(self) -> ServerProcess:
+        args: list[str] = ["--pd-disaggregation", "--policy", "round_robin"]
+        for s, b in zip(self.prefills, self.bootstrap_ports):
+            args += ["--prefill", s.url, str(b)]
+        for s in self.decodes:
+            args += ["--decode", s.url]
+        if self.router_kind == "sglang":
+            cmd = ("-m", "sglang_router.launch_router")
+            args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        else:
+            cmd = ("-m", "pdcore.router")
+            args += ["--health-check-interval-secs", "1"]
+        return ServerProcess(*args, command=cmd, env=self.env)
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None
+        return self.router.url
+
+    def load(self, server: ServerProcess) -> dict[str, Any]:
+        return httpx.get(server.url + "/get_load", timeout=10).json()[0]
+
+    def wait_pages_free(self, timeout: float = 30.0) -> None:
+        """Every server's KV pool back to its full free count (asserts)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            loads = [self.load(s) for s in self.prefills + self.decodes if s.alive()]
+            if all(x["num_pages_free"] == x["num_pages_total"] for x in loads):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV pages not back to free: {loads}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for s in ([self.router] if self.router else []) + self.prefills + self.decodes:
+            s.stop()
