@@ -71,6 +71,25 @@ def _wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def dead_owner_segments() -> list[str]:
+    """pdserve shared-memory segments whose owner process is gone (must be none after the
+    survivors and restarted servers ran their clean-up)."""
+    from pdcore.builtin import shm_segment as seg
+
+    out = []
+    for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
+        pid = seg.owner_pid(name) if name.startswith(seg.PREFIX) else None
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            out.append(name)
+        except PermissionError:
+            pass
+    return out
+
+
 def kill_prefill_in_flight(c: PDCluster) -> None:
     """Requests stuck on a dead P fail on D within heartbeat x max failures + slack; D stays
     healthy with every page free; a restarted P serves new requests with no D restart."""
@@ -98,6 +117,7 @@ def kill_prefill_in_flight(c: PDCluster) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 16
     c.wait_pages_free(15)
+    assert dead_owner_segments() == [], "segments of the killed prefill were left behind"
 
 
 def kill_decode_mid_transfer(c: PDCluster) -> None:
@@ -128,6 +148,7 @@ def kill_decode_mid_transfer(c: PDCluster) -> None:
     r = httpx.post(c.url + "/generate", json=_body(8, n=20), timeout=120)
     assert r.status_code == 200, r.text
     c.wait_pages_free(15)
+    assert dead_owner_segments() == [], "segments of the killed decode were left behind"
 
 
 def client_disconnect_mid_stream(c: PDCluster) -> None:
