@@ -1,0 +1,231 @@
+"""Transfer backend `ascend` over memfabric-hybrid: the only module that imports `memfabric_hybrid`.
+
+Lifecycle of a MemfabricEngine:
+1. settings from the context: store URL (ASCEND_MF_STORE_URL), protocol
+   (ASCEND_MF_TRANSFER_PROTOCOL), role, logical NPU id, advertised host (ConfigError when bad);
+2. memfabric's stdout log is captured around the start-up calls (pd_ascend.mf_log), so their
+   failures quote the library's own error lines; write failures quote get_last_err_msg();
+3. `TransferEngine.initialize(store, "ip:port", role, device, op type)`; a non-zero answer
+   destroys the engine and raises TransferError with memfabric's text;
+4. register() registers every region in one batch_register_memory call;
+5. endpoint() is the session id `ip:rpc_port`; connect() only validates the peer's (memfabric
+   connects lazily on the first transfer);
+6. write() hands the batch to a worker thread that calls batch_transfer_sync_write; poll()
+   reports it; a failure carries memfabric's text;
+7. close() waits for the workers, then unInitialize() and destroy(); idempotent.
+
+`start_config_store(url)` starts memfabric's config store in this process (see pd_ascend.store).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import Any
+
+import memfabric_hybrid as mf
+
+from pd_ascend import mf_log
+from pd_ascend.settings import PROTOCOLS, MemfabricSettings, StoreUrl
+from pdcore.errors import ConfigError, TransferError
+from pdcore.interfaces.transfer import (
+    DONE,
+    PENDING,
+    BackendContext,
+    Capabilities,
+    CopyBatch,
+    MemoryKind,
+    MemoryRegion,
+    Peer,
+    PollResult,
+    TransferEngine,
+    failed,
+)
+
+log = logging.getLogger("pd_ascend")
+
+MAX_BATCH = 8192  # copies per batch_transfer_sync_write call; the core splits larger batches
+
+
+def mf_failure(call: str, rc: object, output: str = "") -> str:
+    """memfabric's words for the failure of `call`: this thread's ERROR lines in `output` (its
+    log captured during the call), else get_last_err_msg()."""
+    try:
+        last = str(mf.get_and_clear_last_err_msg() or "")
+    except Exception:  # noqa: BLE001 - diagnostics only
+        last = ""
+    own = mf_log.errors(output, threading.get_native_id())
+    return mf_log.describe_failure(call, rc, own, last)
+
+
+def start_config_store(url: StoreUrl) -> None:
+    """Start memfabric's config store at `url` in this process (it lives until the process
+    exits; memfabric has no call to stop it). Raises ConfigError with memfabric's reason."""
+    with mf_log.captured_stdout() as out:
+        rc = mf.create_config_store(str(url))
+    if rc != 0:
+        raise ConfigError(mf_failure(f"create_config_store({str(url)!r})", rc, out.text))
+
+
+class _Jobs:
+    """Blocking memfabric calls on worker threads; integer handles for poll()."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pd-ascend-mf")
+        self._futures: dict[int, Future[str | None]] = {}
+        self._next = 1
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Any, *args: Any) -> int:
+        with self._lock:
+            handle, self._next = self._next, self._next + 1
+            self._futures[handle] = self._pool.submit(fn, *args)
+        return handle
+
+    def poll(self, handle: int) -> PollResult:
+        with self._lock:
+            fut = self._futures.get(handle)
+            if fut is None:
+                return failed(f"unknown transfer handle {handle} (already reported, or never "
+                              f"issued by this engine)")
+            if not fut.done():
+                return PENDING
+            del self._futures[handle]
+        try:
+            reason = fut.result()
+        except CancelledError:
+            reason = "cancelled: the engine was closed before this write started"
+        except Exception as e:  # noqa: BLE001 - reported as the transfer's failure
+            reason = f"{type(e).__name__}: {e}"
+        return DONE if reason is None else failed(reason)
+
+    def close(self) -> None:
+        # wait: a thread may still be inside memfabric, which must not be torn down under it
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class MemfabricDataPath:
+    """Registration and batched writes over a memfabric TransferEngine (initialized or not)."""
+
+    def __init__(self, mf_engine: Any, threads: int) -> None:
+        self.mf = mf_engine
+        self.jobs = _Jobs(threads)
+        self.registered: dict[int, int] = {}
+
+    def register(self, regions: Sequence[MemoryRegion], kinds: frozenset[MemoryKind]) -> None:
+        fresh = [r for r in regions if r.addr not in self.registered]
+        for r in fresh:
+            if r.kind not in kinds:
+                raise TransferError(f"transfer backend 'ascend' cannot register {r.kind.value} "
+                                    f"memory ({r.name or hex(r.addr)}); it takes "
+                                    f"{sorted(k.value for k in kinds)}")
+            if r.length <= 0:
+                raise TransferError(f"region {r.name or hex(r.addr)} has length {r.length}")
+        if not fresh:
+            return
+        with mf_log.captured_stdout() as out:
+            rc = self.mf.batch_register_memory([r.addr for r in fresh], [r.length for r in fresh])
+        if rc != 0:
+            raise TransferError(mf_failure(f"batch_register_memory of {len(fresh)} regions", rc,
+                                           out.text))
+        for r in fresh:
+            self.registered[r.addr] = r.length
+
+    def write(self, target: str, batch: CopyBatch) -> int:
+        return self.jobs.submit(self._send, target, batch.src.tolist(), batch.dst.tolist(),
+                                batch.length.tolist())
+
+    def _send(self, target: str, src: list[int], dst: list[int], length: list[int]) -> str | None:
+        """Worker thread: one blocking batch write; None when every copy landed."""
+        if not src:
+            return None
+        # no stdout capture here: writes run concurrently on several threads
+        rc = self.mf.batch_transfer_sync_write(target, src, dst, length)
+        if rc == 0:
+            return None
+        return mf_failure(f"batch_transfer_sync_write of {len(src)} copies to {target}", rc)
+
+
+class MemfabricEngine(TransferEngine):
+    name = "ascend"
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.settings = s = MemfabricSettings.from_context(ctx)
+        # KV lives on the NPU; the core keeps aux rows in host memory and registers them too
+        self.capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.NPU, MemoryKind.HOST}),
+                                         max_batch=MAX_BATCH)
+        engine = mf.TransferEngine()
+        # SGLang's convention: the session id carries the port the engine reports before
+        # initialize(); memfabric 1.3 answers 0 there and picks the real port itself
+        session = f"{s.host}:{int(engine.get_rpc_port())}"
+        op_type = getattr(mf.TransDataOpType, PROTOCOLS[s.protocol])
+        with mf_log.captured_stdout() as out:
+            rc = engine.initialize(str(s.store_url), session, s.role, s.device_id, op_type)
+        if rc != 0:
+            reason = mf_failure(
+                f"TransferEngine.initialize(store {s.store_url}, session {session}, role "
+                f"{s.role}, device {s.device_id}, {s.protocol})", rc, out.text)
+            engine.destroy()
+            raise TransferError(reason)
+        port = int(engine.get_rpc_port())
+        self.session_id = f"{s.host}:{port}" if port > 0 else session
+        self._mf: Any = engine
+        self._data = MemfabricDataPath(engine, s.threads)
+        self._closed = False
+        log.info("memfabric engine %s ready (role %s, npu %d, %s, store %s)", self.session_id,
+                 s.role, s.device_id, s.protocol, s.store_url)
+
+    def _live(self) -> MemfabricDataPath:
+        if self._closed:
+            raise TransferError("the ascend (memfabric) engine is closed; create a new one")
+        return self._data
+
+    def register(self, regions: Sequence[MemoryRegion]) -> None:
+        self._live().register(regions, self.capabilities.memory_kinds)
+
+    def deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        # memfabric 1.3 has no unregister call: the regions stay registered until close()
+        for r in regions:
+            self._data.registered.pop(r.addr, None)
+
+    def endpoint(self) -> bytes:
+        self._live()
+        return self.session_id.encode()
+
+    def connect(self, peer_endpoint: bytes, peer_regions: Sequence[MemoryRegion]) -> Peer:
+        self._live()
+        target = parse_session(peer_endpoint)
+        return Peer(endpoint=bytes(peer_endpoint), key=target, state=list(peer_regions))
+
+    def write(self, peer: Peer, batch: CopyBatch) -> int:
+        return self._live().write(peer.key, batch)
+
+    def poll(self, handle: int) -> PollResult:
+        return self._data.jobs.poll(handle)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._data.jobs.close()
+        self._mf.unInitialize()
+        self._mf.destroy()
+        self._data.registered.clear()
+
+
+def parse_session(peer_endpoint: bytes) -> str:
+    """A peer's endpoint blob -> memfabric session id "ip:port"; TransferError when malformed."""
+    try:
+        target = bytes(peer_endpoint).decode("ascii")
+    except UnicodeDecodeError:
+        raise TransferError(f"ascend peer endpoint {peer_endpoint!r} is not 'ip:port'") from None
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TransferError(f"ascend peer endpoint {target!r} is not 'ip:port'")
+    return target
+
+
+def create(ctx: BackendContext) -> MemfabricEngine:
+    return MemfabricEngine(ctx)
