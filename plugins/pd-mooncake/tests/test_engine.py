@@ -12,17 +12,18 @@ import pytest
 
 pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine(-non-cuda) not installed")
 
-from pd_mooncake.engine import MooncakeEngine  # noqa: E402
-from pdcore.errors import ConfigError, TransferError  # noqa: E402
-from pdcore.interfaces.memory import PoolContext  # noqa: E402
-from pdcore.interfaces.transfer import (  # noqa: E402
+from pd_mooncake.engine import MooncakeEngine
+
+from pdcore.errors import ConfigError, TransferError
+from pdcore.interfaces.memory import PoolContext
+from pdcore.interfaces.transfer import (
     BackendContext,
     CopyBatch,
     MemoryKind,
     MemoryRegion,
     TransferStatus,
 )
-from pdcore.plugins.host import memory_pools  # noqa: E402
+from pdcore.plugins.host import memory_pools
 
 
 def engine(env: dict[str, str] | None = None, **ctx: object) -> MooncakeEngine:
@@ -49,7 +50,7 @@ def pair() -> Iterator[tuple[MooncakeEngine, MooncakeEngine]]:
     b.close()
 
 
-def wait(e: MooncakeEngine, handle: int, timeout: float = 30.0):  # noqa: ANN201
+def wait(e: MooncakeEngine, handle: int, timeout: float = 30.0):
     return e.wait(handle, timeout)
 
 

@@ -7,13 +7,13 @@ import logging
 from pathlib import Path
 
 import pytest
-
 from pd_mooncake.settings import (
     MooncakeSettings,
     detect_transport,
     parse_custom_pool,
     parse_ib_device,
 )
+
 from pdcore.errors import ConfigError
 from pdcore.interfaces.transfer import BackendContext
 

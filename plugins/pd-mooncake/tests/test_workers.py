@@ -6,13 +6,13 @@ import threading
 import time
 
 import pytest
-
 from pd_mooncake.workers import InflightBudget, TransferWorkers
+
 from pdcore.errors import TransferError
 from pdcore.interfaces.transfer import TransferStatus
 
 
-def wait(workers: TransferWorkers, handle: int, timeout: float = 10.0):  # noqa: ANN201
+def wait(workers: TransferWorkers, handle: int, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while True:
         r = workers.poll(handle)
@@ -25,7 +25,7 @@ def test_threads_per_queue_follow_pool_and_queue_sizes() -> None:
     w = TransferWorkers(thread_pool_size=6, queue_size=2)
     try:
         assert len(w.threads) == 6 and w.threads_per_queue == 3
-        assert sorted(t.name for t in w.threads)[0] == "pd-mooncake-q0-w0"
+        assert min(t.name for t in w.threads) == "pd-mooncake-q0-w0"
         assert all(t.is_alive() for t in w.threads)
     finally:
         w.close()

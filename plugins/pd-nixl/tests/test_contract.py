@@ -8,17 +8,20 @@ from pdcore.testing.backend_contract import BackendContract, CrossProcessBackend
 
 pytest.importorskip("nixl._api", reason="nixl not installed")
 
+UCX = {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX"}
+PROGRESS_THREAD = {"PDCORE_NIXL_PROGRESS": "thread"}
+
 
 class TestNixlUcxContract(BackendContract):
     backend_name = "nixl"
-    context_env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX"}
+    context_env = UCX
     many_items = 5000
     dead_peer_timeout = 15.0
 
 
 class TestNixlUcxCrossProcess(CrossProcessBackendContract):
     backend_name = "nixl"
-    context_env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX"}
+    context_env = UCX
     many_items = 5000
     dead_peer_timeout = 15.0
 
@@ -27,6 +30,6 @@ class TestNixlUcxProgressThread(CrossProcessBackendContract):
     """NIXL's own progress thread in place of the pump (PDCORE_NIXL_PROGRESS=thread)."""
 
     backend_name = "nixl"
-    context_env = {"PDCORE_NIXL_PROGRESS": "thread"}
+    context_env = PROGRESS_THREAD
     many_items = 2000
     dead_peer_timeout = 15.0

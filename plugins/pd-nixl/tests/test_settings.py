@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from pd_nixl.settings import NixlSettings, describe_error, parse_params
+
 from pdcore.errors import ConfigError
 
 
@@ -54,7 +54,7 @@ def test_resolve_against_what_nixl_reports() -> None:
 
 
 def test_describe_error_explains_known_codes() -> None:
-    class nixlRemoteDisconnectError(Exception):  # noqa: N801 - NIXL's own class name
+    class nixlRemoteDisconnectError(Exception):
         pass
 
     text = describe_error(nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT"))

@@ -33,7 +33,7 @@ def sdk_availability() -> tuple[bool, str]:
         if e.name == "mooncake" or (e.name or "").startswith("mooncake."):
             return False, f"mooncake-transfer-engine is not installed: {INSTALL_HINT}"
         return False, f"pd_mooncake.engine failed to import: {type(e).__name__}: {e}"
-    except Exception as e:  # e.g. an ImportError from a missing shared library
+    except Exception as e:  # noqa: BLE001 - a broken SDK must not break the host
         return False, (f"mooncake-transfer-engine failed to import ({type(e).__name__}: {e}); "
                        f"missing system libraries? {SYSTEM_LIBS_HINT}")
     return True, ""

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from nixl import _bindings
 from nixl._api import nixl_agent, nixl_agent_config
 
 from pd_nixl.settings import NixlSettings, describe_error
@@ -50,6 +51,14 @@ from pdcore.interfaces.transfer import (
 )
 
 log = logging.getLogger("pd_nixl")
+
+# NIXL's status exceptions (nixlBackendError, nixlRemoteDisconnectError, ...) share no base
+# class but Exception; its Python layer adds RuntimeError / TypeError / KeyError / ValueError.
+NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
+    c for n, c in vars(_bindings).items()
+    if n.startswith("nixl") and n.endswith("Error") and isinstance(c, type)
+    and issubclass(c, Exception)
+) + (RuntimeError, TypeError, KeyError, ValueError, TransferError)
 
 NIXL_MEM = {MemoryKind.HOST: "DRAM", MemoryKind.SHM: "DRAM", MemoryKind.CUDA: "VRAM"}
 MEM_NAMES = ("DRAM", "VRAM")  # index = the code used in RegionIndex
@@ -122,7 +131,7 @@ class NixlEngine(TransferEngine):
         self.backend = NixlSettings.resolve(s.backend, available)
         try:
             self._agent.create_backend(self.backend, dict(s.params))
-        except Exception as e:
+        except NIXL_ERRORS as e:
             why = plugin_load_error(self.backend)
             self._agent = None
             raise ConfigError(
@@ -165,7 +174,7 @@ class NixlEngine(TransferEngine):
                     return
                 try:
                     self._agent.get_new_notifs()  # progresses the backend's workers
-                except Exception:
+                except NIXL_ERRORS:
                     log.exception("nixl progress call failed")
 
     # -- memory ------------------------------------------------------------------------------
@@ -185,7 +194,7 @@ class NixlEngine(TransferEngine):
                 try:
                     agent.register_memory(agent.get_reg_descs(descs, mem), mem,
                                           backends=[self.backend])
-                except Exception as e:
+                except NIXL_ERRORS as e:
                     raise TransferError(f"NIXL register_memory of {len(descs)} {mem} regions "
                                         f"failed: {describe_error(e)}") from None
                 for d in descs:
@@ -210,7 +219,7 @@ class NixlEngine(TransferEngine):
             try:
                 self._agent.deregister_memory(self._agent.get_reg_descs(descs, mem),
                                               backends=[self.backend])
-            except Exception as e:
+            except NIXL_ERRORS as e:
                 log.warning("NIXL deregister_memory failed: %s", describe_error(e))
 
     # -- peers -------------------------------------------------------------------------------
@@ -223,7 +232,7 @@ class NixlEngine(TransferEngine):
             agent = self._live()
             try:
                 name = agent.add_remote_agent(bytes(peer_endpoint))
-            except Exception as e:
+            except NIXL_ERRORS as e:
                 raise TransferError(f"NIXL cannot load the peer's agent metadata: "
                                     f"{describe_error(e, data_path=False)} (the peer is gone, or "
                                     f"the bytes are not NIXL agent metadata)") from None
@@ -235,7 +244,7 @@ class NixlEngine(TransferEngine):
             for mem, descs in by_mem.items():  # the metadata must cover every region it sent
                 try:
                     agent.prep_xfer_dlist(name, descs, mem, backends=[self.backend]).release()
-                except Exception as e:
+                except NIXL_ERRORS as e:
                     raise TransferError(f"NIXL peer agent {name!r} does not expose the {mem} "
                                         f"regions it announced: {describe_error(e)}") from None
             self._peers[name] = RegionIndex(peer_regions)
@@ -247,7 +256,7 @@ class NixlEngine(TransferEngine):
                 return
             try:
                 self._agent.remove_remote_agent(peer.key)
-            except Exception as e:
+            except NIXL_ERRORS as e:
                 log.warning("NIXL remove_remote_agent(%s) failed: %s", peer.key, describe_error(e))
 
     # -- data --------------------------------------------------------------------------------
@@ -282,7 +291,7 @@ class NixlEngine(TransferEngine):
                     transfer.pending.append(xfer)
                     if agent.transfer(xfer) == "ERR":
                         raise TransferError("transfer() returned ERR")
-            except Exception as e:
+            except NIXL_ERRORS as e:
                 self._release_locked(transfer.pending)
                 transfer.pending = []
                 transfer.reason = (f"NIXL WRITE of {n} copies to agent {peer.key!r} failed: "
@@ -307,7 +316,7 @@ class NixlEngine(TransferEngine):
                         else:
                             self._release_locked([xfer])
                     transfer.pending = still
-                except Exception as e:
+                except NIXL_ERRORS as e:
                     transfer.reason = f"NIXL WRITE failed: {describe_error(e)}"
                 if transfer.reason is None and transfer.pending:
                     return PENDING
@@ -319,7 +328,7 @@ class NixlEngine(TransferEngine):
         for xfer in xfers:
             try:
                 self._agent.release_xfer_handle(xfer)
-            except Exception as e:  # an active request NIXL could not cancel
+            except NIXL_ERRORS as e:  # an active request NIXL could not cancel
                 log.warning("NIXL could not release a transfer request: %s", describe_error(e))
 
     def close(self) -> None:
@@ -336,7 +345,7 @@ class NixlEngine(TransferEngine):
             for name in list(self._peers):
                 try:
                     self._agent.remove_remote_agent(name)
-                except Exception as e:
+                except NIXL_ERRORS as e:
                     log.warning("NIXL remove_remote_agent(%s) failed: %s", name, describe_error(e))
             self._peers.clear()
             self._deregister_locked(set(self._registered))
