@@ -31,11 +31,13 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray,
 
 
 def owned_heads(layout: KVLayout) -> tuple[int, int]:
-    """[first, first + kv_heads) of the model's KV heads held by this rank."""
+    """[first, first + kv_heads) of the model's KV heads held by this rank.
+
+    The engine splits heads into floor spans (pdcore.engine.models.layers.kv_head_span): rank
+    r starts at r * total // tp, which also covers uneven splits (3 heads on 2 ranks: 1 + 2)
+    and GQA replication (tp > total: several ranks hold the same single head)."""
     total = layout.total_kv_heads or layout.kv_heads * layout.tp_size
-    replication = max(1, layout.tp_size // total)
-    first = ((layout.tp_rank // replication) * layout.kv_heads) % total
-    return first, layout.kv_heads
+    return layout.tp_rank * total // layout.tp_size, layout.kv_heads
 
 
 def _same_heads(src: KVLayout, dst: KVLayout) -> bool:

@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pdcore.config import ServerArgs
+from pdcore.disagg.agree import poll_all
 from pdcore.disagg.aux import AuxBuffers
 from pdcore.disagg.states import TERMINAL, KVPoll
 from pdcore.engine.request import Phase, Req
@@ -65,14 +65,16 @@ class DecodeExtension(Extension):
 
     def poll(self) -> None:
         blocks = self.sched.blocks
-        now = time.monotonic()
+        now = self.sched.now()  # the same on every TP rank
         while self.quarantine and self.quarantine[0][0] <= now:
             blocks.free(self.quarantine.pop(0)[1])
+        agreed = poll_all(self.mgr, [r.disagg.room for r in self.prealloc + self.transfer],
+                          self.sched.tp)
         for req in list(self.prealloc):
-            st = self.mgr.poll(req.disagg.room)
+            st = agreed.state(req.disagg.room)
             if st is KVPoll.Failed:
                 self.prealloc.remove(req)
-                self.sched.fail(req, self.mgr.failure_reason(req.disagg.room))
+                self.sched.fail(req, agreed.reasons.get(req.disagg.room, ""))
                 continue
             if st < KVPoll.WaitingForInput:
                 continue
@@ -88,13 +90,13 @@ class DecodeExtension(Extension):
             self.transfer.append(req)
             self.mgr.send_transfer_info(req.disagg.room, np.asarray(req.pages, np.int64), slot)
         for req in list(self.transfer):
-            st = self.mgr.poll(req.disagg.room)
+            st = agreed.state(req.disagg.room)
             if st is KVPoll.Success:
                 self.transfer.remove(req)
                 self._start_decoding(req)
             elif st is KVPoll.Failed:
                 self.transfer.remove(req)
-                self.sched.fail(req, self.mgr.failure_reason(req.disagg.room))
+                self.sched.fail(req, agreed.reasons.get(req.disagg.room, ""))
 
     def _start_decoding(self, req: Req) -> None:
         st: DState = req.disagg
@@ -123,7 +125,7 @@ class DecodeExtension(Extension):
         if req in self.transfer:
             self.transfer.remove(req)
             if req.pages:  # P may still be writing into them
-                self.quarantine.append((time.monotonic() + QUARANTINE_S, req.pages))
+                self.quarantine.append((self.sched.now() + QUARANTINE_S, req.pages))
                 req.pages = []
         if self.mgr.poll(req.disagg.room) not in TERMINAL:
             self.mgr.abort(req.disagg.room, req.error or "request aborted")

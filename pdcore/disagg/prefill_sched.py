@@ -8,6 +8,9 @@
    carries the aux row (first token and its logprobs);
 4. the request then waits in the inflight queue, its pages held, until the manager reports
    Success (pages and aux slot freed, HTTP response sent) or Failed (error to the client).
+
+Every decision uses poll states agreed by all TP ranks (pdcore.disagg.agree), so each rank's
+copy of the schedule moves the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pdcore.disagg.agree import poll_all
 from pdcore.disagg.aux import MAX_TOP_LOGPROBS, AuxBuffers, AuxRow
 from pdcore.disagg.states import TERMINAL, KVPoll
 from pdcore.engine.model_runner import StepResult
@@ -53,16 +57,18 @@ class PrefillExtension(Extension):
         return True
 
     def poll(self) -> None:
+        agreed = poll_all(self.mgr, [r.disagg.room for r in self.bootstrap + self.inflight],
+                          self.sched.tp, count=self.mgr.dest_page_count)
         for req in list(self.bootstrap):
-            st = self.mgr.poll(req.disagg.room)
+            st = agreed.state(req.disagg.room)
             if st is KVPoll.Failed:
                 self.bootstrap.remove(req)
-                self.sched.fail(req, self.mgr.failure_reason(req.disagg.room))
+                self.sched.fail(req, agreed.reasons.get(req.disagg.room, ""))
                 continue
             if st < KVPoll.WaitingForInput:
                 continue
             need = self.sched.blocks.pages_for(len(req.prompt))
-            have = self.mgr.dest_page_count(req.disagg.room)
+            have = agreed.counts[req.disagg.room]
             if have < need:
                 self.bootstrap.remove(req)
                 self.sched.fail(req, f"decode reserved {have} KV pages; the prompt needs {need}")
@@ -74,14 +80,14 @@ class PrefillExtension(Extension):
             self.bootstrap.remove(req)
             self.sched.enqueue(req)
         for req in list(self.inflight):
-            st = self.mgr.poll(req.disagg.room)
+            st = agreed.state(req.disagg.room)
             if st is KVPoll.Success:
                 self.inflight.remove(req)
                 self._release(req)
                 self.sched.drop(req)
             elif st is KVPoll.Failed:
                 self.inflight.remove(req)
-                self.sched.fail(req, self.mgr.failure_reason(req.disagg.room))
+                self.sched.fail(req, agreed.reasons.get(req.disagg.room, ""))
 
     def after_step(self, results: list[StepResult]) -> None:
         for res in results:

@@ -31,17 +31,18 @@ def attach(engine: Any) -> None:
     aux = AuxBuffers(_host_pool(engine), num_slots=max(64, 4 * args.max_running_requests))
     layout, regions = engine.kv.layout(), engine.kv.regions()
     backend = args.disaggregation_transfer_backend
+    tp = engine.scheduler.tp  # every TP rank runs its own manager for the heads it holds
     if args.disaggregation_mode == "prefill":
         from pdcore.disagg.prefill import PrefillKVManager
         from pdcore.disagg.prefill_sched import PrefillExtension
 
-        mgr = PrefillKVManager(args, env, layout, regions, aux, backend)
+        mgr = PrefillKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size)
         ext: Any = PrefillExtension(engine.scheduler, mgr, aux)
     else:
         from pdcore.disagg.decode import DecodeKVManager
         from pdcore.disagg.decode_sched import DecodeExtension
 
-        mgr = DecodeKVManager(args, env, layout, regions, aux, backend)
+        mgr = DecodeKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size)
         ext = DecodeExtension(engine.scheduler, mgr, aux, args)
     mgr.start()
     engine.scheduler.ext = ext

@@ -22,8 +22,7 @@ from pdcore.engine.io_struct import GenerateReq, SamplingParams, TokenOut
 from pdcore.engine.kv_cache import KVCache
 from pdcore.engine.model_loader import load_model, resolve_dtype
 from pdcore.engine.model_runner import ModelRunner
-from pdcore.engine.models.layers import TPInfo
-from pdcore.engine.request import Req
+from pdcore.engine.models.layers import TPInfo, kv_head_span
 from pdcore.engine.scheduler import Scheduler, SchedulerConfig
 from pdcore.errors import ConfigError
 from pdcore.interfaces.memory import PoolContext
@@ -81,14 +80,15 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     dtype = resolve_dtype(args.dtype, device.type)
     model, cfg, resolved = load_model(args.model_path, dtype, device, tp, args.trust_remote_code)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = max(1, cfg.num_key_value_heads // tp.size)
+    kv_heads = kv_head_span(cfg.num_key_value_heads, tp.rank, tp.size)[1]
     per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, dtype)
     if args.max_total_tokens:
         tokens = args.max_total_tokens
     else:
         frac = args.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
         tokens = int(_available_bytes(platform, device) * frac) // per_token
-    num_pages = max(1, tokens // args.page_size)
+    # every TP rank must see the same pool (the schedule is replicated): take the smallest
+    num_pages = tp.all_min([max(1, tokens // args.page_size)])[0]
     from pdcore.plugins.host import memory_pools
 
     pool_name = args.memory_pool or _backend_pool(args) or getattr(platform, "default_pool",
@@ -101,7 +101,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     blocks = BlockManager(num_pages, args.page_size)
     context = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    sched = Scheduler(ModelRunner(model, kv, blocks), blocks, SchedulerConfig(
+    sched = Scheduler(ModelRunner(model, kv, blocks, tp), blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
         eos_ids=frozenset(e for e in eos if e is not None)))
@@ -113,7 +113,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         "eos_token_ids": sorted(sched.cfg.eos_ids), "dtype": str(dtype).replace("torch.", ""),
         "device": str(device), "architectures": list(cfg.architectures),
         "model_type": cfg.model_type, "disaggregation_mode": args.disaggregation_mode,
-        "tp_size": args.tp_size, "dp_size": args.dp_size,
+        "tp_size": args.tp_size, "dp_size": args.dp_size, "nnodes": args.nnodes,
         "bootstrap_port": args.disaggregation_bootstrap_port, "memory_pool": pool_name,
     }
     log.info("KV pool: %d pages x %d tokens (%.1f MiB) in pool %r", num_pages, args.page_size,
@@ -122,31 +122,52 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
 
 
 class LLMEngine:
-    """Synchronous in-process engine over token ids (no HTTP, no tokenizer)."""
+    """Synchronous in-process engine over token ids (no HTTP, no tokenizer). With
+    `tp_size` > 1 this process is rank 0 and spawns the other ranks (pdcore.engine.tp)."""
 
     def __init__(self, args: ServerArgs) -> None:
+        from pdcore.engine.tp import Lockstep, RankGroup, agree_started, check_parallel_args
+
         args.validate()
-        self.engine = build_engine(args)
+        check_parallel_args(args)
+        if args.nnodes > 1:
+            raise ConfigError("LLMEngine runs on one node; use `pdserve serve` for --nnodes > 1")
+        self.ranks = RankGroup(args)
+        tp = self.ranks.start()
+        error, engine = None, None
+        try:
+            engine = build_engine(args, tp)
+        except Exception as e:
+            if tp.size == 1:
+                raise
+            error = f"{type(e).__name__}: {e}"
+        error = agree_started(tp, error) if tp.size > 1 else None
+        if error:
+            if engine is not None:
+                engine.close()
+            self.ranks.close()
+            raise RuntimeError(f"TP engine failed to start: {error}")
+        self.engine = engine
         self.scheduler = self.engine.scheduler
+        self.lockstep = Lockstep(self.engine)
+        self._closed = False
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0) -> list[dict[str, Any]]:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        rids = []
-        for ids, sp in zip(prompts, params):
-            rid = uuid.uuid4().hex
-            rids.append(rid)
-            self.scheduler.add(Req.from_generate(GenerateReq(
-                rid, list(ids), sp, return_logprob, logprob_start_len, top_logprobs_num)))
+        msgs = [GenerateReq(uuid.uuid4().hex, list(ids), sp, return_logprob, logprob_start_len,
+                            top_logprobs_num) for ids, sp in zip(prompts, params)]
+        rids = [m.rid for m in msgs]
         acc: dict[str, dict[str, Any]] = {r: {"output_ids": [], "output_logprobs": [],
                                               "input_logprobs": None} for r in rids}
         pending = set(rids)
         while pending:
-            for msg in self.scheduler.step():
+            for msg in self.lockstep.lead(msgs):
                 self._merge(acc, msg)
                 if msg.finished:
                     pending.discard(msg.rid)
+            msgs = []
         return [acc[r] for r in rids]
 
     @staticmethod
@@ -162,4 +183,11 @@ class LLMEngine:
             a["finish_reason"], a["error"] = msg.finish_reason, msg.error
 
     def close(self) -> None:
-        self.engine.close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.lockstep.lead([], stop=True)
+        finally:
+            self.engine.close()
+            self.ranks.close()

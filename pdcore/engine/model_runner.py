@@ -4,6 +4,10 @@
 2. forward: the model writes K/V into the pool and returns logits for the wanted rows only
    (each request's last row when it completes its sequence, plus prompt-logprob rows);
 3. sample the requests that completed their sequence; compute prompt logprobs.
+
+With TP, every rank runs the layers on its shards; rank 0 alone computes logits and samples,
+then broadcasts the sampled tokens (and their logprobs, which P writes into aux rows) so every
+rank's scheduler advances identically.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.io_struct import LogprobEntry
 from pdcore.engine.kv_cache import KVCache
+from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.models.llama import ForwardBatch, SeqSpan
 from pdcore.engine.request import Req
 from pdcore.engine.sampler import logprob_entry, sample
@@ -30,8 +35,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVCache, blocks: BlockManager) -> None:
+    def __init__(self, model: torch.nn.Module, kv: KVCache, blocks: BlockManager,
+                 tp: TPInfo | None = None) -> None:
         self.model, self.kv, self.blocks = model, kv, blocks
+        self.tp = tp or TPInfo()
         self.device = next(model.parameters()).device
 
     def _prompt_rows(self, r: Req, a: int, n: int) -> tuple[int, int]:
@@ -77,8 +84,21 @@ class ModelRunner:
             seqs=seqs,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
         )
-        logits = self.model(batch, self.kv.layers).cpu()
         results = [StepResult(r, n) for r, n in items]
+        leader = self.tp.rank == 0
+        logits = self.model(batch, self.kv.layers, logits=leader)
+        if leader:
+            self._sample(items, plan, logits.cpu(), results)
+        if self.tp.size > 1:
+            sampled = self.tp.broadcast_object(
+                [(res.token, res.logprob) for res in results] if leader else None)
+            if not leader:
+                for res, (token, lp) in zip(results, sampled):
+                    res.token, res.logprob = token, lp
+        return results
+
+    def _sample(self, items: list[tuple[Req, int]], plan: list[tuple[int, int, int, int | None]],
+                logits: torch.Tensor, results: list[StepResult]) -> None:
         samp = [(i, plan[i][3]) for i in range(len(items)) if plan[i][3] is not None]
         if samp:
             states = [items[i][0].state for i, _ in samp]
@@ -95,4 +115,3 @@ class ModelRunner:
                     logprob_entry(lp[j], r.prompt[lo + j + 1], r.top_logprobs_num)
                     for j in range(count)
                 ]
-        return results

@@ -14,6 +14,7 @@ Each step:
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,12 @@ class Scheduler:
         self.counters = Counters()
         self.ext = Extension()
         self.last_ran = False
+        self.tp = runner.tp  # extensions agree on per-request states over its group
+        self.step_time: float | None = None  # rank 0's clock for this step (set under TP)
+
+    def now(self) -> float:
+        """The step's time: the same value on every TP rank, so time-based decisions agree."""
+        return self.step_time if self.step_time is not None else time.monotonic()
 
     # ---- intake -----------------------------------------------------------------------------
     def validate(self, req: Req) -> None:

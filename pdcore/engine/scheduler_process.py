@@ -1,10 +1,15 @@
 """The scheduler process: owns the model and the KV pool; talks to the HTTP process over zmq.
 
-1. build the engine (model, KV pool, scheduler) and, in PD modes, the disaggregation extension;
+1. with --tp-size > 1, spawn this node's other TP ranks and join their group as rank 0
+   (pdcore.engine.tp); build the engine (model shard, KV pool, scheduler) and, in PD modes,
+   the disaggregation extension; all ranks agree that they started;
 2. report readiness (or the start-up error) on `ready_conn`;
-3. loop: drain incoming GenerateReq / AbortReq / ControlReq; run one scheduler step when there
-   is work; push TokenOut / ControlResp back; block on the socket (bounded) when idle;
-4. on shutdown (parent gone, SIGTERM) close the extension and the pool.
+3. loop: drain incoming GenerateReq / AbortReq / ControlReq; control calls are answered here;
+   requests and aborts go through the Lockstep, which hands them to every rank and runs one
+   scheduler step when there is work; push TokenOut back; block on the socket (bounded) when
+   idle;
+4. on shutdown (parent gone, SIGTERM) tell the other ranks to stop, close the extension and
+   the pool.
 """
 
 from __future__ import annotations
@@ -20,21 +25,12 @@ from typing import Any
 import zmq
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq
-from pdcore.engine.request import Req
+from pdcore.engine.io_struct import ControlReq, ControlResp
+from pdcore.engine.tp import Lockstep, RankGroup, agree_started, attach_extension
 
 log = logging.getLogger("pdcore.scheduler")
 
 IDLE_POLL_MS = 50
-
-
-def _attach_extension(engine: Any) -> None:
-    mode = engine.args.disaggregation_mode
-    if mode == "null":
-        return
-    from pdcore.disagg.scheduling import attach
-
-    attach(engine)
 
 
 class SchedulerLoop:
@@ -43,13 +39,13 @@ class SchedulerLoop:
         self.recv, self.send = recv, send
         self.profiler: Any = None
         self.stop = False
+        self.lockstep = Lockstep(engine)
+        self.inbox: list[Any] = []  # requests and aborts for the next lockstep iteration
 
     def handle(self, msg: Any) -> None:
-        if isinstance(msg, GenerateReq):
-            self.sched.add(Req.from_generate(msg))
-        elif isinstance(msg, AbortReq):
-            self.sched.abort(msg.rid, msg.reason)
-        elif isinstance(msg, ControlReq):
+        if not isinstance(msg, ControlReq):
+            self.inbox.append(msg)
+        else:
             try:
                 data = self.control(msg)
                 self.send.send(pickle.dumps(ControlResp(msg.call_id, True, data)))
@@ -98,14 +94,16 @@ class SchedulerLoop:
                     except zmq.Again:
                         break
                     self.handle(pickle.loads(raw))
-            if self.sched.has_work():
-                for out in self.sched.step():
-                    self.send.send(pickle.dumps(out))
-            elif os.getppid() != parent:
+            msgs, self.inbox = self.inbox, []
+            idle = not msgs and not self.sched.has_work()
+            if idle and os.getppid() != parent:
                 log.warning("parent process exited; scheduler stopping")
                 break
+            for out in self.lockstep.lead(msgs):
+                self.send.send(pickle.dumps(out))
             if self.profiler is not None:
                 self.profiler.step()
+        self.lockstep.lead([], stop=True)  # the other TP ranks leave their loops too
 
 
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any) -> None:
@@ -117,17 +115,30 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
     send = ctx.socket(zmq.PUSH)
     send.setsockopt(zmq.LINGER, 1000)
     send.connect(send_addr)
+    ranks = RankGroup(args)
     engine = None
     try:
         from pdcore.engine.llm_engine import build_engine
 
         t0 = time.monotonic()
-        engine = build_engine(args)
-        _attach_extension(engine)
-        log.info("engine ready in %.1fs", time.monotonic() - t0)
-    except Exception as e:
-        log.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
-        ready_conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        tp = ranks.start()
+        error = None
+        try:
+            engine = build_engine(args, tp)
+            attach_extension(engine)
+        except Exception as e:  # noqa: BLE001 - reported to every rank and the HTTP process
+            log.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
+            error = f"{type(e).__name__}: {e}"
+        error = agree_started(tp, error) if tp.size > 1 else error
+        if error:
+            raise RuntimeError(error)
+        log.info("engine ready in %.1fs (TP %d)", time.monotonic() - t0, tp.size)
+    except Exception as e:  # noqa: BLE001 - any start-up failure goes to the HTTP process
+        msg = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+        ready_conn.send({"ok": False, "error": msg})
+        if engine is not None:
+            engine.close()
+        ranks.close()
         return
     ready_conn.send({"ok": True, "info": engine.info})
     loop = SchedulerLoop(engine, recv, send)
@@ -140,6 +151,7 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
         loop.run()
     finally:
         engine.close()
+        ranks.close()
         recv.close(0)
         send.close(0)
         ctx.term()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import types
 import typing
 from typing import Any, NoReturn
@@ -39,8 +38,11 @@ HELP: dict[str, str] = {
     "context_length": "maximum prompt + output tokens (default: the model's)",
     "host": "address to listen on",
     "port": "HTTP port",
-    "tp_size": "tensor parallel size (only 1 for now)",
-    "dp_size": "data parallel size (only 1 for now)",
+    "tp_size": "tensor parallel size: ranks (processes) sharding attention heads and MLP",
+    "dp_size": "data parallel replicas (only 1 for now)",
+    "nnodes": "nodes the TP ranks are spread over (each runs tp-size/nnodes ranks)",
+    "node_rank": "this node's index; node 0 serves HTTP, the others only run their ranks",
+    "dist_init_addr": "HOST:PORT where the TP ranks meet (required with --nnodes > 1)",
     "base_gpu_id": "first accelerator index to use",
     "device": "platform plugin to run on: cpu, cuda, npu, ... (see `pdserve plugins`)",
     "attention_backend": "attention implementation; `ascend` needs --device npu",
@@ -103,9 +105,9 @@ def build_parser(prog: str = "pdserve serve") -> argparse.ArgumentParser:
 
 def check_supported(args: ServerArgs) -> None:
     """What ServerArgs.validate cannot know: features not built yet and missing plugins."""
-    if args.tp_size > 1 or args.dp_size > 1 or args.nnodes > 1:
-        raise ConfigError("tensor/data parallelism > 1 is not supported yet "
-                          "(use --tp-size 1 --dp-size 1 --nnodes 1)")
+    from pdcore.engine.tp import check_parallel_args
+
+    check_parallel_args(args)
     if args.attention_backend == "ascend" and args.device != "npu":
         raise ConfigError("--attention-backend ascend needs --device npu and an NPU platform "
                           "plugin (pip install ./plugins/pd-ascend)")

@@ -46,6 +46,11 @@ def configure_logging(level: str) -> None:
 
 def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
     """Serve until stopped; returns the process exit code."""
+    if args.node_rank > 0:  # a further node of a multi-node TP server: ranks only, no HTTP
+        from pdcore.engine.tp import run_node
+
+        configure_logging(args.log_level)
+        return run_node(args)
     import uvicorn
 
     from pdcore.server.app import create_app

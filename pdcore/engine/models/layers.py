@@ -1,20 +1,65 @@
 """Building blocks written for tensor parallelism: a TP group only changes how weights are
-sliced at load time and adds one all-reduce after row-parallel layers."""
+sliced at load time and adds one all-reduce after row-parallel layers.
+
+Shards need not be even: a dimension of `total` rows is split into floor spans
+[r*total//size, (r+1)*total//size), so e.g. SmolLM2's 3 KV heads run on 2 ranks as 1 + 2.
+Attention heads follow the KV-head groups (`kv_head_span`, `q_head_span`); when TP exceeds the
+KV head count, each rank holds one (replicated) KV head and a share of its query heads.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.errors import ConfigError
+
+
+def span(total: int, rank: int, size: int) -> tuple[int, int]:
+    """(first, count) of rank's floor share of `total` items split over `size` ranks."""
+    first = rank * total // size
+    return first, (rank + 1) * total // size - first
+
+
+def kv_head_span(total_kv: int, rank: int, size: int) -> tuple[int, int]:
+    """KV heads a rank holds: its floor share, or one replicated head when size > total_kv."""
+    if size <= total_kv:
+        return span(total_kv, rank, size)
+    return rank * total_kv // size, 1
+
+
+def q_head_span(num_heads: int, total_kv: int, rank: int, size: int) -> tuple[int, int]:
+    """Query heads a rank computes; always inside the groups of its KV heads."""
+    if num_heads % total_kv:
+        raise ConfigError(f"{num_heads} attention heads are not a multiple of {total_kv} KV heads")
+    group = num_heads // total_kv
+    k0, kn = kv_head_span(total_kv, rank, size)
+    if size <= total_kv:
+        return k0 * group, kn * group
+    replicas = [r for r in range(size) if r * total_kv // size == k0]
+    first, n = span(group, replicas.index(rank), len(replicas))
+    if n == 0:
+        raise ConfigError(f"--tp-size {size} is too large: with {num_heads} attention heads and "
+                          f"{total_kv} KV heads some rank would get no attention head")
+    return k0 * group + first, n
+
 
 @dataclass(frozen=True, slots=True)
 class TPInfo:
+    """This rank's place in its TP group plus the collectives the engine needs.
+
+    `group` carries the tensors of the forward pass (gloo on cpu, nccl/hccl on accelerators);
+    `cpu_group` (gloo) carries scheduler agreement: step inputs, sampled tokens, poll states.
+    """
+
     rank: int = 0
     size: int = 1
     group: object | None = None  # torch.distributed process group
+    cpu_group: object | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -22,6 +67,35 @@ class TPInfo:
 
             dist.all_reduce(x, group=self.group)
         return x
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (others pass anything)."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def all_min(self, values: list[int]) -> list[int]:
+        """Element-wise minimum over ranks (every rank passes the same number of values)."""
+        if self.size == 1 or not values:
+            return list(values)
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return [int(v) for v in t.tolist()]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -39,45 +113,46 @@ class RMSNorm(nn.Module):
 
 class ColumnLinear(nn.Module):
     """y = x W^T (+ b); output features split across TP ranks. `parts` lists the logical
-    sub-matrices fused into one weight (e.g. q, k, v): each is sharded separately."""
+    sub-matrices fused into one weight (e.g. q, k, v): each is sharded separately, by default
+    into floor spans, or by the explicit (first_row, rows) `shards` given per part."""
 
-    def __init__(self, in_features: int, parts: list[int], bias: bool, tp: TPInfo) -> None:
+    def __init__(self, in_features: int, parts: list[int], bias: bool, tp: TPInfo,
+                 shards: list[tuple[int, int]] | None = None) -> None:
         super().__init__()
-        for p in parts:
-            assert p % tp.size == 0, f"{p} output features not divisible by tp {tp.size}"
+        self.shards = shards or [span(p, tp.rank, tp.size) for p in parts]
+        assert len(self.shards) == len(parts)
+        for (first, n), p in zip(self.shards, parts):
+            assert 0 <= first and first + n <= p, f"shard {first}+{n} outside {p} features"
         self.parts = parts
         self.tp = tp
-        out = sum(parts) // tp.size
+        out = sum(n for _, n in self.shards)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
 
     def load(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
-        def shard(t: torch.Tensor, full: int) -> torch.Tensor:
-            n = full // self.tp.size
-            return t[self.tp.rank * n : (self.tp.rank + 1) * n]
-
-        self.weight.copy_(torch.cat([shard(w, p) for w, p in zip(weights, self.parts)], 0))
+        self.weight.copy_(torch.cat([w[a : a + n] for w, (a, n) in zip(weights, self.shards)], 0))
         if self.bias is not None and biases is not None:
-            self.bias.copy_(torch.cat([shard(b, p) for b, p in zip(biases, self.parts)], 0))
+            self.bias.copy_(torch.cat([b[a : a + n] for b, (a, n) in zip(biases, self.shards)], 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 class RowLinear(nn.Module):
-    """Input features split across TP ranks; partial sums all-reduced."""
+    """Input features split across TP ranks (floor span, or `shard` = (first, count));
+    partial sums all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo,
+                 shard: tuple[int, int] | None = None) -> None:
         super().__init__()
-        assert in_features % tp.size == 0
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size),
-                                   requires_grad=False)
+        self.shard = shard or span(in_features, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(out_features, self.shard[1]), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        n = weight.shape[1] // self.tp.size
-        self.weight.copy_(weight[:, self.tp.rank * n : (self.tp.rank + 1) * n])
+        a, n = self.shard
+        self.weight.copy_(weight[:, a : a + n])
         if self.bias is not None and bias is not None:
             self.bias.copy_(bias)
 

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcore.engine.models.layers import ColumnLinear, RMSNorm, RowLinear, TPInfo
+from pdcore.engine.models.layers import (
+    ColumnLinear,
+    RMSNorm,
+    RowLinear,
+    TPInfo,
+    kv_head_span,
+    q_head_span,
+)
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -49,13 +56,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg, tp: TPInfo, arch: str) -> None:
         super().__init__()
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.num_heads = cfg.num_attention_heads // tp.size
-        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp.size)
+        hd = self.head_dim = (getattr(cfg, "head_dim", None)
+                              or cfg.hidden_size // cfg.num_attention_heads)
+        q0, self.num_heads = q_head_span(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                         tp.rank, tp.size)
+        k0, self.num_kv_heads = kv_head_span(cfg.num_key_value_heads, tp.rank, tp.size)
         bias = arch == "qwen2" or bool(getattr(cfg, "attention_bias", False))
-        qd, kvd = cfg.num_attention_heads * self.head_dim, cfg.num_key_value_heads * self.head_dim
-        self.qkv = ColumnLinear(cfg.hidden_size, [qd, kvd, kvd], bias, tp)
-        self.o_proj = RowLinear(qd, cfg.hidden_size, False, tp)
+        qd, kvd = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        kv_shard = (k0 * hd, self.num_kv_heads * hd)
+        self.qkv = ColumnLinear(cfg.hidden_size, [qd, kvd, kvd], bias, tp,
+                                shards=[(q0 * hd, self.num_heads * hd), kv_shard, kv_shard])
+        self.o_proj = RowLinear(qd, cfg.hidden_size, False, tp, shard=(q0 * hd, self.num_heads * hd))
         self.qk_norm = arch == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -101,9 +112,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg, tp: TPInfo) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size // tp.size
         self.gate_up = ColumnLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
-        self.down = RowLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.inter = self.gate_up.shards[0][1]
+        self.down = RowLinear(cfg.intermediate_size, cfg.hidden_size, False, tp,
+                              shard=self.gate_up.shards[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
@@ -142,7 +154,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                all_hidden: bool = False) -> torch.Tensor:
+                all_hidden: bool = False, logits: bool = True) -> torch.Tensor | None:
+        """Logits [R, vocab] of batch.logit_rows; None when `logits` is False (TP ranks other
+        than 0 run the layers for their shards and leave sampling to rank 0)."""
         h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(h.unsqueeze(0), batch.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1).to(h.dtype), sin[0].unsqueeze(1).to(h.dtype)
@@ -153,6 +167,8 @@ class LlamaForCausalLM(nn.Module):
             residual = residual + x
             x = layer.post_attention_layernorm(residual)
             residual = residual + layer.mlp(x)
+        if not logits:
+            return None
         h = self.norm(residual[batch.logit_rows])
         return F.linear(h, self.lm_head).float()
 

@@ -1,0 +1,41 @@
+"""Fixtures for tensor-parallel tests: tiny models (random weights) saved once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdcore.testing.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with the SmolLM2 tokenizer, 6 heads / 3 KV heads (uneven on 2 ranks), 2 layers:
+    for server and PD tests that send text."""
+    from pdcore.engine.tokenizer import default_model_file
+
+    path = tmp_path_factory.mktemp("tp") / "llama6x3"
+    return Path(make_tiny_model(str(path), hidden=96, layers=2, heads=6, kv_heads=3, seed=11,
+                                tokenizer_from=default_model_file(), max_positions=8192))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' SmolLM2 (the reference), loaded once per session."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdcore.engine.tokenizer import resolve_model
+
+    r = resolve_model(None)
+    return AutoModelForCausalLM.from_pretrained(r.path, dtype=torch.float32,
+                                                **r.hf_kwargs()).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from pdcore.config import ServerArgs
+    from pdcore.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(ServerArgs())
