@@ -3,19 +3,17 @@
 Commands: `serve` (one server; flags generated from ServerArgs), `plugins` (pdcore.plugins_cli),
 `router` (pdcore.router.cli). More commands (`up`, `bench`, ...) plug in through
 `register_commands` below: add a `(module, function)` pair to _COMMAND_REGISTRARS; the function
-takes the typer app and adds its command.
+takes the typer app and adds its command. Modules are imported when the app is built, not when
+this module is imported.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 
 import typer
 
 from pdcore.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 # (module, function(app)) pairs adding commands owned by other packages of pdcore.
 _COMMAND_REGISTRARS: list[tuple[str, str]] = [
@@ -44,13 +42,7 @@ def _serve(ctx: typer.Context) -> None:
 
 def register_commands(app: typer.Typer) -> None:
     for module, func in _COMMAND_REGISTRARS:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:
-            # a missing sub-package must not take `pdserve serve` down with it
-            log.debug("command module %s not available: %s", module, e)
-            continue
-        getattr(mod, func)(app)
+        getattr(importlib.import_module(module), func)(app)
 
 
 def build_app() -> typer.Typer:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from pdcore.server.engine_client import EngineClient, EngineError, new_rid
 from pdcore.server.generation import Item, collect
 from pdcore.server.http_errors import error_response
-from pdcore.server.openai_routes import served_model_name
+from pdcore.server.openai_plan import served_model_name
 from pdcore.server.params import PDInfo, make_req
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,11 @@ def server_info(engine: EngineClient) -> dict[str, Any]:
     out["tp_size"] = engine.args.tp_size
     out["dp_size"] = engine.args.dp_size
     out["status"] = engine.state.value
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
         out["version"] = version("pdcore")
-    except Exception:
+    except PackageNotFoundError:  # running from a source tree without installing
         out["version"] = "unknown"
     return out
 

@@ -74,6 +74,9 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     async def count_requests(request: Request,
                              call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         response = await call_next(request)
+        rid = request.headers.get("x-request-id")
+        if rid and "x-request-id" not in response.headers:
+            response.headers["x-request-id"] = rid  # routers correlate logs with it
         if request.url.path in GENERATE_ROUTES:
             app.state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
         return response

@@ -18,10 +18,8 @@ import asyncio
 import atexit
 import contextlib
 import enum
-import hashlib
 import logging
 import multiprocessing
-import os
 import shutil
 import tempfile
 import time
@@ -35,6 +33,7 @@ import zmq.asyncio
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
 from pdcore.errors import PDError
+from pdcore.server.tokenizer_export import tokenizer_dir
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,7 @@ class EngineClient:
         self._push_ctx: zmq.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._push: zmq.Socket | None = None
-        self._reqs: dict[str, asyncio.Queue[TokenOut]] = {}
+        self._reqs: dict[str, asyncio.Queue[TokenOut | None]] = {}
         self._calls: dict[str, asyncio.Future[ControlResp]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -294,30 +293,31 @@ class EngineClient:
         self.require_ready()
         if req.rid in self._reqs:
             raise EngineError(f"rid {req.rid!r} is already in flight; use a unique rid", 400)
-        q: asyncio.Queue[TokenOut] = asyncio.Queue()
-        self._reqs[req.rid] = q
-        deadline = time.monotonic() + (timeout or self.request_timeout)
+        q: asyncio.Queue[TokenOut | None] = asyncio.Queue()
+        self._reqs[req.rid] = q  # type: ignore[assignment]
+        # The deadline puts None in the queue. Not asyncio.wait_for: on Python < 3.12 it can
+        # swallow a cancellation that races with a token arriving, and then a disconnected
+        # client's request would keep running.
+        timer = asyncio.get_running_loop().call_later(
+            timeout or self.request_timeout, q.put_nowait, None)
         done = False
         try:
             if not req.arrival_time:
                 req.arrival_time = time.time()
             self._send(req)
             while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                out = await q.get()
+                if out is None:
                     raise EngineError(f"request {req.rid} timed out", 504)
-                try:
-                    out = await asyncio.wait_for(q.get(), remaining)
-                except asyncio.TimeoutError:
-                    raise EngineError(f"request {req.rid} timed out", 504) from None
                 if out.error:
                     done = out.finished
                     raise EngineError(out.error, out.error_status or 500)
+                done = out.finished
                 yield out
-                if out.finished:
-                    done = True
+                if done:
                     return
         finally:
+            timer.cancel()
             if done:
                 self._reqs.pop(req.rid, None)
             else:
@@ -332,46 +332,16 @@ class EngineClient:
         self._calls[call_id] = fut
         try:
             self._send(ControlReq(call_id=call_id, kind=kind, args=dict(args or {})))
-            resp = await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise EngineError(f"scheduler did not answer {kind!r} within {timeout:.0f}s", 504) \
-                from None
+            await asyncio.wait({fut}, timeout=timeout)  # unlike wait_for, never eats a cancel
         finally:
             self._calls.pop(call_id, None)
+        if not fut.done():
+            fut.cancel()
+            raise EngineError(f"scheduler did not answer {kind!r} within {timeout:.0f}s", 504)
+        resp = fut.result()
         if not resp.ok:
             raise EngineError(resp.error or f"{kind} failed", 500)
         return dict(resp.data)
-
-
-def tokenizer_dir(tokenizer: Any, path: str | None) -> str | None:
-    """A local folder with the tokenizer files for routers that load `tokenizer_path`
-    (sglang-router): `path` itself when it is one, else (a GGUF) an exported copy."""
-    if path and os.path.isdir(path) and any(
-            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
-        return path
-    if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
-        return path
-    key = hashlib.sha1(f"{path}:{_mtime(path)}".encode()).hexdigest()[:16]
-    dest = os.path.join(tempfile.gettempdir(), "pdserve-tokenizers", key)
-    if not os.path.isfile(os.path.join(dest, "tokenizer_config.json")):
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=key + ".", dir=os.path.dirname(dest))
-        try:
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, dest)  # atomic: concurrent servers may export the same one
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not os.path.isdir(dest):
-                log.warning("could not export the tokenizer for routers: %s", e)
-                return path
-    return dest
-
-
-def _mtime(path: str | None) -> float:
-    try:
-        return os.path.getmtime(path) if path else 0.0
-    except OSError:
-        return 0.0
 
 
 def new_rid() -> str:

@@ -15,12 +15,29 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.engine_client import EngineClient, EngineError, new_rid
-from pdcore.server.generation import (SSE_DONE, SSE_HEADERS, ClientDisconnected, Item, collect,
-                                      run_items, sse, unless_disconnected)
+from pdcore.server.generation import (
+    SSE_DONE,
+    SSE_HEADERS,
+    ClientDisconnected,
+    Item,
+    collect,
+    run_items,
+    sse,
+    unless_disconnected,
+)
 from pdcore.server.http_errors import error_response, sse_error
 from pdcore.server.output import OutputAssembler
-from pdcore.server.params import (SamplingInput, bad, build_sampling, check_n, check_prompt,
-                                  clamp_max_new_tokens, make_req, pd_items, per_item)
+from pdcore.server.params import (
+    SamplingInput,
+    bad,
+    build_sampling,
+    check_n,
+    check_prompt,
+    clamp_max_new_tokens,
+    make_req,
+    pd_items,
+    per_item,
+)
 from pdcore.server.schemas import GenerateRequest, SamplingParamsIn
 
 router = APIRouter()
@@ -149,7 +166,7 @@ async def _stream(engine: EngineClient, plan: _Plan, body: GenerateRequest, requ
                     yield sse_error(str(ev.error), ev.error.status)
                     break
                 yield sse(_result(ev.asm, plan, ev.index, engine, body, start, ev.done))
-    except Exception as e:  # the status line is already sent; report in-band
+    except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_error(f"internal error: {type(e).__name__}: {e}", 500)
     yield SSE_DONE
 

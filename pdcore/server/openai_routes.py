@@ -8,148 +8,39 @@ the tokenizer's chat template with the generation prompt added.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.server import logprobs as lpfmt
-from pdcore.server.engine_client import EngineClient, EngineError, new_rid
+from pdcore.server.engine_client import EngineClient, EngineError
 from pdcore.server.generation import (
     SSE_DONE,
     SSE_HEADERS,
     ClientDisconnected,
-    Item,
     collect,
     run_items,
     sse,
     unless_disconnected,
 )
 from pdcore.server.http_errors import error_response, sse_error
+from pdcore.server.openai_plan import Plan, finish_of, plan_request, served_model_name, usage
 from pdcore.server.output import OutputAssembler
-from pdcore.server.params import (
-    SamplingInput,
-    bad,
-    build_sampling,
-    check_n,
-    check_prompt,
-    clamp_max_new_tokens,
-    make_req,
-    pd_items,
-)
+from pdcore.server.params import bad
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
 MAX_TOP_LOGPROBS = 20
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-def served_model_name(engine: EngineClient) -> str:
-    return (engine.args.served_model_name or engine.info.get("served_model_name")
-            or os.path.basename(str(engine.info.get("model_path") or "default")))
-
-
-def accepted_model_names(engine: EngineClient) -> set[str]:
-    names = {served_model_name(engine)}
-    for p in (engine.args.model_path, engine.info.get("model_path"),
-              engine.info.get("served_model_name")):
-        if p:
-            p = str(p).rstrip("/")
-            base = os.path.basename(p)
-            names.update({p, os.path.abspath(os.path.expanduser(p)), base})
-            if base.endswith(".gguf"):
-                names.add(base[: -len(".gguf")])
-    return names
-
-
-# sglang-router (0.3.x) fills a request that named no model with this placeholder
-ROUTER_NO_MODEL = "unknown"
-
-
-def _check_model(model: str | None, engine: EngineClient) -> str:
-    served = served_model_name(engine)
-    if model in (None, "", ROUTER_NO_MODEL):
-        return served
-    if model in accepted_model_names(engine):
-        return model
-    raise bad(f"model {model!r} is not served here; use {served!r} (see /v1/models)", "model")
-
-
-@dataclass
-class _Plan:
-    items: list[Item]
-    prompts: list[list[int]]
-    n: int
-    model: str
-    rid: str
-    want_logprobs: bool = False
-    top_logprobs: int = 0
-    echo_texts: list[str] = field(default_factory=list)
-
-
-def _plan(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
-          prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
-          max_tokens_field: str, default_max: int | None, want_logprobs: bool, top: int,
-          echo: bool, id_prefix: str) -> _Plan:
-    args, info = engine.args, engine.info
-    model = _check_model(body.model, engine)
-    n = check_n(body.n)
-    for i, ids in enumerate(prompts):
-        check_prompt(ids, info, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field)
-    s = SamplingInput(max_new_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                      ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
-                      no_stop_trim=body.no_stop_trim, seed=body.seed)
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
-        v = getattr(body, name)
-        if v is not None:
-            setattr(s, name, v)
-    pds = pd_items(body, len(prompts) * n, args)
-    rid = body.rid if isinstance(body.rid, str) else f"{id_prefix}-{uuid.uuid4().hex}"
-    rids = body.rid if isinstance(body.rid, list) else None
-    if rids is not None and len(rids) != len(prompts) * n:
-        raise bad(f"rid has {len(rids)} entries for {len(prompts) * n} choices", "rid")
-    items = []
-    for p, ids in enumerate(prompts):
-        for j in range(n):
-            k = p * n + j
-            sampling = build_sampling(s, names={"max_new_tokens": max_tokens_field})
-            if sampling.seed is not None and j:
-                sampling.seed += j
-            clamp_max_new_tokens(sampling, len(ids), info, default_max, args.disaggregation_mode)
-            req = make_req(rids[k] if rids else (rid if len(prompts) * n == 1 else new_rid()),
-                           ids, sampling, pds[k], return_logprob=want_logprobs,
-                           logprob_start_len=0 if (echo and want_logprobs) else -1,
-                           top_logprobs_num=top, stream=body.stream)
-            items.append(Item(k, req))
-    echo_texts = [engine.tokenizer.decode(ids) for ids in prompts] if echo else []
-    return _Plan(items, prompts, n, model, rid, want_logprobs, top, echo_texts)
-
-
-def _usage(plan: _Plan, outs: list[OutputAssembler]) -> dict[str, Any]:
-    prompt = sum(len(p) for p in plan.prompts)
-    completion = sum(len(a.out.output_ids) for a in outs)
-    cached = sum(a.out.cached_tokens for a in outs[:: plan.n]) if outs else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _finish(asm: OutputAssembler) -> tuple[str | None, Any]:
-    r = asm.out.finish_reason or {}
-    return _FINISH.get(r.get("type", ""), r.get("type")), r.get("matched")
 
 
 def _stream_usage_requested(body: Any) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-async def _run(request: Request, engine: EngineClient, plan: _Plan, timeout: float | None
+async def _run(request: Request, engine: EngineClient, plan: Plan, timeout: float | None
                ) -> list[OutputAssembler] | Response:
     try:
         return await unless_disconnected(
@@ -160,7 +51,7 @@ async def _run(request: Request, engine: EngineClient, plan: _Plan, timeout: flo
         return error_response(str(e), e.status)
 
 
-async def _stream(request: Request, engine: EngineClient, plan: _Plan, body: Any, chat: bool
+async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any, chat: bool
                   ) -> AsyncIterator[bytes]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -191,7 +82,7 @@ async def _stream(request: Request, engine: EngineClient, plan: _Plan, body: Any
                 delta, sent_text[i] = text[sent_text[i]:], len(text)
                 new_lps = a.out.output_logprobs[sent_lp[i]:] if plan.want_logprobs else []
                 sent_lp[i] += len(new_lps)
-                reason, matched = _finish(a) if ev.done else (None, None)
+                reason, matched = finish_of(a) if ev.done else (None, None)
                 if not delta and not new_lps and not ev.done:
                     continue
                 if chat:
@@ -211,7 +102,7 @@ async def _stream(request: Request, engine: EngineClient, plan: _Plan, body: Any
         if _stream_usage_requested(body) and len(finished) == len(plan.items):
             outs = [finished[it.index] for it in plan.items]
             yield sse({"id": plan.rid, "object": obj, "created": created, "model": plan.model,
-                       "choices": [], "usage": _usage(plan, outs)})
+                       "choices": [], "usage": usage(plan, outs)})
     except Exception as e:  # noqa: BLE001 - headers are out already: report in-band
         yield sse_error(f"internal error: {type(e).__name__}: {e}", 500)
     yield SSE_DONE
@@ -240,7 +131,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.max_tokens is not None and body.max_tokens < 0:
         raise bad(f"max_tokens must be >= 0, got {body.max_tokens}", "max_tokens")
     want = body.logprobs is not None
-    plan = _plan(body, engine, _completion_prompts(body, engine), "prompt", body.max_tokens,
+    plan = plan_request(body, engine, _completion_prompts(body, engine), "prompt", body.max_tokens,
                  "max_tokens", None, want, body.logprobs or 0, body.echo, "cmpl")
     if body.stream:
         return StreamingResponse(_stream(request, engine, plan, body, chat=False),
@@ -251,7 +142,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     text_of = lpfmt.TokenText(engine.tokenizer)
     choices = []
     for i, a in enumerate(outs):
-        reason, matched = _finish(a)
+        reason, matched = finish_of(a)
         echo = plan.echo_texts[i // plan.n] if plan.echo_texts else ""
         logprobs = None
         if want:
@@ -260,7 +151,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         choices.append({"index": i, "text": echo + a.out.text, "logprobs": logprobs,
                         "finish_reason": reason, "matched_stop": matched})
     return JSONResponse({"id": plan.rid, "object": "text_completion", "created": int(time.time()),
-                         "model": plan.model, "choices": choices, "usage": _usage(plan, outs)})
+                         "model": plan.model, "choices": choices, "usage": usage(plan, outs)})
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------
@@ -304,7 +195,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         if not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    plan = _plan(body, engine, [chat_prompt(body, engine.tokenizer)], "messages", max_tokens,
+    plan = plan_request(body, engine, [chat_prompt(body, engine.tokenizer)], "messages", max_tokens,
                  name, None, bool(body.logprobs), top, False, "chatcmpl")
     if body.stream:
         return StreamingResponse(_stream(request, engine, plan, body, chat=True),
@@ -315,13 +206,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     text_of = lpfmt.TokenText(engine.tokenizer)
     choices = []
     for i, a in enumerate(outs):
-        reason, matched = _finish(a)
+        reason, matched = finish_of(a)
         logprobs = ({"content": lpfmt.chat(a.out.output_logprobs, text_of, top > 0)}
                     if body.logprobs else None)
         choices.append({"index": i, "message": {"role": "assistant", "content": a.out.text},
                         "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched})
     return JSONResponse({"id": plan.rid, "object": "chat.completion", "created": int(time.time()),
-                         "model": plan.model, "choices": choices, "usage": _usage(plan, outs)})
+                         "model": plan.model, "choices": choices, "usage": usage(plan, outs)})
 
 
 @router.get("/v1/models")

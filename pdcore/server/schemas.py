@@ -7,12 +7,12 @@ Ranges are checked in `pdcore.server.params`, so that errors name the field cons
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-BootstrapHost = Union[str, list[Union[str, None]], None]
-BootstrapInt = Union[int, list[Union[int, None]], None]
+BootstrapHost = str | list[str | None] | None
+BootstrapInt = int | list[int | None] | None
 
 
 class _Open(BaseModel):
@@ -25,10 +25,10 @@ class PDFields(_Open):
     bootstrap_host: BootstrapHost = None
     bootstrap_port: BootstrapInt = None
     bootstrap_room: BootstrapInt = None
-    routed_dp_rank: Union[int, None] = None
-    disagg_prefill_dp_rank: Union[int, None] = None
-    data_parallel_rank: Union[int, None] = None
-    rid: Union[str, list[str], None] = None
+    routed_dp_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    rid: str | list[str] | None = None
 
 
 class SamplingParamsIn(_Open):
@@ -40,7 +40,7 @@ class SamplingParamsIn(_Open):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
-    max_new_tokens: Union[int, None] = None
+    max_new_tokens: int | None = None
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -48,10 +48,10 @@ class SamplingParamsIn(_Open):
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    seed: Union[int, None] = None
-    sampling_seed: Union[int, None] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Union[list[int], None] = None
+    seed: int | None = None
+    sampling_seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
@@ -59,15 +59,15 @@ class SamplingParamsIn(_Open):
 
 
 class GenerateRequest(PDFields):
-    text: Union[str, list[str], None] = None
-    input_ids: Union[list[int], list[list[int]], None] = None
-    sampling_params: Union[SamplingParamsIn, list[SamplingParamsIn], None] = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
     stream: bool = False
-    return_logprob: Union[bool, list[bool]] = False
-    logprob_start_len: Union[int, list[int]] = -1
-    top_logprobs_num: Union[int, list[int]] = 0
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
-    timeout: Union[float, None] = Field(default=None, description="seconds; pdserve extension")
+    timeout: float | None = Field(default=None, description="seconds; pdserve extension")
 
 
 class StreamOptions(_Open):
@@ -76,44 +76,44 @@ class StreamOptions(_Open):
 
 
 class _OpenAIBase(PDFields):
-    model: Union[str, None] = None
+    model: str | None = None
     n: int = 1
     stream: bool = False
-    stream_options: Union[StreamOptions, None] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Union[list[int], None] = None
-    temperature: Union[float, None] = None
-    top_p: Union[float, None] = None
-    top_k: Union[int, None] = None
-    min_p: Union[float, None] = None
-    presence_penalty: Union[float, None] = None
-    frequency_penalty: Union[float, None] = None
-    repetition_penalty: Union[float, None] = None
-    seed: Union[int, None] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    user: Union[str, None] = None
-    timeout: Union[float, None] = None
+    user: str | None = None
+    timeout: float | None = None
 
 
 class CompletionRequest(_OpenAIBase):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Union[int, None] = 16
-    logprobs: Union[int, None] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
-    suffix: Union[str, None] = None
+    suffix: str | None = None
 
 
 class ChatMessage(_Open):
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: str | list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage]
-    max_tokens: Union[int, None] = None
-    max_completion_tokens: Union[int, None] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Union[int, None] = None
+    top_logprobs: int | None = None
     continue_final_message: bool = False

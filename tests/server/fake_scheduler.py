@@ -29,7 +29,8 @@ class _Running:
 
 
 def run_fake_scheduler(args: Any, recv_addr: str, send_addr: str, ready_conn: Any) -> None:
-    cfg = json.load(open(os.path.join(args.model_path, "config.json")))
+    with open(os.path.join(args.model_path, "config.json")) as f:
+        cfg = json.load(f)
     vocab = int(cfg["vocab_size"])
     eos = cfg.get("eos_token_id", 2)
     eos_ids = eos if isinstance(eos, list) else [eos]
@@ -116,9 +117,7 @@ def run_fake_scheduler(args: Any, recv_addr: str, send_addr: str, ready_conn: An
             if tok is None or len(r.out) >= sp.max_new_tokens:
                 out.finished, out.finish_reason = True, {"type": "length",
                                                          "length": len(r.out)}
-            elif tok in eos_ids and not sp.ignore_eos:
-                out.finished, out.finish_reason = True, {"type": "stop", "matched": tok}
-            elif tok in sp.stop_token_ids:
+            elif tok in eos_ids and not sp.ignore_eos or tok in sp.stop_token_ids:
                 out.finished, out.finish_reason = True, {"type": "stop", "matched": tok}
             if out.finished:
                 del running[rid]

@@ -63,7 +63,7 @@ def test_profile_routes(fake_server, tmp_path):
 
 def _sample(text: str, name: str) -> float:
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith((name + " ", name + "{")):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} missing from /metrics")
 

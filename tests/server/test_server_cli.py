@@ -57,20 +57,42 @@ def test_parse_types_aliases_and_bools(tiny_llama_dir):
     (["--port", "abc"], "argument --port: invalid int value: 'abc'"),
     (["--mem-fraction-static", "x"], "--mem-fraction-static"),
     (["--disaggregation-mode", "both"], "invalid choice: 'both'"),
-    (["--tp", "2"], "tensor/data parallelism > 1 is not supported yet"),
-    (["--tp-size", "4"], "tensor/data parallelism > 1 is not supported yet"),
-    (["--dp", "2"], "tensor/data parallelism > 1 is not supported yet"),
+    (["--dp", "2"], "not supported yet"),
+    (["--dp-size", "4"], "not supported yet"),
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1]"),
     (["--page-size", "0"], "--page-size must be >= 1"),
     (["--port", "70000"], "ports must be in 1..65535"),
-    (["--device", "npu"], "no platform plugin named 'npu'"),
+    (["--device", "tpu9"], "no platform plugin named 'tpu9'"),
     (["--attention-backend", "ascend"], "--attention-backend ascend needs --device npu"),
     (["--model-pat", "x"], "unrecognized arguments"),  # no abbreviations
+    (["--tokenizer-path", "/nonexistent/tok"], "--tokenizer-path /nonexistent/tok does not exist"),
 ])
-def test_bad_flags_exit_2_with_message(argv, needle):
-    code, out = serve(*argv)
-    assert code == 2, out
-    assert needle in out, out
+def test_bad_flags_exit_2_with_message(argv, needle, capsys):
+    # parse only: a flag set that unexpectedly passed must not start a server in the test
+    with pytest.raises(SystemExit) as exc:
+        parse_server_args(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert needle in err, err
+
+
+def test_unavailable_platform_plugin_exits_2(capsys):
+    """A device whose platform plugin is installed but cannot run here names the reason."""
+    from pdcore.plugins.host import platforms
+
+    unavailable = [e for e in platforms().entries() if not e.available()[0]]
+    if not unavailable:
+        pytest.skip("every installed platform is available here")
+    entry = unavailable[0]
+    with pytest.raises(SystemExit) as exc:
+        parse_server_args(["--device", entry.name])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--device {entry.name} is not available here" in err, err
+
+
+def test_serve_command_exits_2_on_bad_flag():
+    code, out = serve("--no-such-flag")
+    assert code == 2 and "unrecognized arguments: --no-such-flag" in out
 
 
 def test_busy_port_exits_2_before_loading(tiny_llama_dir):
@@ -85,9 +107,9 @@ def test_busy_port_exits_2_before_loading(tiny_llama_dir):
 @pytest.mark.parametrize("module", [["-m", "pdcore", "serve"], ["-m", "pdcore.launch_server"]])
 def test_real_process_exit_codes(module):
     for argv, needle in ((["--nope"], "unrecognized arguments: --nope"),
-                         (["--tp", "2"], "not supported yet")):
+                         (["--dp", "2"], "not supported yet")):
         p = subprocess.run([sys.executable, *module, *argv], capture_output=True, text=True,
-                           timeout=120)
+                           timeout=120, check=False)
         assert p.returncode == 2, p.stderr
         assert needle in p.stderr
 
@@ -108,7 +130,8 @@ def test_engine_start_failure_exits_1(tiny_llama_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     p = subprocess.run([sys.executable, "-m", "pdcore", "serve", "--model-path", str(bad),
-                        "--port", str(port)], capture_output=True, text=True, timeout=300)
+                        "--port", str(port)], capture_output=True, text=True, timeout=300,
+                       check=False)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "engine failed to start" in p.stderr and "GPT2LMHeadModel" in p.stderr
     assert f"listening on http://127.0.0.1:{port}" in p.stdout

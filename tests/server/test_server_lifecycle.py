@@ -14,8 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from conftest import FakeServer, wait_pages, wait_status
+from fake_server import FakeServer, wait_pages, wait_status
 
 
 @contextlib.contextmanager

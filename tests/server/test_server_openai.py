@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import pytest
-
 from test_server_native import sse_events
 
 pytestmark = pytest.mark.usefixtures("pages_back")

@@ -1,0 +1,121 @@
+"""OpenAI requests -> scheduler items (Plan), model-name checks, usage and finish reasons."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcore.server.engine_client import EngineClient, new_rid
+from pdcore.server.generation import Item
+from pdcore.server.output import OutputAssembler
+from pdcore.server.params import (
+    SamplingInput,
+    bad,
+    build_sampling,
+    check_n,
+    check_prompt,
+    clamp_max_new_tokens,
+    make_req,
+    pd_items,
+)
+from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def served_model_name(engine: EngineClient) -> str:
+    return (engine.args.served_model_name or engine.info.get("served_model_name")
+            or os.path.basename(str(engine.info.get("model_path") or "default")))
+
+
+def accepted_model_names(engine: EngineClient) -> set[str]:
+    names = {served_model_name(engine)}
+    for p in (engine.args.model_path, engine.info.get("model_path"),
+              engine.info.get("served_model_name")):
+        if p:
+            p = str(p).rstrip("/")
+            base = os.path.basename(p)
+            names.update({p, os.path.abspath(os.path.expanduser(p)), base})
+            if base.endswith(".gguf"):
+                names.add(base[: -len(".gguf")])
+    return names
+
+
+# sglang-router (0.3.x) fills a request that named no model with this placeholder
+ROUTER_NO_MODEL = "unknown"
+
+
+def check_model(model: str | None, engine: EngineClient) -> str:
+    served = served_model_name(engine)
+    if model in (None, "", ROUTER_NO_MODEL):
+        return served
+    if model in accepted_model_names(engine):
+        return model
+    raise bad(f"model {model!r} is not served here; use {served!r} (see /v1/models)", "model")
+
+
+@dataclass
+class Plan:
+    items: list[Item]
+    prompts: list[list[int]]
+    n: int
+    model: str
+    rid: str
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+    echo_texts: list[str] = field(default_factory=list)
+
+
+def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
+          prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
+          max_tokens_field: str, default_max: int | None, want_logprobs: bool, top: int,
+          echo: bool, id_prefix: str) -> Plan:
+    args, info = engine.args, engine.info
+    model = check_model(body.model, engine)
+    n = check_n(body.n)
+    for i, ids in enumerate(prompts):
+        check_prompt(ids, info, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field)
+    s = SamplingInput(max_new_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                      ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
+                      no_stop_trim=body.no_stop_trim, seed=body.seed)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
+        v = getattr(body, name)
+        if v is not None:
+            setattr(s, name, v)
+    pds = pd_items(body, len(prompts) * n, args)
+    rid = body.rid if isinstance(body.rid, str) else f"{id_prefix}-{uuid.uuid4().hex}"
+    rids = body.rid if isinstance(body.rid, list) else None
+    if rids is not None and len(rids) != len(prompts) * n:
+        raise bad(f"rid has {len(rids)} entries for {len(prompts) * n} choices", "rid")
+    items = []
+    for p, ids in enumerate(prompts):
+        for j in range(n):
+            k = p * n + j
+            sampling = build_sampling(s, names={"max_new_tokens": max_tokens_field})
+            if sampling.seed is not None and j:
+                sampling.seed += j
+            clamp_max_new_tokens(sampling, len(ids), info, default_max, args.disaggregation_mode)
+            req = make_req(rids[k] if rids else (rid if len(prompts) * n == 1 else new_rid()),
+                           ids, sampling, pds[k], return_logprob=want_logprobs,
+                           logprob_start_len=0 if (echo and want_logprobs) else -1,
+                           top_logprobs_num=top, stream=body.stream)
+            items.append(Item(k, req))
+    echo_texts = [engine.tokenizer.decode(ids) for ids in prompts] if echo else []
+    return Plan(items, prompts, n, model, rid, want_logprobs, top, echo_texts)
+
+
+def usage(plan: Plan, outs: list[OutputAssembler]) -> dict[str, Any]:
+    prompt = sum(len(p) for p in plan.prompts)
+    completion = sum(len(a.out.output_ids) for a in outs)
+    cached = sum(a.out.cached_tokens for a in outs[:: plan.n]) if outs else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_of(asm: OutputAssembler) -> tuple[str | None, Any]:
+    r = asm.out.finish_reason or {}
+    return _FINISH.get(r.get("type", ""), r.get("type")), r.get("matched")

