@@ -21,8 +21,10 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,8 +38,10 @@ from pdcore.disagg.common import (
     Counters,
     advertised_host,
     make_backend,
+    make_planner,
 )
 from pdcore.disagg.heartbeat import Heartbeat
+from pdcore.disagg.staging import GrantBook, open_staging
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
 from pdcore.errors import PDError, ProtocolError, TransferError
 from pdcore.interfaces.planner import KVLayout
@@ -53,6 +57,7 @@ class _Instance:
     addr: str
     instance_id: str
     dp_size: int
+    tp_size: int
     targets: list[int]  # P TP ranks this D rank pulls from
     required_dst: int  # TransferInfos each target waits for (D TP > P TP)
     responses: int  # Success statuses this D rank waits for (P TP > D TP)
@@ -69,7 +74,10 @@ class _Room:
     aux_slot: int = wire.NO_AUX_SLOT
     deadline: float | None = None
     responders: set[int] = field(default_factory=set)
+    staged_by: set[int] = field(default_factory=set)  # P ranks whose KV is in the grant
     aux_payload: bytes = b""
+    pages: np.ndarray | None = None
+    grant: tuple[int, int] | None = None  # (offset, bytes) in the staging ring
 
 
 def rank_mapping(p_tp: int, d_tp: int, d_rank: int, is_mla: bool) -> tuple[list[int], int, int]:
@@ -92,13 +100,17 @@ def rank_mapping(p_tp: int, d_tp: int, d_rank: int, is_mla: bool) -> tuple[list[
 class DecodeKVManager:
     def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
                  kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
+                 pool: Any = None) -> None:
         self.args, self.env, self.kv, self.aux = args, env, kv, aux
         self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
         self.token = args.disaggregation_auth_token or None
         self.kv_regions = list(kv_regions)
+        staging: Any = open_staging(make_planner(env), "decode", kv, kv_tensors, pool, env)
+        self.grants = GrantBook(staging) if staging is not None else None
         self.backend = make_backend(backend_name, "decode", args, env, tp_rank, tp_size)
-        self.backend.register(self.kv_regions + [aux.region])
+        self.backend.register(self.kv_regions + [aux.region]
+                              + ([staging.region] if staging is not None else []))
         self.session = f"{advertised_host(args.host)}/{args.server_id}/{tp_rank}/{uuid.uuid4().hex[:8]}"
         self.states = RoomStates()
         self.counters = Counters()
@@ -124,7 +136,8 @@ class DecodeKVManager:
             endpoint=self.backend.endpoint(), layout=self.kv.to_dict(),
             regions=[r.to_dict() for r in self.kv_regions], aux_region=self.aux.region.to_dict(),
             aux_row_bytes=self.aux.row_bytes, aux_slots=self.aux.num_slots, rank=self.tp_rank,
-            tp_size=self.tp_size, page_size=self.kv.page_size, dtype=str(self.kv.dtype))
+            tp_size=self.tp_size, page_size=self.kv.page_size, dtype=str(self.kv.dtype),
+            staging_region=self.grants.staging.region.to_dict() if self.grants else None)
         self.heartbeat.start()
         log.info("decode KV manager rank %d/%d: control %s, session %s, backend %s",
                  self.tp_rank, self.tp_size, addr, self.session, self.backend_name)
@@ -141,6 +154,8 @@ class DecodeKVManager:
         self._resolver.shutdown(wait=False, cancel_futures=True)
         self.ctrl.close()
         self.backend.close()
+        if self.grants is not None:
+            self.grants.staging.close()
 
     # -- scheduler API ---------------------------------------------------------------------
     def add(self, room: int, bootstrap_host: str, bootstrap_port: int) -> None:
@@ -197,30 +212,48 @@ class DecodeKVManager:
                 raise TransferError(f"room {room}: send_transfer_info() in state "
                                     f"{state.name if state else None}; wait for WaitingForInput",
                                     room)
-            inst = r.inst
             self.aux.clear(aux_slot)  # a stale row in a reused slot must never pass the check
-            r.aux_slot = aux_slot
+            r.aux_slot, r.pages = aux_slot, pages
             r.deadline = time.monotonic() + self.env.waiting_timeout
             self.states.advance(room, KVPoll.Transferring)
-            dp = room % inst.dp_size
-            addrs = [inst.ctrl_addrs[(dp, t)] for t in inst.targets]
-        msg = wire.TransferInfo(room=room, session=self.session, ctrl_addr=self.ctrl.addr,
+            nbytes = (self.grants.staging.grant_bytes(len(pages), r.inst.tp_size)
+                      if self.grants is not None and r.inst.tp_size != self.tp_size else 0)
+            why = self.grants.too_big(nbytes) if nbytes else ""
+            offset = self.grants.reserve(room, nbytes) if nbytes and not why else None
+            if offset is not None:
+                r.grant = (offset, nbytes)
+        if why:
+            self._fail(room, why, True)
+        elif not nbytes or offset is not None:  # else: sent once the ring has room (_on_tick)
+            self._send_info(r)
+
+    def _send_info(self, r: _Room) -> None:
+        inst, pages = r.inst, r.pages
+        assert inst is not None and pages is not None
+        off, nbytes = r.grant or (-1, 0)
+        msg = wire.TransferInfo(room=r.room, session=self.session, ctrl_addr=self.ctrl.addr,
                                 rank=self.tp_rank, dst_pages=wire.encode_pages(pages),
-                                aux_slot=aux_slot, required=inst.required_dst)
-        for a in addrs:
+                                aux_slot=r.aux_slot, required=inst.required_dst,
+                                staging_offset=off, staging_len=nbytes)
+        dp = r.room % inst.dp_size
+        for a in [inst.ctrl_addrs[(dp, t)] for t in inst.targets]:
             if not self.ctrl.send(a, msg):
-                self._fail(room, f"cannot reach prefill rank at {a}", False)
+                self._fail(r.room, f"cannot reach prefill rank at {a}", False)
                 return
-        log.debug("room %d: transfer info sent (%d pages, aux slot %d)", room, len(pages),
-                  aux_slot)
+        log.debug("room %d: transfer info sent (%d pages, aux slot %d, staging %d B)", r.room,
+                  len(pages), r.aux_slot, nbytes)
 
     def abort(self, room: int, reason: str) -> None:
         self._fail(room, f"aborted: {reason}", True)
 
     def release(self, room: int) -> None:
         with self._lock:
-            self._rooms.pop(room, None)
+            r = self._rooms.pop(room, None)
             self.states.remove(room)
+        if r is not None and self.grants is not None:
+            self.grants.cancel(room)
+            if r.grant is not None:  # not scattered: P may still write into it
+                self.grants.free(r.grant[0], quarantine=True)
 
     def is_fake(self, room: int) -> bool:
         with self._lock:
@@ -235,6 +268,8 @@ class DecodeKVManager:
         out["inflight_rooms"] = self.states.count(KVPoll.Bootstrapping, KVPoll.WaitingForInput,
                                                   KVPoll.Transferring)
         out["heartbeat_checks"] = self.heartbeat.checks
+        if self.grants is not None:
+            out.update(self.grants.stats())
         return out
 
     # -- bootstrap resolution (resolver threads) -----------------------------------------------
@@ -308,8 +343,8 @@ class DecodeKVManager:
         self.counters.add("registrations", len(ctrl))
         log.info("registered with prefill %s (instance %s, P TP %s -> ranks %s)", addr,
                  info.get("instance_id"), info["tp_size"], targets)
-        return _Instance(addr, str(info.get("instance_id", "")), dp_size, targets, required_dst,
-                         responses, ctrl)
+        return _Instance(addr, str(info.get("instance_id", "")), dp_size, int(info["tp_size"]),
+                         targets, required_dst, responses, ctrl)
 
     # -- control plane (receive thread) ------------------------------------------------------
     def _on_message(self, msg: wire.Message) -> None:
@@ -335,6 +370,8 @@ class DecodeKVManager:
                                 msg.room, msg.rank)
                     return
                 r.responders.add(msg.rank)
+                if msg.staged:
+                    r.staged_by.add(msg.rank)
                 r.aux_payload = msg.aux or r.aux_payload
                 done = len(r.responders) >= inst.responses
         if msg.state == KVPoll.Failed:
@@ -347,6 +384,10 @@ class DecodeKVManager:
     def _complete(self, r: _Room) -> None:
         if r.aux_payload:
             self.aux.write_raw(r.aux_slot, r.aux_payload)
+        why = self._scatter(r)
+        if why:
+            self._fail(r.room, why, True)
+            return
         row = self.aux.read(r.aux_slot)
         if row.room != r.room:
             self._fail(r.room, f"aux row in slot {r.aux_slot} carries room {row.room}, expected "
@@ -356,8 +397,41 @@ class DecodeKVManager:
             self.counters.add("transfers")
             log.debug("room %d: KV received", r.room)
 
+    def _scatter(self, r: _Room) -> str:
+        """Move a staged room's grant into its pages; '' or why it failed."""
+        if r.grant is None or self.grants is None:
+            return "" if not r.staged_by else "prefill staged KV but decode holds no grant"
+        if not r.staged_by:  # P wrote the pages directly (no staging on its side)
+            self.grants.free(r.grant[0], quarantine=False)
+            r.grant = None
+            return ""
+        if r.staged_by != r.responders:
+            return (f"prefill ranks {sorted(r.responders - r.staged_by)} did not stage their "
+                    f"KV while {sorted(r.staged_by)} did; run both sides with the same "
+                    f"SGLANG_DISAGG_STAGING_BUFFER")
+        assert r.inst is not None and r.pages is not None
+        try:
+            self.grants.staging.scatter(r.grant[0], r.pages, r.inst.tp_size)
+        except Exception as e:  # a plugin bug fails the room, not the server
+            log.exception("room %d: staging scatter raised", r.room)
+            return f"staging scatter failed: {type(e).__name__}: {e}"
+        self.grants.free(r.grant[0], quarantine=False)
+        r.grant = None
+        self.counters.add("staged_rooms")
+        return ""
+
     def _on_tick(self) -> None:
         now = time.monotonic()
+        for room, offset, nbytes in self.grants.ready(now) if self.grants is not None else []:
+            with self._lock:
+                r = self._rooms.get(room)
+                ok = r is not None and self.states.get(room) is KVPoll.Transferring
+                if ok:
+                    r.grant = (offset, nbytes)
+            if ok:
+                self._send_info(r)
+            else:
+                self.grants.free(offset, quarantine=False)
         with self._lock:
             late = [room for room, r in self._rooms.items()
                     if r.deadline is not None and now > r.deadline

@@ -21,6 +21,8 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,8 +39,9 @@ from pdcore.disagg.common import (
     make_backend,
     make_planner,
 )
-from pdcore.disagg.prefill_rooms import Chunk, Dest, Pending, RoomState
+from pdcore.disagg.prefill_rooms import Chunk, Dest, Pending, RoomState, expired_rooms
 from pdcore.disagg.sessions import DecodeSession, parse_register
+from pdcore.disagg.staging import chunk_batch, open_staging
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
 from pdcore.disagg.workers import ShardedWorkers
 from pdcore.errors import ProtocolError, TransferError
@@ -51,13 +54,16 @@ log = logging.getLogger(__name__)
 class PrefillKVManager:
     def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
                  kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
+                 pool: Any = None) -> None:
         self.args, self.env, self.kv, self.aux = args, env, kv, aux
         self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
         self.token = args.disaggregation_auth_token or None
-        self.backend = make_backend(backend_name, "prefill", args, env, tp_rank, tp_size)
-        self.backend.register(list(kv_regions) + [aux.region])
         self.planner = make_planner(env)
+        self.staging: Any = open_staging(self.planner, "prefill", kv, kv_tensors, pool, env)
+        self.backend = make_backend(backend_name, "prefill", args, env, tp_rank, tp_size)
+        self.backend.register(list(kv_regions) + [aux.region]
+                              + list(self.staging.regions if self.staging else []))
         self.states = RoomStates()
         self.counters = Counters()
         self._lock = threading.RLock()
@@ -113,6 +119,8 @@ class PrefillKVManager:
         self.ctrl.close()
         if self.bootstrap is not None:
             self.bootstrap.close()
+        if self.staging is not None:
+            self.staging.close()
 
     # -- scheduler API ---------------------------------------------------------------------
     def add(self, room: int, bootstrap_host: str | None = None) -> None:
@@ -305,10 +313,12 @@ class PrefillKVManager:
                 except ProtocolError as e:
                     why = str(e)
             if not why:
-                why = sess.check_pages(pages) or sess.check_aux_slot(msg.aux_slot)
+                why = (sess.check_pages(pages) or sess.check_aux_slot(msg.aux_slot)
+                       or sess.check_grant(msg.staging_offset, msg.staging_len))
             if not why and msg.required < 1:
                 why = f"required TransferInfo count {msg.required} < 1"
-            dest = Dest(msg.session, msg.ctrl_addr, msg.rank, pages, msg.aux_slot)
+            dest = Dest(msg.session, msg.ctrl_addr, msg.rank, pages, msg.aux_slot,
+                        msg.staging_offset, msg.staging_len)
             r = self._rooms.get(msg.room)
             if r is None:
                 tomb = self._tombstones.get(msg.room)
@@ -354,20 +364,8 @@ class PrefillKVManager:
 
     def _on_tick(self) -> None:
         now = time.monotonic()
-        expired: list[tuple[int, str]] = []
         with self._lock:
-            for room, r in self._rooms.items():
-                if now <= r.deadline:
-                    continue
-                state = self.states.get(room)
-                if state is KVPoll.Bootstrapping:
-                    expired.append((room, (
-                        f"bootstrap timeout: decode sent no destination pages within "
-                        f"{self.env.bootstrap_timeout:g}s (decode could not pre-allocate, never "
-                        f"got the request, or is dead)")))
-                elif state in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                    expired.append((room, (
-                        f"waiting timeout: no transfer progress for {self.env.waiting_timeout:g}s")))
+            expired = expired_rooms(self._rooms, self.states, self.env, now)
             keep = self.env.bootstrap_entry_cleanup_interval
             for room in [k for k, p in self._pending.items() if now - p.created > keep]:
                 del self._pending[room]
@@ -398,11 +396,12 @@ class PrefillKVManager:
                 sess = self._session(d.session)
                 if len(job.src_pages) == 0:
                     continue
-                dst = d.pages[job.page_start: job.page_start + len(job.src_pages)]
-                batch = self.planner.plan(self.kv, sess.layout, job.src_pages, dst)
-                sess.check_kv_batch(batch)
-                self._write(sess, batch, job.room)
+                with chunk_batch(self.planner, self.staging, self.kv, sess, d, job.src_pages,
+                                 job.page_start) as (batch, staged):
+                    self._write(sess, batch, job.room)
+                d.staged = d.staged or staged
                 self.counters.add("bytes", batch.nbytes)
+                self.counters.add("staged_bytes" if staged else "direct_bytes", batch.nbytes)
             self.counters.add("chunks")
         except TransferError as e:
             ok = False
@@ -456,7 +455,8 @@ class PrefillKVManager:
             return
         for d in dests:
             sent = self.ctrl.send(d.ctrl_addr, wire.Status(
-                room=room, state=int(KVPoll.Success), rank=self.tp_rank, aux=payloads[d.session]))
+                room=room, state=int(KVPoll.Success), rank=self.tp_rank, aux=payloads[d.session],
+                staged=d.staged))
             if not sent:
                 self._fail(room, f"cannot reach decode rank {d.rank} at {d.ctrl_addr}", "",
                            notify=False)

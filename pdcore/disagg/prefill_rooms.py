@@ -1,10 +1,14 @@
-"""P's per-room bookkeeping: destinations (one per D rank), pending messages, chunk jobs."""
+"""P's per-room bookkeeping: destinations (one per D rank), pending messages, chunk jobs, and
+which rooms ran out of time."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from pdcore.config import DisaggEnv
+from pdcore.disagg.states import KVPoll, RoomStates
 
 
 @dataclass(eq=False)
@@ -16,6 +20,9 @@ class Dest:
     rank: int
     pages: np.ndarray
     aux_slot: int
+    grant_off: int = -1  # D's staging grant for this room (-1: none)
+    grant_len: int = 0
+    staged: bool = False  # some chunk went through the grant (D must scatter)
 
 
 @dataclass(eq=False)
@@ -47,3 +54,22 @@ class Chunk:
     src_pages: np.ndarray
     page_start: int
     is_last: bool
+
+
+def expired_rooms(rooms: dict[int, RoomState], states: RoomStates, env: DisaggEnv,
+                  now: float) -> list[tuple[int, str]]:
+    """(room, why) for every room past its deadline: bootstrap or waiting timeout."""
+    out: list[tuple[int, str]] = []
+    for room, r in rooms.items():
+        if now <= r.deadline:
+            continue
+        state = states.get(room)
+        if state is KVPoll.Bootstrapping:
+            out.append((room, (
+                f"bootstrap timeout: decode sent no destination pages within "
+                f"{env.bootstrap_timeout:g}s (decode could not pre-allocate, never got the "
+                f"request, or is dead)")))
+        elif state in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            out.append((room, (f"waiting timeout: no transfer progress for "
+                               f"{env.waiting_timeout:g}s")))
+    return out

@@ -36,13 +36,15 @@ def attach(engine: Any) -> None:
         from pdcore.disagg.prefill import PrefillKVManager
         from pdcore.disagg.prefill_sched import PrefillExtension
 
-        mgr = PrefillKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size)
+        mgr = PrefillKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
+                               engine.kv.layers, engine.kv.pool)
         ext: Any = PrefillExtension(engine.scheduler, mgr, aux)
     else:
         from pdcore.disagg.decode import DecodeKVManager
         from pdcore.disagg.decode_sched import DecodeExtension
 
-        mgr = DecodeKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size)
+        mgr = DecodeKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
+                              engine.kv.layers, engine.kv.pool)
         ext = DecodeExtension(engine.scheduler, mgr, aux, args)
     mgr.start()
     engine.scheduler.ext = ext

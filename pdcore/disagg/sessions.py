@@ -60,6 +60,7 @@ class DecodeSession:
     failed: str = ""  # non-empty: a transfer into this session failed; rooms fail fast
     failed_at: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)  # serialises connect
+    staging: MemoryRegion | None = None  # D's staging ring, when it has one
 
     @property
     def aux_slots(self) -> int:
@@ -78,6 +79,23 @@ class DecodeSession:
             return f"aux slot {slot} is outside decode's {self.aux_slots} aux slots"
         return ""
 
+    def check_grant(self, offset: int, length: int) -> str:
+        """'' when a staging grant lies inside D's staging ring (or there is none)."""
+        if offset < 0:
+            return ""
+        if self.staging is None or length < 1 or offset + length > self.staging.length:
+            size = self.staging.length if self.staging else 0
+            return f"staging grant [{offset}, {offset + length}) outside decode's {size}-byte ring"
+        return ""
+
+    def check_grant_batch(self, batch: CopyBatch, offset: int, length: int) -> None:
+        assert self.staging is not None
+        lo = self.staging.addr + offset
+        grant = RegionSet([MemoryRegion(lo, length)])
+        if not grant.contains(batch.dst, batch.length):
+            raise TransferError(f"refusing a staged copy outside the room's grant in decode "
+                                f"session {self.key}'s ring (staging planner bug)")
+
     def check_kv_batch(self, batch: CopyBatch) -> None:
         if not self.kv.contains(batch.dst, batch.length):
             raise TransferError(f"refusing a planned copy outside decode session {self.key}'s "
@@ -93,7 +111,9 @@ class DecodeSession:
         """
         with self.lock:
             if self.peer is None:
-                self.peer = backend.connect(self.reg.endpoint, [*self.regions, self.aux_region])
+                ring = [self.staging] if self.staging is not None else []
+                self.peer = backend.connect(self.reg.endpoint,
+                                            [*self.regions, self.aux_region, *ring])
             peer = self.peer
         handles = [backend.write(peer, b) for b in batch.split(backend.capabilities.max_batch)]
         deadline = time.monotonic() + timeout
@@ -122,6 +142,8 @@ def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes:
         layout = KVLayout.from_dict(msg.layout)
         regions = [MemoryRegion.from_dict(d) for d in msg.regions]
         aux_region = MemoryRegion.from_dict(msg.aux_region)
+        staging = (MemoryRegion.from_dict(msg.staging_region) if msg.staging_region is not None
+                   else None)
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"malformed decode registration: {type(e).__name__}: {e}") from None
     if layout.page_size != msg.page_size or str(layout.dtype) != msg.dtype:
@@ -145,4 +167,4 @@ def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes:
     if not ok:
         raise ProtocolError(f"cannot transfer to decode rank {msg.rank}: {why}")
     return DecodeSession(key=msg.session, reg=msg, layout=layout, kv=kv, aux_region=aux_region,
-                         regions=regions)
+                         regions=regions, staging=staging)

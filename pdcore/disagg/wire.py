@@ -45,6 +45,7 @@ class Register(_Msg, tag="register"):
     tp_size: int
     page_size: int
     dtype: str
+    staging_region: dict[str, Any] | None = None  # D's staging ring (MemoryRegion.to_dict())
 
 
 class TransferInfo(_Msg, tag="transfer_info"):
@@ -57,6 +58,8 @@ class TransferInfo(_Msg, tag="transfer_info"):
     dst_pages: bytes  # little-endian int32 page indices
     aux_slot: int = NO_AUX_SLOT
     required: int = 1  # TransferInfos this P rank needs for the room (D TP > P TP)
+    staging_offset: int = -1  # grant in D's staging ring for this room (-1: none)
+    staging_len: int = 0
 
     def pages(self) -> np.ndarray:
         if len(self.dst_pages) % 4:
@@ -80,6 +83,7 @@ class Status(_Msg, tag="status"):
     reason: str = ""
     code: str = ""  # machine-readable cause, e.g. UNKNOWN_SESSION
     aux: bytes = b""
+    staged: bool = False  # Success: the KV went into D's staging grant (D must scatter it)
 
 
 class AbortAck(_Msg, tag="abort_ack"):

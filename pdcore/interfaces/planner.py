@@ -7,11 +7,14 @@ Layout (per rank): per layer one K and one V buffer of [num_pages, page_size, kv
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from pdcore.interfaces.transfer import CopyBatch
+from pdcore.interfaces.transfer import CopyBatch, MemoryRegion
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +73,82 @@ class TransferPlanner(ABC):
         token_count: number of valid tokens covered by the pages (the last page may be partial);
         planners that copy per token slot use it; page-run planners may ignore it.
         """
+
+
+# -- optional: staging (gather -> one bulk write -> scatter), for different TP sizes -----------
+
+
+@dataclass(frozen=True, slots=True)
+class StagingContext:
+    """What a staging planner gets to set up one rank's staging memory."""
+
+    layout: KVLayout  # this rank's KV layout
+    kv: Sequence[tuple[Any, Any]]  # per layer (K, V) torch tensors [pages, page_size, heads, dim]
+    pool: Any  # the KV MemoryPool: staging memory must be reachable by the same backend
+    buffer_bytes: int  # prefill: bytes of each per-worker buffer
+    ring_bytes: int  # decode: bytes of the ring pool
+    workers: int  # prefill: transfer threads that may stage at the same time
+
+
+class PrefillStaging(ABC):
+    """P side: per-worker buffers a chunk's head slices are gathered into."""
+
+    regions: Sequence[MemoryRegion] = ()  # registered with the transfer backend
+
+    @abstractmethod
+    def stage(self, dst: KVLayout, src_pages: np.ndarray, page_start: int, dst_num_pages: int,
+              dst_addr: int, dst_len: int) -> AbstractContextManager[CopyBatch]:
+        """Gather src_pages (D's pages [page_start, page_start + len)) into a free buffer and
+        yield the CopyBatch moving it into D's grant [dst_addr, dst_addr + dst_len) (the room
+        reserved dst_num_pages pages); the buffer is free again when the context exits.
+        Raises TransferError when the chunk cannot be staged (larger than a buffer)."""
+
+    def close(self) -> None:
+        """Release the buffers."""
+
+
+class DecodeStaging(ABC):
+    """D side: a ring pool that rooms reserve grants in; scattered into the KV pages."""
+
+    region: MemoryRegion  # registered with the backend and sent to P in Register
+
+    @abstractmethod
+    def grant_bytes(self, num_pages: int, prefill_tp: int) -> int:
+        """Bytes a room of num_pages pages needs when P runs with TP prefill_tp."""
+
+    @abstractmethod
+    def reserve(self, nbytes: int) -> int | None:
+        """Offset of a fresh grant inside `region`, or None while the ring is too full."""
+
+    @abstractmethod
+    def scatter(self, offset: int, dst_pages: np.ndarray, prefill_tp: int) -> None:
+        """Copy a completed grant into the KV pages dst_pages (every writer has landed)."""
+
+    @abstractmethod
+    def free(self, offset: int) -> None:
+        """Return a grant to the ring."""
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """Release the ring."""
+
+
+class StagingPlanner(TransferPlanner):
+    """A planner that moves KV between different TP sizes through staging memory: P gathers a
+    chunk's head slices into one buffer, writes it in one descriptor into a grant D reserved
+    in its ring, and D scatters the grant into its pages once every writer reported Success.
+    Pairs `staged()` rejects (e.g. equal TP) use `plan()` as usual."""
+
+    @abstractmethod
+    def staged(self, src: KVLayout, dst: KVLayout) -> bool:
+        """Whether KV from src to dst goes through staging."""
+
+    @abstractmethod
+    def open_prefill(self, ctx: StagingContext) -> PrefillStaging:
+        """Staging buffers for a prefill rank; raises ConfigError when unsupported (MLA)."""
+
+    @abstractmethod
+    def open_decode(self, ctx: StagingContext) -> DecodeStaging:
+        """The ring pool of a decode rank; raises ConfigError when unsupported (MLA)."""

@@ -1,0 +1,8 @@
+"""pd-staging tests: make the helpers importable."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
