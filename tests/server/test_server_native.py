@@ -198,3 +198,15 @@ def test_max_new_tokens_clamped_to_context(fake_server):
     assert r["meta_info"]["finish_reason"]["type"] == "length"
     r = gen(fake_server, input_ids=ids, sampling_params={"ignore_eos": True})
     assert r["meta_info"]["completion_tokens"] == 56  # default 128, clamped too
+
+
+def test_zero_new_tokens_scores_the_prompt(fake_server):
+    """max_new_tokens 0 (prompt scoring): no output, prompt logprobs still returned."""
+    ids = fake_server.tokenizer.encode("score this prompt")
+    r = gen(fake_server, input_ids=ids, return_logprob=True, logprob_start_len=0,
+            sampling_params={"max_new_tokens": 0})
+    assert r["output_ids"] == [] and r["text"] == ""
+    m = r["meta_info"]
+    assert m["completion_tokens"] == 0 and m["finish_reason"] == {"type": "length", "length": 0}
+    assert [e[1] for e in m["input_token_logprobs"]] == ids
+    assert m["output_token_logprobs"] == []
