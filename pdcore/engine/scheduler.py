@@ -88,6 +88,7 @@ class Scheduler:
         self.counters = Counters()
         self.ext = Extension()
         self.last_ran = False
+        self.uncollected = False
         self.tp = runner.tp  # extensions agree on per-request states over its group
         self.step_time: float | None = None  # rank 0's clock for this step (set under TP)
 
@@ -206,6 +207,7 @@ class Scheduler:
                 self._apply(res)
             self.ext.after_step(results)
         out, self.outbox = self.outbox, []
+        self.uncollected = False
         for req in list(self.reqs.values()):
             msg = self._collect(req)
             if msg is not None:
@@ -245,6 +247,7 @@ class Scheduler:
 
     def drop(self, req: Req) -> None:
         req.phase = Phase.FINISHED
+        self.uncollected = True  # its final TokenOut goes out on the next step
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -272,7 +275,8 @@ class Scheduler:
         return msg
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.outbox or self.ext.busy())
+        return bool(self.running or self.waiting or self.outbox or self.uncollected
+                    or self.ext.busy())
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
