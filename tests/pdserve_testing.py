@@ -6,27 +6,15 @@ Import as `from pdserve_testing import ...` (tests/ is on sys.path via tests/con
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+
+from pdcore.testing.processes import ServerProcess, free_port  # noqa: F401 - re-exported
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def smollm2_gguf_path() -> Path | None:
@@ -72,51 +60,3 @@ def build_tiny_llama(dest: Path, seed: int = 0, **overrides: Any) -> Path:
     model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32).eval()
     model.save_pretrained(str(dest))
     return dest
-
-
-
-
-class ServerProcess:
-    """`python -m pdcore serve <flags>` on 127.0.0.1:<free port>, log in a temp file."""
-
-    def __init__(self, *flags: str, port: int | None = None, env: dict[str, str] | None = None,
-                 command: tuple[str, ...] = ("-m", "pdcore", "serve")) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="pdserve-", suffix=".log")[1])
-        full_env = {**os.environ, **(env or {})}
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            [str(REPO_ROOT), *filter(None, [full_env.get("PYTHONPATH")])])
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, *command, "--host", "127.0.0.1", "--port", str(self.port), *flags],
-            stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=str(REPO_ROOT),
-            start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_healthy(self, timeout: float = 180.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()}")
-
-    def stop(self, timeout: float = 20.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: server + scheduler
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
