@@ -190,6 +190,12 @@ def _configure_logging(args: ServerArgs, rank: int) -> None:
 def run_rank_process(args: ServerArgs, rank: int, method: str) -> None:
     """Entry point of every rank except 0 (spawned): build the shard, then follow rank 0."""
     _configure_logging(args, rank)
+    try:  # rank 0 shows the loading bars; here they are noise (and tqdm's lock would be
+        from transformers.utils import logging as hf_logging  # reported leaked at os._exit)
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
     tp = join_group(args, rank, method)
     engine, error = None, None
     try:

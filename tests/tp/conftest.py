@@ -8,6 +8,8 @@ import pytest
 
 from pdcore.testing.tiny_models import make_tiny_model
 
+NEW = 16  # new tokens per request in the server tests
+
 
 @pytest.fixture(scope="session")
 def tiny_tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -39,3 +41,22 @@ def smollm2_tokenizer():
     from pdcore.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(ServerArgs())
+
+
+@pytest.fixture(scope="session")
+def prompts_and_unified(tiny_tp_model: Path):
+    """(the shared prompt set as token ids, unified TP=1 greedy outputs) on tiny_tp_model."""
+    from pdcore.config import ServerArgs
+    from pdcore.engine.io_struct import SamplingParams
+    from pdcore.engine.llm_engine import LLMEngine
+    from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.testing.prompts import prompt_token_ids
+
+    prompts = prompt_token_ids(load_tokenizer(ServerArgs(model_path=str(tiny_tp_model))))
+    eng = LLMEngine(ServerArgs(model_path=str(tiny_tp_model), max_total_tokens=16384,
+                               page_size=4))
+    try:
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0))
+    finally:
+        eng.close()
+    return prompts, [o["output_ids"] for o in outs]
