@@ -1,0 +1,42 @@
+"""Smoke test of the benchmark scripts: `bench/engine_throughput.py --quick` on a tiny random
+Llama writes its JSON (with every key the report relies on) and its plot. No timing is asserted:
+numbers on a shared machine say nothing in a test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_throughput_quick_writes_results(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "engine_throughput.py"), "--quick",
+         "--model-path", str(tiny_llama_dir), "--out-dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "engine_throughput.json").read_text())
+    assert (tmp_path / "engine_throughput.png").stat().st_size > 0
+    for key in ("config", "machine", "raw_tokens_per_s", "median_tokens_per_s",
+                "ratio_pdserve_over_transformers", "output_agreement_with_transformers"):
+        assert key in data, key
+    assert data["config"]["quick"] is True
+    for key in ("nproc", "loadavg_start", "loadavg_end"):
+        assert key in data["machine"], key
+    for system in ("pdserve", "transformers"):
+        for batch in ("1", "16"):
+            values = data["raw_tokens_per_s"][system][batch]
+            assert values and all(v > 0 for v in values)
+    for batch in ("1", "16"):
+        r = data["ratio_pdserve_over_transformers"][batch]
+        want = data["median_tokens_per_s"]["pdserve"][batch] / \
+            data["median_tokens_per_s"]["transformers"][batch]
+        assert abs(r - want) < 1e-9
+        agree = data["output_agreement_with_transformers"]["pdserve"][batch]
+        assert agree["of"] == int(batch) and 0 <= agree["identical"] <= agree["of"]
+    assert "RATIO" in proc.stdout
