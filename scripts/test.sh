@@ -11,7 +11,7 @@ status=0
 run() {  # name, then pytest arguments
   local name=$1; shift
   echo "=== matrix entry: $name"
-  $PY -m pytest -q -p no:cacheprovider --junitxml="$out/$name.xml" "$@"
+  $PY -m pytest -q -p no:cacheprovider --durations=15 --junitxml="$out/$name.xml" "$@"
   local rc=$?
   # 5 = no tests collected (e.g. a plugin whose tests all need hardware): not a failure
   if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=1; echo "=== $name FAILED (exit $rc)"; fi
