@@ -41,7 +41,7 @@ from pdcore.disagg.common import (
     make_planner,
 )
 from pdcore.disagg.heartbeat import Heartbeat
-from pdcore.disagg.staging import GrantBook, open_staging
+from pdcore.disagg.staging import GrantBook, open_staging, scatter_grant
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
 from pdcore.errors import PDError, ProtocolError, TransferError
 from pdcore.interfaces.planner import KVLayout
@@ -108,6 +108,8 @@ class DecodeKVManager:
         self.kv_regions = list(kv_regions)
         staging: Any = open_staging(make_planner(env), "decode", kv, kv_tensors, pool, env)
         self.grants = GrantBook(staging) if staging is not None else None
+        self._scatters = (ThreadPoolExecutor(2, thread_name_prefix=f"pd-d{tp_rank}-scatter")
+                          if staging is not None else None)
         self.backend = make_backend(backend_name, "decode", args, env, tp_rank, tp_size)
         self.backend.register(self.kv_regions + [aux.region]
                               + ([staging.region] if staging is not None else []))
@@ -154,6 +156,8 @@ class DecodeKVManager:
         self._resolver.shutdown(wait=False, cancel_futures=True)
         self.ctrl.close()
         self.backend.close()
+        if self._scatters is not None:
+            self._scatters.shutdown(wait=True, cancel_futures=True)
         if self.grants is not None:
             self.grants.staging.close()
 
@@ -250,10 +254,13 @@ class DecodeKVManager:
         with self._lock:
             r = self._rooms.pop(room, None)
             self.states.remove(room)
+            grant = None
+            if r is not None:
+                grant, r.grant = r.grant, None
         if r is not None and self.grants is not None:
             self.grants.cancel(room)
-            if r.grant is not None:  # not scattered: P may still write into it
-                self.grants.free(r.grant[0], quarantine=True)
+            if grant is not None:  # not scattered: P may still write into it
+                self.grants.free(grant[0], quarantine=True)
 
     def is_fake(self, room: int) -> bool:
         with self._lock:
@@ -382,6 +389,12 @@ class DecodeKVManager:
             self._complete(r)
 
     def _complete(self, r: _Room) -> None:
+        if r.staged_by and self._scatters is not None:  # off the control thread: it is a copy
+            self._scatters.submit(self._finish_room, r)
+        else:
+            self._finish_room(r)
+
+    def _finish_room(self, r: _Room) -> None:
         if r.aux_payload:
             self.aux.write_raw(r.aux_slot, r.aux_payload)
         why = self._scatter(r)
@@ -399,26 +412,13 @@ class DecodeKVManager:
 
     def _scatter(self, r: _Room) -> str:
         """Move a staged room's grant into its pages; '' or why it failed."""
-        if r.grant is None or self.grants is None:
-            return "" if not r.staged_by else "prefill staged KV but decode holds no grant"
-        if not r.staged_by:  # P wrote the pages directly (no staging on its side)
-            self.grants.free(r.grant[0], quarantine=False)
-            r.grant = None
-            return ""
-        if r.staged_by != r.responders:
-            return (f"prefill ranks {sorted(r.responders - r.staged_by)} did not stage their "
-                    f"KV while {sorted(r.staged_by)} did; run both sides with the same "
-                    f"SGLANG_DISAGG_STAGING_BUFFER")
-        assert r.inst is not None and r.pages is not None
-        try:
-            self.grants.staging.scatter(r.grant[0], r.pages, r.inst.tp_size)
-        except Exception as e:  # a plugin bug fails the room, not the server
-            log.exception("room %d: staging scatter raised", r.room)
-            return f"staging scatter failed: {type(e).__name__}: {e}"
-        self.grants.free(r.grant[0], quarantine=False)
-        r.grant = None
-        self.counters.add("staged_rooms")
-        return ""
+        with self._lock:  # claim the grant: release() may race with us
+            grant, r.grant = r.grant, None
+        why = scatter_grant(self.grants, r.room, grant, r.staged_by, r.responders, r.pages,
+                            r.inst.tp_size if r.inst else 0)
+        if grant is not None and r.staged_by and not why:
+            self.counters.add("staged_rooms")
+        return why
 
     def _on_tick(self) -> None:
         now = time.monotonic()

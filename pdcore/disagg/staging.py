@@ -20,6 +20,7 @@ owns the protocol and every safety check:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +40,8 @@ from pdcore.interfaces.planner import (
     TransferPlanner,
 )
 from pdcore.interfaces.transfer import CopyBatch
+
+log = logging.getLogger(__name__)
 
 QUARANTINE_S = 5.0  # as for D's pages: late writes of a failed room land in a held grant
 
@@ -142,3 +145,29 @@ class GrantBook:
             return {"staging_grants": self.granted, "staging_waits": self.waited,
                     "staging_waiting_rooms": len(self._waiting),
                     "staging_quarantined": len(self._held), **self.staging.stats()}
+
+
+def scatter_grant(grants: GrantBook | None, room: int, grant: tuple[int, int] | None,
+                  staged_by: set[int], responders: set[int], pages: np.ndarray | None,
+                  prefill_tp: int) -> str:
+    """D, once every writer reported Success: scatter a claimed grant into the room's pages
+    when the writers staged (then free it); '' or why the room must fail."""
+    if grant is None or grants is None:
+        return "" if not staged_by else "prefill staged KV but decode holds no grant"
+    if not staged_by:  # P wrote the pages directly (no staging on its side)
+        grants.free(grant[0], quarantine=False)
+        return ""
+    if staged_by != responders:
+        grants.free(grant[0], quarantine=True)
+        return (f"prefill ranks {sorted(responders - staged_by)} did not stage their KV while "
+                f"{sorted(staged_by)} did; run both sides with the same "
+                f"SGLANG_DISAGG_STAGING_BUFFER")
+    assert pages is not None
+    try:
+        grants.staging.scatter(grant[0], pages, prefill_tp)
+    except Exception as e:  # a plugin bug fails the room, not the server
+        log.exception("room %d: staging scatter raised", room)
+        return f"staging scatter failed: {type(e).__name__}: {e}"
+    finally:
+        grants.free(grant[0], quarantine=False)
+    return ""

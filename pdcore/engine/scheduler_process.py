@@ -31,6 +31,7 @@ from pdcore.engine.tp import Lockstep, RankGroup, agree_started, attach_extensio
 log = logging.getLogger("pdcore.scheduler")
 
 IDLE_POLL_MS = 50
+PD_WAIT_MS, PD_WAIT_TP_MS = 1, 4
 
 
 class SchedulerLoop:
@@ -85,8 +86,11 @@ class SchedulerLoop:
         while not self.stop:
             if not self.sched.has_work():
                 timeout = IDLE_POLL_MS
-            else:  # only PD queues waiting on the network: do not spin
-                timeout = 0 if self.sched.last_ran or self.sched.outbox else 1
+            elif self.sched.last_ran or self.sched.outbox:
+                timeout = 0
+            else:  # only PD queues waiting on the network: do not spin (with TP every
+                # iteration costs collectives on every rank, so wait a little longer)
+                timeout = PD_WAIT_MS if self.sched.tp.size == 1 else PD_WAIT_TP_MS
             if poller.poll(timeout):
                 while True:
                     try:

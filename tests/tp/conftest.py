@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from pdcore.testing.tiny_models import make_tiny_model
 
-NEW = 16  # new tokens per request in the server tests
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tp_helpers
+from tp_helpers import NEW
 
 
 @pytest.fixture(scope="session")

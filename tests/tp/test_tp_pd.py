@@ -9,8 +9,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import NEW
-from tp_helpers import STAGING, Fleet, pd_generate
+from tp_helpers import NEW, STAGING, Fleet, pd_generate
 
 HAS_STAGING = importlib.util.find_spec("pd_staging") is not None
 needs_staging = pytest.mark.skipif(not HAS_STAGING,

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import NEW
+from tp_helpers import NEW
 
 from pdcore.testing.processes import ServerProcess, free_port
 

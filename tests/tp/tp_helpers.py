@@ -11,6 +11,7 @@ import httpx
 
 from pdcore.testing.processes import ServerProcess, free_port
 
+NEW = 16  # new tokens per request in the server tests
 FAST_ENV = {
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",

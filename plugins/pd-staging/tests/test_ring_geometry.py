@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from pd_staging.buffers import PrefillBuffers
 from pd_staging.geometry import grant_geometry, head_span, same_heads
 from pd_staging.planner import StagingTransferPlanner
@@ -110,3 +111,22 @@ def test_planner_decisions_and_mla_refusal():
     with pytest.raises(ConfigError, match="MLA"):
         p.open_decode(StagingContext(dataclasses.replace(kv.layout, is_mla=True), kv.layers,
                                      kv.pool, 1, 1, 1))
+
+
+def test_scattered_pages_take_the_indexed_path_with_the_same_result(monkeypatch):
+    from pd_staging import copies
+
+    kv = RankKV(0, 1, 3, seed=4)
+    pages = np.array([9, 2, 40, 7, 13, 11, 30, 5, 22, 1, 50])  # 11 runs > MAX_RUNS
+    outs = []
+    for max_runs in (0, 100):  # indexed, then run by run
+        monkeypatch.setattr(copies, "MAX_RUNS", max_runs)
+        out = torch.empty(len(pages), 2 * kv.layout.num_layers, kv.layout.page_size, 2,
+                          kv.layout.head_dim)
+        copies.gather(kv.layers, pages, slice(1, 3), out)
+        outs.append(out)
+        dst = RankKV(0, 1, 3)
+        copies.scatter(dst.layers, pages[::-1].copy(), slice(0, 2), out)
+        np.testing.assert_array_equal(dst.dump(pages[::-1])[..., :2, :],
+                                      kv.dump(pages)[..., 1:3, :])
+    assert torch.equal(outs[0], outs[1])

@@ -3,7 +3,7 @@
 1. `PrefillBuffers` allocates one buffer of SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB per transfer
    worker from the KV memory pool (registered with the backend next to the KV);
 2. `stage()` takes a free buffer (a worker never waits for another's), gathers the chunk's
-   pages, for the heads the decode rank needs, in the grant's token-major order, and yields one
+   pages, for the heads the decode rank needs, in the grant's page-major order, and yields one
    copy descriptor: buffer -> the writer's block in decode's grant at the chunk's offset;
 3. the buffer is free again once the write finished (the context exits). A chunk larger than a
    buffer raises TransferError: that request fails, the server does not.
@@ -12,14 +12,15 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 
+from pd_staging.copies import gather
 from pd_staging.geometry import grant_geometry
-from pd_staging.ring import token_slots
 from pdcore.builtin.planner import owned_heads
 from pdcore.errors import TransferError
 from pdcore.interfaces.planner import KVLayout, PrefillStaging, StagingContext
@@ -41,6 +42,7 @@ class PrefillBuffers(PrefillStaging):
         for i in range(len(bufs)):
             self._free.put(i)
         self.gathered_bytes = 0
+        self._lock = threading.Lock()
 
     @contextmanager
     def stage(self, dst: KVLayout, src_pages: np.ndarray, page_start: int, dst_num_pages: int,
@@ -68,7 +70,8 @@ class PrefillBuffers(PrefillStaging):
         try:
             buf = self._bufs[i]
             self._gather(buf.tensor[:nbytes], pages, w.first - owned_heads(src)[0], w.count)
-            self.gathered_bytes += nbytes
+            with self._lock:
+                self.gathered_bytes += nbytes
             yield CopyBatch(np.array([buf.region.addr], dtype=np.uint64),
                             np.array([dst_addr + offset], dtype=np.uint64),
                             np.array([nbytes], dtype=np.uint64))
@@ -77,13 +80,9 @@ class PrefillBuffers(PrefillStaging):
 
     def _gather(self, raw: torch.Tensor, pages: np.ndarray, h0: int, count: int) -> None:
         lay = self.layout
-        k0 = self.kv[0][0]
-        slots = token_slots(pages, lay.page_size).to(k0.device)
-        out = raw.view(k0.dtype).view(len(slots), 2 * lay.num_layers, count, lay.head_dim)
-        h = slice(h0, h0 + count)
-        for i, (k, v) in enumerate(self.kv):
-            out[:, i] = k.view(-1, lay.kv_heads, lay.head_dim)[slots, h]
-            out[:, lay.num_layers + i] = v.view(-1, lay.kv_heads, lay.head_dim)[slots, h]
+        out = raw.view(self.kv[0][0].dtype).view(len(pages), 2 * lay.num_layers,
+                                                 lay.page_size, count, lay.head_dim)
+        gather(self.kv, pages, slice(h0, h0 + count), out)
 
     def close(self) -> None:
         self.kv = []

@@ -1,11 +1,11 @@
 """Where each prefill rank's head slice lives inside a decode rank's staging grant.
 
 A room's grant on decode rank d is one block per writer (the P ranks d pulls from, in rank
-order). A writer's block is token-major, `[tokens, 2 * layers, heads, head_dim]` (K layers then
-V layers per token), so the slice of any run of pages is ONE contiguous byte range: a chunk
-is gathered into a buffer in that order and lands with a single write. `tokens` covers every
-page decode reserved for the room (pages * page_size), so the layout never depends on how P
-chunks the prompt.
+order). A writer's block is page-major, `[pages, 2 * layers, page_size, heads, head_dim]` (K
+layers then V layers per page), so the slice of any run of pages is ONE contiguous byte range:
+a chunk is gathered into a buffer in that order and lands with a single write. `pages` covers
+every page decode reserved for the room, so the layout never depends on how P chunks the
+prompt.
 
 Both sides derive the same geometry from (P's TP size, decode's layout): heads follow the
 engine's floor split, so uneven splits (3 KV heads on 2 ranks) and GQA replication (TP > KV

@@ -5,7 +5,8 @@
    next-fit ring allocator: grants are carved from a cursor that moves forward and wraps, so
    consecutive rooms take consecutive space and freed space behind the cursor is reused last;
 2. a full ring answers None (the core keeps the room waiting, FIFO); freeing coalesces;
-3. `scatter` copies each writer's token-major block into its heads of the room's pages.
+3. `scatter` copies each writer's page-major block into its heads of the room's pages
+   (pd_staging.copies); scatters of different rooms may run concurrently (disjoint pages).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import numpy as np
 import torch
 
+from pd_staging.copies import scatter
 from pd_staging.geometry import grant_geometry
 from pdcore.builtin.planner import owned_heads
 from pdcore.interfaces.planner import DecodeStaging, StagingContext
@@ -85,12 +87,6 @@ class RingAllocator:
                 self._ends.insert(j, hi)
 
 
-def token_slots(pages: np.ndarray, page_size: int) -> torch.Tensor:
-    """Pool slot of every token position of `pages`, in order."""
-    p = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-    return (p[:, None] * page_size + torch.arange(page_size)).reshape(-1)
-
-
 class DecodeRing(DecodeStaging):
     def __init__(self, ctx: StagingContext) -> None:
         self.layout = ctx.layout
@@ -100,6 +96,7 @@ class DecodeRing(DecodeStaging):
         self.region: MemoryRegion = buf.region
         self.alloc = RingAllocator(ctx.ring_bytes)
         self.scattered_bytes = 0
+        self._lock = threading.Lock()  # scatters of different rooms may run in parallel
 
     def grant_bytes(self, num_pages: int, prefill_tp: int) -> int:
         return grant_geometry(prefill_tp, self.layout, num_pages).nbytes
@@ -113,19 +110,16 @@ class DecodeRing(DecodeStaging):
     def scatter(self, offset: int, dst_pages: np.ndarray, prefill_tp: int) -> None:
         lay = self.layout
         g = grant_geometry(prefill_tp, lay, len(dst_pages))
-        slots = token_slots(dst_pages, lay.page_size).to(self.kv[0][0].device)
         d0, _ = owned_heads(lay)
         dtype = self.kv[0][0].dtype
         for w in g.writers:
             n = g.tokens * w.token_bytes(lay)
             raw = self.tensor[offset + w.block_off: offset + w.block_off + n]
-            block = raw.view(dtype).view(g.tokens, 2 * lay.num_layers, w.count, lay.head_dim)
-            block = block.to(self.kv[0][0].device)
-            h = slice(w.first - d0, w.first - d0 + w.count)
-            for i, (k, v) in enumerate(self.kv):
-                k.view(-1, lay.kv_heads, lay.head_dim)[slots, h] = block[:, i]
-                v.view(-1, lay.kv_heads, lay.head_dim)[slots, h] = block[:, lay.num_layers + i]
-            self.scattered_bytes += n
+            block = raw.view(dtype).view(len(dst_pages), 2 * lay.num_layers, lay.page_size,
+                                         w.count, lay.head_dim)
+            scatter(self.kv, dst_pages, slice(w.first - d0, w.first - d0 + w.count), block)
+            with self._lock:
+                self.scattered_bytes += n
 
     def stats(self) -> dict[str, int]:
         return {"staging_ring_bytes": self.region.length,
