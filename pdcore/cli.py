@@ -59,4 +59,7 @@ def build_app() -> typer.Typer:
 
 
 def main() -> None:
+    from pdcore.runtime_env import apply
+
+    apply()  # before anything loads torch
     build_app()()

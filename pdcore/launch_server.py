@@ -9,6 +9,9 @@ from pdcore.errors import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdcore.runtime_env import apply
+
+    apply()
     from pdcore.server.args_parser import parse_server_args
     from pdcore.server.runner import run_server
 

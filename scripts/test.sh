@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test || exit 1
 PY=${PYTHON:-python3}
 out=$(mktemp -d)
-export UCX_NET_DEVICES=lo UCX_MODULES=^ib MC_LOG_LEVEL=WARNING PYTHONUNBUFFERED=1
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} UCX_NET_DEVICES=lo UCX_MODULES=^ib MC_LOG_LEVEL=WARNING PYTHONUNBUFFERED=1
 status=0
 run() {  # name, then pytest arguments
   local name=$1; shift

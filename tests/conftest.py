@@ -18,6 +18,10 @@ from typing import Any
 
 import pytest
 
+from pdcore.runtime_env import apply as _apply_runtime_env
+
+_apply_runtime_env()  # before any test module loads torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make pdserve_testing importable
 
 from pdserve_testing import ServerProcess, build_tiny_llama, smollm2_gguf_path

@@ -1,0 +1,19 @@
+"""Process-wide runtime defaults that must be set before torch (and its OpenMP) loads.
+
+OpenMP's default wait policy spins idle threads. When more compute threads than free cores exist
+(prefill, decode and router processes on one box, or any busy machine) the spinning threads
+starve the ones doing work: measured here, 48 decode steps of SmolLM2 took 110 s with the
+default policy and 5.6 s with PASSIVE on the same loaded 2-core machine. Entry points call
+`apply()` first; a value the user set wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def apply() -> None:
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)
