@@ -207,9 +207,9 @@ def tree_affinity(pid: int) -> list[dict[str, Any]]:
     return rows
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of pid and its descendants (from /proc/<pid>/stat)."""
-    total, todo = 0.0, [pid]
+def cpu_by_process(pid: int) -> dict[int, float]:
+    """User + system CPU seconds of pid and each descendant (from /proc/<pid>/stat)."""
+    out, todo = {}, [pid]
     tick = os.sysconf("SC_CLK_TCK")
     while todo:
         p = todo.pop()
@@ -218,9 +218,14 @@ def cpu_seconds(pid: int) -> float:
         except OSError:
             continue
         parts = stat[stat.rindex(")") + 2:].split()
-        total += (int(parts[11]) + int(parts[12])) / tick
+        out[p] = (int(parts[11]) + int(parts[12])) / tick
         todo += _children(p)
-    return total
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of pid and its descendants."""
+    return sum(cpu_by_process(pid).values())
 
 
 # -- servers ---------------------------------------------------------------------------------

@@ -11,8 +11,10 @@ Lifecycle:
 3. per round, each system in alternating order gets --num-requests requests from an asyncio
    httpx client holding --concurrency streams open; per request: TTFT (first text chunk), the
    gaps between chunks (ITL), output tokens (usage, else chunks);
-4. per system: output tokens/s per round (median over rounds), percentiles over all requests;
-   RATIOS against unified, and against vLLM's figures on this machine (for scale);
+4. per system: output tokens/s per round (median over rounds), output tokens per CPU-second of
+   the system's processes (read from /proc: what the work cost, which the machine's load
+   disturbs less than the wall clock), percentiles over all requests; RATIOS against unified,
+   and against vLLM's figures on this machine (for scale);
 5. stop what was started; write bench/results/serving.json and .png.
 
 Run: `python bench/serving.py --compare [--quick]`, or `--url http://127.0.0.1:30000`.
@@ -39,6 +41,8 @@ from common import (
     Run,
     alternating,
     bar_groups,
+    cpu_by_process,
+    cpu_seconds,
     figure,
     load_note,
     parse_cpus,
@@ -54,6 +58,7 @@ NAME = "serving"
 # vLLM's CPU build on this machine, same shape (128 in, 64 out, concurrency 8, float32); rough
 # figures from a loaded machine, quoted by the issues: scale only, not measured in this run
 VLLM_TOK_S = {"unified": 83.0, "pd": 36.0}
+SYSTEM_KINDS = ("unified", "unified-1t", "pd-tcp", "pd-shm")
 
 
 # -- client ------------------------------------------------------------------------------------
@@ -175,6 +180,21 @@ class System:
     def affinity(self) -> dict[str, Any]:
         return {role: tree_affinity(pid) for role, pid in self.pids.items()}
 
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds used so far by every process of this system (None: not ours)."""
+        return sum(cpu_seconds(pid) for pid in self.pids.values()) if self.pids else None
+
+    def cpu_snapshot(self) -> dict[str, float]:
+        """CPU seconds so far per process: '<role> http' (the server itself, or the router)
+        and '<role> scheduler' (its children: the model's process)."""
+        out: dict[str, float] = {}
+        for role, pid in self.pids.items():
+            per = cpu_by_process(pid)
+            out[f"{role} http" if role != "router" else role] = per.pop(pid, 0.0)
+            if per:
+                out[f"{role} scheduler"] = sum(per.values())
+        return out
+
     def stop(self) -> None:
         if self.handle is not None:
             self.handle.stop()
@@ -183,9 +203,11 @@ class System:
 def spawn_system(kind: str, args: argparse.Namespace) -> System:
     """Spawn without waiting, so several systems load their models at the same time."""
     flags = ("--max-total-tokens", str(args.max_total_tokens), *args.server_flag)
-    if kind == "unified":
+    if kind.startswith("unified"):
         cpus = parse_cpus(args.unified_cpus) if args.pin else None
         threads = args.unified_threads or (len(cpus) if cpus else None)
+        if kind == "unified-1t":
+            threads = 1
         s = start_unified(args.model_path, flags, cpus, threads, wait=False,
                           wait_policy=args.omp_wait_policy or None)
         return System(kind, s.url, s, {"unified": s.proc.pid})
@@ -231,8 +253,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--url", help="benchmark this running server or router")
-    mode.add_argument("--start", choices=["unified", "pd", "pd-tcp", "pd-shm"])
+    mode.add_argument("--start", choices=["pd", *SYSTEM_KINDS])
     mode.add_argument("--compare", action="store_true", help="unified, pd-tcp, pd-shm in one run")
+    ap.add_argument("--systems", nargs="+", default=["unified", "pd-tcp", "pd-shm"],
+                    choices=SYSTEM_KINDS, help="with --compare (unified-1t: one torch thread)")
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--num-requests", type=int, default=48, help="per system and round")
     ap.add_argument("--rounds", type=int, default=2)
@@ -267,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     run = Run(args.name, config)
-    kinds = ["unified", "pd-tcp", "pd-shm"] if args.compare else [args.start or "given"]
+    kinds = args.systems if args.compare else [args.start or "given"]
     systems = start_systems(kinds, args)
     try:
         data = asyncio.run(measure(systems, args))
@@ -286,26 +310,35 @@ async def measure(systems: dict[str, System], args: argparse.Namespace) -> dict[
     for s in systems.values():  # warm-up
         await closed_loop(s.url, random_prompts(2, args.input_len, vocab, 999), 4, 2)
     per_round: dict[str, list[dict[str, Any]]] = {k: [] for k in systems}
+    cpu_before = {k: s.cpu_snapshot() for k, s in systems.items()}
     pooled: dict[str, list[Result]] = {k: [] for k in systems}
     for rnd in range(args.rounds):
         prompts = random_prompts(args.num_requests, args.input_len, vocab, args.seed + rnd)
         for kind in alternating(list(systems), rnd):
+            c0 = systems[kind].cpu_seconds()
             results, wall = await closed_loop(systems[kind].url, prompts, args.output_len,
                                               args.concurrency)
+            c1 = systems[kind].cpu_seconds()
             toks = sum(r.tokens for r in results if r.error is None)
             st = latency_stats(results)
+            cpu = None if c0 is None or c1 is None else c1 - c0
             per_round[kind].append({"round": rnd, "wall_s": wall, "output_tok_s": toks / wall,
-                                    **st})
+                                    "server_cpu_s": cpu,
+                                    "output_tok_per_cpu_s": toks / cpu if cpu else None, **st})
             pooled[kind] += results
             print(f"round {rnd} {kind:8s} {toks / wall:7.1f} tok/s  TTFT p50 "
                   f"{st['ttft_s'].get('p50', float('nan')):.3f}s  ITL p50 "
                   f"{st['itl_s'].get('p50', float('nan')) * 1000:.0f}ms  errors {st['errors']}",
                   flush=True)
+    cpu_split = {k: {role: round(v - cpu_before[k].get(role, 0.0), 2)
+                     for role, v in s.cpu_snapshot().items()} for k, s in systems.items()}
     stats = {}
     for kind in systems:
         st = latency_stats(pooled[kind])
         st["output_tok_s"] = statistics.median(r["output_tok_s"] for r in per_round[kind])
         st["output_tok_s_rounds"] = [r["output_tok_s"] for r in per_round[kind]]
+        per_cpu = [r["output_tok_per_cpu_s"] for r in per_round[kind] if r["output_tok_per_cpu_s"]]
+        st["output_tok_per_cpu_s"] = statistics.median(per_cpu) if per_cpu else None
         stats[kind] = st
     ratios: dict[str, dict[str, float]] = {}
     if "unified" in stats:
@@ -314,12 +347,15 @@ async def measure(systems: dict[str, System], args: argparse.Namespace) -> dict[
             s = stats[kind]
             ratios[f"{kind}/unified"] = {
                 "output_tok_s": ratio(s["output_tok_s"], u["output_tok_s"]),
+                "output_tok_per_cpu_s": ratio(s["output_tok_per_cpu_s"] or 0,
+                                              u["output_tok_per_cpu_s"] or 0),
                 **{f"{m}_{p}": ratio(s[f"{m}_s"].get(p, 0), u[f"{m}_s"].get(p, 0))
                    for m in ("ttft", "itl") for p in ("p50", "p99")}}
     vs_vllm = {kind: ratio(s["output_tok_s"],
-                           VLLM_TOK_S["unified" if kind in ("unified", "given") else "pd"])
+                           VLLM_TOK_S["pd" if kind.startswith("pd") else "unified"])
                for kind, s in stats.items()}
     return {"stats": stats, "rounds": per_round, "ratios": ratios,
+            "server_cpu_s_by_process": cpu_split,
             "vs_vllm_cpu_reference": {"reference_tok_s": VLLM_TOK_S, "ratio": vs_vllm},
             "raw": {k: [asdict(r) | {"itls": r.itls} for r in v] for k, v in pooled.items()}}
 
@@ -327,13 +363,17 @@ async def measure(systems: dict[str, System], args: argparse.Namespace) -> dict[
 def report(data: dict[str, Any], args: argparse.Namespace, note: str, path: Path) -> None:
     print(f"\n{args.num_requests} req x {args.rounds} rounds, {args.input_len} in / "
           f"{args.output_len} out, concurrency {args.concurrency}")
-    print(f"{'system':>8} {'tok/s':>7} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} "
-          f"{'errors':>6}  vs vLLM")
+    print(f"{'system':>8} {'tok/s':>7} {'tok/cpu-s':>9} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} "
+          f"{'p99':>7} {'errors':>6}  vs vLLM")
     for kind, s in data["stats"].items():
         t, i = s["ttft_s"], s["itl_s"]
-        print(f"{kind:>8} {s['output_tok_s']:7.1f} {t.get('p50', 0):8.3f}s {t.get('p99', 0):6.3f}s"
-              f" {i.get('p50', 0) * 1000:6.0f}ms {i.get('p99', 0) * 1000:5.0f}ms {s['errors']:6d}"
+        print(f"{kind:>8} {s['output_tok_s']:7.1f} {s['output_tok_per_cpu_s'] or 0:9.1f} "
+              f"{t.get('p50', 0):8.3f}s {t.get('p99', 0):6.3f}s {i.get('p50', 0) * 1000:6.0f}ms "
+              f"{i.get('p99', 0) * 1000:5.0f}ms {s['errors']:6d}"
               f"  {data['vs_vllm_cpu_reference']['ratio'][kind]:.2f}x")
+    for kind, split in data["server_cpu_s_by_process"].items():
+        print(f"CPU s during the rounds, {kind}: " + ", ".join(f"{k} {v:.1f}"
+                                                          for k, v in split.items()))
     for name, r in data["ratios"].items():
         print(f"RATIO {name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     print(f"({note}) -> {path}")
@@ -344,8 +384,8 @@ def plot(data: dict[str, Any], args: argparse.Namespace, note: str) -> None:
     kinds = list(stats)
     fig, (a, b, c) = figure(3, 4.6, 4.0)
     bar_groups(a, kinds, {"output tok/s": [stats[k]["output_tok_s"] for k in kinds],
-                          "vLLM CPU (ref)": [VLLM_TOK_S["unified" if k in ("unified", "given")
-                                                        else "pd"] for k in kinds]},
+                          "vLLM CPU (ref)": [VLLM_TOK_S["pd" if k.startswith("pd") else "unified"]
+                                             for k in kinds]},
                "output tokens/s", f"throughput, conc. {args.concurrency}",
                errors={"output tok/s": [(min(stats[k]["output_tok_s_rounds"]),
                                          max(stats[k]["output_tok_s_rounds"])) for k in kinds]})

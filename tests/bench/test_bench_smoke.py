@@ -23,7 +23,8 @@ def test_engine_throughput_quick_writes_results(tiny_llama_dir: Path, tmp_path: 
     data = json.loads((tmp_path / "engine_throughput.json").read_text())
     assert (tmp_path / "engine_throughput.png").stat().st_size > 0
     for key in ("config", "machine", "raw_tokens_per_s", "median_tokens_per_s",
-                "ratio_pdserve_over_transformers", "output_agreement_with_transformers"):
+                "ratio_pdserve_over_transformers", "output_agreement_with_transformers",
+                "raw_tokens_per_cpu_s", "ratio_per_cpu_s_over_transformers"):
         assert key in data, key
     assert data["config"]["quick"] is True
     for key in ("nproc", "loadavg_start", "loadavg_end"):
