@@ -1,17 +1,18 @@
-"""Where a pdserve decode step spends its time, against transformers, and a prototype of
-batched decode attention (measured here; the engine itself is not changed by this script).
+"""Where a pdserve decode step spends its time, against transformers, and what each of the
+engine's CPU fast paths (batched decode attention, prepacked small-batch GEMMs) is worth.
 
 Lifecycle:
 1. load pdserve's engine (LLMEngine) and transformers on the same weights, same torch threads;
 2. per-step cost from end-to-end generate calls: prefill-only (1 new token) and prefill + N
    decode steps, alternating the systems; step = (T(N+1) - T(1)) / N, prefill = T(1);
 3. a decode step of pdserve's model alone (ForwardBatch of B sequences x ctx tokens built by
-   hand), with its attention as is (one SDPA per sequence per layer) and with the prototype
-   (the B sequences' K/V gathered into one padded [B, KVH, ctx_max, D] tensor, one masked SDPA
-   per layer), each also with bfloat16 weights (--bf16), alternating; logits compared;
+   hand) per variant (VARIANTS: the engine as is; batched attention off (one SDPA per sequence);
+   prepacked GEMMs off (F.linear); both off (the engine before these); bfloat16 weights with
+   --bf16), alternating; logits compared with the engine as is;
 4. torch profiler of decode steps per variant: share of time per op group (matmul, K/V gather,
    SDPA, K/V write, other = elementwise, norms, rotary, copies);
-5. print everything; write bench/results/engine_profile.json.
+5. print everything; write bench/results/engine_profile.json and .png (`--replot` redraws the
+   PNG from the JSON).
 
 Run: `python bench/engine_profile.py [--batch 16] [--ctx 256] [--threads 1] [--quick]`.
 """
@@ -19,6 +20,8 @@ Run: `python bench/engine_profile.py [--batch 16] [--ctx 256] [--threads 1] [--q
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import statistics
 import sys
 import time
@@ -29,59 +32,59 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-import torch.nn.functional as F
-from common import Run, alternating, load_note, ratio
+from common import RESULTS, Run, alternating, figure, load_note, ratio, save_figure
 from engine_throughput import PdserveRunner, TransformersRunner, make_prompts
 
 NAME = "engine_profile"
 # process CPU time by default: with one torch thread it is the cost on a core of one's own,
 # which the shared machine's load disturbs far less than the wall clock (--clock wall)
 CLOCK = [time.process_time]
-OP_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
-             ("kv_gather", ("aten::index",)),
+# first match wins (kv_write before kv_gather: "aten::index_put" contains "aten::index")
+OP_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_linear")),
+             ("kv_write", ("aten::index_put", "aten::_index_put_impl_")),
+             ("kv_gather", ("aten::index", "aten::index_select")),
              ("sdpa", ("flash_attention", "aten::_scaled_dot_product", "aten::baddbmm",
-                       "aten::_softmax")),
-             ("kv_write", ("aten::index_put", "aten::_index_put_impl_")))
+                       "aten::_softmax")))
 
 
-# -- the prototype -----------------------------------------------------------------------------
-def batched_decode_attention(self: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             k_cache: torch.Tensor, v_cache: torch.Tensor, batch: Any
-                             ) -> torch.Tensor:
-    """Attention.forward for a batch where every sequence has one new token: one gather of all
-    sequences' K/V into a padded tensor and one masked SDPA, instead of a loop over sequences.
-    The padded slot table and mask depend only on the batch: built once, shared by all layers."""
-    from pdcore.engine.models.llama import _rotate_half
+# -- the variants ------------------------------------------------------------------------------
+# The engine as is batches the decode sequences' attention (one padded gather + masked SDPA) and
+# runs 4..16-row GEMMs on MKL-prepacked weights. The variants switch these off one at a time:
+# "per-seq attention" makes ForwardBatch.decode_group return None (one SDPA per sequence), and
+# "unpacked" clears the packed weights (F.linear everywhere): both off is the session-1 engine.
+VARIANTS = {  # name: (weights dtype, batched attention, packed GEMMs)
+    "as is": ("float32", True, True),
+    "per-seq attention": ("float32", False, True),
+    "unpacked": ("float32", True, False),
+    "per-seq, unpacked (before)": ("float32", False, False),
+    "as is, bf16 weights": ("bfloat16", True, True),
+}
 
-    T = h.shape[0]
-    qkv = self.qkv(h)
-    qs, ks = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-    q = qkv[:, :qs].view(T, self.num_heads, self.head_dim)
-    k = qkv[:, qs: qs + ks].view(T, self.num_kv_heads, self.head_dim)
-    v = qkv[:, qs + ks:].view(T, self.num_kv_heads, self.head_dim)
-    if self.qk_norm:
-        q, k = self.q_norm(q), self.k_norm(k)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-    v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-    k_flat[batch.out_slots] = k.to(k_flat.dtype)
-    v_flat[batch.out_slots] = v.to(v_flat.dtype)
-    table = batch.extra.get("padded")
-    if table is None:
-        lens = [len(s.ctx_slots) for s in batch.seqs]
-        width = max(lens)
-        idx = torch.zeros(len(lens), width, dtype=torch.long)
-        for i, s in enumerate(batch.seqs):
-            idx[i, : lens[i]] = s.ctx_slots
-        mask = torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        table = batch.extra["padded"] = (idx, mask[:, None, None, :])
-    idx, mask = table
-    kb = k_flat[idx].transpose(1, 2).to(q.dtype)  # [B, KVH, W, D]
-    vb = v_flat[idx].transpose(1, 2).to(q.dtype)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kb, vb, attn_mask=mask, scale=self.scale,
-                                       enable_gqa=self.num_heads != self.num_kv_heads)
-    return self.o_proj(o.reshape(T, -1))
+
+class Switches:
+    """Turns the fast paths on and off in place (restores everything in `restore`)."""
+
+    def __init__(self, engines: dict[str, Any]) -> None:
+        from pdcore.engine.models import layers, llama
+
+        self.llama, self.group = llama, llama.ForwardBatch.decode_group
+        self.saved = {}
+        for model, _ in engines.values():
+            for m in model.modules():
+                if isinstance(m, (layers.ColumnLinear, layers.RowLinear)):
+                    self.saved[m] = m.packed
+            self.saved[model] = model.lm_head_packed
+
+    def set(self, batched: bool, packed: bool) -> None:
+        self.llama.ForwardBatch.decode_group = self.group if batched else (lambda self: None)
+        for m, p in self.saved.items():
+            if isinstance(m, self.llama.LlamaForCausalLM):
+                m.lm_head_packed = p if packed else None
+            else:
+                m.packed = p if packed else None
+
+    def restore(self) -> None:
+        self.set(True, True)
 
 
 def decode_batch(model: Any, batch_size: int, ctx: int, vocab: int) -> Any:
@@ -126,16 +129,17 @@ def per_step_costs(runners: dict[str, Any], prompts: list[list[int]], n: int, re
 
 def forward_variants(engines: dict[str, Any], batch_size: int, ctx: int, vocab: int,
                      iters: int) -> dict[str, Any]:
-    """Decode-step time of the model alone, per variant: (engine, attention forward) pairs, run
-    in alternating order; op groups from the torch profiler; logits checked against the first."""
-    from pdcore.engine.models import llama
+    """Decode-step time of the model alone, per variant (weights dtype, batched attention or
+    not, prepacked GEMMs or not), run in alternating order; op groups from the torch profiler;
+    logits checked against the engine as is."""
+    variants = {k: v for k, v in VARIANTS.items() if v[0] in engines}
+    switches = Switches(engines)
 
-    original = llama.Attention.forward
-    variants = {"loop (as is)": ("float32", original),
-                "batched (prototype)": ("float32", batched_decode_attention)}
-    if "bfloat16" in engines:
-        variants["loop, bf16 weights"] = ("bfloat16", original)
-        variants["batched, bf16 weights"] = ("bfloat16", batched_decode_attention)
+    def use(name: str) -> tuple[Any, Any]:
+        dtype, batched, packed = variants[name]
+        switches.set(batched, packed)
+        return engines[dtype]
+
     times: dict[str, list[float]] = {v: [] for v in variants}
     logits, groups = {}, {}
     for _, kv in engines.values():  # the same cached K/V in every pool, so logits compare
@@ -146,30 +150,27 @@ def forward_variants(engines: dict[str, Any], batch_size: int, ctx: int, vocab: 
     try:
         for rep in range(iters):
             for name in alternating(list(variants), rep):
-                dtype, fn = variants[name]
-                model, kv = engines[dtype]
-                llama.Attention.forward = fn
+                model, kv = use(name)
                 batch = decode_batch(model, batch_size, ctx, vocab)
                 t0 = CLOCK[0]()
                 logits[name] = model(batch, kv.layers)
                 times[name].append((CLOCK[0]() - t0) * 1000)
-        for name, (dtype, fn) in variants.items():
-            model, kv = engines[dtype]
-            llama.Attention.forward = fn
+        for name in variants:
+            model, kv = use(name)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
                 for _ in range(3):
                     model(decode_batch(model, batch_size, ctx, vocab), kv.layers)
             groups[name] = op_groups(p, 3)
     finally:
-        llama.Attention.forward = original
-    ref = logits["loop (as is)"]
+        switches.restore()
+    ref = logits["as is"]
     return {"step_ms": {k: statistics.median(v) for k, v in times.items()}, "raw_ms": times,
             "op_ms": groups,  # profiler self time (wall-based, so inflated by preemption)
             "op_share": {k: {g: t / sum(v.values()) for g, t in v.items()}
                          for k, v in groups.items()},
-            "max_abs_logit_diff_vs_loop": {k: float((v - ref).abs().max())
+            "max_abs_logit_diff_vs_as_is": {k: float((v - ref).abs().max())
                                            for k, v in logits.items()},
-            "same_argmax_vs_loop": {k: bool((v.argmax(-1) == ref.argmax(-1)).all())
+            "same_argmax_vs_as_is": {k: bool((v.argmax(-1) == ref.argmax(-1)).all())
                                     for k, v in logits.items()}}
 
 
@@ -189,7 +190,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the decode step with bfloat16 weights")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        data = json.loads(((args.out_dir or RESULTS) / f"{NAME}.json").read_text())
+        m = data["machine"]
+        plot(data, f"load avg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f} on "
+                   f"{m['nproc']} CPUs", args.out_dir)
+        return data
     if args.quick:
         args.ctx, args.prompt_len, args.new_tokens, args.reps, args.iters = 64, 32, 8, 1, 3
     torch.set_num_threads(args.threads)
@@ -219,10 +227,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     steps["transformers"]["decode_step_ms"], steps["pdserve"]["decode_step_ms"]),
                 "transformers_over_pdserve_prefill": ratio(
                     steps["transformers"]["prefill_s"], steps["pdserve"]["prefill_s"]),
-                **{f"loop_over_{k.split(' (')[0].replace(', ', '_').replace(' ', '_')}_step":
-                   ratio(fwd["step_ms"]["loop (as is)"], v)
-                   for k, v in fwd["step_ms"].items() if k != "loop (as is)"}}}
+                **{re.sub(r"[^a-z0-9]+", "_", k.split(" (")[0]) + "_over_as_is_step":
+                   ratio(v, fwd["step_ms"]["as is"])
+                   for k, v in fwd["step_ms"].items() if k != "as is"}}}
     path = run.finish(data, args.out_dir)
+    plot(json.loads(path.read_text()), load_note(run), args.out_dir)
     print(f"\nbatch {args.batch}, prompts <= {args.prompt_len} tokens, threads {args.threads}, "
           f"{args.clock} clock")
     for s, v in steps.items():
@@ -232,12 +241,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, ms in fwd["step_ms"].items():
         ops = ", ".join(f"{g} {t:.0%}" for g, t in sorted(fwd["op_share"][name].items()))
         print(f"  {name:22s} {ms:7.1f} ms   [{ops}]")
-    for name, diff in fwd["max_abs_logit_diff_vs_loop"].items():
-        print(f"  {name:22s} max |logit diff| vs loop {diff:.2e}, "
-              f"same argmax {fwd['same_argmax_vs_loop'][name]}")
+    for name, diff in fwd["max_abs_logit_diff_vs_as_is"].items():
+        print(f"  {name:22s} max |logit diff| vs as is {diff:.2e}, "
+              f"same argmax {fwd['same_argmax_vs_as_is'][name]}")
     print("RATIOS " + ", ".join(f"{k} {v:.2f}x" for k, v in data["ratios"].items()))
     print(f"({load_note(run)}) -> {path}")
     return data
+
+
+def plot(data: dict[str, Any], note: str, out_dir: Path | None) -> None:
+    """Left: e2e prefill and decode step per system. Right: model-only decode step per variant,
+    split by op group (profiler shares applied to the measured step time)."""
+    steps, fwd = data["per_step"], data["decode_forward"]
+    fig, (a, b) = figure(2, 5.5, 4.4)
+    names = list(steps)
+    a.bar([f"{n}\nprefill (s)" for n in names], [steps[n]["prefill_s"] for n in names],
+          color=["C0", "C1"])
+    a2 = a.twinx()
+    a2.bar([f"{n}\ndecode step (ms)" for n in names],
+           [steps[n]["decode_step_ms"] for n in names], color=["C0", "C1"], hatch="//")
+    a.set_ylabel("prefill (s)")
+    a2.set_ylabel("decode step (ms)")
+    a.set_title("end to end, batch of prompts", fontsize=10)
+    a.tick_params(axis="x", labelsize=7)
+    variants = list(fwd["step_ms"])
+    bottom = [0.0] * len(variants)
+    for group in ("matmul", "kv_gather", "sdpa", "kv_write", "other"):
+        vals = [fwd["step_ms"][v] * fwd["op_share"][v].get(group, 0.0) for v in variants]
+        b.bar(range(len(variants)), vals, bottom=bottom, label=group)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    labels = [v.replace(" (", "\n(").replace(", ", ",\n").replace(" + ", "\n+ ")
+              for v in variants]
+    b.set_xticks(range(len(variants)), labels, fontsize=7)
+    b.set_ylabel("ms per decode step")
+    b.set_title("model-only decode step by op group", fontsize=10)
+    b.legend(fontsize=7)
+    fig.suptitle(f"{data['name']}: batch {data['config']['batch']}, ctx {data['config']['ctx']}, "
+                 f"{data['config']['clock']} clock; {note}", fontsize=9)
+    save_figure(fig, NAME, out_dir)
 
 
 if __name__ == "__main__":

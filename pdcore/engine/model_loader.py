@@ -74,4 +74,5 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     model.load_hf_state_dict(hf.state_dict())
     del hf
     model = model.to(device=device, dtype=dtype).eval()
+    model.prepare_for_inference()
     return model, model.cfg, resolved

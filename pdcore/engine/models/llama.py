@@ -1,9 +1,11 @@
 """Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2, Qwen3) over the paged KV pool.
 
 Tokens of all sequences in a step are packed into one [T, hidden] tensor (prefill chunks and
-decode tokens mixed); linear layers run once over the pack; attention runs per sequence over
-the K/V gathered from the pool by slot index. New K/V are written into the pool before
-attention reads it, so a chunk attends to itself and to everything cached before it.
+decode tokens mixed); linear layers run once over the pack. Attention reads K/V gathered from the
+pool by slot index: the decode sequences of a step (one new token each) together, as one padded
+[B, heads, ctx_max, dim] gather and one masked SDPA per layer, and each prefill chunk on its own.
+New K/V are written into the pool before attention reads it, so a chunk attends to itself and
+to everything cached before it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from pdcore.engine.models.layers import (
     RowLinear,
     TPInfo,
     kv_head_span,
+    linear,
+    pack_linears,
+    pack_weight,
     q_head_span,
 )
 
@@ -46,6 +51,34 @@ class ForwardBatch:
     seqs: list[SeqSpan]
     logit_rows: torch.Tensor  # long [R]: rows of the pack whose logits are wanted
     extra: dict = field(default_factory=dict)
+
+    def decode_group(self) -> DecodeGroup | None:
+        """The step's one-token sequences as one padded batch (built once, used by every layer),
+        or None when fewer than two sequences decode."""
+        if "decode" not in self.extra:
+            dec = [s for s in self.seqs if s.q_len == 1]
+            self.extra["decode"] = DecodeGroup.build(dec) if len(dec) >= 2 else None
+        return self.extra["decode"]
+
+
+@dataclass
+class DecodeGroup:
+    seqs: list[SeqSpan]
+    rows: torch.Tensor  # long [B]: each sequence's row in the pack
+    table: torch.Tensor  # long [B * W]: slots of each context, padded to the longest (W)
+    mask: torch.Tensor  # bool [B, 1, 1, W]: True on real positions
+    width: int
+
+    @classmethod
+    def build(cls, seqs: list[SeqSpan]) -> DecodeGroup:
+        width = max(len(s.ctx_slots) for s in seqs)
+        lens = torch.tensor([len(s.ctx_slots) for s in seqs])
+        table = torch.zeros(len(seqs), width, dtype=torch.long, device=seqs[0].ctx_slots.device)
+        for i, s in enumerate(seqs):  # padding points at slot 0 and is masked out
+            table[i, : len(s.ctx_slots)] = s.ctx_slots
+        mask = (torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)).to(table.device)
+        rows = torch.tensor([s.q_start for s in seqs], dtype=torch.long, device=table.device)
+        return cls(seqs, rows, table.view(-1), mask[:, None, None, :], width)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +124,12 @@ class Attention(nn.Module):
         k_flat[batch.out_slots] = k.to(k_flat.dtype)
         v_flat[batch.out_slots] = v.to(v_flat.dtype)
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype)
+        group = batch.decode_group()
+        if group is not None:
+            self._decode_attention(q, k_flat, v_flat, group, out)
         for s in batch.seqs:
+            if group is not None and s.q_len == 1:
+                continue
             qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, n, d]
             ki = k_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)  # [KVH, ctx, d]
             vi = v_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)
@@ -107,6 +145,18 @@ class Attention(nn.Module):
             )
             out[s.q_start : s.q_start + n] = o[0].transpose(0, 1)
         return self.o_proj(out.view(T, -1))
+
+    def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                          g: DecodeGroup, out: torch.Tensor) -> None:
+        """One masked SDPA over every one-token sequence: K/V rows gathered with index_select
+        (a plain row gather, cheaper than advanced indexing) into [B, KVH, W, D]."""
+        B, W, kvh, d = len(g.seqs), g.width, self.num_kv_heads, self.head_dim
+        kb = k_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
+        vb = v_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
+        qb = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=self.scale,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        out[g.rows] = o[:, :, 0]
 
 
 class MLP(nn.Module):
@@ -144,6 +194,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
                                     requires_grad=False)
         self.rotary = self._make_rotary(cfg)
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def prepare_for_inference(self) -> None:
+        """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py)."""
+        n = pack_linears(self)
+        self.lm_head_packed = pack_weight(self.lm_head) if n else None
 
     @staticmethod
     def _make_rotary(cfg) -> nn.Module:
@@ -170,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         if not logits:
             return None
         h = self.norm(residual[batch.logit_rows])
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head, None, self.lm_head_packed).float()
 
     @torch.inference_mode()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,118 @@
+"""The engine's CPU fast paths give the same numbers as the plain ones:
+
+- prepacked MKL GEMMs for 4..16-row inputs (layers.linear) against F.linear;
+- batched decode attention (one padded gather + masked SDPA for every one-token sequence of a
+  step) against one SDPA per sequence, in a step that mixes decodes of different context
+  lengths with a prefill chunk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdcore.engine.models import layers
+from pdcore.engine.models.llama import ForwardBatch, LlamaForCausalLM, SeqSpan
+
+needs_mkl = pytest.mark.skipif(
+    not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")),
+    reason="this torch build has no MKL packed GEMM")
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    packed = layers.pack_weight(w)
+    assert packed is not None
+    for m in range(1, 24):
+        x = torch.randn(m, 64, generator=g)
+        got = layers.linear(x, w, b, packed)
+        assert got.shape == (m, 96)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_packing_follows_env_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(32, 16)
+    assert layers.pack_weight(w.to(torch.bfloat16)) is None  # float32 only
+    monkeypatch.setenv(layers.PACKED_GEMM_ENV, "0")
+    assert layers.pack_weight(w) is None
+    monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
+    assert layers.pack_weight(w) is not None
+
+
+def _tiny_model(packed: bool, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
+    from transformers import LlamaConfig
+
+    monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1" if packed else "0")
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        for layer in model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.norm.weight.fill_(1.0)
+    model.prepare_for_inference()
+    return model
+
+
+def _mixed_step() -> tuple[ForwardBatch, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Three decodes (contexts 3, 17, 40 in scattered slots) and a 5-token prefill chunk."""
+    g = torch.Generator().manual_seed(1)
+    pages, page = 16, 8
+    kv = [(torch.randn(pages, page, 2, 16, generator=g), torch.randn(pages, page, 2, 16, generator=g))
+          for _ in range(2)]
+    perm = torch.randperm(pages * page, generator=g)
+    ctx_lens, off, seqs, out_slots, positions = [3, 17, 40, 5], 0, [], [], []
+    used = 0
+    for i, n in enumerate(ctx_lens):
+        slots = perm[used : used + n]
+        used += n
+        q_len = 5 if i == 3 else 1
+        seqs.append(SeqSpan(off, q_len, slots))
+        out_slots.extend(slots[n - q_len :].tolist())
+        positions.extend(range(n - q_len, n))
+        off += q_len
+    batch = ForwardBatch(input_ids=torch.randint(3, 300, (off,), generator=g),
+                         positions=torch.tensor(positions), out_slots=torch.tensor(out_slots),
+                         seqs=seqs, logit_rows=torch.arange(off))
+    return batch, kv
+
+
+def _clone(batch: ForwardBatch, kv: list) -> tuple[ForwardBatch, list]:
+    return (ForwardBatch(batch.input_ids, batch.positions, batch.out_slots, batch.seqs,
+                         batch.logit_rows), [(k.clone(), v.clone()) for k, v in kv])
+
+
+def test_batched_decode_attention_matches_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _tiny_model(packed=False, monkeypatch=monkeypatch)
+    batch, kv = _mixed_step()
+    b1, kv1 = _clone(batch, kv)
+    fast = model(b1, kv1)
+    assert b1.decode_group() is not None and len(b1.decode_group().seqs) == 3
+    b2, kv2 = _clone(batch, kv)
+    monkeypatch.setattr(ForwardBatch, "decode_group", lambda self: None)
+    slow = model(b2, kv2)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    for (k1, v1), (k2, v2) in zip(kv1, kv2):  # both wrote the same new K/V
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_packed_model_matches_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch, kv = _mixed_step()  # 8 rows: the packed path
+    plain = _tiny_model(packed=False, monkeypatch=monkeypatch)
+    fast = _tiny_model(packed=True, monkeypatch=monkeypatch)
+    assert fast.lm_head_packed is not None and plain.lm_head_packed is None
+    torch.testing.assert_close(fast(*_clone(batch, kv)), plain(*_clone(batch, kv)),
+                               rtol=1e-5, atol=1e-5)
