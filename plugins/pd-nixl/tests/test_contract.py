@@ -17,6 +17,11 @@ class TestNixlUcxContract(BackendContract):
     context_env = UCX
     many_items = 5000
     dead_peer_timeout = 15.0
+    # Both agents live in this one process here, so the closed receiver's memory stays mapped
+    # and UCX (self/shm transports) may still complete a write into it, depending on how far
+    # its endpoint teardown got (seen once in a loaded full run). A dead peer is a process
+    # that is gone: the cross-process classes below kill one and require FAILED.
+    detects_dead_peer = False
 
 
 class TestNixlUcxCrossProcess(CrossProcessBackendContract):
