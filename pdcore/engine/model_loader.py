@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pdcore.engine.gguf_cache import converted
 from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.models.llama import SUPPORTED_ARCHS, LlamaForCausalLM
 from pdcore.engine.tokenizer import ResolvedModel, resolve_model
@@ -58,7 +59,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     """Our model with weights loaded (progress bars come from transformers)."""
     from transformers import AutoModelForCausalLM
 
-    resolved = resolve_model(model_path)
+    resolved = converted(resolve_model(model_path))  # a GGUF file: its cached HF conversion
     cfg = load_config(resolved, trust_remote_code)
     log.info("loading %s (%s) as %s", resolved.display_path, cfg.architectures[0], dtype)
     try:

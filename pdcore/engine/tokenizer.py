@@ -23,9 +23,12 @@ class ResolvedModel:
     path: str  # folder handed to from_pretrained
     gguf_file: str | None  # file name inside `path` when the weights are GGUF
     name: str  # served model name default
+    source: str | None = None  # what the user named, when `path` is a converted copy of it
 
     @property
     def display_path(self) -> str:
+        if self.source:
+            return self.source
         return os.path.join(self.path, self.gguf_file) if self.gguf_file else self.path
 
     def hf_kwargs(self) -> dict[str, Any]:
@@ -71,7 +74,9 @@ def load_tokenizer(args: Any) -> Any:
     """The transformers tokenizer (with chat template) for args.tokenizer_path or model_path."""
     from transformers import AutoTokenizer
 
-    resolved = resolve_model(getattr(args, "tokenizer_path", None) or args.model_path)
+    from pdcore.engine.gguf_cache import converted
+
+    resolved = converted(resolve_model(getattr(args, "tokenizer_path", None) or args.model_path))
     try:
         return AutoTokenizer.from_pretrained(
             resolved.path, trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
