@@ -63,6 +63,19 @@ def choose_backend(cfg: UpConfig) -> tuple[str, str]:
     return "tcp", "shm is not available here"
 
 
+def server_threads(n_servers: int, cpus: int | None = None) -> int | None:
+    """OpenMP threads per server when `up` runs n_servers engines on this host: the CPUs shared
+    out (at least 1), so the engines' thread teams do not oversubscribe the cores (an OpenMP
+    team waits at every barrier for its slowest thread; a descheduled one stalls them all).
+    None when the user set OMP_NUM_THREADS: theirs is kept."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    if cpus is None:
+        cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1)
+    return max(1, cpus // max(1, n_servers))
+
+
 def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     if cfg.prefill < 1 or cfg.decode < 1:
         raise ConfigError("--prefill and --decode must each be >= 1")
@@ -80,9 +93,12 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
         port = cfg.server_port_base + 100 + j
         servers.append(Child(f"decode-{j}", f"http://{cfg.host}:{port}", py + common + [
             "--port", str(port), "--disaggregation-mode", "decode"]))
+    threads = server_threads(len(servers))
     for k, child in enumerate(servers):
         if k < len(cfg.cpus) and cfg.cpus[k]:
             child.argv = ["taskset", "-c", cfg.cpus[k], *child.argv]
+        if threads is not None:
+            child.env["OMP_NUM_THREADS"] = str(threads)
     router = [sys.executable, "-m", "pdcore.router", "--pd-disaggregation", "--host", cfg.host,
               "--port", str(cfg.port), "--policy", cfg.policy]
     for i in range(cfg.prefill):
@@ -100,7 +116,8 @@ class Deployment:
         self.children: list[Child] = []
 
     def _spawn(self, child: Child) -> None:
-        child.proc = subprocess.Popen(child.argv, start_new_session=True)
+        env = {**os.environ, **child.env} if child.env else None
+        child.proc = subprocess.Popen(child.argv, start_new_session=True, env=env)
         self.children.append(child)
 
     def _wait_healthy(self, children: list[Child], deadline: float) -> None:

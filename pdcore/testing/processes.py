@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from pdcore.up import server_threads
+
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -99,7 +101,10 @@ class PDCluster:
                  model_path: str | None = None, flags: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, router: str = "pdcore",
                  prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()) -> None:
-        self.env = env or {}
+        self.env = dict(env or {})
+        threads = server_threads(prefill + decode)  # the engines share this host's CPUs
+        if threads is not None:
+            self.env.setdefault("OMP_NUM_THREADS", str(threads))
         common = ("--disaggregation-transfer-backend", backend, *flags)
         if model_path:
             common += ("--model-path", str(model_path))
