@@ -9,8 +9,9 @@ Lifecycle:
 4. `connect(endpoint, peer_regions)`: refuses a peer on another host identity BEFORE mapping
    anything; maps each of the peer's SHM segments read-write (once per segment);
 5. `write(peer, batch)`: checks src against local and dst against the peer's mapped regions,
-   checks the peer is alive, then workers copy in parallel chunks (shm_copy: ctypes.memmove,
-   or process_vm_writev with PDCORE_SHM_COPY=vm); `poll()` -> PENDING / DONE / FAILED(reason);
+   checks the peer is alive, then workers copy in parallel chunks (shm_copy: process_vm_writev
+   where permitted, else ctypes.memmove; PDCORE_SHM_COPY chooses); `poll()` -> PENDING / DONE /
+   FAILED(reason);
 6. peer loss (its process exited, its engine closed, or a segment was removed or replaced) fails
    the write
    and unmaps the peer once no copy is using the mapping; `disconnect` / `close()` unmap too.
