@@ -279,7 +279,8 @@ def plot(data: dict[str, Any], args: argparse.Namespace, note: str) -> None:
     bar_groups(a, ["ITL p50", "ITL p99"], {s: [mix[s]["itl_s"].get("p50", 0) * 1000,
                                                mix[s]["itl_s"].get("p99", 0) * 1000]
                                            for s in systems},
-               "ms", f"mixed workload ITL (p99 ratio {data['ratios_pd_over_unified']['itl_p99']:.2f}x)")
+               "ms", "mixed workload ITL (p99 ratio "
+               f"{data['ratios_pd_over_unified']['itl_p99']:.2f}x)")
     a.set_yscale("log")
     bar_groups(b, ["low load\nlong", "low load\nshort", "mixed\nlong"],
                {s: [low["long"][s]["p50"], low["short"][s]["p50"],
