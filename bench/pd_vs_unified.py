@@ -172,6 +172,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--omp-wait-policy", default="PASSIVE",
                     help="OMP_WAIT_POLICY of every server ('' leaves it unset: OpenMP threads "
                          "spin, which on a shared machine stalls 2-thread servers badly)")
+    ap.add_argument("--pd-threads", type=int, default=0,
+                    help="torch threads of P and of D; 0: one per core of --p-cpus/--d-cpus. "
+                         "Shared cores: --p-cpus 0,1 --d-cpus 0,1 --pd-threads 2")
     ap.add_argument("--server-flag", action="append", default=[])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", type=Path, default=None)
@@ -182,7 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.long_len, args.decode_len, args.streams, args.long_requests = [400, 500], 48, 2, 2
         args.ttft_reps, args.rounds, args.lead_in, args.max_total_tokens = 1, 1, 1.0, 4096
     # what serving.spawn_system reads
-    args.pin, args.unified_threads, args.pd_threads, args.url = True, 0, 0, None
+    args.pin, args.unified_threads, args.url = True, 0, None
     return args
 
 
