@@ -110,7 +110,7 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def _env_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
+def env_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -158,7 +158,7 @@ class DisaggEnv:
             bootstrap_entry_cleanup_interval=_env_float(
                 env, p + "BOOTSTRAP_ENTRY_CLEANUP_INTERVAL", 120.0
             ),
-            staging_buffer=_env_bool(env, "SGLANG_DISAGG_STAGING_BUFFER"),
+            staging_buffer=env_bool(env, "SGLANG_DISAGG_STAGING_BUFFER"),
             staging_buffer_size_mb=_env_int(env, "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB", 64),
             staging_pool_size_mb=_env_int(env, "SGLANG_DISAGG_STAGING_POOL_SIZE_MB", 4096),
             test_failure_prob=_env_float(env, "DISAGGREGATION_TEST_FAILURE_PROB", 0.0),

@@ -63,16 +63,15 @@ def choose_backend(cfg: UpConfig) -> tuple[str, str]:
     return "tcp", "shm is not available here"
 
 
-def server_threads(n_servers: int, cpus: int | None = None) -> int | None:
+def server_threads(n_servers: int) -> int | None:
     """OpenMP threads per server when `up` runs n_servers engines on this host: the CPUs shared
     out (at least 1), so the engines' thread teams do not oversubscribe the cores (an OpenMP
     team waits at every barrier for its slowest thread; a descheduled one stalls them all).
     None when the user set OMP_NUM_THREADS: theirs is kept."""
     if "OMP_NUM_THREADS" in os.environ:
         return None
-    if cpus is None:
-        cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                else os.cpu_count() or 1)
+    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)
     return max(1, cpus // max(1, n_servers))
 
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pdcore.config import env_bool
 from pdcore.engine.tokenizer import ResolvedModel
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ LOCK_TIMEOUT_S = 900.0
 
 
 def enabled() -> bool:
-    return os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_bool(os.environ, CACHE_ENV, True)
 
 
 def cache_root() -> Path:

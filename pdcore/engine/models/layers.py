@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.config import env_bool
 from pdcore.errors import ConfigError
 
 
@@ -115,7 +116,7 @@ PACKED_GEMM_ENV = "PDCORE_CPU_PACKED_GEMM"
 
 def packed_gemm_available(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and os.environ.get(PACKED_GEMM_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+            and env_bool(os.environ, PACKED_GEMM_ENV, True)
             and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
 
 
@@ -138,14 +139,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y[:m] if m < PACK_ROWS else y
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Prepack the weight of every ColumnLinear/RowLinear under `module`; returns how many."""
-    n = 0
+def pack_linears(module: nn.Module) -> None:
+    """Prepack the weight of every ColumnLinear/RowLinear under `module` (where available)."""
     for m in module.modules():
         if isinstance(m, (ColumnLinear, RowLinear)):
             m.packed = pack_weight(m.weight)
-            n += m.packed is not None
-    return n
 
 
 class RMSNorm(nn.Module):

@@ -198,8 +198,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare_for_inference(self) -> None:
         """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py)."""
-        n = pack_linears(self)
-        self.lm_head_packed = pack_weight(self.lm_head) if n else None
+        pack_linears(self)
+        self.lm_head_packed = pack_weight(self.lm_head)
 
     @staticmethod
     def _make_rotary(cfg) -> nn.Module:
