@@ -42,7 +42,8 @@ def free_port() -> int:
 
 @pytest.fixture
 def pair() -> Iterator[tuple[MooncakeEngine, MooncakeEngine]]:
-    a = engine({"MOONCAKE_PROTOCOL": "tcp", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "256"},
+    a = engine({"MOONCAKE_PROTOCOL": "tcp", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "256",
+                "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "256"},
                thread_pool_size=4, queue_size=2)
     b = engine({"MOONCAKE_PROTOCOL": "tcp"})
     yield a, b
@@ -86,7 +87,7 @@ def test_custom_pool_that_cannot_be_honoured_stops_start_up() -> None:
 def test_sub_batches_and_thread_pool(pair: tuple[MooncakeEngine, MooncakeEngine]) -> None:
     a, b = pair
     d = a.describe()
-    assert (d["sub_batch"], d["inflight_per_peer"], d["threads"], d["queues"]) == (256, 256, 4, 2)
+    assert (d["sub_batch"], d["inflight_per_peer"], d["threads"], d["queues"]) == (256, 512, 4, 2)
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, 4 << 20, dtype=np.uint8)
     dst = np.zeros(4 << 20, dtype=np.uint8)
@@ -96,7 +97,9 @@ def test_sub_batches_and_thread_pool(pair: tuple[MooncakeEngine, MooncakeEngine]
     pages = rng.permutation(1024)[:900].astype(np.uint64)  # 900 scattered 4 KiB pages: 4 sub-batches
     batch = CopyBatch(src.ctypes.data + pages * 4096, dst.ctypes.data + pages[::-1] * 4096,
                       np.full(len(pages), 4096, dtype=np.uint64))
-    handles = [a.write(peer, batch) for _ in range(3)]  # same peer, two threads on its queue
+    # same peer, two threads on its queue: each wants two sub-batches in flight, the budget
+    # holds two in all, so a thread that cannot take its second one at once settles its first
+    handles = [a.write(peer, batch) for _ in range(3)]
     for h in handles:
         r = wait(a, h)
         assert r.status is TransferStatus.DONE, r.reason
@@ -186,3 +189,64 @@ def test_shared_memory_pool_regions() -> None:
         b.close()
         pool_a.close()
         pool_b.close()
+
+
+class ScriptedLibrary:
+    """Stands in for mooncake's TransferEngine inside `_send`: records the call order and fails
+    the batch ids it is told to."""
+
+    def __init__(self, failing: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        self.calls: list[str] = []
+        self.failing = failing
+        self.next_id = 0
+
+    def batch_transfer_async_write(self, target, src, dst, length) -> int:  # noqa: ANN001
+        self.next_id += 1
+        self.calls.append(f"submit{self.next_id}:{len(src)}")
+        return self.next_id
+
+    def get_batch_transfer_status(self, ids: list[int]) -> int:
+        self.calls.append(f"wait{ids[0]}")
+        return -1 if ids[0] in self.failing else 0
+
+    def send_probe(self, target: str) -> int:
+        return 0
+
+
+def scripted_send(lib: ScriptedLibrary, requests: int, env: dict[str, str]) -> tuple[str | None, MooncakeEngine]:
+    from pd_mooncake.settings import MooncakeSettings
+    from pd_mooncake.workers import InflightBudget
+
+    e = object.__new__(MooncakeEngine)  # only what _send touches: settings and the budget
+    e.settings = MooncakeSettings.from_context(BackendContext(host="127.0.0.1", env=env))
+    e._budget = InflightBudget(e.settings.inflight_per_peer)
+    ones = np.ones(requests, dtype=np.uint64)
+    return e._send(lib, "peer:1", CopyBatch(ones, ones, ones)), e
+
+
+def test_two_sub_batches_stay_in_flight_and_the_budget_comes_back() -> None:
+    lib = ScriptedLibrary()
+    env = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "100", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "100"}
+    reason, e = scripted_send(lib, 250, env)
+    assert reason is None
+    # the next sub-batch is submitted before the current one is waited for
+    assert lib.calls == ["submit1:100", "submit2:100", "wait1", "submit3:50", "wait2", "wait3"]
+    assert e._budget.in_flight("peer:1") == 0
+
+
+def test_no_room_for_a_second_sub_batch_means_one_at_a_time() -> None:
+    lib = ScriptedLibrary()  # budget = one sub-batch (pending admissions 1): never two in flight
+    env = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "100", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "1"}
+    reason, e = scripted_send(lib, 250, env)
+    assert reason is None
+    assert lib.calls == ["submit1:100", "wait1", "submit2:100", "wait2", "submit3:50", "wait3"]
+    assert e._budget.in_flight("peer:1") == 0
+
+
+def test_a_failed_sub_batch_waits_out_the_other_and_frees_the_budget() -> None:
+    lib = ScriptedLibrary(failing={1})
+    env = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "100", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "100"}
+    reason, e = scripted_send(lib, 250, env)
+    assert reason is not None and "requests 0..99 of 250" in reason
+    assert lib.calls == ["submit1:100", "submit2:100", "wait1", "wait2"]  # nothing after the failure
+    assert e._budget.in_flight("peer:1") == 0

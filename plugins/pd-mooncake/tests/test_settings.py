@@ -118,16 +118,20 @@ def test_mc_force_tcp_counts_when_present_like_the_library(value: str,
     assert warned == (value in ("0", "false", ""))
 
 
-def test_inflight_bounds_follow_the_library_queue_limit() -> None:
+def test_inflight_bounds_follow_the_library_queue_limits() -> None:
     s = settings()
-    assert (s.sub_batch, s.inflight_per_peer) == (1024, 1024)
+    assert (s.sub_batch, s.inflight_per_peer) == (1024, 2048)  # queued + pending admissions
     s = settings({"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "300"})
-    assert (s.sub_batch, s.inflight_per_peer) == (300, 300)
+    assert (s.sub_batch, s.inflight_per_peer) == (300, 1324)
+    s = settings({"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "300",
+                  "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "100"})
+    assert (s.sub_batch, s.inflight_per_peer) == (300, 400)
     s = settings({"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535"})
-    assert (s.sub_batch, s.inflight_per_peer) == (1024, 65535)
-    for bad in ("0", "many"):
-        with pytest.raises(ConfigError, match="MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER must be"):
-            settings({"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": bad})
+    assert (s.sub_batch, s.inflight_per_peer) == (1024, 66559)
+    for name in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
+        for bad in ("0", "many"):
+            with pytest.raises(ConfigError, match=f"{name} must be"):
+                settings({name: bad})
 
 
 def test_thread_pool_and_queue_come_from_the_context() -> None:

@@ -9,7 +9,7 @@ Lifecycle of a MooncakeEngine:
 4. register() registers every region in one batch_register_memory call;
 5. connect() probes the peer "host:rpc_port"; write() queues a job that sends the batch in
    sub-batches (batch_transfer_async_write + get_batch_transfer_status) of at most `sub_batch`
-   requests, each holding its share of the per-peer in-flight budget;
+   requests, two in flight when the per-peer in-flight budget has room, each holding its share;
 6. poll() reports the job; close() stops the workers and unregisters the memory.
 """
 
@@ -189,26 +189,68 @@ class MooncakeEngine(TransferEngine):
         return self._workers.submit(peer.key, functools.partial(self._send, engine, peer.key, batch))
 
     def _send(self, engine: Any, target: str, batch: CopyBatch) -> str | None:
-        """Runs on a worker thread: the whole batch in bounded sub-batches; None when done."""
+        """Runs on a worker thread: the whole batch in bounded sub-batches; None when done.
+
+        Two sub-batches are kept in flight when the per-peer budget has room at once (the next
+        one is submitted before waiting for the current one, so the transport never idles
+        between them). The second is only ever taken without waiting: a thread blocks on the
+        budget only while it holds none of it, so two threads cannot hold half each and wait.
+        """
         src, dst, length = batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()
         n, step = len(src), self.settings.sub_batch
         budget_wait = 2 * self.settings.transfer_timeout_s + 5.0
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            if not self._budget.acquire(target, hi - lo, budget_wait):
-                return (f"waited {budget_wait:.0f}s for room among the requests in flight to {target} "
-                        f"(limit {self._budget.limit}, MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)")
-            t0 = time.monotonic()
+        flying: list[tuple[int, int, int, float]] = []  # (batch id, lo, hi, submit time)
+
+        def settle(bid: int, lo: int, hi: int, t0: float) -> str | None:
             try:
-                bid = engine.batch_transfer_async_write(target, src[lo:hi], dst[lo:hi], length[lo:hi])
                 rc = engine.get_batch_transfer_status([bid]) if bid else None
             finally:
                 self._budget.release(target, hi - lo)
-            if rc != 0:
-                what = (f"batch_transfer_async_write of requests {lo}..{hi - 1} of {n}" if bid else
-                        f"batch_transfer_async_write submit of requests {lo}..{hi - 1} of {n}")
-                return self._failure_reason(engine, target, what, rc, time.monotonic() - t0)
-        return None
+            if rc == 0:
+                return None
+            what = (f"batch_transfer_async_write of requests {lo}..{hi - 1} of {n}" if bid else
+                    f"batch_transfer_async_write submit of requests {lo}..{hi - 1} of {n}")
+            return self._failure_reason(engine, target, what, rc, time.monotonic() - t0)
+
+        reason: str | None = None
+        try:
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                if not self._budget.acquire(target, hi - lo, 0.0 if flying else budget_wait):
+                    if flying:  # no room for a second one: finish the first, then wait
+                        reason = settle(*flying.pop(0))
+                        if reason is not None:
+                            return reason
+                    if not self._budget.acquire(target, hi - lo, budget_wait):
+                        return (f"waited {budget_wait:.0f}s for room among the requests in flight "
+                                f"to {target} (limit {self._budget.limit}, "
+                                f"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER + "
+                                f"MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER)")
+                t0 = time.monotonic()
+                try:
+                    bid = engine.batch_transfer_async_write(target, src[lo:hi], dst[lo:hi],
+                                                            length[lo:hi])
+                except BaseException:
+                    self._budget.release(target, hi - lo)
+                    raise
+                flying.append((bid, lo, hi, t0))
+                if len(flying) > 1:
+                    reason = settle(*flying.pop(0))
+                    if reason is not None:
+                        return reason
+            while flying:
+                reason = settle(*flying.pop(0))
+                if reason is not None:
+                    return reason
+            return None
+        finally:
+            for _bid, lo, hi, _t0 in flying:  # after a failure: wait out what is still moving
+                if _bid:
+                    try:
+                        engine.get_batch_transfer_status([_bid])
+                    except Exception:  # noqa: BLE001 - already failing; the reason is set
+                        pass
+                self._budget.release(target, hi - lo)
 
     def _failure_reason(self, engine: Any, target: str, what: str, rc: int | None,
                         elapsed: float) -> str:

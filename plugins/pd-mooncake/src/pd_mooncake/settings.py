@@ -7,7 +7,10 @@ Environment variables read here (from `ctx.env`, the core's snapshot of the envi
 - MC_FORCE_TCP: Mooncake forces TCP when the variable EXISTS, whatever its value (checked on
   mooncake-transfer-engine 0.3.13: "0", "false" and "" all force TCP); we mirror that.
 - MC_FORCE_HCA: Mooncake then refuses to fall back to TCP when no RDMA NIC is usable.
-- MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (library default 1024): bounds our in-flight requests per peer.
+- MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER (library
+  defaults 1024 each): the TCP transport refuses a request beyond queued + pending per peer (then
+  often cannot reach that peer again), so their sum bounds our requests in flight per peer, and
+  the queue limit bounds one batch call.
 - MC_TRANSFER_TIMEOUT (library default 30 s): used to recognise a timed-out batch.
 - SGLANG_MOONCAKE_CUSTOM_MEM_POOL, MC_FORCE_MNNVL, MC_INTRANODE_NVLINK: CUDA memory pools.
 """
@@ -28,6 +31,7 @@ log = logging.getLogger("pd_mooncake")
 
 PROTOCOLS = ("rdma", "tcp", "efa")
 DEFAULT_QUEUED_PER_PEER = 1024  # mooncake's MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER default
+DEFAULT_PENDING_PER_PEER = 1024  # mooncake's MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER default
 MAX_SUB_BATCH = 1024  # requests per batch_transfer_async_write call
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 
@@ -215,6 +219,8 @@ class MooncakeSettings:
             )
         queued = _env_positive_int(env, "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
                                    DEFAULT_QUEUED_PER_PEER)
+        pending = _env_positive_int(env, "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
+                                    DEFAULT_PENDING_PER_PEER)
         return cls(
             protocol=protocol,
             force_tcp=force_tcp,
@@ -222,7 +228,7 @@ class MooncakeSettings:
             device_name=device_name,
             custom_pool=custom_pool,
             sub_batch=min(MAX_SUB_BATCH, queued),
-            inflight_per_peer=queued,
+            inflight_per_peer=queued + pending,
             transfer_timeout_s=_env_seconds(env, "MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S),
             thread_pool_size=max(1, int(ctx.thread_pool_size)),
             queue_size=max(1, int(ctx.queue_size)),
