@@ -7,7 +7,8 @@
    (Transferring);
 3. on Success: check the aux row carries this room, take the first token (and its logprobs)
    from it, free the aux slot, and put the request into the running batch with the prompt's
-   K/V already in place;
+   K/V already in place; the first token goes to the client at once (Scheduler.step sends the
+   tokens poll() produced before it runs a forward pass);
 4. on Failed (P died, timeout, abort): free pages and aux slot; the client gets the reason.
 """
 

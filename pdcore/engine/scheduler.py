@@ -87,7 +87,8 @@ class Scheduler:
         self.outbox: list[TokenOut] = []
         self.counters = Counters()
         self.ext = Extension()
-        self.last_ran = False
+        self.last_ran = False  # the last step did work: the loop calls again without waiting
+        self.flushed_early = False  # the last step only sent tokens that arrived in poll()
         self.uncollected = False
         self.tp = runner.tp  # extensions agree on per-request states over its group
         self.step_time: float | None = None  # rank 0's clock for this step (set under TP)
@@ -197,7 +198,16 @@ class Scheduler:
         return items
 
     def step(self) -> list[TokenOut]:
+        before = self.counters.generated_tokens
         self.ext.poll()
+        if self.counters.generated_tokens != before and not self.flushed_early:
+            # tokens that came without a forward pass (PD decode: the first token, computed by
+            # P) go out now instead of after this step's forward pass, which would add a whole
+            # decode step to their TTFT; the forward runs on the next call (at once), and every
+            # other call at most flushes early, so arrivals cannot starve the running batch
+            self.flushed_early = self.last_ran = True
+            return self._collect_all()
+        self.flushed_early = False
         items = self.schedule()
         self.last_ran = bool(items)
         if items:
@@ -206,6 +216,9 @@ class Scheduler:
             for res in results:
                 self._apply(res)
             self.ext.after_step(results)
+        return self._collect_all()
+
+    def _collect_all(self) -> list[TokenOut]:
         out, self.outbox = self.outbox, []
         self.uncollected = False
         for req in list(self.reqs.values()):
