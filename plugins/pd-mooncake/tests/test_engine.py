@@ -224,22 +224,20 @@ def scripted_send(lib: ScriptedLibrary, requests: int, env: dict[str, str]) -> t
     return e._send(lib, "peer:1", CopyBatch(ones, ones, ones)), e
 
 
-def test_two_sub_batches_stay_in_flight_and_the_budget_comes_back() -> None:
+@pytest.mark.parametrize(("pending", "calls"), [
+    # room for two: the next sub-batch is submitted before the current one is waited for
+    ("100", ["submit1:100", "submit2:100", "wait1", "submit3:50", "wait2", "wait3"]),
+    # budget = one sub-batch (pending admissions 1): never two in flight
+    ("1", ["submit1:100", "wait1", "submit2:100", "wait2", "submit3:50", "wait3"]),
+])
+def test_sub_batches_in_flight_follow_the_budget_and_it_comes_back(pending: str,
+                                                                    calls: list[str]) -> None:
     lib = ScriptedLibrary()
-    env = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "100", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "100"}
+    env = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "100",
+           "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": pending}
     reason, e = scripted_send(lib, 250, env)
     assert reason is None
-    # the next sub-batch is submitted before the current one is waited for
-    assert lib.calls == ["submit1:100", "submit2:100", "wait1", "submit3:50", "wait2", "wait3"]
-    assert e._budget.in_flight("peer:1") == 0
-
-
-def test_no_room_for_a_second_sub_batch_means_one_at_a_time() -> None:
-    lib = ScriptedLibrary()  # budget = one sub-batch (pending admissions 1): never two in flight
-    env = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "100", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "1"}
-    reason, e = scripted_send(lib, 250, env)
-    assert reason is None
-    assert lib.calls == ["submit1:100", "wait1", "submit2:100", "wait2", "submit3:50", "wait3"]
+    assert lib.calls == calls
     assert e._budget.in_flight("peer:1") == 0
 
 
