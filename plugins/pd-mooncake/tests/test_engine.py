@@ -195,12 +195,13 @@ class ScriptedLibrary:
     """Stands in for mooncake's TransferEngine inside `_send`: records the call order and fails
     the batch ids it is told to."""
 
-    def __init__(self, failing: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, failing: frozenset[int] = frozenset()) -> None:
         self.calls: list[str] = []
         self.failing = failing
         self.next_id = 0
 
-    def batch_transfer_async_write(self, target, src, dst, length) -> int:  # noqa: ANN001
+    def batch_transfer_async_write(self, target: str, src: list[int], dst: list[int],
+                                   length: list[int]) -> int:
         self.next_id += 1
         self.calls.append(f"submit{self.next_id}:{len(src)}")
         return self.next_id

@@ -15,6 +15,7 @@ Lifecycle of a MooncakeEngine:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -212,15 +213,14 @@ class MooncakeEngine(TransferEngine):
                     f"batch_transfer_async_write submit of requests {lo}..{hi - 1} of {n}")
             return self._failure_reason(engine, target, what, rc, time.monotonic() - t0)
 
-        reason: str | None = None
         try:
             for lo in range(0, n, step):
                 hi = min(n, lo + step)
-                if not self._budget.acquire(target, hi - lo, 0.0 if flying else budget_wait):
-                    if flying:  # no room for a second one: finish the first, then wait
-                        reason = settle(*flying.pop(0))
-                        if reason is not None:
-                            return reason
+                # next to a sub-batch in flight, take room only if it is free at once; else
+                # finish that one first, and only then wait for room
+                if not (flying and self._budget.acquire(target, hi - lo, 0.0)):
+                    if flying and (reason := settle(*flying.pop(0))) is not None:
+                        return reason
                     if not self._budget.acquire(target, hi - lo, budget_wait):
                         return (f"waited {budget_wait:.0f}s for room among the requests in flight "
                                 f"to {target} (limit {self._budget.limit}, "
@@ -234,22 +234,17 @@ class MooncakeEngine(TransferEngine):
                     self._budget.release(target, hi - lo)
                     raise
                 flying.append((bid, lo, hi, t0))
-                if len(flying) > 1:
-                    reason = settle(*flying.pop(0))
-                    if reason is not None:
-                        return reason
+                if len(flying) > 1 and (reason := settle(*flying.pop(0))) is not None:
+                    return reason
             while flying:
-                reason = settle(*flying.pop(0))
-                if reason is not None:
+                if (reason := settle(*flying.pop(0))) is not None:
                     return reason
             return None
         finally:
-            for _bid, lo, hi, _t0 in flying:  # after a failure: wait out what is still moving
-                if _bid:
-                    try:
-                        engine.get_batch_transfer_status([_bid])
-                    except Exception:  # noqa: BLE001 - already failing; the reason is set
-                        pass
+            for bid, lo, hi, _ in flying:  # after a failure: wait out what is still moving
+                if bid:
+                    with contextlib.suppress(Exception):  # already failing; the reason is set
+                        engine.get_batch_transfer_status([bid])
                 self._budget.release(target, hi - lo)
 
     def _failure_reason(self, engine: Any, target: str, what: str, rc: int | None,
