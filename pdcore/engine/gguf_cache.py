@@ -25,6 +25,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -109,7 +110,8 @@ def _convert(resolved: ResolvedModel, dest: Path) -> None:
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del model, sd
         AutoTokenizer.from_pretrained(resolved.path, **kw).save_pretrained(tmp)
-        (tmp / DONE).write_text(f'{{"source": "{resolved.display_path}", "format": {FORMAT}}}\n')
+        done = {"source": resolved.display_path, "format": FORMAT}
+        (tmp / DONE).write_text(json.dumps(done) + "\n")
         os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
