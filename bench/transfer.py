@@ -6,14 +6,15 @@ Lifecycle:
    workloads: a 512- and a 4096-token prompt, pages scattered at random in both pools, planned
    by the core's DefaultPlanner (page runs consecutive on both sides are coalesced);
 2. every selected case in CASES starts (each owns its peer process): raw loopback socket, the
-   tcp backend, single-threaded memcpy, the shm backend. A backend adds one `bench_<name>`
+   tcp backend, single-threaded memcpy, the shm backend (default mode: cma into the thp pool
+   where permitted; segment mode; segment mode with memmove copies). A backend adds one `bench_<name>`
    function (usually an EngineCase, see transfer_harness.py) and its entry in CASES / RATIOS;
 3. repetitions alternate between cases (shuffled order per repetition), after one warm-up
    repetition whose destination bytes are verified;
 4. median seconds -> GB/s, the RATIOS against their targets; bench/results/transfer.json and
    bench/results/transfer.png.
 
-Run: `python bench/transfer.py [--reps 9] [--cases raw_socket,tcp,memcpy,shm,shm_memmove]`.
+Run: `python bench/transfer.py [--reps 9] [--cases raw_socket,tcp,memcpy,shm,shm_segment]`.
 """
 
 from __future__ import annotations
@@ -62,12 +63,21 @@ def bench_tcp(env: Env) -> Case:
 
 
 def bench_shm(env: Env) -> Case:
-    return EngineCase("shm", "pdcore.builtin.shm_backend:ShmTransferEngine", "shm", env.src,
-                      env.pool_pages)
+    """shm as servers run it by default: cma mode into the thp pool where permitted."""
+    from pdcore.builtin.shm_backend import preferred_pool
+
+    return EngineCase("shm", "pdcore.builtin.shm_backend:ShmTransferEngine",
+                      preferred_pool(os.environ), env.src, env.pool_pages)
+
+
+def bench_shm_segment(env: Env) -> Case:
+    """shm's segment mode (PDCORE_SHM_MODE=segment): the peer's KV in POSIX shared memory."""
+    return EngineCase("shm_segment", "pdcore.builtin.shm_backend:ShmTransferEngine", "shm",
+                      env.src, env.pool_pages)
 
 
 def bench_shm_memmove(env: Env) -> Case:
-    """shm with PDCORE_SHM_COPY=memmove (the fallback where process_vm_writev is forbidden)."""
+    """Segment mode with PDCORE_SHM_COPY=memmove (where process_vm_writev is forbidden)."""
     return EngineCase("shm_memmove", "pdcore.builtin.shm_backend:ShmTransferEngine", "shm",
                       env.src, env.pool_pages, env={"PDCORE_SHM_COPY": "memmove"})
 
@@ -78,14 +88,17 @@ CASES: dict[str, Callable[[Env], Case]] = {
     "tcp": bench_tcp,
     "memcpy": bench_memcpy,
     "shm": bench_shm,
+    "shm_segment": bench_shm_segment,
     "shm_memmove": bench_shm_memmove,
 }
-DEFAULT_CASES = ["raw_socket", "tcp", "memcpy", "shm", "shm_memmove"]
+DEFAULT_CASES = ["raw_socket", "tcp", "memcpy", "shm", "shm_segment", "shm_memmove"]
 # (case, baseline, target ratio): printed and stored for every pair whose cases both ran.
 RATIOS: list[tuple[str, str, float]] = [
     ("tcp", "raw_socket", 0.70),
     ("shm", "memcpy", 0.50),
     ("shm", "tcp", 3.0),
+    ("shm_segment", "memcpy", 0.50),
+    ("shm_segment", "tcp", 3.0),
 ]
 
 

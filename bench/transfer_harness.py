@@ -2,7 +2,8 @@
 
 - `HostKV`: the SmolLM2-135M KV pool (per layer a K and a V buffer) in ordinary memory;
 - `EngineCase`: a TransferEngine here writing into the same engine class in a spawned peer
-  process that owns the destination pool (`host` numpy buffers or the `shm` memory pool);
+  process that owns the destination pool (`host` numpy buffers, or the `shm` / `thp` memory
+  pool);
   one transfer = write(planned batch) + poll until DONE; verify() compares pages byte for byte;
 - `RawSocketCase` / `MemcpyCase`: the limits (one contiguous sendall to another process, one
   single-threaded memcpy) for the same number of bytes.
@@ -99,13 +100,13 @@ def _peer_main(conn: Connection, engine_path: str, pool_kind: str, pool_pages: i
     try:
         server_id = f"bench-{uuid.uuid4().hex[:8]}"
         pool = None
-        if pool_kind == "shm":
+        if pool_kind in ("shm", "thp"):  # a pdserve memory pool, as a server would use
             import torch
 
-            from pdcore.builtin.shm_pool import ShmMemoryPool
             from pdcore.interfaces.memory import PoolContext
+            from pdcore.plugins.host import memory_pools
 
-            pool = ShmMemoryPool(PoolContext(server_id=server_id))
+            pool = memory_pools().create(pool_kind, PoolContext(server_id=server_id))
             bufs = [pool.allocate(f"kv{i}", (pool_pages * item_len(),), torch.uint8)
                     for i in range(2 * MODEL["num_layers"])]
             for b in bufs:

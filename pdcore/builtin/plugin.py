@@ -7,6 +7,8 @@ broken built-in backend cannot take the others down.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pdcore.plugins import hookimpl
 from pdcore.plugins.hookspecs import Register
 from pdcore.plugins.lazy import importable, lazy
@@ -17,13 +19,15 @@ TRANSFER_BACKENDS = {
     "tcp": (_B + "tcp_backend:TcpTransferEngine",
             "pure-Python data plane over TCP sockets; works everywhere (default)"),
     "shm": (_B + "shm_backend:ShmTransferEngine",
-            "same host: copies straight into the peer's named shared-memory pool"),
+            "same host: copies straight into the peer's KV pool (process_vm_writev / shm)"),
     "fake": (_B + "fake_backend:FakeTransferEngine",
              "moves no bytes; reports success (warm-up, benchmarks of the rest of the path)"),
 }
 LAZY_POOLS = {
     "shm": (_B + "shm_pool:ShmMemoryPool",
-            "named POSIX shared memory, mapped by same-host peers (for the shm backend)"),
+            "named POSIX shared memory, mapped by same-host peers (shm backend, segment mode)"),
+    "thp": (_B + "thp_pool:ThpMemoryPool",
+            "host memory in transparent huge pages (shm backend, cma mode; any host backend)"),
 }
 PLANNERS = {
     "default": (_B + "planner:DefaultPlanner",
@@ -43,6 +47,12 @@ def _pinned_available() -> tuple[bool, str]:
     return pinned_availability()
 
 
+def _shm_pool(env: Mapping[str, str]) -> str:
+    from pdcore.builtin.shm_backend import preferred_pool  # imported only when a server starts
+
+    return preferred_pool(env)
+
+
 def _register_lazy(register: Register, table: dict[str, tuple[str, str]]) -> None:
     for name, (path, description) in table.items():
         register(name, lazy(path), description=description, availability=importable(path))
@@ -52,7 +62,7 @@ def _register_lazy(register: Register, table: dict[str, tuple[str, str]]) -> Non
 def pd_register_transfer_backends(register: Register) -> None:
     for name, (path, description) in TRANSFER_BACKENDS.items():
         register(name, lazy(path), description=description, availability=importable(path),
-                 memory_pool="shm" if name == "shm" else None)
+                 memory_pool=_shm_pool if name == "shm" else None)
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 """Batched memory copies for the shm backend: many (dst, src, len) items, no Python per byte.
 
-Chosen by PDCORE_SHM_COPY (ctx.env); unset means `vm` where the probe shows it works, else
-`memmove`:
+Into a peer's segment mapped here (segment mode), chosen by PDCORE_SHM_COPY (ctx.env); unset
+means `vm` where the probe shows it works, else `memmove`:
 
 - `vm`: process_vm_writev(2) on our own pid, up to IOV_MAX items per system call. The GIL is
   released for the whole call, so the backend's copy workers run truly in parallel and the
@@ -11,12 +11,18 @@ Chosen by PDCORE_SHM_COPY (ctx.env); unset means `vm` where the probe shows it w
   is probed first.
 - `memmove`: ctypes.memmove per item; the GIL is released inside each call only, so parallel
   workers mostly take turns on the GIL between items.
+
+Into another process's private memory (cma mode): `copy_vm(..., pid=peer)`, the same system call
+with the peer's pid (cross-memory attach; the kernel checks ptrace access: same user, and Yama's
+ptrace_scope 0 or CAP_SYS_PTRACE). `read_word` reads the peer's identity nonce the same way.
+`cma_permitted()` says whether such peers can be reached here at all.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import os
 
@@ -29,10 +35,14 @@ STRATEGIES = ("memmove", "vm")
 IOV_MAX = 1024
 
 
-@functools.lru_cache(maxsize=1)
-def _process_vm_writev():
+CAP_SYS_PTRACE = 19
+YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+@functools.lru_cache(maxsize=2)
+def _vm_call(name: str):
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    fn = getattr(libc, "process_vm_writev", None)
+    fn = getattr(libc, name, None)
     if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
@@ -41,8 +51,9 @@ def _process_vm_writev():
     return fn
 
 
-def copy_vm(dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
-    fn = _process_vm_writev()
+def copy_vm(dst: np.ndarray, src: np.ndarray, length: np.ndarray, pid: int = 0) -> None:
+    """Copy local `src` items to `dst` items of process `pid` (0: this process)."""
+    fn = _vm_call("process_vm_writev")
     if fn is None:
         raise OSError("process_vm_writev is not available in this C library")
     n = len(length)
@@ -50,7 +61,7 @@ def copy_vm(dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
     remote = np.empty((n, 2), dtype=np.uint64)
     local[:, 0], local[:, 1] = src, length
     remote[:, 0], remote[:, 1] = dst, length
-    pid = os.getpid()
+    pid = pid or os.getpid()
     step = IOV_MAX
     lbase, rbase = local.ctypes.data, remote.ctypes.data
     for i in range(0, n, step):
@@ -61,6 +72,22 @@ def copy_vm(dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
             err = ctypes.get_errno() if got < 0 else 0
             raise OSError(err, f"process_vm_writev copied {got} of {want} bytes"
                                + (f": {os.strerror(err)}" if err else ""))
+
+
+def read_word(pid: int, addr: int, nbytes: int = 16) -> bytes:
+    """`nbytes` at `addr` in process `pid`; OSError(errno) when the kernel refuses (ESRCH: no such
+    process, EFAULT: not mapped there, EPERM: no ptrace access)."""
+    fn = _vm_call("process_vm_readv")
+    if fn is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available in this C library")
+    buf = ctypes.create_string_buffer(nbytes)
+    local = (ctypes.c_uint64 * 2)(ctypes.addressof(buf), nbytes)
+    remote = (ctypes.c_uint64 * 2)(addr, nbytes)
+    got = fn(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0)
+    if got != nbytes:
+        err = ctypes.get_errno() if got < 0 else errno.EFAULT
+        raise OSError(err, os.strerror(err))
+    return buf.raw
 
 
 def copy_memmove(dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
@@ -95,3 +122,36 @@ def pick(strategy: str):
                               f"(seccomp?); use {COPY_ENV}=memmove")
         return "vm", copy_vm
     return "memmove", copy_memmove
+
+
+def _yama_scope() -> int | None:
+    try:
+        with open(YAMA_SCOPE) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None  # no Yama: the classic same-user rule
+
+
+def _has_cap_ptrace() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+@functools.lru_cache(maxsize=1)
+def cma_permitted() -> tuple[bool, str]:
+    """(ok, why not): can a same-user sibling process write into our memory with
+    process_vm_writev? Needs the call itself (vm_works) and a Yama ptrace_scope of 0, or 1-2 with
+    CAP_SYS_PTRACE (scope 1 only lets a process trace its own descendants)."""
+    if not vm_works():
+        return False, "process_vm_writev is forbidden here (seccomp?)"
+    scope = _yama_scope()
+    if scope is None or scope == 0 or (scope < 3 and _has_cap_ptrace()):
+        return True, ""
+    return False, (f"{YAMA_SCOPE} is {scope}: sibling processes may not write into each other "
+                   f"(set it to 0, or grant CAP_SYS_PTRACE)")

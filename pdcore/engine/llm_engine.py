@@ -70,7 +70,7 @@ def _backend_pool(args: ServerArgs) -> str | None:
         return None
     from pdcore.plugins.host import transfer_backends
 
-    return transfer_backends().get(args.disaggregation_transfer_backend).memory_pool
+    return transfer_backends().get(args.disaggregation_transfer_backend).pool_for(os.environ)
 
 
 def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:

@@ -4,7 +4,8 @@
 - name: lowercase identifier users select (`--backend NAME`, `--memory-pool NAME`, ...);
 - factory: callable building the component (signatures below); it may import vendor SDKs;
 - memory_pool (transfer backends only): the memory pool the KV must be allocated from for this
-  backend to reach it (e.g. "shm"); servers use it when --memory-pool is not given;
+  backend to reach it (e.g. "shm"), or a callable (environment mapping -> pool name or None)
+  that decides at server start; servers use it when --memory-pool is not given;
 - availability: optional zero-argument callable -> (ok: bool, reason: str), cheap, must not
   raise; `pdserve plugins` shows the reason when ok is False (e.g. "nixl is not installed:
   pip install nixl").

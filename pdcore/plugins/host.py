@@ -193,7 +193,7 @@ class PluginHost:
 
     def _register_callback(self, registry: Registry, info: PluginInfo) -> Any:
         def register(name: str, factory: Any, *, description: str = "",
-                     availability: Any = None, memory_pool: str | None = None) -> None:
+                     availability: Any = None, memory_pool: Any = None) -> None:
             entry = Entry(registry.kind, name, factory, info.name, info.distribution,
                           info.version, description, availability, memory_pool)
             try:

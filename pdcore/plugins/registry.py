@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,9 @@ class Entry:
     description: str = ""
     availability: Callable[[], tuple[bool, str]] | None = None
     # transfer backends only: the memory pool the KV must live in for this backend to reach it
-    # (e.g. "shm"); used when the user gave no --memory-pool
-    memory_pool: str | None = None
+    # (e.g. "shm"), or a callable (environment -> pool name or None) deciding at server start;
+    # used when the user gave no --memory-pool
+    memory_pool: str | Callable[[Mapping[str, str]], str | None] | None = None
 
     def available(self) -> tuple[bool, str]:
         if self.availability is None:
@@ -46,6 +47,10 @@ class Entry:
         except Exception as e:  # noqa: BLE001 - a probe must never take the host down
             return False, f"availability check raised {type(e).__name__}: {e}"
         return bool(ok), str(reason or "")
+
+    def pool_for(self, env: Mapping[str, str]) -> str | None:
+        """The memory pool this (transfer backend) entry needs under `env`, if any."""
+        return self.memory_pool(env) if callable(self.memory_pool) else self.memory_pool
 
     @property
     def owner(self) -> str:

@@ -31,6 +31,22 @@ class TestShmCrossProcess(CrossProcessBackendContract):
     dead_peer_timeout = 5.0
 
 
+class TestShmCmaContract(BackendContract):
+    """cma mode: the receiver's KV in the thp pool (private memory), written with
+    process_vm_writev into its pid (here the same process; the cross-process class below is the
+    real case)."""
+
+    backend_name = "shm"
+    pool_name = "thp"
+    dead_peer_timeout = 5.0
+
+
+class TestShmCmaCrossProcess(CrossProcessBackendContract):
+    backend_name = "shm"
+    pool_name = "thp"
+    dead_peer_timeout = 5.0
+
+
 class TestFakeContract(BackendContract):
     backend_name = "fake"
 

@@ -175,13 +175,14 @@ def test_closed_peer_engine_detected_and_disconnect_unmaps(sender) -> None:
         pool.close()
 
 
-def test_peer_without_shm_regions_refused(sender) -> None:
+def test_peer_without_host_or_shm_regions_refused(sender) -> None:
+    from pdcore.interfaces.transfer import MemoryKind
+
     eng, _, _ = sender
     other = ShmTransferEngine(BackendContext())
     try:
-        a = np.zeros(64, dtype=np.uint8)
         with pytest.raises(TransferError, match="--memory-pool shm"):
-            eng.connect(other.endpoint(), [MemoryRegion(a.ctypes.data, 64)])
+            eng.connect(other.endpoint(), [MemoryRegion(1 << 30, 64, MemoryKind.CUDA)])
     finally:
         other.close()
 

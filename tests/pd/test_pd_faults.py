@@ -1,7 +1,12 @@
-"""Kill P, kill D, client disconnect — for the built-in backends (tiny model, real processes)."""
+"""Kill P, kill D, client disconnect — for the built-in backends (tiny model, real processes).
+
+`shm` runs in its default mode (cma into the thp pool where the kernel permits it); `shm-segment`
+forces the shared-memory segments (PDCORE_SHM_MODE=segment) for the kill tests, whose clean-up
+check (no segment of a dead process left) matters most there."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from pdcore.testing import pd_faults
@@ -16,11 +21,30 @@ def model_dir(tmp_path_factory):
                            tokenizer_from=default_model_file(), max_positions=8192)
 
 
-@pytest.fixture(params=["tcp", "shm"])
+def _shm_pool() -> str:
+    from pdcore.builtin.shm_copy import cma_permitted
+
+    return "thp" if cma_permitted()[0] else "shm"
+
+
+MODES = {"tcp": ("tcp", {}, None), "shm": ("shm", {}, _shm_pool),
+         "shm-segment": ("shm", {"PDCORE_SHM_MODE": "segment"}, lambda: "shm")}
+
+
+@pytest.fixture(params=list(MODES))
 def cluster(request, model_dir):
-    c = pd_faults.fault_cluster(request.param, model_dir)
-    yield c
-    c.stop()
+    backend, env, pool = MODES[request.param]
+    if request.param == "shm-segment" and "client_disconnect" in request.node.name:
+        pytest.skip("the data mover does not matter here; tcp and shm cover it")
+    c = pd_faults.fault_cluster(backend, model_dir, env)
+    try:
+        if pool is not None:  # the mode under test is the one the servers really run
+            for s in (*c.prefills, *c.decodes):
+                info = httpx.get(s.url + "/server_info", timeout=10).json()
+                assert info["memory_pool"] == pool(), info["memory_pool"]
+        yield c
+    finally:
+        c.stop()
 
 
 def test_kill_prefill_in_flight(cluster):

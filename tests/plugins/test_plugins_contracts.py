@@ -24,6 +24,10 @@ class TestShmPool(PoolContract):
     pool_name = "shm"
 
 
+class TestThpPool(PoolContract):
+    pool_name = "thp"
+
+
 class TestCpuPlatform(PlatformContract):
     platform_name = "cpu"
 
