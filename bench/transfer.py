@@ -11,8 +11,9 @@ Lifecycle:
    function (usually an EngineCase, see transfer_harness.py) and its entry in CASES / RATIOS;
 3. repetitions alternate between cases (shuffled order per repetition), after one warm-up
    repetition whose destination bytes are verified;
-4. median seconds -> GB/s, the RATIOS against their targets; bench/results/transfer.json and
-   bench/results/transfer.png.
+4. median seconds -> GB/s, the RATIOS against their targets (the verdict: ratio of the medians;
+   also shown: the median of per-repetition ratios and the best-of-N ratio);
+   bench/results/transfer.json and bench/results/transfer.png.
 
 Run: `python bench/transfer.py [--reps 9] [--cases raw_socket,tcp,memcpy,shm,shm_segment]`.
 """
@@ -154,8 +155,13 @@ def ratios(results: dict) -> dict:
                 # best-of-N ratio too: on a shared machine it shows what the code can do
                 # when not preempted; the median is the verdict
                 best = cases[b]["min_s"] / cases[a]["min_s"]
+                # paired: the median over repetitions of the ratio within each repetition (both
+                # cases ran within one shuffled round), robust to the machine's slow drift
+                paired = statistics.median(tb / ta for ta, tb in zip(cases[a]["all_s"],
+                                                                     cases[b]["all_s"]))
                 out[wname][f"{a}/{b}"] = {"value": value, "target": target,
-                                          "met": value >= target, "best_of_n": best}
+                                          "met": value >= target, "best_of_n": best,
+                                          "paired": paired}
     return out
 
 
@@ -226,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"min {v['min_s'] * 1e3:.2f}, max {v['max_s'] * 1e3:.2f})")
         for k, v in rat[w].items():
             print(f"  {k:18s} {v['value']:6.2f}  target >= {v['target']}  "
-                  f"{'MET' if v['met'] else 'MISSED'}  (best of {args.reps}: "
-                  f"{v['best_of_n']:.2f})")
+                  f"{'MET' if v['met'] else 'MISSED'}  (paired {v['paired']:.2f}, best of "
+                  f"{args.reps}: {v['best_of_n']:.2f})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"model": MODEL | {"item_len": item_len()}, "pool_pages": args.pool_pages,

@@ -12,7 +12,10 @@ bytes moved with the vendor library's batch API called directly, in the same run
    `nixl_direct`: `initialize_xfer` over the same descriptor arrays + `transfer` + spin on
    `check_xfer_state`; `nixl_prepped`: `make_prepped_xfer` on descriptor lists prepared before
    the clock starts (the fastest use of NIXL's API).
-Run: `python bench/transfer.py --pool-pages 512 --cases mooncake,mooncake_direct,nixl,nixl_direct,nixl_prepped`.
+Run: `python bench/transfer.py --pool-pages 512 --cases mooncake,mooncake_direct,nixl,nixl_direct,nixl_prepped`
+(bench/results/transfer_vendors.json), and Mooncake alone, with fewer processes sharing the cores:
+`python bench/transfer.py --pool-pages 512 --reps 21 --cases mooncake,mooncake_direct
+--out bench/results/transfer_mooncake.json`.
 """
 
 from __future__ import annotations
