@@ -15,10 +15,10 @@ Why two: with THP in `madvise` mode and shmem huge pages off (this machine), a s
 4 KiB pages and copies into it run at about half the speed of copies into huge pages.
 
 Lifecycle:
-1. `ShmTransferEngine(ctx)`: removes segments of dead pdserve processes, host identity (hostname + boot id, or PDCORE_HOST_ID from
-   ctx.env), a worker pool of ctx.thread_pool_size threads, an empty "engine alive" marker
-   segment that close() removes (peers also notice a closed, not only a dead, engine), and the
-   identity nonce;
+1. `ShmTransferEngine(ctx)`: removes segments of dead pdserve processes; host identity
+   (hostname + boot id, or PDCORE_HOST_ID from ctx.env), a worker pool of ctx.thread_pool_size
+   threads, an empty "engine alive" marker segment that close() removes (peers also notice a
+   closed, not only a dead, engine), and the identity nonce;
 2. `register(regions)`: local memory write() may read from (host or shm);
 3. `endpoint()`: JSON {host_id, pid, pid namespace, marker, nonce address and value};
 4. `connect(endpoint, peer_regions)`: refuses a peer on another host identity BEFORE touching
@@ -74,6 +74,7 @@ from pdcore.interfaces.transfer import (
 TIMEOUT_ENV = "PDCORE_SHM_TIMEOUT"
 MODE_ENV = "PDCORE_SHM_MODE"
 MODES = ("auto", "cma", "segment")
+NONCE_BYTES = 16
 # Below this many bytes a batch is copied by one worker: splitting costs more than it gains.
 CHUNK_BYTES = 8 << 20
 LIVENESS_EVERY = 0.5  # seconds between checks that the peer's segments are still its own
@@ -126,7 +127,7 @@ class ShmTransferEngine(TransferEngine):
         os.close(os.open(seg.path_of(self._marker), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         self._finalizer = weakref.finalize(self, seg.unlink, self._marker)
         # What a cma-mode peer reads back before each copy into us (see the module docstring).
-        self._nonce = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+        self._nonce = np.frombuffer(os.urandom(NONCE_BYTES), dtype=np.uint8).copy()
 
     # -- memory --------------------------------------------------------------------------------
     def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -166,6 +167,8 @@ class ShmTransferEngine(TransferEngine):
                 seg.path_of(marker)  # a plain segment name, never a path
             nonce = (int(info["nonce_addr"]), bytes.fromhex(info["nonce"])) \
                 if "nonce" in info else None
+            if nonce is not None and len(nonce[1]) != NONCE_BYTES:
+                raise ValueError(f"nonce must be {NONCE_BYTES} bytes")
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise TransferError(f"shm: malformed peer endpoint {bytes(peer_endpoint)[:200]!r} "
                                 f"({e}); expected ShmTransferEngine.endpoint() JSON") from None

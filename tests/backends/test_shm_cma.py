@@ -88,6 +88,8 @@ def test_wrong_identity_refused_at_connect(sender, remote) -> None:
     bad = with_endpoint(remote, nonce="00" * 16)
     with pytest.raises(TransferError, match="belongs to another process"):
         eng.connect(bad, remote.regions)
+    with pytest.raises(TransferError, match="malformed peer endpoint"):
+        eng.connect(with_endpoint(remote, nonce=""), remote.regions)  # nothing to check against
     with pytest.raises(TransferError, match="pid namespace"):
         eng.connect(with_endpoint(remote, pidns="pid:[1]"), remote.regions)
 

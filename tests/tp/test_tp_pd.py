@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import httpx
 import pytest
 import torch
 from tp_helpers import NEW, STAGING, Fleet, pd_generate
@@ -104,3 +105,29 @@ def test_hetero_tp_slice_and_staging_token_identical_mooncake(tiny_tp_model,
         check_fleet(fleet, *prompts_and_unified)
     finally:
         gen.close()
+
+
+@needs_staging
+def test_hetero_tp_over_shm_cma(tiny_tp_model, prompts_and_unified):
+    """shm in its default mode: every rank of P TP 2 writes into D's private (thp) memory with
+    process_vm_writev, per-head slices and staged bulk writes alike; and into each rank of a
+    D TP 2."""
+    from pdcore.builtin.shm_copy import cma_permitted
+
+    if not cma_permitted()[0]:
+        pytest.skip(f"cma not permitted here: {cma_permitted()[1]}")
+    prompts, unified = prompts_and_unified
+    specs = {k: SPECS[k] for k in ("p2n", "p1n", "p2s", "d1s", "d2s")}
+    fleet = Fleet("shm", str(tiny_tp_model), specs).start()
+    try:
+        assert {httpx.get(s.url + "/server_info", timeout=10).json()["memory_pool"]
+                for s in fleet.servers.values()} == {"thp"}
+        _same_as_unified(fleet, "p2n", "d1s", prompts, unified)  # slice path
+        _same_as_unified(fleet, "p1n", "d2s", prompts[:3], unified[:3])
+        _same_as_unified(fleet, "p2s", "d1s", prompts, unified)  # staging
+        assert fleet.load("p2s").get("kv_staged_bytes", 0) > 0
+        for name in fleet.servers:
+            load = fleet.load(name)
+            assert load["num_pages_free"] == load["num_pages_total"], (name, load)
+    finally:
+        fleet.stop()
