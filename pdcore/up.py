@@ -59,8 +59,8 @@ def choose_backend(cfg: UpConfig) -> tuple[str, str]:
 
     reg = transfer_backends()
     if "shm" in reg and reg.get("shm").available()[0]:
-        return "shm", ("every server is on this host, so KV is copied straight into the "
-                       "peer's memory (PDCORE_SHM_MODE chooses how)")
+        return "shm", ("every server is on this host: KV is copied straight into the peer's "
+                       "memory; PDCORE_SHM_MODE chooses how")
     return "tcp", "shm is not available here"
 
 
