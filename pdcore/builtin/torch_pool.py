@@ -51,8 +51,7 @@ class TorchMemoryPool(MemoryPool):
             if label in self._buffers:
                 raise ValueError(f"{self.name} pool: label {label!r} is already allocated; "
                                  f"labels must be unique within a pool")
-            tensor = torch.zeros(tuple(shape), dtype=dtype, device=self.device,
-                                 pin_memory=self.pinned)
+            tensor = self._zeros(tuple(int(n) for n in shape), dtype)
             region = MemoryRegion(
                 addr=tensor.data_ptr(),
                 length=tensor.numel() * tensor.element_size(),
@@ -63,6 +62,10 @@ class TorchMemoryPool(MemoryPool):
             buf = Buffer(tensor=tensor, region=region)
             self._buffers[label] = buf
             return buf
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new zero-filled tensor (subclasses place the memory elsewhere)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=self.pinned)
 
     def buffers(self) -> dict[str, Buffer]:
         with self._lock:

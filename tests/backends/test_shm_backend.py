@@ -8,19 +8,15 @@ import numpy as np
 import pytest
 import torch
 
+from pdcore.builtin import shm_copy
 from pdcore.builtin.shm_backend import ShmTransferEngine
 from pdcore.builtin.shm_pool import ShmMemoryPool
 from pdcore.errors import TransferError
 from pdcore.interfaces.memory import PoolContext
-from pdcore.interfaces.transfer import BackendContext, CopyBatch, MemoryRegion, TransferStatus
+from pdcore.interfaces.transfer import BackendContext, MemoryRegion, TransferStatus
 from pdcore.testing.remote import ReceiverSpec, RemoteReceiver, sentinel
 
-REGION = 1 << 20
-
-
-def batch(src: list[int], dst: list[int], length: list[int]) -> CopyBatch:
-    u = np.uint64
-    return CopyBatch(np.array(src, dtype=u), np.array(dst, dtype=u), np.array(length, dtype=u))
+from .shm_util import REGION, batch, sending_engine
 
 
 def mapped_names() -> str:
@@ -39,15 +35,9 @@ def wait_until(cond, timeout: float = 5.0) -> bool:
 
 @pytest.fixture
 def sender():
-    pool = ShmMemoryPool(PoolContext(server_id="shmtest-p"))
-    buf = pool.allocate("src", (4 * REGION,), torch.uint8)
-    data = np.random.default_rng(1).integers(0, 256, 4 * REGION, dtype=np.uint8)
-    buf.tensor.copy_(torch.from_numpy(data))
-    eng = ShmTransferEngine(BackendContext(server_id="shmtest-p", thread_pool_size=4))
-    eng.register([buf.region])
-    yield eng, buf.region.addr, data
-    eng.close()
-    pool.close()
+    with sending_engine(ShmMemoryPool(PoolContext(server_id="shmtest-p")), "shmtest-p", 1,
+                        4) as s:
+        yield s
 
 
 @pytest.fixture
@@ -99,19 +89,23 @@ def test_split_across_workers_is_exact(sender) -> None:
         pool.close()
 
 
-def test_out_of_range_dst_rejected_nothing_written(sender, remote) -> None:
+@pytest.mark.parametrize("pool", ["shm", "thp"])  # segment mode, cma mode
+def test_out_of_range_dst_rejected_nothing_written(sender, pool) -> None:
+    if pool == "thp" and not shm_copy.cma_permitted()[0]:
+        pytest.skip(f"cma not permitted here: {shm_copy.cma_permitted()[1]}")
     eng, base, _ = sender
-    peer = eng.connect(remote.endpoint, remote.regions)
-    r0, r1 = remote.regions
-    res = eng.wait(eng.write(peer, batch([base, base], [r1.addr, r0.end - 10], [100, 11])))
-    assert res.status is TransferStatus.FAILED
-    assert "dst item 1" in res.reason and "nothing was copied" in res.reason
-    assert np.array_equal(remote.read(0), sentinel(4, 0, REGION))
-    assert np.array_equal(remote.read(1), sentinel(4, 1, REGION))
-    # a lying peer region bigger than its segment is refused at connect, before any write
-    lie = [MemoryRegion(r0.addr, 64 * REGION, r0.kind, name=r0.name)]
-    with pytest.raises(TransferError, match="does not fit"):
-        eng.connect(remote.endpoint, lie)
+    with RemoteReceiver(ReceiverSpec("shm", "", pool, "cpu", REGION, 2, seed=4)) as remote:
+        peer = eng.connect(remote.endpoint, remote.regions)
+        r0, r1 = remote.regions
+        res = eng.wait(eng.write(peer, batch([base, base], [r1.addr, r0.end - 10], [100, 11])))
+        assert res.status is TransferStatus.FAILED
+        assert "dst item 1" in res.reason and "nothing was copied" in res.reason
+        assert np.array_equal(remote.read(0), sentinel(4, 0, REGION))
+        assert np.array_equal(remote.read(1), sentinel(4, 1, REGION))
+        if pool == "shm":  # a lying peer region bigger than its segment: refused at connect
+            lie = [MemoryRegion(r0.addr, 64 * REGION, r0.kind, name=r0.name)]
+            with pytest.raises(TransferError, match="does not fit"):
+                eng.connect(remote.endpoint, lie)
 
 
 def test_other_host_refused_before_mapping(remote) -> None:
@@ -192,7 +186,6 @@ def test_copy_strategy_setting_is_validated() -> None:
 
     with pytest.raises(ConfigError, match="PDCORE_SHM_COPY"):
         ShmTransferEngine(BackendContext(env={"PDCORE_SHM_COPY": "fastest"}))
-    from pdcore.builtin import shm_copy
 
     eng = ShmTransferEngine(BackendContext())  # default: vm where the probe shows it works
     try:
