@@ -21,27 +21,23 @@ def model_dir(tmp_path_factory):
                            tokenizer_from=default_model_file(), max_positions=8192)
 
 
-def _shm_pool() -> str:
-    from pdcore.builtin.shm_copy import cma_permitted
-
-    return "thp" if cma_permitted()[0] else "shm"
-
-
-MODES = {"tcp": ("tcp", {}, None), "shm": ("shm", {}, _shm_pool),
-         "shm-segment": ("shm", {"PDCORE_SHM_MODE": "segment"}, lambda: "shm")}
+MODES = {"tcp": ("tcp", {}), "shm": ("shm", {}),
+         "shm-segment": ("shm", {"PDCORE_SHM_MODE": "segment"})}
 
 
 @pytest.fixture(params=list(MODES))
 def cluster(request, model_dir):
-    backend, env, pool = MODES[request.param]
+    from pdcore.builtin.shm_backend import preferred_pool
+
+    backend, env = MODES[request.param]
     if request.param == "shm-segment" and "client_disconnect" in request.node.name:
         pytest.skip("the data mover does not matter here; tcp and shm cover it")
     c = pd_faults.fault_cluster(backend, model_dir, env)
     try:
-        if pool is not None:  # the mode under test is the one the servers really run
+        if backend == "shm":  # the mode under test is the one the servers really run
             for s in (*c.prefills, *c.decodes):
                 info = httpx.get(s.url + "/server_info", timeout=10).json()
-                assert info["memory_pool"] == pool(), info["memory_pool"]
+                assert info["memory_pool"] == preferred_pool(env), info["memory_pool"]
         yield c
     finally:
         c.stop()
