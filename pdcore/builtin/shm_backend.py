@@ -409,6 +409,9 @@ class ShmTransferEngine(TransferEngine):
     def poll(self, handle: int) -> PollResult:
         return self._handles.poll(handle)
 
+    def wait(self, handle: int, timeout: float = 30.0) -> PollResult:
+        return self._handles.wait(handle, timeout)  # wakes when the copy finishes
+
     # -- shutdown ------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:

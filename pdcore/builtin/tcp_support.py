@@ -2,7 +2,8 @@
 
 - `RegionIndex`: vectorised bounds checks and address translation over a set of MemoryRegions
   (one numpy pass per batch, never a Python loop per copy);
-- `HandleTable`: integer handles over futures with the poll() contract (DONE/FAILED release);
+- `HandleTable`: integer handles over futures with the poll() contract (DONE/FAILED release)
+  and a wait() that wakes on completion;
 - `SharedExclusive`: a tiny shared/exclusive lock so memory is never unmapped or deregistered
   while a copy is still writing into it;
 - `read_timeout`: the PDCORE_*_TIMEOUT style settings, validated.
@@ -15,11 +16,19 @@ import itertools
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import wait as futures_wait
 
 import numpy as np
 
 from pdcore.errors import ConfigError
-from pdcore.interfaces.transfer import DONE, PENDING, MemoryRegion, PollResult, failed
+from pdcore.interfaces.transfer import (
+    DONE,
+    PENDING,
+    MemoryRegion,
+    PollResult,
+    TransferStatus,
+    failed,
+)
 
 # A single copy longer than this is refused outright: it keeps sums of up to 2**20 lengths far
 # below 2**64, so no check in this module can be fooled by unsigned wrap-around.
@@ -112,6 +121,18 @@ class HandleTable:
         except Exception as e:  # noqa: BLE001 - a worker's failure becomes the handle's reason
             return failed(f"{self._owner}: {e}")
         return result if isinstance(result, PollResult) else DONE
+
+    def wait(self, handle: int, timeout: float) -> PollResult:
+        """poll() as soon as the handle's job has finished (woken by its completion, no polling
+        delay), or FAILED 'timed out' after `timeout` seconds (the handle stays pending)."""
+        with self._lock:
+            job = self._jobs.get(handle)
+        if isinstance(job, Future):
+            futures_wait([job], timeout=max(0.0, timeout))
+        r = self.poll(handle)
+        if r.status is TransferStatus.PENDING:
+            return failed(f"{self._owner}: timed out after {timeout:g}s")
+        return r
 
     def pending_count(self) -> int:
         with self._lock:

@@ -118,17 +118,12 @@ class DecodeSession:
         handles = [backend.write(peer, b) for b in batch.split(backend.capabilities.max_batch)]
         deadline = time.monotonic() + timeout
         for h in handles:
-            delay = 5e-5
-            while True:
-                res = backend.poll(h)
-                if res.status is TransferStatus.DONE:
-                    break
-                if res.status is TransferStatus.FAILED:
-                    raise TransferError(res.reason or "backend reported failure")
-                if time.monotonic() > deadline:
-                    raise TransferError(f"write not done after {timeout:g}s")
-                time.sleep(delay)  # back off: 50us .. 2ms, cheap on a busy host
-                delay = min(delay * 2, 2e-3)
+            left = deadline - time.monotonic()
+            res = backend.wait(h, left) if left > 0 else backend.poll(h)
+            if res.status is TransferStatus.PENDING:
+                raise TransferError(f"write not done after {timeout:g}s")
+            if res.status is not TransferStatus.DONE:
+                raise TransferError(res.reason or "backend reported failure")
 
 
 def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes: int,

@@ -204,15 +204,22 @@ class TransferEngine(ABC):
     def close(self) -> None:
         """Release everything; idempotent."""
 
-    # Convenience for tests and benchmarks; the core never blocks like this on its hot path.
     def wait(self, handle: int, timeout: float = 30.0) -> PollResult:
+        """Block until the handle is DONE or FAILED, at most `timeout` seconds (then FAILED
+        'timed out'; the handle stays pending). The core's sender waits for its writes here.
+        This default polls, backing off from 50 us to 2 ms (cheap on a busy host, but it can
+        notice a finished copy up to 2 ms late); a backend whose copies finish on its own
+        threads overrides it to wake on completion."""
         import time
 
         deadline = time.monotonic() + timeout
+        delay = 5e-5
         while True:
             r = self.poll(handle)
             if r.status is not TransferStatus.PENDING:
                 return r
-            if time.monotonic() > deadline:
-                return failed(f"timed out after {timeout}s")
-            time.sleep(0.0002)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return failed(f"timed out after {timeout:g}s")
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 2e-3)

@@ -113,3 +113,22 @@ def test_budget_times_out_when_full() -> None:
     assert budget.acquire("b", 10, timeout=0.1)  # other peers are independent
     budget.release("a", 10)
     assert budget.acquire("a", 5, timeout=0.1)
+
+
+def test_wait_wakes_on_the_task_and_times_out_leaving_it_pending() -> None:
+    w = TransferWorkers(thread_pool_size=1, queue_size=1)
+    gate = threading.Event()
+    try:
+        h = w.submit("p", lambda: None if gate.wait(5) else "gate")
+        r = w.wait(h, 0.05)
+        assert r.status is TransferStatus.FAILED and "timed out" in r.reason
+        assert w.poll(h).status is TransferStatus.PENDING  # still running, still ours
+        threading.Timer(0.05, gate.set).start()
+        assert w.wait(h, 10).status is TransferStatus.DONE
+        r = w.wait(w.submit("p", lambda: "peer refused"), 10)
+        assert r.status is TransferStatus.FAILED and r.reason == "peer refused"
+        with pytest.raises(TransferError, match="unknown transfer handle"):
+            w.wait(h, 1)  # DONE released it, as poll() does
+    finally:
+        gate.set()
+        w.close()

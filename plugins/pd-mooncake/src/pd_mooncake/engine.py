@@ -263,6 +263,9 @@ class MooncakeEngine(TransferEngine):
     def poll(self, handle: int) -> PollResult:
         return self._workers.poll(handle)
 
+    def wait(self, handle: int, timeout: float = 30.0) -> PollResult:
+        return self._workers.wait(handle, timeout)  # wakes when the batch finishes
+
     def close(self) -> None:
         if self._engine is None:
             return

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdcore.errors import TransferError
-from pdcore.interfaces.transfer import DONE, PENDING, PollResult, failed
+from pdcore.interfaces.transfer import DONE, PENDING, PollResult, TransferStatus, failed
 
 log = logging.getLogger("pd_mooncake")
 
@@ -136,6 +136,18 @@ class TransferWorkers:
                 return PENDING
             del self._tasks[handle]
         return DONE if task.reason is None else failed(task.reason)
+
+    def wait(self, handle: int, timeout: float) -> PollResult:
+        """poll() as soon as the task has finished (woken by it), or FAILED 'timed out' after
+        `timeout` seconds (the handle stays pending)."""
+        with self._lock:
+            task = self._tasks.get(handle)
+        if task is not None:
+            task.done.wait(max(0.0, timeout))
+        r = self.poll(handle)
+        if r.status is TransferStatus.PENDING:
+            return failed(f"mooncake: timed out after {timeout:g}s")
+        return r
 
     def pending(self) -> int:
         with self._lock:
