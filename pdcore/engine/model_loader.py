@@ -53,12 +53,27 @@ def load_config(resolved: ResolvedModel, trust_remote_code: bool = False) -> Any
     return cfg
 
 
+def _thread_local_progress_lock() -> None:
+    """tqdm guards its bars with a multiprocessing lock by default. In our spawned engine and
+    rank processes that is a named POSIX semaphore (/dev/shm/sem.mp-*) that only the process's
+    resource tracker removes, so every SIGKILLed server left one behind. Our bars are never
+    shared between processes: a thread lock does."""
+    import threading
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # transformers without tqdm: no bars, no lock
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                tp: TPInfo | None = None, trust_remote_code: bool = False,
                ) -> tuple[LlamaForCausalLM, Any, ResolvedModel]:
     """Our model with weights loaded (progress bars come from transformers)."""
     from transformers import AutoModelForCausalLM
 
+    _thread_local_progress_lock()
     resolved = converted(resolve_model(model_path))  # a GGUF file: its cached HF conversion
     cfg = load_config(resolved, trust_remote_code)
     log.info("loading %s (%s) as %s", resolved.display_path, cfg.architectures[0], dtype)

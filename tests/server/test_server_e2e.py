@@ -249,3 +249,17 @@ def test_admin_routes_on_real_engine(real_server, client, pages):
     assert client.post("/flush_cache").status_code == 200
     m = client.get("/metrics").text
     assert "pdserve_kv_pages_free " in m and "pdserve_scheduler_steps_total" in m
+
+
+def test_killed_server_leaves_no_semaphore_behind(tiny_llama_dir: Path) -> None:
+    """A SIGKILLed server (and its scheduler) leaves nothing in /dev/shm: loading the model used
+    to create tqdm's multiprocessing lock, a named semaphore only a clean exit removes."""
+    shm = Path("/dev/shm")
+    before = {p.name for p in shm.glob("sem.mp-*")}
+    server = ServerProcess("--model-path", str(tiny_llama_dir), "--log-level", "warning")
+    try:
+        server.wait_healthy(timeout=240)
+    finally:
+        server.kill()
+    left = {p.name for p in shm.glob("sem.mp-*")} - before
+    assert not left, f"the killed server left {sorted(left)} in /dev/shm"
