@@ -7,10 +7,14 @@ Lifecycle:
    by the core's DefaultPlanner (page runs consecutive on both sides are coalesced);
 2. every selected case in CASES starts (each owns its peer process): raw loopback socket, the
    tcp backend, single-threaded memcpy, the shm backend (default mode: cma into the thp pool
-   where permitted; segment mode; segment mode with memmove copies). A backend adds one `bench_<name>`
-   function (usually an EngineCase, see transfer_harness.py) and its entry in CASES / RATIOS;
+   where permitted; segment mode; segment mode with memmove copies). An engine case reads from
+   and writes into the memory pools a server running that backend allocates (stored under
+   "pools"); the two limits give each workload its own bytes, so no workload finds another's
+   in cache. A backend adds one `bench_<name>` function (usually an EngineCase, see
+   transfer_harness.py) and its entry in CASES / RATIOS;
 3. repetitions alternate between cases (shuffled order per repetition), after one warm-up
-   repetition whose destination bytes are verified;
+   repetition whose destination bytes are verified; `--burst N` runs N transfers back to back
+   per turn (a busy server) instead of one (the verdict: each case's memory idle meanwhile);
 4. median seconds -> GB/s, the RATIOS against their targets (the verdict: ratio of the medians;
    also shown: the median of per-repetition ratios and the best-of-N ratio);
    bench/results/transfer.json and bench/results/transfer.png.
@@ -51,15 +55,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def bench_raw_socket(env: Env) -> Case:
-    return RawSocketCase(env.max_bytes)
+    return RawSocketCase(env.baseline_bytes)
 
 
 def bench_memcpy(env: Env) -> Case:
-    return MemcpyCase(env.max_bytes)
+    return MemcpyCase(env.baseline_bytes)
 
 
+# Each engine case reads from and writes into the memory pools that servers running that
+# backend allocate: the default `torch` pool for tcp, the shm backend's preferred pool for shm.
 def bench_tcp(env: Env) -> Case:
-    return EngineCase("tcp", "pdcore.builtin.tcp_backend:TcpTransferEngine", "host", env.src,
+    return EngineCase("tcp", "pdcore.builtin.tcp_backend:TcpTransferEngine", "torch", "torch",
                       env.pool_pages)
 
 
@@ -67,20 +73,21 @@ def bench_shm(env: Env) -> Case:
     """shm as servers run it by default: cma mode into the thp pool where permitted."""
     from pdcore.builtin.shm_backend import preferred_pool
 
-    return EngineCase("shm", "pdcore.builtin.shm_backend:ShmTransferEngine",
-                      preferred_pool(os.environ), env.src, env.pool_pages)
+    pool = preferred_pool(os.environ)
+    return EngineCase("shm", "pdcore.builtin.shm_backend:ShmTransferEngine", pool, pool,
+                      env.pool_pages)
 
 
 def bench_shm_segment(env: Env) -> Case:
     """shm's segment mode (PDCORE_SHM_MODE=segment): the peer's KV in POSIX shared memory."""
     return EngineCase("shm_segment", "pdcore.builtin.shm_backend:ShmTransferEngine", "shm",
-                      env.src, env.pool_pages)
+                      "shm", env.pool_pages)
 
 
 def bench_shm_memmove(env: Env) -> Case:
     """Segment mode with PDCORE_SHM_COPY=memmove (where process_vm_writev is forbidden)."""
     return EngineCase("shm_memmove", "pdcore.builtin.shm_backend:ShmTransferEngine", "shm",
-                      env.src, env.pool_pages, env={"PDCORE_SHM_COPY": "memmove"})
+                      "shm", env.pool_pages, env={"PDCORE_SHM_COPY": "memmove"})
 
 
 # name -> factory. Other backends add one function each (e.g. "mooncake": bench_mooncake).
@@ -120,7 +127,10 @@ _add_vendor_cases()
 
 
 # -- driver ------------------------------------------------------------------------------------
-def measure(cases: dict[str, Case], loads: list[Workload], reps: int) -> dict:
+def measure(cases: dict[str, Case], loads: list[Workload], reps: int, burst: int = 1) -> dict:
+    """Median seconds per case and workload. Each turn of a case runs `burst` transfers back to
+    back (1: the verdict's protocol, where a case's memory has been idle while the other cases
+    ran; more: a busy server's, whose pages and page-table entries are still in cache)."""
     times: dict[str, dict[str, list[float]]] = {w.name: {c: [] for c in cases} for w in loads}
     order = list(cases)
     rng = random.Random(1)
@@ -132,7 +142,8 @@ def measure(cases: dict[str, Case], loads: list[Workload], reps: int) -> dict:
         rng.shuffle(order)
         for w in loads:
             for c in order:
-                times[w.name][c].append(cases[c].run(w))
+                for _ in range(burst):
+                    times[w.name][c].append(cases[c].run(w))
     out = {}
     for w in loads:
         nbytes = workload_bytes(w)
@@ -200,18 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES),
                     help=f"comma-separated, from: {', '.join(CASES)}")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--burst", type=int, default=1,
+                    help="transfers per turn of a case, back to back (default 1)")
     ap.add_argument("--out", default=str(RESULTS / "transfer.json"))
     args = ap.parse_args(argv)
     names = [c for c in args.cases.split(",") if c]
     unknown = [c for c in names if c not in CASES]
-    if unknown or args.reps < 1:
-        print(f"unknown cases {unknown}; known: {', '.join(CASES)} (and --reps >= 1)",
+    if unknown or args.reps < 1 or args.burst < 1:
+        print(f"unknown cases {unknown}; known: {', '.join(CASES)} (and --reps, --burst >= 1)",
               file=sys.stderr)
         return 2
     load_start = os.getloadavg()  # other work on the machine: the main source of noise
     loads = workloads(args.pool_pages, [int(x) for x in args.prompts.split(",")], args.seed)
     env = Env(HostKV(args.pool_pages, fill=True), args.pool_pages,
-              max(workload_bytes(w) for w in loads))
+              sum(workload_bytes(w) for w in loads))
     src_layout = layout(*env.src.bases(), args.pool_pages)
     for w in loads:
         w.copies = len(DefaultPlanner().plan(src_layout, src_layout, w.src_pages, w.dst_pages))
@@ -219,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for c in names:
             cases[c] = CASES[c](env)
-        results = measure(cases, loads, args.reps)
+        pools = {c: case.pools for c, case in cases.items() if hasattr(case, "pools")}
+        results = measure(cases, loads, args.reps, args.burst)
     finally:
         for c in cases.values():
             c.close()
@@ -237,16 +251,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"model": MODEL | {"item_len": item_len()}, "pool_pages": args.pool_pages,
-           "reps": args.reps, "seed": args.seed,
+           "reps": args.reps, "burst": args.burst, "seed": args.seed,
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                        "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
                        "platform": platform.platform()},
-           "results": results, "ratios": rat}
+           "pools": pools, "results": results, "ratios": rat}
     out.write_text(json.dumps(doc, indent=1))
     m = doc["machine"]
     plot(results, rat, out.with_suffix(".png"),
          f"{m['cpus']} CPUs, load average {m['loadavg_start'][0]:.1f} -> "
-         f"{m['loadavg_end'][0]:.1f}; median of {args.reps} alternating repetitions")
+         f"{m['loadavg_end'][0]:.1f}; median of {args.reps} alternating repetitions"
+         + (f" of {args.burst} back-to-back transfers" if args.burst > 1 else ""))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

@@ -1,10 +1,13 @@
 """Machinery of bench/transfer.py: the KV layout, workloads, and the measured cases.
 
-- `HostKV`: the SmolLM2-135M KV pool (per layer a K and a V buffer) in ordinary memory;
+- `HostKV` / `PoolKV`: the SmolLM2-135M KV pool (per layer a K and a V buffer) in ordinary
+  numpy memory, or from a pdserve memory pool (`torch`, `thp`, `shm`) as a server holds it;
 - `EngineCase`: a TransferEngine here writing into the same engine class in a spawned peer
-  process that owns the destination pool (`host` numpy buffers, or the `shm` / `thp` memory
-  pool);
-  one transfer = write(planned batch) + poll until DONE; verify() compares pages byte for byte;
+  process that owns the destination pool; each side's pool is the one a server running that
+  backend allocates (the vendor cases keep numpy memory, shared with their direct-API
+  baselines);
+  one transfer = write(planned batch) + wait() until DONE, as the core's sender does; verify()
+  compares pages byte for byte;
 - `RawSocketCase` / `MemcpyCase`: the limits (one contiguous sendall to another process, one
   single-threaded memcpy) for the same number of bytes.
 """
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
-import os
 import random
 import socket
 import time
@@ -36,7 +38,7 @@ from pdcore.interfaces.transfer import (
 )
 from pdcore.plugins.lazy import load
 
-POLL_S = float(os.environ.get("BENCH_POLL_S", "2e-4"))  # poll period of run(), as a core loop
+WAIT_S = 120.0  # bound of one transfer's wait
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; float32 on CPU; page_size 16.
 MODEL = {"num_layers": 30, "kv_heads": 3, "head_dim": 64, "elem_size": 4, "page_size": 16}
 
@@ -72,59 +74,91 @@ def workloads(pool_pages: int, prompts: list[int], seed: int) -> list[Workload]:
     return out
 
 
-class HostKV:
-    """Per layer a K and a V buffer in ordinary process memory (numpy), pre-touched."""
+class KV:
+    """Per layer a K and a V buffer of `pool_pages` pages; `regions` in that order."""
 
-    def __init__(self, pool_pages: int, fill: bool) -> None:
-        size = pool_pages * item_len()
-        self.arrays = [np.zeros(size, dtype=np.uint8) for _ in range(2 * MODEL["num_layers"])]
-        for i, a in enumerate(self.arrays):
-            # distinct, cheap content (fill) or zeros written once so every page is resident
-            a.view(np.uint64)[:] = np.arange(i << 40, (i << 40) + size // 8, dtype=np.uint64) \
-                if fill else 0
-        self.regions = [MemoryRegion(a.ctypes.data, a.nbytes, name=f"kv{i}")
-                        for i, a in enumerate(self.arrays)]
+    regions: list[MemoryRegion]
 
     def bases(self) -> tuple[list[int], list[int]]:
         n = MODEL["num_layers"]
         return [r.addr for r in self.regions[:n]], [r.addr for r in self.regions[n:]]
 
     def page(self, buffer: int, page: int) -> bytes:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _content(buffer: int, size: int) -> np.ndarray:
+    """Distinct, cheap bytes of one source buffer (uint64 counters), so verify() sees misplaced
+    pages."""
+    return np.arange(buffer << 40, (buffer << 40) + size // 8, dtype=np.uint64)
+
+
+class HostKV(KV):
+    """The pool in ordinary process memory (numpy), pre-touched."""
+
+    def __init__(self, pool_pages: int, fill: bool) -> None:
+        size = pool_pages * item_len()
+        self.arrays = [np.zeros(size, dtype=np.uint8) for _ in range(2 * MODEL["num_layers"])]
+        for i, a in enumerate(self.arrays):
+            # distinct content (fill) or zeros written once so every page is resident
+            a.view(np.uint64)[:] = _content(i, size) if fill else 0
+        self.regions = [MemoryRegion(a.ctypes.data, a.nbytes, name=f"kv{i}")
+                        for i, a in enumerate(self.arrays)]
+
+    def page(self, buffer: int, page: int) -> bytes:
         il = item_len()
         return self.arrays[buffer][page * il:(page + 1) * il].tobytes()
+
+
+class PoolKV(KV):
+    """The pool allocated from a pdserve memory pool (`torch`, `thp`, `shm`, ...), as a server
+    started with that pool holds its KV; every page resident."""
+
+    def __init__(self, kind: str, pool_pages: int, fill: bool, server_id: str) -> None:
+        import torch
+
+        from pdcore.interfaces.memory import PoolContext
+        from pdcore.plugins.host import memory_pools
+
+        self.pool = memory_pools().create(kind, PoolContext(server_id=server_id))
+        size = pool_pages * item_len()
+        self.bufs = [self.pool.allocate(f"kv{i}", (size,), torch.uint8)
+                     for i in range(2 * MODEL["num_layers"])]
+        for i, b in enumerate(self.bufs):
+            if fill:
+                b.tensor.numpy().view(np.uint64)[:] = _content(i, size)
+            else:
+                b.tensor.fill_(1)  # resident, as in a warmed-up server
+        self.regions = [b.region for b in self.bufs]
+
+    def page(self, buffer: int, page: int) -> bytes:
+        il = item_len()
+        return self.bufs[buffer].tensor[page * il:(page + 1) * il].numpy().tobytes()
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 # -- peer process of the engine cases ----------------------------------------------------------
 def _peer_main(conn: Connection, engine_path: str, pool_kind: str, pool_pages: int,
                env: dict[str, str]) -> None:
+    kv: KV | None = None
     try:
         server_id = f"bench-{uuid.uuid4().hex[:8]}"
-        pool = None
-        if pool_kind in ("shm", "thp"):  # a pdserve memory pool, as a server would use
-            import torch
-
-            from pdcore.interfaces.memory import PoolContext
-            from pdcore.plugins.host import memory_pools
-
-            pool = memory_pools().create(pool_kind, PoolContext(server_id=server_id))
-            bufs = [pool.allocate(f"kv{i}", (pool_pages * item_len(),), torch.uint8)
-                    for i in range(2 * MODEL["num_layers"])]
-            for b in bufs:
-                b.tensor.fill_(1)  # make every page resident, as in a warmed-up server
-            regions = [b.region for b in bufs]
-
-            def page(buffer: int, p: int) -> bytes:
-                il = item_len()
-                return bufs[buffer].tensor[p * il:(p + 1) * il].numpy().tobytes()
-        else:
-            kv = HostKV(pool_pages, fill=False)
-            regions, page = kv.regions, kv.page
+        kv = HostKV(pool_pages, fill=False) if pool_kind == "host" else \
+            PoolKV(pool_kind, pool_pages, fill=False, server_id=server_id)
+        regions, page = kv.regions, kv.page
         engine: TransferEngine = load(engine_path)(
             BackendContext(role="decode", server_id=server_id, env=env))
         engine.register(regions)
         conn.send(("ready", engine.endpoint(), [r.to_dict() for r in regions]))
     except BaseException:  # noqa: BLE001 - any start-up failure goes back to the parent
         conn.send(("error", traceback.format_exc()))
+        if kv is not None:
+            kv.close()
         return
     while True:
         try:
@@ -136,8 +170,7 @@ def _peer_main(conn: Connection, engine_path: str, pool_kind: str, pool_pages: i
         else:
             break
     engine.close()
-    if pool is not None:
-        pool.close()
+    kv.close()
 
 
 def _spawn(target: Callable, *args: object) -> tuple[multiprocessing.Process, Connection]:
@@ -170,21 +203,35 @@ class Case:
 class EngineCase(Case):
     """A transfer engine in this process writing into the same engine in a peer process."""
 
-    def __init__(self, name: str, engine_path: str, pool_kind: str, src: HostKV,
+    def __init__(self, name: str, engine_path: str, pool_kind: str, src: KV | str,
                  pool_pages: int, env: dict[str, str] | None = None) -> None:
-        self.name, self.src, self.pool_pages = name, src, pool_pages
+        """`pool_kind`: the peer's pool (`host` or a pdserve memory pool); `src`: the pool this
+        side reads from, or the name of a pdserve memory pool to allocate it from (owned and
+        closed by this case)."""
+        self.name, self.pool_pages = name, pool_pages
+        self.pools = {"src": src if isinstance(src, str) else "host", "dst": pool_kind}
+        self._own_src = isinstance(src, str)
+        self.src: KV = PoolKV(src, pool_pages, fill=True, server_id=f"bench-{name}-src") \
+            if isinstance(src, str) else src
         env = dict(env or {})
-        self.proc, self.conn = _spawn(_peer_main, engine_path, pool_kind, pool_pages, env)
-        msg = self.conn.recv()
+        try:
+            self.proc, self.conn = _spawn(_peer_main, engine_path, pool_kind, pool_pages, env)
+            msg = self.conn.recv()
+        except BaseException:
+            if self._own_src:
+                self.src.close()
+            raise
         if msg[0] != "ready":
+            if self._own_src:
+                self.src.close()
             raise RuntimeError(f"{name} peer failed:\n{msg[1]}")
         regions = [MemoryRegion.from_dict(d) for d in msg[2]]
         self.engine: TransferEngine = load(engine_path)(
             BackendContext(role="prefill", server_id=f"bench-{name}", env=env))
-        self.engine.register(src.regions)
+        self.engine.register(self.src.regions)
         self.peer = self.engine.connect(msg[1], regions)
         n = MODEL["num_layers"]
-        self.src_layout = layout(*src.bases(), pool_pages)
+        self.src_layout = layout(*self.src.bases(), pool_pages)
         self.dst_layout = layout([r.addr for r in regions[:n]], [r.addr for r in regions[n:]],
                                  pool_pages)
         self._batches: dict[str, CopyBatch] = {}
@@ -198,9 +245,7 @@ class EngineCase(Case):
     def run(self, w: Workload) -> float:
         b = self.batch(w)
         t0 = time.perf_counter()
-        h = self.engine.write(self.peer, b)
-        while (r := self.engine.poll(h)).status is TransferStatus.PENDING:
-            time.sleep(POLL_S)
+        r = self.engine.wait(self.engine.write(self.peer, b), WAIT_S)  # as the core's sender
         dt = time.perf_counter() - t0
         if r.status is not TransferStatus.DONE:
             raise RuntimeError(f"{self.name}: transfer failed: {r.reason}")
@@ -225,6 +270,8 @@ class EngineCase(Case):
         self.proc.join(30)
         if self.proc.is_alive():
             self.proc.kill()
+        if self._own_src:
+            self.src.close()
 
 
 def _raw_peer_main(conn: Connection, nbytes: int) -> None:
@@ -236,17 +283,37 @@ def _raw_peer_main(conn: Connection, nbytes: int) -> None:
     conn.send(("ready", srv.getsockname()[1]))
     c, _ = srv.accept()
     tune(c)
-    head = bytearray(8)
+    head = bytearray(16)
     while True:
-        if c.recv_into(head, 8, socket.MSG_WAITALL) != 8:
+        if c.recv_into(head, 16, socket.MSG_WAITALL) != 16:
             break
-        n, got = int.from_bytes(head, "little"), 0
+        at, n = int.from_bytes(head[:8], "little"), int.from_bytes(head[8:], "little")
+        got = 0
         while got < n:
-            k = c.recv_into(view[got:n])
+            k = c.recv_into(view[at + got:at + n])
             if not k:
                 return
             got += k
         c.sendall(b"k")
+
+
+class _Regions:
+    """Each workload's own bytes in a limit case's buffers (disjoint, allocated on first use):
+    a workload's bytes are then as cold as an engine case's pages are. Sharing a prefix would
+    let the small workload find its bytes in cache after the big one touched them."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._at: dict[str, int] = {}
+        self._next = 0
+
+    def offset(self, w: Workload) -> int:
+        if w.name not in self._at:
+            n = workload_bytes(w)
+            if self._next + n > self.nbytes:
+                raise ValueError(f"{self.nbytes}-byte buffers cannot hold workload {w.name}")
+            self._at[w.name], self._next = self._next, self._next + n
+        return self._at[w.name]
 
 
 class RawSocketCase(Case):
@@ -254,21 +321,22 @@ class RawSocketCase(Case):
 
     name = "raw_socket"
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, nbytes: int) -> None:
         from pdcore.builtin.tcp_wire import tune
 
-        self.buf = np.ones(max_bytes, dtype=np.uint8)
-        self.proc, conn = _spawn(_raw_peer_main, max_bytes)
+        self.buf = np.ones(nbytes, dtype=np.uint8)
+        self.regions = _Regions(nbytes)
+        self.proc, conn = _spawn(_raw_peer_main, nbytes)
         _, port = conn.recv()
         self.conn = conn
         self.sock = socket.create_connection(("127.0.0.1", port))
         tune(self.sock)
 
     def run(self, w: Workload) -> float:
-        n = workload_bytes(w)
+        n, at = workload_bytes(w), self.regions.offset(w)
         t0 = time.perf_counter()
-        self.sock.sendall(n.to_bytes(8, "little"))
-        self.sock.sendall(memoryview(self.buf)[:n])
+        self.sock.sendall(at.to_bytes(8, "little") + n.to_bytes(8, "little"))
+        self.sock.sendall(memoryview(self.buf)[at:at + n])
         if self.sock.recv(1) != b"k":
             raise RuntimeError("raw socket peer went away")
         return time.perf_counter() - t0
@@ -285,14 +353,15 @@ class MemcpyCase(Case):
 
     name = "memcpy"
 
-    def __init__(self, max_bytes: int) -> None:
-        self.a = np.ones(max_bytes, dtype=np.uint8)
-        self.b = np.ones(max_bytes, dtype=np.uint8)
+    def __init__(self, nbytes: int) -> None:
+        self.a = np.ones(nbytes, dtype=np.uint8)
+        self.b = np.ones(nbytes, dtype=np.uint8)
+        self.regions = _Regions(nbytes)
 
     def run(self, w: Workload) -> float:
-        n = workload_bytes(w)
+        n, at = workload_bytes(w), self.regions.offset(w)
         t0 = time.perf_counter()
-        ctypes.memmove(self.b.ctypes.data, self.a.ctypes.data, n)
+        ctypes.memmove(self.b.ctypes.data + at, self.a.ctypes.data + at, n)
         return time.perf_counter() - t0
 
 
@@ -302,8 +371,8 @@ def workload_bytes(w: Workload) -> int:
 
 @dataclass
 class Env:
-    src: HostKV
+    src: HostKV  # numpy source of the layout and the vendor cases
     pool_pages: int
-    max_bytes: int
+    baseline_bytes: int  # the limit cases' buffers: every workload's bytes, side by side
 
 

@@ -41,3 +41,29 @@ def test_engine_throughput_quick_writes_results(tiny_llama_dir: Path, tmp_path: 
         agree = data["output_agreement_with_transformers"]["pdserve"][batch]
         assert agree["of"] == int(batch) and 0 <= agree["identical"] <= agree["of"]
     assert "RATIO" in proc.stdout
+
+
+def test_transfer_bench_small_run_verifies_bytes_and_writes_results(tmp_path: Path) -> None:
+    """bench/transfer.py on a small pool: every case's warm-up transfer is checked byte for byte
+    (a wrong page exits non-zero), each side's pool is the one named in the JSON, and every
+    ratio is the ratio of the stored medians."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "transfer.json"
+    cases = ["raw_socket", "tcp", "memcpy", "shm", "shm_segment"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transfer.py"), "--reps", "1", "--prompts",
+         "64,256", "--pool-pages", "64", "--cases", ",".join(cases), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert set(data["pools"]) == {"tcp", "shm", "shm_segment"}
+    assert data["pools"]["tcp"] == {"src": "torch", "dst": "torch"}
+    assert data["pools"]["shm_segment"] == {"src": "shm", "dst": "shm"}
+    for w in ("64_tokens", "256_tokens"):
+        r = data["results"][w]
+        assert list(r["cases"]) == cases
+        assert all(c["median_s"] > 0 for c in r["cases"].values())
+        for name, v in data["ratios"][w].items():
+            a, b = name.split("/")
+            assert abs(v["value"] - r["cases"][b]["median_s"] / r["cases"][a]["median_s"]) < 1e-9
