@@ -15,7 +15,8 @@ bytes moved with the vendor library's batch API called directly, in the same run
 Run: `python bench/transfer.py --pool-pages 512 --cases mooncake,mooncake_direct,nixl,nixl_direct,nixl_prepped`
 (bench/results/transfer_vendors.json), and Mooncake alone, with fewer processes sharing the cores:
 `python bench/transfer.py --pool-pages 512 --reps 21 --cases mooncake,mooncake_direct
---out bench/results/transfer_mooncake.json`.
+--out bench/results/transfer_mooncake.json`. Both stored runs predate `--burst` and ran one
+transfer per turn (`--burst 1`, `--reps 11` for the first).
 """
 
 from __future__ import annotations
