@@ -209,22 +209,20 @@ class EngineCase(Case):
         side reads from, or the name of a pdserve memory pool to allocate it from (owned and
         closed by this case)."""
         self.name, self.pool_pages = name, pool_pages
-        self.pools = {"src": src if isinstance(src, str) else "host", "dst": pool_kind}
         self._own_src = isinstance(src, str)
+        self.pools = {"src": src if self._own_src else "host", "dst": pool_kind}
         self.src: KV = PoolKV(src, pool_pages, fill=True, server_id=f"bench-{name}-src") \
-            if isinstance(src, str) else src
+            if self._own_src else src
         env = dict(env or {})
         try:
             self.proc, self.conn = _spawn(_peer_main, engine_path, pool_kind, pool_pages, env)
             msg = self.conn.recv()
+            if msg[0] != "ready":
+                raise RuntimeError(f"{name} peer failed:\n{msg[1]}")
         except BaseException:
             if self._own_src:
                 self.src.close()
             raise
-        if msg[0] != "ready":
-            if self._own_src:
-                self.src.close()
-            raise RuntimeError(f"{name} peer failed:\n{msg[1]}")
         regions = [MemoryRegion.from_dict(d) for d in msg[2]]
         self.engine: TransferEngine = load(engine_path)(
             BackendContext(role="prefill", server_id=f"bench-{name}", env=env))

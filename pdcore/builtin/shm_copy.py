@@ -84,11 +84,6 @@ def writev(local: np.ndarray, remote: np.ndarray, pid: int = 0) -> None:
                                + (f": {os.strerror(err)}" if err else ""))
 
 
-def copy_vm(dst: np.ndarray, src: np.ndarray, length: np.ndarray, pid: int = 0) -> None:
-    """Copy local `src` items to `dst` items of process `pid` (0: this process)."""
-    writev(*iovecs(dst, src, length), pid=pid)
-
-
 def read_word(pid: int, addr: int, nbytes: int = 16) -> bytes:
     """`nbytes` at `addr` in process `pid`; OSError(errno) when the kernel refuses (ESRCH: no such
     process, EFAULT: not mapped there, EPERM: no ptrace access)."""
@@ -122,14 +117,16 @@ def vm_works() -> bool:
     b = np.zeros(64, dtype=np.uint8)
     u = np.uint64
     try:
-        copy_vm(np.array([b.ctypes.data], u), np.array([a.ctypes.data], u), np.array([64], u))
+        writev(*iovecs(np.array([b.ctypes.data], u), np.array([a.ctypes.data], u),
+                       np.array([64], u)))
     except OSError:
         return False
     return bool((a == b).all())
 
 
 def pick(strategy: str):
-    """(name, copy function `f(local_iov, remote_iov)`, see `writev`) for a PDCORE_SHM_COPY value ('' = vm if permitted, else memmove)."""
+    """(name, copy function `f(local_iov, remote_iov)` like `writev`) for a PDCORE_SHM_COPY
+    value ('' = vm if permitted, else memmove)."""
     strategy = (strategy or "").strip().lower()
     if not strategy:
         return ("vm", writev) if vm_works() else ("memmove", memmove_iov)

@@ -53,7 +53,7 @@ def load_config(resolved: ResolvedModel, trust_remote_code: bool = False) -> Any
     return cfg
 
 
-def _thread_local_progress_lock() -> None:
+def _progress_bars_on_a_thread_lock() -> None:
     """tqdm guards its bars with a multiprocessing lock by default. In our spawned engine and
     rank processes that is a named POSIX semaphore (/dev/shm/sem.mp-*) that only the process's
     resource tracker removes, so every SIGKILLed server left one behind. Our bars are never
@@ -73,7 +73,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     """Our model with weights loaded (progress bars come from transformers)."""
     from transformers import AutoModelForCausalLM
 
-    _thread_local_progress_lock()
+    _progress_bars_on_a_thread_lock()
     resolved = converted(resolve_model(model_path))  # a GGUF file: its cached HF conversion
     cfg = load_config(resolved, trust_remote_code)
     log.info("loading %s (%s) as %s", resolved.display_path, cfg.architectures[0], dtype)
