@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,42 @@ from pdcore.up import server_threads
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+LOWEST_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, for a server started later. Taken below the kernel's
+    ephemeral range: a port from bind(0) comes from that range, and between this check and the
+    server's bind the kernel may give it to any outgoing connection (a 2P2D test once lost its
+    bootstrap port that way). Never the same port twice in one process."""
+    low = _ephemeral_low()
+    with _PORTS_LOCK:
+        for _ in range(200 if low > LOWEST_PORT + 1000 else 0):
+            port = random.randrange(LOWEST_PORT, low)
+            if port in _PORTS_GIVEN:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _PORTS_GIVEN.add(port)
+            return port
+        with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        _PORTS_GIVEN.add(port)
+        return port
 
 
 class ServerProcess:

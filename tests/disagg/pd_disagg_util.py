@@ -7,7 +7,6 @@ manager and answers commands over a Pipe, so tests can kill it like a crashed se
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +21,7 @@ from pdcore.disagg.prefill import PrefillKVManager
 from pdcore.interfaces.memory import Buffer, MemoryPool
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
+from pdcore.testing.processes import free_port  # noqa: F401 - the tests import it from here
 
 LAYERS, PAGES, PAGE_SIZE, HEADS, DIM = 4, 32, 4, 2, 8
 FAST_ENV = {
@@ -34,12 +34,6 @@ FAST_ENV = {
     "SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL": "30",
     "PDCORE_TCP_TIMEOUT": "5",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:

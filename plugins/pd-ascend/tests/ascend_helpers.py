@@ -18,16 +18,12 @@ from contextlib import contextmanager
 
 import pytest
 
+from pdcore.testing.processes import free_port
+
 HAS_MEMFABRIC = importlib.util.find_spec("memfabric_hybrid") is not None
 needs_memfabric = pytest.mark.skipif(not HAS_MEMFABRIC,
                                      reason="memfabric-hybrid not installed (pip install "
                                             "memfabric-hybrid)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def clean_env(**extra: str) -> dict[str, str]:

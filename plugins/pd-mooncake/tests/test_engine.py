@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Iterator
 
@@ -24,6 +23,7 @@ from pdcore.interfaces.transfer import (
     TransferStatus,
 )
 from pdcore.plugins.host import memory_pools
+from pdcore.testing.processes import free_port
 
 
 def engine(env: dict[str, str] | None = None, **ctx: object) -> MooncakeEngine:
@@ -32,12 +32,6 @@ def engine(env: dict[str, str] | None = None, **ctx: object) -> MooncakeEngine:
 
 def region(buf: np.ndarray, kind: MemoryKind = MemoryKind.HOST) -> MemoryRegion:
     return MemoryRegion(addr=buf.ctypes.data, length=buf.nbytes, kind=kind)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

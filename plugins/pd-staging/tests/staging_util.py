@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +17,7 @@ from pdcore.disagg.prefill import PrefillKVManager
 from pdcore.interfaces.memory import Buffer, MemoryPool
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
+from pdcore.testing.processes import free_port  # noqa: F401 - the tests import it from here
 
 LAYERS, PAGES, PAGE_SIZE, DIM = 3, 64, 4, 8
 FAST_ENV = {
@@ -31,12 +31,6 @@ FAST_ENV = {
     "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB": "1",
     "SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
