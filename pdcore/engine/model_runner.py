@@ -12,6 +12,7 @@ rank's scheduler advances identically.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,9 @@ from pdcore.engine.kv_cache import KVCache
 from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.models.llama import ForwardBatch, SeqSpan
 from pdcore.engine.request import Req
-from pdcore.engine.sampler import logprob_entry, sample
+from pdcore.engine.sampler import RowError, logprob_entry, row_error, sample
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +35,12 @@ class StepResult:
     token: int | None = None  # sampled when the request reached the end of its sequence
     logprob: LogprobEntry | None = None
     prompt_logprobs: list[LogprobEntry] | None = None
+    error: RowError | None = None  # (message, HTTP status): this request failed in this step
+
+
+class RankDivergedError(RuntimeError):
+    """This TP rank failed a step that rank 0 completed: the shards disagree, so the rank must
+    leave the group (which fails the whole server) rather than serve a wrong schedule."""
 
 
 class ModelRunner:
@@ -86,15 +95,30 @@ class ModelRunner:
         )
         results = [StepResult(r, n) for r, n in items]
         leader = self.tp.rank == 0
-        logits = self.model(batch, self.kv.layers, logits=leader)
-        if leader:
-            self._sample(items, plan, logits.cpu(), results)
+        failure: RowError | None = None
+        try:
+            logits = self.model(batch, self.kv.layers, logits=leader)
+            if leader:
+                self._sample(items, plan, logits.cpu(), results)
+        except Exception as e:
+            # the whole batch fails (no bisection): a forward error is rarely one request's,
+            # and re-running sub-batches would write K/V twice and cost more forward passes
+            log.exception("forward pass of %d requests failed", len(items))
+            failure = (f"forward pass failed: {type(e).__name__}: {e}", 500)
         if self.tp.size > 1:
-            sampled = self.tp.broadcast_object(
-                [(res.token, res.logprob) for res in results] if leader else None)
+            # reached even after a failure on rank 0, so the other ranks never wait for it
+            shared = self.tp.broadcast_object(
+                (failure, [(res.token, res.logprob, res.error) for res in results])
+                if leader else None)
             if not leader:
-                for res, (token, lp) in zip(results, sampled):
-                    res.token, res.logprob = token, lp
+                if failure is not None and shared[0] is None:
+                    raise RankDivergedError(f"TP rank {self.tp.rank}: {failure[0]}")
+                failure = shared[0]
+                for res, (token, lp, err) in zip(results, shared[1]):
+                    res.token, res.logprob, res.error = token, lp, err
+        if failure is not None:
+            for res in results:
+                res.token, res.logprob, res.prompt_logprobs, res.error = None, None, None, failure
         return results
 
     def _sample(self, items: list[tuple[Req, int]], plan: list[tuple[int, int, int, int | None]],
@@ -104,14 +128,17 @@ class ModelRunner:
             states = [items[i][0].state for i, _ in samp]
             want = [items[i][0].top_logprobs_num if items[i][0].return_logprob else None
                     for i, _ in samp]
-            toks, lps = sample(logits[[row for _, row in samp]], states, want)
-            for (i, _), t, lp in zip(samp, toks, lps):
-                results[i].token, results[i].logprob = t, lp
+            toks, lps, errs = sample(logits[[row for _, row in samp]], states, want)
+            for (i, _), t, lp, err in zip(samp, toks, lps, errs):
+                results[i].token, results[i].logprob, results[i].error = t, lp, err
         for i, (p_first, count, lo, _) in enumerate(plan):
-            if count:
+            if count and results[i].error is None:
                 r = items[i][0]
-                lp = torch.log_softmax(logits[p_first : p_first + count], -1)
-                results[i].prompt_logprobs = [
-                    logprob_entry(lp[j], r.prompt[lo + j + 1], r.top_logprobs_num)
-                    for j in range(count)
-                ]
+                try:
+                    lp = torch.log_softmax(logits[p_first : p_first + count], -1)
+                    results[i].prompt_logprobs = [
+                        logprob_entry(lp[j], r.prompt[lo + j + 1], r.top_logprobs_num)
+                        for j in range(count)
+                    ]
+                except Exception as e:  # noqa: BLE001 - isolated to this request
+                    results[i].token, results[i].error = None, row_error(e, "prompt logprobs")

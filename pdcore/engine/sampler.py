@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdcore.engine.io_struct import LogprobEntry, SamplingParams
+from pdcore.errors import InvalidRequestError
 
 
 @dataclass
@@ -78,32 +79,58 @@ def _sample_row(row: torch.Tensor, st: SampleState) -> int:
     return int(torch.multinomial(probs, 1, generator=st.generator))
 
 
+RowError = tuple[str, int]  # (message, HTTP status) of one request that could not be served
+
+
+def row_error(e: Exception, what: str) -> RowError:
+    """A per-request failure: a bad request field answers 400, anything else 500."""
+    if isinstance(e, InvalidRequestError):
+        return str(e), 400
+    return f"{what} failed: {type(e).__name__}: {e}", 500
+
+
 def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[int | None],
-           ) -> tuple[list[int], list[LogprobEntry | None]]:
+           ) -> tuple[list[int | None], list[LogprobEntry | None], list[RowError | None]]:
     """logits [R, V] (one row per request). want_logprobs[i]: None (no logprobs) or the number
-    of top logprobs to return (0 = only the chosen token's)."""
+    of top logprobs to return (0 = only the chosen token's). Returns tokens, logprob entries
+    and per-row errors: a row that cannot be sampled gets token None and an error, so one bad
+    request never fails the others of its batch."""
+    n = len(states)
+    tokens: list[int | None] = [None] * n
+    errors: list[RowError | None] = [None] * n
     if all(st.plain_greedy for st in states):
-        tokens = torch.argmax(logits, -1).tolist()
+        tokens = list(torch.argmax(logits, -1).tolist())
     else:
-        tokens = []
         for i, st in enumerate(states):
-            row = logits[i].clone()
-            if not st.plain_greedy:
-                row = _penalize(row, st)
-            tokens.append(_sample_row(row, st))
-    entries: list[LogprobEntry | None] = [None] * len(states)
+            try:
+                row = logits[i].clone()
+                if not st.plain_greedy:
+                    row = _penalize(row, st)
+                tokens[i] = _sample_row(row, st)
+            except Exception as e:  # noqa: BLE001 - isolated to this request
+                errors[i] = row_error(e, "sampling")
+    entries: list[LogprobEntry | None] = [None] * n
     if any(w is not None for w in want_logprobs):
         lp = torch.log_softmax(logits, -1)
         for i, w in enumerate(want_logprobs):
-            if w is not None:
-                entries[i] = logprob_entry(lp[i], tokens[i], w)
-    for st, t in zip(states, tokens):
-        st.observe(t)
-    return tokens, entries
+            if w is not None and errors[i] is None:
+                try:
+                    entries[i] = logprob_entry(lp[i], int(tokens[i]), w)  # type: ignore[arg-type]
+                except Exception as e:  # noqa: BLE001 - isolated to this request
+                    errors[i] = row_error(e, "logprobs")
+    for i, st in enumerate(states):
+        if errors[i] is None:
+            st.observe(int(tokens[i]))  # type: ignore[arg-type]
+        else:
+            tokens[i] = None
+    return tokens, entries, errors
 
 
 def logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> LogprobEntry:
     top = None
+    if top_n > lp_row.numel():
+        raise InvalidRequestError(f"top_logprobs_num {top_n} exceeds the vocabulary size "
+                                  f"{lp_row.numel()}", "top_logprobs_num")
     if top_n > 0:
         v, ix = torch.topk(lp_row, top_n)
         top = list(zip(v.tolist(), ix.tolist()))
