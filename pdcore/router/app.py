@@ -29,6 +29,7 @@ from pdcore.router.policies import Policy, make_policy
 from pdcore.router.proxy import Proxy
 from pdcore.router.upstream import UpstreamClients
 from pdcore.router.workers import WorkerRegistry
+from pdcore.server.limits import install_limits
 
 log = logging.getLogger("pdcore.router")
 
@@ -98,6 +99,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
+    install_limits(app)  # early 413 and the same field checks as the servers, before any worker
 
     def _make_route(route: str):  # type: ignore[no-untyped-def]
         async def generate(request: Request) -> Response:

@@ -21,6 +21,7 @@ from pdcore.config import ServerArgs
 from pdcore.server import admin_routes, native_routes, openai_routes
 from pdcore.server.engine_client import EngineClient, EngineError, SchedulerTarget
 from pdcore.server.http_errors import install_error_handlers
+from pdcore.server.limits import install_limits
 from pdcore.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     app.state.on_ready = None
     app.state.on_start_failed = None
     install_error_handlers(app)
+    install_limits(app)
 
     @app.middleware("http")
     async def count_requests(request: Request,

@@ -11,12 +11,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from pdcore.errors import InvalidRequestError
 from pdcore.server.engine_client import EngineError
 
 log = logging.getLogger(__name__)
 
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "tuple"}
 
 
@@ -71,6 +73,17 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         return error_response(message, 400, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI raises these for a body it cannot decode (invalid UTF-8, nesting too deep for
+        # the JSON parser), and Starlette for 404 / 405: same error shape as everything else
+        param, message = None, str(exc.detail)
+        if exc.status_code == 400 and message == _FASTAPI_PARSE_ERROR:
+            param, message = "body", ("request body could not be parsed: send UTF-8 JSON "
+                                      f"(FastAPI: {message})")
+        return JSONResponse(error_body(message, exc.status_code, param),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:

@@ -7,9 +7,9 @@ Ranges are checked in `pdcore.server.params`, so that errors name the field cons
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BootstrapHost = str | list[str | None] | None
 BootstrapInt = int | list[int | None] | None
@@ -105,9 +105,19 @@ class CompletionRequest(_OpenAIBase):
     suffix: str | None = None
 
 
+# "developer" is OpenAI's newer name for "system"; "tool" / "function" messages need tools,
+# which are not implemented (README, "No silent no-ops")
+ChatRole = Literal["system", "user", "assistant", "developer"]
+
+
 class ChatMessage(_Open):
-    role: str
+    role: ChatRole
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, role: str) -> str:
+        return "system" if role == "developer" else role
 
 
 class ChatCompletionRequest(_OpenAIBase):

@@ -1,0 +1,84 @@
+"""Request fields pdserve accepts in its schemas' spirit but does not implement yet.
+
+Clients and sglang-router send SGLang's and OpenAI's defaults for many fields (`log_metrics`,
+`separate_reasoning`, `return_hidden_states: false`, ...), so a known field is refused only when
+its value would change the answer: HTTP 400 naming the field beats an answer that silently
+ignores a constraint (a `json_schema` the text does not follow, a tool never called). The README
+lists these fields ("No silent no-ops"); a later issue that implements one removes it here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdcore.errors import InvalidRequestError
+
+# field -> values that leave the answer unchanged; null (JSON null) is always accepted
+_ANY_ROUTE: dict[str, tuple[Any, ...]] = {
+    "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (),
+    "lora_path": (), "lora_id": (), "session_params": (), "custom_logit_processor": (),
+    "token_ids_logprob": (), "input_embeds": (), "priority": (),
+    "image_data": ([],), "video_data": ([],), "audio_data": ([],),
+    "return_hidden_states": (False,), "return_entropy": (False,), "return_bytes": (False,),
+    "background": (False,), "min_tokens": (0,), "logit_bias": ({},),
+}
+_OPENAI: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "chat_template_kwargs": ({},),
+    "reasoning_effort": (), "audio": (), "prediction": (), "modalities": (["text"],),
+    "store": (False,), "suffix": ("",),
+}
+_SAMPLING: dict[str, tuple[Any, ...]] = {
+    "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "stop_regex": (),
+    "min_new_tokens": (0,), "logit_bias": ({},), "custom_params": (), "stream_interval": (),
+    "spaces_between_special_tokens": (True,),
+}
+_MESSAGE: dict[str, tuple[Any, ...]] = {
+    "name": (), "tool_calls": ([],), "tool_call_id": (), "function_call": (),
+    "reasoning_content": (),
+}
+_STREAM_OPTIONS: dict[str, tuple[Any, ...]] = {"continuous_usage_stats": (False,)}
+
+
+def names() -> dict[str, list[str]]:
+    """Every refused field by where it lives (for the README list and tests)."""
+    return {"any route": sorted(_ANY_ROUTE), "OpenAI routes": sorted(_OPENAI),
+            "sampling_params": sorted(_SAMPLING), "chat messages": sorted(_MESSAGE),
+            "stream_options": sorted(_STREAM_OPTIONS)}
+
+
+def _check(obj: dict[str, Any], table: dict[str, tuple[Any, ...]], prefix: str) -> None:
+    for key, neutral in table.items():
+        value = obj.get(key)
+        # bool is an int in Python: `0 == False`, so compare types too
+        if value is None or any(type(value) is type(v) and value == v for v in neutral):
+            continue
+        field = prefix + key
+        allowed = ", ".join(repr(v) for v in neutral)
+        also = f" (accepted: null, {allowed})" if allowed else " (accepted: null)"
+        raise InvalidRequestError(f"{field} is not implemented by pdserve yet{also}", field)
+
+
+def check_unsupported(route: str, body: dict[str, Any]) -> None:
+    """400 naming the first field of `body` that asks for something not implemented."""
+    _check(body, _ANY_ROUTE, "")
+    if route == "/generate":
+        sps = body.get("sampling_params")
+        for i, sp in enumerate(sps if isinstance(sps, list) else [sps]):
+            if isinstance(sp, dict):
+                _check(sp, _SAMPLING, f"sampling_params[{i}]." if isinstance(sps, list)
+                       else "sampling_params.")
+        return
+    _check(body, _OPENAI, "")
+    _check(body, _SAMPLING, "")  # OpenAI routes take SGLang's sampling extras at top level
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise InvalidRequestError("best_of is not implemented by pdserve yet (accepted: null, "
+                                  "or equal to n)", "best_of")
+    if isinstance(body.get("stream_options"), dict):
+        _check(body["stream_options"], _STREAM_OPTIONS, "stream_options.")
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for i, m in enumerate(messages):
+            if isinstance(m, dict):
+                _check(m, _MESSAGE, f"messages[{i}].")
