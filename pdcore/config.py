@@ -58,6 +58,8 @@ class ServerArgs:
     disaggregation_auth_token: str | None = None
     num_reserved_decode_tokens: int = 512
     disaggregation_decode_polling_interval: int = 1
+    # a scheduler step that hangs longer ends the server (SGLang's default); <= 0 disables
+    watchdog_timeout: float = 300.0
     # profiling
     profile_output_dir: str | None = None
     # identity (not a flag): unique per server process, names shm segments, logs

@@ -229,6 +229,9 @@ class Scheduler:
 
     def _apply(self, res: StepResult) -> None:
         req = res.req
+        if res.error is not None:  # this request alone failed in the step (model_runner)
+            self.fail(req, *res.error)
+            return
         req.num_computed += res.n
         if res.prompt_logprobs:
             req.pending_in_logprobs.extend(res.prompt_logprobs)

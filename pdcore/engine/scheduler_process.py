@@ -10,6 +10,11 @@
    idle;
 4. on shutdown (parent gone, SIGTERM) tell the other ranks to stop, close the extension and
    the pool.
+
+Failure containment (pdcore.engine.lifeline): a failing request fails alone (Lockstep); the
+process gets SIGTERM when the HTTP process dies (PR_SET_PDEATHSIG) and a thread also watches the
+parent while a step runs; a step longer than --watchdog-timeout ends the process with
+EXIT_WATCHDOG, which the HTTP process reports before it exits too.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import zmq
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import ControlReq, ControlResp
+from pdcore.engine.lifeline import ParentWatch, StepWatchdog, die_with_parent
 from pdcore.engine.tp import Lockstep, RankGroup, agree_started, attach_extension
 
 log = logging.getLogger("pdcore.scheduler")
@@ -35,13 +41,15 @@ PD_WAIT_MS, PD_WAIT_TP_MS = 1, 4
 
 
 class SchedulerLoop:
-    def __init__(self, engine: Any, recv: zmq.Socket, send: zmq.Socket) -> None:
+    def __init__(self, engine: Any, recv: zmq.Socket, send: zmq.Socket,
+                 watchdog_timeout: float = 0.0) -> None:
         self.engine, self.sched = engine, engine.scheduler
         self.recv, self.send = recv, send
         self.profiler: Any = None
         self.stop = False
         self.lockstep = Lockstep(engine)
         self.inbox: list[Any] = []  # requests and aborts for the next lockstep iteration
+        self.watchdog = StepWatchdog(watchdog_timeout)
 
     def handle(self, msg: Any) -> None:
         if not isinstance(msg, ControlReq):
@@ -50,7 +58,7 @@ class SchedulerLoop:
             try:
                 data = self.control(msg)
                 self.send.send(pickle.dumps(ControlResp(msg.call_id, True, data)))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - answered to the caller
                 log.warning("control %s failed: %s", msg.kind, e)
                 self.send.send(pickle.dumps(ControlResp(msg.call_id, False, error=str(e))))
 
@@ -82,7 +90,18 @@ class SchedulerLoop:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.recv, zmq.POLLIN)
-        parent = os.getppid()
+        parent = ParentWatch(self.request_stop, "scheduler").start()
+        self.watchdog.start()
+        try:
+            self._loop(poller)
+        finally:
+            self.watchdog.close()
+            parent.close()
+
+    def request_stop(self) -> None:
+        self.stop = True
+
+    def _loop(self, poller: zmq.Poller) -> None:
         while not self.stop:
             if not self.sched.has_work():
                 timeout = IDLE_POLL_MS
@@ -99,11 +118,11 @@ class SchedulerLoop:
                         break
                     self.handle(pickle.loads(raw))
             msgs, self.inbox = self.inbox, []
-            idle = not msgs and not self.sched.has_work()
-            if idle and os.getppid() != parent:
-                log.warning("parent process exited; scheduler stopping")
-                break
-            for out in self.lockstep.lead(msgs):
+            self.watchdog.begin(f"{len(msgs)} new messages, {len(self.sched.running)} running, "
+                                f"{len(self.sched.waiting)} waiting requests")
+            outs = self.lockstep.lead(msgs)
+            self.watchdog.end()
+            for out in outs:
                 self.send.send(pickle.dumps(out))
             if self.profiler is not None:
                 self.profiler.step()
@@ -111,6 +130,7 @@ class SchedulerLoop:
 
 
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any) -> None:
+    die_with_parent()  # SIGTERM (a clean stop) when the HTTP process dies, even by SIGKILL
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -145,7 +165,7 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
         ranks.close()
         return
     ready_conn.send({"ok": True, "info": engine.info})
-    loop = SchedulerLoop(engine, recv, send)
+    loop = SchedulerLoop(engine, recv, send, args.watchdog_timeout)
 
     def _term(*_: Any) -> None:
         loop.stop = True

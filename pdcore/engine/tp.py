@@ -13,7 +13,12 @@ lockstep that keeps every rank's scheduler identical.
    Inside a step rank 0 samples and broadcasts the tokens (model_runner) and the PD extensions
    agree on poll states by MIN (pdcore.disagg.agree), so the schedules never diverge;
 4. a stop header ends every rank; the death of a rank breaks the group's sockets, so the other
-   ranks' collectives fail and they exit too (a server never runs with a missing shard).
+   ranks' collectives fail and they exit too (a server never runs with a missing shard); a rank
+   also dies with its parent (pdcore.engine.lifeline);
+5. a request that fails inside a step fails alone (model_runner reports it to every rank). An
+   unexpected error out of a step with TP 1 fails the request it names (a TransferError's room)
+   or else every in-flight request, and the engine keeps serving; with TP > 1 it is fatal,
+   since the ranks could no longer be known to agree.
 """
 
 from __future__ import annotations
@@ -155,10 +160,21 @@ class Lockstep:
         from pdcore.engine.request import Req
 
         for m in msgs:
-            if isinstance(m, GenerateReq):
-                self.sched.add(Req.from_generate(m))
-            elif isinstance(m, AbortReq):
-                self.sched.abort(m.rid, m.reason)
+            try:
+                if isinstance(m, GenerateReq):
+                    self.sched.add(Req.from_generate(m))
+                elif isinstance(m, AbortReq):
+                    self.sched.abort(m.rid, m.reason)
+            except Exception as e:
+                # every rank applies the same messages, so every rank takes this branch alike
+                log.exception("request %s could not be admitted", m.rid)
+                req = self.sched.reqs.get(m.rid)
+                if req is None:
+                    self.sched.outbox.append(TokenOut(
+                        m.rid, [], finished=True, error=f"{type(e).__name__}: {e}",
+                        error_status=500, finish_reason={"type": "abort", "message": str(e)}))
+                else:
+                    self._contain_one(req, e)
 
     def lead(self, msgs: list[Any], stop: bool = False) -> list[TokenOut]:
         """Rank 0: apply msgs, tell the others, step if there is work; returns the outputs."""
@@ -168,7 +184,42 @@ class Lockstep:
         if self.tp.size > 1:
             self.tp.broadcast_object(StepHeader(msgs, run, stop, now))
         self.sched.step_time = now
-        return self.sched.step() if run else []
+        if not run:
+            return []
+        try:
+            return self.sched.step()
+        except Exception as e:
+            if self.tp.size > 1:
+                log.critical("scheduler step failed with TP %d; the ranks may disagree now, "
+                             "so the engine stops", self.tp.size)
+                raise
+            return self._contain(e)
+
+    def _contain(self, e: Exception) -> list[TokenOut]:
+        """Fail the requests an unexpected step error concerns; the loop goes on."""
+        from pdcore.engine.request import Phase
+
+        live = [r for r in self.sched.reqs.values() if r.phase is not Phase.FINISHED]
+        room = getattr(e, "room", None)
+        named = [r for r in live if room is not None and getattr(r.disagg, "room", None) == room]
+        victims = named or live
+        log.exception("scheduler step failed (%s); failing %d request(s), the engine goes on",
+                      f"room {room}" if named else "not attributable to one request",
+                      len(victims))
+        for req in victims:
+            self._contain_one(req, e)
+        return self.sched._collect_all()
+
+    def _contain_one(self, req: Any, e: Exception) -> None:
+        why = f"internal error while serving this request: {type(e).__name__}: {e}"
+        try:
+            self.sched.fail(req, why, 500)
+        except Exception:
+            log.exception("failing request %s raised; dropping it", req.rid)
+            req.error, req.error_status = why, 500
+            req.finish_reason = {"type": "abort", "message": why}
+            if req.phase.value != "finished":
+                self.sched.drop(req)
 
     def follow(self) -> bool:
         """Other ranks: one iteration as rank 0 decided; False once told to stop."""
@@ -189,6 +240,10 @@ def _configure_logging(args: ServerArgs, rank: int) -> None:
 
 def run_rank_process(args: ServerArgs, rank: int, method: str) -> None:
     """Entry point of every rank except 0 (spawned): build the shard, then follow rank 0."""
+    from pdcore.engine.lifeline import ParentWatch, die_with_parent
+
+    die_with_parent()
+    ParentWatch(lambda: None, f"tp{rank}", grace_s=1.0).start()
     _configure_logging(args, rank)
     try:  # rank 0 shows the loading bars; here they are noise (and tqdm's lock would be
         from transformers.utils import logging as hf_logging  # reported leaked at os._exit)

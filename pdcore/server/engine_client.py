@@ -6,7 +6,9 @@ Lifecycle:
    connects a PUSH socket (us -> scheduler); the tokenizer loads meanwhile in a thread;
 2. waits, off the event loop, for the scheduler's ready message, its death, or the timeout;
 3. runs a receive loop routing TokenOut to per-request queues and ControlResp to waiting calls,
-   and a watchdog that fails every pending request (HTTP 500) once the scheduler dies;
+   and a watchdog that, once the scheduler dies, fails every pending request (HTTP 503 saying
+   why) and calls `on_dead` (the runner then exits the server non-zero: a server without an
+   engine must not linger answering 503, a supervisor restarts it);
 4. `generate()` registers a queue, sends GenerateReq and yields TokenOut until finished; leaving
    early (stop string, client gone, timeout, error) sends AbortReq so the scheduler frees pages;
 5. `shutdown()` cancels the loops, terminates (then kills) the scheduler, removes the temp dir.
@@ -88,6 +90,7 @@ class EngineClient:
         self._calls: dict[str, asyncio.Future[ControlResp]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self.on_dead: Callable[[str], None] | None = None  # called once the scheduler died
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property
@@ -251,10 +254,15 @@ class EngineClient:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
         if self._stopping:
             return
+        from pdcore.engine.lifeline import describe_exit
+
         self.state = EngineState.DEAD
-        self.error = f"scheduler process died (exit code {proc.exitcode})"
+        self.error = (f"the engine's scheduler process died ({describe_exit(proc.exitcode)}); "
+                      "this server is exiting, retry on another server or after its restart")
         log.error("%s; failing %d pending requests", self.error, len(self._reqs))
-        self._fail_pending(self.error, 500)
+        self._fail_pending(self.error, 503)
+        if self.on_dead is not None:
+            self.on_dead(self.error)
 
     def _fail_pending(self, message: str, status: int) -> None:
         for rid, q in list(self._reqs.items()):
@@ -271,8 +279,7 @@ class EngineClient:
             return
         if self.state is EngineState.STARTING:
             raise EngineError("server is starting; retry when /health returns 200", 503)
-        raise EngineError(f"engine unavailable: {self.error or self.state.value}",
-                          500 if self.state is EngineState.DEAD else 503)
+        raise EngineError(f"engine unavailable: {self.error or self.state.value}", 503)
 
     def _send(self, obj: Any) -> None:
         if self._push is None:
@@ -301,6 +308,7 @@ class EngineClient:
         timer = asyncio.get_running_loop().call_later(
             timeout or self.request_timeout, q.put_nowait, None)
         done = False
+        started, n_out, outcome = time.monotonic(), 0, "aborted"
         try:
             if not req.arrival_time:
                 req.arrival_time = time.time()
@@ -308,16 +316,23 @@ class EngineClient:
             while True:
                 out = await q.get()
                 if out is None:
+                    outcome = "timed out"
                     raise EngineError(f"request {req.rid} timed out", 504)
                 if out.error:
-                    done = out.finished
+                    done, outcome = out.finished, f"error: {out.error}"
                     raise EngineError(out.error, out.error_status or 500)
                 done = out.finished
+                n_out += len(out.new_token_ids)
+                if done:
+                    outcome = f"finished ({(out.finish_reason or {}).get('type')})"
                 yield out
                 if done:
                     return
         finally:
             timer.cancel()
+            if getattr(self.args, "log_requests", False):  # --log-requests
+                log.info("request %s: %d prompt tokens, %d output tokens, %.1f ms, %s", req.rid,
+                         len(req.input_ids), n_out, (time.monotonic() - started) * 1000, outcome)
             if done:
                 self._reqs.pop(req.rid, None)
             else:

@@ -3,20 +3,27 @@
 1. bind the listening socket first (a busy port fails before any model loads);
 2. build the app; the lifespan spawns the scheduler and loads the model;
 3. print the URL and an example once the engine is ready; on an engine start-up failure print
-   why and exit 1; Ctrl-C / SIGTERM stop uvicorn, whose shutdown stops the scheduler.
+   why and exit 1; Ctrl-C / SIGTERM stop uvicorn, whose shutdown stops the scheduler;
+4. when the scheduler dies after start-up the in-flight requests have failed already (503);
+   the server then exits 1 within ENGINE_DEATH_EXIT_S, cutting uvicorn's graceful shutdown
+   short if it has to (the scheduler's own children die with it: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
+import threading
 from typing import Any
 
 from pdcore.config import ServerArgs
 from pdcore.errors import ConfigError
 
 log = logging.getLogger("pdcore.server")
+
+ENGINE_DEATH_EXIT_S = 6.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -42,6 +49,12 @@ def url_of(host: str, port: int) -> str:
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _exit_now(rc: int) -> None:
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
@@ -76,8 +89,18 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
         outcome["rc"] = 1
         server.should_exit = True
 
+    def on_engine_dead(why: str) -> None:
+        print(f"pdserve: {why}", file=sys.stderr, flush=True)
+        outcome["rc"] = 1
+        server.should_exit = True
+        # the exit must not wait on a client that keeps its connection open
+        timer = threading.Timer(ENGINE_DEATH_EXIT_S, _exit_now, (1,))
+        timer.daemon = True
+        timer.start()
+
     app.state.on_ready = on_ready
     app.state.on_start_failed = on_start_failed
+    app.state.engine.on_dead = on_engine_dead
     print(f"pdserve: listening on {url}; loading the model (/health is 503 until ready)",
           flush=True)
     try:

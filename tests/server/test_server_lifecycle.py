@@ -151,12 +151,12 @@ def test_scheduler_death_fails_pending_requests(tiny_llama_dir):
         for t in threads:
             t.join(10)
         plain = results["plain"]
-        assert plain.status_code == 500 and "scheduler process died" in plain.text
+        assert plain.status_code == 503 and "scheduler process died" in plain.text
         events = [x for x in results["stream"] if x]
         assert events[-1] == "data: [DONE]" and "scheduler process died" in events[-2]
         h = server.client.get("/health")
         assert h.status_code == 503 and h.json()["status"] == "dead"
-        assert server.client.post("/generate", json={"text": "x"}).status_code == 500
+        assert server.client.post("/generate", json={"text": "x"}).status_code == 503
     finally:
         server.stop()
 

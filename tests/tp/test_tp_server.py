@@ -76,13 +76,10 @@ def test_dead_rank_fails_the_server_instead_of_hanging(tiny_tp_model):
         [scheduler] = _children(server.proc.pid)
         [rank1] = _children(scheduler)
         os.kill(rank1, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # rank 0's next collective fails at once
-            if httpx.get(server.url + "/health", timeout=5).status_code != 200:
-                break
-            time.sleep(0.2)
-        body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}}
-        r = httpx.post(server.url + "/generate", json=body, timeout=30)
-        assert r.status_code >= 500 and "scheduler process died" in r.text, r.text
+        # rank 0's next collective fails at once; the server then exits non-zero (a
+        # supervisor restarts it) instead of answering 503 for ever
+        rc = server.proc.wait(30)
+        assert rc != 0
+        assert "scheduler process died" in server.log()
     finally:
         server.stop()

@@ -1,0 +1,141 @@
+"""Engine processes never outlive their parent, and a stuck step ends its process.
+
+1. `die_with_parent()`: on Linux the kernel sends SIGTERM to this process when its parent dies
+   (PR_SET_PDEATHSIG); it also checks the parent did not die before that was set;
+2. `ParentWatch`: a thread that compares the parent pid every half second, so the check runs
+   while the main thread is busy in a long step or blocked in C code; when the parent is gone
+   it asks the loop to stop and, if that has not ended the process after a grace period, exits
+   hard (a child must never keep a port or memory of a server that is gone);
+3. `StepWatchdog`: the scheduler loop marks the start and end of each step; a step that runs
+   longer than --watchdog-timeout is logged with the main thread's stack and the process exits
+   with EXIT_WATCHDOG, so the HTTP process fails the in-flight requests and exits too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
+STOP_GRACE_S = 5.0
+EXIT_PARENT_GONE = 70  # the scheduler's exit codes the HTTP process explains
+EXIT_WATCHDOG = 71
+
+
+def parent_pid() -> int:
+    """The pid of the process that spawned this one (multiprocessing knows it even when the
+    parent already died and this process was re-parented)."""
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid else os.getppid()
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel for `sig` when the parent dies; True when that is set up (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid():  # the parent died before prctl: the signal never comes
+        os.kill(os.getpid(), sig)
+    return True
+
+
+class ParentWatch:
+    def __init__(self, on_lost: Callable[[], None], name: str, grace_s: float = STOP_GRACE_S
+                 ) -> None:
+        self.parent = parent_pid()
+        self.on_lost, self.name, self.grace_s = on_lost, name, grace_s
+        self.lost = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-parent-watch",
+                                        daemon=True)
+
+    def start(self) -> ParentWatch:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.wait(PARENT_POLL_S):
+            if os.getppid() == self.parent:
+                continue
+            self.lost.set()
+            log.warning("%s: parent process %d exited; stopping", self.name, self.parent)
+            self.on_lost()
+            if not self._done.wait(self.grace_s):
+                log.error("%s: still running %.0fs after its parent exited; exiting now",
+                          self.name, self.grace_s)
+                logging.shutdown()
+                os._exit(EXIT_PARENT_GONE)
+            return
+
+
+class StepWatchdog:
+    """Ends the process when one step runs longer than `timeout_s` (0 or less: off)."""
+
+    def __init__(self, timeout_s: float, name: str = "scheduler") -> None:
+        self.timeout_s, self.name = timeout_s, name
+        self._started: float | None = None
+        self._what = ""
+        self._main = threading.main_thread().ident
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-watchdog", daemon=True)
+
+    def start(self) -> StepWatchdog:
+        if self.timeout_s > 0:
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._done.set()
+
+    def begin(self, what: str) -> None:
+        self._what, self._started = what, time.monotonic()
+
+    def end(self) -> None:
+        self._started = None
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout_s / 4)
+        while not self._done.wait(period):
+            started = self._started
+            if started is None or time.monotonic() - started <= self.timeout_s:
+                continue
+            frame = sys._current_frames().get(self._main)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "?"
+            log.error("%s: step stuck for more than --watchdog-timeout %gs (%s); exiting so "
+                      "the server fails its requests and can be restarted. Stack:\n%s",
+                      self.name, self.timeout_s, self._what, stack)
+            logging.shutdown()
+            os._exit(EXIT_WATCHDOG)
+
+
+def describe_exit(code: int | None) -> str:
+    """Why a scheduler process ended, from its exit code (for the HTTP process's errors)."""
+    if code == EXIT_WATCHDOG:
+        return "a scheduler step hung longer than --watchdog-timeout"
+    if code == EXIT_PARENT_GONE:
+        return "its parent process exited"
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
