@@ -167,6 +167,10 @@ class DecodeKVManager:
         addr = f"{host}:{int(bootstrap_port)}"
         now = time.monotonic()
         with self._lock:
+            if room in self._rooms and self.states.get(room) not in TERMINAL:  # fail both
+                self._fail(room, f"bootstrap room {room} is already in use by another request "
+                                 "on this decode server; use a unique bootstrap_room", True)
+                return
             r = _Room(room, addr, now, fake=bootstrap_host == FAKE_BOOTSTRAP_HOST)
             self._rooms[room] = r
             if r.fake:
@@ -196,26 +200,26 @@ class DecodeKVManager:
 
     def send_transfer_info(self, room: int, dst_pages: np.ndarray, aux_slot: int) -> None:
         pages = np.asarray(dst_pages, dtype=np.int64).ravel()
-        if not 0 <= aux_slot < self.aux.num_slots:
-            raise TransferError(f"room {room}: aux slot {aux_slot} out of range", room)
-        if len(pages) and (pages.min() < 0 or pages.max() >= self.kv.num_pages):
-            raise TransferError(f"room {room}: page indices outside this pool", room)
+        # a protocol violation by our scheduler fails the room (P is told), not the engine
+        why = f"aux slot {aux_slot} out of range" if not 0 <= aux_slot < self.aux.num_slots else (
+            "page indices outside this pool" if len(pages) and (
+                pages.min() < 0 or pages.max() >= self.kv.num_pages) else "")
         with self._lock:
             r = self._rooms.get(room)
-            if r is None:
-                raise TransferError(f"send_transfer_info() for room {room} never added", room)
-            if r.fake:  # no prefill involved: a placeholder row, then Success
+            state = self.states.get(room)
+            if r is None or state is KVPoll.Failed:  # released or failed: poll() says Failed
+                return
+            if r.fake and not why:  # no prefill involved: a placeholder row, then Success
                 self.aux.write(aux_slot, AuxRow(room=room, first_token_id=0))
                 r.aux_slot = aux_slot
                 self.states.advance(room, KVPoll.Success)
                 return
-            state = self.states.get(room)
-            if state is KVPoll.Failed:
+            if not why and (state is not KVPoll.WaitingForInput or r.inst is None):
+                why = (f"send_transfer_info() in state {state.name if state else None}; wait "
+                       "for WaitingForInput")
+            if why:
+                self._fail(room, why, True)
                 return
-            if state is not KVPoll.WaitingForInput or r.inst is None:
-                raise TransferError(f"room {room}: send_transfer_info() in state "
-                                    f"{state.name if state else None}; wait for WaitingForInput",
-                                    room)
             self.aux.clear(aux_slot)  # a stale row in a reused slot must never pass the check
             r.aux_slot, r.pages = aux_slot, pages
             r.deadline = time.monotonic() + self.env.waiting_timeout

@@ -10,8 +10,9 @@ Lifecycle:
    WaitingForInput; the scheduler prefills and `send()`s each finished chunk -> Transferring; a
    worker plans, bounds-checks and writes it; after the last chunk the aux row follows and
    Status(Success) goes to every D rank of the room -> Success;
-4. any failure (bad message, backend error, timeout, abort from either side) -> Failed, with a
-   Status(Failed) to D; a backend error also marks the D session failed until it re-registers;
+4. any failure (bad message, backend error, timeout, abort from either side, a send() out of
+   turn, a duplicate room) -> Failed, with a Status(Failed) to D; a backend error also marks
+   the D session failed until it re-registers;
 5. `release(room)` forgets the room; `close()` stops workers, control plane, server, backend.
 """
 
@@ -39,7 +40,14 @@ from pdcore.disagg.common import (
     make_backend,
     make_planner,
 )
-from pdcore.disagg.prefill_rooms import Chunk, Dest, Pending, RoomState, expired_rooms
+from pdcore.disagg.prefill_rooms import (
+    Chunk,
+    Dest,
+    Pending,
+    RoomState,
+    expired_rooms,
+    send_violation,
+)
 from pdcore.disagg.sessions import DecodeSession, parse_register
 from pdcore.disagg.staging import chunk_batch, open_staging
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
@@ -130,6 +138,10 @@ class PrefillKVManager:
                 self._rooms[room] = RoomState(room, deadline=float("inf"), fake=True)
                 self.states.create(room, KVPoll.WaitingForInput)
                 return
+            if room in self._rooms and self.states.get(room) not in TERMINAL:  # fail both
+                self._fail(room, f"bootstrap room {room} is already in use by another request "
+                                 "on this prefill server; use a unique bootstrap_room")
+                return
             r = RoomState(room, deadline=now + self.env.bootstrap_timeout)
             self._rooms[room] = r
             self.states.create(room, KVPoll.Bootstrapping)
@@ -172,8 +184,9 @@ class PrefillKVManager:
         pages = np.asarray(src_pages, dtype=np.int64).ravel()
         with self._lock:
             r = self._rooms.get(room)
-            if r is None:
-                raise TransferError(f"send() for room {room} that was never added", room)
+            if r is None:  # released already; its poll() says Failed
+                log.warning("room %d: send() for a room that is not (or no longer) added", room)
+                return
             state = self.states.get(room)
             if r.fake:
                 if is_last:
@@ -181,17 +194,10 @@ class PrefillKVManager:
                 return
             if state is KVPoll.Failed:
                 return  # the scheduler sees Failed on its next poll
-            if state is KVPoll.Bootstrapping:
-                raise TransferError(f"room {room}: send() before decode's destination pages "
-                                    f"arrived; wait until poll() >= WaitingForInput", room)
-            if r.last_queued:
-                raise TransferError(f"room {room}: send() after the last chunk", room)
-            why = self._check_chunk(r, pages, page_start)
-            if why:
+            why = send_violation(r, state, pages, page_start, aux_slot if is_last else None,
+                                 self.aux.num_slots)
+            if why:  # our scheduler broke the protocol: fail the room (D is told), not P
                 self._fail(room, why)
-                return
-            if is_last and aux_slot is not None and not 0 <= aux_slot < self.aux.num_slots:
-                self._fail(room, f"prefill aux slot {aux_slot} out of range")
                 return
             self.states.advance(room, KVPoll.Transferring)
             r.inflight += 1
@@ -229,14 +235,6 @@ class PrefillKVManager:
         return out
 
     # -- helpers ---------------------------------------------------------------------------
-    @staticmethod
-    def _check_chunk(r: RoomState, pages: np.ndarray, page_start: int) -> str:
-        for d in r.dests.values():
-            if page_start < 0 or page_start + len(pages) > len(d.pages):
-                return (f"chunk pages [{page_start}, {page_start + len(pages)}) exceed the "
-                        f"{len(d.pages)} pages decode rank {d.rank} reserved")
-        return ""
-
     def _fail(self, room: int, reason: str, code: str = "", notify: bool = True) -> None:
         if not self.states.fail(room, reason):
             return

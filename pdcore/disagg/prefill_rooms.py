@@ -1,5 +1,5 @@
-"""P's per-room bookkeeping: destinations (one per D rank), pending messages, chunk jobs, and
-which rooms ran out of time."""
+"""P's per-room bookkeeping: destinations (one per D rank), pending messages, chunk jobs,
+which rooms ran out of time, and which send() calls break the protocol."""
 
 from __future__ import annotations
 
@@ -73,3 +73,21 @@ def expired_rooms(rooms: dict[int, RoomState], states: RoomStates, env: DisaggEn
             out.append((room, (f"waiting timeout: no transfer progress for "
                                f"{env.waiting_timeout:g}s")))
     return out
+
+
+def send_violation(r: RoomState, state: KVPoll | None, pages: np.ndarray, page_start: int,
+                   aux_slot: int | None, num_aux: int) -> str:
+    """Why a send() of these pages cannot go out for this room now ('' when it can).
+    `aux_slot` is the last chunk's aux slot (None on other chunks)."""
+    if state is not KVPoll.WaitingForInput and state is not KVPoll.Transferring:
+        return (f"send() in state {state.name if state else None}; wait until poll() is "
+                "WaitingForInput")
+    if r.last_queued:
+        return "send() after the last chunk"
+    for d in r.dests.values():
+        if page_start < 0 or page_start + len(pages) > len(d.pages):
+            return (f"chunk pages [{page_start}, {page_start + len(pages)}) exceed the "
+                    f"{len(d.pages)} pages decode rank {d.rank} reserved")
+    if aux_slot is not None and not 0 <= aux_slot < num_aux:
+        return f"prefill aux slot {aux_slot} out of range"
+    return ""
