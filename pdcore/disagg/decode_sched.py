@@ -10,12 +10,20 @@
    K/V already in place; the first token goes to the client at once (Scheduler.step sends the
    tokens poll() produced before it runs a forward pass);
 4. on Failed (P died, timeout, abort): free pages and aux slot; the client gets the reason.
+
+Parallel samples (n > 1): the HTTP layer sends sample 0 of a prompt with the room and samples
+1..n-1 with `fork_of` = sample 0's rid. Only sample 0 runs the protocol; the others wait parked
+on it (their pages are part of its reservation) and, when its KV arrives, fork from its prompt
+pages (pdcore.engine.fork) before sample 0's first token is pushed (that token may finish it and
+free its pages). Sample 0 keeps P's first token; each other sample recomputes the last prompt
+position and samples its own. If sample 0 fails or is aborted before its KV arrived, its parked
+samples fail with it; afterwards every sample lives on its own (pages freed by reference count).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,6 +32,7 @@ from pdcore.config import ServerArgs
 from pdcore.disagg.agree import poll_all
 from pdcore.disagg.aux import AuxBuffers
 from pdcore.disagg.states import TERMINAL, KVPoll
+from pdcore.engine.fork import follower_pages, fork
 from pdcore.engine.request import Phase, Req
 from pdcore.engine.scheduler import Extension, Scheduler
 
@@ -38,6 +47,14 @@ QUARANTINE_S = 5.0
 class DState:
     room: int
     aux_slot: int | None = None
+    followers: list[Req] = field(default_factory=list)  # parallel samples parked on this one
+
+
+@dataclass
+class Parked:
+    """A parallel sample waiting for its leader's KV."""
+
+    leader: Req
 
 
 class DecodeExtension(Extension):
@@ -46,8 +63,12 @@ class DecodeExtension(Extension):
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
         self.quarantine: list[tuple[float, list[int]]] = []
+        self.counts = {"requests": 0, "samples": 0, "transfers": 0, "forks": 0,
+                       "fork_recomputes": 0}
 
     def admit(self, req: Req) -> bool:
+        if req.fork_of is not None:
+            return self._park(req)
         if req.bootstrap_room is None or not req.bootstrap_host:
             self.sched.fail(req, "a decode server needs bootstrap_host and bootstrap_room "
                                  "(send requests through the router)", 400)
@@ -58,11 +79,36 @@ class DecodeExtension(Extension):
         req.phase = Phase.DISAGG
         self.mgr.add(req.disagg.room, req.bootstrap_host, int(port))
         self.prealloc.append(req)
+        self.counts["requests"] += 1
+        self.counts["samples"] += 1
         return True
 
+    def _park(self, req: Req) -> bool:
+        leader = self.sched.reqs.get(req.fork_of or "")
+        st = leader.disagg if leader is not None else None
+        if not isinstance(st, DState) or leader.prompt != req.prompt:
+            self.sched.fail(req, f"parallel sample {req.rid} forks from sample {req.fork_of!r}, "
+                                 "which is not waiting for its KV on this decode server "
+                                 "(it finished, failed or was never sent here)")
+            return True
+        req.logprob_start_len = -1
+        req.disagg = Parked(leader)
+        req.phase = Phase.DISAGG
+        st.followers.append(req)
+        self.counts["samples"] += 1
+        return True
+
+    def _extra(self, req: Req) -> int:
+        return min(req.params.max_new_tokens, self.args.num_reserved_decode_tokens)
+
     def _reserve_pages(self, req: Req) -> int:
-        extra = min(req.params.max_new_tokens, self.args.num_reserved_decode_tokens)
-        return self.sched.blocks.pages_for(len(req.prompt) + extra)
+        """Pages the request and its parked samples need (capped at the pool: a group larger
+        than the pool still starts once everything else has left; preemption does the rest)."""
+        blocks = self.sched.blocks
+        need = blocks.pages_for(len(req.prompt) + self._extra(req))
+        for f in req.disagg.followers:
+            need += follower_pages(blocks, len(f.prompt), self._extra(f))
+        return min(need, blocks.num_pages)
 
     def poll(self) -> None:
         blocks = self.sched.blocks
@@ -79,8 +125,11 @@ class DecodeExtension(Extension):
                 continue
             if st < KVPoll.WaitingForInput:
                 continue
-            busy = len(self.sched.running) + len(self.transfer) + len(self.sched.waiting)
-            if busy >= self.sched.cfg.max_running or not blocks.can_alloc(self._reserve_pages(req)):
+            busy = (len(self.sched.running) + len(self.sched.waiting)
+                    + sum(1 + len(r.disagg.followers) for r in self.transfer))
+            group = 1 + len(req.disagg.followers)
+            if (busy and busy + group > self.sched.cfg.max_running) \
+                    or not blocks.can_alloc(self._reserve_pages(req)):
                 break  # FIFO: the head waits for room, the rest wait behind it
             slot = self.aux.alloc()
             if slot is None:
@@ -106,11 +155,15 @@ class DecodeExtension(Extension):
             self.sched.fail(req, f"aux row of room {st.room} holds room {row.room} (corrupt or "
                                  f"not written)")
             return
+        followers = st.followers
         self._release(req)
         req.disagg = None
         req.num_computed = len(req.prompt)
         req.phase = Phase.RUNNING
         self.sched.running.append(req)
+        self.counts["transfers"] += 1
+        for f in followers:  # before the first token: it may finish the leader (pages freed)
+            self._fork(req, f)
         lp = None
         if req.return_logprob:
             top = list(zip(row.top_logprobs, row.top_ids))[: req.top_logprobs_num] or None
@@ -118,9 +171,30 @@ class DecodeExtension(Extension):
         req.state.observe(row.first_token_id)
         self.sched.push_token(req, row.first_token_id, lp)
 
+    def _fork(self, leader: Req, f: Req) -> None:
+        f.disagg = None
+        self.counts["forks"] += 1
+        if fork(self.sched.blocks, self.sched.runner.kv.layers, leader, f):
+            f.phase = Phase.RUNNING
+            self.sched.running.append(f)
+        else:  # no page for the copy: recompute the prompt's tail when the scheduler finds one
+            self.counts["fork_recomputes"] += 1
+            self.sched.enqueue(f, front=True)
+
     def on_abort(self, req: Req) -> None:
+        if isinstance(req.disagg, Parked):  # it holds no pages yet: just leave the leader
+            st = req.disagg.leader.disagg
+            if isinstance(st, DState) and req in st.followers:
+                st.followers.remove(req)
+            req.disagg = None
+            return
         if not isinstance(req.disagg, DState):
             return
+        followers, req.disagg.followers = req.disagg.followers, []
+        for f in followers:
+            f.disagg = None
+            self.sched.fail(f, f"sample 0 of this prompt ({req.rid}) ended before its KV "
+                               f"arrived: {req.error or 'aborted'}", req.error_status)
         if req in self.prealloc:
             self.prealloc.remove(req)
         if req in self.transfer:
@@ -143,8 +217,13 @@ class DecodeExtension(Extension):
         return bool(self.prealloc or self.transfer or self.quarantine)
 
     def stats(self) -> dict[str, Any]:
+        c = self.counts
         return {"disagg_prealloc_queue": len(self.prealloc),
                 "disagg_transfer_queue": len(self.transfer),
+                "disagg_parked_samples": sum(len(r.disagg.followers)
+                                             for r in self.prealloc + self.transfer),
+                **{f"disagg_{k}_total": v for k, v in c.items()},
+                "disagg_transfers_per_request": c["transfers"] / max(1, c["requests"]),
                 "disagg_quarantined_pages": sum(len(p) for _, p in self.quarantine),
                 "aux_slots_free": self.aux.num_free,
                 **{f"kv_{k}": v for k, v in self.mgr.metrics().items()

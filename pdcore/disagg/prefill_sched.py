@@ -9,6 +9,9 @@
 4. the request then waits in the inflight queue, its pages held, until the manager reports
    Success (pages and aux slot freed, HTTP response sent) or Failed (error to the client).
 
+Parallel samples (n > 1) reach P as one request per prompt (the HTTP layer answers it n times):
+the prompt's KV crosses once and D forks the samples; `disagg_transfers_per_request` shows it.
+
 Every decision uses poll states agreed by all TP ranks (pdcore.disagg.agree), so each rank's
 copy of the schedule moves the same way.
 """
@@ -43,6 +46,7 @@ class PrefillExtension(Extension):
         self.sched, self.mgr, self.aux = sched, mgr, aux
         self.bootstrap: list[Req] = []
         self.inflight: list[Req] = []
+        self.counts = {"requests": 0, "transfers": 0}
 
     def admit(self, req: Req) -> bool:
         if req.bootstrap_room is None:
@@ -54,6 +58,7 @@ class PrefillExtension(Extension):
         req.phase = Phase.DISAGG
         self.mgr.add(req.disagg.room, req.bootstrap_host)
         self.bootstrap.append(req)
+        self.counts["requests"] += 1
         return True
 
     def poll(self) -> None:
@@ -63,7 +68,7 @@ class PrefillExtension(Extension):
             st = agreed.state(req.disagg.room)
             if st is KVPoll.Failed:
                 self.bootstrap.remove(req)
-                self.sched.fail(req, agreed.reasons.get(req.disagg.room, ""))
+                self._fail(req, agreed.reasons.get(req.disagg.room, ""))
                 continue
             if st < KVPoll.WaitingForInput:
                 continue
@@ -85,9 +90,14 @@ class PrefillExtension(Extension):
                 self.inflight.remove(req)
                 self._release(req)
                 self.sched.drop(req)
+                self.counts["transfers"] += 1
             elif st is KVPoll.Failed:
                 self.inflight.remove(req)
-                self.sched.fail(req, agreed.reasons.get(req.disagg.room, ""))
+                self._fail(req, agreed.reasons.get(req.disagg.room, ""))
+
+    def _fail(self, req: Req, reason: str) -> None:
+        # 502: this server is fine, its decode peer failed the pair (the router blames decode)
+        self.sched.fail(req, reason, 502 if self.mgr.decode_fault(req.disagg.room) else 500)
 
     def after_step(self, results: list[StepResult]) -> None:
         for res in results:
@@ -141,7 +151,10 @@ class PrefillExtension(Extension):
         return bool(self.bootstrap or self.inflight)
 
     def stats(self) -> dict[str, Any]:
+        c = self.counts
         return {"disagg_bootstrap_queue": len(self.bootstrap),
+                **{f"disagg_{k}_total": v for k, v in c.items()},
+                "disagg_transfers_per_request": c["transfers"] / max(1, c["requests"]),
                 "disagg_inflight_queue": len(self.inflight), "aux_slots_free": self.aux.num_free,
                 **{f"kv_{k}": v for k, v in self.mgr.metrics().items()
                    if isinstance(v, (int, float))}}

@@ -1,4 +1,5 @@
-"""Page allocator with reference counts (prefix sharing can later bump counts)."""
+"""Page allocator with reference counts: a page returns to the free list when its last holder
+frees it (parallel samples share their prompt's pages; see pdcore.engine.fork)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ class BlockManager:
         for p in out:
             self._ref[p] = 1
         return out
+
+    def ref(self, pages: list[int]) -> list[int]:
+        """One more holder for each of `pages` (already allocated); returns them."""
+        for p in pages:
+            assert self._ref[p] > 0, f"page {p} is free; only an allocated page can be shared"
+            self._ref[p] += 1
+        return list(pages)
+
+    def refcount(self, page: int) -> int:
+        return self._ref[page]
 
     def free(self, pages: list[int]) -> None:
         for p in pages:

@@ -45,6 +45,9 @@ class GenerateReq:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     arrival_time: float = 0.0
+    # PD decode, parallel sampling (n > 1): the rid of sample 0 of the same prompt. This sample
+    # runs no KV transfer of its own: it forks from sample 0's received prompt pages.
+    fork_of: str | None = None
 
 
 @dataclass

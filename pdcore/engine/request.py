@@ -48,6 +48,7 @@ class Req:
     preempted: bool = False
     ctx_slots: torch.Tensor | None = None  # cached slot table for positions < num_computed
     disagg: Any = None  # PD extension's per-request state
+    fork_of: str | None = None  # rid of the sample whose prompt pages this one shares
 
     @classmethod
     def from_generate(cls, g: GenerateReq) -> Req:
@@ -56,6 +57,7 @@ class Req:
             return_logprob=g.return_logprob, logprob_start_len=g.logprob_start_len,
             top_logprobs_num=g.top_logprobs_num, bootstrap_host=g.bootstrap_host,
             bootstrap_port=g.bootstrap_port, bootstrap_room=g.bootstrap_room,
+            fork_of=g.fork_of,
         )
 
     @property

@@ -32,6 +32,9 @@ T = TypeVar("T")
 class Item:
     index: int
     req: GenerateReq
+    # not sent: this item repeats item `copy_of`'s events (a prefill server makes one request
+    # per prompt and answers it n times, so routers merging by index line up)
+    copy_of: int | None = None
 
 
 @dataclass
@@ -85,18 +88,25 @@ async def run_items(engine: EngineClient, items: list[Item], metrics: ServerMetr
                     timeout: float | None = None) -> AsyncIterator[Event]:
     """Yield Events of all items until each is finished or failed."""
     q: asyncio.Queue[Event | int] = asyncio.Queue()
-    tasks = [asyncio.create_task(_run_one(engine, it, q, metrics, timeout)) for it in items]
-    metrics.in_flight.inc(len(items))
+    sent = [it for it in items if it.copy_of is None]
+    copies: dict[int, list[int]] = {}
+    for it in items:
+        if it.copy_of is not None:
+            copies.setdefault(it.copy_of, []).append(it.index)
+    tasks = [asyncio.create_task(_run_one(engine, it, q, metrics, timeout)) for it in sent]
+    metrics.in_flight.inc(len(sent))
     try:
-        remaining = len(items)
+        remaining = len(sent)
         while remaining:
             ev = await q.get()
             if isinstance(ev, int):
                 remaining -= 1
                 continue
             yield ev
+            for i in copies.get(ev.index, ()):
+                yield Event(i, ev.asm, ev.error, ev.done)
     finally:
-        metrics.in_flight.dec(len(items))
+        metrics.in_flight.dec(len(sent))
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -37,6 +37,7 @@ from pdcore.server.params import (
     make_req,
     pd_items,
     per_item,
+    sample_item,
 )
 from pdcore.server.schemas import GenerateRequest, SamplingParamsIn
 
@@ -87,7 +88,8 @@ def plan_generate(body: GenerateRequest, engine: EngineClient) -> _Plan:
         n = check_n(sp.n, "sampling_params.n")
         expanded.extend((p, j, sp) for j in range(n))
     batch = batch or len(expanded) > 1
-    pds = pd_items(body, len(expanded), args)
+    pds = pd_items(body, [check_n(sp.n) for sp in sp_list], args)
+    leaders: dict[int, Item] = {}  # prompt -> its sample 0
     rids = body.rid if isinstance(body.rid, list) else None
     if rids is not None and len(rids) != len(expanded):
         raise bad(f"rid has {len(rids)} entries for {len(expanded)} requests", "rid")
@@ -113,10 +115,11 @@ def plan_generate(body: GenerateRequest, engine: EngineClient) -> _Plan:
             rid = body.rid if len(expanded) == 1 else f"{body.rid}_{k}"
         else:
             rid = new_rid()
-        req = make_req(rid, ids, sampling, pds[k], return_logprob=bool(rl[p]),
+        req = make_req(rid, ids, sampling, pds[p], return_logprob=bool(rl[p]),
                        logprob_start_len=lsl[p] if rl[p] else -1,
                        top_logprobs_num=tln[p] if rl[p] else 0, stream=body.stream)
-        items.append(Item(k, req))
+        items.append(sample_item(k, req, leaders.get(p), args.disaggregation_mode))
+        leaders.setdefault(p, items[-1])
     return _Plan(items, batch, [bool(rl[p]) for p, _, _ in expanded],
                  [tln[p] for p, _, _ in expanded])
 

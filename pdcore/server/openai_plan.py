@@ -19,6 +19,7 @@ from pdcore.server.params import (
     clamp_max_new_tokens,
     make_req,
     pd_items,
+    sample_item,
 )
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -85,13 +86,14 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
         v = getattr(body, name)
         if v is not None:
             setattr(s, name, v)
-    pds = pd_items(body, len(prompts) * n, args)
+    pds = pd_items(body, [n] * len(prompts), args)
     rid = body.rid if isinstance(body.rid, str) else f"{id_prefix}-{uuid.uuid4().hex}"
     rids = body.rid if isinstance(body.rid, list) else None
     if rids is not None and len(rids) != len(prompts) * n:
         raise bad(f"rid has {len(rids)} entries for {len(prompts) * n} choices", "rid")
-    items = []
+    items: list[Item] = []
     for p, ids in enumerate(prompts):
+        leader: Item | None = None
         for j in range(n):
             k = p * n + j
             sampling = build_sampling(s, names={"max_new_tokens": max_tokens_field})
@@ -99,10 +101,11 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
                 sampling.seed += j
             clamp_max_new_tokens(sampling, len(ids), info, default_max, args.disaggregation_mode)
             req = make_req(rids[k] if rids else (rid if len(prompts) * n == 1 else new_rid()),
-                           ids, sampling, pds[k], return_logprob=want_logprobs,
+                           ids, sampling, pds[p], return_logprob=want_logprobs,
                            logprob_start_len=0 if (echo and want_logprobs) else -1,
                            top_logprobs_num=top, stream=body.stream)
-            items.append(Item(k, req))
+            items.append(sample_item(k, req, leader, args.disaggregation_mode))
+            leader = leader or items[-1]
     echo_texts = [engine.tokenizer.decode(ids) for ids in prompts] if echo else []
     return Plan(items, prompts, n, model, rid, want_logprobs, top, echo_texts)
 

@@ -17,6 +17,7 @@ from typing import Any
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams
 from pdcore.errors import InvalidRequestError
+from pdcore.server.generation import Item
 
 MAX_N = 64
 _GENERATE_REQ_FIELDS = {f.name for f in dataclasses.fields(GenerateReq)}
@@ -145,10 +146,35 @@ class PDInfo:
     disagg_prefill_dp_rank: int | None = None
 
 
-def pd_items(body: Any, count: int, args: ServerArgs) -> list[PDInfo]:
-    hosts = per_item(body.bootstrap_host, count, "bootstrap_host")
-    ports = per_item(body.bootstrap_port, count, "bootstrap_port")
-    rooms = per_item(body.bootstrap_room, count, "bootstrap_room")
+def pd_items(body: Any, samples: list[int], args: ServerArgs) -> list[PDInfo]:
+    """Bootstrap fields per prompt; `samples[p]` is prompt p's n. A scalar applies to the whole
+    request; a list has one entry per prompt, or one per sample (sum of samples), as
+    sglang-router sends for a chat request with n > 1: a prompt then takes its first sample's
+    entry. Either way a prompt's KV crosses once, in one room, whatever its n."""
+    count, total = len(samples), sum(samples)
+    firsts = [sum(samples[:p]) for p in range(count)]
+
+    def per_prompt(value: Any, field: str) -> list[Any]:
+        if not isinstance(value, list):
+            return [value] * count
+        if len(value) == count:
+            return list(value)
+        if len(value) == total:
+            return [value[i] for i in firsts]
+        also = f" or one per sample ({total})" if total != count else ""
+        raise bad(f"{field} has {len(value)} entries; give one per prompt ({count}){also}", field)
+
+    hosts = per_prompt(body.bootstrap_host, "bootstrap_host")
+    ports = per_prompt(body.bootstrap_port, "bootstrap_port")
+    rooms = per_prompt(body.bootstrap_room, "bootstrap_room")
+    if args.disaggregation_mode != "null" and count > 1 and rooms[0] is not None:
+        # a room carries one prompt's KV: two prompts in one room would run two transfers on it
+        if not isinstance(body.bootstrap_room, list):
+            raise bad(f"bootstrap_room must be a list with one room per prompt ({count}) for a "
+                      "batch", "bootstrap_room")
+        if len(set(rooms)) != count:
+            raise bad("bootstrap_room holds the same room for two prompts; give each prompt its "
+                      "own", "bootstrap_room")
     dp_rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
     out = []
     for h, p, r in zip(hosts, ports, rooms):
@@ -174,3 +200,16 @@ def make_req(rid: str, ids: list[int], sampling: SamplingParams, pd: PDInfo, *,
         bootstrap_host=pd.bootstrap_host, bootstrap_port=pd.bootstrap_port,
         bootstrap_room=pd.bootstrap_room, **extra,
     )
+
+
+def sample_item(index: int, req: GenerateReq, leader: Item | None, mode: str) -> Item:
+    """The item of one sample; `leader` is sample 0 of the same prompt (None for sample 0).
+    A prefill server sends only sample 0 and answers it for every sample (P makes the prompt's
+    KV and one token, once); a decode server sends every sample, the others forking from
+    sample 0, which alone runs the KV transfer; a unified server runs each on its own."""
+    if leader is None or mode == "null":
+        return Item(index, req)
+    if mode == "prefill":
+        return Item(index, leader.req, copy_of=leader.index)
+    req.fork_of = leader.req.rid
+    return Item(index, req)
