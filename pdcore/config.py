@@ -16,6 +16,8 @@ from pdcore.errors import ConfigError
 
 DISAGG_MODES = ("null", "prefill", "decode")
 DEFAULT_BOOTSTRAP_PORT = 8998
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 @dataclass
@@ -27,10 +29,18 @@ class ServerArgs:
     trust_remote_code: bool = False
     dtype: str = "auto"  # auto -> float32 on cpu, bfloat16 on accelerators
     context_length: int | None = None
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights, real shapes)
+    chat_template: str | None = None  # Jinja file replacing the tokenizer's chat template
+    random_seed: int | None = None
     # server
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "info"
+    api_key: str | None = None  # bearer token required on every route but /health
+    log_requests: bool = False
+    enable_metrics: bool = False  # /metrics is always on; accepted for SGLang parity
+    skip_server_warmup: bool = False
+    tokenizer_worker_num: int = 1
     # parallelism / devices
     tp_size: int = 1
     dp_size: int = 1
@@ -41,6 +51,7 @@ class ServerArgs:
     device: str = "cpu"
     attention_backend: str | None = None
     memory_pool: str | None = None  # None -> the platform's default pool
+    kv_cache_dtype: str = "auto"  # auto: the model's --dtype
     # memory and scheduling
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -52,7 +63,8 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     # disaggregation
     disaggregation_mode: str = "null"
-    disaggregation_transfer_backend: str = "tcp"
+    # None: mooncake when installed and available, else tcp (pdcore.preflight)
+    disaggregation_transfer_backend: str | None = None
     disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     disaggregation_ib_device: str | None = None
     disaggregation_auth_token: str | None = None
@@ -86,6 +98,18 @@ class ServerArgs:
             raise ConfigError("--context-length must be >= 2")
         if not 0 < self.port < 65536 or not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ConfigError("ports must be in 1..65535")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, "
+                              f"got {self.load_format!r}")
+        if self.tokenizer_worker_num != 1:
+            raise ConfigError(
+                f"--tokenizer-worker-num {self.tokenizer_worker_num}: only 1 is supported (the "
+                "HTTP process tokenizes; run more servers behind the router to scale out)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
 
     @classmethod
     def field_names(cls) -> list[str]:

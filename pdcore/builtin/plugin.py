@@ -81,7 +81,7 @@ def pd_register_platforms(register: Register) -> None:
              description="host CPU; torch.distributed backend gloo")
     register("cuda", lazy(_B + "platforms:CudaPlatform"),
              description="NVIDIA GPUs; device cuda:{base_gpu_id + rank}; nccl",
-             availability=_cuda_available)
+             availability=_cuda_available, reads=("base_gpu_id",))
 
 
 @hookimpl

@@ -338,7 +338,9 @@ class DecodeKVManager:
                               self.kv)
         if info.get("backend") and info["backend"] != self.backend_name:
             raise ProtocolError(f"prefill {addr} uses transfer backend {info['backend']!r}, "
-                                f"decode uses {self.backend_name!r}; use the same on both")
+                                f"decode uses {self.backend_name!r}; give both the same "
+                                "--disaggregation-transfer-backend (the default is mooncake "
+                                "where pd-mooncake is installed, else tcp)")
         targets, required_dst, responses = rank_mapping(
             int(info["tp_size"]), self.tp_size, self.tp_rank, bool(info.get("is_mla")))
         dp_size = int(info.get("dp_size") or 1)

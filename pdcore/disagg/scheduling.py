@@ -30,7 +30,9 @@ def attach(engine: Any) -> None:
     env = DisaggEnv.from_env()
     aux = AuxBuffers(_host_pool(engine), num_slots=max(64, 4 * args.max_running_requests))
     layout, regions = engine.kv.layout(), engine.kv.regions()
-    backend = args.disaggregation_transfer_backend
+    from pdcore.plugins.default_backend import resolve_transfer_backend
+
+    backend = resolve_transfer_backend(args)
     tp = engine.scheduler.tp  # every TP rank runs its own manager for the heads it holds
     if args.disaggregation_mode == "prefill":
         from pdcore.disagg.prefill import PrefillKVManager

@@ -147,4 +147,4 @@ def check_compatible(role: str, peer_page_size: int, peer_dtype: str, local: KVL
     if str(peer_dtype) != str(local.dtype):
         raise ProtocolError(
             f"{role} KV dtype {peer_dtype} != local KV dtype {local.dtype}; start prefill and "
-            f"decode with the same --dtype")
+            f"decode with the same --kv-cache-dtype (auto follows --dtype)")

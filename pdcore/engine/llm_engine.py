@@ -1,7 +1,11 @@
 """Builds an engine (model, KV pool, scheduler) from ServerArgs; also an in-process API.
 
-1. resolve platform and device; load the model through transformers;
-2. size the KV pool (`--max-total-tokens`, else `--mem-fraction-static` of free memory);
+1. resolve platform and device; seed the RNGs (`--random-seed`); load the model through
+   transformers (`--load-format dummy`: random weights of the config's shapes);
+2. size the KV pool: `--max-total-tokens`, else `--mem-fraction-static` (default 0.1 on
+   host memory, 0.85 on accelerators) of the device's TOTAL memory minus the weights, capped at
+   context length x max running requests. Never "what is free now", so the size does not
+   change from one start to the next. The KV dtype is `--kv-cache-dtype` (auto: the model's);
 3. allocate it from the memory-pool plugin; build block manager, runner and scheduler;
 4. `LLMEngine.generate()` drives the scheduler in-process (tests, benchmarks).
 """
@@ -29,7 +33,9 @@ from pdcore.interfaces.memory import PoolContext
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_MEM_FRACTION = 0.1  # of available RAM, for the KV pool, when nothing is given
+# share of TOTAL device memory for weights + KV when --mem-fraction-static is not given: host
+# RAM is shared with everything else on the machine, an accelerator's memory is ours
+DEFAULT_HOST_MEM_FRACTION, DEFAULT_DEVICE_MEM_FRACTION = 0.1, 0.85
 
 
 @dataclass
@@ -47,11 +53,46 @@ class Engine:
         self.kv.close()
 
 
-def _available_bytes(platform: Any, device: torch.device) -> int:
-    if platform is not None:
-        return int(platform.memory_info(device).free_bytes)
-    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(pages)
+def kv_pool_tokens(args: ServerArgs, platform: Any, device: torch.device, model: Any,
+                   per_token: int, context: int) -> int:
+    """The KV pool's size in tokens, from the flags, the device's total memory and the model:
+    the same on every start of the same server on the same machine."""
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    host = device.type == "cpu"
+    frac = args.mem_fraction_static or (DEFAULT_HOST_MEM_FRACTION if host
+                                        else DEFAULT_DEVICE_MEM_FRACTION)
+    mem = platform.memory_info(device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(mem.total_bytes * frac) - weights
+    if budget < per_token * args.page_size:
+        raise ConfigError(
+            f"--mem-fraction-static {frac} of {mem.total_bytes / 2**30:.1f} GiB leaves no room "
+            f"for the KV cache after {weights / 2**30:.2f} GiB of weights; raise it or give "
+            "--max-total-tokens")
+    # more tokens than every running request's whole context can never be in use at once
+    tokens = min(budget // per_token, context * args.max_running_requests)
+    if tokens * per_token > mem.free_bytes:
+        log.warning("the KV pool (%.1f MiB) is larger than the memory free now (%.1f MiB); "
+                    "lower --mem-fraction-static or --max-total-tokens if the start fails",
+                    tokens * per_token / 2**20, mem.free_bytes / 2**20)
+    return tokens
+
+
+def seed_everything(seed: int) -> None:
+    """--random-seed: torch (every device), random and numpy."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def kv_dtype(args: ServerArgs, model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype,
+                                                                           "cpu")
 
 
 def _platform(args: ServerArgs) -> Any:
@@ -68,9 +109,11 @@ def _backend_pool(args: ServerArgs) -> str | None:
     """The pool a PD transfer backend needs (declared at registration), if any."""
     if args.disaggregation_mode == "null":
         return None
+    from pdcore.plugins.default_backend import resolve_transfer_backend
     from pdcore.plugins.host import transfer_backends
 
-    return transfer_backends().get(args.disaggregation_transfer_backend).pool_for(os.environ)
+    name = resolve_transfer_backend(args)
+    return transfer_backends().get(name).pool_for(os.environ)
 
 
 def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
@@ -78,17 +121,23 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     platform = _platform(args)
     device = platform.device_for_rank(tp.rank, args.base_gpu_id)
     dtype = resolve_dtype(args.dtype, device.type)
-    model, cfg, resolved = load_model(args.model_path, dtype, device, tp, args.trust_remote_code)
+    if args.random_seed is not None:
+        seed_everything(args.random_seed)
+    model, cfg, resolved = load_model(args.model_path, dtype, device, tp, args.trust_remote_code,
+                                      args.load_format)
+    cache_dtype = kv_dtype(args, dtype)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = kv_head_span(cfg.num_key_value_heads, tp.rank, tp.size)[1]
-    per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, dtype)
-    if args.max_total_tokens:
-        tokens = args.max_total_tokens
-    else:
-        frac = args.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
-        tokens = int(_available_bytes(platform, device) * frac) // per_token
+    per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype)
+    model_context = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
+    tokens = kv_pool_tokens(args, platform, device, model, per_token, model_context)
     # every TP rank must see the same pool (the schedule is replicated): take the smallest
     num_pages = tp.all_min([max(1, tokens // args.page_size)])[0]
+    # the longest sequence the pool can hold is what /v1/models reports as max_model_len
+    context = min(model_context, num_pages * args.page_size)
+    if context < model_context:
+        log.warning("context length %d -> %d: the KV pool holds %d tokens", model_context,
+                    context, num_pages * args.page_size)
     from pdcore.plugins.host import memory_pools
 
     pool_name = args.memory_pool or _backend_pool(args) or getattr(platform, "default_pool",
@@ -97,9 +146,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         pool_name, PoolContext(server_id=args.server_id, device=str(device), rank=tp.rank,
                                env=dict(os.environ)))
     kv = KVCache(pool, cfg.num_hidden_layers, num_pages, args.page_size, kv_heads, head_dim,
-                 dtype, tp.rank, tp.size, cfg.num_key_value_heads)
+                 cache_dtype, tp.rank, tp.size, cfg.num_key_value_heads)
     blocks = BlockManager(num_pages, args.page_size)
-    context = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     sched = Scheduler(ModelRunner(model, kv, blocks, tp), blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
@@ -111,13 +159,16 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         "context_length": context, "max_total_tokens": num_pages * args.page_size,
         "page_size": args.page_size, "num_pages": num_pages, "vocab_size": cfg.vocab_size,
         "eos_token_ids": sorted(sched.cfg.eos_ids), "dtype": str(dtype).replace("torch.", ""),
+        "kv_cache_dtype": str(cache_dtype).replace("torch.", ""),
+        "load_format": args.load_format, "random_seed": args.random_seed,
         "device": str(device), "architectures": list(cfg.architectures),
         "model_type": cfg.model_type, "disaggregation_mode": args.disaggregation_mode,
         "tp_size": args.tp_size, "dp_size": args.dp_size, "nnodes": args.nnodes,
         "bootstrap_port": args.disaggregation_bootstrap_port, "memory_pool": pool_name,
     }
-    log.info("KV pool: %d pages x %d tokens (%.1f MiB) in pool %r", num_pages, args.page_size,
-             num_pages * args.page_size * per_token / 2**20, pool_name)
+    log.info("KV pool: %d pages x %d tokens (%.1f MiB, %s) in pool %r; max context %d",
+             num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,
+             info["kv_cache_dtype"], pool_name, context)
     return Engine(args, model, cfg, kv, blocks, sched, info)
 
 

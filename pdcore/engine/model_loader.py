@@ -67,23 +67,46 @@ def _progress_bars_on_a_thread_lock() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
-               tp: TPInfo | None = None, trust_remote_code: bool = False,
-               ) -> tuple[LlamaForCausalLM, Any, ResolvedModel]:
-    """Our model with weights loaded (progress bars come from transformers)."""
+def _check_format(resolved: ResolvedModel, load_format: str) -> None:
+    is_gguf = resolved.gguf_file is not None or resolved.source is not None
+    if load_format == "gguf" and not is_gguf:
+        raise ConfigError(f"--load-format gguf: {resolved.display_path} is not a GGUF model")
+    if load_format in ("safetensors", "dummy") and is_gguf:
+        raise ConfigError(f"--load-format {load_format}: {resolved.display_path} is a GGUF model; "
+                          "use --load-format auto or gguf")
+
+
+def _hf_model(resolved: ResolvedModel, cfg: Any, load_format: str,
+              trust_remote_code: bool) -> Any:
+    """The transformers model: weights from the files, or random ones (`dummy`) drawn by
+    transformers' own initialisation for the config's shapes (no weight file is read)."""
     from transformers import AutoModelForCausalLM
 
-    _progress_bars_on_a_thread_lock()
-    resolved = converted(resolve_model(model_path))  # a GGUF file: its cached HF conversion
-    cfg = load_config(resolved, trust_remote_code)
-    log.info("loading %s (%s) as %s", resolved.display_path, cfg.architectures[0], dtype)
+    if load_format == "dummy":
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                trust_remote_code=trust_remote_code)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(
+        return AutoModelForCausalLM.from_pretrained(
             resolved.path, dtype=torch.float32, trust_remote_code=trust_remote_code,
             **resolved.hf_kwargs(),
         )
     except Exception as e:
         raise ModelLoadError(f"cannot load weights from {resolved.display_path}: {e}") from e
+
+
+def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
+               tp: TPInfo | None = None, trust_remote_code: bool = False,
+               load_format: str = "auto") -> tuple[LlamaForCausalLM, Any, ResolvedModel]:
+    """Our model with weights loaded (progress bars come from transformers)."""
+    _progress_bars_on_a_thread_lock()
+    raw = resolve_model(model_path)
+    _check_format(raw, load_format)
+    # a GGUF file loads through its cached HF conversion; dummy weights need only the config
+    resolved = raw if load_format == "dummy" else converted(raw)
+    cfg = load_config(resolved, trust_remote_code)
+    log.info("loading %s (%s) as %s%s", resolved.display_path, cfg.architectures[0], dtype,
+             " with random weights (--load-format dummy)" if load_format == "dummy" else "")
+    hf = _hf_model(resolved, cfg, load_format, trust_remote_code)
     if not getattr(hf.config, "architectures", None):
         hf.config.architectures = cfg.architectures
     model = LlamaForCausalLM(hf.config, tp)

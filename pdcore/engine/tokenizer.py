@@ -42,7 +42,7 @@ def default_model_file() -> str:
             "no --model-path given and the default model is not installed; "
             f"install it with `{INSTALL_HINT}` or pass --model-path DIR_OR_GGUF"
         )
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    path = os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path} is missing; reinstall with `{INSTALL_HINT}`")
     return path
@@ -78,9 +78,17 @@ def load_tokenizer(args: Any) -> Any:
 
     resolved = converted(resolve_model(getattr(args, "tokenizer_path", None) or args.model_path))
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             resolved.path, trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
             **resolved.hf_kwargs(),
         )
     except Exception as e:
         raise ModelLoadError(f"cannot load tokenizer from {resolved.display_path}: {e}") from e
+    template = getattr(args, "chat_template", None)
+    if template:  # --chat-template: /v1/chat/completions renders with this file instead
+        try:
+            with open(os.path.expanduser(template), encoding="utf-8") as f:
+                tokenizer.chat_template = f.read()
+        except OSError as e:
+            raise ModelLoadError(f"cannot read --chat-template {template}: {e}") from e
+    return tokenizer

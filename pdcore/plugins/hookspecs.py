@@ -6,6 +6,9 @@
 - memory_pool (transfer backends only): the memory pool the KV must be allocated from for this
   backend to reach it (e.g. "shm"), or a callable (environment mapping -> pool name or None)
   that decides at server start; servers use it when --memory-pool is not given;
+- reads (transfer backends): the ServerArgs fields (e.g. "disaggregation_ib_device") and
+  environment variables (e.g. "SGLANG_MOONCAKE_CUSTOM_MEM_POOL") the backend uses; a server
+  warns at start about one of these set for a backend that does not list it;
 - availability: optional zero-argument callable -> (ok: bool, reason: str), cheap, must not
   raise; `pdserve plugins` shows the reason when ok is False (e.g. "nixl is not installed:
   pip install nixl").

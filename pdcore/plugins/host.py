@@ -193,9 +193,11 @@ class PluginHost:
 
     def _register_callback(self, registry: Registry, info: PluginInfo) -> Any:
         def register(name: str, factory: Any, *, description: str = "",
-                     availability: Any = None, memory_pool: Any = None) -> None:
+                     availability: Any = None, memory_pool: Any = None,
+                     reads: Any = ()) -> None:
             entry = Entry(registry.kind, name, factory, info.name, info.distribution,
-                          info.version, description, availability, memory_pool)
+                          info.version, description, availability, memory_pool,
+                          frozenset(reads or ()))
             try:
                 registry.add(entry)
             except DuplicateNameError as e:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -63,6 +64,25 @@ def build_state(config: RouterConfig) -> RouterState:
     return RouterState(config, registry, policies)
 
 
+def _require_api_key(app: FastAPI, key: str) -> None:
+    """401 on every route but /health without `Authorization: Bearer <key>`. The router's own
+    calls to workers carry the same key (RouterConfig.worker_headers), and a client's header,
+    forwarded with a generate request, is that key once it passed here."""
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next):  # type: ignore[no-untyped-def]
+        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+        # constant-time: the comparison must not tell how much of a guess was right
+        if request.url.path == "/health" or (
+                scheme.lower() == "bearer"
+                and hmac.compare_digest(token.strip().encode(), key.encode())):
+            return await call_next(request)
+        return JSONResponse(
+            {"error": {"message": "missing or wrong API key: send 'Authorization: Bearer "
+                                  "<--api-key>'", "type": "unauthorized", "code": 401}},
+            status_code=401, headers={"www-authenticate": "Bearer"})
+
+
 def create_app(config: RouterConfig) -> FastAPI:
     """The router app; raises ConfigError on an invalid config."""
     state = build_state(config)
@@ -70,13 +90,14 @@ def create_app(config: RouterConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # This client serves health checks and admin calls; the data path has per-worker ones.
-        client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_secs, connect=10.0))
+        client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_secs, connect=10.0),
+                                   headers=config.worker_headers())
         needs_loads = any(p.needs_loads for p in state.policies.values())
         monitor = HealthMonitor(config, state.registry, client, poll_loads=needs_loads)
         state.client, state.monitor = client, monitor
         state.proxy = Proxy(
             config, state.registry, state.policies["prefill"], state.policies["decode"],
-            UpstreamClients(), state.metrics,
+            UpstreamClients(headers=config.worker_headers()), state.metrics,
         )
         if config.prometheus_port is not None:
             from prometheus_client import start_http_server
@@ -100,6 +121,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
     install_limits(app)  # early 413 and the same field checks as the servers, before any worker
+    if config.api_key:
+        _require_api_key(app, config.api_key)
 
     def _make_route(route: str):  # type: ignore[no-untyped-def]
         async def generate(request: Request) -> Response:

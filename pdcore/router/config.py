@@ -77,6 +77,13 @@ class RouterConfig:
         default=None, metadata=_opt("also serve /metrics on this port (main port always has it)")
     )
     log_level: str = field(default="info", metadata=_opt("log level", choices=LOG_LEVELS))
+    api_key: str | None = field(default=None, metadata=_opt(
+        "bearer token clients must send on every route but /health (401 otherwise); the router "
+        "sends the same key to its workers, so start them with the same --api-key"))
+
+    def worker_headers(self) -> dict[str, str]:
+        """Headers on every router -> worker call (health, loads, info, generation)."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     @property
     def effective_prefill_policy(self) -> str:
@@ -140,6 +147,8 @@ class RouterConfig:
             raise ConfigError("--retry-jitter-factor must be in [0, 1)")
         if self.retry_initial_backoff_ms < 0 or self.retry_max_backoff_ms < 0:
             raise ConfigError("--retry-*-backoff-ms must be >= 0")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
 
     @classmethod
     def option_fields(cls) -> list[str]:

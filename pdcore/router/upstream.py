@@ -31,12 +31,14 @@ class UpstreamClients:
     reused if the URL comes back) until `aclose()`, so in-flight calls are never cut.
     """
 
-    def __init__(self, connect_timeout: float = 10.0) -> None:
+    def __init__(self, connect_timeout: float = 10.0,
+                 headers: dict[str, str] | None = None) -> None:
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._connect_timeout = connect_timeout
 
     def get(self, worker: Worker) -> httpx.AsyncClient:
         client = self._clients.get(worker.url)
+        self._headers = headers or {}  # the router's --api-key for its workers
         if client is None:
             client = httpx.AsyncClient(
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -44,6 +46,7 @@ class UpstreamClients:
             )
             self._clients[worker.url] = client
         return client
+                headers=self._headers,
 
     async def aclose(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

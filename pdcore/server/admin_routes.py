@@ -22,7 +22,7 @@ router = APIRouter()
 # PD managers recognise this host and finish the request without a transfer (SGLang's convention).
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-_SECRET_FIELDS = {"disaggregation_auth_token"}
+_SECRET_FIELDS = {"disaggregation_auth_token", "api_key"}
 
 
 def _engine(request: Request) -> EngineClient:
@@ -32,6 +32,8 @@ def _engine(request: Request) -> EngineClient:
 @router.get("/health")
 async def health(request: Request) -> Response:
     engine = _engine(request)
+    if engine.ready and getattr(request.app.state, "warming_up", False):
+        return JSONResponse({"status": "warming_up", "error": None}, status_code=503)
     if engine.ready:
         return Response(status_code=200)
     return JSONResponse({"status": engine.state.value, "error": engine.error}, status_code=503)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import types
 import typing
 from typing import Any, NoReturn
 
-from pdcore.config import DISAGG_MODES, ServerArgs
+from pdcore.config import DISAGG_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, ServerArgs
 from pdcore.errors import ConfigError
 
 ALIASES: dict[str, list[str]] = {
@@ -28,6 +29,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "disaggregation_mode": DISAGG_MODES,
     "log_level": ("debug", "info", "warning", "error", "critical"),
     "schedule_policy": ("fcfs", "lpm"),
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "load_format": LOAD_FORMATS,
 }
 HELP: dict[str, str] = {
     "model_path": "local HF folder or .gguf file (default: SmolLM2-135M-Instruct from the "
@@ -55,11 +58,25 @@ HELP: dict[str, str] = {
     "max_prefill_tokens": "token budget of one prefill batch",
     "disable_radix_cache": "do not reuse cached prompt prefixes",
     "disaggregation_mode": "null (unified), prefill or decode",
-    "disaggregation_transfer_backend": "KV transfer backend plugin (tcp, shm, mooncake, nixl, ...)",
+    "disaggregation_transfer_backend": "KV transfer backend plugin (tcp, shm, mooncake, nixl, "
+                                       "...); default: mooncake when installed and usable, "
+                                       "else tcp",
     "disaggregation_bootstrap_port": "port of the prefill server's bootstrap server",
     "disaggregation_ib_device": "RDMA device(s) for the transfer backend",
     "disaggregation_auth_token": "shared secret for the PD control plane",
     "profile_output_dir": "where /start_profile writes traces",
+    "load_format": "auto (by --model-path), safetensors, gguf, or dummy: random weights of the "
+                   "model's shapes from its config.json (no weight files needed)",
+    "chat_template": "Jinja file used by /v1/chat/completions instead of the tokenizer's template",
+    "random_seed": "seeds torch, random and numpy at start: unseeded sampling is reproducible",
+    "api_key": "bearer token required on every route but /health (401 otherwise)",
+    "log_requests": "one log line per request: rid, prompt and output tokens, latency",
+    "enable_metrics": "accepted for SGLang compatibility: /metrics is always on",
+    "skip_server_warmup": "skip the one-token warm-up generate run before /health turns 200",
+    "tokenizer_worker_num": "tokenizer processes (only 1: the HTTP process tokenizes)",
+    "kv_cache_dtype": "KV pool dtype: auto (the model's --dtype), float32, bfloat16; prefill "
+                      "and decode must use the same",
+    "watchdog_timeout": "seconds a scheduler step may hang before the server exits",
 }
 
 
@@ -142,12 +159,23 @@ def _check_model_path(args: ServerArgs) -> None:
 
 def parse_server_args(argv: list[str], prog: str = "pdserve serve") -> ServerArgs:
     """Parse and check; exits 2 with a message on any flag error."""
+    from pdcore.plugins.default_backend import default_transfer_backend
+    from pdcore.server.preflight import preflight
+
     parser = build_parser(prog)
     ns = parser.parse_args(argv)
     try:
         args = ServerArgs(**vars(ns))
         args.validate()
         check_supported(args)
+        if args.disaggregation_mode != "null" and not args.disaggregation_transfer_backend:
+            name, why = default_transfer_backend()
+            args.disaggregation_transfer_backend = name
+            print(f"{prog}: transfer backend {name} (default: {why}); prefill and decode must "
+                  "use the same: give --disaggregation-transfer-backend to choose",
+                  file=sys.stderr, flush=True)
+        for warning in preflight(args):
+            print(f"{prog}: warning: {warning}", file=sys.stderr, flush=True)
     except ConfigError as e:
         parser.exit(2, f"{prog}: error: {e}\n")
     return args

@@ -75,7 +75,7 @@ def create_backend(ctx: Any) -> Any:
 def pd_register_platforms(register: Callable[..., None]) -> None:
     register("npu", lazy("pd_ascend.platform:NpuPlatform"),
              description="Ascend NPUs via torch-npu; device npu:{base_gpu_id + rank}; hccl",
-             availability=npu_availability)
+             availability=npu_availability, reads=("base_gpu_id",))
 
 
 @hookimpl

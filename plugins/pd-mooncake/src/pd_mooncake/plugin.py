@@ -91,6 +91,8 @@ def pd_register_transfer_backends(register: Callable[..., None]) -> None:
         description=("Mooncake transfer engine (P2P handshake; MOONCAKE_PROTOCOL rdma|tcp|efa; "
                      "the transport really in use is logged and exposed as engine.transport)"),
         availability=sdk_availability,
+        reads=("disaggregation_ib_device", "SGLANG_MOONCAKE_CUSTOM_MEM_POOL",
+               "MOONCAKE_PROTOCOL", "MC_FORCE_TCP"),
     )
 
 
