@@ -5,34 +5,75 @@
    loads and 200 once the scheduler is ready; `app.state.on_ready` / `on_start_failed`
    (set by the runner) are called when that settles;
 3. at shutdown the engine stops and the scheduler process is terminated.
+
+Before /health turns 200 a unified server runs a one-token warm-up generate (the first forward
+pass pays for lazy initialisation; `--skip-server-warmup` skips it). PD servers skip it: a
+generate there needs a peer. With `--api-key` every route but /health answers 401 without
+`Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 
 from pdcore.config import ServerArgs
+from pdcore.engine.io_struct import GenerateReq, SamplingParams
 from pdcore.server import admin_routes, native_routes, openai_routes
 from pdcore.server.engine_client import EngineClient, EngineError, SchedulerTarget
-from pdcore.server.http_errors import install_error_handlers
+from pdcore.server.http_errors import error_response, install_error_handlers
 from pdcore.server.limits import install_limits
 from pdcore.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 GENERATE_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions"}
+OPEN_PATHS = frozenset({"/health"})  # answered without --api-key: supervisors probe it
+WARMUP_TIMEOUT_S = 120.0
+
+
+async def _warm_up(engine: EngineClient) -> None:
+    """One greedy token through the scheduler, before the server reports ready."""
+    t0 = time.monotonic()
+    req = GenerateReq(f"warmup-{uuid.uuid4().hex[:8]}", list(range(4)),
+                      SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+    async with contextlib.aclosing(engine.generate(req, timeout=WARMUP_TIMEOUT_S)) as outs:
+        async for _ in outs:
+            pass
+    log.info("warm-up generate done in %.0f ms", (time.monotonic() - t0) * 1000)
+
+
+def bearer_ok(header: str | None, key: str) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    # constant-time: the comparison must not tell how much of a guess was right
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())
 
 
 async def _start_engine(app: FastAPI) -> None:
     engine: EngineClient = app.state.engine
+    args: ServerArgs = app.state.args
     try:
         await engine.start()
+        if args.skip_server_warmup:
+            log.info("warm-up skipped (--skip-server-warmup)")
+        elif args.disaggregation_mode != "null":
+            log.info("warm-up skipped: a %s server needs a peer to generate",
+                     args.disaggregation_mode)
+        else:
+            app.state.warming_up = True
+            try:
+                await _warm_up(engine)
+            finally:
+                app.state.warming_up = False
     except EngineError as e:
         log.error("engine failed to start: %s", e)
         cb = getattr(app.state, "on_start_failed", None)
@@ -69,8 +110,23 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     app.state.metrics = ServerMetrics()
     app.state.on_ready = None
     app.state.on_start_failed = None
+    app.state.warming_up = False
     install_error_handlers(app)
     install_limits(app)
+
+    if args.api_key:
+        key = args.api_key
+
+        @app.middleware("http")
+        async def require_api_key(request: Request,
+                                  call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+            if request.url.path in OPEN_PATHS or bearer_ok(request.headers.get("authorization"),
+                                                           key):
+                return await call_next(request)
+            response = error_response("missing or wrong API key: send 'Authorization: Bearer "
+                                      "<--api-key>'", 401)
+            response.headers["www-authenticate"] = "Bearer"
+            return response
 
     @app.middleware("http")
     async def count_requests(request: Request,
