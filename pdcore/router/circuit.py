@@ -6,7 +6,9 @@
    the circuit, a single failure re-opens it (and restarts the timeout).
 
 An outcome is a failure for 5xx answers and transport errors; 2xx and 4xx are successes (a 4xx
-is the client's fault, not the worker's).
+is the client's fault, not the worker's). `last_failure_at` tells the health monitor to probe
+the worker now; `retry_now()` (the worker's health came back after it was down) moves an open
+circuit to half-open at once instead of after the timeout.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self.total_failures = 0
         self.total_successes = 0
+        self.last_failure_at = 0.0  # clock() of the last failed outcome (enabled or not)
 
     @property
     def state(self) -> CircuitState:
@@ -59,6 +62,7 @@ class CircuitBreaker:
             self.total_successes += 1
         else:
             self.total_failures += 1
+            self.last_failure_at = self._clock()
         if not self.enabled:
             return
         state = self.state
@@ -73,6 +77,12 @@ class CircuitBreaker:
         self._failures += 1
         if state is CircuitState.HALF_OPEN or self._failures >= self.failure_threshold:
             self._open()
+
+    def retry_now(self) -> None:
+        """Open -> half-open now: the worker was down and answers its health checks again."""
+        if self.state is CircuitState.OPEN:
+            self._state = CircuitState.HALF_OPEN
+            self._successes = 0
 
     def _open(self) -> None:
         self._state = CircuitState.OPEN

@@ -7,6 +7,11 @@
 2. `start()`: a periodic task probes every started worker each `--health-check-interval-secs`
    with `--health-check-timeout-secs`; `--health-failure-threshold` consecutive failures mark it
    unhealthy, `--health-success-threshold` consecutive successes mark it healthy again.
+   A worker under suspicion (a request to it failed since its last probe, a failure streak in
+   progress, or marked unhealthy) is probed every `recovery_period()` (at most 0.5 s) instead:
+   a dead worker leaves rotation within a few probes, and one that answers again is back
+   within one health interval; a worker that comes back from unhealthy also gets its open
+   circuit half-opened at once (its failures were the outage, not a fault of the new process).
 3. When a policy needs loads (power_of_two), another task polls `GET /get_load` each
    `--load-check-interval-secs`; the answer is a JSON list of per-DP-rank dicts whose
    `num_tokens` are summed (a dict with `num_tokens` or `load` is accepted too).
@@ -25,6 +30,8 @@ from pdcore.router.config import RouterConfig
 from pdcore.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("pdcore.router.health")
+
+RECOVERY_PROBE_S = 0.5  # upper bound on the probe period of a suspect worker
 
 
 def parse_load(payload: object) -> int:
@@ -64,6 +71,7 @@ class HealthMonitor:
 
     def start(self) -> None:
         self._spawn(self._periodic_health(), "router-health")
+        self._spawn(self._periodic_suspects(), "router-health-suspects")
         if self._poll_loads:
             self._spawn(self._periodic_loads(), "router-loads")
 
@@ -79,6 +87,7 @@ class HealthMonitor:
     async def probe(self, worker: Worker) -> bool:
         """One health probe; records the error text on failure."""
         url = worker.url + self._config.health_check_endpoint
+        worker.last_probe_at = time.monotonic()
         try:
             resp = await self._client.get(url, timeout=self._config.health_check_timeout_secs)
         except httpx.HTTPError as exc:
@@ -114,7 +123,20 @@ class HealthMonitor:
 
     async def check_all(self) -> None:
         """One round of periodic checks over every worker past its startup wait."""
-        workers = [w for w in self._registry if not w.starting]
+        await self._check([w for w in self._registry if not w.starting])
+
+    def suspects(self) -> list[Worker]:
+        return [w for w in self._registry if not w.starting and (
+            not w.healthy or w.health_failures > 0
+            or w.circuit.last_failure_at > w.last_probe_at)]
+
+    def recovery_period(self) -> float:
+        """Probe period of suspect workers: success_threshold probes fit in one interval."""
+        cfg = self._config
+        return min(RECOVERY_PROBE_S,
+                   cfg.health_check_interval_secs / (cfg.health_success_threshold + 1))
+
+    async def _check(self, workers: list[Worker]) -> None:
         results = await asyncio.gather(*(self.probe(w) for w in workers))
         cfg = self._config
         for worker, ok in zip(workers, results):
@@ -123,6 +145,7 @@ class HealthMonitor:
                 worker.health_successes += 1
                 if not worker.healthy and worker.health_successes >= cfg.health_success_threshold:
                     worker.healthy = True
+                    worker.circuit.retry_now()
                     log.info("%s worker %s is healthy again", worker.worker_type, worker.url)
             else:
                 worker.health_successes = 0
@@ -142,6 +165,16 @@ class HealthMonitor:
                 await self.check_all()
             except Exception:  # a bug here must not silently stop health checking
                 log.exception("health check round failed")
+
+    async def _periodic_suspects(self) -> None:
+        while True:
+            await asyncio.sleep(self.recovery_period())
+            try:
+                suspects = self.suspects()
+                if suspects:
+                    await self._check(suspects)
+            except Exception:  # a bug here must not silently stop recovery checks
+                log.exception("suspect health check round failed")
 
     async def poll_loads(self) -> None:
         workers = list(self._registry)

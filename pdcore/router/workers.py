@@ -1,7 +1,9 @@
 """Worker registry: the prefill and decode workers the router knows, and their live state.
 
 A worker is *available* (selectable by a policy) when it is healthy and its circuit is not open.
-Health is driven by `health.HealthMonitor`; circuits by the proxy's outcomes; `in_flight` counts
+Health is driven by `health.HealthMonitor` (which also probes a worker at once after a failed
+request, and a down worker every fraction of a second until it is back); circuits by the
+proxy's outcomes; `in_flight` counts
 the router's own requests on the worker; `load` is the last `/get_load` token count (-1 unknown).
 """
 
@@ -28,6 +30,7 @@ class Worker:
     health_failures: int = 0
     health_successes: int = 0
     last_health_error: str | None = None
+    last_probe_at: float = 0.0  # monotonic start of its last health probe
     in_flight: int = 0
     load: int = -1
     added_at: float = field(default_factory=time.time)
