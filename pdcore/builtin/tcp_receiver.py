@@ -3,7 +3,10 @@
 Lifecycle:
 1. `TcpReceiver(host, token, timeout)` binds host:0 and starts the accept thread;
 2. `set_regions()` publishes the registered regions (copy-on-write snapshot);
-3. per connection: hello with the engine's token, then batches: header, dst/len arrays, EVERY
+3. per connection: hello with the engine's token within a short deadline (until then the
+   connection is only *pending*: bounded per source and in total, the oldest evicted by a flood,
+   never counted against the established-peer limit; see pdcore.netguard), then batches:
+   header, dst/len arrays, EVERY
    range checked against the registered regions before a byte is written, payload read
    straight into destination memory, ack (ok or the reason);
 4. `stop()` closes the listener and every connection and joins the threads (idempotent).
@@ -31,11 +34,12 @@ from pdcore.builtin.tcp_support import (
     region_views,
 )
 from pdcore.interfaces.transfer import MemoryRegion
+from pdcore.netguard import PENDING_DEADLINE_S, ConnectionGate
 
 log = logging.getLogger(__name__)
 
 MAX_ITEMS = 1 << 21
-MAX_CONNECTIONS = 512  # a connection flood cannot start unbounded threads
+MAX_CONNECTIONS = 512  # established (handshaken) peers; pending ones are bounded by the gate
 # A rejected batch whose payload is larger than this is not drained: the connection is dropped.
 MAX_DRAIN = 1 << 34
 
@@ -56,11 +60,13 @@ class TcpReceiver:
         self._snap = _Snapshot(())
         self.guard = SharedExclusive()  # deregister waits for batches being written
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: set[socket.socket] = set()  # every open connection (stop() shuts them)
+        self._established = 0
         self._threads: list[threading.Thread] = []
         self._stopped = False
         self._listener = socket.create_server((host, 0), backlog=128)
         self.host, self.port = self._listener.getsockname()[:2]
+        self.gate = ConnectionGate(f"{name} receiver {self.port}")
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"{name}-accept-{self.port}", daemon=True
         )
@@ -77,19 +83,18 @@ class TcpReceiver:
     def _accept_loop(self) -> None:
         while not self._stopped:
             try:
-                conn, _ = self._listener.accept()
+                conn, source = self._listener.accept()
             except OSError:
-                return  # listener closed by stop()
+                if self._stopped:
+                    return  # listener closed by stop()
+                time.sleep(0.05)  # out of file descriptors (a flood): let connections drain
+                continue
             with self._lock:
                 if self._stopped:
                     conn.close()
                     return
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    log.warning("%s receiver %s: refusing a connection: %d already open",
-                                self._name, self.port, len(self._conns))
-                    conn.close()
-                    continue
                 self._conns.add(conn)
+                self.gate.admit(conn, str(source[0]))
                 t = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                      name=f"{self._name}-recv-{self.port}")
                 self._threads = [x for x in self._threads if x.is_alive()]
@@ -101,29 +106,58 @@ class TcpReceiver:
             wire.tune(conn)
             if not self._handshake(conn):
                 return
-            while not self._stopped:
-                try:
-                    head = wire.recv_exact(conn, wire.BATCH.size, None)  # idle: wait freely
-                except (wire.PeerClosed, OSError):
-                    return
-                self._batch(conn, head)
+            try:
+                self._serve_batches(conn)
+            finally:
+                with self._lock:
+                    self._established -= 1
         except (OSError, ValueError) as e:
             if not self._stopped:
                 log.warning("%s receiver %s: connection dropped: %s", self._name, self.port, e)
         finally:
+            self.gate.discard(conn)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
 
+    def _serve_batches(self, conn: socket.socket) -> None:
+        while not self._stopped:
+            try:
+                head = wire.recv_exact(conn, wire.BATCH.size, None)  # idle: wait freely
+            except (wire.PeerClosed, OSError):
+                return
+            self._batch(conn, head)
+
+    def _reserve(self) -> bool:
+        with self._lock:
+            if self._established >= MAX_CONNECTIONS:
+                return False
+            self._established += 1
+            return True
+
     def _handshake(self, conn: socket.socket) -> bool:
-        deadline = time.monotonic() + self._timeout
-        magic, version, token = wire.HELLO.unpack(wire.recv_exact(conn, wire.HELLO.size, deadline))
+        """A stranger gets PENDING_DEADLINE_S to say hello (a real peer does it at once)."""
+        deadline = time.monotonic() + min(self._timeout, PENDING_DEADLINE_S)
+        try:
+            hello = wire.recv_exact(conn, wire.HELLO.size, deadline)
+        except (TimeoutError, wire.PeerClosed, OSError):
+            return False  # silent, gone, or evicted by a flood: nothing worth a warning
+        magic, version, token = wire.HELLO.unpack(hello)
         if magic != wire.HELLO_MAGIC or version != wire.VERSION:
             reason = f"bad hello (magic {magic!r}, version {version}); expected version {wire.VERSION}"
         elif not hmac.compare_digest(token, self._token):
             reason = "wrong data-plane token: connect with this engine's current endpoint()"
+        elif not self.gate.promote(conn):
+            return False  # evicted meanwhile
+        elif not self._reserve():
+            reason = f"{MAX_CONNECTIONS} peers are connected already; retry later"
         else:
-            wire.send_buffers(conn, [wire.HELLO_OK], deadline)
+            try:
+                wire.send_buffers(conn, [wire.HELLO_OK], deadline)
+            except BaseException:
+                with self._lock:
+                    self._established -= 1
+                raise
             return True
         log.warning("%s receiver %s: refused a connection: %s", self._name, self.port, reason)
         r = wire.encode_reason(reason)

@@ -2,12 +2,20 @@
 
 Lifecycle (server, one per prefill instance, run by P rank 0 in a daemon thread):
 1. `start()` binds `--host`:`--disaggregation-bootstrap-port` (fails fast if taken);
-2. every P rank `PUT /route`s its control address, TP rank/size, page size, KV dtype; the first
-   registration fixes the instance-wide values, a conflicting one is answered 400;
+2. every P rank `PUT /route`s its control address, TP rank/size, page size, KV dtype, proving
+   with header X-PD-Route-Secret that it is one of this instance's ranks (rank 0 draws the secret
+   at start and broadcasts it over the TP group; no user setting); a PUT without it is answered
+   403, so nobody else can redirect D's registration; the first registration fixes the
+   instance-wide values, a conflicting one is answered 400;
 3. D `GET /route?prefill_dp_rank=-1&target_tp_rank=-1` -> instance info (503 until every rank
    registered), `GET /route?prefill_dp_rank=D&target_tp_rank=T` -> {rank_ip, rank_port};
-4. D's heartbeat `GET /health` -> 200 "OK" with header X-PD-Instance (a new id after a restart);
-5. `close()` stops the thread and frees the port.
+4. D's heartbeat `GET /health` -> 200 "OK"; every answer carries header X-PD-Instance (a new id
+   after a restart), and D uses a route only when every answer of one resolution carried the
+   same id;
+5. connections are bounded (see `limits.ConnectionGate`): each waits at most a few seconds for
+   its request, and a flood evicts its own oldest idle connections instead of starving the
+   heartbeat and the ranks;
+6. `close()` stops the thread and frees the port.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import hmac
 import http.client
 import json
 import logging
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -24,10 +34,13 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from pdcore.errors import TransferError
+from pdcore.netguard import PENDING_DEADLINE_S, ConnectionGate, is_loopback
 
 log = logging.getLogger(__name__)
 
 INSTANCE_HEADER = "X-PD-Instance"
+SECRET_HEADER = "X-PD-Route-Secret"
+MAX_BODY = 1 << 16  # a rank's registration is a few hundred bytes
 _REQUIRED = ("rank_ip", "rank_port", "tp_rank", "tp_size", "page_size", "kv_cache_dtype")
 _INSTANCE_FIELDS = ("tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla",
                     "total_kv_heads", "backend", "protocol_version")
@@ -75,6 +88,11 @@ class _Table:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    timeout = PENDING_DEADLINE_S  # a silent or slow client cannot hold a thread
+
+    def handle_one_request(self) -> None:
+        super().handle_one_request()
+        self.server.gate.discard(self.request)  # it sent a whole request: no longer evictable
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("bootstrap %s: " + format, self.client_address[0], *args)
@@ -119,6 +137,14 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:
         if urlsplit(self.path).path != "/route":
             return self._reply(404, {"error": "no such route"})
+        secret = self.headers.get(SECRET_HEADER, "")
+        if not hmac.compare_digest(secret.encode(), self.server.secret.encode()):
+            log.warning("bootstrap: refused PUT /route from %s: it is not one of this prefill "
+                        "instance's ranks (missing or wrong %s)", self.client_address[0],
+                        SECRET_HEADER)
+            self.close_connection = True
+            return self._reply(403, {"error": "only this prefill instance's own ranks may "
+                                              "register routes"})
         token = self.server.token
         if token:
             got = self.headers.get("Authorization", "")
@@ -128,6 +154,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._reply(401, {"error": "wrong or missing auth token"})
         try:
             n = int(self.headers.get("Content-Length", "0"))
+            if not 0 <= n <= MAX_BODY:
+                raise ValueError(f"Content-Length {n} is outside [0, {MAX_BODY}]")
             body = json.loads(self.rfile.read(n) or b"{}")
         except ValueError as e:
             return self._reply(400, {"error": f"bad JSON: {e}"})
@@ -142,13 +170,34 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128
     table: _Table
     token: str | None
+    secret: str
+    gate: ConnectionGate
+
+    def process_request(self, request: socket.socket,  # type: ignore[override]
+                        client_address: tuple) -> None:
+        self.gate.admit(request, str(client_address[0]))
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        self.gate.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: object, client_address: tuple) -> None:
+        # a client that hangs up (or an evicted flood connection) is routine, not a traceback
+        log.debug("bootstrap: connection from %s ended with %r", client_address[0],
+                  sys.exc_info()[1])
 
 
 class BootstrapServer:
-    def __init__(self, host: str, port: int, auth_token: str | None = None) -> None:
+    def __init__(self, host: str, port: int, auth_token: str | None = None,
+                 route_secret: str = "") -> None:
+        if not route_secret:
+            raise ValueError("BootstrapServer needs the instance's route secret")
         self.host, self._port, self.token = host, port, auth_token
+        self.route_secret = route_secret
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -159,13 +208,19 @@ class BootstrapServer:
             raise TransferError(
                 f"cannot bind the bootstrap server on {self.host}:{self._port} ({e}); pick a "
                 f"free --disaggregation-bootstrap-port") from None
-        srv.table, srv.token = _Table(), self.token
+        srv.table, srv.token, srv.secret = _Table(), self.token, self.route_secret
+        srv.gate = ConnectionGate(f"bootstrap {self.host}:{srv.server_address[1]}")
         self._server = srv
         self._thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="pd-bootstrap", daemon=True)
         self._thread.start()
         log.info("bootstrap server on %s:%d (instance %s)", self.host, self.port,
                  srv.table.instance_id)
+        if not self.token and not is_loopback(self.host):
+            log.warning("bootstrap server binds %s without --disaggregation-auth-token: the PD "
+                        "control plane is open to the network (routes are protected by the "
+                        "instance secret, control messages are not); set the same token on "
+                        "prefill and decode", self.host)
 
     @property
     def port(self) -> int:
@@ -188,8 +243,9 @@ class BootstrapClient:
     """Blocking HTTP calls to a bootstrap server, with timeouts on every call."""
 
     def __init__(self, connect_timeout: float = 2.0, read_timeout: float = 3.0,
-                 token: str | None = None) -> None:
+                 token: str | None = None, route_secret: str = "") -> None:
         self.connect_timeout, self.read_timeout, self.token = connect_timeout, read_timeout, token
+        self.route_secret = route_secret  # only P's ranks hold it (PUT /route)
 
     def _call(self, addr: str, method: str, path: str,
               body: dict | None = None) -> tuple[int, bytes, str]:
@@ -206,6 +262,8 @@ class BootstrapClient:
                 headers["Content-Type"] = "application/json"
                 if self.token:
                     headers["Authorization"] = f"Bearer {self.token}"
+                if self.route_secret:
+                    headers[SECRET_HEADER] = self.route_secret
             conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
             return resp.status, resp.read(), resp.getheader(INSTANCE_HEADER, "")
@@ -233,15 +291,25 @@ class BootstrapClient:
 
     def get_info(self, addr: str, attempts: int = 1, interval: float = 1.0,
                  deadline: float | None = None) -> dict[str, Any]:
-        data, _ = self._retrying(addr, "GET", "/route?prefill_dp_rank=-1&target_tp_rank=-1",
-                                 None, attempts, interval, deadline)
-        return json.loads(data)
+        data, inst = self._retrying(addr, "GET", "/route?prefill_dp_rank=-1&target_tp_rank=-1",
+                                    None, attempts, interval, deadline)
+        info = json.loads(data)
+        if not isinstance(info, dict) or str(info.get("instance_id", "")) != inst:
+            raise TransferError(f"bootstrap server {addr} answered instance info that does not "
+                                f"match its own {INSTANCE_HEADER} header; refusing it")
+        return info
 
     def get_rank(self, addr: str, dp_rank: int, tp_rank: int, attempts: int = 1,
-                 interval: float = 1.0, deadline: float | None = None) -> tuple[str, int]:
-        data, _ = self._retrying(
+                 interval: float = 1.0, deadline: float | None = None,
+                 instance: str = "") -> tuple[str, int]:
+        """A rank's control address; with `instance`, only from that same P instance (a route
+        answered by a restarted or different server is refused, never registered with)."""
+        data, inst = self._retrying(
             addr, "GET", f"/route?prefill_dp_rank={dp_rank}&target_tp_rank={tp_rank}", None,
             attempts, interval, deadline)
+        if instance and inst != instance:
+            raise TransferError(f"bootstrap server {addr} changed instance ({instance} -> "
+                                f"{inst or 'none'}) while decode resolved it; retrying later")
         d = json.loads(data)
         return str(d["rank_ip"]), int(d["rank_port"])
 

@@ -9,6 +9,11 @@ Control plane lifecycle (one per manager):
 3. `send(addr, msg)` pushes through a per-peer PUSH socket, never blocking: linger 0, and a
    full queue (dead peer) makes send() return False instead of waiting;
 4. `drop(addr)` closes a peer's socket (it died); `close()` stops the thread and the sockets.
+
+Floods: zmq accepts and handshakes connections on its own I/O thread and fair-queues the peers
+that completed the ZMTP greeting, so idle connections cannot block real peers; what they could
+do is hold descriptors and memory, hence a short handshake deadline and a message size cap on
+the PULL socket (a Register or TransferInfo is at most a few MiB).
 """
 
 from __future__ import annotations
@@ -27,12 +32,15 @@ from pdcore.disagg import wire
 from pdcore.errors import ProtocolError, UnknownNameError
 from pdcore.interfaces.planner import TransferPlanner
 from pdcore.interfaces.transfer import BackendContext, TransferEngine
+from pdcore.netguard import is_loopback
 
 log = logging.getLogger(__name__)
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's warm-up / health_generate host: no transfer at all
 UNBOUNDED_PAGES = 1 << 30  # dest_page_count() of a fake room: any number of pages "fits"
 _SNDHWM = 10_000
+_HANDSHAKE_MS = 5_000  # zmq drops a connection that has not greeted within this
+_MAX_MSG = 64 << 20
 
 
 def advertised_host(host: str) -> str:
@@ -98,6 +106,8 @@ class ControlPlane:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_MS)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG)
         self._push: dict[str, tuple[zmq.Socket, threading.Lock]] = {}
         self._push_lock = threading.Lock()
         self._stop = threading.Event()
@@ -107,6 +117,10 @@ class ControlPlane:
     def start(self) -> str:
         port = self._pull.bind_to_random_port(f"tcp://{self.host}")
         self.addr = f"tcp://{advertised_host(self.host)}:{port}"
+        if not self.token and not is_loopback(self.host):
+            log.warning("%s: control plane binds %s without --disaggregation-auth-token: "
+                        "anyone on the network can send it control messages; give prefill and "
+                        "decode the same token", self.label, self.host)
         self._thread = threading.Thread(target=self._loop, name=f"pd-{self.label}-recv",
                                         daemon=True)
         self._thread.start()

@@ -343,11 +343,11 @@ class DecodeKVManager:
                                 "where pd-mooncake is installed, else tcp)")
         targets, required_dst, responses = rank_mapping(
             int(info["tp_size"]), self.tp_size, self.tp_rank, bool(info.get("is_mla")))
-        dp_size = int(info.get("dp_size") or 1)
+        dp_size, inst_id = int(info.get("dp_size") or 1), str(info.get("instance_id", ""))
         ctrl: dict[tuple[int, int], str] = {}
         for dp in range(dp_size):
-            for t in targets:
-                ip, port = self.client.get_rank(addr, dp, t, attempts, interval, deadline)
+            for t in targets:  # every route from the instance the info came from, or none
+                ip, port = self.client.get_rank(addr, dp, t, attempts, interval, deadline, inst_id)
                 ctrl[(dp, t)] = f"tcp://{ip}:{port}"
         assert self._register is not None, "start() must run before add()"
         for a in ctrl.values():
@@ -356,7 +356,7 @@ class DecodeKVManager:
         self.counters.add("registrations", len(ctrl))
         log.info("registered with prefill %s (instance %s, P TP %s -> ranks %s)", addr,
                  info.get("instance_id"), info["tp_size"], targets)
-        return _Instance(addr, str(info.get("instance_id", "")), dp_size, int(info["tp_size"]),
+        return _Instance(addr, inst_id, dp_size, int(info["tp_size"]),
                          targets, required_dst, responses, ctrl)
 
     # -- control plane (receive thread) ------------------------------------------------------
@@ -389,8 +389,8 @@ class DecodeKVManager:
                 done = len(r.responders) >= inst.responses
         if msg.state == KVPoll.Failed:
             self._fail(msg.room, f"prefill rank {msg.rank} failed: {msg.reason}", False)
-            if msg.code == wire.UNKNOWN_SESSION and inst is not None:
-                self._forget(r.addr, inst)  # P lost us (restart): the next request re-registers
+            if msg.code in (wire.UNKNOWN_SESSION, wire.SESSION_FAILED) and inst is not None:
+                self._forget(r.addr, inst)  # P dropped us: the next room resolves and registers
         elif done:
             self._complete(r)
 

@@ -11,8 +11,8 @@ Lifecycle:
    worker plans, bounds-checks and writes it; after the last chunk the aux row follows and
    Status(Success) goes to every D rank of the room -> Success;
 4. any failure (bad message, backend error, timeout, abort from either side, a send() out of
-   turn, a duplicate room) -> Failed, with a Status(Failed) to D; a backend error also marks
-   the D session failed until it re-registers;
+   turn, a duplicate room) -> Failed, with a Status(Failed) to D; a backend error also drops
+   the D session at once (Status code SESSION_FAILED), and D registers again on its next room;
 5. `release(room)` forgets the room; `close()` stops workers, control plane, server, backend.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -63,8 +64,10 @@ class PrefillKVManager:
     def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
                  kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
                  tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
-                 pool: Any = None) -> None:
+                 pool: Any = None, route_secret: str = "") -> None:
         self.args, self.env, self.kv, self.aux = args, env, kv, aux
+        # proves to the bootstrap server that a PUT /route comes from this instance's ranks
+        self.route_secret = route_secret or secrets.token_hex(16)
         self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
         self.token = args.disaggregation_auth_token or None
         self.planner = make_planner(env)
@@ -81,6 +84,7 @@ class PrefillKVManager:
         self._tombstones: dict[int, tuple[str, float]] = {}  # released failed rooms
         self._sessions: dict[str, DecodeSession] = {}
         self._rejected: dict[str, str] = {}  # session -> why its registration was refused
+        self._decode_faults: set[int] = set()  # failed rooms whose cause is the decode side
         self.ctrl = ControlPlane(args.host, self.token, f"prefill{tp_rank}", self._on_message,
                                  self._on_tick)
         self.workers = ShardedWorkers(env.queue_size, env.thread_pool_size, self._run_chunk,
@@ -98,12 +102,13 @@ class PrefillKVManager:
         addr = self.ctrl.start()
         if self.tp_rank == 0:
             self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
-                                             self.token)
+                                             self.token, self.route_secret)
             self.bootstrap.start()
             host = self.bootstrap_addr.rpartition(":")[0]
             self.bootstrap_addr = f"{host}:{self.bootstrap.port}"
         host, _, port = addr.removeprefix("tcp://").rpartition(":")
-        BootstrapClient(token=self.token).put_route(self.bootstrap_addr, {
+        client = BootstrapClient(token=self.token, route_secret=self.route_secret)
+        client.put_route(self.bootstrap_addr, {
             "rank_ip": host, "rank_port": int(port), "tp_rank": self.tp_rank,
             "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1, "page_size": self.kv.page_size,
             "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
@@ -214,6 +219,7 @@ class PrefillKVManager:
         with self._lock:
             self._rooms.pop(room, None)
             self._pending.pop(room, None)
+            self._decode_faults.discard(room)
             if self.states.get(room) is KVPoll.Failed:
                 self._tombstones[room] = (self.states.reason(room), time.monotonic())
             self.states.remove(room)
@@ -228,16 +234,22 @@ class PrefillKVManager:
         out.update(self.ctrl.counters.snapshot())
         with self._lock:
             out["sessions"] = len(self._sessions)
-            out["failed_sessions"] = sum(1 for s in self._sessions.values() if s.failed)
         out["inflight_rooms"] = self.states.count(KVPoll.Bootstrapping, KVPoll.WaitingForInput,
                                                   KVPoll.Transferring)
         out["queued_chunks"] = self.workers.pending()
         return out
 
     # -- helpers ---------------------------------------------------------------------------
+    def decode_fault(self, room: int) -> bool:
+        """True when `room` failed because of its decode peer (the router blames decode)."""
+        with self._lock:
+            return room in self._decode_faults
+
     def _fail(self, room: int, reason: str, code: str = "", notify: bool = True) -> None:
         if not self.states.fail(room, reason):
             return
+        if code in wire.DECODE_FAULTS:  # set.add is atomic; release() discards under the lock
+            self._decode_faults.add(room)
         self.counters.add("failures")
         log.warning("room %d: failed: %s", room, reason)
         with self._lock:
@@ -302,8 +314,6 @@ class PrefillKVManager:
                     code = wire.UNKNOWN_SESSION
                     why = (f"decode session {msg.session} is not registered here (prefill "
                            f"restarted?); decode re-registers on its next request")
-            elif sess.failed:
-                why = f"decode session {msg.session} failed earlier: {sess.failed}"
             pages = np.zeros(0, dtype=np.int64)
             if not why:
                 try:
@@ -356,7 +366,7 @@ class PrefillKVManager:
                 ack_now = r.inflight == 0
                 if not ack_now:  # ack once no write into D's pages is in flight any more
                     r.abort_acks.append(msg.ctrl_addr)
-        self._fail(msg.room, reason, notify=False)
+        self._fail(msg.room, reason, wire.DECODE_ABORT, notify=False)
         if ack_now:
             self.ctrl.send(msg.ctrl_addr, wire.AbortAck(room=msg.room, rank=self.tp_rank))
 
@@ -369,14 +379,6 @@ class PrefillKVManager:
                 del self._pending[room]
             for room in [k for k, t in self._tombstones.items() if now - t[1] > keep]:
                 del self._tombstones[room]
-            busy = {key for r in self._rooms.values() for key in r.dests}
-            dead = [s for k, s in self._sessions.items()
-                    if s.failed and k not in busy and now - s.failed_at > keep]
-            for sess in dead:  # a failed D that never came back
-                del self._sessions[sess.key]
-        for sess in dead:
-            if sess.peer is not None:
-                self.backend.disconnect(sess.peer)
         for room, why in expired:
             self._fail(room, why)
 
@@ -466,11 +468,8 @@ class PrefillKVManager:
     def _session(self, key: str) -> DecodeSession:
         with self._lock:
             sess = self._sessions.get(key)
-        if sess is None:
+        if sess is None or sess.failed:  # a failed session is dropped from the table at once
             raise TransferError(f"decode session {key} is gone (it re-registered or was dropped)")
-        if sess.failed:
-            raise TransferError(f"decode session {key} failed earlier: {sess.failed} "
-                                f"(decode could be dead)")
         return sess
 
     def _write(self, sess: DecodeSession, batch: CopyBatch, room: int) -> None:
@@ -482,14 +481,20 @@ class PrefillKVManager:
                                 room) from None
 
     def _fail_session(self, sess: DecodeSession, why: str) -> None:
-        """Mark a D session failed and fail every unfinished room that writes into it."""
+        """Drop a D session at once and fail its unfinished rooms with SESSION_FAILED: D then
+        forgets this P and registers again on its next room (a frozen D is back at once)."""
         with self._lock:
             if not sess.failed:
                 sess.failed, sess.failed_at = why, time.monotonic()
+            dropped = self._sessions.get(sess.key) is sess
+            if dropped:
+                del self._sessions[sess.key]
             rooms = [room for room, r in self._rooms.items() if sess.key in r.dests]
+        if dropped and sess.peer is not None:
+            self.backend.disconnect(sess.peer)
         self.counters.add("session_failures")
-        log.warning("decode session %s marked failed: %s", sess.key, why)
+        log.warning("decode session %s dropped: %s", sess.key, why)
         for room in rooms:
             if self.states.get(room) not in TERMINAL:
                 self._fail(room, f"transfer to decode session {sess.key} failed: {why} "
-                                 f"(decode could be dead)")
+                                 f"(decode could be dead)", wire.SESSION_FAILED)

@@ -4,6 +4,7 @@ prefill or decode extension (pdcore.disagg.prefill_sched / decode_sched)."""
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 from pdcore.config import DisaggEnv
@@ -38,8 +39,10 @@ def attach(engine: Any) -> None:
         from pdcore.disagg.prefill import PrefillKVManager
         from pdcore.disagg.prefill_sched import PrefillExtension
 
+        # rank 0 draws the route secret; the TP group (every node) is the only one to learn it
+        secret = tp.broadcast_object(secrets.token_hex(16))
         mgr = PrefillKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
-                               engine.kv.layers, engine.kv.pool)
+                               engine.kv.layers, engine.kv.pool, route_secret=secret)
         ext: Any = PrefillExtension(engine.scheduler, mgr, aux)
     else:
         from pdcore.disagg.decode import DecodeKVManager

@@ -93,6 +93,11 @@ class AbortAck(_Msg, tag="abort_ack"):
 
 Message = Register | TransferInfo | Abort | Status | AbortAck
 UNKNOWN_SESSION = "unknown_session"  # Status.code: P does not know D's session (P restarted)
+# Status.code: a transfer into D's session failed and P dropped the session; D registers again
+SESSION_FAILED = "session_failed"
+DECODE_ABORT = "decode_abort"  # not sent: P's record that D aborted the room
+# the codes that put the blame for a failed room on decode (P answers 502, not 500)
+DECODE_FAULTS = frozenset({UNKNOWN_SESSION, SESSION_FAILED, DECODE_ABORT})
 
 
 class _Header(msgspec.Struct):

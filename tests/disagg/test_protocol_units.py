@@ -120,12 +120,15 @@ def _get(port: int, path: str) -> tuple[int, dict | str, str]:
         return e.code, json.loads(e.read().decode()), ""
 
 
+SECRET = "rank-secret"
+
+
 def test_bootstrap_server_routes() -> None:
-    srv = BootstrapServer("127.0.0.1", 0)
+    srv = BootstrapServer("127.0.0.1", 0, route_secret=SECRET)
     srv.start()
     try:
         port, addr = srv.port, f"127.0.0.1:{srv.port}"
-        client = BootstrapClient()
+        client = BootstrapClient(route_secret=SECRET)
         status, body, inst = _get(port, "/health")
         assert (status, body, inst) == (200, "OK", srv.instance_id)
         assert client.health(addr) == srv.instance_id
@@ -147,24 +150,24 @@ def test_bootstrap_server_routes() -> None:
 
 
 def test_bootstrap_put_requires_token_when_configured() -> None:
-    srv = BootstrapServer("127.0.0.1", 0, auth_token="s3")
+    srv = BootstrapServer("127.0.0.1", 0, auth_token="s3", route_secret=SECRET)
     srv.start()
     try:
         addr = f"127.0.0.1:{srv.port}"
         with pytest.raises(TransferError, match="401"):
-            BootstrapClient(token="nope").put_route(addr, _rank(0, 1), attempts=1)
-        BootstrapClient(token="s3").put_route(addr, _rank(0, 1))
+            BootstrapClient(token="nope", route_secret=SECRET).put_route(addr, _rank(0, 1), attempts=1)
+        BootstrapClient(token="s3", route_secret=SECRET).put_route(addr, _rank(0, 1))
         assert BootstrapClient().get_rank(addr, 0, 0) == ("127.0.0.1", 5000)
     finally:
         srv.close()
 
 
 def test_bootstrap_client_retries_until_ready_and_bounds_retries() -> None:
-    srv = BootstrapServer("127.0.0.1", 0)
+    srv = BootstrapServer("127.0.0.1", 0, route_secret=SECRET)
     srv.start()
     addr = f"127.0.0.1:{srv.port}"
     try:
-        threading.Timer(0.3, lambda: BootstrapClient().put_route(addr, _rank(0, 1))).start()
+        threading.Timer(0.3, lambda: BootstrapClient(route_secret=SECRET).put_route(addr, _rank(0, 1))).start()
         t0 = time.monotonic()
         assert BootstrapClient().get_info(addr, attempts=20, interval=0.1)["tp_size"] == 1
         assert time.monotonic() - t0 < 3
@@ -178,11 +181,11 @@ def test_bootstrap_client_retries_until_ready_and_bounds_retries() -> None:
 
 
 def test_bootstrap_port_in_use_is_a_clear_error() -> None:
-    srv = BootstrapServer("127.0.0.1", 0)
+    srv = BootstrapServer("127.0.0.1", 0, route_secret=SECRET)
     srv.start()
     try:
         with pytest.raises(TransferError, match="--disaggregation-bootstrap-port"):
-            BootstrapServer("127.0.0.1", srv.port).start()
+            BootstrapServer("127.0.0.1", srv.port, route_secret=SECRET).start()
     finally:
         srv.close()
 
