@@ -14,6 +14,9 @@
    (rewritten per SSE event when prefill logprobs are merged). An unfinished P call completes in
    the background (bounded by the deadline); its errors are logged and counted on P's circuit.
 5. Every leg gives back its in-flight count and connection on every path.
+6. A client that goes away before commit (even before any byte came back) cancels both legs
+   at once, which closes both upstream connections: P and D abort the room and free its pages.
+   After commit the streaming response notices the disconnect and closes the decode leg.
 """
 
 from __future__ import annotations
@@ -42,7 +45,13 @@ from pdcore.router.merge import (
 )
 from pdcore.router.metrics import RouterMetrics
 from pdcore.router.policies import Policy, routing_text
-from pdcore.router.upstream import DecodeLeg, PrefillResult, UpstreamClients, call_prefill
+from pdcore.router.upstream import (
+    PEER_FAULT,
+    DecodeLeg,
+    PrefillResult,
+    UpstreamClients,
+    call_prefill,
+)
 from pdcore.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("pdcore.router.proxy")
@@ -51,6 +60,14 @@ RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 FORWARD_HEADERS = ("authorization", "x-request-id", "x-correlation-id")
 _KIND = {408: "timeout", 429: "rate_limited", 500: "internal_error", 502: "bad_gateway",
          503: "unavailable", 504: "timeout"}
+CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body was read already, so nothing else is
+    waiting on receive())."""
+    while (await request.receive()).get("type") != "http.disconnect":
+        pass
 
 
 @dataclass
@@ -149,6 +166,19 @@ class Proxy:
         headers.update({h: v for h in FORWARD_HEADERS if (v := request.headers.get(h))})
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._cfg.request_timeout_secs
+        gone = loop.create_task(_client_gone(request))
+        try:
+            return await self._attempts(route, body, n, stream, logprobs, text, headers,
+                                        deadline, request_id, gone)
+        finally:  # a committed stream watches for the disconnect itself (one receiver only)
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+
+    async def _attempts(
+        self, route: str, body: dict, n: int, stream: bool, logprobs: bool, text: str,
+        headers: dict[str, str], deadline: float, request_id: str, gone: asyncio.Task[None],
+    ) -> Response:
+        loop = asyncio.get_running_loop()
         failure: Failure | None = None
         for attempt in range(self._cfg.max_attempts):
             if attempt:
@@ -165,7 +195,7 @@ class Proxy:
             p, d = pair
             content = json.dumps(inject_bootstrap(body, p, n, self._rng)).encode()
             outcome = await self._attempt(
-                route, p, d, content, headers, stream, logprobs, deadline, request_id
+                route, p, d, content, headers, stream, logprobs, deadline, request_id, gone
             )
             if isinstance(outcome, Response):
                 return outcome
@@ -194,7 +224,7 @@ class Proxy:
 
     async def _attempt(
         self, route: str, p: Worker, d: Worker, content: bytes, headers: dict[str, str],
-        stream: bool, logprobs: bool, deadline: float, request_id: str,
+        stream: bool, logprobs: bool, deadline: float, request_id: str, gone: asyncio.Task[None],
     ) -> Response | Failure:
         loop = asyncio.get_running_loop()
         p_task = self._start_prefill(p, p.url + route, content, headers, deadline)
@@ -204,12 +234,18 @@ class Proxy:
         )
         committed = False
         try:
-            pending: set[asyncio.Task[object]] = {p_task, d_task}  # type: ignore[arg-type]
+            pending: set[asyncio.Task[object]] = {p_task, d_task, gone}  # type: ignore[arg-type]
             while True:
+                if gone.done():  # the finally below cancels both legs: P and D free the room
+                    self._metrics.upstream_errors.labels(worker_type="client",
+                                                         kind="disconnect").inc()
+                    log.info("client went away before the response started; aborting both legs")
+                    return Failure(CLIENT_GONE, "client_disconnected", "client disconnected",
+                                   retriable=False)
                 if p_task.done() and not p_task.result().ok:
                     d_ok = d_task.done() and d_task.exception() is None and leg.ok
                     if logprobs or not d_ok:
-                        return self._prefill_outcome(p, p_task.result(), request_id)
+                        return self._prefill_outcome(p, d, p_task.result(), request_id)
                 if d_task.done():
                     if d_task.exception() is not None:
                         exc = d_task.exception()
@@ -239,7 +275,13 @@ class Proxy:
                 await leg.release()
         return await self._commit(p_task, leg, stream, logprobs, deadline, request_id)
 
-    def _prefill_outcome(self, p: Worker, res: PrefillResult, request_id: str) -> Response | Failure:
+    def _prefill_outcome(self, p: Worker, d: Worker, res: PrefillResult,
+                         request_id: str) -> Response | Failure:
+        if res.status == PEER_FAULT:  # P is fine; its decode peer failed the pair
+            d.circuit.record(False)
+            self._metrics.upstream_errors.labels(worker_type="decode", kind="peer_fault").inc()
+            return _upstream_failure("decode", d, res.status,
+                                     b"(reported by prefill " + p.url.encode() + b") " + res.body)
         if res.status is None:
             return Failure(502, "prefill_transport_error",
                            f"prefill worker {p.url} failed: {res.error}", retriable=True)

@@ -1,7 +1,8 @@
 """The two upstream legs of a PD request: the prefill call and the decode call.
 
 Both record their outcome on the worker's circuit breaker (5xx or transport error = failure) and
-count failures in the metrics. The prefill call is read whole; the decode call is opened as a
+count failures in the metrics. A prefill server answers 502 (PEER_FAULT) when its decode peer
+failed the pair: that counts against the decode worker, never against the healthy prefill. The prefill call is read whole; the decode call is opened as a
 stream so the proxy can commit on its first chunk and pass the rest through.
 """
 
@@ -21,6 +22,8 @@ from pdcore.router.workers import Worker
 
 log = logging.getLogger("pdcore.router.upstream")
 
+PEER_FAULT = 502  # a prefill server's "my decode peer failed this request"
+
 
 class UpstreamClients:
     """One httpx.AsyncClient per worker URL for the data path.
@@ -35,18 +38,18 @@ class UpstreamClients:
                  headers: dict[str, str] | None = None) -> None:
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._connect_timeout = connect_timeout
+        self._headers = headers or {}  # the router's --api-key for its workers
 
     def get(self, worker: Worker) -> httpx.AsyncClient:
         client = self._clients.get(worker.url)
-        self._headers = headers or {}  # the router's --api-key for its workers
         if client is None:
             client = httpx.AsyncClient(
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
                 timeout=httpx.Timeout(None, connect=self._connect_timeout),
+                headers=self._headers,
             )
             self._clients[worker.url] = client
         return client
-                headers=self._headers,
 
     async def aclose(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
@@ -88,7 +91,7 @@ async def call_prefill(
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         log.warning("prefill %s failed: %s", url, reason)
         return PrefillResult(None, error=reason)
-    worker.circuit.record(resp.status_code < 500)
+    worker.circuit.record(resp.status_code < 500 or resp.status_code == PEER_FAULT)
     if not 200 <= resp.status_code < 300:
         metrics.upstream_errors.labels(worker_type="prefill", kind=str(resp.status_code)).inc()
         log.warning("prefill %s answered %d: %s", url, resp.status_code, resp.text[:300])
