@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -81,6 +82,9 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
         raise ConfigError("--prefill and --decode must each be >= 1")
     py = [sys.executable, "-m", "pdcore", "serve"]
     common = ["--host", cfg.host, "--disaggregation-transfer-backend", backend, *cfg.serve_args]
+    if not any(a.startswith("--disaggregation-auth-token") for a in cfg.serve_args):
+        # the cluster's own token: its control and data planes refuse everyone else
+        common += ["--disaggregation-auth-token", secrets.token_hex(16)]
     if cfg.model_path:
         common += ["--model-path", cfg.model_path]
     servers = []

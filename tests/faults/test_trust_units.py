@@ -1,0 +1,66 @@
+"""Trust without configuration (issue 16, item 2), without servers: `pdserve up` gives its
+cluster a token, an open control plane says so, and D refuses a route from another instance."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
+from pdcore.disagg.common import ControlPlane
+from pdcore.errors import TransferError
+from pdcore.up import UpConfig, plan
+
+RANK = {"rank_ip": "127.0.0.1", "rank_port": 5000, "tp_rank": 0, "tp_size": 1,
+        "page_size": 4, "kv_cache_dtype": "float32"}
+
+
+def _token(argv: list[str]) -> str:
+    return argv[argv.index("--disaggregation-auth-token") + 1]
+
+
+def test_up_gives_its_cluster_one_token_and_keeps_a_given_one() -> None:
+    servers, _ = plan(UpConfig(prefill=1, decode=2), "tcp")
+    tokens = {_token(s.argv) for s in servers}
+    assert len(tokens) == 1 and len(tokens.pop()) >= 32
+    again, _ = plan(UpConfig(prefill=1, decode=1), "tcp")
+    assert _token(again[0].argv) != _token(servers[0].argv)  # drawn per cluster
+    mine, _ = plan(UpConfig(serve_args=["--disaggregation-auth-token", "t0k"]), "tcp")
+    assert all(s.argv.count("--disaggregation-auth-token") == 1 and _token(s.argv) == "t0k"
+               for s in mine)
+
+
+def test_open_control_plane_is_a_warning_and_loopback_is_not(caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    for host, token, warned in (("0.0.0.0", None, True), ("0.0.0.0", "t", False),
+                                ("127.0.0.1", None, False)):
+        caplog.clear()
+        srv = BootstrapServer(host, 0, auth_token=token, route_secret="s")
+        srv.start()
+        plane = ControlPlane(host, token, "ctl", lambda m: None, lambda: None)
+        plane.start()
+        srv.close()
+        plane.close()
+        text = caplog.text
+        assert ("open to the network" in text) is warned, (host, token, text)
+        assert ("without --disaggregation-auth-token" in text) is warned
+
+
+def test_decode_refuses_a_route_from_another_instance() -> None:
+    srv = BootstrapServer("127.0.0.1", 0, route_secret="s")
+    srv.start()
+    addr = f"127.0.0.1:{srv.port}"
+    try:
+        BootstrapClient(route_secret="s").put_route(addr, RANK)
+        client = BootstrapClient()
+        info = client.get_info(addr)
+        assert info["instance_id"] == srv.instance_id
+        assert client.get_rank(addr, 0, 0, instance=srv.instance_id) == ("127.0.0.1", 5000)
+        with pytest.raises(TransferError, match="changed instance"):
+            client.get_rank(addr, 0, 0, instance="an-earlier-instance")
+        with pytest.raises(TransferError, match="403"):
+            client.put_route(addr, {**RANK, "rank_port": 6666}, attempts=1)
+        assert client.get_rank(addr, 0, 0) == ("127.0.0.1", 5000)
+    finally:
+        srv.close()
