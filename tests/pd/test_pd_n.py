@@ -1,0 +1,213 @@
+"""Parallel sampling (n > 1) through a real P + D pair, behind `pdserve router` and the real
+`sglang-router` at once (tiny random model, tcp): every route, streaming and not, n = 1..4.
+
+Each request must succeed with n greedy samples equal to the unified engine's output, run
+exactly one KV transfer per prompt (P's and D's scheduler counters), and leave both engines up
+with every KV page free again."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from pdcore.config import ServerArgs
+from pdcore.engine.io_struct import SamplingParams
+from pdcore.engine.llm_engine import LLMEngine
+from pdcore.engine.tokenizer import load_tokenizer
+from pdcore.testing.processes import PDCluster, ServerProcess, free_port
+from pdcore.testing.tiny_models import make_tiny_model
+
+NEW = 8
+FLAGS = ("--max-total-tokens", "4096", "--page-size", "4")
+ROUTERS = ["pdcore", "sglang"]
+HAVE_SGLANG_ROUTER = importlib.util.find_spec("sglang_router") is not None
+PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,"]
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from pdcore.engine.tokenizer import default_model_file
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("pdn") / "m"),
+                           tokenizer_from=default_model_file(), max_positions=8192)
+
+
+@pytest.fixture(scope="module")
+def pd(model_dir):
+    """One P + D pair; both routers in front of it."""
+    c = PDCluster("tcp", model_path=model_dir, flags=FLAGS).start()
+    routers = {"pdcore": c.router}
+    try:
+        if HAVE_SGLANG_ROUTER:
+            routers["sglang"] = ServerProcess(
+                "--pd-disaggregation", "--prefill", c.prefills[0].url,
+                str(c.bootstrap_ports[0]), "--decode", c.decodes[0].url,
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                command=("-m", "sglang_router.launch_router")).wait_healthy(120)
+        model = httpx.get(c.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield c, routers, model
+    finally:
+        if "sglang" in routers:
+            routers["sglang"].stop()
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def unified(model_dir):
+    """Greedy (or seeded) output ids of the unified engine, and the tokenizer."""
+    tok = load_tokenizer(ServerArgs(model_path=model_dir))
+    eng = LLMEngine(ServerArgs(model_path=model_dir, max_total_tokens=4096, page_size=4))
+
+    def run(ids: list[int]) -> list[int]:
+        sp = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+        return eng.generate([ids], sp)[0]["output_ids"]
+
+    yield tok, run
+    eng.close()
+
+
+def router_url(pd, name: str) -> str:
+    if name not in pd[1]:
+        pytest.skip("sglang-router is not installed (pip install sglang-router)")
+    return pd[1][name].url
+
+
+def counters(c: PDCluster) -> tuple[dict[str, Any], dict[str, Any]]:
+    return c.load(c.prefills[0]), c.load(c.decodes[0])
+
+
+def assert_one_transfer_per_prompt(c: PDCluster, before, prompts: int, samples: int) -> None:
+    (p0, d0), (p1, d1) = before, counters(c)
+    assert p1["disagg_requests_total"] - p0["disagg_requests_total"] == prompts
+    assert p1["disagg_transfers_total"] - p0["disagg_transfers_total"] == prompts
+    assert d1["disagg_transfers_total"] - d0["disagg_transfers_total"] == prompts
+    assert d1["disagg_samples_total"] - d0["disagg_samples_total"] == samples
+    # the KV manager's own count (absent until its first transfer)
+    assert d1.get("kv_transfers", 0) - d0.get("kv_transfers", 0) == prompts
+    assert d1["disagg_transfers_per_request"] == p1["disagg_transfers_per_request"] == 1
+
+
+def assert_engines_up(c: PDCluster) -> None:
+    for s in c.prefills + c.decodes:
+        assert s.alive(), s.log()[-3000:]
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+    c.wait_pages_free()
+
+
+def sse_events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(ln[6:]) for ln in r.iter_lines()
+                  if ln.startswith("data: ") and ln != "data: [DONE]"]
+    assert events and not any("error" in e for e in events), events
+    return events
+
+
+def texts(url: str, route: str, body: dict[str, Any], stream: bool) -> list[Any]:
+    """Per choice: output ids (/generate) or text (OpenAI routes)."""
+    if not stream:
+        r = httpx.post(url + route, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        if route == "/generate":
+            items = out if isinstance(out, list) else [out]
+            return [it["output_ids"] for it in sorted(items, key=lambda it: it.get("index", 0))]
+        return [c["text"] if "text" in c else c["message"]["content"]
+                for c in sorted(out["choices"], key=lambda c: c["index"])]
+    got: dict[int, Any] = {}
+    for e in sse_events(url + route, {**body, "stream": True}):
+        if route == "/generate":
+            got[e.get("index", 0)] = e["output_ids"]  # cumulative
+            continue
+        for ch in e.get("choices", []):
+            part = ch["text"] if "text" in ch else ch["delta"].get("content") or ""
+            got[ch["index"]] = got.get(ch["index"], "") + part
+    return [got[i] for i in sorted(got)]
+
+
+def body_for(route: str, n: int, model: str, **extra: Any) -> dict[str, Any]:
+    if route == "/generate":
+        return {"text": PROMPTS[0], "sampling_params": {"n": n, "max_new_tokens": NEW,
+                                                        "temperature": 0, "ignore_eos": True,
+                                                        **extra}}
+    body = {"model": model, "n": n, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+            **extra}
+    if route == "/v1/chat/completions":
+        return {**body, "messages": CHAT}
+    return {**body, "prompt": PROMPTS[0]}
+
+
+def reference(route: str, unified) -> Any:
+    tok, run = unified
+    if route == "/v1/chat/completions":
+        text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+        ids = run(list(tok.encode(text, add_special_tokens=False)))
+    else:
+        ids = run(list(tok.encode(PROMPTS[0])))
+    return ids if route == "/generate" else tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/generate"])
+@pytest.mark.parametrize("router", ROUTERS)
+def test_n_1_to_4_greedy_equals_unified_one_transfer(pd, unified, router, route, stream):
+    c, _, model = pd
+    url = router_url(pd, router)
+    want = reference(route, unified)
+    for n in (1, 2, 3, 4):
+        before = counters(c)
+        got = texts(url, route, body_for(route, n, model), stream)
+        assert got == [want] * n, f"n={n}"
+        assert_one_transfer_per_prompt(c, before, 1, n)
+        assert_engines_up(c)
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_batched_prompts_keep_a_room_each(pd, unified, router):
+    c, _, model = pd
+    url = router_url(pd, router)
+    tok, run = unified
+    ids = [list(tok.encode(p)) for p in PROMPTS]
+    want = [run(x) for x in ids]
+    before = counters(c)
+    body = {"model": model, "prompt": PROMPTS, "n": 2, "max_tokens": NEW, "temperature": 0,
+            "ignore_eos": True}
+    got = texts(url, "/v1/completions", body, False)
+    assert got == [tok.decode(w, skip_special_tokens=True) for w in want for _ in range(2)]
+    assert_one_transfer_per_prompt(c, before, 2, 4)
+    before = counters(c)
+    body = {"input_ids": ids, "sampling_params": {"n": 3, "max_new_tokens": NEW,
+                                                  "temperature": 0, "ignore_eos": True}}
+    assert texts(url, "/generate", body, True) == [w for w in want for _ in range(3)]
+    assert_one_transfer_per_prompt(c, before, 2, 6)
+    assert_engines_up(c)
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_seeded_samples_repeat_and_differ(pd, router):
+    c, _, model = pd
+    url = router_url(pd, router)
+    body = {**body_for("/v1/completions", 3, model), "temperature": 1.0, "seed": 1234}
+    first = texts(url, "/v1/completions", body, False)
+    assert texts(url, "/v1/completions", body, False) == first
+    assert len(set(first)) == 3, first  # sample j carries seed + j
+    other = texts(url, "/v1/completions", {**body, "seed": 99}, False)
+    assert other != first
+    assert_engines_up(c)
+
+
+def test_stop_strings_end_the_samples_and_free_their_pages(pd, unified):
+    """Samples ended by a stop string are aborted on D (shared pages by reference count)."""
+    c, _, model = pd
+    want = reference("/v1/completions", unified)
+    stop = want[len(want) // 2:][:3]
+    assert stop
+    body = {**body_for("/v1/completions", 3, model), "stop": [stop]}
+    got = texts(c.url, "/v1/completions", body, False)
+    assert got == [want[: want.index(stop)]] * 3
+    assert_engines_up(c)
