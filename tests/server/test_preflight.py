@@ -24,7 +24,8 @@ def serve(*argv: str, env: dict[str, str] | None = None) -> subprocess.Completed
     the model and keep running, so the timeout itself is a failure."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "pdcore", "serve", "--host", "127.0.0.1",
-                           *argv], capture_output=True, text=True, timeout=120, env=full_env,
+                           *argv], check=False, capture_output=True, text=True, timeout=120,
+                          env=full_env,
                           cwd=REPO)
 
 
