@@ -63,7 +63,7 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     # disaggregation
     disaggregation_mode: str = "null"
-    # None: mooncake when installed and available, else tcp (pdcore.preflight)
+    # None: mooncake when installed and available, else tcp (pdcore.plugins.default_backend)
     disaggregation_transfer_backend: str | None = None
     disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     disaggregation_ib_device: str | None = None

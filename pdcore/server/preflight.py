@@ -13,7 +13,6 @@ Nothing here imports torch: importing it alone takes seconds on a busy host.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -21,8 +20,6 @@ from collections.abc import Mapping
 from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.errors import ConfigError, PluginError
 from pdcore.plugins.default_backend import FALLBACK_BACKEND, resolve_transfer_backend
-
-log = logging.getLogger("pdcore.preflight")
 
 # The engine's attention is torch SDPA on every platform (reading the pool's KV dtype).
 ATTENTION_BACKENDS = ("torch", "sdpa")

@@ -154,3 +154,11 @@ def test_default_backend_is_mooncake_where_available_else_tcp(tiny_llama_dir, ca
     assert parse_server_args(argv[:4]).disaggregation_transfer_backend is None
     assert "transfer backend" not in capsys.readouterr().err
     assert ServerArgs().disaggregation_transfer_backend is None
+
+
+def test_watchdog_timeout_parses(tiny_llama_dir):
+    # helper flag of the engine watchdog (its behaviour is tested with the engine-death tests)
+    args = parse_server_args(["--model-path", str(tiny_llama_dir), "--port", str(free_port()),
+                              "--watchdog-timeout", "7.5"])
+    assert args.watchdog_timeout == 7.5
+    assert ServerArgs().watchdog_timeout == 300.0  # SGLang's default
