@@ -1,0 +1,259 @@
+"""A real PD pair (tiny random model, tcp, loopback) under freezes, floods and a hostile peer
+(issue 16): after each fault the pair serves the same greedy output as before it, within a
+bounded wait, every KV page comes back, and nobody can redirect decode's registration."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+
+from pdcore.disagg import wire
+from pdcore.testing.processes import PDCluster, ServerProcess
+from pdcore.testing.tiny_models import make_tiny_model
+
+HEARTBEAT_S = 1.0
+ENV = {
+    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": str(HEARTBEAT_S),
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "20",
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
+    "PDCORE_TCP_TIMEOUT": "2",  # so a 5 s freeze of D times P's transfer out
+}
+FLAGS = ("--max-total-tokens", "8192", "--page-size", "4", "--chunked-prefill-size", "256")
+RECOVER_S = 15.0  # bounded wait for "serves again" (generous: 2 shared CPU cores)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from pdcore.engine.tokenizer import default_model_file
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("hostile") / "m"), hidden=64, layers=2,
+                           tokenizer_from=default_model_file(), max_positions=8192)
+
+
+@pytest.fixture
+def pair(model_dir):
+    c = PDCluster("tcp", model_path=model_dir, flags=FLAGS, env=ENV).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _body(k: int, n: int = 1500, new: int = 12, **extra: Any) -> dict[str, Any]:
+    return {"text": f"{k} " + "word " * (n - 1),  # about n tokens
+            "sampling_params": {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True},
+            **extra}
+
+
+def _serve_again(c: PDCluster, body: dict[str, Any], expect: list[int]) -> None:
+    """The router answers `body` with `expect` within RECOVER_S (retrying while it cannot)."""
+    deadline, last = time.monotonic() + RECOVER_S, ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(c.url + "/generate", json=body, timeout=RECOVER_S)
+            if r.status_code == 200:
+                assert r.json()["output_ids"] == expect, "output changed after the fault"
+                return
+            last = f"{r.status_code}: {r.text[:300]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(0.2)
+    raise AssertionError(f"the pair did not serve again within {RECOVER_S}s: {last}")
+
+
+def _reference(c: PDCluster) -> tuple[dict[str, Any], list[int]]:
+    body = _body(1, n=300)
+    r = httpx.post(c.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return body, r.json()["output_ids"]
+
+
+def _post(url: str, body: dict[str, Any], out: list) -> threading.Thread:
+    def run() -> None:
+        try:
+            r = httpx.post(url + "/generate", json=body, timeout=120)
+            out.append((r.status_code, r.text))
+        except httpx.HTTPError as e:
+            out.append((0, repr(e)))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _circuit(c: PDCluster, url: str) -> str:
+    for w in httpx.get(c.url + "/workers", timeout=5).json()["workers"]:
+        if w["url"] == url:
+            return w["circuit"]["state"]
+    raise KeyError(url)
+
+
+def test_decode_frozen_mid_transfer_serves_again(pair: PDCluster) -> None:
+    """4 x 1,500-token rooms whose KV P is writing while D is stopped for 5 s: P's transfer
+    times out, P drops D's session and tells D, D registers again on its next room; nothing hangs,
+    pages come back, the router never blames the healthy prefill."""
+    c = pair
+    ref_body, ref_out = _reference(c)
+    p, d = c.prefills[0], c.decodes[0]
+    bodies = [_body(10 + k, bootstrap_host="127.0.0.1", bootstrap_port=c.bootstrap_ports[0],
+                    bootstrap_room=7000 + k) for k in range(4)]
+    results: list = []
+    threads = [_post(d.url, b, results) for b in bodies]
+    deadline = time.monotonic() + 60
+    while c.load(d).get("disagg_transfer_queue", 0) < 4:  # D sent its pages for all four
+        assert time.monotonic() < deadline, c.load(d)
+        time.sleep(0.05)
+    os.killpg(d.proc.pid, signal.SIGSTOP)
+    try:
+        threads += [_post(p.url, b, results) for b in bodies]
+        time.sleep(5.0)
+    finally:
+        os.killpg(d.proc.pid, signal.SIGCONT)
+    _serve_again(c, ref_body, ref_out)
+    for t in threads:
+        t.join(90)
+    assert len(results) == 8, "a request hung after the freeze"
+    failed_on_p = [text for status, text in results if status == 502]
+    assert failed_on_p, f"P's transfers into the frozen D did not fail: {results}"
+    assert all("decode" in text for text in failed_on_p), failed_on_p
+    assert _circuit(c, p.url) == "closed"
+    c.wait_pages_free(30)
+    log = p.log()
+    assert "dropped" in log and "failed earlier" not in log
+
+
+def test_decode_frozen_45s_serves_again(pair: PDCluster) -> None:
+    """The issue's case: a 45 s freeze with requests in flight through the router."""
+    c = pair
+    ref_body, ref_out = _reference(c)
+    d = c.decodes[0]
+    results: list = []
+    threads = [_post(c.url, _body(20 + k), results) for k in range(4)]
+    time.sleep(0.3)
+    os.killpg(d.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(45.0)
+    finally:
+        os.killpg(d.proc.pid, signal.SIGCONT)
+    _serve_again(c, ref_body, ref_out)
+    for t in threads:
+        t.join(120)
+    assert len(results) == 4, "a request hung after the freeze"
+    assert _circuit(c, c.prefills[0].url) == "closed"
+    c.wait_pages_free(30)
+
+
+def _control_addr(server: ServerProcess, role: str) -> str:
+    m = re.search(rf"{role} KV manager rank 0/1: control (tcp://[0-9.]+:\d+)", server.log())
+    assert m, f"no control address in the {role} log"
+    return m.group(1)
+
+
+def test_hijack_sequence_is_refused_at_its_first_step(pair: PDCluster) -> None:
+    """The attack of issue 16: overwrite P rank 0's route with a forger's address, make D forget
+    P with a forged status, and wait for D to send its registration (data token, KV addresses)
+    to the forger. The forged PUT is refused; D, made to forget P, registers with the real P."""
+    c = pair
+    ref_body, ref_out = _reference(c)
+    boot = f"http://127.0.0.1:{c.bootstrap_ports[0]}"
+    before = httpx.get(boot + "/route?prefill_dp_rank=0&target_tp_rank=0", timeout=5).json()
+    ctx = zmq.Context()
+    forger = ctx.socket(zmq.PULL)
+    forger.setsockopt(zmq.LINGER, 0)
+    fport = forger.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        forged = {"rank_ip": "127.0.0.1", "rank_port": fport, "tp_rank": 0, "tp_size": 1,
+                  "dp_rank": 0, "dp_size": 1, "page_size": 4, "kv_cache_dtype": "float32"}
+        r = httpx.put(boot + "/route", json=forged, timeout=5)
+        assert r.status_code == 403, r.text  # step 1 fails: only P's own ranks may write
+        r = httpx.put(boot + "/route", json=forged, timeout=5,
+                      headers={"X-PD-Route-Secret": "guessed"})
+        assert r.status_code == 403, r.text
+        after = httpx.get(boot + "/route?prefill_dp_rank=0&target_tp_rank=0", timeout=5).json()
+        assert after == before
+        # step 2 anyway: a forged "P lost your session" for a live room makes D forget P ...
+        d = c.decodes[0]
+        waiting: list = []
+        t = _post(d.url, _body(3, n=50, bootstrap_host="127.0.0.1",
+                               bootstrap_port=c.bootstrap_ports[0], bootstrap_room=9999), waiting)
+        deadline = time.monotonic() + 30
+        while c.load(d).get("disagg_transfer_queue", 0) < 1:  # D waits for P's KV
+            assert time.monotonic() < deadline, c.load(d)
+            time.sleep(0.05)
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 1000)
+        push.connect(_control_addr(d, "decode"))
+        push.send(wire.encode(wire.Status(room=9999, state=0, rank=0, reason="forged",
+                                          code=wire.UNKNOWN_SESSION)))
+        push.close()
+        t.join(30)
+        assert waiting and waiting[0][0] >= 500 and "forged" in waiting[0][1], waiting
+        # ... and resolve it again: from the real bootstrap server, registering with the real P
+        _serve_again(c, ref_body, ref_out)
+        assert d.log().count("registered with prefill") == 2, "D did not resolve P again"
+        assert forger.poll(1000) == 0, "decode sent something to the forger"
+    finally:
+        forger.close()
+        ctx.term()
+
+
+def _group_listening_ports(pgid: int) -> set[int]:
+    """TCP ports listened on by any process of the group (server, scheduler, ranks)."""
+    inodes: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except (OSError, ValueError, IndexError):
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_connection_flood_on_every_port_of_p_and_d(pair: PDCluster) -> None:
+    """500 idle connections on each listening port of P and D (HTTP, bootstrap, tcp data,
+    zmq control) held for a few seconds while the pair serves: same output during and after."""
+    c = pair
+    ref_body, ref_out = _reference(c)
+    ports = set()
+    for s in (*c.prefills, *c.decodes):
+        ports |= _group_listening_ports(s.proc.pid)
+    assert c.bootstrap_ports[0] in ports and len(ports) >= 6, ports
+    flood: list[socket.socket] = []
+    try:
+        for port in sorted(ports):
+            for _ in range(500):
+                try:
+                    flood.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+                except OSError:
+                    break  # the listener's backlog is full: that is the flood working
+        r = httpx.post(c.url + "/generate", json=ref_body, timeout=60)
+        assert r.status_code == 200 and r.json()["output_ids"] == ref_out, r.text
+        time.sleep(3.0)
+        _serve_again(c, dict(ref_body), ref_out)
+    finally:
+        for s in flood:
+            s.close()
+    _serve_again(c, ref_body, ref_out)
+    c.wait_pages_free(30)
