@@ -6,8 +6,11 @@
 2. start N prefill and M decode `pdserve serve` processes, then wait until each answers
    /health (a child that exits first stops everything, naming it);
 3. start the router in front of them and wait for its /health;
-4. print the URL and an example; then watch: Ctrl-C / SIGTERM, or any child dying, stops all
-   children (SIGTERM, then SIGKILL after a grace period) and says which one died.
+4. print the URL and an example; then supervise: a child that exits is restarted (its
+   process group killed first) after a back-off of 1 s, 2 s, 4 s ... capped at
+   RESTART_MAX_S, reset once it stayed up RESTART_RESET_S; meanwhile the router probes it
+   and keeps it out of rotation until its /health answers again (pdcore.router.health);
+5. Ctrl-C / SIGTERM stops all children (SIGTERM, then SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -25,6 +29,7 @@ import httpx
 from pdcore.errors import ConfigError
 
 GRACE_S = 10.0
+RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S = 1.0, 30.0, 60.0
 
 
 @dataclass
@@ -34,6 +39,10 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen | None = None
     env: dict[str, str] = field(default_factory=dict)
+    started_at: float = 0.0
+    backoff: float = RESTART_FIRST_S  # the wait before its next restart
+    restart_at: float | None = None  # set while it is dead and waiting for its restart
+    restarts: int = 0
 
 
 @dataclass
@@ -113,8 +122,9 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
 
 
 class Deployment:
-    def __init__(self, cfg: UpConfig, log=print) -> None:
-        self.cfg, self.log = cfg, log
+    def __init__(self, cfg: UpConfig, log: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.log = log or (lambda msg: print(msg, flush=True))
         self.backend, self.why = choose_backend(cfg)
         self.servers, self.router = plan(cfg, self.backend)
         self.children: list[Child] = []
@@ -122,7 +132,9 @@ class Deployment:
     def _spawn(self, child: Child) -> None:
         env = {**os.environ, **child.env} if child.env else None
         child.proc = subprocess.Popen(child.argv, start_new_session=True, env=env)
-        self.children.append(child)
+        child.started_at = time.monotonic()
+        if child not in self.children:
+            self.children.append(child)
 
     def _wait_healthy(self, children: list[Child], deadline: float) -> None:
         pending = list(children)
@@ -152,13 +164,28 @@ class Deployment:
         self._spawn(self.router)
         self._wait_healthy([self.router], deadline)
 
-    def watch(self) -> str:
-        """Block until a child dies; returns which one."""
-        while True:
-            for c in self.children:
-                if c.proc.poll() is not None:
-                    return f"{c.name} exited with code {c.proc.returncode}"
-            time.sleep(0.5)
+    def supervise(self, until: Callable[[], bool] = lambda: False, poll_s: float = 0.2) -> None:
+        """Restart children that exit, with back-off, until `until()` is true."""
+        while not until():
+            self.supervise_once(time.monotonic())
+            time.sleep(poll_s)
+
+    def supervise_once(self, now: float) -> None:
+        for c in self.children:
+            if c.restart_at is None and c.proc is not None and c.proc.poll() is not None:
+                if now - c.started_at >= RESTART_RESET_S:
+                    c.backoff = RESTART_FIRST_S  # it ran long enough: a new failure streak
+                c.restart_at = now + c.backoff
+                self.log(f"pdserve up: {c.name} exited with code {c.proc.returncode}; "
+                         f"restarting in {c.backoff:g}s")
+                c.backoff = min(c.backoff * 2, RESTART_MAX_S)
+                _kill_group(c.proc.pid)  # whatever of its tree is left
+            elif c.restart_at is not None and now >= c.restart_at:
+                c.restart_at = None
+                c.restarts += 1
+                self._spawn(c)
+                self.log(f"pdserve up: {c.name} restarted (pid {c.proc.pid}, restart "
+                         f"{c.restarts}); the router takes it back once /health answers")
 
     def stop(self) -> None:
         for c in reversed(self.children):
@@ -181,6 +208,13 @@ class Deployment:
                 c.proc.wait(5)
 
 
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def run_up(cfg: UpConfig) -> int:
     dep = Deployment(cfg)
 
@@ -195,8 +229,8 @@ def run_up(cfg: UpConfig) -> int:
               "'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
               "\"content\": \"Hello\"}], \"max_tokens\": 32}'\n  (Ctrl-C stops everything)",
               flush=True)
-        print(f"pdserve up: stopping: {dep.watch()}", flush=True)
-        return 1
+        dep.supervise()
+        return 0
     except KeyboardInterrupt:
         print("pdserve up: stopping (interrupted)", flush=True)
         return 0

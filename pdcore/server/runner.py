@@ -5,8 +5,9 @@
 3. print the URL and an example once the engine is ready; on an engine start-up failure print
    why and exit 1; Ctrl-C / SIGTERM stop uvicorn, whose shutdown stops the scheduler;
 4. when the scheduler dies after start-up the in-flight requests have failed already (503);
-   the server then exits 1 within ENGINE_DEATH_EXIT_S, cutting uvicorn's graceful shutdown
-   short if it has to (the scheduler's own children die with it: PR_SET_PDEATHSIG).
+   the server then exits 1: uvicorn's graceful shutdown gets ENGINE_DEATH_DRAIN_S, and the
+   process ends by ENGINE_DEATH_EXIT_S whatever still runs (the scheduler's own children die
+   with it: PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pdcore.errors import ConfigError
 
 log = logging.getLogger("pdcore.server")
 
-ENGINE_DEATH_EXIT_S = 6.0
+ENGINE_DEATH_DRAIN_S, ENGINE_DEATH_EXIT_S = 1.0, 6.0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -51,10 +52,14 @@ def configure_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _exit_now(rc: int) -> None:
+def _force_exit(server: Any) -> None:
+    server.force_exit = True
+
+
+def _exit_now(_server: Any) -> None:
     logging.shutdown()
     sys.stderr.flush()
-    os._exit(rc)
+    os._exit(1)
 
 
 def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
@@ -91,12 +96,15 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
 
     def on_engine_dead(why: str) -> None:
         print(f"pdserve: {why}", file=sys.stderr, flush=True)
-        outcome["rc"] = 1
+        outcome["rc"] = outcome["engine_dead"] = 1
         server.should_exit = True
-        # the exit must not wait on a client that keeps its connection open
-        timer = threading.Timer(ENGINE_DEATH_EXIT_S, _exit_now, (1,))
-        timer.daemon = True
-        timer.start()
+        # the failed requests' answers are out within milliseconds; then the exit must not
+        # wait on idle keep-alive connections (a router's) or on new requests arriving
+        for delay, action in ((ENGINE_DEATH_DRAIN_S, _force_exit), (ENGINE_DEATH_EXIT_S,
+                                                                    _exit_now)):
+            timer = threading.Timer(delay, action, (server,))
+            timer.daemon = True
+            timer.start()
 
     app.state.on_ready = on_ready
     app.state.on_start_failed = on_start_failed
@@ -107,4 +115,6 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if outcome.get("engine_dead"):
+        _exit_now(server)  # nothing is left to tear down; interpreter teardown took seconds
     return outcome["rc"]

@@ -1,0 +1,160 @@
+"""`pdserve up` supervises its servers (real processes on loopback, tiny random model, 1P1D):
+killing the decode server's scheduler makes that server exit; `up` restarts it and the router
+takes it back into rotation with no manual step. Requests sent meanwhile end with errors and
+none hangs; afterwards requests succeed again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pdserve_testing import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.timeout(420)
+BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+
+
+def _pids_with(arg: str) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+            except OSError:
+                continue
+            if arg.encode() in cmd:
+                out.append(int(entry))
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if ppid == pid and b"spawn_main" in cmd:
+                out.append(int(entry))
+    return out
+
+
+def _port_pair() -> int:
+    """A base port with base and base + 100 both free (up puts decode at base + 100)."""
+    for _ in range(50):
+        base = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", base + 100))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no free port pair")
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.post(url + "/generate", json=BODY, timeout=30).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: Path) -> None:
+    router_port, base, boot = free_port(), _port_pair(), free_port()
+    url = f"http://127.0.0.1:{router_port}"
+    log = Path(tempfile.mkstemp(prefix="pdserve-up-", suffix=".log")[1])
+    cmd = [sys.executable, "-m", "pdcore", "up", "--prefill", "1", "--decode", "1",
+           "--backend", "tcp", "--model-path", str(tiny_llama_dir), "--port", str(router_port),
+           "--server-port-base", str(base), "--bootstrap-port-base", str(boot),
+           "--startup-timeout", "300", "--max-total-tokens", "4096", "--page-size", "4",
+           "--skip-server-warmup"]
+    with open(log, "ab") as out:
+        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not _ok(url):
+            assert up.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        decode_port = str(base + 100)
+        [decode_http] = [p for p in _pids_with(decode_port) if _children(p)]
+        [scheduler] = _children(decode_http)
+
+        results: list[Any] = []
+        stop = threading.Event()
+
+        def meanwhile() -> None:  # requests while decode is dead and restarting
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    r = httpx.post(url + "/generate", json=BODY, timeout=120)
+                    results.append((r.status_code, time.monotonic() - t0))
+                except httpx.HTTPError as e:
+                    results.append((type(e).__name__, time.monotonic() - t0))
+                time.sleep(0.2)
+
+        t_kill = time.monotonic()
+        os.kill(scheduler, signal.SIGKILL)
+        sender = threading.Thread(target=meanwhile)
+        sender.start()
+        deadline = time.monotonic() + 30
+        while decode_http in _pids_with(decode_port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        t_exit = time.monotonic() - t_kill
+        assert t_exit < 10, "the decode server did not exit after its scheduler died"
+        deadline = time.monotonic() + 240
+        while True:  # restarted: a new HTTP process that answers /health
+            assert up.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{decode_port}/health", timeout=2).status_code \
+                        == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        t_healthy = time.monotonic()
+        while not _ok(url):
+            assert time.monotonic() - t_healthy < 60, "not back in rotation within 60 s"
+            time.sleep(0.1)
+        back_s = time.monotonic() - t_healthy
+        stop.set()
+        sender.join(150)
+        assert not sender.is_alive(), "a request sent meanwhile hung"
+        assert results and all(isinstance(s, int) or s for s, _ in results)
+        failed = [r for r in results if r[0] != 200]
+        assert failed, "no request failed while decode was down (was it really killed?)"
+        assert all(code in (502, 503, 500) or isinstance(code, str) for code, _ in failed), failed
+        for _ in range(3):
+            assert _ok(url)
+        text = log.read_text()
+        assert "decode-0 exited with code 1; restarting in 1s" in text
+        assert "decode-0 restarted" in text
+        print(f"decode server exited {t_exit:.2f}s after its scheduler was killed; "
+              f"healthy again {t_healthy - t_kill:.1f}s after the kill; back in rotation "
+              f"{back_s:.2f}s after its /health answered; {len(failed)} of {len(results)} "
+              "requests sent meanwhile failed, none hung")
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait(10)
