@@ -163,3 +163,24 @@ def test_hostile_values(target: Target, intact: None) -> None:
             _check(resp.status_code, resp.text, body, f"{target.name} {url}{route}")
 
     run()
+
+
+def test_router_keeps_4xx(target: Target, intact: None) -> None:
+    """Through the router a refused request keeps its status and names its field; a body over
+    the limit is refused by the router itself, before any worker sees it."""
+    if target.name != "pd":
+        pytest.skip("router only")
+    router = target.urls[0]
+    cases = [("/generate", '{"text": "a \\ud800"}', 400, "text"),
+             ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}
+                                                               ]}), 400, "messages[0].role"),
+             ("/v1/completions", json.dumps({"prompt": "hi", "tools": [{"type": "function"}]}),
+              400, "tools"),
+             ("/generate", json.dumps({"text": "hi", "return_logprob": True,
+                                       "top_logprobs_num": 10**5}), 400, "top_logprobs_num"),
+             ("/generate", json.dumps({"text": "w" * (5 << 20)}), 413, "body")]
+    for route, raw, status, field in cases:
+        resp = httpx.post(router + route, content=raw, timeout=60,
+                          headers={"content-type": "application/json"})
+        assert resp.status_code == status, resp.text[:500]
+        assert field in resp.text, resp.text[:500]
