@@ -145,6 +145,14 @@ def _count(value: Any, limit: int, field: str, what: str = "entries") -> None:
         raise InvalidRequestError(f"{field} has {len(value)} {what}; at most {limit}", field)
 
 
+def _batch(value: Any) -> Any:
+    """`value` when it is a batch of prompts: a list of texts or of token-id lists. A flat list
+    of token ids is one prompt, bounded by the context length, not by the batch limit."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        return value
+    return None
+
+
 def _short(value: Any, limit: int, field: str) -> None:
     for i, v in enumerate(value if isinstance(value, list) else [value]):
         if isinstance(v, str) and len(v) > limit:
@@ -234,8 +242,9 @@ def check_body(route: str, body: dict[str, Any], info: dict[str, Any],
                                               and rank >= dp)):
             raise InvalidRequestError(f"{key} must be in [0, {dp or 'dp_size'}), got {rank}", key)
     if route == "/generate":
-        for key in ("text", "input_ids", "rid"):
-            _count(body.get(key), MAX_BATCH, key)
+        for key in ("text", "input_ids"):
+            _count(_batch(body.get(key)), MAX_BATCH, key)
+        _count(body.get("rid"), MAX_BATCH, "rid")
         _check_text(body.get("text"), "text", max_chars)
         _check_top(body.get("top_logprobs_num"), MAX_TOP_LOGPROBS_NUM, vocab, "top_logprobs_num")
         for v in (lsl if isinstance(lsl := body.get("logprob_start_len"), list) else [lsl]):
@@ -252,7 +261,7 @@ def check_body(route: str, body: dict[str, Any], info: dict[str, Any],
     else:
         _check_stop(body, "", vocab)
         _check_seed(body, "")
-        _count(body.get("prompt"), MAX_BATCH, "prompt")
+        _count(_batch(body.get("prompt")), MAX_BATCH, "prompt")
         _check_text(body.get("prompt"), "prompt", max_chars)
         for key in ("logprobs", "top_logprobs"):
             _check_top(body.get(key), 20, vocab, key)

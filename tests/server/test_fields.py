@@ -215,3 +215,23 @@ def test_unsupported_fields_are_listed_in_the_readme():
     for group in unsupported_names().values():
         for name in group:
             assert f"`{name}`" in section, name
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/generate", {"input_ids": list(range(1500))}),
+    ("/v1/completions", {"prompt": list(range(1500))}),
+])
+def test_one_long_token_prompt_is_not_a_batch(route: str, body: dict[str, object]) -> None:
+    # a flat token-id list is one prompt (bounded by the context length), not 1500 prompts
+    limits.check_body(route, body, {"vocab_size": 49152, "context_length": 8192})
+
+
+@pytest.mark.parametrize("route,body,field", [
+    ("/generate", {"input_ids": [[1]] * (limits.MAX_BATCH + 1)}, "input_ids"),
+    ("/generate", {"text": ["a"] * (limits.MAX_BATCH + 1)}, "text"),
+    ("/v1/completions", {"prompt": ["a"] * (limits.MAX_BATCH + 1)}, "prompt"),
+])
+def test_too_many_prompts(route: str, body: dict[str, object], field: str) -> None:
+    with pytest.raises(limits.InvalidRequestError) as e:
+        limits.check_body(route, body, {"vocab_size": 49152, "context_length": 8192})
+    assert e.value.field == field
