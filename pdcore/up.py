@@ -86,6 +86,17 @@ def server_threads(n_servers: int) -> int | None:
     return max(1, cpus // max(1, n_servers))
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value given to `flag` in `argv` (`--flag V` or `--flag=V`; the last one wins)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+    return value
+
+
 def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     if cfg.prefill < 1 or cfg.decode < 1:
         raise ConfigError("--prefill and --decode must each be >= 1")
@@ -118,6 +129,9 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
         router += ["--prefill", servers[i].url, str(cfg.bootstrap_port_base + i)]
     for s in servers[cfg.prefill:]:
         router += ["--decode", s.url]
+    key = _flag_value(cfg.serve_args, "--api-key")
+    if key is not None:  # the servers want the key: the router asks for it and sends it on
+        router += ["--api-key", key]
     return servers, Child("router", f"http://{cfg.host}:{cfg.port}", router)
 
 

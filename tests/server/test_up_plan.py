@@ -23,3 +23,12 @@ def test_plan_gives_every_server_the_backend_and_the_router_every_server() -> No
     assert router.argv.count("--prefill") == 1 and router.argv.count("--decode") == 2
     with pytest.raises(ConfigError, match=">= 1"):
         plan(UpConfig(decode=0), "shm")
+
+
+@pytest.mark.parametrize("args", [["--api-key", "k1"], ["--api-key=k1"]])
+def test_the_servers_api_key_reaches_the_router(args: list[str]) -> None:
+    _, router = plan(UpConfig(serve_args=args), "tcp")
+    i = router.argv.index("--api-key")
+    assert router.argv[i + 1] == "k1"
+    _, router = plan(UpConfig(), "tcp")
+    assert "--api-key" not in router.argv
