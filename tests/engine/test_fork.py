@@ -211,7 +211,7 @@ def test_seeded_followers_sample_like_unified(dec, unified):
 
 @pytest.mark.parametrize("when", ["bootstrapping", "transferring"])
 def test_leader_aborted_before_its_kv_fails_the_followers(dec, when):
-    eng, mgr, aux = dec
+    eng, mgr, _ = dec
     blocks = eng.scheduler.blocks
     mgr.hold = when == "bootstrapping"
     eng.lockstep.lead(group(PROMPT_7, 3))
@@ -229,7 +229,7 @@ def test_leader_aborted_before_its_kv_fails_the_followers(dec, when):
 
 
 def test_transfer_failure_fails_every_sample_with_the_reason(dec):
-    eng, mgr, aux = dec
+    eng, mgr, _ = dec
     eng.lockstep.lead(group(PROMPT_8, 2))
     mgr.abort(7, "prefill server lost")
     outs = drain(eng, {})

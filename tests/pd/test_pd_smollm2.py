@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from helpers import assert_same_tokens, generate, generate_all
+from helpers import GREEDY, assert_same_tokens, generate, generate_all
 from pdcore.testing.processes import PDCluster, ServerProcess, free_port
 
 FLAGS = ("--max-total-tokens", "24576", "--page-size", "16", "--chunked-prefill-size", "256")
@@ -53,6 +53,25 @@ def test_chat_token_identical(cluster, smollm2_unified):
         parts = client.chat.completions.create(model=model, messages=msgs, max_tokens=48,
                                                temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == want
+
+
+def test_parallel_samples_token_identical(cluster, smollm2_unified):
+    """n > 1: every greedy sample (sample 0 from P's first token, the others forked on D from
+    its prompt pages) equals the unified engine's output."""
+    _tcp_only(cluster)
+    from pdcore.testing.prompts import CHAT_PROMPTS
+
+    tok, prompts, unified = smollm2_unified
+    body = {"input_ids": prompts[1], "sampling_params": {**GREEDY, "n": 3}}
+    r = httpx.post(cluster.url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert [o["output_ids"] for o in r.json()] == [unified[1]["output_ids"]] * 3
+    body = {"messages": CHAT_PROMPTS[0], "max_tokens": 48, "temperature": 0, "n": 2}
+    r = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    want = tok.decode(unified[4]["output_ids"], skip_special_tokens=True)
+    assert [c["message"]["content"] for c in r.json()["choices"]] == [want] * 2
+    cluster.wait_pages_free()
 
 
 def test_prompt_logprobs_merged(cluster, smollm2_unified):
@@ -114,5 +133,11 @@ def test_real_sglang_router_token_identical(cluster, smollm2_unified):
         text = "".join(json.loads(ln[6:])["choices"][0]["delta"].get("content") or ""
                        for ln in lines if json.loads(ln[6:]).get("choices"))
         assert text == tok.decode(unified[4]["output_ids"], skip_special_tokens=True)
+        # n > 1: sglang-router sends one room per sample; the prompt's KV still crosses once
+        r = httpx.post(url + "/v1/chat/completions", json={**body, "n": 3}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert [c["message"]["content"] for c in r.json()["choices"]] == [tok.decode(
+            unified[4]["output_ids"], skip_special_tokens=True)] * 3
+        cluster.wait_pages_free()
     finally:
         router.stop()
