@@ -211,3 +211,26 @@ def test_stop_strings_end_the_samples_and_free_their_pages(pd, unified):
     got = texts(c.url, "/v1/completions", body, False)
     assert got == [want[: want.index(stop)]] * 3
     assert_engines_up(c)
+
+
+def test_prompt_logprobs_reach_every_sample(pd, unified):
+    """P answers its one request n times, so the router's merge by index gives every sample
+    the prompt logprobs."""
+    c, _, _ = pd
+    tok, run = unified
+    ids = list(tok.encode(PROMPTS[1]))
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"n": 3, "max_new_tokens": NEW, "temperature": 0,
+                                "ignore_eos": True}}
+    r = httpx.post(c.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert [o["output_ids"] for o in outs] == [run(ids)] * 3
+    prompt_lps = [o["meta_info"]["input_token_logprobs"] for o in outs]
+    assert len(prompt_lps[0]) == len(ids) and prompt_lps == [prompt_lps[0]] * 3
+    for o in outs:
+        got = o["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, *_ in got] == o["output_ids"]
+        for (a, *_), (b, *_) in zip(got, outs[0]["meta_info"]["output_token_logprobs"]):
+            assert abs(a - b) < 1e-4  # the same tokens from the same prompt
+    assert_engines_up(c)
