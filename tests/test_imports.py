@@ -73,10 +73,10 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _third_party_imports(top: str) -> dict[str, str]:
-    """Top-level module -> one file importing it, over every .py file of package `top`
-    (function-level imports included: an optional SDK still needs a declared extra)."""
-    root = Path(importlib.import_module(top).__file__ or "").parent
+def _third_party_imports(root: Path, local: set[str]) -> dict[str, str]:
+    """Top-level module -> one file importing it, over every .py file under `root`, leaving out
+    the standard library and `local` names (function-level imports included: an optional SDK
+    still needs a declared extra)."""
     found: dict[str, str] = {}
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -88,14 +88,12 @@ def _third_party_imports(top: str) -> dict[str, str]:
                 continue
             for name in names:
                 first = name.split(".")[0]
-                if first not in sys.stdlib_module_names and first != top:
+                if first not in sys.stdlib_module_names and first not in local:
                     found.setdefault(first, str(path.relative_to(root.parent)))
     return found
 
 
-@pytest.mark.parametrize("top", sorted(PACKAGES))
-def test_imports_are_declared(top: str) -> None:
-    dist = PACKAGES[top]
+def _undeclared(dist: str, imports: dict[str, str]) -> list[str]:
     declared = set()
     for req in md.requires(dist) or []:  # every extra counts: optional SDKs live in extras
         match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
@@ -103,11 +101,27 @@ def test_imports_are_declared(top: str) -> None:
             declared.add(_norm(match.group(1)))
     providers = md.packages_distributions()
     missing = []
-    for module, where in sorted(_third_party_imports(top).items()):
+    for module, where in sorted(imports.items()):
         # an installed module maps to its distribution(s); one not installed here (an optional
         # hardware SDK) has to be declared under its own name
         dists = {_norm(d) for d in providers.get(module, [])} or {_norm(module)}
         if not dists & declared:
             missing.append(f"{module} (imported by {where}; provided by "
                            f"{', '.join(sorted(dists))})")
-    assert not missing, f"{dist} does not declare: {'; '.join(missing)}"
+    return missing
+
+
+@pytest.mark.parametrize("top", sorted(PACKAGES))
+def test_imports_are_declared(top: str) -> None:
+    root = Path(importlib.import_module(top).__file__ or "").parent
+    missing = _undeclared(PACKAGES[top], _third_party_imports(root, {top}))
+    assert not missing, f"{PACKAGES[top]} does not declare: {'; '.join(missing)}"
+
+
+def test_core_test_imports_are_declared() -> None:
+    """What the core tests import comes from pdcore's own metadata (its test extra)."""
+    tests = Path(__file__).resolve().parent
+    local = {p.stem for p in tests.rglob("*.py")} | {p.name for p in tests.rglob("*")
+                                                      if p.is_dir()}
+    missing = _undeclared("pdcore", _third_party_imports(tests, local | {"pdcore"}))
+    assert not missing, f"pdcore does not declare what its tests import: {'; '.join(missing)}"
