@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import signal
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,27 @@ import httpx
 from pdcore.up import server_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+PR_SET_PDEATHSIG = 1
+_libc: ctypes.CDLL | None = None
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes the kernel SIGKILL the child when this process dies (a killed
+    pytest must not leave servers holding ports and memory). libc is loaded here, in the parent:
+    the child may only call into it between fork and exec. None off Linux."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return None
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    libc, parent = _libc, os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: the signal never comes
+            os._exit(1)
+
+    return preexec
 
 
 _PORTS_GIVEN: set[int] = set()
@@ -62,7 +85,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ServerProcess:
     """`python -m pdcore serve <flags>` (or another module) on 127.0.0.1:<port>, log in a
-    temp file, in its own session so server and scheduler die together."""
+    temp file, in its own session (so its process group is the server's whole tree, killed as
+    one on stop) and killed by the kernel when the test process dies. The death signal follows
+    the thread that started the server: start servers from the main thread or a thread that
+    outlives them."""
 
     def __init__(self, *flags: str, port: int | None = None, env: dict[str, str] | None = None,
                  command: tuple[str, ...] = ("-m", "pdcore", "serve")) -> None:
@@ -75,12 +101,17 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         env = {**os.environ, **self.extra_env}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        cwd = None
+        if (REPO_ROOT / "pyproject.toml").is_file():  # a checkout, not an installed package
+            env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT),
+                                                 *filter(None, [env.get("PYTHONPATH")])])
+            cwd = str(REPO_ROOT)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, *self.command, "--host", "127.0.0.1", "--port", str(self.port),
              *self.flags], stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            cwd=str(REPO_ROOT), start_new_session=True)
+            # the preexec_fn only calls prctl, getppid and _exit: safe in a threaded parent
+            cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
         return self
 
     def log(self) -> str:
@@ -107,9 +138,15 @@ class ServerProcess:
     def kill(self) -> None:
         """SIGKILL the whole process group (server and scheduler): a crash."""
         if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_group()
             self.proc.wait(10)
         self._log.close()
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def stop(self, timeout: float = 20.0) -> int | None:
         if self.alive():
@@ -117,13 +154,10 @@ class ServerProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                self._kill_group()
                 self.proc.wait(10)
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group
-            except (ProcessLookupError, PermissionError):
-                pass
+            self._kill_group()  # stragglers of the group
         self._log.close()
         return None if self.proc is None else self.proc.returncode
 

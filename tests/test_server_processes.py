@@ -1,0 +1,89 @@
+"""Test servers never outlive the test process: a server started through ServerProcess, by a
+python that is then SIGKILLed (as an OOM kill or a CI timeout ends pytest), is gone with its
+whole process group (HTTP process and scheduler) within seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+
+from pdcore.testing.processes import ServerProcess
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pdcore.testing.processes import ServerProcess
+    server = ServerProcess("--model-path", sys.argv[1], "--max-total-tokens", "1024",
+                           "--log-level", "warning")
+    server.wait_healthy(180)
+    print(server.proc.pid, server.url, flush=True)
+    time.sleep(600)
+""")
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # fields after the parenthesised command: state ppid pgrp ...
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _wait_gone(pgid: int, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := _group(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_server_dies_with_killed_test_process(tiny_llama_dir: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_llama_dir)],
+                             stdout=subprocess.PIPE, text=True)
+    pgid = None
+    try:
+        line = child.stdout.readline()  # the child exits (EOF) if the server fails to start
+        assert line, f"the child failed to start its server (exit {child.wait(30)})"
+        pid_text, url = line.split()
+        pgid = int(pid_text)
+        assert os.getpgid(pgid) == pgid, "the server must lead its own process group"
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        members = _group(pgid)
+        assert len(members) >= 2, f"expected the server and its scheduler, got {members}"
+
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        left = _wait_gone(pgid, timeout=20)
+        assert not left, f"processes of the killed test's server group still alive: {left}"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+        if pgid is not None and _group(pgid):
+            os.killpg(pgid, signal.SIGKILL)  # clean up after a failed assertion
+
+
+def test_stop_kills_the_whole_group(tiny_llama_dir: Path) -> None:
+    server = ServerProcess("--model-path", str(tiny_llama_dir), "--max-total-tokens", "1024",
+                           "--log-level", "warning")
+    try:
+        server.wait_healthy(180)
+        pgid = server.proc.pid
+        assert len(_group(pgid)) >= 2
+    finally:
+        server.stop()
+    assert not _wait_gone(pgid, timeout=10)
