@@ -1,4 +1,5 @@
-"""`pdserve plugins`: every registered name, who provides it, and whether it runs here.
+"""`pdserve plugins`: every registered name, who provides it, and whether it runs here; then
+the first-party plugins that are not installed, with the command that installs each.
 
 Exit status: 0 when every plugin loaded; 1 when a plugin failed to load, a name is registered
 twice, or PDCORE_PLUGINS / PDCORE_DISABLE_PLUGINS name a plugin that is not installed (the table
@@ -13,6 +14,7 @@ from typing import Any, TextIO
 
 import typer
 
+from pdcore.plugins.first_party import missing
 from pdcore.plugins.host import PluginHost, get_host
 from pdcore.plugins.registry import Entry
 
@@ -56,6 +58,14 @@ def collect(host: PluginHost) -> dict[str, Any]:
         "failures": [{"plugin": f.plugin, "distribution": f.distribution, "reason": f.reason}
                      for f in host.failures],
         "skipped": [{"plugin": n, "reason": host.skip_reasons.get(n, "")} for n in host.skipped],
+        # first-party plugins (plugins/ of this project) absent from this environment
+        "not_installed": [
+            {"distribution": p.distribution,
+             "provides": [f"{kind} {name}" for kind, name in p.provides],
+             "install": p.install_command(), "install_from_index": p.index_command(),
+             "note": p.note}
+            for p in missing()
+        ],
     }
 
 
@@ -89,6 +99,12 @@ def render_text(data: dict[str, Any]) -> str:
     if data["skipped"]:
         out.append("\nSkipped plugins:")
         out.extend(f"  {s['plugin']}: {s['reason']}" for s in data["skipped"])
+    if data["not_installed"]:
+        out.append("\nNot installed (first-party plugins; install with the command shown):")
+        for m in data["not_installed"]:
+            note = f"  ({m['note']})" if m["note"] else ""
+            out.append(f"  {m['distribution']}: {', '.join(m['provides'])}\n"
+                       f"    {m['install']}{note}")
     return "\n".join(out)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcore.errors import DuplicateNameError, PluginError, UnavailableError, UnknownNameError
+from pdcore.plugins.first_party import provider_hint
 
 
 class Kind(str, enum.Enum):
@@ -130,7 +131,12 @@ class Registry:
             return self._entries[name]
         except KeyError:
             pass
-        msg = f"unknown {self.kind.value} {name!r}; installed: {', '.join(self.names()) or 'none'}"
+        installed = ", ".join(self.names()) or "none"
+        not_installed = provider_hint(self.kind.value, str(name))
+        if not_installed:  # a first-party plugin the user has not installed: say which, and how
+            raise UnknownNameError(f"{not_installed}. Installed {self.kind.value} names: "
+                                   f"{installed}. Run `pdserve plugins` to see every plugin.")
+        msg = f"unknown {self.kind.value} {name!r}; installed: {installed}"
         close = difflib.get_close_matches(str(name), self.names(), n=1)
         if close:
             msg += f" (did you mean {close[0]!r}?)"
