@@ -234,3 +234,21 @@ def test_prompt_logprobs_reach_every_sample(pd, unified):
         for (a, *_), (b, *_) in zip(got, outs[0]["meta_info"]["output_token_logprobs"]):
             assert abs(a - b) < 1e-4  # the same tokens from the same prompt
     assert_engines_up(c)
+
+
+def test_tp2_decode_forks_on_every_rank(model_dir, unified):
+    """With TP each decode rank copies its own shard of the last prompt page (same schedule)."""
+    tok, run = unified
+    c = PDCluster("tcp", model_path=model_dir, flags=("--max-total-tokens", "2048",
+                                                      "--page-size", "4"),
+                  decode_flags=("--tp-size", "2")).start()
+    try:
+        ids = list(tok.encode(PROMPTS[1]))
+        before = counters(c)
+        body = {"input_ids": ids, "sampling_params": {"n": 3, "max_new_tokens": NEW,
+                                                      "temperature": 0, "ignore_eos": True}}
+        assert texts(c.url, "/generate", body, False) == [run(ids)] * 3
+        assert_one_transfer_per_prompt(c, before, 1, 3)
+        assert_engines_up(c)
+    finally:
+        c.stop()
