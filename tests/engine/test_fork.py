@@ -297,3 +297,15 @@ def test_fork_unit_refcounts():
     blocks.free(f.pages)
     blocks.free(lead.pages)
     assert blocks.num_free == 8
+
+
+def test_a_leader_finished_by_its_first_token_leaves_the_pages_to_its_samples(dec, unified):
+    eng, mgr, aux = dec
+    reqs = group(PROMPT_7, 3)
+    for r in reqs:
+        r.sampling.max_new_tokens = 1  # P's token ends sample 0 the moment it arrives
+    outs = step(eng, {}, reqs)
+    deliver(eng, mgr, aux, 7, PROMPT_7)
+    drain(eng, outs)
+    assert [outs[f"s7-{j}"]["ids"] for j in range(3)] == [unified(PROMPT_7)[:1]] * 3
+    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
