@@ -39,11 +39,11 @@ class Entry:
     # (e.g. "shm"), or a callable (environment -> pool name or None) deciding at server start;
     # used when the user gave no --memory-pool
     memory_pool: str | Callable[[Mapping[str, str]], str | None] | None = None
-
     # settings this entry reads beyond the core's: ServerArgs field names (e.g.
     # "disaggregation_ib_device") and environment variable names; the core warns at start when
     # one of them is set but the chosen entry does not read it (pdcore.preflight)
     reads: frozenset[str] = frozenset()
+
     def available(self) -> tuple[bool, str]:
         if self.availability is None:
             return True, ""
