@@ -50,6 +50,34 @@ _PORTS_LOCK = threading.Lock()
 LOWEST_PORT = 20000
 
 
+
+def spawned_children(pid: int) -> list[int]:
+    """Pids of the processes that multiprocessing spawned under `pid` (its scheduler, TP ranks;
+    not its resource tracker), read from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            out.append(int(entry))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
 def _ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

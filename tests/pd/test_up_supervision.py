@@ -20,6 +20,8 @@ import httpx
 import pytest
 from pdserve_testing import REPO_ROOT, free_port
 
+from pdcore.testing.processes import spawned_children
+
 pytestmark = pytest.mark.timeout(420)
 BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
 
@@ -38,20 +40,6 @@ def _pids_with(arg: str) -> list[int]:
     return out
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            if ppid == pid and b"spawn_main" in cmd:
-                out.append(int(entry))
-    return out
 
 
 def _port_pair() -> int:
@@ -93,8 +81,8 @@ def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: 
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(1)
         decode_port = str(base + 100)
-        [decode_http] = [p for p in _pids_with(decode_port) if _children(p)]
-        [scheduler] = _children(decode_http)
+        [decode_http] = [p for p in _pids_with(decode_port) if spawned_children(p)]
+        [scheduler] = spawned_children(decode_http)
 
         results: list[Any] = []
         stop = threading.Event()

@@ -22,6 +22,8 @@ import httpx
 import pytest
 from pdserve_testing import ServerProcess, free_port
 
+from pdcore.testing.processes import pid_alive, spawned_children
+
 FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--skip-server-warmup")
 LONG = {"text": "Tell me a long story.",
         "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0.0}}
@@ -29,30 +31,8 @@ LONG = {"text": "Tell me a long story.",
 pytestmark = pytest.mark.timeout(240)
 
 
-def children(pid: int) -> list[int]:
-    """Processes spawned by multiprocessing under `pid` (not its resource tracker)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
-            out.append(int(entry))
-    return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_running(server: ServerProcess, n: int, timeout: float = 60.0) -> None:
@@ -105,7 +85,7 @@ def test_scheduler_kill_fails_requests_and_exits_server(tiny_llama_dir: Path) ->
         server.wait_healthy(180)
         results, threads = in_flight(server)
         wait_running(server, 2)
-        [scheduler] = children(server.proc.pid)
+        [scheduler] = spawned_children(server.proc.pid)
         t0 = time.monotonic()
         os.kill(scheduler, signal.SIGKILL)
         rc = server.proc.wait(10)
@@ -136,16 +116,16 @@ def test_http_process_kill_takes_the_scheduler_and_frees_the_bootstrap_port(
                            "tcp", "--disaggregation-bootstrap-port", str(boot))
     try:
         server.wait_healthy(180)
-        [scheduler] = children(server.proc.pid)
+        [scheduler] = spawned_children(server.proc.pid)
         assert not port_free(boot)
         t0 = time.monotonic()
         os.kill(server.proc.pid, signal.SIGKILL)  # the HTTP process alone, not its group
         server.proc.wait(10)
         deadline = t0 + 10
-        while (alive(scheduler) or not port_free(boot)) and time.monotonic() < deadline:
+        while (pid_alive(scheduler) or not port_free(boot)) and time.monotonic() < deadline:
             time.sleep(0.05)
         gone_s = time.monotonic() - t0
-        assert not alive(scheduler), "the scheduler outlived its HTTP process"
+        assert not pid_alive(scheduler), "the scheduler outlived its HTTP process"
         assert port_free(boot), "the bootstrap port is still held"
         print(f"scheduler gone and bootstrap port free {gone_s:.2f}s after kill -9 of HTTP")
     finally:

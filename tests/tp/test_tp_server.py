@@ -12,7 +12,7 @@ import httpx
 import pytest
 from tp_helpers import NEW
 
-from pdcore.testing.processes import ServerProcess, free_port
+from pdcore.testing.processes import ServerProcess, free_port, spawned_children
 
 FLAGS = ("--max-total-tokens", "16384", "--page-size", "4")
 
@@ -53,28 +53,14 @@ def test_two_nodes_on_loopback_match_unified(tiny_tp_model, prompts_and_unified)
         node1.stop()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
-                out.append(int(entry))
-    return out
 
 
 def test_dead_rank_fails_the_server_instead_of_hanging(tiny_tp_model):
     server = ServerProcess("--model-path", str(tiny_tp_model), "--tp-size", "2", *FLAGS)
     try:
         server.wait_healthy(300)
-        [scheduler] = _children(server.proc.pid)
-        [rank1] = _children(scheduler)
+        [scheduler] = spawned_children(server.proc.pid)
+        [rank1] = spawned_children(scheduler)
         os.kill(rank1, signal.SIGKILL)
         # rank 0's next collective fails at once; the server then exits non-zero (a
         # supervisor restarts it) instead of answering 503 for ever
