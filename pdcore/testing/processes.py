@@ -193,7 +193,7 @@ class ServerProcess:
 class PDCluster:
     """N prefill + M decode `pdserve serve` processes and a router (ours by default)."""
 
-    def __init__(self, backend: str = "tcp", prefill: int = 1, decode: int = 1,
+    def __init__(self, backend: str | None = "tcp", prefill: int = 1, decode: int = 1,
                  model_path: str | None = None, flags: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, router: str = "pdcore",
                  prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()) -> None:
@@ -201,7 +201,8 @@ class PDCluster:
         threads = server_threads(prefill + decode)  # the engines share this host's CPUs
         if threads is not None:
             self.env.setdefault("OMP_NUM_THREADS", str(threads))
-        common = ("--disaggregation-transfer-backend", backend, *flags)
+        # backend None: the servers choose their default (mooncake where installed, else tcp)
+        common = (*(("--disaggregation-transfer-backend", backend) if backend else ()), *flags)
         if model_path:
             common += ("--model-path", str(model_path))
         self.prefills = []
