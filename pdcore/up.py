@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdcore.engine.lifeline import preexec_die_with_parent
 from pdcore.errors import ConfigError
 
 GRACE_S = 10.0
@@ -145,7 +146,9 @@ class Deployment:
 
     def _spawn(self, child: Child) -> None:
         env = {**os.environ, **child.env} if child.env else None
-        child.proc = subprocess.Popen(child.argv, start_new_session=True, env=env)
+        # SIGTERM when `up` dies, even by SIGKILL: each server then stops its own tree
+        child.proc = subprocess.Popen(child.argv, start_new_session=True, env=env,
+                                      preexec_fn=preexec_die_with_parent())  # noqa: PLW1509
         child.started_at = time.monotonic()
         if child not in self.children:
             self.children.append(child)

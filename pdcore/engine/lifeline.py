@@ -1,7 +1,8 @@
 """Engine processes never outlive their parent, and a stuck step ends its process.
 
 1. `die_with_parent()`: on Linux the kernel sends SIGTERM to this process when its parent dies
-   (PR_SET_PDEATHSIG); it also checks the parent did not die before that was set;
+   (PR_SET_PDEATHSIG); it also checks the parent did not die before that was set
+   (`preexec_die_with_parent()` does the same for a child started with subprocess);
 2. `ParentWatch`: a thread that compares the parent pid every half second, so the check runs
    while the main thread is busy in a long step or blocked in C code; when the parent is gone
    it asks the loop to stop and, if that has not ended the process after a grace period, exits
@@ -54,6 +55,28 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
         os.kill(os.getpid(), sig)
     return True
 
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` for subprocess.Popen: the kernel sends `sig` to the child when the thread
+    that started it (keep that the main thread) dies. libc is loaded here, in the parent: between
+    fork and exec the child only calls prctl, getppid and _exit. None off Linux."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return None
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    libc, parent = _libc, os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: the signal never comes
+            os._exit(1)
+
+    return preexec
 
 class ParentWatch:
     def __init__(self, on_lost: Callable[[], None], name: str, grace_s: float = STOP_GRACE_S

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import signal
@@ -13,38 +12,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pdcore.engine.lifeline import preexec_die_with_parent
 from pdcore.up import server_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-PR_SET_PDEATHSIG = 1
-_libc: ctypes.CDLL | None = None
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that makes the kernel SIGKILL the child when this process dies (a killed
-    pytest must not leave servers holding ports and memory). libc is loaded here, in the parent:
-    the child may only call into it between fork and exec. None off Linux."""
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return None
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    libc, parent = _libc, os.getpid()
-
-    def preexec() -> None:
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl: the signal never comes
-            os._exit(1)
-
-    return preexec
-
-
 _PORTS_GIVEN: set[int] = set()
 _PORTS_LOCK = threading.Lock()
 LOWEST_PORT = 20000
@@ -139,7 +115,7 @@ class ServerProcess:
             [sys.executable, *self.command, "--host", "127.0.0.1", "--port", str(self.port),
              *self.flags], stdout=self._log, stderr=subprocess.STDOUT, env=env,
             # the preexec_fn only calls prctl, getppid and _exit: safe in a threaded parent
-            cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
+            cwd=cwd, start_new_session=True, preexec_fn=preexec_die_with_parent(signal.SIGKILL))  # noqa: PLW1509
         return self
 
     def log(self) -> str:
