@@ -110,8 +110,9 @@ def make_args(role: str, bootstrap_port: int, token: str | None = None) -> Serve
 
 def prefill(kv: TestKV, port: int, env: DisaggEnv, backend: str = "tcp",
             token: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> PrefillKVManager:
+    # the ranks of one P instance share its route secret (the engine broadcasts rank 0's)
     m = PrefillKVManager(make_args("prefill", port, token), env, kv.layout, kv.regions, kv.aux,
-                         backend, tp_rank, tp_size)
+                         backend, tp_rank, tp_size, route_secret=f"test-{port}")
     m.start()
     return m
 

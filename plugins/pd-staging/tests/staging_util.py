@@ -106,8 +106,9 @@ def args(role: str, port: int) -> ServerArgs:
 
 def prefill(kv: RankKV, port: int, e: DisaggEnv) -> PrefillKVManager:
     lay = kv.layout
+    # the ranks of one P instance share its route secret (the engine broadcasts rank 0's)
     m = PrefillKVManager(args("prefill", port), e, lay, kv.regions, kv.aux, "tcp", lay.tp_rank,
-                         lay.tp_size, kv.layers, kv.pool)
+                         lay.tp_size, kv.layers, kv.pool, route_secret=f"test-{port}")
     m.start()
     return m
 
