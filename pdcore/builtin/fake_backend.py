@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from pdcore.builtin.tcp_support import HandleTable
+from pdcore.backendkit import HandleTable
 from pdcore.errors import TransferError
 from pdcore.interfaces.transfer import (
     DONE,

@@ -51,7 +51,7 @@ import numpy as np
 
 from pdcore.builtin import shm_copy
 from pdcore.builtin import shm_segment as seg
-from pdcore.builtin.tcp_support import (
+from pdcore.backendkit import (
     HandleTable,
     RegionIndex,
     SharedExclusive,

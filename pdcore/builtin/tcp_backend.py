@@ -32,7 +32,7 @@ import numpy as np
 
 from pdcore.builtin import tcp_wire as wire
 from pdcore.builtin.tcp_receiver import MAX_ITEMS, TcpReceiver
-from pdcore.builtin.tcp_support import (
+from pdcore.backendkit import (
     HandleTable,
     RegionIndex,
     SharedExclusive,

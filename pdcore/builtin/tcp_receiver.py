@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdcore.builtin import tcp_wire as wire
-from pdcore.builtin.tcp_support import (
+from pdcore.backendkit import (
     MAX_ITEM_BYTES,
     RegionIndex,
     SharedExclusive,

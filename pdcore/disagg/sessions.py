@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdcore.backendkit import RegionIndex
 from pdcore.disagg import wire
 from pdcore.errors import ProtocolError, TransferError
 from pdcore.interfaces.planner import KVLayout, TransferPlanner
@@ -27,33 +28,12 @@ from pdcore.interfaces.transfer import (
 )
 
 
-class RegionSet:
-    """Sorted, vectorised "is [addr, addr+len) inside one of these regions" check."""
-
-    def __init__(self, regions: list[MemoryRegion]) -> None:
-        rs = sorted(regions, key=lambda r: r.addr)
-        self.starts = np.array([r.addr for r in rs], dtype=np.uint64)
-        self.ends = np.array([r.end for r in rs], dtype=np.uint64)
-
-    def contains(self, addr: np.ndarray, length: np.ndarray) -> bool:
-        if len(addr) == 0:
-            return True
-        if len(self.starts) == 0:
-            return False
-        addr = np.asarray(addr, dtype=np.uint64)
-        idx = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
-        ok = idx >= 0
-        idx = np.maximum(idx, 0)
-        end = addr + np.asarray(length, dtype=np.uint64)
-        return bool(np.all(ok & (end <= self.ends[idx]) & (end >= addr)))
-
-
 @dataclass(eq=False)
 class DecodeSession:
     key: str
     reg: wire.Register
     layout: KVLayout
-    kv: RegionSet
+    kv: RegionIndex
     aux_region: MemoryRegion
     regions: list[MemoryRegion]
     peer: Peer | None = None
@@ -91,7 +71,7 @@ class DecodeSession:
     def check_grant_batch(self, batch: CopyBatch, offset: int, length: int) -> None:
         assert self.staging is not None
         lo = self.staging.addr + offset
-        grant = RegionSet([MemoryRegion(lo, length)])
+        grant = RegionIndex([MemoryRegion(lo, length)])
         if not grant.contains(batch.dst, batch.length):
             raise TransferError(f"refusing a staged copy outside the room's grant in decode "
                                 f"session {self.key}'s ring (staging planner bug)")
@@ -147,7 +127,7 @@ def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes:
         raise ProtocolError("decode registration: empty KV layout")
     if len(layout.k_bases) != layout.num_layers or len(layout.v_bases) != layout.num_layers:
         raise ProtocolError("decode registration: k_bases/v_bases do not match num_layers")
-    kv = RegionSet(regions)
+    kv = RegionIndex(regions)
     bases = np.array(layout.k_bases + layout.v_bases, dtype=np.uint64)
     span = np.full(len(bases), layout.num_pages * layout.item_len, dtype=np.uint64)
     if not kv.contains(bases, span):

@@ -16,8 +16,9 @@ A factory registered through `pd_register_transfer_backends` receives a BackendC
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,24 @@ def failed(reason: str) -> PollResult:
     return PollResult(TransferStatus.FAILED, reason)
 
 
+def wait_by_polling(poll: Callable[[int], PollResult], handle: int,
+                    timeout: float) -> PollResult:
+    """poll(handle) until it is not PENDING, at most `timeout` seconds (then FAILED 'timed out';
+    the handle stays pending). Backs off from 50 us to 2 ms between polls: cheap on a busy
+    host, but it can notice a finished copy up to 2 ms late."""
+    deadline = time.monotonic() + timeout
+    delay = 5e-5
+    while True:
+        r = poll(handle)
+        if r.status is not TransferStatus.PENDING:
+            return r
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return failed(f"timed out after {timeout:g}s")
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 2e-3)
+
+
 @dataclass(frozen=True, slots=True)
 class BackendContext:
     """What a backend factory gets: who it serves and its settings (already parsed)."""
@@ -207,19 +226,6 @@ class TransferEngine(ABC):
     def wait(self, handle: int, timeout: float = 30.0) -> PollResult:
         """Block until the handle is DONE or FAILED, at most `timeout` seconds (then FAILED
         'timed out'; the handle stays pending). The core's sender waits for its writes here.
-        This default polls, backing off from 50 us to 2 ms (cheap on a busy host, but it can
-        notice a finished copy up to 2 ms late); a backend whose copies finish on its own
+        This default polls (`wait_by_polling`); a backend whose copies finish on its own
         threads overrides it to wake on completion."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        delay = 5e-5
-        while True:
-            r = self.poll(handle)
-            if r.status is not TransferStatus.PENDING:
-                return r
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return failed(f"timed out after {timeout:g}s")
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 2e-3)
+        return wait_by_polling(self.poll, handle, timeout)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from pdcore.builtin.tcp_support import HandleTable
+from pdcore.backendkit import HandleTable
 from pdcore.interfaces.transfer import (
     DONE,
     PENDING,

@@ -1,0 +1,126 @@
+"""Sharded workers: FIFO queues chosen by key, each served by a fixed number of threads.
+
+`submit(key, item)` puts the item on queue crc32(key) % num_queues, so one peer's (or one
+session's) work keeps its order and a slow or dead peer stalls only its own queue while the
+others keep moving. num_threads // num_queues threads serve each queue (at least one). A thread
+runs `handler(item)` (default: calls the item) and settles the Future submit() returned; a
+raising handler fails that future and is logged, never killing its thread. close() cancels what
+never ran and hands it back, then joins the threads within a bound: a thread stuck inside a
+library call on a frozen peer is a daemon and is left behind, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from pdcore.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+def _call(item: Callable[[], Any]) -> Any:
+    return item()
+
+
+class ShardedWorkers:
+    def __init__(self, num_queues: int, num_threads: int,
+                 handler: Callable[[Any], Any] = _call, label: str = "pd-xfer") -> None:
+        self.num_queues = max(1, num_queues)
+        self.threads_per_queue = max(1, num_threads // self.num_queues)
+        self.label = label
+        self._handler = handler
+        self._queues: list[queue.Queue] = [queue.Queue() for _ in range(self.num_queues)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(q,), name=f"{label}-q{i}-w{j}", daemon=True)
+            for i, q in enumerate(self._queues) for j in range(self.threads_per_queue)
+        ]
+        self._lock = threading.Lock()
+        self._closed = False
+        self._unfinished = 0
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def shard(self, key: str) -> int:
+        return zlib.crc32(key.encode()) % self.num_queues
+
+    def submit(self, key: str, item: Any) -> Future:
+        """Queue `item` behind the earlier items of its shard; TransferError once closed."""
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise TransferError(f"{self.label}: the transfer workers are closed; "
+                                    f"create a new engine")
+            self._unfinished += 1
+            self._queues[self.shard(key)].put((fut, item))
+        return fut
+
+    def pending(self) -> int:
+        """Items queued that no thread has started yet."""
+        return sum(q.qsize() for q in self._queues)
+
+    def unfinished(self) -> int:
+        """Items submitted and not finished yet (queued or running)."""
+        with self._lock:
+            return self._unfinished
+
+    def _settled(self) -> None:
+        with self._lock:
+            self._unfinished -= 1
+
+    def _run(self, q: queue.Queue) -> None:
+        while True:
+            entry = q.get()
+            if entry is _STOP:
+                return
+            fut, item = entry
+            if not fut.set_running_or_notify_cancel():
+                continue  # close() cancelled it (and counted it settled)
+            try:
+                result = self._handler(item)
+            except Exception as e:  # the future carries the failure; never lose the thread
+                log.exception("%s: job %r raised", self.label, item)
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            finally:
+                self._settled()
+
+    def close(self, timeout: float | None = 5.0) -> list[Any]:
+        """Stop the threads; returns the items that never ran (their futures are cancelled) so
+        the caller can fail them. Joins for at most `timeout` seconds in all (None: until every
+        thread is out, for a library that must not be torn down under a running call)."""
+        with self._lock:
+            self._closed = True
+        leftovers: list[Any] = []
+        for q in self._queues:
+            while True:
+                try:
+                    fut, item = q.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.cancel():
+                    self._settled()
+                leftovers.append(item)
+        for q in self._queues:
+            for _ in range(self.threads_per_queue):
+                q.put(_STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self.threads:
+            if t.ident is not None:
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self.threads if t.is_alive()]
+        if stuck:
+            log.warning("%s: threads still blocked in a transfer after close: %s", self.label,
+                        ", ".join(stuck))
+        return leftovers
