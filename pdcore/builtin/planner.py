@@ -3,8 +3,9 @@
 Same TP (or MLA with the same TP): page pairs are grouped into runs that are consecutive on both
 sides; per run and per layer the K and V copies are one descriptor each of `run_len * item_len`
 bytes. Different TP (non-MLA): each side owns a slice of the model's KV heads; per token slot we
-copy the intersection of the two slices (GQA replication: when tp > total_kv_heads, several ranks
-hold the same head). Everything is vectorised with numpy; no Python loop per page or per token.
+copy the intersection of the two slices (`KVLayout.head_span`; GQA replication: when
+tp > total_kv_heads, several ranks hold the same head). Everything is vectorised with numpy; no
+Python loop per page or per token.
 """
 
 from __future__ import annotations
@@ -30,19 +31,9 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray,
     return src[starts], dst[starts], lens
 
 
-def owned_heads(layout: KVLayout) -> tuple[int, int]:
-    """[first, first + kv_heads) of the model's KV heads held by this rank.
-
-    The engine splits heads into floor spans (pdcore.engine.models.layers.kv_head_span): rank
-    r starts at r * total // tp, which also covers uneven splits (3 heads on 2 ranks: 1 + 2)
-    and GQA replication (tp > total: several ranks hold the same single head)."""
-    total = layout.total_kv_heads or layout.kv_heads * layout.tp_size
-    return layout.tp_rank * total // layout.tp_size, layout.kv_heads
-
-
 def _same_heads(src: KVLayout, dst: KVLayout) -> bool:
     # e.g. GQA replication: both ranks hold exactly the same heads, so whole pages line up
-    return src.kv_heads == dst.kv_heads and owned_heads(src) == owned_heads(dst)
+    return src.kv_heads == dst.kv_heads and src.head_span == dst.head_span
 
 
 class DefaultPlanner(TransferPlanner):
@@ -60,13 +51,12 @@ class DefaultPlanner(TransferPlanner):
                                f"default planner (got prefill TP {src.tp_size}, decode TP "
                                f"{dst.tp_size})")
             return True, ""  # every rank holds the whole latent cache
-        src_total = src.total_kv_heads or src.kv_heads * src.tp_size
-        dst_total = dst.total_kv_heads or dst.kv_heads * dst.tp_size
+        src_total, dst_total = src.model_kv_heads, dst.model_kv_heads
         if src_total != dst_total:
             return False, (f"prefill and decode disagree on the model's KV heads "
                            f"({src_total} vs {dst_total}); they must serve the same model")
-        s0, sn = owned_heads(src)
-        d0, dn = owned_heads(dst)
+        s0, sn = src.head_span
+        d0, dn = dst.head_span
         if max(s0, d0) >= min(s0 + sn, d0 + dn):
             return False, (f"prefill rank {src.tp_rank}/{src.tp_size} holds KV heads "
                            f"[{s0}, {s0 + sn}) and decode rank {dst.tp_rank}/{dst.tp_size} holds "
@@ -112,8 +102,8 @@ class DefaultPlanner(TransferPlanner):
     @staticmethod
     def _plan_slices(src: KVLayout, dst: KVLayout, src_pages: np.ndarray, dst_pages: np.ndarray,
                      token_count: int | None) -> CopyBatch:
-        s0, sn = owned_heads(src)
-        d0, dn = owned_heads(dst)
+        s0, sn = src.head_span
+        d0, dn = dst.head_span
         first, last = max(s0, d0), min(s0 + sn, d0 + dn)
         bytes_per_head = src.head_dim * src.elem_size
         page_size = src.page_size

@@ -44,6 +44,7 @@ from pdcore.disagg.heartbeat import Heartbeat
 from pdcore.disagg.staging import GrantBook, open_staging, scatter_grant
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
 from pdcore.errors import PDError, ProtocolError, TransferError
+from pdcore.interfaces.geometry import rank_mapping
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
 
@@ -78,23 +79,6 @@ class _Room:
     aux_payload: bytes = b""
     pages: np.ndarray | None = None
     grant: tuple[int, int] | None = None  # (offset, bytes) in the staging ring
-
-
-def rank_mapping(p_tp: int, d_tp: int, d_rank: int, is_mla: bool) -> tuple[list[int], int, int]:
-    """(P ranks to pull from, TransferInfos each waits for, Success statuses to wait for)."""
-    if p_tp == d_tp:
-        return [d_rank], 1, 1
-    if is_mla:
-        raise ProtocolError(f"MLA models need the same TP size on prefill ({p_tp}) and decode "
-                            f"({d_tp})")
-    if d_tp > p_tp:
-        if d_tp % p_tp:
-            raise ProtocolError(f"decode TP {d_tp} is not a multiple of prefill TP {p_tp}")
-        return [d_rank // (d_tp // p_tp)], d_tp // p_tp, 1
-    if p_tp % d_tp:
-        raise ProtocolError(f"prefill TP {p_tp} is not a multiple of decode TP {d_tp}")
-    k = p_tp // d_tp
-    return list(range(d_rank * k, (d_rank + 1) * k)), 1, k
 
 
 class DecodeKVManager:

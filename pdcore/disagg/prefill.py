@@ -112,7 +112,7 @@ class PrefillKVManager:
             "rank_ip": host, "rank_port": int(port), "tp_rank": self.tp_rank,
             "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1, "page_size": self.kv.page_size,
             "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
-            "total_kv_heads": self.kv.total_kv_heads or self.kv.kv_heads * self.tp_size,
+            "total_kv_heads": self.kv.model_kv_heads,
             "backend": self.backend_name, "protocol_version": wire.PROTOCOL_VERSION},
             attempts=30, interval=0.5)
         self.workers.start()

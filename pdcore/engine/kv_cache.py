@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from pdcore.interfaces.geometry import model_kv_heads
 from pdcore.interfaces.memory import MemoryPool
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
@@ -18,7 +19,7 @@ class KVCache:
         self.num_pages, self.page_size = num_pages, page_size
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.total_kv_heads = total_kv_heads or kv_heads * tp_size
+        self.total_kv_heads = model_kv_heads(total_kv_heads, kv_heads, tp_size)
         shape = (num_pages, page_size, kv_heads, head_dim)
         self.k_bufs = [pool.allocate(f"k{i}", shape, dtype) for i in range(num_layers)]
         self.v_bufs = [pool.allocate(f"v{i}", shape, dtype) for i in range(num_layers)]

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pdcore.interfaces.geometry import kv_head_span, model_kv_heads
 from pdcore.interfaces.transfer import CopyBatch, MemoryRegion
 
 
@@ -40,6 +41,18 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         return self.kv_heads * self.head_dim * self.elem_size
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's KV head count (from `total_kv_heads`, else kv_heads * tp_size)."""
+        return model_kv_heads(self.total_kv_heads, self.kv_heads, self.tp_size)
+
+    @property
+    def head_span(self) -> tuple[int, int]:
+        """(first, count) of the model's KV heads this rank's buffers hold: the first follows
+        the engine's split (interfaces.geometry.kv_head_span), the count is what the buffers
+        are shaped for."""
+        return kv_head_span(self.model_kv_heads, self.tp_rank, self.tp_size)[0], self.kv_heads
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}  # type: ignore[attr-defined]

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from pd_disagg_util import TestKV, decode, free_port, make_env, prefill, wait_for
 
-from pdcore.builtin.planner import owned_heads
 from pdcore.disagg.aux import AuxRow
-from pdcore.disagg.decode import rank_mapping
 from pdcore.disagg.states import KVPoll
 from pdcore.errors import ProtocolError
+from pdcore.interfaces.geometry import kv_head_span, rank_mapping
+from pdcore.interfaces.planner import KVLayout
 
 SRC, DST = [0, 1, 5], [7, 8, 2]
 
@@ -19,7 +19,7 @@ def logical(pkvs: list[TestKV], total: int) -> np.ndarray:
     parts = [k.dump(SRC) for k in pkvs]
     full = np.zeros(parts[0].shape[:-2] + (total, parts[0].shape[-1]), np.float32)
     for k, part in zip(pkvs, parts):
-        first, n = owned_heads(k.layout)
+        first, n = k.layout.head_span
         full[..., first:first + n, :] = part
     return full
 
@@ -51,7 +51,7 @@ def test_hetero_tp_transfer(p_tp: int, d_tp: int, heads: int) -> None:
             d.failure_reason(room) for d in ds]
         full = logical(pkvs, heads)
         for k, s in zip(dkvs, slots):
-            first, n = owned_heads(k.layout)
+            first, n = k.layout.head_span
             np.testing.assert_array_equal(k.dump(DST), full[..., first:first + n, :])
             assert k.all_zero_except(DST)
             assert k.aux.read(s).first_token_id == 5
@@ -68,3 +68,19 @@ def test_rank_mapping() -> None:
         rank_mapping(2, 1, 0, True)
     with pytest.raises(ProtocolError, match="multiple"):
         rank_mapping(3, 2, 0, False)
+
+
+def _layout(kv_heads: int, tp_rank: int, tp_size: int, total: int) -> KVLayout:
+    return KVLayout(num_layers=1, page_size=4, kv_heads=kv_heads, head_dim=8, elem_size=4,
+                    k_bases=(0,), v_bases=(0,), num_pages=4, tp_rank=tp_rank, tp_size=tp_size,
+                    total_kv_heads=total)
+
+
+def test_layout_head_span_follows_the_engine_split() -> None:
+    got = {(total, tp): [_layout(kv_head_span(total, r, tp)[1], r, tp, total).head_span
+                         for r in range(tp)] for total, tp in [(3, 2), (2, 4), (4, 2)]}
+    assert got == {(3, 2): [(0, 1), (1, 2)],  # uneven floor split
+                   (2, 4): [(0, 1), (0, 1), (1, 1), (1, 1)],  # GQA replicas
+                   (4, 2): [(0, 2), (2, 2)]}
+    unknown = _layout(2, 1, 2, 0)  # total not given: every rank holds its own heads
+    assert unknown.model_kv_heads == 4 and unknown.head_span == (2, 2)

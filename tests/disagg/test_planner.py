@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdcore.builtin.planner import DefaultPlanner, owned_heads, page_runs
+from pdcore.builtin.planner import DefaultPlanner, page_runs
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import CopyBatch
 
@@ -45,7 +45,7 @@ def logical(prank: list[RankKV], layer: int, which: str, page: int, total: int) 
     """The model's full [page_size, total_heads, dim] for one page, from P's ranks."""
     out = torch.empty(PAGE, total, DIM)
     for rk in prank:
-        first, n = owned_heads(rk.layout)
+        first, n = rk.layout.head_span
         out[:, first:first + n] = getattr(rk, which)[layer][page]
     return out
 
@@ -63,7 +63,7 @@ def check(p: list[RankKV], d: list[RankKV], total: int) -> None:
                 execute(planner.plan(pr.layout, dr.layout, SRC, DST))
     copied = set(DST.tolist())
     for dr in d:
-        first, n = owned_heads(dr.layout)
+        first, n = dr.layout.head_span
         for layer in range(LAYERS):
             for which in ("k", "v"):
                 for s, t in zip(SRC.tolist(), DST.tolist()):
@@ -100,7 +100,7 @@ def test_prefill_tp1_to_decode_tp2() -> None:
 
 def test_gqa_replication_decode_tp4_two_heads() -> None:
     d = ranks(2, 4, False)
-    assert [owned_heads(r.layout)[0] for r in d] == [0, 0, 1, 1]
+    assert [r.layout.head_span[0] for r in d] == [0, 0, 1, 1]
     check(ranks(2, 1, True), d, 2)
 
 

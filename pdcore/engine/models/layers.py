@@ -3,8 +3,9 @@ sliced at load time and adds one all-reduce after row-parallel layers.
 
 Shards need not be even: a dimension of `total` rows is split into floor spans
 [r*total//size, (r+1)*total//size), so e.g. SmolLM2's 3 KV heads run on 2 ranks as 1 + 2.
-Attention heads follow the KV-head groups (`kv_head_span`, `q_head_span`); when TP exceeds the
-KV head count, each rank holds one (replicated) KV head and a share of its query heads.
+Attention heads follow the KV-head groups (`q_head_span`; `kv_head_span` lives in
+pdcore.interfaces.geometry because the transfer planners must agree with it); when TP exceeds
+the KV head count, each rank holds one (replicated) KV head and a share of its query heads.
 """
 
 from __future__ import annotations
@@ -19,19 +20,7 @@ from torch import nn
 
 from pdcore.config import env_bool
 from pdcore.errors import ConfigError
-
-
-def span(total: int, rank: int, size: int) -> tuple[int, int]:
-    """(first, count) of rank's floor share of `total` items split over `size` ranks."""
-    first = rank * total // size
-    return first, (rank + 1) * total // size - first
-
-
-def kv_head_span(total_kv: int, rank: int, size: int) -> tuple[int, int]:
-    """KV heads a rank holds: its floor share, or one replicated head when size > total_kv."""
-    if size <= total_kv:
-        return span(total_kv, rank, size)
-    return rank * total_kv // size, 1
+from pdcore.interfaces.geometry import kv_head_span, span  # the split rule P and D share
 
 
 def q_head_span(num_heads: int, total_kv: int, rank: int, size: int) -> tuple[int, int]:

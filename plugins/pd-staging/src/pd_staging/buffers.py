@@ -21,7 +21,6 @@ import torch
 
 from pd_staging.copies import gather
 from pd_staging.geometry import grant_geometry
-from pdcore.builtin.planner import owned_heads
 from pdcore.errors import TransferError
 from pdcore.interfaces.planner import KVLayout, PrefillStaging, StagingContext
 from pdcore.interfaces.transfer import CopyBatch
@@ -69,7 +68,7 @@ class PrefillBuffers(PrefillStaging):
             raise TransferError(f"no staging buffer free after {ACQUIRE_TIMEOUT_S:g}s") from None
         try:
             buf = self._bufs[i]
-            self._gather(buf.tensor[:nbytes], pages, w.first - owned_heads(src)[0], w.count)
+            self._gather(buf.tensor[:nbytes], pages, w.first - src.head_span[0], w.count)
             with self._lock:
                 self.gathered_bytes += nbytes
             yield CopyBatch(np.array([buf.region.addr], dtype=np.uint64),

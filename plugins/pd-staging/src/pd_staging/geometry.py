@@ -8,25 +8,17 @@ every page decode reserved for the room, so the layout never depends on how P ch
 prompt.
 
 Both sides derive the same geometry from (P's TP size, decode's layout): heads follow the
-engine's floor split, so uneven splits (3 KV heads on 2 ranks) and GQA replication (TP > KV
-heads) are covered.
+engine's floor split (pdcore.interfaces.geometry), so uneven splits (3 KV heads on 2 ranks) and
+GQA replication (TP > KV heads) are covered.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcore.builtin.planner import owned_heads
-from pdcore.disagg.decode import rank_mapping
+from pdcore.interfaces.geometry import kv_head_span as head_span
+from pdcore.interfaces.geometry import rank_mapping
 from pdcore.interfaces.planner import KVLayout
-
-
-def head_span(total: int, rank: int, tp: int) -> tuple[int, int]:
-    """(first, count) KV heads a rank of a TP-`tp` server holds (same rule as the engine)."""
-    if tp <= total:
-        first = rank * total // tp
-        return first, (rank + 1) * total // tp - first
-    return rank * total // tp, 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,14 +45,10 @@ class Grant:
         raise ValueError(f"prefill rank {p_rank} does not write to this decode rank")
 
 
-def total_heads(layout: KVLayout) -> int:
-    return layout.total_kv_heads or layout.kv_heads * layout.tp_size
-
-
 def same_heads(p_tp: int, dst: KVLayout) -> bool:
     """Every P rank dst pulls from holds exactly dst's heads: whole pages line up, no staging."""
     targets, _, _ = rank_mapping(p_tp, dst.tp_size, dst.tp_rank, False)
-    total, d = total_heads(dst), owned_heads(dst)
+    total, d = dst.model_kv_heads, dst.head_span
     return all(head_span(total, t, p_tp) == d for t in targets)
 
 
@@ -69,8 +57,8 @@ def grant_geometry(p_tp: int, dst: KVLayout, num_pages: int) -> Grant:
     if same_heads(p_tp, dst):
         return Grant((), num_pages * dst.page_size, 0)
     targets, _, _ = rank_mapping(p_tp, dst.tp_size, dst.tp_rank, False)
-    total = total_heads(dst)
-    d0, dn = owned_heads(dst)
+    total = dst.model_kv_heads
+    d0, dn = dst.head_span
     tokens = num_pages * dst.page_size
     writers, off = [], 0
     for t in targets:

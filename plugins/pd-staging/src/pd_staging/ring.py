@@ -19,7 +19,6 @@ import torch
 
 from pd_staging.copies import scatter
 from pd_staging.geometry import grant_geometry
-from pdcore.builtin.planner import owned_heads
 from pdcore.interfaces.planner import DecodeStaging, StagingContext
 from pdcore.interfaces.transfer import MemoryRegion
 
@@ -110,7 +109,7 @@ class DecodeRing(DecodeStaging):
     def scatter(self, offset: int, dst_pages: np.ndarray, prefill_tp: int) -> None:
         lay = self.layout
         g = grant_geometry(prefill_tp, lay, len(dst_pages))
-        d0, _ = owned_heads(lay)
+        d0, _ = lay.head_span
         dtype = self.kv[0][0].dtype
         for w in g.writers:
             n = g.tokens * w.token_bytes(lay)
