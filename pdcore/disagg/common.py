@@ -29,7 +29,7 @@ import zmq
 
 from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.disagg import wire
-from pdcore.errors import ProtocolError, UnknownNameError
+from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import TransferPlanner
 from pdcore.interfaces.transfer import BackendContext, TransferEngine
 from pdcore.netguard import is_loopback
@@ -82,18 +82,11 @@ def make_backend(name: str, role: str, args: ServerArgs, env: DisaggEnv, tp_rank
 
 
 def make_planner(env: DisaggEnv) -> TransferPlanner:
-    """The planner chosen by configuration (`staging` when SGLANG_DISAGG_STAGING_BUFFER=1)."""
+    """The planner chosen by configuration (`staging` when SGLANG_DISAGG_STAGING_BUFFER=1),
+    found in the registry like any backend: `default` is the builtin plugin's."""
     from pdcore.plugins.host import transfer_planners
 
-    name = "staging" if env.staging_buffer else "default"
-    try:
-        return transfer_planners().create(name)
-    except UnknownNameError:
-        if name != "default":
-            raise
-        from pdcore.builtin.planner import DefaultPlanner  # core-owned; usable without plugins
-
-        return DefaultPlanner()
+    return transfer_planners().create("staging" if env.staging_buffer else "default")
 
 
 class ControlPlane:

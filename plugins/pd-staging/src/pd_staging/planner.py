@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 
 from pd_staging.geometry import same_heads
-from pdcore.builtin.planner import DefaultPlanner
 from pdcore.errors import ConfigError
 from pdcore.interfaces.planner import (
     DecodeStaging,
@@ -24,6 +23,7 @@ from pdcore.interfaces.planner import (
     StagingPlanner,
 )
 from pdcore.interfaces.transfer import CopyBatch
+from pdcore.plugins.host import transfer_planners
 
 MLA_REFUSAL = ("pd-staging does not support MLA models (their latent KV cache is not split by "
                "heads); unset SGLANG_DISAGG_STAGING_BUFFER and run prefill and decode with the "
@@ -34,7 +34,7 @@ class StagingTransferPlanner(StagingPlanner):
     name = "staging"
 
     def __init__(self) -> None:
-        self._default = DefaultPlanner()
+        self._default = transfer_planners().create("default")  # the page-run and slice plans
 
     def supports(self, src: KVLayout, dst: KVLayout) -> tuple[bool, str]:
         if src.is_mla or dst.is_mla:
