@@ -34,12 +34,12 @@ from pdcore.disagg.aux import AuxBuffers, AuxRow
 from pdcore.disagg.bootstrap import BootstrapClient
 from pdcore.disagg.common import (
     FAKE_BOOTSTRAP_HOST,
-    ControlPlane,
     Counters,
     advertised_host,
     make_backend,
     make_planner,
 )
+from pdcore.disagg.control import ControlPlane
 from pdcore.disagg.heartbeat import Heartbeat
 from pdcore.disagg.staging import GrantBook, open_staging, scatter_grant
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates

@@ -35,12 +35,12 @@ from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdcore.disagg.common import (
     FAKE_BOOTSTRAP_HOST,
     UNBOUNDED_PAGES,
-    ControlPlane,
     Counters,
     advertised_host,
     make_backend,
     make_planner,
 )
+from pdcore.disagg.control import ControlPlane
 from pdcore.disagg.prefill_rooms import (
     Chunk,
     Dest,

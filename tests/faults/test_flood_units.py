@@ -14,7 +14,7 @@ import zmq
 from pdcore.builtin.tcp_backend import TcpTransferEngine
 from pdcore.disagg import wire
 from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
-from pdcore.disagg.common import ControlPlane
+from pdcore.disagg.control import ControlPlane
 from pdcore.interfaces.transfer import BackendContext, CopyBatch, MemoryRegion, TransferStatus
 from pdcore.netguard import MAX_PENDING_PER_SOURCE, PENDING_DEADLINE_S, ConnectionGate
 

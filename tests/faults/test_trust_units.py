@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
-from pdcore.disagg.common import ControlPlane
+from pdcore.disagg.control import ControlPlane
 from pdcore.errors import TransferError
 from pdcore.up import UpConfig, plan
 
