@@ -63,7 +63,7 @@ class PdserveRunner:
     def __init__(self, model_path: str | None, max_total_tokens: int, dtype: str = "float32"
                  ) -> None:
         from pdcore.config import ServerArgs
-        from pdcore.engine.llm_engine import LLMEngine
+        from pdcore.runtime.llm_engine import LLMEngine
 
         self.engine = LLMEngine(ServerArgs(model_path=model_path, max_total_tokens=max_total_tokens,
                                            dtype=dtype, log_level="warning"))

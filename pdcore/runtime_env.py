@@ -19,3 +19,15 @@ DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 def apply() -> None:
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def server_threads(n_servers: int) -> int | None:
+    """OpenMP threads per server when `up` runs n_servers engines on this host: the CPUs shared
+    out (at least 1), so the engines' thread teams do not oversubscribe the cores (an OpenMP
+    team waits at every barrier for its slowest thread; a descheduled one stalls them all).
+    None when the user set OMP_NUM_THREADS: theirs is kept."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)
+    return max(1, cpus // max(1, n_servers))

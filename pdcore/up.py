@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdcore.engine.lifeline import preexec_die_with_parent
 from pdcore.errors import ConfigError
+from pdcore.runtime.lifeline import preexec_die_with_parent
+from pdcore.runtime_env import server_threads
 
 GRACE_S = 10.0
 RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S = 1.0, 30.0, 60.0
@@ -73,18 +74,6 @@ def choose_backend(cfg: UpConfig) -> tuple[str, str]:
         return "shm", ("every server is on this host: KV is copied straight into the peer's "
                        "memory; PDCORE_SHM_MODE chooses how")
     return "tcp", "shm is not available here"
-
-
-def server_threads(n_servers: int) -> int | None:
-    """OpenMP threads per server when `up` runs n_servers engines on this host: the CPUs shared
-    out (at least 1), so the engines' thread teams do not oversubscribe the cores (an OpenMP
-    team waits at every barrier for its slowest thread; a descheduled one stalls them all).
-    None when the user set OMP_NUM_THREADS: theirs is kept."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return None
-    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1)
-    return max(1, cpus // max(1, n_servers))
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

@@ -29,12 +29,10 @@ from typing import Any
 import numpy as np
 
 from pdcore.config import ServerArgs
-from pdcore.disagg.agree import poll_all
 from pdcore.disagg.aux import AuxBuffers
-from pdcore.disagg.states import TERMINAL, KVPoll
-from pdcore.engine.fork import follower_pages, fork
-from pdcore.engine.request import Phase, Req
-from pdcore.engine.scheduler import Extension, Scheduler
+from pdcore.disagg.role import RoleExtension
+from pdcore.engine.request import Req
+from pdcore.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +55,14 @@ class Parked:
     leader: Req
 
 
-class DecodeExtension(Extension):
+class DecodeExtension(RoleExtension):
     def __init__(self, sched: Scheduler, mgr: Any, aux: AuxBuffers, args: ServerArgs) -> None:
-        self.sched, self.mgr, self.aux, self.args = sched, mgr, aux, args
+        super().__init__(sched, mgr, aux, ["requests", "samples", "transfers", "forks",
+                                           "fork_recomputes"])
+        self.args = args
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
         self.quarantine: list[tuple[float, list[int]]] = []
-        self.counts = {"requests": 0, "samples": 0, "transfers": 0, "forks": 0,
-                       "fork_recomputes": 0}
 
     def admit(self, req: Req) -> bool:
         if req.fork_of is not None:
@@ -75,8 +73,7 @@ class DecodeExtension(Extension):
             return True
         req.logprob_start_len = -1  # prompt logprobs come from P (the router merges them)
         port = req.bootstrap_port or self.args.disaggregation_bootstrap_port
-        req.disagg = DState(int(req.bootstrap_room))
-        req.phase = Phase.DISAGG
+        self._take(req, DState(int(req.bootstrap_room)))
         self.mgr.add(req.disagg.room, req.bootstrap_host, int(port))
         self.prealloc.append(req)
         self.counts["requests"] += 1
@@ -84,7 +81,7 @@ class DecodeExtension(Extension):
         return True
 
     def _park(self, req: Req) -> bool:
-        leader = self.sched.reqs.get(req.fork_of or "")
+        leader = self.sched.find(req.fork_of or "")
         st = leader.disagg if leader is not None else None
         if not isinstance(st, DState) or leader.prompt != req.prompt:
             self.sched.fail(req, f"parallel sample {req.rid} forks from sample {req.fork_of!r}, "
@@ -92,8 +89,7 @@ class DecodeExtension(Extension):
                                  "(it finished, failed or was never sent here)")
             return True
         req.logprob_start_len = -1
-        req.disagg = Parked(leader)
-        req.phase = Phase.DISAGG
+        self._take(req, Parked(leader))
         st.followers.append(req)
         self.counts["samples"] += 1
         return True
@@ -104,49 +100,38 @@ class DecodeExtension(Extension):
     def _reserve_pages(self, req: Req) -> int:
         """Pages the request and its parked samples need (capped at the pool: a group larger
         than the pool still starts once everything else has left; preemption does the rest)."""
-        blocks = self.sched.blocks
-        need = blocks.pages_for(len(req.prompt) + self._extra(req))
+        need = self.sched.pages_for(len(req.prompt) + self._extra(req))
         for f in req.disagg.followers:
-            need += follower_pages(blocks, len(f.prompt), self._extra(f))
-        return min(need, blocks.num_pages)
+            need += self.sched.follower_pages(len(f.prompt), self._extra(f))
+        return min(need, self.sched.num_pages)
 
     def poll(self) -> None:
-        blocks = self.sched.blocks
-        now = self.sched.now()  # the same on every TP rank
+        sched = self.sched
+        now = sched.now()  # the same on every TP rank
         while self.quarantine and self.quarantine[0][0] <= now:
-            blocks.free(self.quarantine.pop(0)[1])
-        agreed = poll_all(self.mgr, [r.disagg.room for r in self.prealloc + self.transfer],
-                          self.sched.tp)
-        for req in list(self.prealloc):
-            st = agreed.state(req.disagg.room)
-            if st is KVPoll.Failed:
-                self.prealloc.remove(req)
-                self.sched.fail(req, agreed.reasons.get(req.disagg.room, ""))
-                continue
-            if st < KVPoll.WaitingForInput:
-                continue
-            busy = (len(self.sched.running) + len(self.sched.waiting)
-                    + sum(1 + len(r.disagg.followers) for r in self.transfer))
-            group = 1 + len(req.disagg.followers)
-            if (busy and busy + group > self.sched.cfg.max_running) \
-                    or not blocks.can_alloc(self._reserve_pages(req)):
-                break  # FIFO: the head waits for room, the rest wait behind it
-            slot = self.aux.alloc()
-            if slot is None:
-                break
-            req.pages = blocks.alloc(blocks.pages_for(len(req.prompt)))
-            req.disagg.aux_slot = slot
-            self.prealloc.remove(req)
-            self.transfer.append(req)
-            self.mgr.send_transfer_info(req.disagg.room, np.asarray(req.pages, np.int64), slot)
-        for req in list(self.transfer):
-            st = agreed.state(req.disagg.room)
-            if st is KVPoll.Success:
-                self.transfer.remove(req)
-                self._start_decoding(req)
-            elif st is KVPoll.Failed:
-                self.transfer.remove(req)
-                self.sched.fail(req, agreed.reasons.get(req.disagg.room, ""))
+            sched.free_pages(self.quarantine.pop(0)[1])
+        agreed = self._agree(self.prealloc + self.transfer)
+        self._admit_ready(agreed, self.prealloc, self._reserve)
+        self._settle(agreed, self.transfer, self._start_decoding)
+
+    def _reserve(self, req: Req) -> bool:
+        """P is known: take a request slot, the pages and an aux row, and send P the pages;
+        False while they are not free (FIFO: the head waits for room, the rest behind it)."""
+        sched = self.sched
+        busy = sched.occupancy() + sum(1 + len(r.disagg.followers) for r in self.transfer)
+        group = 1 + len(req.disagg.followers)
+        if (busy and busy + group > sched.max_running) \
+                or not sched.can_alloc(self._reserve_pages(req)):
+            return False
+        slot = self.aux.alloc()
+        if slot is None:
+            return False
+        req.pages = sched.alloc_pages(sched.pages_for(len(req.prompt)))
+        req.disagg.aux_slot = slot
+        self.prealloc.remove(req)
+        self.transfer.append(req)
+        self.mgr.send_transfer_info(req.disagg.room, np.asarray(req.pages, np.int64), slot)
+        return True
 
     def _start_decoding(self, req: Req) -> None:
         st: DState = req.disagg
@@ -158,9 +143,7 @@ class DecodeExtension(Extension):
         followers = st.followers
         self._release(req)
         req.disagg = None
-        req.num_computed = len(req.prompt)
-        req.phase = Phase.RUNNING
-        self.sched.running.append(req)
+        self.sched.run(req, computed=len(req.prompt))
         self.counts["transfers"] += 1
         for f in followers:  # before the first token: it may finish the leader (pages freed)
             self._fork(req, f)
@@ -174,12 +157,11 @@ class DecodeExtension(Extension):
     def _fork(self, leader: Req, f: Req) -> None:
         f.disagg = None
         self.counts["forks"] += 1
-        if fork(self.sched.blocks, self.sched.runner.kv.layers, leader, f):
-            f.phase = Phase.RUNNING
-            self.sched.running.append(f)
+        if self.sched.fork(leader, f):
+            self.sched.run(f, computed=f.num_computed)
         else:  # no page for the copy: recompute the prompt's tail when the scheduler finds one
             self.counts["fork_recomputes"] += 1
-            self.sched.enqueue(f, front=True)
+            self.sched.resume(f, front=True)
 
     def on_abort(self, req: Req) -> None:
         if isinstance(req.disagg, Parked):  # it holds no pages yet: just leave the leader
@@ -202,32 +184,15 @@ class DecodeExtension(Extension):
             if req.pages:  # P may still be writing into them
                 self.quarantine.append((self.sched.now() + QUARANTINE_S, req.pages))
                 req.pages = []
-        if self.mgr.poll(req.disagg.room) not in TERMINAL:
-            self.mgr.abort(req.disagg.room, req.error or "request aborted")
-        self._release(req)
-
-    def _release(self, req: Req) -> None:
-        st: DState = req.disagg
-        self.mgr.release(st.room)
-        if st.aux_slot is not None:
-            self.aux.free(st.aux_slot)
-            st.aux_slot = None
+        self._end_room(req)
 
     def busy(self) -> bool:
         return bool(self.prealloc or self.transfer or self.quarantine)
 
     def stats(self) -> dict[str, Any]:
-        c = self.counts
-        return {"disagg_prealloc_queue": len(self.prealloc),
-                "disagg_transfer_queue": len(self.transfer),
-                "disagg_parked_samples": sum(len(r.disagg.followers)
-                                             for r in self.prealloc + self.transfer),
-                **{f"disagg_{k}_total": v for k, v in c.items()},
-                "disagg_transfers_per_request": c["transfers"] / max(1, c["requests"]),
-                "disagg_quarantined_pages": sum(len(p) for _, p in self.quarantine),
-                "aux_slots_free": self.aux.num_free,
-                **{f"kv_{k}": v for k, v in self.mgr.metrics().items()
-                   if isinstance(v, (int, float))}}
-
-    def close(self) -> None:
-        self.mgr.close()
+        return self._stats({
+            "disagg_prealloc_queue": len(self.prealloc),
+            "disagg_transfer_queue": len(self.transfer),
+            "disagg_parked_samples": sum(len(r.disagg.followers)
+                                         for r in self.prealloc + self.transfer),
+            "disagg_quarantined_pages": sum(len(p) for _, p in self.quarantine)})

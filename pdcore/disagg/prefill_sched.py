@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from pdcore.disagg.agree import poll_all
+from pdcore.disagg.agree import Agreed
 from pdcore.disagg.aux import MAX_TOP_LOGPROBS, AuxBuffers, AuxRow
-from pdcore.disagg.states import TERMINAL, KVPoll
+from pdcore.disagg.role import RoleExtension
 from pdcore.engine.model_runner import StepResult
 from pdcore.engine.request import Phase, Req
-from pdcore.engine.scheduler import Extension, Scheduler
+from pdcore.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,11 @@ class PState:
     aux_slot: int | None = None
 
 
-class PrefillExtension(Extension):
+class PrefillExtension(RoleExtension):
     def __init__(self, sched: Scheduler, mgr: Any, aux: AuxBuffers) -> None:
-        self.sched, self.mgr, self.aux = sched, mgr, aux
+        super().__init__(sched, mgr, aux, ["requests", "transfers"])
         self.bootstrap: list[Req] = []
         self.inflight: list[Req] = []
-        self.counts = {"requests": 0, "transfers": 0}
 
     def admit(self, req: Req) -> bool:
         if req.bootstrap_room is None:
@@ -54,46 +53,37 @@ class PrefillExtension(Extension):
                                  "the router)", 400)
             return True
         req.params.max_new_tokens = 1
-        req.disagg = PState(int(req.bootstrap_room))
-        req.phase = Phase.DISAGG
+        self._take(req, PState(int(req.bootstrap_room)))
         self.mgr.add(req.disagg.room, req.bootstrap_host)
         self.bootstrap.append(req)
         self.counts["requests"] += 1
         return True
 
     def poll(self) -> None:
-        agreed = poll_all(self.mgr, [r.disagg.room for r in self.bootstrap + self.inflight],
-                          self.sched.tp, count=self.mgr.dest_page_count)
-        for req in list(self.bootstrap):
-            st = agreed.state(req.disagg.room)
-            if st is KVPoll.Failed:
-                self.bootstrap.remove(req)
-                self._fail(req, agreed.reasons.get(req.disagg.room, ""))
-                continue
-            if st < KVPoll.WaitingForInput:
-                continue
-            need = self.sched.blocks.pages_for(len(req.prompt))
-            have = agreed.counts[req.disagg.room]
-            if have < need:
-                self.bootstrap.remove(req)
-                self.sched.fail(req, f"decode reserved {have} KV pages; the prompt needs {need}")
-                continue
-            slot = self.aux.alloc()
-            if slot is None:
-                break  # back-pressure: no aux row free; keep FIFO order
-            req.disagg.aux_slot = slot
+        agreed = self._agree(self.bootstrap + self.inflight, count=self.mgr.dest_page_count)
+        self._admit_ready(agreed, self.bootstrap, lambda req: self._start_prefill(req, agreed))
+        self._settle(agreed, self.inflight, self._transferred)
+
+    def _start_prefill(self, req: Req, agreed: Agreed) -> bool:
+        """D is known and has sent its pages: prefill once an aux row is free."""
+        need = self.sched.pages_for(len(req.prompt))
+        have = agreed.counts[req.disagg.room]
+        if have < need:
             self.bootstrap.remove(req)
-            self.sched.enqueue(req)
-        for req in list(self.inflight):
-            st = agreed.state(req.disagg.room)
-            if st is KVPoll.Success:
-                self.inflight.remove(req)
-                self._release(req)
-                self.sched.drop(req)
-                self.counts["transfers"] += 1
-            elif st is KVPoll.Failed:
-                self.inflight.remove(req)
-                self._fail(req, agreed.reasons.get(req.disagg.room, ""))
+            self.sched.fail(req, f"decode reserved {have} KV pages; the prompt needs {need}")
+            return True
+        slot = self.aux.alloc()
+        if slot is None:
+            return False  # back-pressure: no aux row free; keep FIFO order
+        req.disagg.aux_slot = slot
+        self.bootstrap.remove(req)
+        self.sched.resume(req)
+        return True
+
+    def _transferred(self, req: Req) -> None:
+        self._release(req)
+        self.sched.complete(req)
+        self.counts["transfers"] += 1
 
     def _fail(self, req: Req, reason: str) -> None:
         # 502: this server is fine, its decode peer failed the pair (the router blames decode)
@@ -107,7 +97,7 @@ class PrefillExtension(Extension):
             st = req.disagg
             last = res.token is not None
             done_pages = (len(req.pages) if last
-                          else req.num_computed // self.sched.blocks.page_size)
+                          else req.num_computed // self.sched.page_size)
             if last:
                 lp = req.pending_out_logprobs[-1] if req.pending_out_logprobs else None
                 top = (lp[2] or [])[:MAX_TOP_LOGPROBS] if lp else []
@@ -124,9 +114,7 @@ class PrefillExtension(Extension):
         if not isinstance(req.disagg, PState) or req.error:
             return False
         # the one token is sampled; hold the pages until the transfer finished
-        if req in self.sched.running:
-            self.sched.running.remove(req)
-        req.phase = Phase.DISAGG
+        self.sched.hold(req)
         self.inflight.append(req)
         return True
 
@@ -136,28 +124,11 @@ class PrefillExtension(Extension):
         for q in (self.bootstrap, self.inflight):
             if req in q:
                 q.remove(req)
-        if self.mgr.poll(req.disagg.room) not in TERMINAL:
-            self.mgr.abort(req.disagg.room, req.error or "request aborted")
-        self._release(req)
-
-    def _release(self, req: Req) -> None:
-        st: PState = req.disagg
-        self.mgr.release(st.room)
-        if st.aux_slot is not None:
-            self.aux.free(st.aux_slot)
-            st.aux_slot = None
+        self._end_room(req)
 
     def busy(self) -> bool:
         return bool(self.bootstrap or self.inflight)
 
     def stats(self) -> dict[str, Any]:
-        c = self.counts
-        return {"disagg_bootstrap_queue": len(self.bootstrap),
-                **{f"disagg_{k}_total": v for k, v in c.items()},
-                "disagg_transfers_per_request": c["transfers"] / max(1, c["requests"]),
-                "disagg_inflight_queue": len(self.inflight), "aux_slots_free": self.aux.num_free,
-                **{f"kv_{k}": v for k, v in self.mgr.metrics().items()
-                   if isinstance(v, (int, float))}}
-
-    def close(self) -> None:
-        self.mgr.close()
+        return self._stats({"disagg_bootstrap_queue": len(self.bootstrap),
+                            "disagg_inflight_queue": len(self.inflight)})

@@ -16,7 +16,7 @@ from pdcore.engine.sampler import SampleState
 class Phase(enum.Enum):
     WAITING = "waiting"  # queued for (re)fill
     RUNNING = "running"  # has pages; being filled or decoded
-    DISAGG = "disagg"  # held by a PD queue (bootstrap / transfer / inflight)
+    HELD = "held"  # owned by the role extension (PD: bootstrap / transfer / inflight queues)
     FINISHED = "finished"
 
 
@@ -47,7 +47,7 @@ class Req:
     error_status: int = 500
     preempted: bool = False
     ctx_slots: torch.Tensor | None = None  # cached slot table for positions < num_computed
-    disagg: Any = None  # PD extension's per-request state
+    disagg: Any = None  # the role extension's per-request state
     fork_of: str | None = None  # rid of the sample whose prompt pages this one shares
 
     @classmethod

@@ -1,7 +1,7 @@
 """Continuous batching with chunked prefill, a token budget and preemption.
 
 Each step:
-1. the disaggregation extension (if any) advances its queues (bootstrap, transfer, inflight);
+1. the role extension (if any: pdcore.engine.extension) advances its queues;
 2. every running request that needs one position (decode) gets it; pages are allocated, and
    when the pool runs out the newest running request is preempted (pages freed, recomputed
    later from its prompt + output);
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcore.engine.block_manager import BlockManager
+from pdcore.engine.extension import Extension
 from pdcore.engine.io_struct import TokenOut
 from pdcore.engine.model_runner import ModelRunner, StepResult
 from pdcore.engine.request import Phase, Req
@@ -48,36 +49,6 @@ class Counters:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Extension:
-    """Hooks a disaggregation mode plugs into the scheduler (unified mode: all defaults)."""
-
-    def admit(self, req: Req) -> bool:
-        """Take ownership of a new request (True) or let it go to the waiting queue."""
-        return False
-
-    def poll(self) -> None:
-        """Advance the extension's own queues."""
-
-    def after_step(self, results: list[StepResult]) -> None:
-        """See what the forward pass computed (send finished pages, ...)."""
-
-    def on_finish(self, req: Req) -> bool:
-        """A request reached its end. True: the extension keeps it (pages too) for now."""
-        return False
-
-    def on_abort(self, req: Req) -> None:
-        """Release the extension's per-request state."""
-
-    def busy(self) -> bool:
-        return False
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
 class Scheduler:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, cfg: SchedulerConfig) -> None:
         self.runner, self.blocks, self.cfg = runner, blocks, cfg
@@ -90,7 +61,7 @@ class Scheduler:
         self.last_ran = False  # the last step did work: the loop calls again without waiting
         self.flushed_early = False  # the last step only sent tokens that arrived in poll()
         self.uncollected = False
-        self.tp = runner.tp  # extensions agree on per-request states over its group
+        self.tp = runner.tp  # a role extension agrees on per-request states over its group
         self.step_time: float | None = None  # rank 0's clock for this step (set under TP)
 
     def now(self) -> float:
@@ -273,8 +244,7 @@ class Scheduler:
 
     def _collect(self, req: Req) -> TokenOut | None:
         done = req.phase is Phase.FINISHED
-        held = req.disagg is not None and not done and req.finish_reason is not None
-        if held or (not req.pending_tokens and not done):
+        if req.phase is Phase.HELD or (not req.pending_tokens and not done):
             return None
         msg = TokenOut(req.rid, req.pending_tokens, req.pending_out_logprobs)
         req.pending_tokens, req.pending_out_logprobs = [], []

@@ -122,7 +122,7 @@ def build_parser(prog: str = "pdserve serve") -> argparse.ArgumentParser:
 
 def check_supported(args: ServerArgs) -> None:
     """What ServerArgs.validate cannot know: features not built yet and missing plugins."""
-    from pdcore.engine.tp import check_parallel_args
+    from pdcore.runtime.topology import check_parallel_args
 
     check_parallel_args(args)
     if args.attention_backend == "ascend" and args.device != "npu":

@@ -63,7 +63,7 @@ class EngineError(PDError):
 
 
 def _default_target() -> SchedulerTarget:
-    from pdcore.engine.scheduler_process import run_scheduler_process
+    from pdcore.runtime.scheduler_process import run_scheduler_process
 
     return run_scheduler_process
 
@@ -254,7 +254,7 @@ class EngineClient:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
         if self._stopping:
             return
-        from pdcore.engine.lifeline import describe_exit
+        from pdcore.runtime.lifeline import describe_exit
 
         self.state = EngineState.DEAD
         self.error = (f"the engine's scheduler process died ({describe_exit(proc.exitcode)}); "

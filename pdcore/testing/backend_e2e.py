@@ -30,8 +30,8 @@ SMOLLM2_FLAGS = ("--max-total-tokens", "16384", "--page-size", "16",
 def unified_reference() -> tuple[list[list[int]], list[list[int]]]:
     from pdcore.config import ServerArgs
     from pdcore.engine.io_struct import SamplingParams
-    from pdcore.engine.llm_engine import LLMEngine
     from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids
 
     prompts = prompt_token_ids(load_tokenizer(ServerArgs()))

@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from pdcore.engine.lifeline import preexec_die_with_parent
-from pdcore.up import server_threads
+from pdcore.runtime.lifeline import preexec_die_with_parent
+from pdcore.runtime_env import server_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 _PORTS_GIVEN: set[int] = set()

@@ -17,9 +17,9 @@ from pdcore.disagg.states import KVPoll
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.fork import fork, shared_pages
 from pdcore.engine.io_struct import AbortReq, GenerateReq, SamplingParams
-from pdcore.engine.llm_engine import LLMEngine
 from pdcore.engine.request import Phase, Req
 from pdcore.engine.sampler import SampleState
+from pdcore.runtime.llm_engine import LLMEngine
 
 PROMPT_7 = [11, 12, 13, 14, 15, 16, 17]  # the last position shares a page with others (page 4)
 PROMPT_8 = [21, 22, 23, 24, 25, 26, 27, 28]  # the last position ends a page (page 4)
@@ -155,7 +155,7 @@ def test_followers_share_pages_copy_the_last_and_match_unified(dec, unified, pro
     blocks = eng.scheduler.blocks
     outs: dict = {}
     eng.lockstep.lead(group(prompt, 3))
-    assert [r.phase for r in eng.scheduler.reqs.values()] == [Phase.DISAGG] * 3
+    assert [r.phase for r in eng.scheduler.reqs.values()] == [Phase.HELD] * 3
     assert len(mgr.dest) == 1  # one room, one transfer for three samples
     deliver(eng, mgr, aux, 7, prompt)
     step(eng, outs)  # Success: fork, then sample 0's first token goes out

@@ -7,7 +7,7 @@ import torch
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
-from pdcore.engine.llm_engine import LLMEngine
+from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.tiny_models import make_tiny_model
 
 

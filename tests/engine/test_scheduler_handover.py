@@ -11,9 +11,9 @@ import pytest
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams
-from pdcore.engine.llm_engine import LLMEngine
 from pdcore.engine.request import Phase, Req
 from pdcore.engine.scheduler import Extension, Scheduler
+from pdcore.runtime.llm_engine import LLMEngine
 
 FIRST = 42  # the token "P" sampled
 
@@ -25,7 +25,7 @@ class Handover(Extension):
         self.ready: set[str] = set()
 
     def admit(self, req: Req) -> bool:
-        req.phase = Phase.DISAGG
+        req.phase = Phase.HELD
         self.held.append(req)
         return True
 

@@ -16,8 +16,8 @@ import pytest
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
-from pdcore.engine.llm_engine import LLMEngine
 from pdcore.engine.tokenizer import load_tokenizer
+from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.processes import PDCluster, ServerProcess, free_port
 from pdcore.testing.tiny_models import make_tiny_model
 

@@ -15,7 +15,7 @@ from pdcore.testing.processes import pid_alive
 
 STARTER = """
 import subprocess, sys, time
-from pdcore.engine.lifeline import preexec_die_with_parent
+from pdcore.runtime.lifeline import preexec_die_with_parent
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                          start_new_session=True, preexec_fn=preexec_die_with_parent())
 print(child.pid, flush=True)

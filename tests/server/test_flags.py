@@ -142,7 +142,7 @@ def test_kv_pool_size_does_not_follow_free_memory():
     import torch
 
     from pdcore.config import ServerArgs
-    from pdcore.engine.llm_engine import kv_pool_tokens
+    from pdcore.engine.build import kv_pool_tokens
     from pdcore.interfaces.platform import MemoryInfo
 
     class Host:

@@ -50,8 +50,8 @@ def prompts_and_unified(tiny_tp_model: Path):
     """(the shared prompt set as token ids, unified TP=1 greedy outputs) on tiny_tp_model."""
     from pdcore.config import ServerArgs
     from pdcore.engine.io_struct import SamplingParams
-    from pdcore.engine.llm_engine import LLMEngine
     from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids
 
     prompts = prompt_token_ids(load_tokenizer(ServerArgs(model_path=str(tiny_tp_model))))

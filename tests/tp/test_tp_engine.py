@@ -8,9 +8,9 @@ import torch
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
-from pdcore.engine.llm_engine import LLMEngine
 from pdcore.engine.models.layers import kv_head_span, q_head_span, span
 from pdcore.errors import ConfigError
+from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.tiny_models import make_tiny_model
 

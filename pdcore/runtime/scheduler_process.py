@@ -1,8 +1,8 @@
 """The scheduler process: owns the model and the KV pool; talks to the HTTP process over zmq.
 
 1. with --tp-size > 1, spawn this node's other TP ranks and join their group as rank 0
-   (pdcore.engine.tp); build the engine (model shard, KV pool, scheduler) and, in PD modes,
-   the disaggregation extension; all ranks agree that they started;
+   (pdcore.runtime.ranks); build the engine (model shard, KV pool, scheduler) and, in PD
+   modes, attach the role extension (pdcore.runtime.roles); all ranks agree that they started;
 2. report readiness (or the start-up error) on `ready_conn`;
 3. loop: drain incoming GenerateReq / AbortReq / ControlReq; control calls are answered here;
    requests and aborts go through the Lockstep, which hands them to every rank and runs one
@@ -11,7 +11,7 @@
 4. on shutdown (parent gone, SIGTERM) tell the other ranks to stop, close the extension and
    the pool.
 
-Failure containment (pdcore.engine.lifeline): a failing request fails alone (Lockstep); the
+Failure containment (pdcore.runtime.lifeline): a failing request fails alone (Lockstep); the
 process gets SIGTERM when the HTTP process dies (PR_SET_PDEATHSIG) and a thread also watches the
 parent while a step runs; a step longer than --watchdog-timeout ends the process with
 EXIT_WATCHDOG, which the HTTP process reports before it exits too.
@@ -31,8 +31,11 @@ import zmq
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import ControlReq, ControlResp
-from pdcore.engine.lifeline import ParentWatch, StepWatchdog, die_with_parent
-from pdcore.engine.tp import Lockstep, RankGroup, agree_started, attach_extension
+from pdcore.runtime.group import agree_started
+from pdcore.runtime.lifeline import ParentWatch, StepWatchdog, die_with_parent
+from pdcore.runtime.lockstep import Lockstep
+from pdcore.runtime.ranks import RankGroup
+from pdcore.runtime.roles import attach_role
 
 log = logging.getLogger("pdcore.scheduler")
 
@@ -142,14 +145,14 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
     ranks = RankGroup(args)
     engine = None
     try:
-        from pdcore.engine.llm_engine import build_engine
+        from pdcore.engine.build import build_engine
 
         t0 = time.monotonic()
         tp = ranks.start()
         error = None
         try:
             engine = build_engine(args, tp)
-            attach_extension(engine)
+            attach_role(engine)
         except Exception as e:  # noqa: BLE001 - reported to every rank and the HTTP process
             log.error("scheduler failed to start: %s\n%s", e, traceback.format_exc())
             error = f"{type(e).__name__}: {e}"

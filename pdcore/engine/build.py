@@ -6,15 +6,15 @@
    host memory, 0.85 on accelerators) of the device's TOTAL memory minus the weights, capped at
    context length x max running requests. Never "what is free now", so the size does not
    change from one start to the next. The KV dtype is `--kv-cache-dtype` (auto: the model's);
-3. allocate it from the memory-pool plugin; build block manager, runner and scheduler;
-4. `LLMEngine.generate()` drives the scheduler in-process (tests, benchmarks).
+3. allocate it from the memory-pool plugin; build block manager, runner and scheduler.
+
+The in-process API over an engine is pdcore.runtime.llm_engine.LLMEngine.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +22,13 @@ import torch
 
 from pdcore.config import ServerArgs
 from pdcore.engine.block_manager import BlockManager
-from pdcore.engine.io_struct import GenerateReq, SamplingParams, TokenOut
 from pdcore.engine.kv_cache import KVCache
 from pdcore.engine.model_loader import load_model, resolve_dtype
 from pdcore.engine.model_runner import ModelRunner
-from pdcore.engine.models.layers import TPInfo, kv_head_span
+from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.scheduler import Scheduler, SchedulerConfig
 from pdcore.errors import ConfigError
+from pdcore.interfaces.geometry import kv_head_span
 from pdcore.interfaces.memory import PoolContext
 
 log = logging.getLogger(__name__)
@@ -170,75 +170,3 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
              num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,
              info["kv_cache_dtype"], pool_name, context)
     return Engine(args, model, cfg, kv, blocks, sched, info)
-
-
-class LLMEngine:
-    """Synchronous in-process engine over token ids (no HTTP, no tokenizer). With
-    `tp_size` > 1 this process is rank 0 and spawns the other ranks (pdcore.engine.tp)."""
-
-    def __init__(self, args: ServerArgs) -> None:
-        from pdcore.engine.tp import Lockstep, RankGroup, agree_started, check_parallel_args
-
-        args.validate()
-        check_parallel_args(args)
-        if args.nnodes > 1:
-            raise ConfigError("LLMEngine runs on one node; use `pdserve serve` for --nnodes > 1")
-        self.ranks = RankGroup(args)
-        tp = self.ranks.start()
-        error, engine = None, None
-        try:
-            engine = build_engine(args, tp)
-        except Exception as e:
-            if tp.size == 1:
-                raise
-            error = f"{type(e).__name__}: {e}"
-        error = agree_started(tp, error) if tp.size > 1 else None
-        if error:
-            if engine is not None:
-                engine.close()
-            self.ranks.close()
-            raise RuntimeError(f"TP engine failed to start: {error}")
-        self.engine = engine
-        self.scheduler = self.engine.scheduler
-        self.lockstep = Lockstep(self.engine)
-        self._closed = False
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
-                 return_logprob: bool = False, logprob_start_len: int = -1,
-                 top_logprobs_num: int = 0) -> list[dict[str, Any]]:
-        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        msgs = [GenerateReq(uuid.uuid4().hex, list(ids), sp, return_logprob, logprob_start_len,
-                            top_logprobs_num) for ids, sp in zip(prompts, params)]
-        rids = [m.rid for m in msgs]
-        acc: dict[str, dict[str, Any]] = {r: {"output_ids": [], "output_logprobs": [],
-                                              "input_logprobs": None} for r in rids}
-        pending = set(rids)
-        while pending:
-            for msg in self.lockstep.lead(msgs):
-                self._merge(acc, msg)
-                if msg.finished:
-                    pending.discard(msg.rid)
-            msgs = []
-        return [acc[r] for r in rids]
-
-    @staticmethod
-    def _merge(acc: dict[str, dict[str, Any]], msg: TokenOut) -> None:
-        a = acc.get(msg.rid)
-        if a is None:
-            return
-        a["output_ids"].extend(msg.new_token_ids)
-        a["output_logprobs"].extend(msg.output_logprobs)
-        if msg.input_logprobs is not None:
-            a["input_logprobs"] = msg.input_logprobs
-        if msg.finished:
-            a["finish_reason"], a["error"] = msg.finish_reason, msg.error
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.lockstep.lead([], stop=True)
-        finally:
-            self.engine.close()
-            self.ranks.close()

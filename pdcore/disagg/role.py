@@ -1,0 +1,93 @@
+"""What the prefill and decode scheduling extensions share: the scheduler API they act through,
+their KV manager and aux rows, the agreed poll over their rooms, the release of a room, the
+requests an error names, and the common part of their metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pdcore.disagg.agree import Agreed, poll_all
+from pdcore.disagg.aux import AuxBuffers
+from pdcore.disagg.states import TERMINAL, KVPoll
+from pdcore.engine.extension import Extension, SchedulerAPI
+from pdcore.engine.request import Req
+from pdcore.engine.scheduler import Scheduler
+
+
+class RoleExtension(Extension):
+    """Base of PrefillExtension and DecodeExtension; `req.disagg` holds a state with `room`
+    and `aux_slot` while the protocol runs for the request."""
+
+    def __init__(self, sched: Scheduler, mgr: Any, aux: AuxBuffers, counts: list[str]) -> None:
+        self.sched, self.mgr, self.aux = SchedulerAPI(sched), mgr, aux
+        self.counts = dict.fromkeys(counts, 0)
+
+    def _take(self, req: Req, state: Any) -> None:
+        """Admit `req` into the protocol: the extension holds it under `state`."""
+        req.disagg = state
+        self.sched.hold(req)
+
+    def _agree(self, reqs: list[Req], **kw: Any) -> Agreed:
+        """Poll states (and counts) of these requests' rooms, agreed by every TP rank."""
+        return poll_all(self.mgr, [r.disagg.room for r in reqs], self.sched.tp, **kw)
+
+    def _admit_ready(self, agreed: Agreed, queue: list[Req],
+                     ready: Callable[[Req], bool]) -> None:
+        """Walk a FIFO queue of requests waiting for their peer: a Failed room fails its
+        request; one whose peer is ready (WaitingForInput or later) is offered to `ready`,
+        which moves it on or returns False when it must wait (and the rest behind it)."""
+        for req in list(queue):
+            st = agreed.state(req.disagg.room)
+            if st is KVPoll.Failed:
+                queue.remove(req)
+                self._fail(req, agreed.reasons.get(req.disagg.room, ""))
+            elif st >= KVPoll.WaitingForInput and not ready(req):
+                break
+
+    def _settle(self, agreed: Agreed, queue: list[Req], done: Callable[[Req], None]) -> None:
+        """Requests whose transfer ran: Success goes to `done`, Failed fails the request."""
+        for req in list(queue):
+            st = agreed.state(req.disagg.room)
+            if st is KVPoll.Success:
+                queue.remove(req)
+                done(req)
+            elif st is KVPoll.Failed:
+                queue.remove(req)
+                self._fail(req, agreed.reasons.get(req.disagg.room, ""))
+
+    def _fail(self, req: Req, reason: str) -> None:
+        self.sched.fail(req, reason)
+
+    def _end_room(self, req: Req) -> None:
+        """The request ends before its room did: abort the room (tells the peer), release it."""
+        if self.mgr.poll(req.disagg.room) not in TERMINAL:
+            self.mgr.abort(req.disagg.room, req.error or "request aborted")
+        self._release(req)
+
+    def _release(self, req: Req) -> None:
+        st = req.disagg
+        self.mgr.release(st.room)
+        if st.aux_slot is not None:
+            self.aux.free(st.aux_slot)
+            st.aux_slot = None
+
+    def implicated(self, error: Exception) -> list[Req]:
+        room = getattr(error, "room", None)
+        if room is None:
+            return []
+        return [r for r in self.sched.live() if getattr(r.disagg, "room", None) == room]
+
+    def _stats(self, queues: dict[str, Any]) -> dict[str, Any]:
+        c = self.counts
+        return {**queues, **{f"disagg_{k}_total": v for k, v in c.items()},
+                "disagg_transfers_per_request": c["transfers"] / max(1, c["requests"]),
+                "aux_slots_free": self.aux.num_free,
+                **{f"kv_{k}": v for k, v in self.mgr.metrics().items()
+                   if isinstance(v, (int, float))}}
+
+    def close(self) -> None:
+        self.mgr.close()
+
+
+

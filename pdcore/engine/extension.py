@@ -1,0 +1,144 @@
+"""The contract between the scheduler and a role extension (PD prefill, PD decode, or a test's
+stand-in): the hooks the scheduler calls (`Extension`) and the narrow set of calls an extension
+makes back (`SchedulerAPI`): admit and hold a request, resume it into the queue or the running
+batch, finish or fail it, hand it a token computed elsewhere, and read or take pages of the
+pool. No extension touches the scheduler's queues, page manager or config itself, so the
+scheduler keeps its invariants (a request is in at most one queue; its pages are freed once)
+and knows nothing of the roles.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdcore.engine.fork import follower_pages, fork
+from pdcore.engine.request import Phase, Req
+
+if TYPE_CHECKING:
+    from pdcore.engine.model_runner import StepResult
+    from pdcore.engine.models.layers import TPInfo
+    from pdcore.engine.scheduler import Scheduler
+
+
+class Extension:
+    """Hooks a role plugs into the scheduler (unified mode: all defaults)."""
+
+    def admit(self, req: Req) -> bool:
+        """Take ownership of a new request (True) or let it go to the waiting queue."""
+        return False
+
+    def poll(self) -> None:
+        """Advance the extension's own queues."""
+
+    def after_step(self, results: list[StepResult]) -> None:
+        """See what the forward pass computed (send finished pages, ...)."""
+
+    def on_finish(self, req: Req) -> bool:
+        """A request reached its end. True: the extension keeps it (pages too) for now."""
+        return False
+
+    def on_abort(self, req: Req) -> None:
+        """Release the extension's per-request state."""
+
+    def implicated(self, error: Exception) -> list[Req]:
+        """The requests an unexpected step error concerns (empty: it names none of them)."""
+        return []
+
+    def busy(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class SchedulerAPI:
+    """What a role extension may do to the scheduler it is attached to."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._s = sched
+
+    # ---- requests -------------------------------------------------------------------------
+    def hold(self, req: Req) -> None:
+        """The extension owns `req` (out of every queue, its pages kept) until it resumes,
+        completes or fails it. Its tokens are not sent while it is held."""
+        s = self._s
+        if req in s.running:
+            s.running.remove(req)
+        elif req in s.waiting:
+            s.waiting.remove(req)
+        req.phase = Phase.HELD
+
+    def resume(self, req: Req, front: bool = False) -> None:
+        """A held request joins the waiting queue (to be filled from what it has computed)."""
+        self._s.enqueue(req, front)
+
+    def run(self, req: Req, computed: int) -> None:
+        """A held request joins the running batch as is: the K/V of its first `computed`
+        positions is in its pages already (written by a peer, or forked)."""
+        req.num_computed = computed
+        req.phase = Phase.RUNNING
+        self._s.running.append(req)
+
+    def complete(self, req: Req) -> None:
+        """A held request that already finished is done: its final output goes out, its pages
+        are freed."""
+        self._s.drop(req)
+
+    def fail(self, req: Req, message: str, status: int = 500) -> None:
+        self._s.fail(req, message, status)
+
+    def push_token(self, req: Req, token: int, logprob: Any = None) -> None:
+        """A token computed elsewhere (PD decode: P's first token); finish checks apply."""
+        self._s.push_token(req, token, logprob)
+
+    def find(self, rid: str) -> Req | None:
+        return self._s.reqs.get(rid)
+
+    def live(self) -> list[Req]:
+        return [r for r in self._s.reqs.values() if r.phase is not Phase.FINISHED]
+
+    def occupancy(self) -> int:
+        """Requests in the running batch or the waiting queue."""
+        return len(self._s.running) + len(self._s.waiting)
+
+    @property
+    def max_running(self) -> int:
+        return self._s.cfg.max_running
+
+    @property
+    def tp(self) -> TPInfo:
+        return self._s.tp
+
+    def now(self) -> float:
+        return self._s.now()
+
+    # ---- pages ----------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self._s.blocks.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._s.blocks.num_pages
+
+    def pages_for(self, tokens: int) -> int:
+        return self._s.blocks.pages_for(tokens)
+
+    def can_alloc(self, pages: int) -> bool:
+        return self._s.blocks.can_alloc(pages)
+
+    def alloc_pages(self, pages: int) -> list[int]:
+        return self._s.blocks.alloc(pages)
+
+    def free_pages(self, pages: list[int]) -> None:
+        self._s.blocks.free(pages)
+
+    def follower_pages(self, prompt_len: int, extra_tokens: int) -> int:
+        return follower_pages(self._s.blocks, prompt_len, extra_tokens)
+
+    def fork(self, leader: Req, follower: Req) -> bool:
+        """Give a parallel sample its leader's prompt KV (pdcore.engine.fork)."""
+        return fork(self._s.blocks, self._s.runner.kv.layers, leader, follower)

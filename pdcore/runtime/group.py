@@ -1,0 +1,66 @@
+"""The TP process group: joining it (through the platform plugin's torch.distributed backend),
+leaving it, and agreeing that every rank started."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from pdcore.config import ServerArgs
+from pdcore.runtime.topology import local_ranks
+
+if TYPE_CHECKING:  # torch is imported only where a rank actually runs (the CLI stays fast)
+    from pdcore.engine.models.layers import TPInfo
+
+log = logging.getLogger(__name__)
+
+# Bounds every collective: a rank that waits longer (a peer stuck loading a model) fails
+# instead of hanging. Rank 0 broadcasts at least every idle poll, so a live group never idles
+# anywhere near this.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDCORE_TP_TIMEOUT", "600"))
+
+
+def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
+    """Join the TP group as `rank`; TP 1 needs no group at all."""
+    from pdcore.engine.models.layers import TPInfo
+
+    if args.tp_size == 1:
+        return TPInfo()
+    import torch.distributed as dist
+
+    from pdcore.plugins.host import platforms
+
+    platform = platforms().create(args.device)
+    backend = platform.dist_backend
+    if platform.memory_kind.value == "host":
+        # the ranks of a node share its cores: oversubscribed intra-op threads spin against
+        # each other and the collectives (a step gets several times slower, not faster)
+        import torch
+
+        per_rank = max(1, (os.cpu_count() or 1) // len(local_ranks(args)))
+        torch.set_num_threads(min(torch.get_num_threads(), per_rank))
+    dist.init_process_group(backend, init_method=method, rank=rank, world_size=args.tp_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    group = dist.group.WORLD
+    # scheduler agreement moves small CPU objects: gloo even when the tensors go over nccl
+    cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo")
+    log.info("rank %d/%d joined the TP group (%s) at %s", rank, args.tp_size, backend, method)
+    return TPInfo(rank, args.tp_size, group, cpu_group)
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def agree_started(tp: TPInfo, error: str | None) -> str | None:
+    """Every rank's start-up outcome; the first error (with its rank) or None when all ok."""
+    errors = tp.all_gather_object(error)
+    for rank, err in enumerate(errors):
+        if err:
+            return f"TP rank {rank}: {err}"
+    return None

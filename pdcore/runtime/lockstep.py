@@ -1,0 +1,119 @@
+"""The lockstep that keeps every TP rank's scheduler identical.
+
+Rank 0 talks to the HTTP process; each loop it broadcasts a StepHeader (new requests, aborts,
+whether to step, its clock) and every rank applies it and runs the same step. Inside a step
+rank 0 samples and broadcasts the tokens (model_runner) and a role extension agrees on its
+per-request states over the group (the PD extensions: pdcore.disagg.agree), so the schedules
+never diverge. A request that fails inside a step fails alone (model_runner reports it to every
+rank). An unexpected error out of a step with TP 1 fails the requests the role extension says
+it concerns (a TransferError's room) or else every in-flight request, and the engine keeps
+serving; with TP > 1 it is fatal, since the ranks could no longer be known to agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pdcore.engine.io_struct import AbortReq, GenerateReq, TokenOut
+
+if TYPE_CHECKING:
+    from pdcore.engine.build import Engine
+    from pdcore.engine.models.layers import TPInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepHeader:
+    """What rank 0 tells the other ranks before each loop iteration."""
+
+    msgs: list[Any] = field(default_factory=list)  # GenerateReq / AbortReq, in arrival order
+    run: bool = False  # run one scheduler step after applying msgs
+    stop: bool = False
+    now: float = 0.0  # rank 0's monotonic clock: time-based decisions must agree
+
+
+class Lockstep:
+    """Drives one scheduler identically on every rank (rank 0 leads, the others follow)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.sched = engine.scheduler
+        self.tp: TPInfo = self.sched.tp
+
+    def _apply(self, msgs: list[Any]) -> None:
+        from pdcore.engine.request import Req
+
+        for m in msgs:
+            try:
+                if isinstance(m, GenerateReq):
+                    self.sched.add(Req.from_generate(m))
+                elif isinstance(m, AbortReq):
+                    self.sched.abort(m.rid, m.reason)
+            except Exception as e:
+                # every rank applies the same messages, so every rank takes this branch alike
+                log.exception("request %s could not be admitted", m.rid)
+                req = self.sched.reqs.get(m.rid)
+                if req is None:
+                    self.sched.outbox.append(TokenOut(
+                        m.rid, [], finished=True, error=f"{type(e).__name__}: {e}",
+                        error_status=500, finish_reason={"type": "abort", "message": str(e)}))
+                else:
+                    self._contain_one(req, e)
+
+    def lead(self, msgs: list[Any], stop: bool = False) -> list[TokenOut]:
+        """Rank 0: apply msgs, tell the others, step if there is work; returns the outputs."""
+        self._apply(msgs)
+        run = not stop and self.sched.has_work()
+        now = time.monotonic()
+        if self.tp.size > 1:
+            self.tp.broadcast_object(StepHeader(msgs, run, stop, now))
+        self.sched.step_time = now
+        if not run:
+            return []
+        try:
+            return self.sched.step()
+        except Exception as e:
+            if self.tp.size > 1:
+                log.critical("scheduler step failed with TP %d; the ranks may disagree now, "
+                             "so the engine stops", self.tp.size)
+                raise
+            return self._contain(e)
+
+    def _contain(self, e: Exception) -> list[TokenOut]:
+        """Fail the requests an unexpected step error concerns; the loop goes on."""
+        from pdcore.engine.request import Phase
+
+        live = [r for r in self.sched.reqs.values() if r.phase is not Phase.FINISHED]
+        named = [r for r in self.sched.ext.implicated(e) if r in live]
+        victims = named or live
+        log.exception("scheduler step failed (%s); failing %d request(s), the engine goes on",
+                      f"room {getattr(e, 'room', None)}" if named
+                      else "not attributable to one request", len(victims))
+        for req in victims:
+            self._contain_one(req, e)
+        return self.sched._collect_all()
+
+    def _contain_one(self, req: Any, e: Exception) -> None:
+        why = f"internal error while serving this request: {type(e).__name__}: {e}"
+        try:
+            self.sched.fail(req, why, 500)
+        except Exception:
+            log.exception("failing request %s raised; dropping it", req.rid)
+            req.error, req.error_status = why, 500
+            req.finish_reason = {"type": "abort", "message": why}
+            if req.phase.value != "finished":
+                self.sched.drop(req)
+
+    def follow(self) -> bool:
+        """Other ranks: one iteration as rank 0 decided; False once told to stop."""
+        head: StepHeader = self.tp.broadcast_object(None)
+        self._apply(head.msgs)
+        if head.stop:
+            return False
+        if head.run:
+            self.sched.step_time = head.now
+            self.sched.step()  # outputs are rank 0's business
+        return True

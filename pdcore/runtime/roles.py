@@ -1,0 +1,19 @@
+"""Attaching a role extension: the one place where the engine and the PD protocol meet. In
+`--disaggregation-mode null` the scheduler keeps its default (no-op) extension."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdcore.engine.build import Engine
+
+
+def attach_role(engine: Engine) -> None:
+    if engine.args.disaggregation_mode == "null":
+        return
+    from pdcore.disagg.scheduling import make_extension
+
+    ext, info = make_extension(engine.args, engine.kv, engine.scheduler)
+    engine.scheduler.ext = ext
+    engine.info.update(info)

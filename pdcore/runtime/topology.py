@@ -1,0 +1,46 @@
+"""Where the TP ranks are: the checks on --tp-size / --nnodes / --node-rank / --dist-init-addr /
+--dp-size, which ranks this node runs, and where the ranks meet."""
+
+from __future__ import annotations
+
+import socket
+
+from pdcore.config import ServerArgs
+from pdcore.errors import ConfigError
+
+
+def check_parallel_args(args: ServerArgs) -> None:
+    """What --tp-size / --nnodes / --node-rank / --dist-init-addr / --dp-size must satisfy."""
+    if args.dp_size > 1:
+        raise ConfigError("--dp-size > 1 (data-parallel replicas behind one server) is not "
+                          "supported yet; start one server per replica and put the router in "
+                          "front of them")
+    if args.tp_size % args.nnodes:
+        raise ConfigError(f"--tp-size {args.tp_size} must be a multiple of --nnodes "
+                          f"{args.nnodes} (every node runs the same number of ranks)")
+    if args.nnodes > 1 and not args.dist_init_addr:
+        raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, "
+                          "where the ranks meet); give every node the same value")
+    if args.dist_init_addr:
+        _split_addr(args.dist_init_addr)
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def local_ranks(args: ServerArgs) -> range:
+    per_node = args.tp_size // args.nnodes
+    return range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+
+
+def init_method(args: ServerArgs) -> str:
+    if args.dist_init_addr:
+        host, port = _split_addr(args.dist_init_addr)
+        return f"tcp://{host}:{port}"
+    with socket.socket() as s:  # one node: any free loopback port, passed to the children
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
