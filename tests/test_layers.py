@@ -1,0 +1,181 @@
+"""The import rules of docs/architecture.md hold for every module of pdcore.
+
+The imports are read with ast (every `import` and `from ... import`, inside functions and under
+TYPE_CHECKING too), so the check needs nothing installed. Two kinds of rules:
+- the layer table of docs/architecture.md, parsed from the document itself, so the document and
+  the code cannot drift apart: every package of pdcore has one row, and imports only what its
+  row allows;
+- the rules the architecture issue set (below, fixed here, so relaxing the document cannot
+  relax them): the engine imports nothing above it, the protocol no builtin and no plugin, core
+  no plugin distribution, and role extensions go through the scheduler's API.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PDCORE = ROOT / "pdcore"
+DOC = ROOT / "docs" / "architecture.md"
+PLUGINS = ROOT / "plugins"
+
+
+def _unit(module: str) -> str:
+    """`pdcore.engine.scheduler` -> `engine`; `pdcore.cli` -> `cli`."""
+    return module.split(".")[1]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+@cache
+def imports() -> dict[str, list[tuple[int, str]]]:
+    """module -> [(line, imported module)] for every module of pdcore."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    for path in sorted(PDCORE.rglob("*.py")):
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: list[tuple[int, str]] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [(node.lineno, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for a in node.names:  # `from pdcore.builtin import shm_segment`: a module
+                    sub = f"{base}.{a.name}"
+                    found.append((node.lineno, sub if _is_module(sub) else base))
+        out[name] = found
+    return out
+
+
+def units() -> set[str]:
+    return {_unit(m) for m in imports() if m != "pdcore"}
+
+
+def internal(module: str) -> list[tuple[int, str]]:
+    """The pdcore modules `module` imports outside its own unit."""
+    own = _unit(module)
+    return [(line, m) for line, m in imports()[module]
+            if m.startswith("pdcore.") and _unit(m) != own]
+
+
+def _plugin_packages() -> set[str]:
+    return {p.name for src in PLUGINS.glob("*/src") for p in src.iterdir()
+            if (p / "__init__.py").exists()}
+
+
+def _check(bad: list[tuple[str, str, int]], message: str) -> None:
+    """Fail on `bad`: (module, imported module, line) triples."""
+    assert not bad, message + "\n" + "\n".join(f"{m}:{line} imports {imp}"
+                                               for m, imp, line in bad)
+
+
+# ---- the layer table of docs/architecture.md ----------------------------------------------------
+@cache
+def layer_table() -> dict[str, set[str] | None]:
+    """unit -> the pdcore modules/units it may import (None: any unit of a lower row)."""
+    text = DOC.read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if re.match(r"\|\s*\d+\s*\|", line)]
+    assert rows, "docs/architecture.md lost its layer table"
+    table: dict[str, set[str] | None] = {}
+    for row in rows:
+        packages, may = (c.strip() for c in row.strip().strip("|").split("|")[1:3])
+        packages, may = (re.sub(r"\([^)]*\)", "", c) for c in (packages, may))  # asides
+        names = [n.rstrip("/") for n in re.findall(r"`([^`]+)`", packages)]
+        if "anything below" in may:
+            allowed = None
+        else:
+            allowed = {n.rstrip("/") for n in re.findall(r"`([^`]+)`", may)}
+        for n in names:
+            assert n not in table, f"{n} has two rows in the layer table"
+            table[n] = allowed
+    return table
+
+
+def test_every_package_has_a_row_in_the_layer_table() -> None:
+    missing = sorted(units() - set(layer_table()))
+    assert not missing, f"pdcore packages with no row in docs/architecture.md: {missing}"
+    stale = sorted(set(layer_table()) - units())
+    assert not stale, f"rows of docs/architecture.md with no package in pdcore: {stale}"
+
+
+def _allowed(allowed: set[str], module: str) -> bool:
+    """`engine` allows every module of engine; `server.limits` that module alone."""
+    rest = module.removeprefix("pdcore.")
+    return any(rest == a or rest.startswith(a + ".") for a in allowed)
+
+
+@pytest.mark.parametrize("unit", sorted(units()))
+def test_imports_follow_the_layer_table(unit: str) -> None:
+    allowed = layer_table().get(unit)
+    if allowed is None:  # the top layer (entry points): anything below
+        return
+    bad = [(m, imp, line) for m in imports() if m != "pdcore" and _unit(m) == unit
+           for line, imp in internal(m) if not _allowed(allowed, imp)]
+    _check(bad, f"{unit} may import only {sorted(allowed)} (docs/architecture.md):")
+
+
+# ---- the rules of the architecture step --------------------------------------------------------
+def _violations(unit: str, forbidden: set[str]) -> list[tuple[str, str, int]]:
+    return [(m, imp, line) for m in imports() if m != "pdcore" and _unit(m) == unit
+            for line, imp in internal(m) if _unit(imp) in forbidden]
+
+
+def test_the_engine_imports_nothing_above_it() -> None:
+    _check(_violations("engine", {"disagg", "server", "router", "builtin", "runtime"}),
+           "the engine imports a layer above it:")
+
+
+def test_the_protocol_imports_no_builtin() -> None:
+    _check(_violations("disagg", {"builtin"}), "the protocol imports a builtin:")
+
+
+def test_core_never_imports_a_plugin_distribution() -> None:
+    plugins = _plugin_packages()
+    assert plugins, "no plugin packages found under plugins/*/src"
+    bad = [f"{m}:{line} imports {imp}" for m, found in imports().items() for line, imp in found
+           if imp.split(".")[0] in plugins]
+    assert not bad, "\n".join(bad)
+
+
+QUEUES = {"running", "waiting", "blocks", "cfg", "reqs", "runner", "outbox"}
+
+
+def test_role_extensions_use_the_scheduler_api_only() -> None:
+    """No module of the protocol reaches into the scheduler's queues, pages or config: what a
+    role extension may do is pdcore.engine.extension.SchedulerAPI."""
+    bad = []
+    for path in sorted((PDCORE / "disagg").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in QUEUES:
+                owner = ast.unparse(node.value)
+                if owner in ("sched", "self.sched", "scheduler", "engine.scheduler"):
+                    bad.append(f"{path.name}:{node.lineno} {owner}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_scheduler_has_no_role_branches() -> None:
+    src = (PDCORE / "engine" / "scheduler.py").read_text()
+    tree = ast.parse(src)
+    bad = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+           and n.attr in ("disagg", "bootstrap_room", "bootstrap_host", "fork_of")]
+    assert not bad, f"engine/scheduler.py reads role state at lines {bad}"
