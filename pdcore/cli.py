@@ -1,26 +1,15 @@
 """`pdserve`: the command-line entry point (typer).
 
-Commands: `serve` (one server; flags generated from ServerArgs), `plugins` (pdcore.plugins_cli),
-`router` (pdcore.router.cli). More commands (`up`, `bench`, ...) plug in through
-`register_commands` below: add a `(module, function)` pair to _COMMAND_REGISTRARS; the function
-takes the typer app and adds its command. Modules are imported when the app is built, not when
-this module is imported.
+Commands: `serve` (one server; flags parsed by pdcore.server.args_parser), `plugins`
+(pdcore.plugins_cli), `router` (pdcore.router.cli) and `up` (pdcore.up_cli); each module adds its
+own command to the app. They are imported when the app is built, not when this module is.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import typer
 
 from pdcore.errors import ConfigError
-
-# (module, function(app)) pairs adding commands owned by other packages of pdcore.
-_COMMAND_REGISTRARS: list[tuple[str, str]] = [
-    ("pdcore.plugins_cli", "register_plugins_command"),
-    ("pdcore.router.cli", "build_router_command"),
-    ("pdcore.up_cli", "register_up_command"),
-]
 
 _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
@@ -41,8 +30,13 @@ def _serve(ctx: typer.Context) -> None:
 
 
 def register_commands(app: typer.Typer) -> None:
-    for module, func in _COMMAND_REGISTRARS:
-        getattr(importlib.import_module(module), func)(app)
+    """The commands other modules of pdcore own (`plugins`, `router`, `up`)."""
+    from pdcore.plugins_cli import register_plugins_command
+    from pdcore.router.cli import build_router_command
+    from pdcore.up_cli import register_up_command
+
+    for register in (register_plugins_command, build_router_command, register_up_command):
+        register(app)
 
 
 def build_app() -> typer.Typer:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pdcore.errors import ConfigError
@@ -149,10 +149,6 @@ class RouterConfig:
             raise ConfigError("--retry-*-backoff-ms must be >= 0")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
-
-    @classmethod
-    def option_fields(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
 
 def normalize_url(url: str, flag: str = "url") -> str:
