@@ -21,6 +21,11 @@ def wait(workers: TransferWorkers, handle: int, timeout: float = 10.0):
         time.sleep(0.001)
 
 
+def assert_unknown(r, handle: int) -> None:
+    """The transfer contract: an unknown handle is FAILED naming it, never an exception."""
+    assert r.status is TransferStatus.FAILED and f"unknown handle {handle}" in r.reason
+
+
 def test_threads_per_queue_follow_pool_and_queue_sizes() -> None:
     w = TransferWorkers(thread_pool_size=6, queue_size=2)
     try:
@@ -45,8 +50,7 @@ def test_one_peer_keeps_its_order_and_results_are_reported() -> None:
         r = wait(w, failing)
         assert r.status is TransferStatus.FAILED and r.reason == "peer refused"
         assert order == list(range(50))
-        with pytest.raises(TransferError, match="unknown transfer handle"):
-            w.poll(handles[0])  # DONE released it
+        assert_unknown(w.poll(handles[0]), handles[0])  # DONE released it
     finally:
         w.close()
 
@@ -74,8 +78,7 @@ def test_finished_handles_and_close() -> None:
     w.close()
     with pytest.raises(TransferError, match="closed"):
         w.submit("p", lambda: None)
-    with pytest.raises(TransferError, match="unknown transfer handle"):
-        w.poll(queued)
+    assert_unknown(w.poll(queued), queued)
 
 
 def test_budget_bounds_requests_in_flight_per_peer() -> None:
@@ -127,8 +130,7 @@ def test_wait_wakes_on_the_task_and_times_out_leaving_it_pending() -> None:
         assert w.wait(h, 10).status is TransferStatus.DONE
         r = w.wait(w.submit("p", lambda: "peer refused"), 10)
         assert r.status is TransferStatus.FAILED and r.reason == "peer refused"
-        with pytest.raises(TransferError, match="unknown transfer handle"):
-            w.wait(h, 1)  # DONE released it, as poll() does
+        assert_unknown(w.wait(h, 1), h)  # DONE released it, as poll() does
     finally:
         gate.set()
         w.close()
