@@ -19,30 +19,20 @@ Lifecycle of a MemfabricEngine:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any
 
 import memfabric_hybrid as mf
 
 from pd_ascend import mf_log
 from pd_ascend.settings import PROTOCOLS, MemfabricSettings, StoreUrl
+from pdcore.backendkit import TransferJobs
 from pdcore.errors import ConfigError, TransferError
-from pdcore.interfaces.transfer import (
-    DONE,
-    PENDING,
-    BackendContext,
-    Capabilities,
-    CopyBatch,
-    MemoryKind,
-    MemoryRegion,
-    Peer,
-    PollResult,
-    TransferEngine,
-    failed,
-)
+from pdcore.interfaces.transfer import (BackendContext, Capabilities, CopyBatch, MemoryKind,
+                                        MemoryRegion, Peer, PollResult, TransferEngine)
 
 log = logging.getLogger("pd_ascend")
 
@@ -69,49 +59,13 @@ def start_config_store(url: StoreUrl) -> None:
         raise ConfigError(mf_failure(f"create_config_store({str(url)!r})", rc, out.text))
 
 
-class _Jobs:
-    """Blocking memfabric calls on worker threads; integer handles for poll()."""
-
-    def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pd-ascend-mf")
-        self._futures: dict[int, Future[str | None]] = {}
-        self._next = 1
-        self._lock = threading.Lock()
-
-    def submit(self, fn: Any, *args: Any) -> int:
-        with self._lock:
-            handle, self._next = self._next, self._next + 1
-            self._futures[handle] = self._pool.submit(fn, *args)
-        return handle
-
-    def poll(self, handle: int) -> PollResult:
-        with self._lock:
-            fut = self._futures.get(handle)
-            if fut is None:
-                return failed(f"unknown transfer handle {handle} (already reported, or never "
-                              f"issued by this engine)")
-            if not fut.done():
-                return PENDING
-            del self._futures[handle]
-        try:
-            reason = fut.result()
-        except CancelledError:
-            reason = "cancelled: the engine was closed before this write started"
-        except Exception as e:  # noqa: BLE001 - reported as the transfer's failure
-            reason = f"{type(e).__name__}: {e}"
-        return DONE if reason is None else failed(reason)
-
-    def close(self) -> None:
-        # wait: a thread may still be inside memfabric, which must not be torn down under it
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 class MemfabricDataPath:
     """Registration and batched writes over a memfabric TransferEngine (initialized or not)."""
 
     def __init__(self, mf_engine: Any, threads: int) -> None:
         self.mf = mf_engine
-        self.jobs = _Jobs(threads)
+        # one queue: writes to every peer share the threads in order of arrival
+        self.jobs = TransferJobs("ascend", threads, label="pd-ascend-mf")
         self.registered: dict[int, int] = {}
 
     def register(self, regions: Sequence[MemoryRegion], kinds: frozenset[MemoryKind]) -> None:
@@ -134,8 +88,8 @@ class MemfabricDataPath:
             self.registered[r.addr] = r.length
 
     def write(self, target: str, batch: CopyBatch) -> int:
-        return self.jobs.submit(self._send, target, batch.src.tolist(), batch.dst.tolist(),
-                                batch.length.tolist())
+        return self.jobs.submit(target, functools.partial(
+            self._send, target, batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()))
 
     def _send(self, target: str, src: list[int], dst: list[int], length: list[int]) -> str | None:
         """Worker thread: one blocking batch write; None when every copy landed."""
@@ -209,7 +163,8 @@ class MemfabricEngine(TransferEngine):
         if self._closed:
             return
         self._closed = True
-        self._data.jobs.close()
+        # no bound: a thread may still be inside memfabric, which must not be torn down under it
+        self._data.jobs.close(join_timeout=None)
         self._mf.unInitialize()
         self._mf.destroy()
         self._data.registered.clear()
