@@ -17,97 +17,50 @@ Lifecycle:
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.disagg import wire
-from pdcore.disagg.aux import AuxBuffers, AuxRow
+from pdcore.disagg.aux import AuxRow
 from pdcore.disagg.bootstrap import BootstrapClient
-from pdcore.disagg.common import (
-    FAKE_BOOTSTRAP_HOST,
-    Counters,
-    advertised_host,
-    make_backend,
-    make_planner,
-)
-from pdcore.disagg.control import ControlPlane
+from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
+from pdcore.disagg.decode_rooms import Instance, Room
 from pdcore.disagg.heartbeat import Heartbeat
-from pdcore.disagg.staging import GrantBook, open_staging, scatter_grant
-from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
+from pdcore.disagg.manager import KVManager
+from pdcore.disagg.staging import GrantBook, scatter_grant
+from pdcore.disagg.states import TERMINAL, KVPoll
 from pdcore.errors import PDError, ProtocolError, TransferError
 from pdcore.interfaces.geometry import rank_mapping
-from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Instance:
-    """One prefill instance as resolved through its bootstrap server."""
+class DecodeKVManager(KVManager):
+    """The receiver: D's rooms, the prefill instances they resolve to, the heartbeat."""
 
-    addr: str
-    instance_id: str
-    dp_size: int
-    tp_size: int
-    targets: list[int]  # P TP ranks this D rank pulls from
-    required_dst: int  # TransferInfos each target waits for (D TP > P TP)
-    responses: int  # Success statuses this D rank waits for (P TP > D TP)
-    ctrl_addrs: dict[tuple[int, int], str]  # (dp, tp) -> tcp://ip:port
+    role = "decode"
 
-
-@dataclass(eq=False)
-class _Room:
-    room: int
-    addr: str
-    started: float
-    fake: bool = False
-    inst: _Instance | None = None
-    aux_slot: int = wire.NO_AUX_SLOT
-    deadline: float | None = None
-    responders: set[int] = field(default_factory=set)
-    staged_by: set[int] = field(default_factory=set)  # P ranks whose KV is in the grant
-    aux_payload: bytes = b""
-    pages: np.ndarray | None = None
-    grant: tuple[int, int] | None = None  # (offset, bytes) in the staging ring
-
-
-class DecodeKVManager:
-    def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
-                 kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
-                 tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
-                 pool: Any = None) -> None:
-        self.args, self.env, self.kv, self.aux = args, env, kv, aux
-        self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
-        self.token = args.disaggregation_auth_token or None
-        self.kv_regions = list(kv_regions)
-        staging: Any = open_staging(make_planner(env), "decode", kv, kv_tensors, pool, env)
+    def _adopt_staging(self, staging: Any) -> list[MemoryRegion]:
         self.grants = GrantBook(staging) if staging is not None else None
-        self._scatters = (ThreadPoolExecutor(2, thread_name_prefix=f"pd-d{tp_rank}-scatter")
+        self._scatters = (ThreadPoolExecutor(2, thread_name_prefix=f"pd-d{self.tp_rank}-scatter")
                           if staging is not None else None)
-        self.backend = make_backend(backend_name, "decode", args, env, tp_rank, tp_size)
-        self.backend.register(self.kv_regions + [aux.region]
-                              + ([staging.region] if staging is not None else []))
-        self.session = f"{advertised_host(args.host)}/{args.server_id}/{tp_rank}/{uuid.uuid4().hex[:8]}"
-        self.states = RoomStates()
-        self.counters = Counters()
-        self._lock = threading.RLock()
-        self._closed = False
-        self._rooms: dict[int, _Room] = {}
-        self._instances: dict[str, _Instance] = {}
+        return [staging.region] if staging is not None else []
+
+    def _setup(self) -> None:
+        args, env, tp_rank = self.args, self.env, self.tp_rank
+        self.session = (f"{advertised_host(args.host)}/{args.server_id}/{tp_rank}/"
+                        f"{uuid.uuid4().hex[:8]}")
+        self._rooms: dict[int, Room] = {}
+        self._instances: dict[str, Instance] = {}
         self._addr_locks: dict[str, threading.Lock] = {}
         self._last_failure: dict[str, tuple[float, str]] = {}
-        self.ctrl = ControlPlane(args.host, self.token, f"decode{tp_rank}", self._on_message,
-                                 self._on_tick)
+        self._handlers = {wire.Status: self._on_status, wire.AbortAck: self._on_abort_ack}
         self.client = BootstrapClient(token=self.token)
         self._resolver = ThreadPoolExecutor(4, thread_name_prefix=f"pd-d{tp_rank}-resolve")
         self.heartbeat = Heartbeat(env.heartbeat_interval, env.heartbeat_max_failure,
@@ -128,14 +81,7 @@ class DecodeKVManager:
         log.info("decode KV manager rank %d/%d: control %s, session %s, backend %s",
                  self.tp_rank, self.tp_size, addr, self.session, self.backend_name)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._lock:  # tell P now rather than letting its rooms run into timeouts
-            rooms = [r for r in self._rooms if self.states.get(r) not in TERMINAL]
-        for room in rooms:
-            self._fail(room, "decode server is shutting down", True)
+    def _shutdown(self) -> None:
         self.heartbeat.close()
         self._resolver.shutdown(wait=False, cancel_futures=True)
         self.ctrl.close()
@@ -151,11 +97,9 @@ class DecodeKVManager:
         addr = f"{host}:{int(bootstrap_port)}"
         now = time.monotonic()
         with self._lock:
-            if room in self._rooms and self.states.get(room) not in TERMINAL:  # fail both
-                self._fail(room, f"bootstrap room {room} is already in use by another request "
-                                 "on this decode server; use a unique bootstrap_room", True)
+            if not self._claim(room):
                 return
-            r = _Room(room, addr, now, fake=bootstrap_host == FAKE_BOOTSTRAP_HOST)
+            r = Room(room, addr, now, fake=bootstrap_host == FAKE_BOOTSTRAP_HOST)
             self._rooms[room] = r
             if r.fake:
                 self.states.create(room, KVPoll.WaitingForInput)
@@ -166,21 +110,6 @@ class DecodeKVManager:
                 self._attach(r, inst)
                 return
         self._resolver.submit(self._resolve, room, addr, now)
-
-    def poll(self, room: int) -> KVPoll:
-        state = self.states.get(room)
-        if state is None:
-            return KVPoll.Failed
-        if (self.env.test_failure_prob > 0 and state not in TERMINAL
-                and random.random() < self.env.test_failure_prob):
-            self._fail(room, "injected failure (DISAGGREGATION_TEST_FAILURE_PROB)", True)
-            return KVPoll.Failed
-        return state
-
-    def failure_reason(self, room: int) -> str:
-        if not self.states.exists(room):
-            return f"room {room} is not known to this decode KV manager"
-        return self.states.reason(room)
 
     def send_transfer_info(self, room: int, dst_pages: np.ndarray, aux_slot: int) -> None:
         pages = np.asarray(dst_pages, dtype=np.int64).ravel()
@@ -202,7 +131,7 @@ class DecodeKVManager:
                 why = (f"send_transfer_info() in state {state.name if state else None}; wait "
                        "for WaitingForInput")
             if why:
-                self._fail(room, why, True)
+                self._fail(room, why)
                 return
             self.aux.clear(aux_slot)  # a stale row in a reused slot must never pass the check
             r.aux_slot, r.pages = aux_slot, pages
@@ -215,11 +144,11 @@ class DecodeKVManager:
             if offset is not None:
                 r.grant = (offset, nbytes)
         if why:
-            self._fail(room, why, True)
+            self._fail(room, why)
         elif not nbytes or offset is not None:  # else: sent once the ring has room (_on_tick)
             self._send_info(r)
 
-    def _send_info(self, r: _Room) -> None:
+    def _send_info(self, r: Room) -> None:
         inst, pages = r.inst, r.pages
         assert inst is not None and pages is not None
         off, nbytes = r.grant or (-1, 0)
@@ -230,56 +159,45 @@ class DecodeKVManager:
         dp = r.room % inst.dp_size
         for a in [inst.ctrl_addrs[(dp, t)] for t in inst.targets]:
             if not self.ctrl.send(a, msg):
-                self._fail(r.room, f"cannot reach prefill rank at {a}", False)
+                self._fail(r.room, f"cannot reach prefill rank at {a}", notify=False)
                 return
         log.debug("room %d: transfer info sent (%d pages, aux slot %d, staging %d B)", r.room,
                   len(pages), r.aux_slot, nbytes)
 
     def abort(self, room: int, reason: str) -> None:
-        self._fail(room, f"aborted: {reason}", True)
+        self._fail(room, f"aborted: {reason}")
 
     def release(self, room: int) -> None:
         with self._lock:
-            r = self._rooms.pop(room, None)
-            self.states.remove(room)
+            r = self._rooms.get(room)
             grant = None
             if r is not None:
                 grant, r.grant = r.grant, None
+            super().release(room)
         if r is not None and self.grants is not None:
             self.grants.cancel(room)
             if grant is not None:  # not scattered: P may still write into it
                 self.grants.free(grant[0], quarantine=True)
 
-    def is_fake(self, room: int) -> bool:
+    def _role_metrics(self) -> dict:
         with self._lock:
-            r = self._rooms.get(room)
-            return bool(r and r.fake)
-
-    def metrics(self) -> dict:
-        out = self.counters.snapshot()
-        out.update(self.ctrl.counters.snapshot())
-        with self._lock:
-            out["prefill_instances"] = len(self._instances)
-        out["inflight_rooms"] = self.states.count(KVPoll.Bootstrapping, KVPoll.WaitingForInput,
-                                                  KVPoll.Transferring)
+            out = {"prefill_instances": len(self._instances)}
         out["heartbeat_checks"] = self.heartbeat.checks
-        if self.grants is not None:
-            out.update(self.grants.stats())
-        return out
+        return out | (self.grants.stats() if self.grants is not None else {})
 
     # -- bootstrap resolution (resolver threads) -----------------------------------------------
     def _resolve(self, room: int, addr: str, started: float) -> None:
         try:
             inst = self._instance(addr, started)
         except PDError as e:
-            self._fail(room, f"cannot bootstrap with prefill {addr}: {e}", False)
+            self._fail(room, f"cannot bootstrap with prefill {addr}: {e}", notify=False)
             return
         with self._lock:
             r = self._rooms.get(room)
             if r is not None:
                 self._attach(r, inst)
 
-    def _attach(self, r: _Room, inst: _Instance) -> None:
+    def _attach(self, r: Room, inst: Instance) -> None:
         r.inst = inst
         r.deadline = time.monotonic() + self.env.waiting_timeout
         if self.states.advance(r.room, KVPoll.WaitingForInput):
@@ -287,7 +205,7 @@ class DecodeKVManager:
         elif self.states.get(r.room) is KVPoll.Failed:  # aborted while resolving: tell P now
             self._send_abort(r.room, inst, self.states.reason(r.room))
 
-    def _instance(self, addr: str, started: float) -> _Instance:
+    def _instance(self, addr: str, started: float) -> Instance:
         with self._lock:
             lock = self._addr_locks.setdefault(addr, threading.Lock())
         with lock:  # one fetch per address; rooms queued behind a failed fetch fail at once
@@ -309,7 +227,7 @@ class DecodeKVManager:
                 self._last_failure.pop(addr, None)
             return inst
 
-    def _fetch(self, addr: str) -> _Instance:
+    def _fetch(self, addr: str) -> Instance:
         budget = max(1.0, self.env.heartbeat_interval * self.env.heartbeat_max_failure)
         interval = min(1.0, budget / 5)
         attempts, deadline = int(budget / interval) + 1, time.monotonic() + budget
@@ -340,18 +258,13 @@ class DecodeKVManager:
         self.counters.add("registrations", len(ctrl))
         log.info("registered with prefill %s (instance %s, P TP %s -> ranks %s)", addr,
                  info.get("instance_id"), info["tp_size"], targets)
-        return _Instance(addr, inst_id, dp_size, int(info["tp_size"]),
+        return Instance(addr, inst_id, dp_size, int(info["tp_size"]),
                          targets, required_dst, responses, ctrl)
 
     # -- control plane (receive thread) ------------------------------------------------------
-    def _on_message(self, msg: wire.Message) -> None:
-        if isinstance(msg, wire.Status):
-            self._on_status(msg)
-        elif isinstance(msg, wire.AbortAck):
-            self.counters.add("abort_acks")
-            log.debug("room %d: abort acknowledged by prefill rank %d", msg.room, msg.rank)
-        else:
-            log.warning("decode: unexpected %s message dropped", type(msg).__name__)
+    def _on_abort_ack(self, msg: wire.AbortAck) -> None:
+        self.counters.add("abort_acks")
+        log.debug("room %d: abort acknowledged by prefill rank %d", msg.room, msg.rank)
 
     def _on_status(self, msg: wire.Status) -> None:
         done = False
@@ -372,35 +285,35 @@ class DecodeKVManager:
                 r.aux_payload = msg.aux or r.aux_payload
                 done = len(r.responders) >= inst.responses
         if msg.state == KVPoll.Failed:
-            self._fail(msg.room, f"prefill rank {msg.rank} failed: {msg.reason}", False)
+            self._fail(msg.room, f"prefill rank {msg.rank} failed: {msg.reason}", notify=False)
             if msg.code in (wire.UNKNOWN_SESSION, wire.SESSION_FAILED) and inst is not None:
                 self._forget(r.addr, inst)  # P dropped us: the next room resolves and registers
         elif done:
             self._complete(r)
 
-    def _complete(self, r: _Room) -> None:
+    def _complete(self, r: Room) -> None:
         if r.staged_by and self._scatters is not None:  # off the control thread: it is a copy
             self._scatters.submit(self._finish_room, r)
         else:
             self._finish_room(r)
 
-    def _finish_room(self, r: _Room) -> None:
+    def _finish_room(self, r: Room) -> None:
         if r.aux_payload:
             self.aux.write_raw(r.aux_slot, r.aux_payload)
         why = self._scatter(r)
         if why:
-            self._fail(r.room, why, True)
+            self._fail(r.room, why)
             return
         row = self.aux.read(r.aux_slot)
         if row.room != r.room:
             self._fail(r.room, f"aux row in slot {r.aux_slot} carries room {row.room}, expected "
-                               f"{r.room} (not written or corrupted)", True)
+                               f"{r.room} (not written or corrupted)")
             return
         if self.states.advance(r.room, KVPoll.Success):
             self.counters.add("transfers")
             log.debug("room %d: KV received", r.room)
 
-    def _scatter(self, r: _Room) -> str:
+    def _scatter(self, r: Room) -> str:
         """Move a staged room's grant into its pages; '' or why it failed."""
         with self._lock:  # claim the grant: release() may race with us
             grant, r.grant = r.grant, None
@@ -422,27 +335,17 @@ class DecodeKVManager:
                 self._send_info(r)
             else:
                 self.grants.free(offset, quarantine=False)
-        with self._lock:
-            late = [room for room, r in self._rooms.items()
-                    if r.deadline is not None and now > r.deadline
-                    and self.states.get(room) in (KVPoll.WaitingForInput, KVPoll.Transferring)]
-        for room in late:
-            self._fail(room, f"waiting timeout: no KV from prefill within "
-                             f"{self.env.waiting_timeout:g}s", True)
+        why = f"waiting timeout: no KV from prefill within {self.env.waiting_timeout:g}s"
+        for room, reason in self._expired(now, {KVPoll.WaitingForInput: why,
+                                                KVPoll.Transferring: why}):
+            self._fail(room, reason)
 
     # -- failures ------------------------------------------------------------------------------
-    def _fail(self, room: int, reason: str, tell_prefill: bool) -> None:
-        if not self.states.fail(room, reason):
-            return
-        self.counters.add("failures")
-        log.warning("room %d: failed: %s", room, reason)
-        with self._lock:
-            r = self._rooms.get(room)
-            inst = r.inst if r is not None else None
-        if tell_prefill and inst is not None:
-            self._send_abort(room, inst, reason)
+    def _notify_failed(self, r: Room, reason: str, code: str) -> None:
+        if r.inst is not None:
+            self._send_abort(r.room, r.inst, reason)
 
-    def _send_abort(self, room: int, inst: _Instance, reason: str) -> None:
+    def _send_abort(self, room: int, inst: Instance, reason: str) -> None:
         msg = wire.Abort(room=room, session=self.session, ctrl_addr=self.ctrl.addr,
                          reason=reason)
         dp = room % inst.dp_size
@@ -453,7 +356,7 @@ class DecodeKVManager:
         with self._lock:
             return {a: i.instance_id for a, i in self._instances.items()}
 
-    def _forget(self, addr: str, inst: _Instance) -> None:
+    def _forget(self, addr: str, inst: Instance) -> None:
         with self._lock:
             if self._instances.get(addr) is not inst:
                 return
@@ -473,4 +376,4 @@ class DecodeKVManager:
         self.counters.add("prefill_lost")
         log.warning("%s: failing %d unfinished rooms", reason, len(rooms))
         for room in rooms:
-            self._fail(room, reason, False)
+            self._fail(room, reason, notify=False)

@@ -19,9 +19,7 @@ Lifecycle:
 from __future__ import annotations
 
 import logging
-import random
 import secrets
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,23 +33,13 @@ from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdcore.disagg.common import (
     FAKE_BOOTSTRAP_HOST,
     UNBOUNDED_PAGES,
-    Counters,
     advertised_host,
-    make_backend,
-    make_planner,
 )
-from pdcore.disagg.control import ControlPlane
-from pdcore.disagg.prefill_rooms import (
-    Chunk,
-    Dest,
-    Pending,
-    RoomState,
-    expired_rooms,
-    send_violation,
-)
+from pdcore.disagg.manager import KVManager
+from pdcore.disagg.prefill_rooms import Chunk, Dest, Pending, RoomState, send_violation
 from pdcore.disagg.sessions import DecodeSession, parse_register
-from pdcore.disagg.staging import chunk_batch, open_staging
-from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
+from pdcore.disagg.staging import chunk_batch
+from pdcore.disagg.states import TERMINAL, KVPoll
 from pdcore.disagg.workers import ShardedWorkers
 from pdcore.errors import ProtocolError, TransferError
 from pdcore.interfaces.planner import KVLayout
@@ -60,33 +48,34 @@ from pdcore.interfaces.transfer import CopyBatch, MemoryRegion
 log = logging.getLogger(__name__)
 
 
-class PrefillKVManager:
+class PrefillKVManager(KVManager):
+    """The sender: P's rooms, D sessions, the bootstrap server (rank 0), transfer workers."""
+
+    role = "prefill"
+
     def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
                  kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
                  tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
                  pool: Any = None, route_secret: str = "") -> None:
-        self.args, self.env, self.kv, self.aux = args, env, kv, aux
         # proves to the bootstrap server that a PUT /route comes from this instance's ranks
         self.route_secret = route_secret or secrets.token_hex(16)
-        self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
-        self.token = args.disaggregation_auth_token or None
-        self.planner = make_planner(env)
-        self.staging: Any = open_staging(self.planner, "prefill", kv, kv_tensors, pool, env)
-        self.backend = make_backend(backend_name, "prefill", args, env, tp_rank, tp_size)
-        self.backend.register(list(kv_regions) + [aux.region]
-                              + list(self.staging.regions if self.staging else []))
-        self.states = RoomStates()
-        self.counters = Counters()
-        self._lock = threading.RLock()
-        self._closed = False
+        super().__init__(args, env, kv, kv_regions, aux, backend_name, tp_rank, tp_size,
+                         kv_tensors, pool)
+
+    def _adopt_staging(self, staging: Any) -> list[MemoryRegion]:
+        self.staging: Any = staging
+        return list(staging.regions) if staging is not None else []
+
+    def _setup(self) -> None:
+        args, env, tp_rank = self.args, self.env, self.tp_rank
         self._rooms: dict[int, RoomState] = {}
         self._pending: dict[int, Pending] = {}
         self._tombstones: dict[int, tuple[str, float]] = {}  # released failed rooms
         self._sessions: dict[str, DecodeSession] = {}
         self._rejected: dict[str, str] = {}  # session -> why its registration was refused
         self._decode_faults: set[int] = set()  # failed rooms whose cause is the decode side
-        self.ctrl = ControlPlane(args.host, self.token, f"prefill{tp_rank}", self._on_message,
-                                 self._on_tick)
+        self._handlers = {wire.TransferInfo: self._on_transfer_info,
+                          wire.Register: self._on_register, wire.Abort: self._on_abort}
         self.workers = ShardedWorkers(env.queue_size, env.thread_pool_size, self._run_chunk,
                                       label=f"pd-p{tp_rank}-xfer")
         self.bootstrap: BootstrapServer | None = None
@@ -119,14 +108,7 @@ class PrefillKVManager:
         log.info("prefill KV manager rank %d/%d: control %s, bootstrap %s, backend %s",
                  self.tp_rank, self.tp_size, addr, self.bootstrap_addr, self.backend_name)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._lock:  # tell D now rather than letting its rooms run into timeouts
-            rooms = [r for r in self._rooms if self.states.get(r) not in TERMINAL]
-        for room in rooms:
-            self._fail(room, "prefill server is shutting down")
+    def _shutdown(self) -> None:
         self.backend.close()  # unblocks workers waiting on in-flight writes
         self.workers.close()
         self.ctrl.close()
@@ -143,9 +125,7 @@ class PrefillKVManager:
                 self._rooms[room] = RoomState(room, deadline=float("inf"), fake=True)
                 self.states.create(room, KVPoll.WaitingForInput)
                 return
-            if room in self._rooms and self.states.get(room) not in TERMINAL:  # fail both
-                self._fail(room, f"bootstrap room {room} is already in use by another request "
-                                 "on this prefill server; use a unique bootstrap_room")
+            if not self._claim(room):
                 return
             r = RoomState(room, deadline=now + self.env.bootstrap_timeout)
             self._rooms[room] = r
@@ -159,21 +139,6 @@ class PrefillKVManager:
                 else:
                     self._maybe_ready(r)
         log.debug("room %d: added", room)
-
-    def poll(self, room: int) -> KVPoll:
-        state = self.states.get(room)
-        if state is None:
-            return KVPoll.Failed
-        if (self.env.test_failure_prob > 0 and state not in TERMINAL
-                and random.random() < self.env.test_failure_prob):
-            self._fail(room, "injected failure (DISAGGREGATION_TEST_FAILURE_PROB)")
-            return KVPoll.Failed
-        return state
-
-    def failure_reason(self, room: int) -> str:
-        if not self.states.exists(room):
-            return f"room {room} is not known to this prefill KV manager"
-        return self.states.reason(room)
 
     def dest_page_count(self, room: int) -> int:
         with self._lock:
@@ -217,27 +182,16 @@ class PrefillKVManager:
 
     def release(self, room: int) -> None:
         with self._lock:
-            self._rooms.pop(room, None)
             self._pending.pop(room, None)
             self._decode_faults.discard(room)
             if self.states.get(room) is KVPoll.Failed:
                 self._tombstones[room] = (self.states.reason(room), time.monotonic())
-            self.states.remove(room)
+            super().release(room)
 
-    def is_fake(self, room: int) -> bool:
+    def _role_metrics(self) -> dict:
         with self._lock:
-            r = self._rooms.get(room)
-            return bool(r and r.fake)
-
-    def metrics(self) -> dict:
-        out = self.counters.snapshot()
-        out.update(self.ctrl.counters.snapshot())
-        with self._lock:
-            out["sessions"] = len(self._sessions)
-        out["inflight_rooms"] = self.states.count(KVPoll.Bootstrapping, KVPoll.WaitingForInput,
-                                                  KVPoll.Transferring)
-        out["queued_chunks"] = self.workers.pending()
-        return out
+            sessions = len(self._sessions)
+        return {"sessions": sessions, "queued_chunks": self.workers.pending()}
 
     # -- helpers ---------------------------------------------------------------------------
     def decode_fault(self, room: int) -> bool:
@@ -245,21 +199,15 @@ class PrefillKVManager:
         with self._lock:
             return room in self._decode_faults
 
-    def _fail(self, room: int, reason: str, code: str = "", notify: bool = True) -> None:
-        if not self.states.fail(room, reason):
-            return
+    def _failed(self, room: int, code: str) -> None:
         if code in wire.DECODE_FAULTS:  # set.add is atomic; release() discards under the lock
             self._decode_faults.add(room)
-        self.counters.add("failures")
-        log.warning("room %d: failed: %s", room, reason)
+
+    def _notify_failed(self, r: RoomState, reason: str, code: str) -> None:
         with self._lock:
-            r = self._rooms.get(room)
-            dests = list(r.dests.values()) if r is not None else []
-        if notify:
-            for d in dests:
-                self.ctrl.send(d.ctrl_addr, wire.Status(room=room, state=int(KVPoll.Failed),
-                                                        rank=self.tp_rank, reason=reason,
-                                                        code=code))
+            dests = list(r.dests.values())
+        for d in dests:
+            self._reply_failed(d.ctrl_addr, r.room, reason, code)
 
     def _maybe_ready(self, r: RoomState) -> None:
         if len(r.dests) >= r.required and self.states.advance(r.room, KVPoll.WaitingForInput):
@@ -272,16 +220,6 @@ class PrefillKVManager:
                                          reason=reason, code=code))
 
     # -- control plane (receive thread) ------------------------------------------------------
-    def _on_message(self, msg: wire.Message) -> None:
-        if isinstance(msg, wire.TransferInfo):
-            self._on_transfer_info(msg)
-        elif isinstance(msg, wire.Register):
-            self._on_register(msg)
-        elif isinstance(msg, wire.Abort):
-            self._on_abort(msg)
-        else:
-            log.warning("prefill: unexpected %s message dropped", type(msg).__name__)
-
     def _on_register(self, msg: wire.Register) -> None:
         try:
             sess = parse_register(msg, self.kv, self.backend_name, self.aux.row_bytes,
@@ -372,8 +310,13 @@ class PrefillKVManager:
 
     def _on_tick(self) -> None:
         now = time.monotonic()
+        stalled = f"waiting timeout: no transfer progress for {self.env.waiting_timeout:g}s"
+        expired = self._expired(now, {
+            KVPoll.Bootstrapping: (f"bootstrap timeout: decode sent no destination pages within "
+                                   f"{self.env.bootstrap_timeout:g}s (decode could not "
+                                   f"pre-allocate, never got the request, or is dead)"),
+            KVPoll.WaitingForInput: stalled, KVPoll.Transferring: stalled})
         with self._lock:
-            expired = expired_rooms(self._rooms, self.states, self.env, now)
             keep = self.env.bootstrap_entry_cleanup_interval
             for room in [k for k, p in self._pending.items() if now - p.created > keep]:
                 del self._pending[room]

@@ -1,5 +1,5 @@
-"""P's per-room bookkeeping: destinations (one per D rank), pending messages, chunk jobs,
-which rooms ran out of time, and which send() calls break the protocol."""
+"""P's per-room bookkeeping: destinations (one per D rank), pending messages, chunk jobs, and
+which send() calls break the protocol."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdcore.config import DisaggEnv
-from pdcore.disagg.states import KVPoll, RoomStates
+from pdcore.disagg.states import KVPoll
 
 
 @dataclass(eq=False)
@@ -54,25 +53,6 @@ class Chunk:
     src_pages: np.ndarray
     page_start: int
     is_last: bool
-
-
-def expired_rooms(rooms: dict[int, RoomState], states: RoomStates, env: DisaggEnv,
-                  now: float) -> list[tuple[int, str]]:
-    """(room, why) for every room past its deadline: bootstrap or waiting timeout."""
-    out: list[tuple[int, str]] = []
-    for room, r in rooms.items():
-        if now <= r.deadline:
-            continue
-        state = states.get(room)
-        if state is KVPoll.Bootstrapping:
-            out.append((room, (
-                f"bootstrap timeout: decode sent no destination pages within "
-                f"{env.bootstrap_timeout:g}s (decode could not pre-allocate, never got the "
-                f"request, or is dead)")))
-        elif state in (KVPoll.WaitingForInput, KVPoll.Transferring):
-            out.append((room, (f"waiting timeout: no transfer progress for "
-                               f"{env.waiting_timeout:g}s")))
-    return out
 
 
 def send_violation(r: RoomState, state: KVPoll | None, pages: np.ndarray, page_start: int,

@@ -1,0 +1,40 @@
+"""D's per-room bookkeeping: the prefill instance a room pulls from (resolved through its
+bootstrap server) and what the room has received so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdcore.disagg import wire
+
+
+@dataclass(eq=False)
+class Instance:
+    """One prefill instance as resolved through its bootstrap server."""
+
+    addr: str
+    instance_id: str
+    dp_size: int
+    tp_size: int
+    targets: list[int]  # P TP ranks this D rank pulls from
+    required_dst: int  # TransferInfos each target waits for (D TP > P TP)
+    responses: int  # Success statuses this D rank waits for (P TP > D TP)
+    ctrl_addrs: dict[tuple[int, int], str]  # (dp, tp) -> tcp://ip:port
+
+
+@dataclass(eq=False)
+class Room:
+    room: int
+    addr: str
+    started: float
+    fake: bool = False
+    inst: Instance | None = None
+    aux_slot: int = wire.NO_AUX_SLOT
+    deadline: float | None = None
+    responders: set[int] = field(default_factory=set)
+    staged_by: set[int] = field(default_factory=set)  # P ranks whose KV is in the grant
+    aux_payload: bytes = b""
+    pages: np.ndarray | None = None
+    grant: tuple[int, int] | None = None  # (offset, bytes) in the staging ring

@@ -1,0 +1,165 @@
+"""What both KV managers are, whatever their role: a table of rooms with poll states, a transfer
+backend holding this rank's KV and aux regions, a control plane to the other role's ranks, and
+counters. The scheduler-facing calls that do not depend on the role (poll, failure_reason,
+is_fake, release, metrics, close) and the failure path live here once; PrefillKVManager and
+DecodeKVManager add only what the protocol makes differ (see their module docstrings).
+
+Every room record a subclass keeps in `_rooms` has `fake` and `deadline` (None: no timeout
+running); `_fail` is the one way a room fails: the first cause wins, it is counted and logged,
+and the peer's ranks of the room are told unless the news came from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pdcore.config import DisaggEnv, ServerArgs
+from pdcore.disagg import wire
+from pdcore.disagg.aux import AuxBuffers
+from pdcore.disagg.common import Counters, make_backend, make_planner
+from pdcore.disagg.control import ControlPlane
+from pdcore.disagg.staging import open_staging
+from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
+from pdcore.interfaces.planner import KVLayout
+from pdcore.interfaces.transfer import MemoryRegion
+
+_LIVE = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring)
+
+
+class KVManager(ABC):
+    role = ""  # "prefill" or "decode": names this side in logs, reasons and thread names
+
+    def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
+                 kv_regions: Sequence[MemoryRegion], aux: AuxBuffers, backend_name: str,
+                 tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
+                 pool: Any = None) -> None:
+        self.args, self.env, self.kv, self.aux = args, env, kv, aux
+        self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
+        self.kv_regions = list(kv_regions)
+        self.token = args.disaggregation_auth_token or None
+        self._log = logging.getLogger(type(self).__module__)
+        self.planner = make_planner(env)
+        staging = open_staging(self.planner, self.role, kv, kv_tensors, pool, env)
+        self.backend = make_backend(backend_name, self.role, args, env, tp_rank, tp_size)
+        self.backend.register(self.kv_regions + [aux.region] + self._adopt_staging(staging))
+        self.states = RoomStates()
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._rooms: dict[int, Any] = {}
+        self._handlers: Mapping[type, Callable[[Any], None]] = {}  # message type -> handler
+        self.ctrl = ControlPlane(args.host, self.token, f"{self.role}{tp_rank}", self._on_message,
+                                 self._on_tick)
+        self._setup()
+
+    # -- scheduler API shared by both roles ---------------------------------------------------
+    def poll(self, room: int) -> KVPoll:
+        state = self.states.get(room)
+        if state is None:
+            return KVPoll.Failed
+        if (self.env.test_failure_prob > 0 and state not in TERMINAL
+                and random.random() < self.env.test_failure_prob):
+            self._fail(room, "injected failure (DISAGGREGATION_TEST_FAILURE_PROB)")
+            return KVPoll.Failed
+        return state
+
+    def failure_reason(self, room: int) -> str:
+        if not self.states.exists(room):
+            return f"room {room} is not known to this {self.role} KV manager"
+        return self.states.reason(room)
+
+    def is_fake(self, room: int) -> bool:
+        with self._lock:
+            r = self._rooms.get(room)
+            return bool(r and r.fake)
+
+    def release(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+            self.states.remove(room)
+
+    def metrics(self) -> dict:
+        out = self.counters.snapshot()
+        out.update(self.ctrl.counters.snapshot())
+        out["inflight_rooms"] = self.states.count(*_LIVE)
+        out.update(self._role_metrics())
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:  # tell the peer now rather than letting its rooms run into timeouts
+            rooms = [r for r in self._rooms if self.states.get(r) not in TERMINAL]
+        for room in rooms:
+            self._fail(room, f"{self.role} server is shutting down")
+        self._shutdown()
+
+    # -- what each role adds -------------------------------------------------------------------
+    @abstractmethod
+    def _adopt_staging(self, staging: Any) -> list[MemoryRegion]:
+        """Keep this role's staging memory (None: none); returns its regions to register."""
+
+    @abstractmethod
+    def _setup(self) -> None:
+        """This role's own state, threads (not started) and message handlers."""
+
+    @abstractmethod
+    def _role_metrics(self) -> dict:
+        """This role's own gauges for metrics()."""
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """Stop this role's threads, control plane and backend (rooms are failed already)."""
+
+    @abstractmethod
+    def _notify_failed(self, r: Any, reason: str, code: str) -> None:
+        """Tell the peer's ranks of room record `r` that it failed here."""
+
+    @abstractmethod
+    def _on_tick(self) -> None:
+        """Timeouts and deferred work, on the control-plane thread."""
+
+    def _failed(self, room: int, code: str) -> None:
+        """Bookkeeping when `room` fails with wire code `code` (before anyone is told)."""
+
+    # -- shared machinery ----------------------------------------------------------------------
+    def _claim(self, room: int) -> bool:
+        """Under the lock: False when a live room already has this number (both fail)."""
+        if room in self._rooms and self.states.get(room) not in TERMINAL:
+            self._fail(room, f"bootstrap room {room} is already in use by another request "
+                             f"on this {self.role} server; use a unique bootstrap_room")
+            return False
+        return True
+
+    def _fail(self, room: int, reason: str, code: str = "", notify: bool = True) -> None:
+        if not self.states.fail(room, reason):
+            return
+        self._failed(room, code)
+        self.counters.add("failures")
+        self._log.warning("room %d: failed: %s", room, reason)
+        if not notify:
+            return
+        with self._lock:
+            r = self._rooms.get(room)
+        if r is not None:
+            self._notify_failed(r, reason, code)
+
+    def _expired(self, now: float, why: Mapping[KVPoll, str]) -> list[tuple[int, str]]:
+        """(room, why[state]) for every room past its deadline in one of the states of `why`."""
+        with self._lock:
+            return [(room, why[state]) for room, r in self._rooms.items()
+                    if r.deadline is not None and now > r.deadline
+                    and (state := self.states.get(room)) in why]
+
+    def _on_message(self, msg: wire.Message) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._log.warning("%s: unexpected %s message dropped", self.role, type(msg).__name__)
+            return
+        handler(msg)
