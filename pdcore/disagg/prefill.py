@@ -37,6 +37,7 @@ from pdcore.disagg.common import (
 )
 from pdcore.disagg.manager import KVManager
 from pdcore.disagg.prefill_rooms import Chunk, Dest, Pending, RoomState, send_violation
+from pdcore.disagg.prefill_sessions import SessionTable
 from pdcore.disagg.sessions import DecodeSession, parse_register
 from pdcore.disagg.staging import chunk_batch
 from pdcore.disagg.states import TERMINAL, KVPoll
@@ -71,8 +72,7 @@ class PrefillKVManager(KVManager):
         self._rooms: dict[int, RoomState] = {}
         self._pending: dict[int, Pending] = {}
         self._tombstones: dict[int, tuple[str, float]] = {}  # released failed rooms
-        self._sessions: dict[str, DecodeSession] = {}
-        self._rejected: dict[str, str] = {}  # session -> why its registration was refused
+        self.sessions = SessionTable(self.backend, self._lock)
         self._decode_faults: set[int] = set()  # failed rooms whose cause is the decode side
         self._handlers = {wire.TransferInfo: self._on_transfer_info,
                           wire.Register: self._on_register, wire.Abort: self._on_abort}
@@ -189,9 +189,7 @@ class PrefillKVManager(KVManager):
             super().release(room)
 
     def _role_metrics(self) -> dict:
-        with self._lock:
-            sessions = len(self._sessions)
-        return {"sessions": sessions, "queued_chunks": self.workers.pending()}
+        return {"sessions": len(self.sessions), "queued_chunks": self.workers.pending()}
 
     # -- helpers ---------------------------------------------------------------------------
     def decode_fault(self, room: int) -> bool:
@@ -225,44 +223,17 @@ class PrefillKVManager(KVManager):
             sess = parse_register(msg, self.kv, self.backend_name, self.aux.row_bytes,
                                   self.planner)
         except ProtocolError as e:
-            with self._lock:
-                self._rejected[msg.session] = str(e)
+            self.sessions.refuse(msg.session, str(e))
             self.counters.add("rejected_registrations")
             log.warning("rejected registration of decode session %s: %s", msg.session, e)
             return
-        with self._lock:
-            old = self._sessions.get(msg.session)
-            if old is not None and old.reg.endpoint == msg.endpoint and old.layout == sess.layout:
-                old.failed, old.reg = "", msg  # same D again (it lost and found us): keep peer
-                return
-            self._sessions[msg.session] = sess
-            self._rejected.pop(msg.session, None)
-        if old is not None and old.peer is not None:
-            self.backend.disconnect(old.peer)
-        log.info("decode session %s (rank %d/%d, %d pages) registered", msg.session, msg.rank,
-                 msg.tp_size, sess.layout.num_pages)
+        if self.sessions.register(sess):  # False: the same D again, nothing new
+            log.info("decode session %s (rank %d/%d, %d pages) registered", msg.session,
+                     msg.rank, msg.tp_size, sess.layout.num_pages)
 
     def _on_transfer_info(self, msg: wire.TransferInfo) -> None:
-        code, why = "", ""
         with self._lock:
-            sess = self._sessions.get(msg.session)
-            if sess is None:
-                why = self._rejected.get(msg.session, "")
-                if not why:
-                    code = wire.UNKNOWN_SESSION
-                    why = (f"decode session {msg.session} is not registered here (prefill "
-                           f"restarted?); decode re-registers on its next request")
-            pages = np.zeros(0, dtype=np.int64)
-            if not why:
-                try:
-                    pages = msg.pages()
-                except ProtocolError as e:
-                    why = str(e)
-            if not why:
-                why = (sess.check_pages(pages) or sess.check_aux_slot(msg.aux_slot)
-                       or sess.check_grant(msg.staging_offset, msg.staging_len))
-            if not why and msg.required < 1:
-                why = f"required TransferInfo count {msg.required} < 1"
+            code, why, pages = self.sessions.check(msg)
             dest = Dest(msg.session, msg.ctrl_addr, msg.rank, pages, msg.aux_slot,
                         msg.staging_offset, msg.staging_len)
             r = self._rooms.get(msg.room)
@@ -336,7 +307,7 @@ class PrefillKVManager(KVManager):
                 ok = False
                 return
             for d in dests:
-                sess = self._session(d.session)
+                sess = self.sessions.get(d.session)
                 if len(job.src_pages) == 0:
                     continue
                 with chunk_batch(self.planner, self.staging, self.kv, sess, d, job.src_pages,
@@ -386,7 +357,7 @@ class PrefillKVManager(KVManager):
                 if not moves:  # the backend moves nothing: the row rides on the Status
                     payloads[d.session] = self.aux.raw(aux_slot)
                     continue
-                sess = self._session(d.session)
+                sess = self.sessions.get(d.session)
                 n = np.array([self.aux.row_bytes], dtype=np.uint64)
                 batch = CopyBatch(np.array([self.aux.slot_addr(aux_slot)], dtype=np.uint64),
                                   np.array([sess.aux_addr(d.aux_slot)], dtype=np.uint64), n)
@@ -408,13 +379,6 @@ class PrefillKVManager(KVManager):
             self.counters.add("transfers")
             log.debug("room %d: transferred", room)
 
-    def _session(self, key: str) -> DecodeSession:
-        with self._lock:
-            sess = self._sessions.get(key)
-        if sess is None or sess.failed:  # a failed session is dropped from the table at once
-            raise TransferError(f"decode session {key} is gone (it re-registered or was dropped)")
-        return sess
-
     def _write(self, sess: DecodeSession, batch: CopyBatch, room: int) -> None:
         try:
             sess.write(self.backend, batch, self.env.waiting_timeout)
@@ -426,15 +390,9 @@ class PrefillKVManager(KVManager):
     def _fail_session(self, sess: DecodeSession, why: str) -> None:
         """Drop a D session at once and fail its unfinished rooms with SESSION_FAILED: D then
         forgets this P and registers again on its next room (a frozen D is back at once)."""
+        self.sessions.drop(sess, why)
         with self._lock:
-            if not sess.failed:
-                sess.failed, sess.failed_at = why, time.monotonic()
-            dropped = self._sessions.get(sess.key) is sess
-            if dropped:
-                del self._sessions[sess.key]
             rooms = [room for room, r in self._rooms.items() if sess.key in r.dests]
-        if dropped and sess.peer is not None:
-            self.backend.disconnect(sess.peer)
         self.counters.add("session_failures")
         log.warning("decode session %s dropped: %s", sess.key, why)
         for room in rooms:
