@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pdcore.interfaces.transfer import MemoryRegion
+from pdcore.interfaces.transfer import CopyBatch, MemoryRegion
 
 # A single copy longer than this is refused outright: it keeps sums of up to 2**20 lengths far
 # below 2**64, so no check over these arrays can be fooled by unsigned wrap-around.
@@ -51,21 +51,28 @@ class RegionIndex:
         ok &= length <= room
         return idx, ok
 
-    def first_bad(self, addr: np.ndarray, length: np.ndarray) -> int | None:
-        """Index of the first item outside every region, or None when all are inside."""
-        _, ok = self.locate(addr, length)
+    def outside(self, what: str, addr: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, str]:
+        """(region index per item, '') when every item lies inside one region, else the first
+        item that does not, in words ("src item 3 [0x..., +4096 bytes)") for a reason."""
+        idx, ok = self.locate(addr, length)
         if ok.all():
-            return None
-        return int(np.argmin(ok))
+            return idx, ""
+        return idx, describe_range(what, int(np.argmin(ok)), addr, length)
 
     def contains(self, addr: np.ndarray, length: np.ndarray) -> bool:
         """Whether every [addr, addr+length) lies inside one region (True for no items)."""
-        return self.first_bad(addr, length) is None
+        return bool(self.locate(addr, length)[1].all())
 
 
 def describe_range(what: str, i: int, addr: np.ndarray, length: np.ndarray) -> str:
     """Item i of a batch in words, for a failure reason."""
     return f"{what} item {i} [{int(addr[i]):#x}, +{int(length[i])} bytes)"
+
+
+def batch_arrays(batch: CopyBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch's src, dst and length as contiguous uint64 arrays (what the lookups take)."""
+    return tuple(np.ascontiguousarray(a, dtype=np.uint64)  # type: ignore[return-value]
+                 for a in (batch.src, batch.dst, batch.length))
 
 
 def region_views(regions: Sequence[MemoryRegion]) -> list[memoryview]:

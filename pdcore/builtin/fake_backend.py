@@ -12,22 +12,12 @@ import json
 import os
 from collections.abc import Sequence
 
-from pdcore.backendkit import HandleTable
-from pdcore.errors import TransferError
-from pdcore.interfaces.transfer import (
-    DONE,
-    BackendContext,
-    Capabilities,
-    CopyBatch,
-    MemoryKind,
-    MemoryRegion,
-    Peer,
-    PollResult,
-    TransferEngine,
-)
+from pdcore.backendkit import HandleEngine, HandleTable
+from pdcore.interfaces.transfer import (DONE, BackendContext, Capabilities, CopyBatch, MemoryKind,
+                                        MemoryRegion, Peer)
 
 
-class FakeTransferEngine(TransferEngine):
+class FakeTransferEngine(HandleEngine):
     name = "fake"
     capabilities = Capabilities(
         memory_kinds=frozenset(MemoryKind),
@@ -38,7 +28,7 @@ class FakeTransferEngine(TransferEngine):
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
         self._regions: list[MemoryRegion] = []
-        self._handles = HandleTable("fake")
+        self.handles = HandleTable("fake")
         self._closed = False
         self.batches = 0  # counters, handy for tests and benchmarks of the rest of the path
         self.bytes_reported = 0
@@ -63,14 +53,7 @@ class FakeTransferEngine(TransferEngine):
         self._check_open()
         self.batches += 1
         self.bytes_reported += batch.nbytes
-        return self._handles.add(DONE)
-
-    def poll(self, handle: int) -> PollResult:
-        return self._handles.poll(handle)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("fake: engine is closed; create a new one")
+        return self.handles.add(DONE)
 
     def close(self) -> None:
         self._closed = True

@@ -49,28 +49,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdcore.backendkit import (HandleEngine, HandleTable, RegionIndex, SharedExclusive,
+                               batch_arrays, read_timeout)
 from pdcore.builtin import shm_copy
 from pdcore.builtin import shm_segment as seg
-from pdcore.backendkit import (
-    HandleTable,
-    RegionIndex,
-    SharedExclusive,
-    describe_range,
-    read_timeout,
-)
 from pdcore.errors import ConfigError, TransferError
-from pdcore.interfaces.transfer import (
-    DONE,
-    BackendContext,
-    Capabilities,
-    CopyBatch,
-    MemoryKind,
-    MemoryRegion,
-    Peer,
-    PollResult,
-    TransferEngine,
-    failed,
-)
+from pdcore.interfaces.transfer import (DONE, BackendContext, Capabilities, CopyBatch, MemoryKind,
+                                        MemoryRegion, Peer, PollResult, failed)
 
 TIMEOUT_ENV = "PDCORE_SHM_TIMEOUT"
 MODE_ENV = "PDCORE_SHM_MODE"
@@ -97,13 +82,10 @@ class _ShmPeer:
     checked_at: float = 0.0
 
 
-class ShmTransferEngine(TransferEngine):
+class ShmTransferEngine(HandleEngine):
     name = "shm"
-    capabilities = Capabilities(
-        memory_kinds=frozenset({MemoryKind.SHM, MemoryKind.HOST}),
-        needs_metadata=False,
-        same_host_only=True,
-    )
+    capabilities = Capabilities(memory_kinds=frozenset({MemoryKind.SHM, MemoryKind.HOST}),
+                                same_host_only=True)
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
@@ -115,7 +97,7 @@ class ShmTransferEngine(TransferEngine):
         self._local = RegionIndex(())
         self._local_guard = SharedExclusive()  # deregister waits for copies reading it
         self._generation = 0  # bumped by deregister: copies queued before it do not run
-        self._handles = HandleTable("shm")
+        self.handles = HandleTable("shm")
         self._lock = threading.Lock()
         self._peers: set[_ShmPeer] = set()
         self._closed = False
@@ -305,26 +287,20 @@ class ShmTransferEngine(TransferEngine):
                 # Unmap in the background: a copy still running must finish first.
                 state.lost = why
                 self._pool.submit(self._release, state, why, self.timeout)
-            return self._handles.add(failed(f"shm: peer {state.label} lost ({why}); nothing "
+            return self.handles.add(failed(f"shm: peer {state.label} lost ({why}); nothing "
                                             f"was copied. Reconnect after it re-registers"))
         n = len(batch)
         if n == 0:
-            return self._handles.add(DONE)
-        src = np.ascontiguousarray(batch.src, dtype=np.uint64)
-        dst = np.ascontiguousarray(batch.dst, dtype=np.uint64)
-        length = np.ascontiguousarray(batch.length, dtype=np.uint64)
-        _, sok = self._local.locate(src, length)
-        if not sok.all():
-            i = int(np.argmin(sok))
-            return self._handles.add(failed(
-                f"shm: {describe_range('src', i, src, length)} is not inside memory registered "
-                f"with this engine; register() it first. Nothing was copied"))
-        didx, dok = state.index.locate(dst, length)
-        if not dok.all():
-            i = int(np.argmin(dok))
-            return self._handles.add(failed(
-                f"shm: {describe_range('dst', i, dst, length)} is outside the shared-memory "
-                f"regions of peer {state.label}; nothing was copied"))
+            return self.handles.add(DONE)
+        src, dst, length = batch_arrays(batch)
+        if bad := self._local.outside("src", src, length)[1]:
+            return self.handles.add(failed(f"shm: {bad} is not inside memory registered with "
+                                            f"this engine; register() it first. Nothing was "
+                                            f"copied"))
+        didx, bad = state.index.outside("dst", dst, length)
+        if bad:
+            return self.handles.add(failed(f"shm: {bad} is outside the shared-memory regions of "
+                                            f"peer {state.label}; nothing was copied"))
         local_dst = dst - state.index.starts[didx] + state.bases[didx]
         # In ascending destination order: neighbouring pages of one KV buffer then share huge
         # pages, TLB entries and page-table cache lines (5-25% faster here than the plan's
@@ -336,8 +312,8 @@ class ShmTransferEngine(TransferEngine):
         futures = [self._pool.submit(self._copy, state, local_iov[a:b], remote_iov[a:b], gen)
                    for a, b in chunks]
         if len(futures) == 1:
-            return self._handles.add(futures[0])
-        return self._handles.add(self._pool_join(futures))
+            return self.handles.add(futures[0])
+        return self.handles.add(self._pool_join(futures))
 
     def _split(self, length: np.ndarray) -> list[tuple[int, int]]:
         """Item ranges of roughly equal bytes, one per worker, for big batches only."""
@@ -406,24 +382,12 @@ class ShmTransferEngine(TransferEngine):
             state.guard.release_shared()
         return DONE
 
-    def poll(self, handle: int) -> PollResult:
-        return self._handles.poll(handle)
-
-    def wait(self, handle: int, timeout: float = 30.0) -> PollResult:
-        return self._handles.wait(handle, timeout)  # wakes when the copy finishes
-
     # -- shutdown ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("shm: engine is closed; create a new one")
-
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            peers = list(self._peers)
-            self._peers.clear()
+        if not self._mark_closed():
+            return
+        with self._lock:  # _add_peer adds none once _closed is set
+            peers, self._peers = list(self._peers), set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for p in peers:
             self._release(p, "engine closed", self.timeout)

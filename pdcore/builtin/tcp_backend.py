@@ -30,29 +30,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdcore.backendkit import (HandleEngine, HandleTable, RegionIndex, SharedExclusive,
+                               batch_arrays, read_timeout, region_views)
 from pdcore.builtin import tcp_wire as wire
 from pdcore.builtin.tcp_receiver import MAX_ITEMS, TcpReceiver
-from pdcore.backendkit import (
-    HandleTable,
-    RegionIndex,
-    SharedExclusive,
-    describe_range,
-    read_timeout,
-    region_views,
-)
 from pdcore.errors import TransferError
-from pdcore.interfaces.transfer import (
-    DONE,
-    BackendContext,
-    Capabilities,
-    CopyBatch,
-    MemoryKind,
-    MemoryRegion,
-    Peer,
-    PollResult,
-    TransferEngine,
-    failed,
-)
+from pdcore.interfaces.transfer import (DONE, BackendContext, Capabilities, CopyBatch, MemoryKind,
+                                        MemoryRegion, Peer, PollResult, failed)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +59,7 @@ class _TcpPeer:
         return f"{self.host}:{self.port}"
 
 
-class TcpTransferEngine(TransferEngine):
+class TcpTransferEngine(HandleEngine):
     name = "tcp"
     capabilities = Capabilities(
         memory_kinds=frozenset({MemoryKind.HOST, MemoryKind.SHM}),
@@ -93,7 +77,7 @@ class TcpTransferEngine(TransferEngine):
         self._local: tuple[RegionIndex, list[memoryview]] = (RegionIndex(()), [])
         self._send_guard = SharedExclusive()  # deregister waits for sends reading local memory
         self._generation = 0  # bumped by deregister: batches queued before it are not sent
-        self._handles = HandleTable("tcp")
+        self.handles = HandleTable("tcp")
         self._lock = threading.Lock()
         self._active: set[socket.socket] = set()
         self._peers: set[_TcpPeer] = set()
@@ -158,12 +142,12 @@ class TcpTransferEngine(TransferEngine):
         return Peer(endpoint=bytes(peer_endpoint), key=state.label, state=state)
 
     def disconnect(self, peer: Peer) -> None:
-        state: _TcpPeer = peer.state
+        self._drop(peer.state)
+
+    def _drop(self, state: _TcpPeer) -> None:
+        """Forget the peer and close its idle connections (a busy one closes after its batch)."""
         with self._lock:
             self._peers.discard(state)
-        self._drop_idle(state)
-
-    def _drop_idle(self, state: _TcpPeer) -> None:
         with state.lock:
             state.closed = True
             conns = list(state.idle)
@@ -198,33 +182,28 @@ class TcpTransferEngine(TransferEngine):
         self._check_open()
         state: _TcpPeer = peer.state
         if state.closed:
-            return self._handles.add(failed(f"tcp: peer {state.label} was disconnected"))
+            return self.handles.add(failed(f"tcp: peer {state.label} was disconnected"))
         n = len(batch)
         if n == 0:
-            return self._handles.add(DONE)
+            return self.handles.add(DONE)
         if n > MAX_ITEMS:
-            return self._handles.add(failed(f"tcp: batch of {n} copies exceeds max_batch "
+            return self.handles.add(failed(f"tcp: batch of {n} copies exceeds max_batch "
                                             f"{MAX_ITEMS}; split it (CopyBatch.split)"))
-        src = np.ascontiguousarray(batch.src, dtype=np.uint64)
-        dst = np.ascontiguousarray(batch.dst, dtype=np.uint64)
-        length = np.ascontiguousarray(batch.length, dtype=np.uint64)
+        src, dst, length = batch_arrays(batch)
         local, views = self._local
-        sidx, sok = local.locate(src, length)
-        if not sok.all():
-            i = int(np.argmin(sok))
-            return self._handles.add(failed(
-                f"tcp: {describe_range('src', i, src, length)} is not inside memory registered "
-                f"with this engine; register() it first. Nothing was sent to {state.label}"))
-        if len(state.index):  # the receiver checks again; this only fails early and clearly
-            i = state.index.first_bad(dst, length)
-            if i is not None:
-                return self._handles.add(failed(
-                    f"tcp: {describe_range('dst', i, dst, length)} is outside the regions peer "
-                    f"{state.label} registered; nothing was sent"))
+        sidx, bad = local.outside("src", src, length)
+        if bad:
+            return self.handles.add(failed(
+                f"tcp: {bad} is not inside memory registered with this engine; register() it "
+                f"first. Nothing was sent to {state.label}"))
+        # the receiver checks again; this only fails early and clearly
+        if len(state.index) and (bad := state.index.outside("dst", dst, length)[1]):
+            return self.handles.add(failed(f"tcp: {bad} is outside the regions peer "
+                                            f"{state.label} registered; nothing was sent"))
         offs = src - local.starts[sidx]
         fut = self._pool.submit(self._send, state, dst, length, views, sidx, offs,
                                 self._generation)
-        return self._handles.add(fut)
+        return self.handles.add(fut)
 
     def _send(self, peer: _TcpPeer, dst: np.ndarray, length: np.ndarray,
               views: list[memoryview], sidx: np.ndarray, offs: np.ndarray,
@@ -282,24 +261,12 @@ class TcpTransferEngine(TransferEngine):
             if conn is not None:
                 conn.close()
 
-    def poll(self, handle: int) -> PollResult:
-        return self._handles.poll(handle)
-
-    def wait(self, handle: int, timeout: float = 30.0) -> PollResult:
-        return self._handles.wait(handle, timeout)  # wakes when the copy finishes
-
     # -- shutdown ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("tcp: engine is closed; create a new one")
-
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            active = list(self._active)
-            peers = list(self._peers)
+        if not self._mark_closed():
+            return
+        with self._lock:  # what is still held now, connections a send opened meanwhile included
+            active, peers = list(self._active), list(self._peers)
             self._peers.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in active:  # unblocks workers stuck on a frozen peer
@@ -308,6 +275,6 @@ class TcpTransferEngine(TransferEngine):
             except OSError:
                 pass
         for p in peers:
-            self._drop_idle(p)
+            self._drop(p)
         self._pool.shutdown(wait=True)
         self._receiver.stop()

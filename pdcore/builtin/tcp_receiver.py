@@ -30,7 +30,6 @@ from pdcore.backendkit import (
     MAX_ITEM_BYTES,
     RegionIndex,
     SharedExclusive,
-    describe_range,
     region_views,
 )
 from pdcore.interfaces.transfer import MemoryRegion
@@ -196,18 +195,14 @@ class TcpReceiver:
             return (f"header says {total} bytes but the items add up to {int(length.sum())}; "
                     f"nothing was written")
         snap = self._snap
-        idx, ok = snap.index.locate(dst, length)
-        if not ok.all():
-            return self._outside(int(np.argmin(ok)), dst, length)
+        idx, bad = snap.index.outside("dst", dst, length)
+        if bad:
+            return (f"receiver {self.host}:{self.port} rejected the batch: {bad} is outside its "
+                    f"registered memory; nothing was written")
         offs = dst - snap.index.starts[idx]
         wire.stream(conn, False, (), snap.views, idx.tolist(), offs.tolist(), length.tolist(),
                     deadline)
         return None
-
-    def _outside(self, i: int, dst: np.ndarray, length: np.ndarray) -> str:
-        return (f"receiver {self.host}:{self.port} rejected the batch: "
-                f"{describe_range('dst', i, dst, length)} is outside its registered memory; "
-                f"nothing was written")
 
     def _ack(self, conn: socket.socket, handle: int, error: str | None) -> None:
         reason = wire.encode_reason(error) if error else b""

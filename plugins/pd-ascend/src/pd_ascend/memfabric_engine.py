@@ -29,10 +29,10 @@ import memfabric_hybrid as mf
 
 from pd_ascend import mf_log
 from pd_ascend.settings import PROTOCOLS, MemfabricSettings, StoreUrl
-from pdcore.backendkit import TransferJobs
+from pdcore.backendkit import HandleEngine, HandleTable, TransferJobs, host_port
 from pdcore.errors import ConfigError, TransferError
 from pdcore.interfaces.transfer import (BackendContext, Capabilities, CopyBatch, MemoryKind,
-                                        MemoryRegion, Peer, PollResult, TransferEngine)
+                                        MemoryRegion, Peer)
 
 log = logging.getLogger("pd_ascend")
 
@@ -102,7 +102,7 @@ class MemfabricDataPath:
         return mf_failure(f"batch_transfer_sync_write of {len(src)} copies to {target}", rc)
 
 
-class MemfabricEngine(TransferEngine):
+class MemfabricEngine(HandleEngine):
     name = "ascend"
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -156,8 +156,9 @@ class MemfabricEngine(TransferEngine):
     def write(self, peer: Peer, batch: CopyBatch) -> int:
         return self._live().write(peer.key, batch)
 
-    def poll(self, handle: int) -> PollResult:
-        return self._data.jobs.poll(handle)
+    @property
+    def handles(self) -> HandleTable:  # poll() and wait() (HandleEngine) answer from these
+        return self._data.jobs.handles
 
     def close(self) -> None:
         if self._closed:
@@ -172,14 +173,7 @@ class MemfabricEngine(TransferEngine):
 
 def parse_session(peer_endpoint: bytes) -> str:
     """A peer's endpoint blob -> memfabric session id "ip:port"; TransferError when malformed."""
-    try:
-        target = bytes(peer_endpoint).decode("ascii")
-    except UnicodeDecodeError:
-        raise TransferError(f"ascend peer endpoint {peer_endpoint!r} is not 'ip:port'") from None
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise TransferError(f"ascend peer endpoint {target!r} is not 'ip:port'")
-    return target
+    return host_port(peer_endpoint, "ascend", "ip:port")
 
 
 def create(ctx: BackendContext) -> MemfabricEngine:

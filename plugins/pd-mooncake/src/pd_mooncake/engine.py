@@ -26,17 +26,10 @@ import mooncake.engine as mc
 
 from pd_mooncake.settings import MooncakeSettings, detect_transport, rdma_devices
 from pd_mooncake.workers import InflightBudget, TransferWorkers
+from pdcore.backendkit import HandleEngine, HandleTable, host_port
 from pdcore.errors import ConfigError, TransferError
-from pdcore.interfaces.transfer import (
-    BackendContext,
-    Capabilities,
-    CopyBatch,
-    MemoryKind,
-    MemoryRegion,
-    Peer,
-    PollResult,
-    TransferEngine,
-)
+from pdcore.interfaces.transfer import (BackendContext, Capabilities, CopyBatch, MemoryKind,
+                                        MemoryRegion, Peer)
 
 log = logging.getLogger("pd_mooncake")
 
@@ -73,7 +66,7 @@ def custom_allocator_class(kind: str) -> Any:
     return {"NVLINK": allocator.NVLinkAllocator, "BAREX": allocator.BarexAllocator}[kind]
 
 
-class MooncakeEngine(TransferEngine):
+class MooncakeEngine(HandleEngine):
     name = "mooncake"
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -169,13 +162,7 @@ class MooncakeEngine(TransferEngine):
 
     def connect(self, peer_endpoint: bytes, peer_regions: Sequence[MemoryRegion]) -> Peer:
         engine = self._live()
-        try:
-            target = bytes(peer_endpoint).decode("ascii")
-        except UnicodeDecodeError:
-            raise TransferError(f"mooncake peer endpoint {peer_endpoint!r} is not 'host:port'") from None
-        host, _, port = target.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise TransferError(f"mooncake peer endpoint {target!r} is not 'host:port'")
+        target = host_port(peer_endpoint, "mooncake")
         rc = engine.send_probe(target)  # also performs the handshake once, off the hot path
         if rc != 0:
             raise TransferError(f"cannot reach mooncake peer {target}: send_probe returned {rc} "
@@ -260,11 +247,9 @@ class MooncakeEngine(TransferEngine):
         return (f"{base}: the peer is reachable, so it refused the batch (a destination outside its "
                 f"registered memory, or its per-peer queue overflowed); see the mooncake log")
 
-    def poll(self, handle: int) -> PollResult:
-        return self._workers.poll(handle)
-
-    def wait(self, handle: int, timeout: float = 30.0) -> PollResult:
-        return self._workers.wait(handle, timeout)  # wakes when the batch finishes
+    @property
+    def handles(self) -> HandleTable:  # poll() and wait() (HandleEngine) answer from these
+        return self._workers.handles
 
     def close(self) -> None:
         if self._engine is None:
