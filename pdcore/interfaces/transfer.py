@@ -8,7 +8,18 @@ planning, bounds checks). A backend only:
 3. `connect(peer_endpoint, peer_regions)` -> Peer (peer_regions: what the peer registered);
 4. `write(peer, CopyBatch)` -> Handle, asynchronous, one batch;
 5. `poll(handle)` -> PollResult(PENDING | DONE | FAILED, reason); DONE/FAILED release the handle;
+   `wait(handle, timeout)` blocks until DONE/FAILED (FAILED 'timed out' leaves it pending);
 6. `close()` frees everything (idempotent).
+
+An unknown handle (never issued by this engine, or already reported DONE/FAILED by an earlier
+poll or wait) is answered FAILED, with a reason that names the handle: poll() and wait() never
+raise for it and never answer PENDING. Why FAILED rather than an exception: FAILED is the one
+answer every caller already handles (the core's sender turns it into a failed decode session and
+failed rooms, pages freed, the reason reported), so a caller's bookkeeping slip (a retry path that
+polls twice) takes the path every other failure takes and stays inside the rooms it concerns; an
+exception is a second error path whose type the contract would have to fix (the backends that
+raised used TransferError, a dict lookup raises KeyError), and PENDING would leave the caller
+waiting until its timeout. `pdcore.backendkit.HandleTable` keeps this rule for a backend.
 
 A factory registered through `pd_register_transfer_backends` receives a BackendContext.
 """
@@ -217,7 +228,8 @@ class TransferEngine(ABC):
 
     @abstractmethod
     def poll(self, handle: int) -> PollResult:
-        """PENDING, DONE or FAILED(reason). DONE and FAILED release the handle."""
+        """PENDING, DONE or FAILED(reason). DONE and FAILED release the handle; an unknown
+        handle is FAILED with a reason naming it, never an exception."""
 
     @abstractmethod
     def close(self) -> None:
@@ -225,7 +237,8 @@ class TransferEngine(ABC):
 
     def wait(self, handle: int, timeout: float = 30.0) -> PollResult:
         """Block until the handle is DONE or FAILED, at most `timeout` seconds (then FAILED
-        'timed out'; the handle stays pending). The core's sender waits for its writes here.
-        This default polls (`wait_by_polling`); a backend whose copies finish on its own
-        threads overrides it to wake on completion."""
+        'timed out'; the handle stays pending). An unknown handle is FAILED at once (see the
+        module docstring). The core's sender waits for its writes here. This default polls
+        (`wait_by_polling`); a backend whose copies finish on its own threads overrides it to
+        wake on completion."""
         return wait_by_polling(self.poll, handle, timeout)

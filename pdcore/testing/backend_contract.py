@@ -17,7 +17,9 @@ to the receiver's endpoint and regions, as the core's control plane does, and ch
    the destination, and nothing else changed;
 3. several writes in flight at once all complete;
 4. a write to a closed peer ends FAILED (or raises TransferError) within `dead_peer_timeout`;
-5. close() is idempotent.
+5. close() is idempotent;
+6. poll() and wait() of an unknown handle (never issued, or already reported DONE/FAILED) answer
+   FAILED with a reason naming the handle: no exception, never PENDING.
 Backends declaring capabilities.moves_data = False (`fake`) skip the byte and dead-peer checks.
 """
 
@@ -225,6 +227,21 @@ class BackendContract(BackendSettings):
         for side in (contract_pair.sender, contract_pair.receiver):
             side.engine.close()
             side.engine.close()
+
+    # -- 6. unknown handles -----------------------------------------------------------------
+
+    def test_unknown_handle_is_failed(self, contract_pair: Pair) -> None:
+        engine = contract_pair.sender.engine
+        never_issued = (1 << 62) + 12345
+        reported = contract_pair.submit(self.plan(contract_pair, 2, seed=4))
+        _assert_done(wait_all(engine, [reported], self.timeout))
+        for handle in (never_issued, reported):  # DONE released `reported`
+            for answer in (engine.poll(handle), engine.wait(handle, self.timeout)):
+                assert answer.status is TransferStatus.FAILED, (
+                    f"poll/wait of unknown handle {handle} answered {answer.status.value}; the "
+                    f"transfer contract says FAILED")
+                assert str(handle) in (answer.reason or ""), (
+                    f"the reason must name the unknown handle {handle}: {answer.reason!r}")
 
 
 def assert_fails_within(settings: BackendSettings, engine: TransferEngine, peer: Peer,

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import pytest
+
+from pdcore.builtin.fake_backend import FakeTransferEngine
+from pdcore.errors import TransferError
+from pdcore.interfaces.transfer import PENDING, PollResult
 from pdcore.testing.backend_contract import BackendContract, CrossProcessBackendContract
 
 
@@ -59,3 +64,29 @@ class TestShmMemmoveCopyContract(BackendContract):
     pool_name = "shm"
     dead_peer_timeout = 5.0
     context_env: ClassVar[dict[str, str]] = {"PDCORE_SHM_COPY": "memmove"}
+
+
+class _RaisesOnUnknown(FakeTransferEngine):
+    """Breaks the unknown-handle rule the way pd-mooncake and pd-nixl used to: it raises."""
+
+    def poll(self, handle: int) -> PollResult:
+        r = super().poll(handle)
+        if "unknown handle" in r.reason:
+            raise TransferError(r.reason)
+        return r
+
+
+class _PendingOnUnknown(FakeTransferEngine):
+    """Breaks it the quiet way: an unknown handle looks like a transfer still running."""
+
+    def poll(self, handle: int) -> PollResult:
+        r = super().poll(handle)
+        return PENDING if "unknown handle" in r.reason else r
+
+
+@pytest.mark.parametrize("engine", [_RaisesOnUnknown, _PendingOnUnknown])
+def test_contract_catches_a_backend_that_breaks_the_unknown_handle_rule(engine: type) -> None:
+    suite = type("Suite", (BackendContract,), {
+        "engine_factory": f"{engine.__module__}:{engine.__name__}", "timeout": 0.5})()
+    with suite.open_pair() as pair, pytest.raises((AssertionError, TransferError)):
+        suite.test_unknown_handle_is_failed(pair)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-import itertools
 import logging
 import os
 import threading
@@ -35,20 +34,10 @@ from nixl import _bindings
 from nixl._api import nixl_agent, nixl_agent_config
 
 from pd_nixl.settings import NixlSettings, describe_error
+from pdcore.backendkit import HandleEngine, HandleTable, RegionIndex
 from pdcore.errors import ConfigError, TransferError
-from pdcore.interfaces.transfer import (
-    DONE,
-    PENDING,
-    BackendContext,
-    Capabilities,
-    CopyBatch,
-    MemoryKind,
-    MemoryRegion,
-    Peer,
-    PollResult,
-    TransferEngine,
-    failed,
-)
+from pdcore.interfaces.transfer import (DONE, PENDING, BackendContext, Capabilities, CopyBatch,
+                                        MemoryKind, MemoryRegion, Peer, PollResult, failed)
 
 log = logging.getLogger("pd_nixl")
 
@@ -61,7 +50,7 @@ NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
 ) + (RuntimeError, TypeError, KeyError, ValueError, TransferError)
 
 NIXL_MEM = {MemoryKind.HOST: "DRAM", MemoryKind.SHM: "DRAM", MemoryKind.CUDA: "VRAM"}
-MEM_NAMES = ("DRAM", "VRAM")  # index = the code used in RegionIndex
+MEM_NAMES = ("DRAM", "VRAM")  # index = the code used in RegionKinds
 
 
 def plugin_dirs(env: dict[str, str] | None = None) -> list[Path]:
@@ -88,35 +77,40 @@ def plugin_load_error(name: str) -> str | None:
     return None
 
 
-class RegionIndex:
-    """Maps addresses to (memory type code, device id) through a set of regions."""
+class RegionKinds:
+    """NIXL memory type code and device id of the region each address falls in."""
 
     def __init__(self, regions: Sequence[MemoryRegion]) -> None:
-        regions = sorted(regions, key=lambda r: r.addr)
-        self.regions = regions
-        self.starts = np.array([r.addr for r in regions], dtype=np.uint64)
-        self.mem = np.array([MEM_NAMES.index(NIXL_MEM.get(r.kind, "DRAM")) for r in regions],
-                            dtype=np.int64)
-        self.dev = np.array([r.device_id for r in regions], dtype=np.uint64)
+        self.index = RegionIndex(regions)
+        self.mem = np.array([MEM_NAMES.index(NIXL_MEM.get(r.kind, "DRAM"))
+                             for r in self.index.regions], dtype=np.int64)
+        self.dev = np.array([r.device_id for r in self.index.regions], dtype=np.uint64)
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return self.index.regions
 
     def lookup(self, addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if not len(self.regions):
+        if not len(self.index):
             zeros = np.zeros(len(addrs), dtype=np.int64)
             return zeros, zeros.astype(np.uint64)
-        if len(self.regions) == 1:  # the common case: no search
-            return (np.full(len(addrs), self.mem[0], dtype=np.int64),
-                    np.full(len(addrs), self.dev[0], dtype=np.uint64))
-        i = np.clip(np.searchsorted(self.starts, addrs, side="right") - 1, 0, len(self.regions) - 1)
+        i = self.index.position(addrs)
         return self.mem[i], self.dev[i]
 
 
 @dataclass(slots=True)
 class _Transfer:
+    """One write: NIXL's requests still moving, polled through the engine's handle table."""
+
+    engine: NixlEngine
     pending: list[Any] = field(default_factory=list)  # nixl_xfer_handle
     reason: str | None = None  # set: FAILED at submission
 
+    def poll(self) -> PollResult:
+        return self.engine._progress(self)
 
-class NixlEngine(TransferEngine):
+
+class NixlEngine(HandleEngine):
     name = "nixl"
 
     def __init__(self, ctx: BackendContext) -> None:
@@ -149,10 +143,9 @@ class NixlEngine(TransferEngine):
         self.capabilities = Capabilities(memory_kinds=frozenset(kinds), needs_metadata=True)
         self._lock = threading.Lock()
         self._registered: dict[int, tuple[str, tuple[int, int, int, str]]] = {}
-        self._local = RegionIndex([])
-        self._peers: dict[str, RegionIndex] = {}
-        self._transfers: dict[int, _Transfer] = {}
-        self._ids = itertools.count(1)
+        self._local = RegionKinds([])
+        self._peers: dict[str, RegionKinds] = {}
+        self.handles = HandleTable("nixl")
         self._stop = threading.Event()
         self._pump: threading.Thread | None = None
         if s.progress == "pump":
@@ -199,7 +192,7 @@ class NixlEngine(TransferEngine):
                                         f"failed: {describe_error(e)}") from None
                 for d in descs:
                     self._registered[d[0]] = (mem, d)
-            self._local = RegionIndex([r for r in self._local.regions if r.addr not in
+            self._local = RegionKinds([r for r in self._local.regions if r.addr not in
                                        {f.addr for f in fresh}] + fresh)
 
     def deregister(self, regions: Sequence[MemoryRegion]) -> None:
@@ -208,7 +201,7 @@ class NixlEngine(TransferEngine):
                 return
             gone = {r.addr for r in regions if r.addr in self._registered}
             self._deregister_locked(gone)
-            self._local = RegionIndex([r for r in self._local.regions if r.addr not in gone])
+            self._local = RegionKinds([r for r in self._local.regions if r.addr not in gone])
 
     def _deregister_locked(self, addrs: set[int]) -> None:
         by_mem: dict[str, list[tuple[int, int, int, str]]] = {}
@@ -247,7 +240,7 @@ class NixlEngine(TransferEngine):
                 except NIXL_ERRORS as e:
                     raise TransferError(f"NIXL peer agent {name!r} does not expose the {mem} "
                                         f"regions it announced: {describe_error(e)}") from None
-            self._peers[name] = RegionIndex(peer_regions)
+            self._peers[name] = RegionKinds(peer_regions)
         return Peer(endpoint=bytes(peer_endpoint), key=name, state=self._peers[name])
 
     def disconnect(self, peer: Peer) -> None:
@@ -260,25 +253,20 @@ class NixlEngine(TransferEngine):
                 log.warning("NIXL remove_remote_agent(%s) failed: %s", peer.key, describe_error(e))
 
     # -- data --------------------------------------------------------------------------------
-    def _store(self, transfer: _Transfer) -> int:
-        handle = next(self._ids)
-        self._transfers[handle] = transfer
-        return handle
-
     def write(self, peer: Peer, batch: CopyBatch) -> int:
         n = len(batch)
         with self._lock:
             agent = self._live()
             if n == 0:
-                return self._store(_Transfer())
-            remote: RegionIndex = peer.state if isinstance(peer.state, RegionIndex) else RegionIndex([])
+                return self.handles.add(DONE)
+            remote = peer.state if isinstance(peer.state, RegionKinds) else RegionKinds([])
             src = np.asarray(batch.src, dtype=np.uint64)
             dst = np.asarray(batch.dst, dtype=np.uint64)
             length = np.asarray(batch.length, dtype=np.uint64)
             lmem, ldev = self._local.lookup(src)
             rmem, rdev = remote.lookup(dst)
             pair = lmem * len(MEM_NAMES) + rmem
-            transfer = _Transfer()
+            transfer = _Transfer(self)
             try:
                 codes = np.unique(pair)
                 for code in codes:
@@ -296,19 +284,19 @@ class NixlEngine(TransferEngine):
                 transfer.pending = []
                 transfer.reason = (f"NIXL WRITE of {n} copies to agent {peer.key!r} failed: "
                                    f"{describe_error(e)}")
-            return self._store(transfer)
+            return self.handles.add(transfer)
 
-    def poll(self, handle: int) -> PollResult:
+    def _progress(self, transfer: _Transfer) -> PollResult:
+        """Check the transfer's NIXL requests; DONE or FAILED once none is moving (releasing
+        every request), else PENDING."""
         with self._lock:
-            transfer = self._transfers.get(handle)
-            if transfer is None:
-                raise TransferError(f"unknown transfer handle {handle} (already finished or never issued)")
+            if self._agent is None:
+                return failed("nixl engine was closed while the write was in flight")
             if transfer.reason is None and transfer.pending:
-                agent = self._live()
                 try:
                     still = []
                     for xfer in transfer.pending:
-                        state = agent.check_xfer_state(xfer)
+                        state = self._agent.check_xfer_state(xfer)
                         if state == "ERR":
                             raise TransferError("check_xfer_state returned ERR")
                         if state == "PROC":
@@ -320,8 +308,8 @@ class NixlEngine(TransferEngine):
                     transfer.reason = f"NIXL WRITE failed: {describe_error(e)}"
                 if transfer.reason is None and transfer.pending:
                     return PENDING
-            del self._transfers[handle]
             self._release_locked(transfer.pending)
+            transfer.pending = []
         return DONE if transfer.reason is None else failed(transfer.reason)
 
     def _release_locked(self, xfers: list[Any]) -> None:
@@ -339,9 +327,9 @@ class NixlEngine(TransferEngine):
         if self._pump is not None:
             self._pump.join(5.0)
         with self._lock:
-            for transfer in self._transfers.values():
-                self._release_locked(transfer.pending)
-            self._transfers.clear()
+            for transfer in self.handles.drain():
+                if isinstance(transfer, _Transfer):
+                    self._release_locked(transfer.pending)
             for name in list(self._peers):
                 try:
                     self._agent.remove_remote_agent(name)
