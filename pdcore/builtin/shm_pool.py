@@ -86,10 +86,6 @@ class ShmMemoryPool(MemoryPool):
         self._buffers[label] = buf
         return buf
 
-    @property
-    def segment_names(self) -> list[str]:
-        return list(self._names)
-
     def close(self) -> None:
         if self._closed:
             return

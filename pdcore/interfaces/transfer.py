@@ -113,16 +113,6 @@ class CopyBatch:
         z = np.zeros(0, dtype=np.uint64)
         return cls(z, z, z)
 
-    @classmethod
-    def concat(cls, batches: Sequence[CopyBatch]) -> CopyBatch:
-        if not batches:
-            return cls.empty()
-        return cls(
-            np.concatenate([b.src for b in batches]).astype(np.uint64, copy=False),
-            np.concatenate([b.dst for b in batches]).astype(np.uint64, copy=False),
-            np.concatenate([b.length for b in batches]).astype(np.uint64, copy=False),
-        )
-
     def split(self, max_items: int) -> list[CopyBatch]:
         n = len(self)
         if n <= max_items:

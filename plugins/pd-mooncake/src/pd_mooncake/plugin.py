@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from pdcore.plugins import hookimpl
@@ -69,18 +69,6 @@ def _pool_factory(kind: str, name: str) -> Callable[[Any], Any]:
         return pools.MooncakeCudaPool(ctx, kind, name)
 
     return create
-
-
-def custom_pool_name(env: Mapping[str, str]) -> str | None:
-    """The memory pool SGLANG_MOONCAKE_CUSTOM_MEM_POOL asks for (None when unset).
-
-    Raises pdcore.errors.ConfigError for an unknown value. The core may call this at start-up
-    to select the pool; the backend factory independently refuses a value it cannot honour.
-    """
-    from pd_mooncake.settings import CUSTOM_POOLS, parse_custom_pool
-
-    kind = parse_custom_pool(env)
-    return CUSTOM_POOLS[kind] if kind else None
 
 
 @hookimpl
