@@ -99,8 +99,11 @@ class ShardedWorkers:
     def close(self, timeout: float | None = 5.0) -> list[Any]:
         """Stop the threads; returns the items that never ran (their futures are cancelled) so
         the caller can fail them. Joins for at most `timeout` seconds in all (None: until every
-        thread is out, for a library that must not be torn down under a running call)."""
+        thread is out, for a library that must not be torn down under a running call).
+        Idempotent."""
         with self._lock:
+            if self._closed:
+                return []  # a second close(): the first one stopped everything
             self._closed = True
         leftovers: list[Any] = []
         for q in self._queues:

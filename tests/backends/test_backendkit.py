@@ -56,6 +56,7 @@ def test_sharded_workers_close_hands_back_what_never_ran() -> None:
     assert all(f.cancelled() for f in queued) and workers.unfinished() == 0
     with pytest.raises(TransferError, match="closed"):
         workers.submit("k", "too late")
+    assert workers.close() == []  # idempotent
 
 
 def test_a_raising_job_fails_its_future_and_the_thread_survives() -> None:
