@@ -15,6 +15,7 @@ module (a parent package is imported, as find_spec requires).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import threading
@@ -90,3 +91,41 @@ def importable(path: str, install: str = "") -> Callable[[], tuple[bool, str]]:
         return False, f"module {module} not found{detail}{todo}"
 
     return probe
+
+
+def sdk_probe(module: str, sdk: str, packages: tuple[str, ...], install: str,
+              broken: str) -> Callable[[], tuple[bool, str]]:
+    """Availability probe for a plugin whose `module` imports a vendor SDK: imports it once
+    (cached) and answers (True, "") or why not. A missing top-level package of `packages` is
+    "<sdk> is not installed: <install>"; an SDK that fails to load is "<sdk> failed to import
+    (...); <broken>"; any other import failure names `module`."""
+
+    @functools.lru_cache(maxsize=1)
+    def probe() -> tuple[bool, str]:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] in packages:
+                return False, f"{sdk} is not installed: {install}"
+            return False, f"{module} failed to import: {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - a broken SDK must not break the host
+            return False, f"{sdk} failed to import ({type(e).__name__}: {e}); {broken}"
+        return True, ""
+
+    return probe
+
+
+def guarded(kind: str, name: str, probe: Callable[[], tuple[bool, str]],
+            path: str) -> Callable[..., Any]:
+    """A factory that raises UnavailableError with `probe`'s reason when it answers False, else
+    calls "module:attr" `path` (imported then) with the factory's arguments."""
+
+    def create(*args: Any, **kwargs: Any) -> Any:
+        ok, reason = probe()
+        if not ok:
+            from pdcore.errors import UnavailableError
+
+            raise UnavailableError(f"{kind} '{name}' is not available here: {reason}")
+        return load(path)(*args, **kwargs)
+
+    return create

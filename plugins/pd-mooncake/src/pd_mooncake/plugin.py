@@ -5,12 +5,11 @@ availability probes (through pd_mooncake.engine), so a missing SDK never breaks 
 
 from __future__ import annotations
 
-import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from pdcore.plugins import hookimpl
+from pdcore.plugins.lazy import guarded, sdk_probe
 
 INSTALL_HINT = ("pip install 'pd-mooncake[cuda]' on GPU machines (mooncake-transfer-engine) or "
                 "'pd-mooncake[cpu]' on CPU-only machines (mooncake-transfer-engine-non-cuda)")
@@ -24,30 +23,11 @@ POOLS = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def sdk_availability() -> tuple[bool, str]:
-    """(True, "") when the mooncake SDK imports, else (False, why and what to do)."""
-    try:
-        importlib.import_module("pd_mooncake.engine")
-    except ModuleNotFoundError as e:
-        if e.name == "mooncake" or (e.name or "").startswith("mooncake."):
-            return False, f"mooncake-transfer-engine is not installed: {INSTALL_HINT}"
-        return False, f"pd_mooncake.engine failed to import: {type(e).__name__}: {e}"
-    except Exception as e:  # noqa: BLE001 - a broken SDK must not break the host
-        return False, (f"mooncake-transfer-engine failed to import ({type(e).__name__}: {e}); "
-                       f"missing system libraries? {SYSTEM_LIBS_HINT}")
-    return True, ""
-
-
-def _create_backend(ctx: Any) -> Any:
-    ok, reason = sdk_availability()
-    if not ok:
-        from pdcore.errors import UnavailableError
-
-        raise UnavailableError(f"transfer backend 'mooncake' is not available here: {reason}")
-    from pd_mooncake import engine
-
-    return engine.create(ctx)
+# (True, "") when the mooncake SDK imports, else (False, why and what to do); cached
+sdk_availability = sdk_probe("pd_mooncake.engine", "mooncake-transfer-engine", ("mooncake",),
+                             INSTALL_HINT, f"missing system libraries? {SYSTEM_LIBS_HINT}")
+_create_backend = guarded("transfer backend", "mooncake", sdk_availability,
+                          "pd_mooncake.engine:create")
 
 
 def _pool_availability(kind: str) -> Callable[[], tuple[bool, str]]:
