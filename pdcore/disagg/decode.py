@@ -60,6 +60,7 @@ class DecodeKVManager(KVManager):
         self._instances: dict[str, Instance] = {}
         self._addr_locks: dict[str, threading.Lock] = {}
         self._last_failure: dict[str, tuple[float, str]] = {}
+        self._prefill_faults: set[int] = set()  # failed rooms whose cause is the prefill side
         self._handlers = {wire.Status: self._on_status, wire.AbortAck: self._on_abort_ack}
         self.client = BootstrapClient(token=self.token)
         self._resolver = ThreadPoolExecutor(4, thread_name_prefix=f"pd-d{tp_rank}-resolve")
@@ -159,7 +160,8 @@ class DecodeKVManager(KVManager):
         dp = r.room % inst.dp_size
         for a in [inst.ctrl_addrs[(dp, t)] for t in inst.targets]:
             if not self.ctrl.send(a, msg):
-                self._fail(r.room, f"cannot reach prefill rank at {a}", notify=False)
+                self._fail(r.room, f"cannot reach prefill rank at {a}", code=wire.PREFILL_FAULT,
+                           notify=False)
                 return
         log.debug("room %d: transfer info sent (%d pages, aux slot %d, staging %d B)", r.room,
                   len(pages), r.aux_slot, nbytes)
@@ -167,8 +169,18 @@ class DecodeKVManager(KVManager):
     def abort(self, room: int, reason: str) -> None:
         self._fail(room, f"aborted: {reason}")
 
+    def prefill_fault(self, room: int) -> bool:
+        """True when `room` failed because of its prefill peer (the router blames prefill)."""
+        with self._lock:
+            return room in self._prefill_faults
+
+    def _failed(self, room: int, code: str) -> None:
+        if code == wire.PREFILL_FAULT:  # set.add is atomic; release() discards under the lock
+            self._prefill_faults.add(room)
+
     def release(self, room: int) -> None:
         with self._lock:
+            self._prefill_faults.discard(room)
             r = self._rooms.get(room)
             grant = None
             if r is not None:
@@ -190,7 +202,8 @@ class DecodeKVManager(KVManager):
         try:
             inst = self._instance(addr, started)
         except PDError as e:
-            self._fail(room, f"cannot bootstrap with prefill {addr}: {e}", notify=False)
+            self._fail(room, f"cannot bootstrap with prefill {addr}: {e}", code=wire.PREFILL_FAULT,
+                       notify=False)
             return
         with self._lock:
             r = self._rooms.get(room)
@@ -285,7 +298,9 @@ class DecodeKVManager(KVManager):
                 r.aux_payload = msg.aux or r.aux_payload
                 done = len(r.responders) >= inst.responses
         if msg.state == KVPoll.Failed:
-            self._fail(msg.room, f"prefill rank {msg.rank} failed: {msg.reason}", notify=False)
+            code = "" if msg.code in wire.DECODE_FAULTS else wire.PREFILL_FAULT
+            self._fail(msg.room, f"prefill rank {msg.rank} failed: {msg.reason}", code=code,
+                       notify=False)
             if msg.code in (wire.UNKNOWN_SESSION, wire.SESSION_FAILED) and inst is not None:
                 self._forget(r.addr, inst)  # P dropped us: the next room resolves and registers
         elif done:
@@ -376,4 +391,4 @@ class DecodeKVManager(KVManager):
         self.counters.add("prefill_lost")
         log.warning("%s: failing %d unfinished rooms", reason, len(rooms))
         for room in rooms:
-            self._fail(room, reason, notify=False)
+            self._fail(room, reason, code=wire.PREFILL_FAULT, notify=False)

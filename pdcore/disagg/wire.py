@@ -98,6 +98,7 @@ SESSION_FAILED = "session_failed"
 DECODE_ABORT = "decode_abort"  # not sent: P's record that D aborted the room
 # the codes that put the blame for a failed room on decode (P answers 502, not 500)
 DECODE_FAULTS = frozenset({UNKNOWN_SESSION, SESSION_FAILED, DECODE_ABORT})
+PREFILL_FAULT = "prefill_fault"  # not sent: D's record that its prefill peer failed the room
 
 
 class _Header(msgspec.Struct):

@@ -252,6 +252,12 @@ class Proxy:
                         return Failure(502, "decode_transport_error",
                                        f"decode worker {d.url} failed: {exc}", retriable=True)
                     if not leg.ok:
+                        if leg.status == PEER_FAULT:  # D is fine; its prefill peer failed
+                            p.circuit.record(False)
+                            self._metrics.upstream_errors.labels(worker_type="prefill",
+                                                                 kind="peer_fault").inc()
+                            return _upstream_failure("prefill", p, leg.status, b"(reported by "
+                                                     b"decode " + d.url.encode() + b") " + leg.body)
                         if leg.status in RETRY_STATUSES:
                             return _upstream_failure("decode", d, leg.status, leg.body)
                         return Response(leg.body, leg.status, media_type=leg.content_type,

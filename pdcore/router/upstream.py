@@ -2,7 +2,9 @@
 
 Both record their outcome on the worker's circuit breaker (5xx or transport error = failure) and
 count failures in the metrics. A prefill server answers 502 (PEER_FAULT) when its decode peer
-failed the pair: that counts against the decode worker, never against the healthy prefill. The prefill call is read whole; the decode call is opened as a
+failed the pair: that counts against the decode worker, never against the healthy prefill; a
+decode server answers 502 when its prefill peer failed the pair (the proxy blames prefill).
+The prefill call is read whole; the decode call is opened as a
 stream so the proxy can commit on its first chunk and pass the rest through.
 """
 
@@ -22,7 +24,7 @@ from pdcore.router.workers import Worker
 
 log = logging.getLogger("pdcore.router.upstream")
 
-PEER_FAULT = 502  # a prefill server's "my decode peer failed this request"
+PEER_FAULT = 502  # a server's "my peer (decode for P, prefill for D) failed this request"
 
 
 class UpstreamClients:
@@ -128,7 +130,7 @@ class DecodeLeg:
             self._resp = await client.send(request, stream=True)
             self.status = self._resp.status_code
             self.content_type = self._resp.headers.get("content-type")
-            self.worker.circuit.record(self.status < 500)
+            self.worker.circuit.record(self.status < 500 or self.status == PEER_FAULT)
             if not self.ok:
                 self._metrics.upstream_errors.labels(worker_type="decode", kind=str(self.status)).inc()
             if first_only and self.ok:

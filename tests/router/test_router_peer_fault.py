@@ -53,3 +53,20 @@ def test_client_gone_before_first_byte_aborts_both_legs(fake_worker, router):
     # nobody was blamed for the client's choice
     assert r.worker_state(p.url)["circuit"]["state"] == "closed"
     assert r.worker_state(d.url)["circuit"]["state"] == "closed"
+
+
+def test_decode_reporting_its_prefill_peer_opens_prefill_circuit_only(fake_worker, router):
+    """The mirror case: a decode server answers 502 when its prefill peer failed the pair (lost,
+    frozen, unreachable): the decode circuit stays closed and the prefill worker takes the
+    blame, so a healthy decode is not shut out after its prefill peer comes back."""
+    p = fake_worker("prefill", delay=0.3)
+    d = fake_worker("decode", fail_statuses=[502, 502])
+    r = router([(p, None)], [d], retry_max_retries=1, cb_failure_threshold=2,
+               cb_timeout_duration_secs=30)
+    for _ in range(2):
+        resp = r.client.post("/generate", json={"text": "x"})
+        assert resp.status_code == 502, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "prefill_bad_gateway" and d.url in err["message"], err
+    assert r.worker_state(d.url)["circuit"]["state"] == "closed"
+    assert r.worker_state(p.url)["circuit"]["state"] == "open"
