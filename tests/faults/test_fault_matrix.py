@@ -34,8 +34,9 @@ from typing import Any
 
 import httpx
 import pytest
-from faultprocs import group_listening_ports, wait_group_gone
+from faultprocs import group_listening_ports, group_pids, wait_group_gone
 
+from pdcore.builtin import shm_segment as seg
 from pdcore.testing.pd_faults import dead_owner_segments
 from pdcore.testing.processes import PDCluster, ServerProcess, spawned_children
 from pdcore.testing.tiny_models import make_tiny_model
@@ -68,7 +69,8 @@ def _body(k: int, n: int, new: int) -> dict[str, Any]:
 
 
 REF_BODY = _body(1, 300, 12)
-IN_FLIGHT = [_body(20 + k, 1000, 48) for k in range(4)]
+IN_FLIGHT = [_body(20 + k, 1000, 200) for k in range(4)]  # long decodes span the fault
+DURING = [_body(40 + k, 600, 8) for k in range(4)]  # sent once the fault has begun
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def reference(model_dir: str) -> dict[str, list[int]]:
     try:
         server.wait_healthy(300)
         out = {}
-        for body in (REF_BODY, *IN_FLIGHT):
+        for body in (REF_BODY, *IN_FLIGHT, *DURING):
             r = httpx.post(server.url + "/generate", json=body, timeout=120)
             assert r.status_code == 200, r.text
             out[body["text"]] = r.json()["output_ids"]
@@ -114,17 +116,21 @@ def _print_ttr(backend: str) -> None:
         print(f"  {fault:24s} {s:6.2f}s  {detail}")
 
 
-# -- the faults: each returns (monotonic time the fault ended, seconds a restart took) --------
+# -- the faults: each calls during() once it has begun, and returns (monotonic time it ended,
+# seconds a restart took, what it saw) ------------------------------------------------------
+
+Fault = Callable[[PDCluster, Callable[[], None]], tuple[float, float, str]]
 
 def _server(c: PDCluster, role: str) -> ServerProcess:
     return c.prefills[0] if role == "prefill" else c.decodes[0]
 
 
-def _freeze(role: str, seconds: float) -> Callable[[PDCluster], tuple[float, float, str]]:
-    def run(c: PDCluster) -> tuple[float, float, str]:
+def _freeze(role: str, seconds: float) -> Fault:
+    def run(c: PDCluster, during: Callable[[], None]) -> tuple[float, float, str]:
         pgid = _server(c, role).proc.pid
         os.killpg(pgid, signal.SIGSTOP)
         try:
+            during()
             time.sleep(seconds)
         finally:
             os.killpg(pgid, signal.SIGCONT)
@@ -138,32 +144,34 @@ def _restart(c: PDCluster, s: ServerProcess) -> float:
     return time.monotonic() - t0
 
 
-def _kill_http(role: str) -> Callable[[PDCluster], tuple[float, float, str]]:
-    def run(c: PDCluster) -> tuple[float, float, str]:
+def _kill_http(role: str) -> Fault:
+    def run(c: PDCluster, during: Callable[[], None]) -> tuple[float, float, str]:
         s = _server(c, role)
         pgid = s.proc.pid
         ports = group_listening_ports(pgid)
         assert spawned_children(pgid), "no scheduler process to outlive its server"
         os.kill(s.proc.pid, signal.SIGKILL)  # the HTTP process alone, not its group
         s.proc.wait(10)
-        gone_s = wait_group_gone(pgid, ports, 15)  # the scheduler follows, ports freed
+        during()
+        gone_s = wait_group_gone(pgid, ports, 30)  # the scheduler follows, ports freed
         s.kill()  # nothing left to kill: closes the log
         end = time.monotonic()
         return end, _restart(c, s), f"scheduler and ports gone {gone_s:.2f}s after kill"
     return run
 
 
-def _kill_scheduler(role: str) -> Callable[[PDCluster], tuple[float, float, str]]:
-    def run(c: PDCluster) -> tuple[float, float, str]:
+def _kill_scheduler(role: str) -> Fault:
+    def run(c: PDCluster, during: Callable[[], None]) -> tuple[float, float, str]:
         s = _server(c, role)
         pgid = s.proc.pid
         ports = group_listening_ports(pgid)
         [scheduler] = spawned_children(pgid)
         t0 = time.monotonic()
         os.kill(scheduler, signal.SIGKILL)
+        during()
         rc = s.proc.wait(15)
         assert rc != 0, f"the server exited {rc} after its scheduler was killed"
-        gone_s = wait_group_gone(pgid, ports, 15)
+        gone_s = wait_group_gone(pgid, ports, 30)
         s.kill()
         end = time.monotonic()
         detail = f"server exited {rc} and ports freed {end - t0:.2f}s after kill ({gone_s:.2f})"
@@ -171,7 +179,7 @@ def _kill_scheduler(role: str) -> Callable[[PDCluster], tuple[float, float, str]
     return run
 
 
-def _flood(c: PDCluster) -> tuple[float, float, str]:
+def _flood(c: PDCluster, during: Callable[[], None]) -> tuple[float, float, str]:
     ports: set[int] = set()
     for s in (*c.prefills, *c.decodes):
         ports |= group_listening_ports(s.proc.pid)
@@ -192,6 +200,7 @@ def _flood(c: PDCluster) -> tuple[float, float, str]:
                 except (ConnectionRefusedError, TimeoutError):
                     break  # the listener's backlog is full: that is the flood working
             opened[port] = n
+        during()
         t0 = time.monotonic()
         served = 0
         while time.monotonic() - t0 < FLOOD_S:  # the pair keeps serving under the flood
@@ -207,7 +216,7 @@ def _flood(c: PDCluster) -> tuple[float, float, str]:
     return time.monotonic(), 0.0, detail
 
 
-def _forged_route(c: PDCluster) -> tuple[float, float, str]:
+def _forged_route(c: PDCluster, during: Callable[[], None]) -> tuple[float, float, str]:
     boot = f"http://127.0.0.1:{c.bootstrap_ports[0]}"
     route = boot + "/route?prefill_dp_rank=0&target_tp_rank=0"
     before = httpx.get(route, timeout=5).json()
@@ -215,11 +224,12 @@ def _forged_route(c: PDCluster) -> tuple[float, float, str]:
     for headers in ({}, {"X-PD-Route-Secret": "guessed"}):
         r = httpx.put(boot + "/route", json=forged, headers=headers, timeout=5)
         assert r.status_code == 403, r.text
+    during()
     assert httpx.get(route, timeout=5).json() == before, "the forged route was stored"
     return time.monotonic(), 0.0, "PUT /route refused 403 (no secret, wrong secret)"
 
 
-FAULTS: dict[str, Callable[[PDCluster], tuple[float, float, str]]] = {
+FAULTS: dict[str, Fault] = {
     "freeze-prefill-5s": _freeze("prefill", 5.0),
     "freeze-decode-5s": _freeze("decode", 5.0),
     "freeze-prefill-45s": _freeze("prefill", 45.0),
@@ -239,9 +249,9 @@ def _post(c: PDCluster, body: dict[str, Any], out: list) -> threading.Thread:
     def run() -> None:
         try:
             r = httpx.post(c.url + "/generate", json=body, timeout=REQUEST_TIMEOUT_S)
-            out.append((body["text"], r.status_code, r.text))
+            out.append((body["text"], r.status_code, r.text, time.monotonic()))
         except httpx.HTTPError as e:
-            out.append((body["text"], 0, repr(e)))
+            out.append((body["text"], 0, repr(e), time.monotonic()))
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
@@ -283,6 +293,17 @@ def _ensure_serving(c: PDCluster, expect: list[int]) -> None:
     _serve_again(c, expect, time.monotonic(), 60.0)
 
 
+def _reason(answer: str) -> str:
+    """The gist of an error answer, for the printed summary."""
+    try:
+        body = httpx.Response(500, text=answer).json()
+        msg = body.get("error", body)
+        msg = msg.get("message", msg) if isinstance(msg, dict) else msg
+    except ValueError:
+        msg = answer
+    return str(msg)[:90]
+
+
 def _held_pages(c: PDCluster) -> bool:
     loads = [c.load(s) for s in (*c.prefills, *c.decodes)]
     return any(x["num_pages_free"] < x["num_pages_total"] for x in loads)
@@ -303,21 +324,27 @@ def test_fault(cluster: PDCluster, reference: dict[str, list[int]], fault: str) 
     c = cluster
     expect = reference[REF_BODY["text"]]
     _ensure_serving(c, expect)
+    ours = {pid for s in (*c.prefills, *c.decodes) for pid in group_pids(s.proc.pid)}
     results: list = []
     threads = [_post(c, b, results) for b in IN_FLIGHT]
     deadline = time.monotonic() + 30
     while not _held_pages(c) and len(results) < len(IN_FLIGHT):
         assert time.monotonic() < deadline, "the in-flight requests never reached P or D"
         time.sleep(0.02)
+    pending = len(IN_FLIGHT) - len(results)
+    assert pending, "every in-flight request ended before the fault began"
 
-    ended, restart_s, detail = FAULTS[fault](c)
+    def during() -> None:
+        threads.extend(_post(c, b, results) for b in DURING)
+
+    ended, restart_s, detail = FAULTS[fault](c, during)
     bound = HEARTBEAT_S + restart_s + GRACE_S
     ttr = _serve_again(c, expect, ended, bound)
 
     for t in threads:
         t.join(REQUEST_TIMEOUT_S + 10)
-    assert len(results) == len(IN_FLIGHT), "an in-flight request hung"
-    for text, status, answer in results:
+    assert len(results) == len(IN_FLIGHT) + len(DURING), "an in-flight request hung"
+    for text, status, answer, _ in results:
         assert status != 0, f"an in-flight request got no answer: {answer}"
         if status == 200:
             assert httpx.Response(200, text=answer).json()["output_ids"] == reference[text]
@@ -325,8 +352,14 @@ def test_fault(cluster: PDCluster, reference: dict[str, list[int]], fault: str) 
             assert status >= 400 and answer.strip(), (status, answer)
     c.wait_pages_free(30)
     if backend == "shm":
-        assert dead_owner_segments() == [], "segments of a dead server were left behind"
-    statuses = sorted(s for _, s, _ in results)
-    line = f"in flight {statuses}; restart {restart_s:.1f}s; {detail}".rstrip("; ")
+        left = [n for n in dead_owner_segments() if seg.owner_pid(n) in ours]
+        assert left == [], f"segments of a dead server were left behind: {left}"
+    statuses = sorted(r[1] for r in results)
+    errors = sorted({_reason(r[2]) for r in results if r[1] != 200})
+    last = max(r[3] for r in results) - ended
+    line = (f"{pending}/{len(IN_FLIGHT)} in flight + {len(DURING)} sent during: {statuses}, "
+            f"last ended {last:+.1f}s; restart {restart_s:.1f}s; {detail}").rstrip("; ")
+    if errors:
+        line += f"; errors: {' | '.join(errors)}"
     TTR.append((backend, fault, ttr, line))
     print(f"\n[{backend}] {fault}: served again {ttr:.2f}s after the fault ended ({line})")
