@@ -10,7 +10,9 @@
 `lazy(path)` imports on the first call (in the process that calls it, so it is safe under
 multiprocessing spawn) and then calls the attribute with the factory's arguments.
 `importable(path)` answers availability from `importlib.util.find_spec` without importing the
-module (a parent package is imported, as find_spec requires).
+module (a parent package is imported, as find_spec requires). `sdk_probe(...)` imports a
+plugin's SDK-importing module once and says which SDK is missing or broken; `guarded(...)` is a
+factory that raises UnavailableError with that reason before importing anything heavy.
 """
 
 from __future__ import annotations
