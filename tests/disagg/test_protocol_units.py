@@ -222,3 +222,23 @@ def test_parse_register_rejects_hostile_layouts() -> None:
         with pytest.raises(ProtocolError, match=words):
             parse_register(_register(remote, **change), local.layout, "tcp", local.aux.row_bytes,
                            DefaultPlanner())
+
+
+# -- planner choice ----------------------------------------------------------------------------
+def test_make_planner_takes_the_configured_planner_from_the_registry() -> None:
+    from pdcore.config import DisaggEnv
+    from pdcore.disagg.common import make_planner
+    from pdcore.errors import UnknownNameError
+    from pdcore.plugins.host import PluginHost, reset_host, transfer_planners
+
+    assert make_planner(DisaggEnv.from_env({})).name == "default"
+    if "staging" in transfer_planners():
+        staging = make_planner(DisaggEnv.from_env({"SGLANG_DISAGG_STAGING_BUFFER": "1"}))
+        assert staging.name == "staging"
+    # no builtin plugin, no default planner: a clear error, never a hidden import of builtin/
+    reset_host(PluginHost(env={"PDCORE_DISABLE_PLUGINS": "builtin"}, entry_points=[]))
+    try:
+        with pytest.raises(UnknownNameError, match="default"):
+            make_planner(DisaggEnv.from_env({}))
+    finally:
+        reset_host()
