@@ -45,6 +45,7 @@ class DecodeKVManager(KVManager):
     """The receiver: D's rooms, the prefill instances they resolve to, the heartbeat."""
 
     role = "decode"
+    peer_fault_codes = frozenset({wire.PREFILL_FAULT})
 
     def _adopt_staging(self, staging: Any) -> list[MemoryRegion]:
         self.grants = GrantBook(staging) if staging is not None else None
@@ -60,7 +61,6 @@ class DecodeKVManager(KVManager):
         self._instances: dict[str, Instance] = {}
         self._addr_locks: dict[str, threading.Lock] = {}
         self._last_failure: dict[str, tuple[float, str]] = {}
-        self._prefill_faults: set[int] = set()  # failed rooms whose cause is the prefill side
         self._handlers = {wire.Status: self._on_status, wire.AbortAck: self._on_abort_ack}
         self.client = BootstrapClient(token=self.token)
         self._resolver = ThreadPoolExecutor(4, thread_name_prefix=f"pd-d{tp_rank}-resolve")
@@ -169,18 +169,8 @@ class DecodeKVManager(KVManager):
     def abort(self, room: int, reason: str) -> None:
         self._fail(room, f"aborted: {reason}")
 
-    def prefill_fault(self, room: int) -> bool:
-        """True when `room` failed because of its prefill peer (the router blames prefill)."""
-        with self._lock:
-            return room in self._prefill_faults
-
-    def _failed(self, room: int, code: str) -> None:
-        if code == wire.PREFILL_FAULT:  # set.add is atomic; release() discards under the lock
-            self._prefill_faults.add(room)
-
     def release(self, room: int) -> None:
         with self._lock:
-            self._prefill_faults.discard(room)
             r = self._rooms.get(room)
             grant = None
             if r is not None:

@@ -165,7 +165,7 @@ class DecodeExtension(RoleExtension):
 
     def _fail(self, req: Req, reason: str) -> None:
         # 502: this server is fine, its prefill peer failed the pair (the router blames prefill)
-        self.sched.fail(req, reason, 502 if self.mgr.prefill_fault(req.disagg.room) else 500)
+        self.sched.fail(req, reason, 502 if self.mgr.peer_fault(req.disagg.room) else 500)
 
     def on_abort(self, req: Req) -> None:
         if isinstance(req.disagg, Parked):  # it holds no pages yet: just leave the leader

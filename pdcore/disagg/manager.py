@@ -33,6 +33,7 @@ _LIVE = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring)
 
 class KVManager(ABC):
     role = ""  # "prefill" or "decode": names this side in logs, reasons and thread names
+    peer_fault_codes: frozenset[str] = frozenset()  # failure codes that blame the peer role
 
     def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
                  kv_regions: Sequence[MemoryRegion], aux: AuxBuffers, backend_name: str,
@@ -52,6 +53,7 @@ class KVManager(ABC):
         self._lock = threading.RLock()
         self._closed = False
         self._rooms: dict[int, Any] = {}
+        self._peer_faults: set[int] = set()  # failed rooms whose cause is the peer role
         self._handlers: Mapping[type, Callable[[Any], None]] = {}  # message type -> handler
         self.ctrl = ControlPlane(args.host, self.token, f"{self.role}{tp_rank}", self._on_message,
                                  self._on_tick)
@@ -78,9 +80,15 @@ class KVManager(ABC):
             r = self._rooms.get(room)
             return bool(r and r.fake)
 
+    def peer_fault(self, room: int) -> bool:
+        """True when `room` failed because of the peer role (the router blames that role)."""
+        with self._lock:
+            return room in self._peer_faults
+
     def release(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(room, None)
+            self._peer_faults.discard(room)
             self.states.remove(room)
 
     def metrics(self) -> dict:
@@ -125,9 +133,6 @@ class KVManager(ABC):
     def _on_tick(self) -> None:
         """Timeouts and deferred work, on the control-plane thread."""
 
-    def _failed(self, room: int, code: str) -> None:
-        """Bookkeeping when `room` fails with wire code `code` (before anyone is told)."""
-
     # -- shared machinery ----------------------------------------------------------------------
     def _claim(self, room: int) -> bool:
         """Under the lock: False when a live room already has this number (both fail)."""
@@ -140,7 +145,8 @@ class KVManager(ABC):
     def _fail(self, room: int, reason: str, code: str = "", notify: bool = True) -> None:
         if not self.states.fail(room, reason):
             return
-        self._failed(room, code)
+        if code in self.peer_fault_codes:  # set.add is atomic; release() discards under the lock
+            self._peer_faults.add(room)
         self.counters.add("failures")
         self._log.warning("room %d: failed: %s", room, reason)
         if not notify:

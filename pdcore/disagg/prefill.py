@@ -53,6 +53,7 @@ class PrefillKVManager(KVManager):
     """The sender: P's rooms, D sessions, the bootstrap server (rank 0), transfer workers."""
 
     role = "prefill"
+    peer_fault_codes = wire.DECODE_FAULTS
 
     def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
                  kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
@@ -73,7 +74,6 @@ class PrefillKVManager(KVManager):
         self._pending: dict[int, Pending] = {}
         self._tombstones: dict[int, tuple[str, float]] = {}  # released failed rooms
         self.sessions = SessionTable(self.backend, self._lock)
-        self._decode_faults: set[int] = set()  # failed rooms whose cause is the decode side
         self._handlers = {wire.TransferInfo: self._on_transfer_info,
                           wire.Register: self._on_register, wire.Abort: self._on_abort}
         self.workers = ShardedWorkers(env.queue_size, env.thread_pool_size, self._run_chunk,
@@ -90,7 +90,8 @@ class PrefillKVManager(KVManager):
     def start(self) -> None:
         addr = self.ctrl.start()
         if self.tp_rank == 0:
-            self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
+            self.bootstrap = BootstrapServer(self.args.host,
+                                             self.args.disaggregation_bootstrap_port,
                                              self.token, self.route_secret)
             self.bootstrap.start()
             host = self.bootstrap_addr.rpartition(":")[0]
@@ -183,7 +184,6 @@ class PrefillKVManager(KVManager):
     def release(self, room: int) -> None:
         with self._lock:
             self._pending.pop(room, None)
-            self._decode_faults.discard(room)
             if self.states.get(room) is KVPoll.Failed:
                 self._tombstones[room] = (self.states.reason(room), time.monotonic())
             super().release(room)
@@ -192,15 +192,6 @@ class PrefillKVManager(KVManager):
         return {"sessions": len(self.sessions), "queued_chunks": self.workers.pending()}
 
     # -- helpers ---------------------------------------------------------------------------
-    def decode_fault(self, room: int) -> bool:
-        """True when `room` failed because of its decode peer (the router blames decode)."""
-        with self._lock:
-            return room in self._decode_faults
-
-    def _failed(self, room: int, code: str) -> None:
-        if code in wire.DECODE_FAULTS:  # set.add is atomic; release() discards under the lock
-            self._decode_faults.add(room)
-
     def _notify_failed(self, r: RoomState, reason: str, code: str) -> None:
         with self._lock:
             dests = list(r.dests.values())

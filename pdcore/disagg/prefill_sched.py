@@ -87,7 +87,7 @@ class PrefillExtension(RoleExtension):
 
     def _fail(self, req: Req, reason: str) -> None:
         # 502: this server is fine, its decode peer failed the pair (the router blames decode)
-        self.sched.fail(req, reason, 502 if self.mgr.decode_fault(req.disagg.room) else 500)
+        self.sched.fail(req, reason, 502 if self.mgr.peer_fault(req.disagg.room) else 500)
 
     def after_step(self, results: list[StepResult]) -> None:
         for res in results:
