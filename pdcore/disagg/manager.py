@@ -1,8 +1,9 @@
 """What both KV managers are, whatever their role: a table of rooms with poll states, a transfer
 backend holding this rank's KV and aux regions, a control plane to the other role's ranks, and
 counters. The scheduler-facing calls that do not depend on the role (poll, failure_reason,
-is_fake, peer_fault, release, metrics, close) and the failure path live here once; PrefillKVManager and
-DecodeKVManager add only what the protocol makes differ (see their module docstrings).
+is_fake, peer_fault, release, metrics, close) and the failure path live here once;
+PrefillKVManager and DecodeKVManager add only what the protocol makes differ (see their module
+docstrings).
 
 Every room record a subclass keeps in `_rooms` has `fake` and `deadline` (None: no timeout
 running); `_fail` is the one way a room fails: the first cause wins, it is counted and logged,
