@@ -136,8 +136,9 @@ class KVManager(ABC):
 
     # -- shared machinery ----------------------------------------------------------------------
     def _claim(self, room: int) -> bool:
-        """Under the lock: False when a live room already has this number (both fail)."""
-        if room in self._rooms and self.states.get(room) not in TERMINAL:
+        """Under the lock: False when a room with this number is still held by a request, live
+        or already ended but not released (both fail; a record is never shared or replaced)."""
+        if room in self._rooms:
             self._fail(room, f"bootstrap room {room} is already in use by another request "
                              f"on this {self.role} server; use a unique bootstrap_room")
             return False
