@@ -20,8 +20,13 @@ from pdcore.backendkit.engine import HandleEngine
 from pdcore.backendkit.guard import SharedExclusive
 from pdcore.backendkit.handles import HandleTable
 from pdcore.backendkit.jobs import TransferJobs
-from pdcore.backendkit.regions import (MAX_ITEM_BYTES, RegionIndex, batch_arrays, describe_range,
-                                       region_views)
+from pdcore.backendkit.regions import (
+                                       MAX_ITEM_BYTES,
+                                       RegionIndex,
+                                       batch_arrays,
+                                       describe_range,
+                                       region_views,
+)
 from pdcore.backendkit.settings import read_timeout
 from pdcore.backendkit.workers import ShardedWorkers
 

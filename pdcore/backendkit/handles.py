@@ -18,8 +18,14 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import wait as futures_wait
 from typing import Any, Protocol
 
-from pdcore.interfaces.transfer import (DONE, PENDING, PollResult, TransferStatus, failed,
-                                        wait_by_polling)
+from pdcore.interfaces.transfer import (
+    DONE,
+    PENDING,
+    PollResult,
+    TransferStatus,
+    failed,
+    wait_by_polling,
+)
 
 
 class Pollable(Protocol):

@@ -13,8 +13,15 @@ import os
 from collections.abc import Sequence
 
 from pdcore.backendkit import HandleEngine, HandleTable
-from pdcore.interfaces.transfer import (DONE, BackendContext, Capabilities, CopyBatch, MemoryKind,
-                                        MemoryRegion, Peer)
+from pdcore.interfaces.transfer import (
+    DONE,
+    BackendContext,
+    Capabilities,
+    CopyBatch,
+    MemoryKind,
+    MemoryRegion,
+    Peer,
+)
 
 
 class FakeTransferEngine(HandleEngine):

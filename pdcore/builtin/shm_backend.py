@@ -49,13 +49,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdcore.backendkit import (HandleEngine, HandleTable, RegionIndex, SharedExclusive,
-                               batch_arrays, read_timeout)
+from pdcore.backendkit import (
+    HandleEngine,
+    HandleTable,
+    RegionIndex,
+    SharedExclusive,
+    batch_arrays,
+    read_timeout,
+)
 from pdcore.builtin import shm_copy
 from pdcore.builtin import shm_segment as seg
 from pdcore.errors import ConfigError, TransferError
-from pdcore.interfaces.transfer import (DONE, BackendContext, Capabilities, CopyBatch, MemoryKind,
-                                        MemoryRegion, Peer, PollResult, failed)
+from pdcore.interfaces.transfer import (
+    DONE,
+    BackendContext,
+    Capabilities,
+    CopyBatch,
+    MemoryKind,
+    MemoryRegion,
+    Peer,
+    PollResult,
+    failed,
+)
 
 TIMEOUT_ENV = "PDCORE_SHM_TIMEOUT"
 MODE_ENV = "PDCORE_SHM_MODE"

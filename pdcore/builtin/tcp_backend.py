@@ -30,13 +30,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdcore.backendkit import (HandleEngine, HandleTable, RegionIndex, SharedExclusive,
-                               batch_arrays, read_timeout, region_views)
+from pdcore.backendkit import (
+    HandleEngine,
+    HandleTable,
+    RegionIndex,
+    SharedExclusive,
+    batch_arrays,
+    read_timeout,
+    region_views,
+)
 from pdcore.builtin import tcp_wire as wire
 from pdcore.builtin.tcp_receiver import MAX_ITEMS, TcpReceiver
 from pdcore.errors import TransferError
-from pdcore.interfaces.transfer import (DONE, BackendContext, Capabilities, CopyBatch, MemoryKind,
-                                        MemoryRegion, Peer, PollResult, failed)
+from pdcore.interfaces.transfer import (
+    DONE,
+    BackendContext,
+    Capabilities,
+    CopyBatch,
+    MemoryKind,
+    MemoryRegion,
+    Peer,
+    PollResult,
+    failed,
+)
 
 log = logging.getLogger(__name__)
 

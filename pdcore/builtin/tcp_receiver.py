@@ -25,13 +25,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pdcore.builtin import tcp_wire as wire
 from pdcore.backendkit import (
     MAX_ITEM_BYTES,
     RegionIndex,
     SharedExclusive,
     region_views,
 )
+from pdcore.builtin import tcp_wire as wire
 from pdcore.interfaces.transfer import MemoryRegion
 from pdcore.netguard import PENDING_DEADLINE_S, ConnectionGate
 

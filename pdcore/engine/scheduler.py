@@ -217,9 +217,7 @@ class Scheduler:
             req.pending_out_logprobs.append(logprob)
         self.counters.generated_tokens += 1
         p = req.params
-        if not p.ignore_eos and token in self.cfg.eos_ids:
-            self.finish(req, {"type": "stop", "matched": token})
-        elif token in p.stop_token_ids:
+        if not p.ignore_eos and token in self.cfg.eos_ids or token in p.stop_token_ids:
             self.finish(req, {"type": "stop", "matched": token})
         elif len(req.output) >= p.max_new_tokens:
             self.finish(req, {"type": "length", "length": p.max_new_tokens})

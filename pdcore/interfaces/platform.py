@@ -34,5 +34,5 @@ class Platform(ABC):
     def memory_info(self, device: torch.device) -> MemoryInfo:
         """Free / total bytes on that device (host RAM for cpu)."""
 
-    def synchronize(self, device: torch.device) -> None:  # noqa: B027
+    def synchronize(self, device: torch.device) -> None:
         """Wait for queued device work (no-op on cpu)."""

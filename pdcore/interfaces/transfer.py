@@ -198,7 +198,7 @@ class TransferEngine(ABC):
     def register(self, regions: Sequence[MemoryRegion]) -> None:
         """Register local regions (all at once). Writes may only touch registered memory."""
 
-    def deregister(self, regions: Sequence[MemoryRegion]) -> None:  # noqa: B027
+    def deregister(self, regions: Sequence[MemoryRegion]) -> None:
         """Forget regions (default: nothing to undo)."""
 
     @abstractmethod
@@ -209,7 +209,7 @@ class TransferEngine(ABC):
     def connect(self, peer_endpoint: bytes, peer_regions: Sequence[MemoryRegion]) -> Peer:
         """Prepare to write into a peer. Raises TransferError when the peer is unusable."""
 
-    def disconnect(self, peer: Peer) -> None:  # noqa: B027
+    def disconnect(self, peer: Peer) -> None:
         """Drop a peer (it died or re-registered)."""
 
     @abstractmethod

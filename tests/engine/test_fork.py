@@ -51,6 +51,9 @@ class StandInP:
     def failure_reason(self, room: int) -> str:
         return self.reasons.get(room, "")
 
+    def peer_fault(self, room: int) -> bool:
+        return False  # a failure of the stand-in's own making, not its peer's
+
     def release(self, room: int) -> None:
         pass
 

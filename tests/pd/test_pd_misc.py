@@ -7,8 +7,8 @@ import os
 
 import httpx
 import pytest
-
 from helpers import assert_same_tokens, generate_all
+
 from pdcore.testing.processes import PDCluster
 from pdcore.testing.tiny_models import make_tiny_model
 

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from helpers import GREEDY, assert_same_tokens, generate, generate_all
+
 from pdcore.testing.processes import PDCluster, ServerProcess, free_port
 
 FLAGS = ("--max-total-tokens", "24576", "--page-size", "16", "--chunked-prefill-size", "256")

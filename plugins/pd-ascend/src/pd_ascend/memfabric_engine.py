@@ -31,8 +31,14 @@ from pd_ascend import mf_log
 from pd_ascend.settings import PROTOCOLS, MemfabricSettings, StoreUrl
 from pdcore.backendkit import HandleEngine, HandleTable, TransferJobs, host_port
 from pdcore.errors import ConfigError, TransferError
-from pdcore.interfaces.transfer import (BackendContext, Capabilities, CopyBatch, MemoryKind,
-                                        MemoryRegion, Peer)
+from pdcore.interfaces.transfer import (
+    BackendContext,
+    Capabilities,
+    CopyBatch,
+    MemoryKind,
+    MemoryRegion,
+    Peer,
+)
 
 log = logging.getLogger("pd_ascend")
 

@@ -28,8 +28,14 @@ from pd_mooncake.settings import MooncakeSettings, detect_transport, rdma_device
 from pd_mooncake.workers import InflightBudget, TransferWorkers
 from pdcore.backendkit import HandleEngine, HandleTable, host_port
 from pdcore.errors import ConfigError, TransferError
-from pdcore.interfaces.transfer import (BackendContext, Capabilities, CopyBatch, MemoryKind,
-                                        MemoryRegion, Peer)
+from pdcore.interfaces.transfer import (
+    BackendContext,
+    Capabilities,
+    CopyBatch,
+    MemoryKind,
+    MemoryRegion,
+    Peer,
+)
 
 log = logging.getLogger("pd_mooncake")
 

@@ -36,8 +36,18 @@ from nixl._api import nixl_agent, nixl_agent_config
 from pd_nixl.settings import NixlSettings, describe_error
 from pdcore.backendkit import HandleEngine, HandleTable, RegionIndex
 from pdcore.errors import ConfigError, TransferError
-from pdcore.interfaces.transfer import (DONE, PENDING, BackendContext, Capabilities, CopyBatch,
-                                        MemoryKind, MemoryRegion, Peer, PollResult, failed)
+from pdcore.interfaces.transfer import (
+    DONE,
+    PENDING,
+    BackendContext,
+    Capabilities,
+    CopyBatch,
+    MemoryKind,
+    MemoryRegion,
+    Peer,
+    PollResult,
+    failed,
+)
 
 log = logging.getLogger("pd_nixl")
 
