@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
+from faultprocs import group_listening_ports
 
 from pdcore.disagg import wire
 from pdcore.testing.processes import PDCluster, ServerProcess
@@ -207,30 +208,6 @@ def test_hijack_sequence_is_refused_at_its_first_step(pair: PDCluster) -> None:
         ctx.term()
 
 
-def _group_listening_ports(pgid: int) -> set[int]:
-    """TCP ports listened on by any process of the group (server, scheduler, ranks)."""
-    inodes: set[str] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except (OSError, ValueError, IndexError):
-            continue
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in list(f)[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
 def test_connection_flood_on_every_port_of_p_and_d(pair: PDCluster) -> None:
     """500 idle connections on each listening port of P and D (HTTP, bootstrap, tcp data,
     zmq control) held for a few seconds while the pair serves: same output during and after."""
@@ -238,7 +215,7 @@ def test_connection_flood_on_every_port_of_p_and_d(pair: PDCluster) -> None:
     ref_body, ref_out = _reference(c)
     ports = set()
     for s in (*c.prefills, *c.decodes):
-        ports |= _group_listening_ports(s.proc.pid)
+        ports |= group_listening_ports(s.proc.pid)
     assert c.bootstrap_ports[0] in ports and len(ports) >= 6, ports
     flood: list[socket.socket] = []
     try:
