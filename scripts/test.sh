@@ -77,9 +77,7 @@ out=$work/junit
 mkdir -p "$out" "$work/run"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} UCX_NET_DEVICES=lo UCX_MODULES=^ib \
   MC_LOG_LEVEL=WARNING PYTHONUNBUFFERED=1
-status=0
-died=()
-run() {  # name, environment dir, then pytest arguments
+run() {  # name, environment dir, then pytest arguments; the outcome goes to files under $out
   local name=$1 env=$2; shift 2
   say "matrix entry: $name"
   # from a folder outside the checkout, so no child python imports pdcore from the checkout
@@ -89,29 +87,48 @@ run() {  # name, environment dir, then pytest arguments
   local rc=$?
   # 5 = no tests collected (e.g. a plugin whose tests all need hardware): not a failure
   if [ $rc -eq 0 ] || [ $rc -eq 5 ]; then return; fi
-  status=1
   if [ $rc -ge 128 ] || [ ! -s "$out/$name.xml" ]; then
-    died+=("$name (exit $rc)")
+    echo "$name (exit $rc)" >> "$out/died"
     rm -f "$out/$name.xml"  # a partial file must not count
   fi
   echo "=== $name FAILED (exit $rc)"
   echo "$name $rc" >> "$out/exits"
 }
 
-run core "$work/core" "$root/tests" --rootdir="$root" "$@"
-wait "$installer"
-for n in "${plugins[@]}"; do
-  if [ ! -e "$work/$n.ok" ]; then
-    cat "$work/$n.install.log"
-    status=1; died+=("$n (install failed)"); echo "$n 1" >> "$out/exits"; continue
-  fi
-  run "$n" "$work/$n" "$root/plugins/$n/tests" --rootdir="$root/plugins/$n" "$@"
-  run "$n-imports" "$work/$n" "$root/tests/test_imports.py" --rootdir="$root" "$@"
-  # the core's hetero-TP tests exercise pd-staging; they skip where it is not installed
-  [ "$n" = pd-staging ] && run pd-staging-core-tp "$work/$n" "$root/tests/tp/test_tp_pd.py" \
-    --rootdir="$root" "$@"
-done
+plugin_entries() {  # every plugin's matrix entries, one after another, once its env is built
+  wait_for() { while [ ! -e "$work/$1.ok" ] && [ ! -e "$work/$1.failed" ]; do sleep 2; done; }
+  for n in "${plugins[@]}"; do
+    wait_for "$n"
+    if [ ! -e "$work/$n.ok" ]; then
+      cat "$work/$n.install.log"
+      echo "$n (install failed)" >> "$out/died"; echo "$n 1" >> "$out/exits"; continue
+    fi
+    run "$n" "$work/$n" "$root/plugins/$n/tests" --rootdir="$root/plugins/$n" "$@"
+    run "$n-imports" "$work/$n" "$root/tests/test_imports.py" --rootdir="$root" "$@"
+    # the core's hetero-TP tests exercise pd-staging; they skip where it is not installed
+    [ "$n" = pd-staging ] && run pd-staging-core-tp "$work/$n" "$root/tests/tp/test_tp_pd.py" \
+      --rootdir="$root" "$@"
+  done
+}
+
+# Three lanes at once: most of the suites spend their time waiting (servers starting, freezes
+# and floods of the fault tests, timeouts), so on 2 cores they overlap well. Each lane's output
+# is printed whole once it ends. A lane of the core: the fault, fuzz and TP suites; the other
+# lane: the rest of the core tests; the third: the plugins' entries.
+slow=(faults fuzz tp)
+( run core-faults "$work/core" "${slow[@]/#/$root/tests/}" --rootdir="$root" "$@" ) \
+  > "$work/lane.faults.log" 2>&1 &
+lane_faults=$!
+( plugin_entries "$@" ) > "$work/lane.plugins.log" 2>&1 &
+lane_plugins=$!
+run core "$work/core" "$root/tests" "${slow[@]/#/--ignore=$root/tests/}" --rootdir="$root" "$@"
+wait "$lane_faults"; cat "$work/lane.faults.log"
+wait "$installer"; wait "$lane_plugins"; cat "$work/lane.plugins.log"
 say "done"
+status=0
+[ -s "$out/exits" ] && status=1
+died=()
+[ -s "$out/died" ] && mapfile -t died < "$out/died"
 
 "$core_py" - "$out" "${died[@]}" <<'PYEOF'
 import glob, os, sys, xml.etree.ElementTree as ET
