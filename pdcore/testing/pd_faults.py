@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from pdcore.testing.processes import PDCluster
+from pdcore.testing.processes import PDCluster, spawned_children
 
 HEARTBEAT_S, MAX_FAILURE = 1.0, 2
 FAULT_ENV = {
@@ -71,15 +71,26 @@ def _wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def dead_owner_segments() -> list[str]:
+def server_pids(server: Any) -> set[int]:
+    """The pids of a running server's process tree (HTTP process, scheduler, TP ranks)."""
+    pids, todo = set(), [server.proc.pid]
+    while todo:
+        pid = todo.pop()
+        pids.add(pid)
+        todo.extend(spawned_children(pid))
+    return pids
+
+
+def dead_owner_segments(owners: set[int] | None = None) -> list[str]:
     """pdserve shared-memory segments whose owner process is gone (must be none after the
-    survivors and restarted servers ran their clean-up)."""
+    survivors and restarted servers ran their clean-up); only those of `owners` when given (other
+    tests of this machine may be killing servers of their own meanwhile)."""
     from pdcore.builtin import shm_segment as seg
 
     out = []
     for name in os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []:
         pid = seg.owner_pid(name) if name.startswith(seg.PREFIX) else None
-        if pid is None:
+        if pid is None or (owners is not None and pid not in owners):
             continue
         try:
             os.kill(pid, 0)
@@ -94,6 +105,7 @@ def kill_prefill_in_flight(c: PDCluster) -> None:
     """Requests stuck on a dead P fail on D within heartbeat x max failures + slack; D stays
     healthy with every page free; a restarted P serves new requests with no D restart."""
     p, d = c.prefills[0], c.decodes[0]
+    owners = server_pids(p)
     os.killpg(p.proc.pid, signal.SIGSTOP)  # freeze P so the requests are surely in flight
     results: list = []
     threads = [_post_async(d.url, _pd_body(c, 1000 + k), results) for k in range(4)]
@@ -117,7 +129,7 @@ def kill_prefill_in_flight(c: PDCluster) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["completion_tokens"] == 16
     c.wait_pages_free(15)
-    assert dead_owner_segments() == [], "segments of the killed prefill were left behind"
+    assert dead_owner_segments(owners) == [], "segments of the killed prefill were left behind"
 
 
 def kill_decode_mid_transfer(c: PDCluster) -> None:
@@ -132,6 +144,7 @@ def kill_decode_mid_transfer(c: PDCluster) -> None:
         threads.append(_post_async(d.url, body, []))
     _wait(lambda: _stats(p.url)["num_pages_free"] < _stats(p.url)["num_pages_total"]
           or len(results) == 6, 30, "P to start prefilling")
+    owners = server_pids(d)
     d.kill()
     killed = time.monotonic()
     for t in threads:
@@ -148,7 +161,7 @@ def kill_decode_mid_transfer(c: PDCluster) -> None:
     r = httpx.post(c.url + "/generate", json=_body(8, n=20), timeout=120)
     assert r.status_code == 200, r.text
     c.wait_pages_free(15)
-    assert dead_owner_segments() == [], "segments of the killed decode were left behind"
+    assert dead_owner_segments(owners) == [], "segments of the killed decode were left behind"
 
 
 def client_disconnect_mid_stream(c: PDCluster) -> None:
