@@ -56,7 +56,8 @@ def _fails_before_loading(r: subprocess.CompletedProcess[str], needle: str) -> N
      "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL must be > 0"),
     (["--disaggregation-mode", "decode", "--backend", "tcp"],
      {"SGLANG_DISAGG_STAGING_BUFFER": "1", "PDCORE_DISABLE_PLUGINS": "staging"},
-     "unknown transfer_planner 'staging'"),
+     # "unknown ..." where pd-staging is installed but disabled, the install hint where it is not
+     "transfer_planner 'staging'"),
     (["--memory-pool", "nosuch"], {}, "unknown memory_pool 'nosuch'"),
     (["--device", "nosuch"], {}, "--device nosuch: no platform plugin"),
     (["--model-path", "/nonexistent/model"], {}, "/nonexistent/model does not exist"),
