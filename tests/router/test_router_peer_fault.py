@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 
 def _wait(predicate, timeout: float = 10.0) -> None:
@@ -14,23 +15,28 @@ def _wait(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_prefill_reporting_its_decode_peer_opens_decode_circuit_only(fake_worker, router):
-    """A prefill server answers 502 when its decode peer failed the pair: the prefill circuit
-    stays closed and the decode worker takes the blame."""
-    p = fake_worker("prefill", fail_statuses=[502, 502])
-    d = fake_worker("decode", delay=0.3)
+@pytest.mark.parametrize("reporter", ["prefill", "decode"])
+def test_a_peer_fault_opens_only_the_peers_circuit(fake_worker, router, reporter: str) -> None:
+    """A server answers 502 when its peer failed the pair (prefill: its decode peer; decode: its
+    prefill peer, lost, frozen or unreachable): the reporter's circuit stays closed and the peer
+    takes the blame, so a healthy server is not shut out after its peer comes back."""
+    fails, slow = {"fail_statuses": [502, 502]}, {"delay": 0.3}
+    p = fake_worker("prefill", **(fails if reporter == "prefill" else slow))
+    d = fake_worker("decode", **(fails if reporter == "decode" else slow))
     r = router([(p, None)], [d], retry_max_retries=1, cb_failure_threshold=2,
                cb_timeout_duration_secs=30)
+    reporter_w, peer_w, peer = (p, d, "decode") if reporter == "prefill" else (d, p, "prefill")
     for _ in range(2):
         resp = r.client.post("/generate", json={"text": "x"})
         assert resp.status_code == 502, resp.text
         err = resp.json()["error"]
-        assert err["code"] == "decode_bad_gateway" and p.url in err["message"], err
-    assert r.worker_state(p.url)["circuit"]["state"] == "closed"
-    assert r.worker_state(d.url)["circuit"]["state"] == "open"
-    metrics = r.client.get("/metrics").text
-    assert 'kind="peer_fault",worker_type="decode"' in metrics or \
-        'worker_type="decode",kind="peer_fault"' in metrics
+        assert err["code"] == f"{peer}_bad_gateway" and reporter_w.url in err["message"], err
+    assert r.worker_state(reporter_w.url)["circuit"]["state"] == "closed"
+    assert r.worker_state(peer_w.url)["circuit"]["state"] == "open"
+    if reporter == "prefill":
+        metrics = r.client.get("/metrics").text
+        assert 'kind="peer_fault",worker_type="decode"' in metrics or \
+            'worker_type="decode",kind="peer_fault"' in metrics
 
 
 def test_client_gone_before_first_byte_aborts_both_legs(fake_worker, router):
@@ -55,18 +61,4 @@ def test_client_gone_before_first_byte_aborts_both_legs(fake_worker, router):
     assert r.worker_state(d.url)["circuit"]["state"] == "closed"
 
 
-def test_decode_reporting_its_prefill_peer_opens_prefill_circuit_only(fake_worker, router):
-    """The mirror case: a decode server answers 502 when its prefill peer failed the pair (lost,
-    frozen, unreachable): the decode circuit stays closed and the prefill worker takes the
-    blame, so a healthy decode is not shut out after its prefill peer comes back."""
-    p = fake_worker("prefill", delay=0.3)
-    d = fake_worker("decode", fail_statuses=[502, 502])
-    r = router([(p, None)], [d], retry_max_retries=1, cb_failure_threshold=2,
-               cb_timeout_duration_secs=30)
-    for _ in range(2):
-        resp = r.client.post("/generate", json={"text": "x"})
-        assert resp.status_code == 502, resp.text
-        err = resp.json()["error"]
-        assert err["code"] == "prefill_bad_gateway" and d.url in err["message"], err
-    assert r.worker_state(d.url)["circuit"]["state"] == "closed"
-    assert r.worker_state(p.url)["circuit"]["state"] == "open"
+
