@@ -1,10 +1,14 @@
 """What a server's process group holds, read from /proc: its live processes and the TCP ports
-they listen on. The fault tests use it to check that nothing outlives a killed server."""
+they listen on. The fault tests use it to check that nothing outlives a killed server, and
+`frozen()` to stop a group for a while."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
+from collections.abc import Iterator
 
 
 def _pgid_of(pid: str) -> int | None:
@@ -68,3 +72,13 @@ def wait_group_gone(pgid: int, ports: set[int], timeout: float) -> float:
                 f"listening ports {sorted(ports & listening_ports())}")
         time.sleep(0.05)
     return time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def frozen(pgid: int) -> Iterator[None]:
+    """The process group stopped (SIGSTOP) for the block, and continued however it ends."""
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(pgid, signal.SIGCONT)

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 import pytest
-from faultprocs import group_listening_ports, group_pids, wait_group_gone
+from faultprocs import frozen, group_listening_ports, group_pids, wait_group_gone
 
 from pdcore.builtin import shm_segment as seg
 from pdcore.testing.pd_faults import dead_owner_segments
@@ -125,13 +125,9 @@ def _server(c: PDCluster, role: str) -> ServerProcess:
 
 def _freeze(role: str, seconds: float) -> Fault:
     def run(c: PDCluster, during: Callable[[], None]) -> tuple[float, float, str]:
-        pgid = _server(c, role).proc.pid
-        os.killpg(pgid, signal.SIGSTOP)
-        try:
+        with frozen(_server(c, role).proc.pid):
             during()
             time.sleep(seconds)
-        finally:
-            os.killpg(pgid, signal.SIGCONT)
         return time.monotonic(), 0.0, ""
     return run
 

@@ -4,9 +4,7 @@ bounded wait, every KV page comes back, and nobody can redirect decode's registr
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
 import threading
 import time
@@ -15,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from faultprocs import group_listening_ports
+from faultprocs import frozen, group_listening_ports
 
 from pdcore.disagg import wire
 from pdcore.testing.processes import PDCluster, ServerProcess
@@ -114,12 +112,9 @@ def test_decode_frozen_mid_transfer_serves_again(pair: PDCluster) -> None:
     while c.load(d).get("disagg_transfer_queue", 0) < 4:  # D sent its pages for all four
         assert time.monotonic() < deadline, c.load(d)
         time.sleep(0.05)
-    os.killpg(d.proc.pid, signal.SIGSTOP)
-    try:
+    with frozen(d.proc.pid):
         threads += [_post(p.url, b, results) for b in bodies]
         time.sleep(5.0)
-    finally:
-        os.killpg(d.proc.pid, signal.SIGCONT)
     _serve_again(c, ref_body, ref_out)
     for t in threads:
         t.join(90)
@@ -141,11 +136,8 @@ def test_decode_frozen_45s_serves_again(pair: PDCluster) -> None:
     results: list = []
     threads = [_post(c.url, _body(20 + k), results) for k in range(4)]
     time.sleep(0.3)
-    os.killpg(d.proc.pid, signal.SIGSTOP)
-    try:
+    with frozen(d.proc.pid):
         time.sleep(45.0)
-    finally:
-        os.killpg(d.proc.pid, signal.SIGCONT)
     _serve_again(c, ref_body, ref_out)
     for t in threads:
         t.join(120)
