@@ -172,8 +172,10 @@ class PDCluster:
     def __init__(self, backend: str | None = "tcp", prefill: int = 1, decode: int = 1,
                  model_path: str | None = None, flags: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, router: str = "pdcore",
-                 prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()) -> None:
+                 prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
+                 policy: str = "round_robin") -> None:
         self.env = dict(env or {})
+        self.policy = policy  # our router's --policy (prefix-cache tests compare policies)
         threads = server_threads(prefill + decode)  # the engines share this host's CPUs
         if threads is not None:
             self.env.setdefault("OMP_NUM_THREADS", str(threads))
@@ -206,7 +208,7 @@ class PDCluster:
         return self
 
     def _start_router(self) -> ServerProcess:
-        args: list[str] = ["--pd-disaggregation", "--policy", "round_robin"]
+        args: list[str] = ["--pd-disaggregation", "--policy", self.policy]
         for s, b in zip(self.prefills, self.bootstrap_ports):
             args += ["--prefill", s.url, str(b)]
         for s in self.decodes:
