@@ -69,6 +69,9 @@ class ServerArgs:
     disaggregation_ib_device: str | None = None
     disaggregation_auth_token: str | None = None
     num_reserved_decode_tokens: int = 512
+    # decode keeps finished requests' pages in its own prefix cache and tells prefill how many
+    # leading prompt tokens it holds, so only the rest crosses (SGLang's flag; off by default)
+    disaggregation_decode_enable_radix_cache: bool = False
     disaggregation_decode_polling_interval: int = 1
     # a scheduler step that hangs longer ends the server (SGLang's default); <= 0 disables
     watchdog_timeout: float = 300.0

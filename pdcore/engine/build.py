@@ -26,6 +26,7 @@ from pdcore.engine.kv_cache import KVCache
 from pdcore.engine.model_loader import load_model, resolve_dtype
 from pdcore.engine.model_runner import ModelRunner
 from pdcore.engine.models.layers import TPInfo
+from pdcore.engine.radix_cache import RadixCache
 from pdcore.engine.scheduler import Scheduler, SchedulerConfig
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span
@@ -116,6 +117,16 @@ def _backend_pool(args: ServerArgs) -> str | None:
     return transfer_backends().get(name).pool_for(os.environ)
 
 
+def _prefix_cache(args: ServerArgs, blocks: BlockManager) -> RadixCache | None:
+    """Unified and prefill servers cache prefixes unless --disable-radix-cache; a decode server
+    only with --disaggregation-decode-enable-radix-cache (its pages come from prefill)."""
+    if args.disable_radix_cache:
+        return None
+    if args.disaggregation_mode == "decode" and not args.disaggregation_decode_enable_radix_cache:
+        return None
+    return RadixCache(blocks)
+
+
 def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     tp = tp or TPInfo()
     platform = _platform(args)
@@ -152,7 +163,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     sched = Scheduler(ModelRunner(model, kv, blocks, tp), blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
-        eos_ids=frozenset(e for e in eos if e is not None)))
+        eos_ids=frozenset(e for e in eos if e is not None),
+        schedule_policy=args.schedule_policy), cache=_prefix_cache(args, blocks))
     info = {
         "model_path": resolved.display_path, "tokenizer_path": resolved.display_path,
         "served_model_name": args.served_model_name or resolved.name,

@@ -35,6 +35,7 @@ class Req:
     output: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose K/V is in the pool
+    cached_tokens: int = 0  # prompt positions taken from a prefix cache, not computed here
     phase: Phase = Phase.WAITING
     out_logprobs: list[LogprobEntry] = field(default_factory=list)
     in_logprobs: list[LogprobEntry] | None = None

@@ -3,10 +3,14 @@
 Each step:
 1. the role extension (if any: pdcore.engine.extension) advances its queues;
 2. every running request that needs one position (decode) gets it; pages are allocated, and
-   when the pool runs out the newest running request is preempted (pages freed, recomputed
-   later from its prompt + output);
+   when the pool runs out the prefix cache gives back its least recently used unlocked pages,
+   then the newest running request is preempted (its pages go to the cache, it is recomputed
+   later from its prompt + output, starting from whatever of it is still cached);
 3. the prefill budget (`--chunked-prefill-size`, `--max-prefill-tokens`) is spent on partly
-   filled requests, then on waiting ones (up to `--max-running-requests`);
+   filled requests, then on waiting ones (up to `--max-running-requests`, in arrival order or,
+   with `--schedule-policy lpm`, longest cached prefix first); a request taken from the queue
+   first takes the cached pages of its prompt's longest prefix (pdcore.engine.radix_cache) and
+   computes only the rest; full pages enter the cache after every chunk and at its end;
 4. one packed forward pass; requests that reached the end of their sequence sample a token;
 5. finish checks (eos, stop ids, max_new_tokens, context length), then outputs are collected.
 """
@@ -23,6 +27,7 @@ from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.extension import Extension
 from pdcore.engine.io_struct import TokenOut
 from pdcore.engine.model_runner import ModelRunner, StepResult
+from pdcore.engine.radix_cache import RadixCache
 from pdcore.engine.request import Phase, Req
 from pdcore.errors import InvalidRequestError
 
@@ -36,6 +41,12 @@ class SchedulerConfig:
     max_prefill_tokens: int = 8192
     context_length: int = 8192
     eos_ids: frozenset[int] = frozenset()
+    schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
+
+
+# lpm sorts the queue by prefix match each step; past this length it costs more than it saves
+# and the queue runs fcfs (SGLang makes the same switch)
+LPM_MAX_QUEUE = 128
 
 
 @dataclass
@@ -45,13 +56,16 @@ class Counters:
     finished: int = 0
     aborted: int = 0
     preempted: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
     steps: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, cfg: SchedulerConfig) -> None:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, cfg: SchedulerConfig,
+                 cache: RadixCache | None = None) -> None:
         self.runner, self.blocks, self.cfg = runner, blocks, cfg
+        self.cache = cache  # None: --disable-radix-cache (or a decode server without its own)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
@@ -112,8 +126,46 @@ class Scheduler:
         self.finish(req, {"type": "abort", "message": message}, drop_ext=False)
 
     # ---- page management --------------------------------------------------------------------
+    def can_alloc(self, n: int) -> bool:
+        """Can n pages be allocated now, evicting unlocked cached pages if that is needed."""
+        free = self.blocks.num_free
+        if n > free and self.cache is not None:
+            self.cache.evict(n - free)
+        return self.blocks.can_alloc(n)
+
+    def alloc(self, n: int) -> list[int]:
+        if not self.can_alloc(n):
+            raise MemoryError(f"need {n} KV pages, {self.blocks.num_free} free")
+        return self.blocks.alloc(n)
+
+    def cache_pages(self, req: Req) -> None:
+        """Offer the request's computed full pages to the prefix cache."""
+        if self.cache is not None and req.pages and req.error is None:
+            n = min(req.num_computed, req.seq_len)
+            self.cache.insert([req.token_at(p) for p in range(n)], req.pages)
+
+    def attach_prefix(self, req: Req, limit: int) -> int:
+        """Give a request without pages the cached pages of its sequence's longest prefix
+        (at most `limit` tokens, whole pages); they stay locked (referenced) until it frees
+        them. Returns the tokens they hold."""
+        if self.cache is None or req.pages or limit < self.blocks.page_size:
+            return 0
+        tokens = req.prompt[:limit] if limit <= len(req.prompt) else req.prompt + req.output
+        req.pages = self.blocks.ref(self.cache.match(tokens, limit))
+        req.ctx_slots = None
+        return len(req.pages) * self.blocks.page_size
+
+    def _match_limit(self, req: Req) -> int:
+        """The positions a request may take from the cache: never the last one (its logits
+        are needed), nor any whose prompt logprobs it asked for."""
+        limit = req.seq_len - 1
+        if req.wants_prompt_logprobs:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return limit
+
     def release_pages(self, req: Req) -> None:
         if req.pages:
+            self.cache_pages(req)
             self.blocks.free(req.pages)
         req.pages, req.ctx_slots, req.num_computed = [], None, 0
 
@@ -121,10 +173,52 @@ class Scheduler:
         need = self.blocks.pages_for(upto) - len(req.pages)
         if need <= 0:
             return True
-        if not self.blocks.can_alloc(need):
+        if not self.can_alloc(need):
             return False
         req.pages.extend(self.blocks.alloc(need))
         return True
+
+    def _admit(self, req: Req, budget: int) -> int:
+        """Pages for the next chunk of a request from the queue (its cached prefix first);
+        the chunk's length, or 0 when the pool cannot hold it (it keeps nothing then)."""
+        fresh = not req.pages and req.num_computed == 0
+        if fresh:
+            req.num_computed = self.attach_prefix(req, self._match_limit(req))
+        n = min(req.remaining, budget)
+        if self._ensure_pages(req, req.num_computed + n):
+            if fresh and not req.preempted:
+                req.cached_tokens = req.num_computed
+                self.counters.cached_tokens += req.num_computed
+            return n
+        if fresh and req.pages:
+            self.blocks.free(req.pages)  # give the matched pages back; matched again later
+            req.pages, req.ctx_slots, req.num_computed = [], None, 0
+        return 0
+
+    def _order_waiting(self) -> None:
+        """lpm: requests with the longest cached prefix first (preempted or partly filled ones
+        stay ahead, in their order); ties keep arrival order."""
+        if self.cfg.schedule_policy != "lpm" or self.cache is None \
+                or not 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            return
+        cache = self.cache
+
+        def key(r: Req) -> tuple[int, int]:
+            if r.pages or r.preempted:
+                return (0, 0)
+            return (1, -len(cache.match(r.prompt, self._match_limit(r))))
+
+        self.waiting = deque(sorted(self.waiting, key=key))
+
+    def flush_cache(self) -> dict[str, Any]:
+        """Empty the prefix cache; refused while any request is in the server (SGLang's rule:
+        their pages may be cached ones)."""
+        if self.cache is None:
+            return {"flushed": False, "message": "the prefix cache is disabled"}
+        if self.reqs:
+            raise RuntimeError(f"cannot flush the prefix cache: {len(self.reqs)} requests are "
+                               f"in the server; retry when it is idle")
+        return {"flushed": True, "freed_pages": self.cache.reset()}
 
     def _preempt(self, victim: Req) -> None:
         log.info("preempting %s (%d tokens) to free KV pages", victim.rid, victim.seq_len)
@@ -156,10 +250,11 @@ class Scheduler:
             if self._ensure_pages(req, req.num_computed + n):
                 items.append((req, n))
                 budget -= n
+        self._order_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
-            n = min(req.remaining, budget)
-            if not self._ensure_pages(req, req.num_computed + n):
+            n = self._admit(req, budget)
+            if not n:
                 break
             self.waiting.popleft()
             req.phase = Phase.RUNNING
@@ -204,6 +299,8 @@ class Scheduler:
             self.fail(req, *res.error)
             return
         req.num_computed += res.n
+        if res.n > 1 or req.num_computed <= len(req.prompt):
+            self.cache_pages(req)  # a prefill chunk: later requests may share it at once
         if res.prompt_logprobs:
             req.pending_in_logprobs.extend(res.prompt_logprobs)
         if res.token is None:
@@ -247,7 +344,7 @@ class Scheduler:
         msg = TokenOut(req.rid, req.pending_tokens, req.pending_out_logprobs)
         req.pending_tokens, req.pending_out_logprobs = [], []
         if not req.sent_prompt_stats:
-            msg.prompt_tokens = len(req.prompt)
+            msg.prompt_tokens, msg.cached_tokens = len(req.prompt), req.cached_tokens
             if req.wants_prompt_logprobs:
                 head = [(None, req.prompt[0], None)] if req.logprob_start_len == 0 else []
                 msg.input_logprobs = head + req.pending_in_logprobs
@@ -272,5 +369,18 @@ class Scheduler:
             "num_tokens": sum(r.seq_len for r in self.reqs.values()),
             "prompt_tokens_total": c.prompt_tokens, "generation_tokens_total": c.generated_tokens,
             "finished_total": c.finished, "aborted_total": c.aborted,
-            "preempted_total": c.preempted, "steps_total": c.steps, **self.ext.stats(),
+            "preempted_total": c.preempted, "steps_total": c.steps,
+            **self._cache_stats(), **self.ext.stats(),
+        }
+
+    def _cache_stats(self) -> dict[str, Any]:
+        c, cache = self.counters, self.cache
+        return {
+            "radix_cache_enabled": cache is not None,
+            "cache_hit_tokens_total": c.cached_tokens,
+            "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            "radix_cache_pages": cache.num_pages if cache else 0,
+            "radix_cache_evictable_pages": cache.evictable() if cache else 0,
+            "radix_cache_evicted_pages_total": cache.evicted_pages if cache else 0,
+            "radix_cache_inserted_pages_total": cache.inserted_pages if cache else 0,
         }

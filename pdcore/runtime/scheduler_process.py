@@ -70,7 +70,7 @@ class SchedulerLoop:
         if msg.kind in ("get_load", "stats"):
             return s.stats()
         if msg.kind == "flush_cache":
-            return {"flushed": True}  # no prefix cache to flush yet
+            return s.flush_cache()
         if msg.kind == "start_profile":
             import torch.profiler as tp
 

@@ -125,7 +125,8 @@ async def flush_cache(request: Request) -> Response:
         if e.status == 500 and _engine(request).ready:  # refused (requests still running)
             return error_response(f"cache not flushed: {e}", 400)
         raise
-    return JSONResponse({"success": True, "message": "cache flushed", **data})
+    return JSONResponse({"success": bool(data.get("flushed")), "message": "cache flushed",
+                         **data})
 
 
 @router.get("/metrics")

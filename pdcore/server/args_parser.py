@@ -56,7 +56,12 @@ HELP: dict[str, str] = {
     "max_running_requests": "largest running batch",
     "chunked_prefill_size": "prefill chunk in tokens (-1: no chunking)",
     "max_prefill_tokens": "token budget of one prefill batch",
-    "disable_radix_cache": "do not reuse cached prompt prefixes",
+    "disable_radix_cache": "turn the prefix cache (RadixAttention) off: every prompt is "
+                           "computed in full",
+    "schedule_policy": "queue order: fcfs (arrival) or lpm (longest cached prefix first)",
+    "disaggregation_decode_enable_radix_cache": "decode server: keep finished requests' KV "
+                                                "in a prefix cache and receive only the part of "
+                                                "a prompt it does not hold",
     "disaggregation_mode": "null (unified), prefill or decode",
     "disaggregation_transfer_backend": "KV transfer backend plugin (tcp, shm, mooncake, nixl, "
                                        "...); default: mooncake when installed and usable, "

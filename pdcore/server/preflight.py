@@ -132,11 +132,15 @@ def _warnings(args: ServerArgs, env: Mapping[str, str]) -> list[str]:
     if args.attention_backend and args.attention_backend not in ATTENTION_BACKENDS:
         out.append(f"--attention-backend {args.attention_backend} is ignored: attention runs "
                    f"torch SDPA on {args.device}")
-    if args.disable_radix_cache:
-        out.append("--disable-radix-cache has no effect: there is no prefix cache yet")
-    if args.schedule_policy == "lpm":
+    if args.schedule_policy == "lpm" and args.disable_radix_cache:
         out.append("--schedule-policy lpm runs as fcfs: longest-prefix-match needs the prefix "
-                   "cache, which does not exist yet")
+                   "cache, which --disable-radix-cache turns off")
+    if args.disaggregation_decode_enable_radix_cache and args.disaggregation_mode != "decode":
+        out.append("--disaggregation-decode-enable-radix-cache is ignored: only a decode server "
+                   "reads it (prefill and unified servers cache prefixes by default)")
+    elif args.disaggregation_decode_enable_radix_cache and args.disable_radix_cache:
+        out.append("--disaggregation-decode-enable-radix-cache is ignored: "
+                   "--disable-radix-cache turns every prefix cache off")
     return out
 
 

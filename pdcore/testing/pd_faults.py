@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import PDCluster, spawned_children
 
 HEARTBEAT_S, MAX_FAILURE = 1.0, 2
@@ -151,7 +152,7 @@ def kill_decode_mid_transfer(c: PDCluster) -> None:
         t.join(60)
     assert len(results) == 6, "a request hung on P after its decode died"
     c_timeout = float(FAULT_ENV["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"])
-    _wait(lambda: _stats(p.url)["num_pages_free"] == _stats(p.url)["num_pages_total"],
+    _wait(lambda: load_at_rest(_stats(p.url)),
           c_timeout + 10, "P to free the dead decode's pages")
     assert time.monotonic() - killed <= c_timeout + 10
     assert httpx.get(p.url + "/health", timeout=5).status_code == 200

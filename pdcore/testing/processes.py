@@ -19,6 +19,7 @@ import httpx
 
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import server_threads
+from pdcore.testing.pages import load_at_rest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 _PORTS_GIVEN: set[int] = set()
@@ -234,7 +235,7 @@ class PDCluster:
         deadline = time.monotonic() + timeout
         while True:
             loads = [self.load(s) for s in self.prefills + self.decodes if s.alive()]
-            if all(x["num_pages_free"] == x["num_pages_total"] for x in loads):
+            if all(load_at_rest(x) for x in loads):
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"KV pages not back to free: {loads}")

@@ -20,6 +20,7 @@ from pdcore.engine.io_struct import AbortReq, GenerateReq, SamplingParams
 from pdcore.engine.request import Phase, Req
 from pdcore.engine.sampler import SampleState
 from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.testing.pages import pages_at_rest
 
 PROMPT_7 = [11, 12, 13, 14, 15, 16, 17]  # the last position shares a page with others (page 4)
 PROMPT_8 = [21, 22, 23, 24, 25, 26, 27, 28]  # the last position ends a page (page 4)
@@ -68,8 +69,9 @@ class StandInP:
 def dec(request, tiny_llama_dir):
     args = ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=256,
                       page_size=request.param, disaggregation_mode="decode")
+    # a decode server has no prefix cache unless asked (its pages come from prefill)
     eng = LLMEngine(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=256,
-                               page_size=request.param))
+                               page_size=request.param, disable_radix_cache=True))
     sched = eng.scheduler
     aux = AuxBuffers(eng.engine.kv.pool, 8)
     mgr = StandInP()
@@ -193,7 +195,7 @@ def test_followers_share_pages_copy_the_last_and_match_unified(dec, unified, pro
     want = unified(prompt)
     assert [outs[f"s7-{j}"]["ids"] for j in range(3)] == [want] * 3
     assert all(outs[f"s7-{j}"]["error"] is None for j in range(3))
-    assert blocks.num_free == blocks.num_pages
+    assert pages_at_rest(eng.scheduler)
     stats = eng.scheduler.stats()
     assert stats["disagg_transfers_total"] == 1 and stats["disagg_samples_total"] == 3
     assert stats["disagg_forks_total"] == 2 and stats["disagg_transfers_per_request"] == 1
@@ -209,7 +211,7 @@ def test_seeded_followers_sample_like_unified(dec, unified):
     for j in (1, 2):
         assert outs[f"s7-{j}"]["ids"] == unified(PROMPT_7, 100 + j)
     assert len({tuple(o["ids"]) for o in outs.values()}) == 3
-    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+    assert pages_at_rest(eng.scheduler)
 
 
 @pytest.mark.parametrize("when", ["bootstrapping", "transferring"])
@@ -228,7 +230,7 @@ def test_leader_aborted_before_its_kv_fails_the_followers(dec, when):
         assert ext.stats()["disagg_quarantined_pages"] == blocks.pages_for(len(PROMPT_7))
         ext.quarantine = [(0.0, pages) for _, pages in ext.quarantine]
         eng.lockstep.lead([])
-    assert blocks.num_free == blocks.num_pages
+    assert pages_at_rest(eng.scheduler)
 
 
 def test_transfer_failure_fails_every_sample_with_the_reason(dec):
@@ -237,7 +239,7 @@ def test_transfer_failure_fails_every_sample_with_the_reason(dec):
     mgr.abort(7, "prefill server lost")
     outs = drain(eng, {})
     assert all("prefill server lost" in outs[f"s7-{j}"]["error"] for j in range(2)), outs
-    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+    assert pages_at_rest(eng.scheduler)
 
 
 def test_aborting_one_sample_frees_only_its_own_references(dec, unified):
@@ -258,7 +260,7 @@ def test_aborting_one_sample_frees_only_its_own_references(dec, unified):
     drain(eng, outs)
     assert outs["s7-3"]["done"] and outs["s7-1"]["done"]
     assert outs["s7-2"]["ids"] == unified(PROMPT_7)
-    assert blocks.num_free == blocks.num_pages
+    assert pages_at_rest(eng.scheduler)
 
 
 def test_a_follower_without_its_leader_fails_clearly(dec):
@@ -266,7 +268,7 @@ def test_a_follower_without_its_leader_fails_clearly(dec):
     stray = group(PROMPT_7, 2, room=9)[1]
     outs = drain(eng, {}, [stray])
     assert "forks from sample 's9-0'" in outs["s9-1"]["error"]
-    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+    assert pages_at_rest(eng.scheduler)
 
 
 def test_no_free_page_for_the_copy_recomputes_the_tail(dec, unified):
@@ -282,7 +284,7 @@ def test_no_free_page_for_the_copy_recomputes_the_tail(dec, unified):
     blocks.free(hog)
     drain(eng, outs)
     assert outs["s7-1"]["ids"] == outs["s7-0"]["ids"] == unified(PROMPT_7)
-    assert blocks.num_free == blocks.num_pages
+    assert pages_at_rest(eng.scheduler)
 
 
 def test_fork_unit_refcounts():
@@ -311,4 +313,4 @@ def test_a_leader_finished_by_its_first_token_leaves_the_pages_to_its_samples(de
     deliver(eng, mgr, aux, 7, PROMPT_7)
     drain(eng, outs)
     assert [outs[f"s7-{j}"]["ids"] for j in range(3)] == [unified(PROMPT_7)[:1]] * 3
-    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+    assert pages_at_rest(eng.scheduler)

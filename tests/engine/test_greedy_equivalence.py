@@ -9,6 +9,7 @@ from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
+from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.prompts import prompt_token_ids
 from pdcore.testing.tiny_models import make_tiny_model
 
@@ -26,7 +27,7 @@ def test_smollm2_gguf_matches_transformers(smollm2_refs):
     eng = LLMEngine(ServerArgs(max_total_tokens=16384, page_size=16, chunked_prefill_size=256))
     try:
         outs = eng.generate(prompts, GREEDY, return_logprob=True)
-        assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+        assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()
     verdicts = [
@@ -56,7 +57,7 @@ def test_tiny_random_models_mixed_batch_chunked(tmp_path, arch, page_size):
     try:
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0),
                             return_logprob=True)
-        assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+        assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()
     for o, r in zip(outs, refs):
@@ -91,7 +92,7 @@ def test_preemption_recomputes_identically(tmp_path):
     try:
         got = [o["output_ids"] for o in small.generate(prompts, sp)]
         assert small.scheduler.counters.preempted > 0
-        assert small.scheduler.blocks.num_free == small.scheduler.blocks.num_pages
+        assert pages_at_rest(small.scheduler)
     finally:
         small.close()
     assert got == want

@@ -8,6 +8,7 @@ import torch
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.tiny_models import make_tiny_model
 
 
@@ -82,4 +83,4 @@ def test_prompt_longer_than_context_is_rejected(tiny):
     _, eng = tiny
     out = eng.generate([[3] * 5000], SamplingParams(max_new_tokens=2))[0]
     assert out["error"] and "context length" in out["error"]
-    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+    assert pages_at_rest(eng.scheduler)

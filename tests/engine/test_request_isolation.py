@@ -11,6 +11,7 @@ import pytest
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams, TokenOut
 from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.tiny_models import make_tiny_model
 
 VOCAB = 512
@@ -47,7 +48,6 @@ def _run(eng: LLMEngine, reqs: list[GenerateReq], max_iters: int = 500) -> dict[
 
 
 def _check_isolation(eng: LLMEngine) -> None:
-    free0 = eng.scheduler.blocks.num_free
     good = [_req(p) for p in PROMPTS[:3]]
     bad = _req(PROMPTS[3], top=VOCAB * 100, logprob=True)
     reference = _run(eng, [_req(p) for p in PROMPTS[:3]])
@@ -57,7 +57,7 @@ def _check_isolation(eng: LLMEngine) -> None:
     for g, ref in zip(good, reference.values()):
         assert res[g.rid]["error"] is None
         assert res[g.rid]["ids"] == ref["ids"] and len(ref["ids"]) == 6
-    assert eng.scheduler.blocks.num_free == free0
+    assert pages_at_rest(eng.scheduler)
     assert not eng.scheduler.reqs and not eng.scheduler.running
     later = _run(eng, [_req(PROMPTS[3], top=5, logprob=True)])  # the engine still serves
     assert next(iter(later.values()))["error"] is None
@@ -74,7 +74,6 @@ def test_bad_request_fails_alone_tp1(model_path: str) -> None:
 def test_failed_forward_fails_its_batch_only(model_path: str) -> None:
     eng = LLMEngine(ServerArgs(model_path=model_path, max_total_tokens=1024, page_size=4))
     try:
-        free0 = eng.scheduler.blocks.num_free
         runner = eng.scheduler.runner
         real = runner.model
         calls = {"n": 0}
@@ -89,10 +88,10 @@ def test_failed_forward_fails_its_batch_only(model_path: str) -> None:
         res = _run(eng, [_req(p) for p in PROMPTS])
         assert all("injected forward failure" in r["error"] for r in res.values())
         assert all(r["status"] == 500 for r in res.values())
-        assert eng.scheduler.blocks.num_free == free0
+        assert pages_at_rest(eng.scheduler)
         again = _run(eng, [_req(p) for p in PROMPTS])
         assert all(r["error"] is None and len(r["ids"]) == 6 for r in again.values())
-        assert eng.scheduler.blocks.num_free == free0
+        assert pages_at_rest(eng.scheduler)
     finally:
         eng.scheduler.runner.model = real
         eng.close()

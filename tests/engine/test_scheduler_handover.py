@@ -14,6 +14,7 @@ from pdcore.engine.io_struct import GenerateReq, SamplingParams
 from pdcore.engine.request import Phase, Req
 from pdcore.engine.scheduler import Extension, Scheduler
 from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.testing.pages import pages_at_rest
 
 FIRST = 42  # the token "P" sampled
 
@@ -81,7 +82,7 @@ def test_first_token_goes_out_before_the_next_forward_pass(engine) -> None:
     assert forwards == [["a"]] and len(tokens(out)["a"]) == 1
     out = eng.lockstep.lead([])
     assert forwards == [["a"], ["a"]] and out[-1].finished
-    assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+    assert pages_at_rest(eng.scheduler)
 
 
 def test_handovers_every_step_cannot_starve_the_running_batch(engine) -> None:

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import PDCluster, ServerProcess
 
 KEY = "sk-pd-key"
@@ -59,7 +60,7 @@ def test_api_key_through_the_router_with_bfloat16_kv(tiny_llama_dir):
             deadline = time.monotonic() + 30
             while True:  # P frees its pages when the transfer completes, maybe just after
                 load = httpx.get(s.url + "/get_load", headers=headers).json()[0]
-                if load["num_pages_free"] == load["num_pages_total"]:
+                if load_at_rest(load):
                     break
                 assert time.monotonic() < deadline, load
                 time.sleep(0.2)

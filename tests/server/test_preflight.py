@@ -111,14 +111,14 @@ def test_each_silent_no_op_warns_once(tiny_llama_dir, capsys, monkeypatch):
             "--disaggregation-mode", "decode", "--backend", "tcp",
             "--disaggregation-ib-device", "mlx5_0", "--base-gpu-id", "1",
             "--attention-backend", "flashinfer", "--disable-radix-cache",
-            "--schedule-policy", "lpm"]
+            "--schedule-policy", "lpm", "--disaggregation-decode-enable-radix-cache"]
     lines = _warnings(capsys, argv, monkeypatch, {"SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "NVLINK"})
     expected = ["--disaggregation-ib-device mlx5_0 is ignored: transfer backend 'tcp'",
                 "--base-gpu-id 1 is ignored: platform 'cpu'",
                 "SGLANG_MOONCAKE_CUSTOM_MEM_POOL is set but ignored: transfer backend 'tcp'",
                 "--attention-backend flashinfer is ignored",
-                "--disable-radix-cache has no effect",
-                "--schedule-policy lpm runs as fcfs"]
+                "--schedule-policy lpm runs as fcfs",
+                "--disaggregation-decode-enable-radix-cache is ignored: --disable-radix-cache"]
     for needle in expected:
         assert sum(needle in line for line in lines) == 1, (needle, lines)
     assert len(lines) == len(expected), lines

@@ -12,6 +12,7 @@ from pdcore.engine.models.layers import kv_head_span, q_head_span, span
 from pdcore.errors import ConfigError
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
+from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.tiny_models import make_tiny_model
 
 SP = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
@@ -40,7 +41,7 @@ def _run(path: str, tp: int, prompts: list[list[int]]) -> list[dict]:
                                chunked_prefill_size=64, tp_size=tp))
     try:
         outs = eng.generate(prompts, SP, return_logprob=True)
-        assert eng.scheduler.blocks.num_free == eng.scheduler.blocks.num_pages
+        assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()
     assert all(not p.is_alive() for p in eng.ranks.children), "a TP rank outlived close()"

@@ -12,6 +12,8 @@ import pytest
 import torch
 from tp_helpers import NEW, STAGING, Fleet, pd_generate
 
+from pdcore.testing.pages import load_at_rest
+
 HAS_STAGING = importlib.util.find_spec("pd_staging") is not None
 needs_staging = pytest.mark.skipif(not HAS_STAGING,
                                    reason="pd-staging not installed (pip install -e plugins/pd-staging)")
@@ -70,7 +72,7 @@ def check_fleet(fleet: Fleet, prompts, unified) -> None:
     assert fleet.load("d2s").get("kv_staged_rooms", 0) == len(prompts)
     for name in fleet.servers:
         load = fleet.load(name)
-        assert load["num_pages_free"] == load["num_pages_total"], (name, load)
+        assert load_at_rest(load), (name, load)
 
 
 @needs_staging
@@ -89,7 +91,7 @@ def test_oversize_chunk_fails_only_its_request(tcp_fleet, prompts_and_unified):
     _same_as_unified(tcp_fleet, "p2s", "d1s", prompts[:2], unified[:2])  # the server is fine
     for name in ("p2s", "d1s"):
         load = tcp_fleet.load(name)
-        assert load["num_pages_free"] == load["num_pages_total"], (name, load)
+        assert load_at_rest(load), (name, load)
 
 
 @pytest.mark.slow
@@ -128,6 +130,6 @@ def test_hetero_tp_over_shm_cma(tiny_tp_model, prompts_and_unified):
         assert fleet.load("p2s").get("kv_staged_bytes", 0) > 0
         for name in fleet.servers:
             load = fleet.load(name)
-            assert load["num_pages_free"] == load["num_pages_total"], (name, load)
+            assert load_at_rest(load), (name, load)
     finally:
         fleet.stop()
