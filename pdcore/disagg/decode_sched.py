@@ -151,6 +151,7 @@ class DecodeExtension(RoleExtension):
         if req.return_logprob:
             top = list(zip(row.top_logprobs, row.top_ids))[: req.top_logprobs_num] or None
             lp = (row.logprob, row.first_token_id, top if req.top_logprobs_num else None)
+        req.cached_tokens = row.cached_tokens  # P's prefix-cache hit: what it did not compute
         req.state.observe(row.first_token_id)
         self.sched.push_token(req, row.first_token_id, lp)
 

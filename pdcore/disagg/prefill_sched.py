@@ -104,7 +104,7 @@ class PrefillExtension(RoleExtension):
                 self.aux.write(st.aux_slot, AuxRow(
                     room=st.room, first_token_id=res.token, logprob=lp[0] if lp else 0.0,
                     top_ids=tuple(t for _, t in top), top_logprobs=tuple(v for v, _ in top),
-                    prompt_tokens=len(req.prompt)))
+                    prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens))
             if done_pages > st.sent_pages or last:
                 pages = np.asarray(req.pages[st.sent_pages:done_pages], dtype=np.int64)
                 self.mgr.send(st.room, pages, st.sent_pages, last, st.aux_slot if last else None)
