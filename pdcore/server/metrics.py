@@ -32,6 +32,13 @@ _STAT_KEYS = {
     "waiting": ("num_waiting_reqs", "waiting", "num_waiting"),
     "pages_used": ("num_pages_used", "pages_used", "used_pages"),
     "pages_free": ("num_pages_free", "pages_free", "free_pages"),
+    "cache_hit_rate": ("cache_hit_rate",),
+    "cache_pages": ("radix_cache_pages",),
+    "cache_evictable": ("radix_cache_evictable_pages",),
+}
+# scheduler totals exported as counters (advanced by the difference since the last scrape)
+_COUNTER_KEYS = {
+    "cache_evicted": "radix_cache_evicted_pages_total",
 }
 
 
@@ -60,6 +67,15 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request latency",
                              buckets=_E2E_BUCKETS, registry=r)
+        self.cache_hit_rate = Gauge("pdserve_cache_hit_rate", "Prompt tokens taken from the "
+                                    "prefix cache / prompt tokens, since start", registry=r)
+        self.cache_pages = Gauge("pdserve_radix_cache_pages", "KV pages the prefix cache holds",
+                                 registry=r)
+        self.cache_evictable = Gauge("pdserve_radix_cache_evictable_pages", "Cached KV pages no "
+                                     "request holds (free to evict)", registry=r)
+        self.cache_evicted = Counter("pdserve_radix_cache_evicted_pages", "KV pages evicted "
+                                     "from the prefix cache", registry=r)
+        self._totals: dict[str, float] = {}
         self._extra: dict[str, Gauge] = {}
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
@@ -70,6 +86,12 @@ class ServerMetrics:
                     getattr(self, attr).set(stats[k])
                     known.add(k)
                     break
+        for attr, k in _COUNTER_KEYS.items():
+            v = stats.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                getattr(self, attr).inc(max(0.0, v - self._totals.get(k, 0.0)))
+                self._totals[k] = v
+                known.add(k)
         for k, v in stats.items():
             if k in known or isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
