@@ -25,15 +25,16 @@ from pdcore.engine.block_manager import BlockManager
 
 
 class _Node:
-    __slots__ = ("children", "key", "last_use", "pages", "parent")
+    __slots__ = ("children", "key", "last_use", "pages", "parent", "seq")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None,
-                 last_use: int) -> None:
+                 last_use: int, seq: int = 0) -> None:
         self.key = key  # len(key) == len(pages) * page_size
         self.pages = pages
         self.children: dict[tuple[int, ...], _Node] = {}  # by the child's first page of tokens
         self.parent = parent
         self.last_use = last_use
+        self.seq = seq  # creation order: breaks LRU ties the same way on every TP rank
 
 
 class RadixCache:
@@ -45,6 +46,11 @@ class RadixCache:
         self.clock = 0
         self.evicted_pages = 0
         self.inserted_pages = 0
+        self._seq = 0
+
+    def _new(self, key: tuple[int, ...], pages: list[int], parent: _Node, last_use: int) -> _Node:
+        self._seq += 1
+        return _Node(key, pages, parent, last_use, self._seq)
 
     # ---- lookup -------------------------------------------------------------------------------
     def _common_pages(self, node: _Node, tokens: tuple[int, ...], start: int, limit: int) -> int:
@@ -83,7 +89,7 @@ class RadixCache:
         """Cut `node` after its first k pages; returns the new upper part."""
         ps, parent = self.ps, node.parent
         assert parent is not None and 0 < k < len(node.pages)
-        upper = _Node(node.key[:k * ps], node.pages[:k], parent, node.last_use)
+        upper = self._new(node.key[:k * ps], node.pages[:k], parent, node.last_use)
         parent.children[upper.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[k * ps:], node.pages[k:], upper
         upper.children[node.key[:ps]] = node
@@ -101,7 +107,8 @@ class RadixCache:
             head = t[i * self.ps:(i + 1) * self.ps]
             child = node.children.get(head)
             if child is None:
-                new = _Node(t[i * self.ps:], self.blocks.ref(list(pages[i:n])), node, self.clock)
+                new = self._new(t[i * self.ps:], self.blocks.ref(list(pages[i:n])), node,
+                                self.clock)
                 node.children[head] = new
                 self.num_pages += n - i
                 self.inserted_pages += n - i
@@ -136,7 +143,7 @@ class RadixCache:
     def evict(self, want: int) -> int:
         """Free up to `want` pages, least recently used leaves first (their unlocked tail
         pages); returns the number freed."""
-        heap = [(n.last_use, id(n), n) for n in self._leaves()]
+        heap = [(n.last_use, n.seq, n) for n in self._leaves()]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < want:
@@ -159,7 +166,7 @@ class RadixCache:
                     if child is node:
                         del parent.children[head]
                 if parent is not self.root and not parent.children:
-                    heapq.heappush(heap, (parent.last_use, id(parent), parent))
+                    heapq.heappush(heap, (parent.last_use, parent.seq, parent))
         return freed
 
     def evictable(self) -> int:
