@@ -67,3 +67,50 @@ def test_transfer_bench_small_run_verifies_bytes_and_writes_results(tmp_path: Pa
         for name, v in data["ratios"][w].items():
             a, b = name.split("/")
             assert abs(v["value"] - r["cases"][b]["median_s"] / r["cases"][a]["median_s"]) < 1e-9
+
+
+def test_prefix_cache_bench_small_run_reports_cache_hits(tiny_llama_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """bench/prefix_cache.py, all three parts on a tiny model and tiny sizes: the JSON holds
+    every phase, the cache-on runs report cached tokens and the cache-off runs none, (b) has
+    one row per turn, and (c) gives both policies the same greedy answers."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "prefix_cache.json"
+    sizes = {"--system-len": 64, "--questions": 4, "--question-len": 8, "--out-len": 2,
+             "--conversations": 2, "--turns": 2, "--first-len": 40, "--user-len": 8,
+             "--answer-len": 4, "--prefixes": 2, "--prefix-len": 48, "--per-prefix": 2,
+             "--max-total-tokens": 2048}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "prefix_cache.py"), "--model-path",
+         str(tiny_llama_dir), "--out", str(out), *(str(x) for kv in sizes.items() for x in kv)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    a = data["a"]
+    assert set(a) == {"unified_on", "unified_off", "pd_on", "pd_off"}
+    for name, run in a.items():
+        assert run["ttft_s"]["n"] == sizes["--questions"] - 1, name
+        assert run["prompt_tokens"] == (sizes["--questions"] - 1) * (
+            sizes["--system-len"] + sizes["--question-len"]), name
+        if name.endswith("_on"):  # the first request put the shared prefix in the cache
+            assert run["cached_tokens"] > 0, name
+        else:
+            assert run["cached_tokens"] == 0, name
+    assert set(data["ratios"]["a_unified_ttft_on_over_off"]) == {"p50", "p90"}
+    assert set(data["ratios"]["a_pd_ttft_on_over_off"]) == {"p50", "p90"}
+    for name in ("plain", "reuse"):
+        b = data["b"][name]
+        assert [t["turn"] for t in b["turns"]] == [1, 2], name
+        assert all(t["kv_bytes_per_conversation"] > 0 for t in b["turns"]), name
+        assert b["turns"][1]["cached_tokens"] > 0, name  # P kept turn 1's prompt
+    assert "b_bytes_reuse_over_plain_from_turn2" in data["ratios"]
+    c = data["c"]
+    for policy in ("cache_aware", "round_robin"):
+        assert c[policy]["prompt_tokens"] == sizes["--prefixes"] * sizes["--per-prefix"] * (
+            sizes["--prefix-len"] + sizes["--question-len"]), policy
+        assert 0 <= c[policy]["hit_rate"] <= 1
+    assert c["outputs_identical"] is True
+    assert set(data["targets_met"]) >= {"a_unified", "a_pd", "b_bytes", "b_ttft",
+                                        "c_cache_aware_higher"}
+    assert "RATIO (a)" in proc.stdout and "HIT RATE (c)" in proc.stdout
