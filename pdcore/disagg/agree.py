@@ -25,24 +25,31 @@ class Agreed:
     states: dict[int, KVPoll] = field(default_factory=dict)
     counts: dict[int, int] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
+    extra: dict[int, tuple[int, ...]] = field(default_factory=dict)  # MIN of each `extra` value
 
     def state(self, room: int) -> KVPoll:
         return self.states.get(room, KVPoll.Failed)
 
 
 def poll_all(mgr: Any, rooms: Sequence[int], tp: TPInfo,
-             count: Callable[[int], int] | None = None) -> Agreed:
-    """Agreed states (and MIN of `count(room)` when given) for `rooms`."""
+             count: Callable[[int], int] | None = None,
+             extra: Sequence[Callable[[int], int]] = ()) -> Agreed:
+    """Agreed states (and MIN of `count(room)` when given, and of each `extra` function's
+    value) for `rooms`; everything in the same one all-reduce."""
     rooms = list(dict.fromkeys(rooms))
+    n = len(rooms)
     local = [int(mgr.poll(r)) for r in rooms]
     counts = [int(count(r)) for r in rooms] if count is not None else []
+    extras = [int(f(r)) for f in extra for r in rooms]
     if tp.size > 1 and rooms:
-        merged = tp.all_min(local + counts)
-        agreed, counts = merged[: len(rooms)], merged[len(rooms):]
+        merged = tp.all_min(local + counts + extras)
+        agreed, counts, extras = merged[:n], merged[n:n + len(counts)], merged[n + len(counts):]
     else:
         agreed = local
     out = Agreed({r: KVPoll(s) for r, s in zip(rooms, agreed)},
-                 dict(zip(rooms, counts)) if count is not None else {})
+                 dict(zip(rooms, counts)) if count is not None else {},
+                 extra={r: tuple(int(extras[i * n + j]) for i in range(len(extra)))
+                        for j, r in enumerate(rooms)} if extra else {})
     failed = [r for r, s in zip(rooms, agreed) if s == KVPoll.Failed]
     if not failed:
         return out

@@ -4,8 +4,10 @@ Control plane lifecycle (one per manager):
 1. `start()` binds a PULL socket on the manager's host (ephemeral port) and starts the receive
    thread; the returned `tcp://ip:port` is what peers send to;
 2. the receive thread decodes each message (version and auth token checked first; a bad one is
-   logged, counted and dropped) and hands it to `on_message`; every `tick` seconds it calls
-   `on_tick` (timeouts) on the same thread, so handlers never race each other;
+   logged, counted and dropped; an authentic one of another protocol version goes to
+   `on_foreign`, which refuses it in a way an older peer understands) and hands it to
+   `on_message`; every `tick` seconds it calls `on_tick` (timeouts) on the same thread, so
+   handlers never race each other;
 3. `send(addr, msg)` pushes through a per-peer PUSH socket, never blocking: linger 0, and a
    full queue (dead peer) makes send() return False instead of waiting;
 4. `drop(addr)` closes a peer's socket (it died); `close()` stops the thread and the sockets.
@@ -40,9 +42,11 @@ _MAX_MSG = 64 << 20
 class ControlPlane:
     def __init__(self, host: str, token: str | None, label: str,
                  on_message: Callable[[wire.Message], None], on_tick: Callable[[], None],
-                 tick: float = 0.05) -> None:
+                 tick: float = 0.05,
+                 on_foreign: Callable[[wire.VersionMismatch], None] | None = None) -> None:
         self.host, self.token, self.label = host, token, label
         self._on_message, self._on_tick, self._tick = on_message, on_tick, tick
+        self._on_foreign = on_foreign
         self.counters = Counters()
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
@@ -90,6 +94,13 @@ class ControlPlane:
     def _dispatch(self, data: bytes) -> None:
         try:
             msg = wire.decode(data, self.token)
+        except wire.VersionMismatch as e:
+            self.counters.add("rejected_messages")
+            self.counters.add("version_mismatches")
+            log.error("%s: refused control message (%d bytes): %s", self.label, len(data), e)
+            if self._on_foreign is not None:
+                self._guarded(self._on_foreign, e)
+            return
         except ProtocolError as e:
             self.counters.add("rejected_messages")
             log.warning("%s: rejected control message (%d bytes): %s", self.label, len(data), e)
@@ -106,9 +117,12 @@ class ControlPlane:
 
     def send(self, addr: str, msg: wire.Message) -> bool:
         """Queue msg for addr without blocking; False when it cannot be queued (peer gone)."""
+        return self.send_raw(addr, wire.encode(msg, self.token), type(msg).__name__)
+
+    def send_raw(self, addr: str, data: bytes, what: str = "message") -> bool:
+        """send() of bytes encoded already (a refusal in an older peer's version)."""
         if self._stop.is_set():
             return False
-        data = wire.encode(msg, self.token)
         with self._push_lock:
             entry = self._push.get(addr)
             if entry is None:
@@ -126,8 +140,7 @@ class ControlPlane:
                 sock.send(data, zmq.NOBLOCK)
             except zmq.ZMQError as e:  # Again (queue full) or a socket closed by drop()
                 self.counters.add("send_failures")
-                log.warning("%s: cannot send %s to %s: %s", self.label, type(msg).__name__,
-                            addr, e)
+                log.warning("%s: cannot send %s to %s: %s", self.label, what, addr, e)
                 return False
         self.counters.add("sent_messages")
         return True

@@ -112,12 +112,17 @@ class DecodeKVManager(KVManager):
                 return
         self._resolver.submit(self._resolve, room, addr, now)
 
-    def send_transfer_info(self, room: int, dst_pages: np.ndarray, aux_slot: int) -> None:
+    def send_transfer_info(self, room: int, dst_pages: np.ndarray, aux_slot: int,
+                           prefix_pages: int = 0, prefix_digest: str = "") -> None:
+        """Tell P where the room's KV goes: all of the prompt's pages, of which the first
+        `prefix_pages` hold D's cached prefix already (tokens digested in `prefix_digest`)."""
         pages = np.asarray(dst_pages, dtype=np.int64).ravel()
         # a protocol violation by our scheduler fails the room (P is told), not the engine
         why = f"aux slot {aux_slot} out of range" if not 0 <= aux_slot < self.aux.num_slots else (
             "page indices outside this pool" if len(pages) and (
                 pages.min() < 0 or pages.max() >= self.kv.num_pages) else "")
+        if not why and not 0 <= prefix_pages < max(len(pages), 1):
+            why = f"prefix of {prefix_pages} pages leaves none of the {len(pages)} to transfer"
         with self._lock:
             r = self._rooms.get(room)
             state = self.states.get(room)
@@ -136,9 +141,10 @@ class DecodeKVManager(KVManager):
                 return
             self.aux.clear(aux_slot)  # a stale row in a reused slot must never pass the check
             r.aux_slot, r.pages = aux_slot, pages
+            r.prefix_pages, r.prefix_digest = prefix_pages, prefix_digest
             r.deadline = time.monotonic() + self.env.waiting_timeout
             self.states.advance(room, KVPoll.Transferring)
-            nbytes = (self.grants.staging.grant_bytes(len(pages), r.inst.tp_size)
+            nbytes = (self.grants.staging.grant_bytes(len(pages) - prefix_pages, r.inst.tp_size)
                       if self.grants is not None and r.inst.tp_size != self.tp_size else 0)
             why = self.grants.too_big(nbytes) if nbytes else ""
             offset = self.grants.reserve(room, nbytes) if nbytes and not why else None
@@ -156,15 +162,16 @@ class DecodeKVManager(KVManager):
         msg = wire.TransferInfo(room=r.room, session=self.session, ctrl_addr=self.ctrl.addr,
                                 rank=self.tp_rank, dst_pages=wire.encode_pages(pages),
                                 aux_slot=r.aux_slot, required=inst.required_dst,
-                                staging_offset=off, staging_len=nbytes)
+                                staging_offset=off, staging_len=nbytes,
+                                prefix_pages=r.prefix_pages, prefix_digest=r.prefix_digest)
         dp = r.room % inst.dp_size
         for a in [inst.ctrl_addrs[(dp, t)] for t in inst.targets]:
             if not self.ctrl.send(a, msg):
                 self._fail(r.room, f"cannot reach prefill rank at {a}", code=wire.PREFILL_FAULT,
                            notify=False)
                 return
-        log.debug("room %d: transfer info sent (%d pages, aux slot %d, staging %d B)", r.room,
-                  len(pages), r.aux_slot, nbytes)
+        log.debug("room %d: transfer info sent (%d pages, %d cached, aux slot %d, staging %d B)",
+                  r.room, len(pages), r.prefix_pages, r.aux_slot, nbytes)
 
     def abort(self, room: int, reason: str) -> None:
         self._fail(room, f"aborted: {reason}")
@@ -322,7 +329,8 @@ class DecodeKVManager(KVManager):
         """Move a staged room's grant into its pages; '' or why it failed."""
         with self._lock:  # claim the grant: release() may race with us
             grant, r.grant = r.grant, None
-        why = scatter_grant(self.grants, r.room, grant, r.staged_by, r.responders, r.pages,
+        pages = r.pages[r.prefix_pages:] if r.pages is not None else None  # the grant's pages
+        why = scatter_grant(self.grants, r.room, grant, r.staged_by, r.responders, pages,
                             r.inst.tp_size if r.inst else 0)
         if grant is not None and r.staged_by and not why:
             self.counters.add("staged_rooms")

@@ -38,3 +38,5 @@ class Room:
     aux_payload: bytes = b""
     pages: np.ndarray | None = None
     grant: tuple[int, int] | None = None  # (offset, bytes) in the staging ring
+    prefix_pages: int = 0  # leading pages D's prefix cache holds: P writes none of them
+    prefix_digest: str = ""

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from pdcore.config import ServerArgs
+from pdcore.disagg import wire
 from pdcore.disagg.aux import AuxBuffers
 from pdcore.disagg.role import RoleExtension
 from pdcore.engine.request import Req
@@ -46,6 +47,7 @@ class DState:
     room: int
     aux_slot: int | None = None
     followers: list[Req] = field(default_factory=list)  # parallel samples parked on this one
+    prefix_pages: int = 0  # leading pages taken from this server's prefix cache (not sent)
 
 
 @dataclass
@@ -58,7 +60,8 @@ class Parked:
 class DecodeExtension(RoleExtension):
     def __init__(self, sched: Scheduler, mgr: Any, aux: AuxBuffers, args: ServerArgs) -> None:
         super().__init__(sched, mgr, aux, ["requests", "samples", "transfers", "forks",
-                                           "fork_recomputes"])
+                                           "fork_recomputes", "prefix_reused_tokens",
+                                           "prefix_reused_bytes"])
         self.args = args
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
@@ -94,6 +97,12 @@ class DecodeExtension(RoleExtension):
         self.counts["samples"] += 1
         return True
 
+    @property
+    def page_bytes(self) -> int:
+        """KV bytes of one page in this rank's pool (K and V of every layer)."""
+        kv = self.mgr.kv
+        return kv.item_len * (len(kv.k_bases) + len(kv.v_bases))
+
     def _extra(self, req: Req) -> int:
         return min(req.params.max_new_tokens, self.args.num_reserved_decode_tokens)
 
@@ -116,21 +125,32 @@ class DecodeExtension(RoleExtension):
 
     def _reserve(self, req: Req) -> bool:
         """P is known: take a request slot, the pages and an aux row, and send P the pages;
-        False while they are not free (FIFO: the head waits for room, the rest behind it)."""
+        False while they are not free (FIFO: the head waits for room, the rest behind it).
+        With a prefix cache, the prompt's longest cached prefix (whole pages, never the last
+        position) is locked first and only the rest is allocated; P sends only the rest."""
         sched = self.sched
         busy = sched.occupancy() + sum(1 + len(r.disagg.followers) for r in self.transfer)
         group = 1 + len(req.disagg.followers)
-        if (busy and busy + group > sched.max_running) \
-                or not sched.can_alloc(self._reserve_pages(req)):
+        if busy and busy + group > sched.max_running:
             return False
-        slot = self.aux.alloc()
-        if slot is None:
+        cached = sched.attach_prefix(req, len(req.prompt) - 1) if sched.has_cache else 0
+        held = len(req.pages)
+        slot = None
+        if sched.can_alloc(max(0, self._reserve_pages(req) - held)):
+            slot = self.aux.alloc()
+        if slot is None:  # wait holding nothing: the prefix is matched again next time
+            if req.pages:
+                sched.free_pages(req.pages)
+                req.pages = []
             return False
-        req.pages = sched.alloc_pages(sched.pages_for(len(req.prompt)))
-        req.disagg.aux_slot = slot
+        req.pages += sched.alloc_pages(sched.pages_for(len(req.prompt)) - held)
+        st: DState = req.disagg
+        st.aux_slot, st.prefix_pages = slot, held
         self.prealloc.remove(req)
         self.transfer.append(req)
-        self.mgr.send_transfer_info(req.disagg.room, np.asarray(req.pages, np.int64), slot)
+        prefix = ({"prefix_pages": held, "prefix_digest": wire.prefix_digest(req.prompt[:cached])}
+                  if held else {})
+        self.mgr.send_transfer_info(st.room, np.asarray(req.pages, np.int64), slot, **prefix)
         return True
 
     def _start_decoding(self, req: Req) -> None:
@@ -145,6 +165,9 @@ class DecodeExtension(RoleExtension):
         req.disagg = None
         self.sched.run(req, computed=len(req.prompt))
         self.counts["transfers"] += 1
+        if st.prefix_pages:  # these pages did not cross: D's cache had the same tokens' KV
+            self.counts["prefix_reused_tokens"] += st.prefix_pages * self.sched.page_size
+            self.counts["prefix_reused_bytes"] += st.prefix_pages * self.page_bytes
         for f in followers:  # before the first token: it may finish the leader (pages freed)
             self._fork(req, f)
         lp = None
@@ -186,8 +209,10 @@ class DecodeExtension(RoleExtension):
             self.prealloc.remove(req)
         if req in self.transfer:
             self.transfer.remove(req)
-            if req.pages:  # P may still be writing into them
-                self.quarantine.append((self.sched.now() + QUARANTINE_S, req.pages))
+            if req.pages:  # P may still be writing into them, except D's cached prefix
+                k = req.disagg.prefix_pages  # P never writes those (its send() refuses to)
+                self.sched.free_pages(req.pages[:k])
+                self.quarantine.append((self.sched.now() + QUARANTINE_S, req.pages[k:]))
                 req.pages = []
         self._end_room(req)
 

@@ -57,7 +57,7 @@ class KVManager(ABC):
         self._peer_faults: set[int] = set()  # failed rooms whose cause is the peer role
         self._handlers: Mapping[type, Callable[[Any], None]] = {}  # message type -> handler
         self.ctrl = ControlPlane(args.host, self.token, f"{self.role}{tp_rank}", self._on_message,
-                                 self._on_tick)
+                                 self._on_tick, on_foreign=self._on_foreign)
         self._setup()
 
     # -- scheduler API shared by both roles ---------------------------------------------------
@@ -164,6 +164,22 @@ class KVManager(ABC):
             return [(room, why[state]) for room, r in self._rooms.items()
                     if r.deadline is not None and now > r.deadline
                     and (state := self.states.get(room)) in why]
+
+    def _on_foreign(self, err: wire.VersionMismatch) -> None:
+        """An authentic message of another protocol version (a peer running another pdserve):
+        the room it names fails with the reason (the client sees it), and a request of the
+        peer's (it names where to answer) gets a Status(Failed) in the peer's own version."""
+        self.counters.add("version_refusals")
+        if err.room >= 0:
+            self._refuse_room(err.room, str(err))
+        if err.kind in ("register", "transfer_info", "abort") and err.ctrl_addr:
+            data = wire.refusal(err, self.tp_rank, self.token)
+            if data is not None:
+                self.ctrl.send_raw(err.ctrl_addr, data, "refusal")
+
+    def _refuse_room(self, room: int, why: str) -> None:
+        """A foreign-version message named this room: fail it (the peer cannot be told)."""
+        self._fail(room, why, wire.VERSION_MISMATCH, notify=False)
 
     def _on_message(self, msg: wire.Message) -> None:
         handler = self._handlers.get(type(msg))

@@ -150,6 +150,16 @@ class PrefillKVManager(KVManager):
                 return UNBOUNDED_PAGES
             return min((len(d.pages) for d in r.dests.values()), default=0)
 
+    def dest_prefix(self, room: int) -> tuple[int, str]:
+        """(pages, digest) of the prompt prefix every D rank of the room holds already; (0, '')
+        when none or the room is unknown; (-1, '') when D's ranks disagree."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.fake or not r.dests:
+                return 0, ""
+            seen = {(d.prefix_pages, d.prefix_digest) for d in r.dests.values()}
+        return next(iter(seen)) if len(seen) == 1 else (-1, "")
+
     def send(self, room: int, src_pages: np.ndarray, page_start: int, is_last: bool,
              aux_slot: int | None) -> None:
         pages = np.asarray(src_pages, dtype=np.int64).ravel()
@@ -191,6 +201,14 @@ class PrefillKVManager(KVManager):
     def _role_metrics(self) -> dict:
         return {"sessions": len(self.sessions), "queued_chunks": self.workers.pending()}
 
+    def _refuse_room(self, room: int, why: str) -> None:
+        with self._lock:
+            if room not in self._rooms and room not in self._tombstones:
+                p = self._pending.setdefault(room, Pending(time.monotonic()))
+                p.failure = p.failure or why  # the scheduler's add() fails it at once
+                return
+        self._fail(room, why, wire.VERSION_MISMATCH, notify=False)
+
     # -- helpers ---------------------------------------------------------------------------
     def _notify_failed(self, r: RoomState, reason: str, code: str) -> None:
         with self._lock:
@@ -226,7 +244,8 @@ class PrefillKVManager(KVManager):
         with self._lock:
             code, why, pages = self.sessions.check(msg)
             dest = Dest(msg.session, msg.ctrl_addr, msg.rank, pages, msg.aux_slot,
-                        msg.staging_offset, msg.staging_len)
+                        msg.staging_offset, msg.staging_len, prefix_pages=msg.prefix_pages,
+                        prefix_digest=msg.prefix_digest)
             r = self._rooms.get(msg.room)
             if r is None:
                 tomb = self._tombstones.get(msg.room)

@@ -22,6 +22,8 @@ class Dest:
     grant_off: int = -1  # D's staging grant for this room (-1: none)
     grant_len: int = 0
     staged: bool = False  # some chunk went through the grant (D must scatter)
+    prefix_pages: int = 0  # leading pages D holds already (its prefix cache): never written
+    prefix_digest: str = ""  # wire.prefix_digest of their tokens
 
 
 @dataclass(eq=False)
@@ -68,6 +70,9 @@ def send_violation(r: RoomState, state: KVPoll | None, pages: np.ndarray, page_s
         if page_start < 0 or page_start + len(pages) > len(d.pages):
             return (f"chunk pages [{page_start}, {page_start + len(pages)}) exceed the "
                     f"{len(d.pages)} pages decode rank {d.rank} reserved")
+        if len(pages) and page_start < d.prefix_pages:
+            return (f"chunk pages [{page_start}, {page_start + len(pages)}) overlap the "
+                    f"{d.prefix_pages} cached prefix pages decode rank {d.rank} holds already")
     if aux_slot is not None and not 0 <= aux_slot < num_aux:
         return f"prefill aux slot {aux_slot} out of range"
     return ""

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from pdcore.disagg import wire
 from pdcore.disagg.agree import Agreed
 from pdcore.disagg.aux import MAX_TOP_LOGPROBS, AuxBuffers, AuxRow
 from pdcore.disagg.role import RoleExtension
@@ -37,13 +38,18 @@ log = logging.getLogger(__name__)
 @dataclass
 class PState:
     room: int
-    sent_pages: int = 0
+    sent_pages: int = 0  # pages D has: its cached prefix, then every chunk sent
     aux_slot: int | None = None
+    prefix_pages: int = 0  # of those, the prefix D held already (never sent)
+
+
+# votes on D's cached prefix that fail the request (a real vote is a page count >= 0)
+_RANKS_DISAGREE, _DIGEST_MISMATCH = -1, -2
 
 
 class PrefillExtension(RoleExtension):
     def __init__(self, sched: Scheduler, mgr: Any, aux: AuxBuffers) -> None:
-        super().__init__(sched, mgr, aux, ["requests", "transfers"])
+        super().__init__(sched, mgr, aux, ["requests", "transfers", "prefix_skipped_pages"])
         self.bootstrap: list[Req] = []
         self.inflight: list[Req] = []
 
@@ -60,27 +66,55 @@ class PrefillExtension(RoleExtension):
         return True
 
     def poll(self) -> None:
-        agreed = self._agree(self.bootstrap + self.inflight, count=self.mgr.dest_page_count)
+        votes = {r.disagg.room: self._prefix_vote(r) for r in self.bootstrap}
+        agreed = self._agree(self.bootstrap + self.inflight, count=self.mgr.dest_page_count,
+                             extra=(lambda room: votes.get(room, 0),
+                                    lambda room: -votes.get(room, 0)))
         self._admit_ready(agreed, self.bootstrap, lambda req: self._start_prefill(req, agreed))
         self._settle(agreed, self.inflight, self._transferred)
+
+    def _prefix_vote(self, req: Req) -> int:
+        """The pages of D's cached prefix this rank may skip: D's count when its digest is
+        this prompt's (the bytes D holds are then the KV of the same token ids), else a
+        negative vote that fails the request."""
+        pages, digest = self.mgr.dest_prefix(req.disagg.room)
+        if pages <= 0:
+            return _RANKS_DISAGREE if pages < 0 else 0
+        tokens = pages * self.sched.page_size
+        if tokens >= len(req.prompt) or wire.prefix_digest(req.prompt[:tokens]) != digest:
+            return _DIGEST_MISMATCH
+        return pages
 
     def _start_prefill(self, req: Req, agreed: Agreed) -> bool:
         """D is known and has sent its pages: prefill once an aux row is free."""
         need = self.sched.pages_for(len(req.prompt))
         have = agreed.counts[req.disagg.room]
+        low, neg_high = agreed.extra[req.disagg.room]
+        why = ""
         if have < need:
+            why = f"decode reserved {have} KV pages; the prompt needs {need}"
+        elif low == _DIGEST_MISMATCH:
+            why = ("PD protocol error: the digest of the prompt prefix decode holds cached does "
+                   "not match this prompt's token ids; decode's pages are not reused")
+        elif low < 0 or low != -neg_high:
+            why = ("PD protocol error: decode's or prefill's TP ranks disagree on the cached "
+                   "prompt prefix decode holds")
+        if why:
             self.bootstrap.remove(req)
-            self.sched.fail(req, f"decode reserved {have} KV pages; the prompt needs {need}")
+            self.sched.fail(req, why)
             return True
         slot = self.aux.alloc()
         if slot is None:
             return False  # back-pressure: no aux row free; keep FIFO order
         req.disagg.aux_slot = slot
+        # D holds the first `low` pages (equal tokens, proven by the digest): send from there
+        req.disagg.sent_pages = req.disagg.prefix_pages = low
         self.bootstrap.remove(req)
         self.sched.resume(req)
         return True
 
     def _transferred(self, req: Req) -> None:
+        self.counts["prefix_skipped_pages"] += req.disagg.prefix_pages
         self._release(req)
         self.sched.complete(req)
         self.counts["transfers"] += 1

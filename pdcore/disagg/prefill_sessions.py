@@ -19,6 +19,18 @@ from pdcore.errors import ProtocolError, TransferError
 from pdcore.interfaces.transfer import TransferEngine
 
 
+def check_prefix(msg: wire.TransferInfo, num_pages: int) -> str:
+    """D's cached prefix: fewer pages than it reserved (the last prompt position is always
+    sent), with a digest exactly when there is a prefix."""
+    if not 0 <= msg.prefix_pages < max(num_pages, 1):
+        return (f"TransferInfo.prefix_pages {msg.prefix_pages} is not in [0, {num_pages}) "
+                f"(decode must leave at least one of its {num_pages} pages to transfer)")
+    if (msg.prefix_pages > 0) != bool(msg.prefix_digest) or len(msg.prefix_digest) > 128:
+        return (f"TransferInfo.prefix_digest {msg.prefix_digest[:40]!r} does not fit "
+                f"prefix_pages {msg.prefix_pages}")
+    return ""
+
+
 class SessionTable:
     def __init__(self, backend: TransferEngine, lock: threading.RLock) -> None:
         self._backend, self._lock = backend, lock
@@ -70,6 +82,8 @@ class SessionTable:
                    or sess.check_grant(msg.staging_offset, msg.staging_len))
         if not why and msg.required < 1:
             why = f"required TransferInfo count {msg.required} < 1"
+        if not why:
+            why = check_prefix(msg, len(pages))
         return code, why, pages
 
     def get(self, key: str) -> DecodeSession:

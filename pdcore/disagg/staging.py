@@ -66,7 +66,8 @@ def chunk_batch(planner: TransferPlanner, staging: PrefillStaging | None, src: K
     """(copies of one chunk into one D rank, whether they go through D's staging grant)."""
     if (staging is not None and dest.grant_len > 0 and sess.staging is not None
             and isinstance(planner, StagingPlanner) and planner.staged(src, sess.layout)):
-        with staging.stage(sess.layout, src_pages, page_start, len(dest.pages),
+        skip = dest.prefix_pages  # the grant covers only the pages D does not hold already
+        with staging.stage(sess.layout, src_pages, page_start - skip, len(dest.pages) - skip,
                            sess.staging.addr + dest.grant_off, dest.grant_len) as batch:
             sess.check_grant_batch(batch, dest.grant_off, dest.grant_len)
             yield batch, True

@@ -11,16 +11,20 @@ P -> D: Status (per room: Success / Failed, optional aux row payload), AbortAck.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from pdcore.disagg.states import KVPoll
 from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import KVLayout
 
-PROTOCOL_VERSION = 1
+# 2: TransferInfo carries the prompt prefix decode already holds (prefix_pages, prefix_digest)
+PROTOCOL_VERSION = 2
 NO_AUX_SLOT = -1
 
 
@@ -59,7 +63,11 @@ class TransferInfo(_Msg, tag="transfer_info"):
     aux_slot: int = NO_AUX_SLOT
     required: int = 1  # TransferInfos this P rank needs for the room (D TP > P TP)
     staging_offset: int = -1  # grant in D's staging ring for this room (-1: none)
-    staging_len: int = 0
+    staging_len: int = 0  # the grant covers pages [prefix_pages, len(dst_pages))
+    # leading destination pages D already holds (its prefix cache) and the digest of their
+    # tokens (prefix_digest()); P writes none of them, and only if the digest is its prompt's
+    prefix_pages: int = 0
+    prefix_digest: str = ""
 
     def pages(self) -> np.ndarray:
         if len(self.dst_pages) % 4:
@@ -99,6 +107,7 @@ DECODE_ABORT = "decode_abort"  # not sent: P's record that D aborted the room
 # the codes that put the blame for a failed room on decode (P answers 502, not 500)
 DECODE_FAULTS = frozenset({UNKNOWN_SESSION, SESSION_FAILED, DECODE_ABORT})
 PREFILL_FAULT = "prefill_fault"  # not sent: D's record that its prefill peer failed the room
+VERSION_MISMATCH = "version_mismatch"  # Status.code: the peer speaks another protocol version
 
 
 class _Header(msgspec.Struct):
@@ -107,9 +116,35 @@ class _Header(msgspec.Struct):
     token: str = ""
 
 
+class _Reply(msgspec.Struct):
+    """The fields a refusal of a foreign-version message needs (every version has them)."""
+
+    room: int = -1
+    session: str = ""
+    ctrl_addr: str = ""
+
+
+class VersionMismatch(ProtocolError):
+    """A well-formed message of another protocol version (an older or newer peer): the
+    receiver answers it in the sender's version when it can (see refusal())."""
+
+    def __init__(self, message: str, kind: str, version: int, reply: _Reply) -> None:
+        super().__init__(message)
+        self.kind, self.version = kind, version
+        self.room, self.session, self.ctrl_addr = reply.room, reply.session, reply.ctrl_addr
+
+
 _encoder = msgspec.msgpack.Encoder()
 _header = msgspec.msgpack.Decoder(_Header)
 _full = msgspec.msgpack.Decoder(Message)
+_reply = msgspec.msgpack.Decoder(_Reply)
+
+
+def prefix_digest(tokens: Sequence[int]) -> str:
+    """Digest of a prompt prefix's token ids: D's cached pages are reused only when P's own
+    prompt gives the same digest (the bytes are then the KV of the same tokens)."""
+    data = np.asarray(tokens, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def encode_pages(pages: np.ndarray) -> bytes:
@@ -131,17 +166,35 @@ def decode(data: bytes, token: str | None = None) -> Message:
         head = _header.decode(data)
     except (msgspec.DecodeError, TypeError) as e:
         raise ProtocolError(f"malformed control message ({e})") from None
+    authentic = not token or hmac.compare_digest(head.token.encode(), token.encode())
     if head.v != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"control message {head.t!r} speaks protocol version {head.v}, this server speaks "
-            f"{PROTOCOL_VERSION}; run the same pdserve version on prefill and decode")
-    if token and not hmac.compare_digest(head.token.encode(), token.encode()):
+        why = (f"control message {head.t!r} speaks PD protocol version {head.v}, this server "
+               f"speaks {PROTOCOL_VERSION}; run the same pdserve version on prefill and decode")
+        if not authentic:  # never answer a sender that does not hold the token
+            raise ProtocolError(why)
+        try:
+            reply = _reply.decode(data)
+        except (msgspec.DecodeError, TypeError):
+            reply = _Reply()
+        raise VersionMismatch(why, head.t, head.v, reply)
+    if not authentic:
         raise ProtocolError(f"control message {head.t!r} carries a wrong or missing auth token; "
                             f"give both servers the same --disaggregation-auth-token")
     try:
         return _full.decode(data)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed control message {head.t!r}: {e}") from None
+
+
+def refusal(err: VersionMismatch, rank: int, token: str | None = None) -> bytes | None:
+    """A Status(Failed) for the room of a foreign-version message, encoded in the sender's
+    version so an older peer can read why (Status has the same fields in versions 1 and 2);
+    None when the message names no room."""
+    if err.room < 0:
+        return None
+    return _encoder.encode(Status(v=err.version, token=token or "", room=err.room,
+                                  state=int(KVPoll.Failed), rank=rank, reason=str(err),
+                                  code=VERSION_MISMATCH))
 
 
 def check_compatible(role: str, peer_page_size: int, peer_dtype: str, local: KVLayout) -> None:

@@ -39,6 +39,9 @@ _STAT_KEYS = {
 # scheduler totals exported as counters (advanced by the difference since the last scrape)
 _COUNTER_KEYS = {
     "cache_evicted": "radix_cache_evicted_pages_total",
+    "prefix_reused_tokens": "disagg_prefix_reused_tokens_total",
+    "prefix_reused_bytes": "disagg_prefix_reused_bytes_total",
+    "prefix_skipped_pages": "disagg_prefix_skipped_pages_total",
 }
 
 
@@ -75,6 +78,16 @@ class ServerMetrics:
                                      "request holds (free to evict)", registry=r)
         self.cache_evicted = Counter("pdserve_radix_cache_evicted_pages", "KV pages evicted "
                                      "from the prefix cache", registry=r)
+        # decode-side prefix reuse (pdcore.disagg): KV decode's own cache held, not transferred
+        self.prefix_reused_tokens = Counter("pdserve_disagg_prefix_reused_tokens", "Prompt "
+                                            "tokens whose KV decode took from its prefix cache "
+                                            "instead of receiving it", registry=r)
+        self.prefix_reused_bytes = Counter("pdserve_disagg_prefix_reused_bytes", "KV bytes "
+                                           "decode did not receive thanks to its prefix cache",
+                                           registry=r)
+        self.prefix_skipped_pages = Counter("pdserve_disagg_prefix_skipped_pages", "KV pages "
+                                            "prefill did not send: decode held them cached",
+                                            registry=r)
         self._totals: dict[str, float] = {}
         self._extra: dict[str, Gauge] = {}
 

@@ -89,7 +89,8 @@ def test_wire_rejects_version_and_garbage() -> None:
     with pytest.raises(ProtocolError, match="malformed"):
         wire.decode(b"\xff\x00garbage")
     with pytest.raises(ProtocolError, match="malformed"):
-        wire.decode(msgspec.msgpack.encode({"t": "status", "v": 1, "room": "x"}))
+        wire.decode(msgspec.msgpack.encode({"t": "status", "v": wire.PROTOCOL_VERSION,
+                                           "room": "x"}))
     with pytest.raises(ProtocolError, match="whole number"):
         _info(dst_pages=b"\x00\x01\x02").pages()
 
