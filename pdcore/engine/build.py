@@ -127,6 +127,16 @@ def _prefix_cache(args: ServerArgs, blocks: BlockManager) -> RadixCache | None:
     return RadixCache(blocks)
 
 
+def kv_spec(model: Any, cfg: Any, tp: TPInfo) -> dict[str, Any]:
+    """This rank's pool geometry: the model's own `kv_spec()` (MLA: one latent per token), else
+    the Llama rule (its share of the KV heads, each head_dim wide)."""
+    if hasattr(model, "kv_spec"):
+        return model.kv_spec()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {"kv_heads": kv_head_span(cfg.num_key_value_heads, tp.rank, tp.size)[1],
+            "head_dim": head_dim, "total_kv_heads": cfg.num_key_value_heads, "is_mla": False}
+
+
 def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     tp = tp or TPInfo()
     platform = _platform(args)
@@ -137,9 +147,10 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     model, cfg, resolved = load_model(args.model_path, dtype, device, tp, args.trust_remote_code,
                                       args.load_format)
     cache_dtype = kv_dtype(args, dtype)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = kv_head_span(cfg.num_key_value_heads, tp.rank, tp.size)[1]
-    per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype)
+    spec = kv_spec(model, cfg, tp)
+    kv_heads, head_dim = spec["kv_heads"], spec["head_dim"]
+    per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype,
+                                        spec["is_mla"])
     model_context = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
     tokens = kv_pool_tokens(args, platform, device, model, per_token, model_context)
     # every TP rank must see the same pool (the schedule is replicated): take the smallest
@@ -157,7 +168,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         pool_name, PoolContext(server_id=args.server_id, device=str(device), rank=tp.rank,
                                env=dict(os.environ)))
     kv = KVCache(pool, cfg.num_hidden_layers, num_pages, args.page_size, kv_heads, head_dim,
-                 cache_dtype, tp.rank, tp.size, cfg.num_key_value_heads)
+                 cache_dtype, tp.rank, tp.size, spec["total_kv_heads"], spec["is_mla"])
     blocks = BlockManager(num_pages, args.page_size)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     sched = Scheduler(ModelRunner(model, kv, blocks, tp), blocks, SchedulerConfig(
@@ -177,6 +188,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         "model_type": cfg.model_type, "disaggregation_mode": args.disaggregation_mode,
         "tp_size": args.tp_size, "dp_size": args.dp_size, "nnodes": args.nnodes,
         "bootstrap_port": args.disaggregation_bootstrap_port, "memory_pool": pool_name,
+        "is_mla": spec["is_mla"], "kv_bytes_per_token": per_token,
     }
     log.info("KV pool: %d pages x %d tokens (%.1f MiB, %s) in pool %r; max context %d",
              num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,

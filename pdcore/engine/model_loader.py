@@ -12,12 +12,19 @@ from typing import Any
 import torch
 
 from pdcore.engine.gguf_cache import converted
+from pdcore.engine.models import deepseek, llama
 from pdcore.engine.models.layers import TPInfo
-from pdcore.engine.models.llama import SUPPORTED_ARCHS, LlamaForCausalLM
 from pdcore.engine.tokenizer import ResolvedModel, resolve_model
 from pdcore.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
+
+# architecture (config.json "architectures") -> our model class; one module per family
+MODEL_CLASSES: dict[str, type] = {
+    **dict.fromkeys(llama.SUPPORTED_ARCHS, llama.LlamaForCausalLM),
+    **dict.fromkeys(deepseek.SUPPORTED_ARCHS, deepseek.DeepseekForCausalLM),
+}
+SUPPORTED_ARCHS = tuple(MODEL_CLASSES)
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -96,7 +103,7 @@ def _hf_model(resolved: ResolvedModel, cfg: Any, load_format: str,
 
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                tp: TPInfo | None = None, trust_remote_code: bool = False,
-               load_format: str = "auto") -> tuple[LlamaForCausalLM, Any, ResolvedModel]:
+               load_format: str = "auto") -> tuple[Any, Any, ResolvedModel]:
     """Our model with weights loaded (progress bars come from transformers)."""
     _progress_bars_on_a_thread_lock()
     raw = resolve_model(model_path)
@@ -109,7 +116,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     hf = _hf_model(resolved, cfg, load_format, trust_remote_code)
     if not getattr(hf.config, "architectures", None):
         hf.config.architectures = cfg.architectures
-    model = LlamaForCausalLM(hf.config, tp)
+    model = MODEL_CLASSES[hf.config.architectures[0]](hf.config, tp)
     model.load_hf_state_dict(hf.state_dict())
     del hf
     model = model.to(device=device, dtype=dtype).eval()

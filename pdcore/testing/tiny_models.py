@@ -11,6 +11,21 @@ ARCH_CONFIGS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {}),  # + _DEEPSEEK below
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {}),
+}
+# MLA with yarn RoPE (as the real configs), 8 experts in 4 groups, layer 0 dense. V2 projects
+# queries directly (as V2-Lite) and routes group-limited greedy; V3 has a query LoRA.
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+         "rope_theta": 10000.0}
+_DEEPSEEK = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+             "n_routed_experts": 8, "moe_intermediate_size": 32, "num_experts_per_tok": 2,
+             "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "rope_parameters": _YARN}
+_DEEPSEEK_ARCH = {
+    "deepseek_v2": {"q_lora_rank": None, "n_shared_experts": 2,
+                    "topk_method": "group_limited_greedy"},
+    "deepseek_v3": {"q_lora_rank": 32, "n_shared_experts": 1, "routed_scaling_factor": 2.5},
 }
 
 
@@ -33,6 +48,9 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed:
         r = resolve_model(tokenizer_from)
         tok = transformers.AutoTokenizer.from_pretrained(r.path, **r.hf_kwargs())
         vocab_size = len(tok)
+    if arch in _DEEPSEEK_ARCH:  # MLA: transformers expands K/V to every head, no GQA
+        extra = {**_DEEPSEEK, **_DEEPSEEK_ARCH[arch]}
+        kv_heads = heads
     cfg = getattr(transformers, cfg_name)(
         vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -41,6 +59,10 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed:
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).to(torch.float32).eval()
+    with torch.no_grad():  # transformers zeroes V3's selection bias: make it matter
+        for name, t in model.state_dict().items():
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn(t.shape) * 0.1)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     if tok is not None:
