@@ -1,8 +1,9 @@
 """Default transfer planner: KV page indices -> one CopyBatch of absolute (src, dst, len).
 
-Same TP (or MLA with the same TP): page pairs are grouped into runs that are consecutive on both
-sides; per run and per layer the K and V copies are one descriptor each of `run_len * item_len`
-bytes. Different TP (non-MLA): each side owns a slice of the model's KV heads; per token slot we
+Same TP: page pairs are grouped into runs that are consecutive on both sides; per run and per
+layer the K and V copies are one descriptor each of `run_len * item_len` bytes. MLA (any TP
+sizes): the latent KV is the same on every rank, so whole-page runs of the one latent buffer per
+layer (no V), written by one P rank per D rank (`mla_sender`); the others plan nothing. Different TP (non-MLA): each side owns a slice of the model's KV heads; per token slot we
 copy the intersection of the two slices (`KVLayout.head_span`; GQA replication: when
 tp > total_kv_heads, several ranks hold the same head). Everything is vectorised with numpy; no
 Python loop per page or per token.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdcore.interfaces.geometry import mla_sender
 from pdcore.interfaces.planner import KVLayout, TransferPlanner
 from pdcore.interfaces.transfer import CopyBatch
 
@@ -46,10 +48,9 @@ class DefaultPlanner(TransferPlanner):
                 return False, (f"prefill and decode KV layouts differ in {field} ({a} vs {b}); "
                                f"start both servers with the same model, dtype and --page-size")
         if src.is_mla:
-            if src.tp_size != dst.tp_size:
-                return False, ("MLA models need the same TP size on prefill and decode with the "
-                               f"default planner (got prefill TP {src.tp_size}, decode TP "
-                               f"{dst.tp_size})")
+            if src.kv_heads != dst.kv_heads:
+                return False, (f"MLA latent heads differ ({src.kv_heads} vs {dst.kv_heads}); "
+                               "they must serve the same model")
             return True, ""  # every rank holds the whole latent cache
         src_total, dst_total = src.model_kv_heads, dst.model_kv_heads
         if src_total != dst_total:
@@ -81,17 +82,22 @@ class DefaultPlanner(TransferPlanner):
             raise ValueError(why)
         if len(src_pages) == 0:
             return CopyBatch.empty()
-        if src.is_mla or _same_heads(src, dst):
+        if src.is_mla:
+            if not mla_sender(src.tp_rank, src.tp_size, dst.tp_rank):
+                return CopyBatch.empty()
+            return self._plan_runs(src, dst, src_pages, dst_pages, mla=True)
+        if _same_heads(src, dst):
             return self._plan_runs(src, dst, src_pages, dst_pages)
         return self._plan_slices(src, dst, src_pages, dst_pages, token_count)
 
     @staticmethod
     def _plan_runs(src: KVLayout, dst: KVLayout, src_pages: np.ndarray,
-                   dst_pages: np.ndarray) -> CopyBatch:
+                   dst_pages: np.ndarray, mla: bool = False) -> CopyBatch:
         s_start, d_start, lens = page_runs(src_pages, dst_pages)
         item = src.item_len
-        s_bases = np.array(src.k_bases + src.v_bases, dtype=np.uint64)[:, None]
-        d_bases = np.array(dst.k_bases + dst.v_bases, dtype=np.uint64)[:, None]
+        # MLA: v_bases repeat k_bases (one latent buffer per layer): copy it once
+        s_bases = np.array(src.k_bases + (() if mla else src.v_bases), dtype=np.uint64)[:, None]
+        d_bases = np.array(dst.k_bases + (() if mla else dst.v_bases), dtype=np.uint64)[:, None]
         s_off = (s_start.astype(np.uint64) * np.uint64(item))[None, :]
         d_off = (d_start.astype(np.uint64) * np.uint64(item))[None, :]
         length = np.broadcast_to((lens.astype(np.uint64) * np.uint64(item))[None, :],

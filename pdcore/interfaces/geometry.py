@@ -35,8 +35,7 @@ def rank_mapping(p_tp: int, d_tp: int, d_rank: int, is_mla: bool) -> tuple[list[
     if p_tp == d_tp:
         return [d_rank], 1, 1
     if is_mla:
-        raise ProtocolError(f"MLA models need the same TP size on prefill ({p_tp}) and decode "
-                            f"({d_tp})")
+        return mla_rank_mapping(p_tp, d_tp, d_rank)
     if d_tp > p_tp:
         if d_tp % p_tp:
             raise ProtocolError(f"decode TP {d_tp} is not a multiple of prefill TP {p_tp}")
@@ -45,3 +44,21 @@ def rank_mapping(p_tp: int, d_tp: int, d_rank: int, is_mla: bool) -> tuple[list[
         raise ProtocolError(f"prefill TP {p_tp} is not a multiple of decode TP {d_tp}")
     k = p_tp // d_tp
     return list(range(d_rank * k, (d_rank + 1) * k)), 1, k
+
+
+def mla_rank_mapping(p_tp: int, d_tp: int, d_rank: int) -> tuple[list[int], int, int]:
+    """MLA: every rank holds the same latent KV, so any TP sizes pair (no head slicing). Each
+    P rank is paired with D ranks by rank modulo the smaller size, so every P rank hears from
+    some D rank (a rank no D rank registers with would wait for a destination forever), and
+    each D rank's pages are written by exactly one P rank: `mla_sender`. The other P ranks
+    paired with it send an empty plan and report Success."""
+    if d_tp > p_tp:  # several D ranks read the same P rank: it waits for all of them
+        src = d_rank % p_tp
+        return [src], len(range(src, d_tp, p_tp)), 1
+    targets = list(range(d_rank, p_tp, d_tp))
+    return targets, 1, len(targets)
+
+
+def mla_sender(p_rank: int, p_tp: int, d_rank: int) -> bool:
+    """Whether prefill rank p_rank writes decode rank d_rank's latent KV (see mla_rank_mapping)."""
+    return p_rank == d_rank % p_tp

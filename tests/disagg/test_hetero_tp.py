@@ -64,8 +64,7 @@ def test_rank_mapping() -> None:
     assert rank_mapping(2, 2, 1, False) == ([1], 1, 1)
     assert rank_mapping(1, 4, 3, False) == ([0], 4, 1)
     assert rank_mapping(4, 2, 1, False) == ([2, 3], 1, 2)
-    with pytest.raises(ProtocolError, match="MLA"):
-        rank_mapping(2, 1, 0, True)
+    assert rank_mapping(2, 1, 0, True) == ([0, 1], 1, 2)  # MLA: P rank 0 writes, 1 plans nothing
     with pytest.raises(ProtocolError, match="multiple"):
         rank_mapping(3, 2, 0, False)
 

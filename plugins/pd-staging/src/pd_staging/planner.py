@@ -26,8 +26,8 @@ from pdcore.interfaces.transfer import CopyBatch
 from pdcore.plugins.host import transfer_planners
 
 MLA_REFUSAL = ("pd-staging does not support MLA models (their latent KV cache is not split by "
-               "heads); unset SGLANG_DISAGG_STAGING_BUFFER and run prefill and decode with the "
-               "same TP size")
+               "heads); unset SGLANG_DISAGG_STAGING_BUFFER: MLA KV moves between any prefill "
+               "and decode TP sizes without staging")
 
 
 class StagingTransferPlanner(StagingPlanner):
