@@ -18,6 +18,8 @@ DISAGG_MODES = ("null", "prefill", "decode")
 DEFAULT_BOOTSTRAP_PORT = 8998
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+MOE_A2A_BACKENDS = ("none", "deepep")
+DEEPEP_MODES = ("normal", "low_latency", "auto")
 
 
 @dataclass
@@ -52,6 +54,13 @@ class ServerArgs:
     attention_backend: str | None = None
     memory_pool: str | None = None  # None -> the platform's default pool
     kv_cache_dtype: str = "auto"  # auto: the model's --dtype
+    # mixture of experts (pdcore/engine/models/moe.py)
+    ep_size: int = 1  # > 1: the TP ranks hold whole experts and exchange tokens all-to-all
+    moe_a2a_backend: str = "none"  # none: torch.distributed; deepep: DeepEP (CUDA only)
+    deepep_mode: str = "auto"  # normal | low_latency | auto (DeepEP's kernels)
+    enable_deepep_moe: bool = False  # older spelling of --moe-a2a-backend deepep
+    disable_shared_experts_fusion: bool = False  # shared experts never fuse here: accepted
+    ep_num_redundant_experts: int = 0  # only 0: experts are never replicated
     # memory and scheduling
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -107,12 +116,31 @@ class ServerArgs:
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, "
                               f"got {self.load_format!r}")
+        self._validate_moe()
         if self.tokenizer_worker_num != 1:
             raise ConfigError(
                 f"--tokenizer-worker-num {self.tokenizer_worker_num}: only 1 is supported (the "
                 "HTTP process tokenizes; run more servers behind the router to scale out)")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+
+    def _validate_moe(self) -> None:
+        if self.enable_deepep_moe:
+            self.moe_a2a_backend = "deepep"
+        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
+            raise ConfigError(f"--moe-a2a-backend must be one of {', '.join(MOE_A2A_BACKENDS)}, "
+                              f"got {self.moe_a2a_backend!r}")
+        if self.deepep_mode not in DEEPEP_MODES:
+            raise ConfigError(f"--deepep-mode must be one of {', '.join(DEEPEP_MODES)}, "
+                              f"got {self.deepep_mode!r}")
+        if self.ep_size < 1:
+            raise ConfigError("--ep-size must be >= 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ConfigError(f"--ep-size {self.ep_size} must be 1 or equal to --tp-size "
+                              f"{self.tp_size} (expert parallelism spans the whole TP group)")
+        if self.ep_num_redundant_experts != 0:
+            raise ConfigError(f"--ep-num-redundant-experts {self.ep_num_redundant_experts}: "
+                              "only 0 is supported (experts are not replicated); drop the flag")
 
     @classmethod
     def field_names(cls) -> list[str]:

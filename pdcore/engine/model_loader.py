@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pdcore.engine.gguf_cache import converted
-from pdcore.engine.models import deepseek, llama
+from pdcore.engine.models import deepseek, llama, mixtral, qwen_moe
 from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.tokenizer import ResolvedModel, resolve_model
 from pdcore.errors import ConfigError, ModelLoadError
@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 MODEL_CLASSES: dict[str, type] = {
     **dict.fromkeys(llama.SUPPORTED_ARCHS, llama.LlamaForCausalLM),
     **dict.fromkeys(deepseek.SUPPORTED_ARCHS, deepseek.DeepseekForCausalLM),
+    **dict.fromkeys(qwen_moe.SUPPORTED_ARCHS, qwen_moe.QwenMoeForCausalLM),
+    **dict.fromkeys(mixtral.SUPPORTED_ARCHS, mixtral.MixtralForCausalLM),
 }
 SUPPORTED_ARCHS = tuple(MODEL_CLASSES)
 

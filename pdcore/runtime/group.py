@@ -47,7 +47,7 @@ def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
     # scheduler agreement moves small CPU objects: gloo even when the tensors go over nccl
     cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo")
     log.info("rank %d/%d joined the TP group (%s) at %s", rank, args.tp_size, backend, method)
-    return TPInfo(rank, args.tp_size, group, cpu_group)
+    return TPInfo(rank, args.tp_size, group, cpu_group, args.ep_size)
 
 
 def leave_group() -> None:

@@ -16,13 +16,21 @@ import types
 import typing
 from typing import Any, NoReturn
 
-from pdcore.config import DISAGG_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, ServerArgs
+from pdcore.config import (
+    DEEPEP_MODES,
+    DISAGG_MODES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    MOE_A2A_BACKENDS,
+    ServerArgs,
+)
 from pdcore.errors import ConfigError
 
 ALIASES: dict[str, list[str]] = {
     "model_path": ["--model"],
     "tp_size": ["--tp", "--tensor-parallel-size"],
     "dp_size": ["--dp", "--data-parallel-size"],
+    "ep_size": ["--ep", "--expert-parallel-size"],
     "disaggregation_transfer_backend": ["--backend"],
 }
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -31,6 +39,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule_policy": ("fcfs", "lpm"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "load_format": LOAD_FORMATS,
+    "moe_a2a_backend": MOE_A2A_BACKENDS,
+    "deepep_mode": DEEPEP_MODES,
 }
 HELP: dict[str, str] = {
     "model_path": "local HF folder or .gguf file (default: SmolLM2-135M-Instruct from the "
@@ -82,6 +92,15 @@ HELP: dict[str, str] = {
     "kv_cache_dtype": "KV pool dtype: auto (the model's --dtype), float32, bfloat16; prefill "
                       "and decode must use the same",
     "watchdog_timeout": "seconds a scheduler step may hang before the server exits",
+    "ep_size": "expert parallel size: 1 (every TP rank holds a shard of every expert) or "
+               "--tp-size (each rank holds whole experts; tokens travel all-to-all)",
+    "moe_a2a_backend": "MoE token dispatch: none (torch.distributed all-to-all with --ep-size) "
+                       "or deepep (needs CUDA and the DeepEP library)",
+    "deepep_mode": "DeepEP kernels: normal, low_latency or auto (with --moe-a2a-backend deepep)",
+    "enable_deepep_moe": "older spelling of --moe-a2a-backend deepep",
+    "disable_shared_experts_fusion": "run shared experts apart from the routed ones; accepted: "
+                                     "pdserve never fuses them",
+    "ep_num_redundant_experts": "replicated experts for EP load balance (only 0 here)",
 }
 
 
@@ -130,6 +149,7 @@ def check_supported(args: ServerArgs) -> None:
     from pdcore.runtime.topology import check_parallel_args
 
     check_parallel_args(args)
+    _check_moe_backend(args)
     if args.attention_backend == "ascend" and args.device != "npu":
         raise ConfigError("--attention-backend ascend needs --device npu and an NPU platform "
                           "plugin (pip install ./plugins/pd-ascend)")
@@ -147,6 +167,19 @@ def check_supported(args: ServerArgs) -> None:
     ok, reason = registry.get(args.device).available()
     if not ok:
         raise ConfigError(f"--device {args.device} is not available here: {reason}")
+
+
+def _check_moe_backend(args: ServerArgs) -> None:
+    """DeepEP is CUDA-only and not wired into pdserve's MoE layer yet: say which flag to drop."""
+    if args.moe_a2a_backend != "deepep":
+        return
+    flag = "--enable-deepep-moe" if args.enable_deepep_moe else "--moe-a2a-backend deepep"
+    if args.device != "cuda":
+        raise ConfigError(f"{flag} needs CUDA and the DeepEP library (--device {args.device}); "
+                          "use --moe-a2a-backend none: --ep-size then dispatches experts over "
+                          "torch.distributed all-to-all")
+    raise ConfigError(f"{flag}: pdserve's MoE layer has no DeepEP dispatch yet; use "
+                      "--moe-a2a-backend none (torch.distributed all-to-all with --ep-size)")
 
 
 def _check_model_path(args: ServerArgs) -> None:

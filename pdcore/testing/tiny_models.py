@@ -13,6 +13,15 @@ ARCH_CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {}),  # + _DEEPSEEK below
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {}),
+    # MoE: 8 experts of intermediate 32; Qwen2-MoE with a shared expert and a dense layer
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "head_dim": 16}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": None}),
 }
 # MLA with yarn RoPE (as the real configs), 8 experts in 4 groups, layer 0 dense. V2 projects
 # queries directly (as V2-Lite) and routes group-limited greedy; V3 has a query LoRA.

@@ -22,7 +22,8 @@ def _qwen2():
                          moe_intermediate_size=INTER, shared_expert_intermediate_size=SHARED,
                          norm_topk_prob=False)
     spec = RouterSpec(top_k=2, renormalize=False)
-    return Qwen2MoeSparseMoeBlock(cfg), {"router": spec, "shared_inter": SHARED, "shared_gate": True}
+    return Qwen2MoeSparseMoeBlock(cfg), {"router": spec, "shared_inter": SHARED,
+                                         "shared_gate": True}
 
 
 def _qwen3():

@@ -51,6 +51,7 @@ class TPInfo:
     size: int = 1
     group: object | None = None  # torch.distributed process group
     cpu_group: object | None = None
+    ep_size: int = 1  # MoE: 1 = experts sharded like the MLP; == size: whole experts per rank
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

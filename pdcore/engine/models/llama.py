@@ -94,7 +94,9 @@ class Attention(nn.Module):
         q0, self.num_heads = q_head_span(cfg.num_attention_heads, cfg.num_key_value_heads,
                                          tp.rank, tp.size)
         k0, self.num_kv_heads = kv_head_span(cfg.num_key_value_heads, tp.rank, tp.size)
-        bias = arch == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        # Qwen2(-MoE) has q/k/v biases (Qwen2-MoE's config says so in qkv_bias)
+        bias = (bool(getattr(cfg, "qkv_bias", arch == "qwen2"))
+                or bool(getattr(cfg, "attention_bias", False)))
         qd, kvd = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         kv_shard = (k0 * hd, self.num_kv_heads * hd)
         self.qkv = ColumnLinear(cfg.hidden_size, [qd, kvd, kvd], bias, tp,
@@ -173,28 +175,39 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, tp: TPInfo, arch: str) -> None:
+    def __init__(self, cfg, tp: TPInfo, arch: str, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, tp, arch)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = mlp if mlp is not None else MLP(cfg, tp)
 
 
 class LlamaForCausalLM(nn.Module):
+    ARCHS = SUPPORTED_ARCHS  # subclasses (MoE families) swap in their own table and MLPs
+
     def __init__(self, cfg, tp: TPInfo | None = None) -> None:
         super().__init__()
-        arch = SUPPORTED_ARCHS[(cfg.architectures or ["LlamaForCausalLM"])[0]]
+        arch = self.ARCHS[(cfg.architectures or ["LlamaForCausalLM"])[0]]
         self.cfg, self.tp, self.arch = cfg, tp or TPInfo(), arch
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, arch)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, arch, self._make_mlp(cfg, i))
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
                                     requires_grad=False)
         self.rotary = self._make_rotary(cfg)
         self.lm_head_packed: torch.Tensor | None = None
+
+    def _make_mlp(self, cfg, layer: int) -> nn.Module | None:
+        """The feed-forward block of `layer`; None: the dense MLP."""
+        return None
+
+    def _load_mlp(self, mlp: nn.Module, sd: dict[str, torch.Tensor], prefix: str) -> None:
+        """Weights of one layer's feed-forward block; `prefix` is e.g. 'model.layers.3.mlp.'."""
+        mlp.gate_up.load([sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"]])
+        mlp.down.load(sd[prefix + "down_proj.weight"])
 
     def prepare_for_inference(self) -> None:
         """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py)."""
@@ -251,7 +264,6 @@ class LlamaForCausalLM(nn.Module):
             if a.qk_norm:
                 a.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
                 a.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))
-            layer.mlp.gate_up.load([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            layer.mlp.down.load(get(p + "mlp.down_proj.weight"))
+            self._load_mlp(layer.mlp, sd, p + "mlp.")
             layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
