@@ -11,7 +11,7 @@ through kv_b_proj's value half. This equals expanding the latents into per-head 
 
 Tensor parallelism: every rank computes the same latent (the KV is identical on every rank, so
 one prefill rank's pages serve every decode rank), query heads are split across ranks, and
-o_proj all-reduces. MoE layers run through pdcore.engine.models.moe.
+o_proj all-reduces. MoE layers are the shared pdcore.engine.models.moe (TP or EP experts).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcore.engine.models.deepseek_moe import DeepseekMoE
 from pdcore.engine.models.layers import (
     ColumnLinear,
     RMSNorm,
@@ -34,6 +33,7 @@ from pdcore.engine.models.layers import (
     span,
 )
 from pdcore.engine.models.llama import MLP, DecodeGroup, ForwardBatch
+from pdcore.engine.models.moe import MoE, RouterSpec
 
 SUPPORTED_ARCHS = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _REPLICATED = TPInfo()  # layers every rank computes whole (the latent projections)
@@ -192,7 +192,26 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = index >= cfg.first_k_dense_replace
-        self.mlp = DeepseekMoE(cfg, tp, arch) if self.is_moe else MLP(cfg, tp)
+        self.mlp = deepseek_moe(cfg, tp, arch) if self.is_moe else MLP(cfg, tp)
+
+
+def deepseek_moe(cfg, tp: TPInfo, arch: str) -> MoE:
+    """V2: softmax scores, top-k over all experts or over the topk_group groups with the best
+    expert (group_limited_greedy), not renormalised. V3: sigmoid scores, selection with the
+    correction bias among the groups with the best two-expert sums, renormalised. Both scale
+    the weights by routed_scaling_factor; shared experts are n_shared_experts experts wide."""
+    v3 = arch == "deepseek_v3"
+    grouped = v3 or getattr(cfg, "topk_method", "greedy") == "group_limited_greedy"
+    spec = RouterSpec(top_k=cfg.num_experts_per_tok, scoring="sigmoid" if v3 else "softmax",
+                      renormalize=v3 and bool(cfg.norm_topk_prob), renorm_eps=1e-20,
+                      num_groups=(cfg.n_group or 1) if grouped else 1,
+                      topk_groups=(cfg.topk_group or 1) if grouped else 1,
+                      group_score="top2_sum" if v3 else "max", correction_bias=v3,
+                      scaling=float(cfg.routed_scaling_factor))
+    return MoE(cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, spec, tp,
+               ep_size=getattr(tp, "ep_size", 1),
+               shared_inter=cfg.moe_intermediate_size * (cfg.n_shared_experts or 0),
+               act=cfg.hidden_act)
 
 
 class DeepseekForCausalLM(nn.Module):
@@ -248,7 +267,7 @@ class DeepseekForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             layer.self_attn.load(get, opt, p + "self_attn.")
             if layer.is_moe:
-                layer.mlp.load(get, opt, p + "mlp.")
+                layer.mlp.load_hf(sd, p + "mlp.")
             else:
                 layer.mlp.gate_up.load([get(p + "mlp.gate_proj.weight"),
                                         get(p + "mlp.up_proj.weight")])
