@@ -177,3 +177,77 @@ def test_wrong_token_of_an_old_peer_gets_no_answer(old_peer: OldPeer) -> None:
         assert p.poll(9) == KVPoll.Bootstrapping  # a stranger cannot fail a room
     finally:
         p.close()
+
+
+def _manager(role: str, kv: TestKV, port: int, env, rank: int, tp: int):
+    """A KV manager over `kv` that also hands the staging planner its tensors and pool."""
+    from pd_disagg_util import make_args
+
+    from pdcore.disagg.decode import DecodeKVManager
+    from pdcore.disagg.prefill import PrefillKVManager
+
+    tensors = [(k.tensor, v.tensor) for k, v in zip(kv.k, kv.v)]
+    if role == "prefill":
+        m = PrefillKVManager(make_args("prefill", port), env, kv.layout, kv.regions, kv.aux,
+                             "tcp", rank, tp, tensors, kv.pool, route_secret=f"test-{port}")
+    else:
+        m = DecodeKVManager(make_args("decode", 1), env, kv.layout, kv.regions, kv.aux, "tcp",
+                            rank, tp, tensors, kv.pool)
+    m.start()
+    return m
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["slices", "staging"])
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
+def test_hetero_tp_prefix_writes_only_the_rest(p_tp: int, d_tp: int, staged: bool) -> None:
+    """P and D at different TP sizes, D holding the first of 3 pages: every D rank gets the
+    last 2 pages' heads (through the staging grant, sized for those 2 only, or head slices)
+    and its cached page is untouched."""
+    import importlib.util
+
+    from pdcore.disagg.aux import AuxRow
+
+    if staged and importlib.util.find_spec("pd_staging") is None:
+        pytest.skip("pd-staging not installed (pip install -e plugins/pd-staging)")
+    src, dst, room, heads = [0, 1, 5], [7, 8, 2], 4343, 2
+    port = free_port()
+    env = make_env(**({"SGLANG_DISAGG_STAGING_BUFFER": "1"} if staged else {}))
+    pkvs = [TestKV(seed=3, tp_rank=r, tp_size=p_tp, total_heads=heads) for r in range(p_tp)]
+    dkvs = [TestKV(tp_rank=r, tp_size=d_tp, total_heads=heads) for r in range(d_tp)]
+    ps = [_manager("prefill", k, port, env, r, p_tp) for r, k in enumerate(pkvs)]
+    ds = [_manager("decode", k, port, env, r, d_tp) for r, k in enumerate(dkvs)]
+    digest = wire.prefix_digest(TOKENS[:4])
+    try:
+        for p in ps:
+            p.add(room)
+        for d in ds:
+            d.add(room, "127.0.0.1", port)
+        wait_for(lambda: all(d.poll(room) == KVPoll.WaitingForInput for d in ds))
+        slots = [k.aux.alloc() for k in dkvs]
+        for d, s in zip(ds, slots):
+            d.send_transfer_info(room, np.array(dst), s, 1, digest)
+        wait_for(lambda: all(p.poll(room) == KVPoll.WaitingForInput for p in ps),
+                 what="every P rank got all its TransferInfos")
+        assert all(p.dest_prefix(room) == (1, digest) for p in ps)
+        for p, k in zip(ps, pkvs):
+            s = k.aux.alloc()
+            k.aux.write(s, AuxRow(room=room, first_token_id=5))
+            p.send(room, np.array(src[1:]), 1, True, s)
+        wait_for(lambda: all(d.poll(room) in (KVPoll.Success, KVPoll.Failed) for d in ds))
+        assert [d.poll(room) for d in ds] == [KVPoll.Success] * d_tp, [
+            d.failure_reason(room) for d in ds]
+        for k in dkvs:
+            first, n = k.layout.head_span
+            for pk in pkvs:  # the P rank(s) holding these heads
+                pf, pn = pk.layout.head_span
+                lo, hi = max(first, pf), min(first + n, pf + pn)
+                if lo < hi:
+                    np.testing.assert_array_equal(
+                        k.dump(dst[1:])[..., lo - first:hi - first, :],
+                        pk.dump(src[1:])[..., lo - pf:hi - pf, :])
+            assert k.all_zero_except(dst[1:]), "decode's cached page was written"
+        if staged:
+            assert sum(d.metrics().get("staged_rooms", 0) for d in ds) == d_tp
+    finally:
+        for m in ds + ps[::-1]:
+            m.close()
