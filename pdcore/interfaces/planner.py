@@ -1,7 +1,9 @@
 """Transfer planner contract: how a set of KV pages becomes a CopyBatch.
 
 Layout (per rank): per layer one K and one V buffer of [num_pages, page_size, kv_heads, head_dim];
-`item_len` = bytes of one page of one layer (page_size * kv_heads * head_dim * elem_size).
+`item_len` = bytes of one page of one layer (page_size * kv_heads * head_dim * elem_size). MLA
+(`is_mla`): one latent buffer per layer (kv_heads 1, the same on every TP rank), v_bases ==
+k_bases.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         return self.kv_heads * self.head_dim * self.elem_size
+
+    @property
+    def page_bytes(self) -> int:
+        """KV bytes of one page over every layer: K and V, or the one latent buffer of MLA
+        (whose v_bases repeat k_bases)."""
+        return self.item_len * self.num_layers * (1 if self.is_mla else 2)
 
     @property
     def model_kv_heads(self) -> int:

@@ -43,6 +43,7 @@ def test_latent_pool_has_one_buffer_per_layer():
     lay = kv.layout()
     assert lay.is_mla and lay.v_bases == lay.k_bases and len(kv.regions()) == LAYERS
     assert lay.item_len == PAGE * LATENT * 4
+    assert lay.page_bytes == LAYERS * PAGE * LATENT * 4
     assert KVCache.bytes_per_token(LAYERS, 1, LATENT, torch.float32, is_mla=True) == \
         LAYERS * LATENT * 4  # half of what K + V buffers of one head would take
 

@@ -1,0 +1,101 @@
+"""PD with MLA models (real servers on loopback): DeepSeek-V2/V3 tiny models, P TP2 -> D TP1,
+P TP1 -> D TP2 and equal TP over tcp and shm, P TP2 -> D TP1 also over mooncake and nixl;
+greedy output equals transformers, and the KV bytes P sends per token are one latent per layer
+(the transfer metrics show it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tp"))  # tp_helpers
+from tp_helpers import Fleet, pd_generate
+
+from pdcore.testing.greedy import check_greedy, hf_greedy
+from pdcore.testing.pages import load_at_rest
+from pdcore.testing.tiny_models import make_tiny_model
+
+NEW, PAGE, LAYERS = 12, 4, 2  # tp_helpers.FLAGS: --page-size 4
+LATENT_BYTES = (32 + 8) * 4  # kv_lora_rank + rope dim, float32: one layer of one token
+
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+def mla_model(request, tmp_path_factory):
+    """(arch, path, prompts, transformers greedy references)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdcore.engine.tokenizer import default_model_file
+
+    arch = request.param
+    path = make_tiny_model(str(tmp_path_factory.mktemp(arch) / "m"), arch=arch, layers=LAYERS,
+                           seed=13, tokenizer_from=default_model_file(), max_positions=8192)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 45, 130)]
+    return arch, path, prompts, [hf_greedy(hf, p, NEW) for p in prompts]
+
+
+def _kv_bytes(fleet: Fleet, name: str) -> int:
+    return int(fleet.load(name).get("kv_bytes", 0))
+
+
+def _run_pair(backend: str, mla_model, p_tp: int, d_tp: int, env: dict | None = None) -> None:
+    _, path, prompts, refs = mla_model
+    fleet = Fleet(backend, path, {"p": ("prefill", p_tp, {}), "d": ("decode", d_tp, {})},
+                  env).start()
+    try:
+        info = httpx.get(fleet["p"].url + "/server_info", timeout=10).json()
+        assert info["is_mla"] and info["kv_bytes_per_token"] == LAYERS * LATENT_BYTES
+        before = _kv_bytes(fleet, "p")
+        for i, (ids, ref) in enumerate(zip(prompts, refs)):
+            status, out = pd_generate(fleet, "p", "d", ids, NEW)
+            assert status == 200, f"P TP{p_tp} -> D TP{d_tp} prompt {i}: {out}"
+            check_greedy(out["output_ids"], ref)
+        # whole pages of one latent per layer, once per D rank (each holds the whole cache);
+        # rank 0's counters: P TP2's rank 1 writes nothing to a D TP1
+        pages = sum(-(-len(p) // PAGE) for p in prompts)
+        sent = _kv_bytes(fleet, "p") - before
+        assert sent == pages * PAGE * LAYERS * LATENT_BYTES * (d_tp // p_tp or 1), sent
+        for name in ("p", "d"):
+            load = fleet.load(name)
+            assert load_at_rest(load), (name, load)
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_mla_prefill_tp2_to_decode_tp1(backend, mla_model):
+    _run_pair(backend, mla_model, 2, 1)
+
+
+def test_mla_prefill_tp1_to_decode_tp2_tcp(mla_model):
+    _run_pair("tcp", mla_model, 1, 2)
+
+
+def test_mla_equal_tp_shm(mla_model):
+    _run_pair("shm", mla_model, 1, 1)
+
+
+PLUGIN_BACKENDS = {
+    "mooncake": ("mooncake", {"MC_LOG_LEVEL": "WARNING", "MOONCAKE_PROTOCOL": "tcp"}),
+    "nixl": ("nixl._api", {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib",
+                           "NIXL_LOG_LEVEL": "WARN"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", list(PLUGIN_BACKENDS))
+def test_mla_prefill_tp2_to_decode_tp1_plugin_backends(backend, mla_model):
+    module, env = PLUGIN_BACKENDS[backend]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        pytest.skip(f"{module} not installed")
+    _run_pair(backend, mla_model, 2, 1, env)
