@@ -1,0 +1,213 @@
+"""Every DeepSeek / MoE `launch_server` line of the seed pages, with our program name and a tiny
+model: what stops it, and that it parses once the hardware-only flags are swapped for CPU ones.
+
+The lines (copied from /work/shared/seeds: 000 = the older PD page, 003 = the current one) are
+multi-node GPU/NPU deployments. Today each stops at exit 2 for one of three reasons, each named
+in the message:
+- flags of features other issues build (DP attention, speculative decoding, quantization, CUDA
+  graphs, several tokenizer workers): argparse's "unrecognized arguments", or our own refusal;
+- a typo in the older page (`---disaggregation-transfer-backend`, three dashes);
+- with those set aside, the one hardware-only flag: DeepEP (`--enable-deepep-moe` /
+  `--moe-a2a-backend deepep`), which on CPU exits 2 saying to use `--moe-a2a-backend none`.
+With DeepEP swapped for `none`, the NPU/RDMA/multi-node flags for local ones and TP 16 for 2,
+every line parses into a server configuration (its MoE/EP part runs in tests/pd/test_pd_moe.py
+and tests/tp/test_moe_tp_ep.py).
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from pdcore.server.args_parser import parse_server_args
+from pdcore.testing.tiny_models import make_tiny_model
+
+_DS = "--model-path deepseek-ai/DeepSeek-V3-0324"
+_P0 = ("--host ${local_ip} --port 30000 --trust-remote-code --dist-init-addr "
+       "${prefill_master_ip}:5000 --nnodes 2 --node-rank 0 --tp-size 16 --dp-size 8 "
+       "--enable-dp-attention")
+_D0 = ("--host ${local_ip} --port 30001 --trust-remote-code --dist-init-addr "
+       "${decode_master_ip}:5000 --nnodes 2 --node-rank 0 --tp-size 16 --dp-size 8 "
+       "--enable-dp-attention")
+
+
+def _both_nodes(line: str) -> list[str]:
+    return [line, line.replace("--node-rank 0", "--node-rank 1")]
+
+
+_OLD_TAIL_P = "--enable-deepep-moe --deepep-mode normal --mem-fraction-static 0.8"
+_OLD_TAIL_D = ("--enable-deepep-moe --deepep-mode low_latency --mem-fraction-static 0.8 "
+               "--max-running-requests 128")
+_NEW_TAIL_P = "--moe-a2a-backend deepep --mem-fraction-static 0.8"
+_NEW_TAIL_D = "--moe-a2a-backend deepep --mem-fraction-static 0.8 --max-running-requests 128"
+_IB = "--disaggregation-ib-device ${device_name}"
+_MIMO = ("--model-path /path/to/MiMo-V2-Flash-w8a8-all-0512 --attention-backend ascend "
+         "--device npu --tp-size 8 --nnodes 1 --node-rank 0")
+_ASCEND_DS = ("--model-path ${MODEL_PATH} --trust-remote-code --nnodes 1 --node-rank 0 "
+              "--tp-size 16")
+
+SEEDS: list[tuple[str, str]] = [
+    *[("000", s) for s in _both_nodes(f"{_DS} {_IB} --disaggregation-mode prefill {_P0} "
+                                      f"{_OLD_TAIL_P}")],
+    *[("000", s) for s in _both_nodes(f"{_DS} {_IB} --disaggregation-mode decode {_D0} "
+                                      f"{_OLD_TAIL_D}")],
+    *[("000", s) for s in _both_nodes(f"{_DS} ---disaggregation-transfer-backend nixl "
+                                      f"--disaggregation-mode prefill {_P0} {_OLD_TAIL_P}")],
+    *[("000", s) for s in _both_nodes(f"{_DS} ---disaggregation-transfer-backend nixl "
+                                      f"--disaggregation-mode decode {_D0} {_OLD_TAIL_D}")],
+    *[("003", s) for s in _both_nodes(f"{_DS} {_IB} --disaggregation-mode prefill {_P0} "
+                                      f"{_NEW_TAIL_P}")],
+    *[("003", s) for s in _both_nodes(f"{_DS} {_IB} --disaggregation-mode decode {_D0} "
+                                      f"{_NEW_TAIL_D}")],
+    *[("003", s) for s in _both_nodes(f"{_DS} --disaggregation-transfer-backend nixl "
+                                      f"--disaggregation-mode prefill {_P0} {_NEW_TAIL_P}")],
+    *[("003", s) for s in _both_nodes(f"{_DS} --disaggregation-transfer-backend nixl "
+                                      f"--disaggregation-mode decode {_D0} {_NEW_TAIL_D}")],
+    ("003", (f"{_MIMO} --chunked-prefill-size -1 --trust-remote-code --port 10000 --host "
+            "127.0.0.1 --max-running-requests 16 --mem-fraction-static 0.8 "
+            "--disaggregation-mode prefill --disaggregation-transfer-backend ascend "
+            "--disaggregation-bootstrap-port 8996 --base-gpu-id 0 --disable-radix-cache "
+            "--disable-cuda-graph --moe-a2a-backend deepep --deepep-mode normal")),
+    ("003", (f"{_MIMO} --trust-remote-code --port 10001 --host 127.0.0.1 "
+            "--max-running-requests 16 --mem-fraction-static 0.8 --disaggregation-mode decode "
+            "--disaggregation-transfer-backend ascend --disaggregation-bootstrap-port 8996 "
+            "--base-gpu-id 8 --disable-radix-cache --cuda-graph-bs 1 2 4 8 10 12 14 16 "
+            "--quantization modelslim --speculative-draft-model-quantization unquant "
+            "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
+            "--speculative-num-draft-tokens 4 --enable-multi-layer-eagle "
+            "--moe-a2a-backend deepep --deepep-mode low_latency")),
+    ("003", ("--model-path ${MODEL_PATH} --disaggregation-mode prefill --host ${P_IP[$i]} "
+            "--port 8000 --disaggregation-bootstrap-port $((8998+$i)) --trust-remote-code "
+            "--nnodes 1 --node-rank 0 --tp-size 16 --mem-fraction-static 0.7 "
+            "--attention-backend ascend --device npu --quantization modelslim "
+            "--disaggregation-transfer-backend ascend --max-running-requests 32 "
+            "--context-length 8192 --disable-radix-cache --chunked-prefill-size -1 "
+            "--max-prefill-tokens 10240 --moe-a2a-backend deepep --deepep-mode normal "
+            "--speculative-algorithm NEXTN --speculative-num-steps 1 --speculative-eagle-topk 1 "
+            "--speculative-num-draft-tokens 2 --dp-size 8 --enable-dp-attention "
+            "--disable-shared-experts-fusion --dtype bfloat16")),
+    ("003", ("--model-path ${MODEL_PATH} --disaggregation-mode decode --host ${D_IP[$i]} "
+            "--port 8001 --trust-remote-code --nnodes 1 --node-rank 0 --tp-size 16 "
+            "--dp-size 16 --mem-fraction-static 0.8 --max-running-requests 448 "
+            "--attention-backend ascend --device npu --quantization modelslim "
+            "--moe-a2a-backend deepep --enable-dp-attention --deepep-mode low_latency "
+            "--enable-dp-lm-head --cuda-graph-bs 2 4 6 8 10 12 14 16 18 20 22 24 26 28 "
+            "--disaggregation-transfer-backend ascend --watchdog-timeout 9000 "
+            "--context-length 8192 --speculative-algorithm NEXTN --speculative-num-steps 3 "
+            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "
+            "--prefill-round-robin-balance --disable-shared-experts-fusion --dtype bfloat16 "
+            "--tokenizer-worker-num 4 --load-balance-method round_robin")),
+]
+assert len(SEEDS) == 20
+
+# flags of features other issues own, with how many values each takes (-1: a list)
+LATER: dict[str, int] = {
+    "--dp-size": 1, "--enable-dp-attention": 0, "--enable-dp-lm-head": 0,
+    "--prefill-round-robin-balance": 0, "--load-balance-method": 1,
+    "--speculative-algorithm": 1, "--speculative-num-steps": 1, "--speculative-eagle-topk": 1,
+    "--speculative-num-draft-tokens": 1, "--enable-multi-layer-eagle": 0,
+    "--speculative-draft-model-quantization": 1, "--quantization": 1,
+    "--cuda-graph-bs": -1, "--disable-cuda-graph": 0, "--tokenizer-worker-num": 1,
+}
+TYPO = "---disaggregation-transfer-backend"
+DEEPEP = ("--enable-deepep-moe", "--moe-a2a-backend deepep")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("seed") / "m"), arch="qwen2_moe",
+                           layers=1)
+
+
+def _argv(line: str, model: str) -> list[str]:
+    """The seed line for this machine: loopback for every address, the tiny model, shell
+    expressions evaluated as the page's loops would for the first node."""
+    for var in ("${local_ip}", "${prefill_master_ip}", "${decode_master_ip}", "${P_IP[$i]}",
+                "${D_IP[$i]}"):
+        line = line.replace(var, "127.0.0.1")
+    line = line.replace("${device_name}", "mlx5_0").replace("$((8998+$i))", "8998")
+    argv = shlex.split(line)
+    i = argv.index("--model-path")
+    argv[i + 1] = model
+    return argv
+
+
+def _strip(argv: list[str], flags: dict[str, int]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        n = flags.get(argv[i])
+        if n is None:
+            out.append(argv[i])
+            i += 1
+            continue
+        i += 1
+        if n < 0:
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+        else:
+            i += n
+    return out
+
+
+def _exit_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_server_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    return err
+
+
+@pytest.mark.parametrize("i", range(len(SEEDS)))
+def test_seed_line_exits_2_naming_what_stops_it(i, tiny_moe, capsys):
+    source, line = SEEDS[i]
+    argv = _argv(line, tiny_moe)
+    err = _exit_message(argv, capsys)
+    if TYPO in argv:
+        assert TYPO in err, err
+        return
+    later = [f for f in LATER if f in argv]
+    if later:  # argparse names every flag it does not know, or we refuse the first we do
+        assert any(f in err for f in later), (source, err)
+        argv = _strip(argv, LATER)
+        err = _exit_message(argv, capsys)
+    # what remains stops only at DeepEP, naming the spelling the line used
+    flag = DEEPEP[0] if DEEPEP[0] in argv else DEEPEP[1]
+    assert flag in err and "--moe-a2a-backend none" in err, (source, err)
+
+
+def _cpu_version(argv: list[str]) -> list[str]:
+    """Hardware-only and multi-node flags swapped for what this machine has."""
+    argv = _strip(argv, {**LATER, "--enable-deepep-moe": 0, "--disaggregation-ib-device": 1,
+                         "--attention-backend": 1, "--device": 1, "--dist-init-addr": 1,
+                         "--base-gpu-id": 1, "--nnodes": 1, "--node-rank": 1, TYPO: 1})
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1] == "--moe-a2a-backend":
+            out.append("none")
+        elif out and out[-1] == "--tp-size":
+            out.append("2")
+        elif out and out[-1] == "--disaggregation-transfer-backend" and a == "ascend":
+            out.append("tcp")
+        else:
+            out.append(a)
+    return [*out, "--ep-size", "2"]
+
+
+@pytest.mark.parametrize("i", range(len(SEEDS)))
+def test_seed_line_parses_with_cpu_flags(i, tiny_moe):
+    args = parse_server_args(_cpu_version(_argv(SEEDS[i][1], tiny_moe)))
+    assert (args.tp_size, args.ep_size, args.moe_a2a_backend) == (2, 2, "none")
+    assert args.disaggregation_mode in ("prefill", "decode")
+
+
+def test_seed_line_through_the_cli(tiny_moe):
+    """The real program: `pdserve serve` with the current page's DeepSeek decode line, DP flags
+    set aside, exits 2 naming --moe-a2a-backend deepep."""
+    argv = _strip(_argv(SEEDS[10][1], tiny_moe), LATER)
+    r = subprocess.run([sys.executable, "-m", "pdcore", "serve", *argv], capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "--moe-a2a-backend deepep" in r.stderr and "--moe-a2a-backend none" in r.stderr
