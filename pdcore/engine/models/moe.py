@@ -181,17 +181,30 @@ class MoE(nn.Module):
     def _run_local(self, x: torch.Tensor, local_ids: torch.Tensor,
                    weights: torch.Tensor | None) -> torch.Tensor:
         """Sum over k of weight * expert(x) for rows x [N, H] and local expert ids [N, k]
-        (ids outside 0..local_experts-1 are skipped); weights None means 1 (k must be 1)."""
-        out = torch.zeros_like(x)
-        hit = local_ids[(local_ids >= 0) & (local_ids < self.local_experts)]
-        for e in torch.unique(hit).tolist():  # ascending, as transformers adds them
-            tok, pos = torch.where(local_ids == e)
-            gu = F.linear(x[tok], self.w13[e])
-            y = F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], self.w2[e])
-            if weights is not None:
-                y = y * weights[tok, pos, None].to(y.dtype)
-            out.index_add_(0, tok, y)
-        return out
+        (ids outside 0..local_experts-1 are skipped); weights None means 1.
+
+        The (row, k) copies are sorted by expert once (stable: rows stay in order within an
+        expert), so each expert runs on one contiguous slice and the results are added back
+        in ascending expert order, as transformers adds them."""
+        k = local_ids.shape[1]
+        flat = local_ids.reshape(-1)
+        valid = (flat >= 0) & (flat < self.local_experts)
+        order = torch.argsort(torch.where(valid, flat, self.local_experts), stable=True)
+        counts = torch.bincount(flat[valid], minlength=self.local_experts).tolist()
+        order = order[: sum(counts)]
+        rows = order // k
+        xs = x.index_select(0, rows)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                gu = F.linear(xs[start : start + c], self.w13[e])
+                ys[start : start + c] = F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :],
+                                                 self.w2[e])
+                start += c
+        if weights is not None:
+            ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, ys)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep:
