@@ -1,5 +1,5 @@
-"""DeepSeek-V2/V3 (MLA + MoE): greedy output equals transformers, unified and with TP=2; the KV
-pool holds one latent row per token and layer."""
+"""DeepSeek-V2/V3 (MLA + MoE): greedy output equals transformers, unified, with TP=2 and with
+EP=2; the KV pool holds one latent row per token and layer."""
 
 from __future__ import annotations
 
@@ -61,10 +61,12 @@ def test_unified_matches_transformers(tiny, page_size):
     assert lay.item_len == page_size * LATENT * 4
 
 
-def test_tp2_matches_transformers(tiny):
-    """Query heads split 2 + 2, latent replicated, experts sharded by intermediate features."""
+@pytest.mark.parametrize("ep", [1, 2])
+def test_tp2_matches_transformers(tiny, ep):
+    """Query heads split 2 + 2, latent replicated; experts sharded by intermediate features
+    (ep 1) or 4 whole experts per rank with all-to-all dispatch (ep 2)."""
     _, path, prompts, refs = tiny
-    outs, _ = _generate(path, prompts, page_size=4, tp_size=2)
+    outs, _ = _generate(path, prompts, page_size=4, tp_size=2, ep_size=ep)
     verdicts = _check(outs, refs)
     assert verdicts.count("identical") >= len(prompts) - 1, verdicts
 
