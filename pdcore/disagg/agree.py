@@ -35,7 +35,8 @@ def poll_all(mgr: Any, rooms: Sequence[int], tp: TPInfo,
              count: Callable[[int], int] | None = None,
              extra: Sequence[Callable[[int], int]] = ()) -> Agreed:
     """Agreed states (and MIN of `count(room)` when given, and of each `extra` function's
-    value) for `rooms`; everything in the same one all-reduce."""
+    value) for `rooms`; everything in the same one all-reduce. Counts and extras are read
+    after every state, so a value never predates the state it is agreed with."""
     rooms = list(dict.fromkeys(rooms))
     n = len(rooms)
     local = [int(mgr.poll(r)) for r in rooms]

@@ -66,10 +66,19 @@ class PrefillExtension(RoleExtension):
         return True
 
     def poll(self) -> None:
-        votes = {r.disagg.room: self._prefix_vote(r) for r in self.bootstrap}
+        waiting = {r.disagg.room: r for r in self.bootstrap}
+        votes: dict[int, int] = {}
+
+        def vote(room: int) -> int:
+            # called after this rank polled the room's state (as the page count is): a room
+            # seen WaitingForInput has every D rank's TransferInfo, so the vote is final
+            if room not in votes:
+                req = waiting.get(room)
+                votes[room] = self._prefix_vote(req) if req is not None else 0
+            return votes[room]
+
         agreed = self._agree(self.bootstrap + self.inflight, count=self.mgr.dest_page_count,
-                             extra=(lambda room: votes.get(room, 0),
-                                    lambda room: -votes.get(room, 0)))
+                             extra=(vote, lambda room: -vote(room)))
         self._admit_ready(agreed, self.bootstrap, lambda req: self._start_prefill(req, agreed))
         self._settle(agreed, self.inflight, self._transferred)
 

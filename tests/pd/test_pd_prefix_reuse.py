@@ -275,3 +275,24 @@ def test_killed_prefill_and_decode_leave_no_page_referenced(fault_cluster: PDClu
          "the router to re-admit the restarted decode")
     generate(c.url, shared(11))
     c.wait_pages_free(15)
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_prefix_reuse_across_tp_sizes(model_dir: str, p_tp: int, d_tp: int) -> None:
+    """P's TP ranks agree on D's prefix (one vote each, all-reduced with the poll states);
+    every rank of a TP-2 decode locks the same cached pages and sends the same prefix."""
+    page = 4
+    prompts, want = conversations(model_dir, page)
+    c = PDCluster("tcp", model_path=model_dir, flags=flags(page),
+                  prefill_flags=("--tp-size", str(p_tp)),
+                  decode_flags=(*REUSE, "--tp-size", str(d_tp))).start()
+    try:
+        d = c.decodes[0].url
+        for turn, ids in enumerate(prompts[0][:3]):
+            before = load(d).get("disagg_prefix_reused_tokens_total", 0)
+            assert generate(c.url, ids)["output_ids"] == want[0][turn], f"turn {turn}"
+            reused = load(d)["disagg_prefix_reused_tokens_total"] - before
+            assert (reused > 0) == (turn > 0), (turn, reused)
+        c.wait_pages_free()
+    finally:
+        c.stop()
