@@ -84,3 +84,28 @@ def test_pool_holds_one_latent_per_token_and_layer(tmp_path):
         assert kv.layers[0][0].shape == (64, 4, 1, LATENT)
     finally:
         eng.close()
+
+
+def test_prefix_cache_hits_reuse_latent_pages(tiny):
+    """Requests sharing a cached prefix attend over latent pages written by an earlier request
+    (the radix cache is on by default): same tokens as transformers, and the cache was hit."""
+    from transformers import AutoModelForCausalLM
+
+    _, path, prompts, _ = tiny
+    base = prompts[2][:80]
+    later = [base + prompts[1][:20], base[:48] + prompts[4]]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = [hf_greedy(hf, p, 12) for p in later]
+    eng = LLMEngine(ServerArgs(model_path=path, max_total_tokens=2048, page_size=4,
+                               chunked_prefill_size=64))
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0)
+    try:
+        eng.generate([base], sp)
+        outs = eng.generate(later, sp, return_logprob=True)
+        hits = eng.scheduler.stats()["cache_hit_tokens_total"]
+        assert pages_at_rest(eng.scheduler)
+    finally:
+        eng.close()
+    assert hits >= 80 - 4 + 48, hits  # whole pages of each shared prefix
+    verdicts = _check(outs, refs)
+    assert verdicts.count("identical") >= 1, verdicts
