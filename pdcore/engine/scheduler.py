@@ -138,11 +138,24 @@ class Scheduler:
             raise MemoryError(f"need {n} KV pages, {self.blocks.num_free} free")
         return self.blocks.alloc(n)
 
-    def cache_pages(self, req: Req) -> None:
-        """Offer the request's computed full pages to the prefix cache."""
-        if self.cache is not None and req.pages and req.error is None:
-            n = min(req.num_computed, req.seq_len)
-            self.cache.insert([req.token_at(p) for p in range(n)], req.pages)
+    def cache_pages(self, req: Req, adopt: bool = False) -> None:
+        """Offer the request's computed full pages to the prefix cache. With `adopt` (a request
+        that goes on running), pages the tree already held under other ids replace its own
+        copies, which return to the pool: its pages stay a root path of the tree, so no leaf
+        it holds pins ancestors that nobody holds (such pinned pages are neither free nor
+        evictable; a prefill that needs them would wait forever for its own end)."""
+        if self.cache is None or not req.pages or req.error is not None:
+            return
+        n = min(req.num_computed, req.seq_len)
+        tokens = [req.token_at(p) for p in range(n)]
+        self.cache.insert(tokens, req.pages)
+        if not adopt:
+            return
+        for i, page in enumerate(self.cache.match(tokens, n)):
+            if req.pages[i] != page:
+                self.blocks.free([req.pages[i]])
+                req.pages[i] = self.blocks.ref([page])[0]
+                req.ctx_slots = None  # the slot table is rebuilt from the pages
 
     def attach_prefix(self, req: Req, limit: int) -> int:
         """Give a request without pages the cached pages of its sequence's longest prefix
@@ -300,7 +313,7 @@ class Scheduler:
             return
         req.num_computed += res.n
         if res.n > 1 or req.num_computed <= len(req.prompt):
-            self.cache_pages(req)  # a prefill chunk: later requests may share it at once
+            self.cache_pages(req, adopt=True)  # a prefill chunk: shared with later requests
         if res.prompt_logprobs:
             req.pending_in_logprobs.extend(res.prompt_logprobs)
         if res.token is None:

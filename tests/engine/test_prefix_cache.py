@@ -94,7 +94,8 @@ class Driver:
                 break
             self.step()
         outs = [self.outs[r.rid] for r in reqs]
-        assert all(o.done and o.error is None for o in outs), [o.error for o in outs]
+        assert all(o.done and o.error is None for o in outs), [
+            o.error if o.done else f"not finished after {max_steps} steps" for o in outs]
         return outs
 
     def one(self, ids: list[int], **kw: Any) -> Out:
@@ -235,6 +236,21 @@ def test_joiner_takes_pages_of_a_prefill_still_running(models) -> None:
     assert [o.ids for o in res["on"]] == [o.ids for o in res["off"]]
     # admitted with the budget long's last chunk leaves: it takes the 96 tokens computed so far
     assert res["on"][1].cached == 96
+
+
+def test_a_prefill_is_never_stalled_by_pages_its_own_copy_pins(models) -> None:
+    """S and R share 8 tokens and prefill in one step, each its own copy; S's pages enter the
+    tree first and R's later pages go below them. R must then use the tree's copy (freeing its
+    own): otherwise S's pages, held by nobody, can never be evicted while R holds the pages
+    below, and R, needing 9 of the 10 pages, waits forever for pages only it could free."""
+    path, _ = models["llama"]
+    s = rand_ids(8, seed=70)
+    r = s + rand_ids(25, seed=71)
+    res = {}
+    for name, kw in (("on", {}), ("off", {"disable_radix_cache": True})):
+        with engine(path, max_total_tokens=40, chunked_prefill_size=16, **kw) as d:
+            res[name] = d.run([d.req(s, greedy(2)), d.req(r, greedy(3))], max_steps=200)
+    assert [o.ids for o in res["on"]] == [o.ids for o in res["off"]]
 
 
 @pytest.mark.parametrize("ps", [1, 4])
