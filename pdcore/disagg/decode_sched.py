@@ -99,9 +99,9 @@ class DecodeExtension(RoleExtension):
 
     @property
     def page_bytes(self) -> int:
-        """KV bytes of one page in this rank's pool (K and V of every layer)."""
-        kv = self.mgr.kv
-        return kv.item_len * (len(kv.k_bases) + len(kv.v_bases))
+        """KV bytes of one page in this rank's pool (K and V of every layer, or MLA's one
+        latent buffer per layer)."""
+        return self.mgr.kv.page_bytes
 
     def _extra(self, req: Req) -> int:
         return min(req.params.max_new_tokens, self.args.num_reserved_decode_tokens)
