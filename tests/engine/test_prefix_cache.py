@@ -313,6 +313,50 @@ def test_eviction_and_preemption_under_a_small_pool(models) -> None:
     assert got == want
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_random_arrivals_aborts_and_a_tight_pool(models, seed: int) -> None:
+    """Requests over shared prefixes arrive at random steps, some are aborted at random, the
+    pool is small and chunks are short (eviction, preemption, hits on pages of running
+    prefills, lpm): every request that ran to its end answers as it would alone without the
+    cache, and nothing stays referenced."""
+    import random
+
+    path, _ = models["llama"]
+    rng = random.Random(seed)
+    bases = [rand_ids(48, seed=80 + 10 * seed + i) for i in range(3)]
+    reqs: list[GenerateReq] = []
+    aborted: set[str] = set()
+    with engine(path, max_total_tokens=256, chunked_prefill_size=24,
+                schedule_policy=rng.choice(["fcfs", "lpm"])) as d:
+        for _ in range(300):
+            new = []
+            if len(reqs) < 30 and rng.random() < 0.3:
+                for _ in range(rng.randrange(1, 4)):
+                    p = rng.choice(bases)[:rng.randrange(1, 49)]
+                    done = [r for r in reqs if d.outs[r.rid].done and r.rid not in aborted]
+                    if done and rng.random() < 0.3:  # the next turn of a finished request
+                        prev = rng.choice(done)
+                        p = (prev.input_ids + d.outs[prev.rid].ids)[:100]
+                    p = p + rand_ids(rng.randrange(0, 30), seed=rng.randrange(10 ** 6))
+                    sp = SamplingParams(max_new_tokens=rng.randrange(1, 20), temperature=0.0,
+                                        ignore_eos=True)
+                    new.append(d.req(p, sp))
+            live = [r for r in reqs if not d.outs[r.rid].done and r.rid not in aborted]
+            if live and rng.random() < 0.05:
+                victim = rng.choice(live)
+                aborted.add(victim.rid)
+                new.append(AbortReq(victim.rid))
+            reqs += [m for m in new if isinstance(m, GenerateReq)]
+            d.step(new)
+        d.run(reqs)  # the rest run to their end
+        stats = d.sched.stats()
+    kept = [r for r in reqs if r.rid not in aborted]
+    with engine(path, disable_radix_cache=True) as off:
+        want = off.run([off.req(r.input_ids, r.sampling) for r in kept])
+    assert [d.outs[r.rid].ids for r in kept] == [o.ids for o in want]
+    assert stats["cache_hit_tokens_total"] > 0 and stats["radix_cache_evicted_pages_total"] > 0
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
 def test_lpm_admits_the_longest_cached_prefix_first(models, policy: str) -> None:
     path, _ = models["llama"]
