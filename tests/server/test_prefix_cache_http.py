@@ -173,7 +173,9 @@ def test_client_abort_mid_stream_of_a_shared_prefix_request(on, off):
     def start_others() -> None:
         for t in threads:
             t.start()
-        time.sleep(0.5)  # the stream keeps its cached pages while they run
+        deadline = time.monotonic() + 30  # hang up once they run beside the stream
+        while load(on)["num_reqs"] < 2 and len(others) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     assert _stream_until(on, shared + " A long answer:", 20, start_others) == 20
     for t in threads:
