@@ -251,3 +251,25 @@ def test_hetero_tp_prefix_writes_only_the_rest(p_tp: int, d_tp: int, staged: boo
     finally:
         for m in ds + ps[::-1]:
             m.close()
+
+
+def test_decode_refuses_a_prefill_of_version_1_at_bootstrap(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A prefill announcing version 1 on its bootstrap server: decode fails the room at once,
+    naming both versions (it never registers or sends a TransferInfo)."""
+    port = free_port()
+    pkv, dkv = TestKV(), TestKV()
+    with monkeypatch.context() as m:
+        m.setattr(wire, "PROTOCOL_VERSION", 1)  # what an old prefill puts in its route
+        p = prefill(pkv, port, make_env(), "tcp")
+    d = decode(dkv, make_env(), "tcp")
+    try:
+        d.add(11, "127.0.0.1", port)
+        wait_for(lambda: d.poll(11) == KVPoll.Failed, what="decode refuses the old prefill")
+        why = d.failure_reason(11)
+        assert "protocol version 1" in why and "decode speaks 2" in why, why
+        assert d.metrics().get("registrations", 0) == 0
+        assert d.peer_fault(11)  # the router blames the prefill side
+    finally:
+        d.close()
+        p.close()
