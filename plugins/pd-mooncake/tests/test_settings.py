@@ -128,6 +128,13 @@ def test_inflight_bounds_follow_the_library_queue_limits() -> None:
     assert (s.sub_batch, s.inflight_per_peer) == (300, 400)
     s = settings({"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535"})
     assert (s.sub_batch, s.inflight_per_peer) == (1024, 66559)
+    # every rank of a TP-2 prefill server may write into the same decode rank: half each
+    s = settings(role="prefill", tp_size=2)
+    assert (s.sub_batch, s.inflight_per_peer) == (1024, 1024)
+    s = settings(role="prefill", tp_size=4)
+    assert (s.sub_batch, s.inflight_per_peer) == (512, 512)
+    s = settings(role="decode", tp_size=4)  # decode ranks only answer
+    assert (s.sub_batch, s.inflight_per_peer) == (1024, 2048)
     for name in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
         for bad in ("0", "many"):
             with pytest.raises(ConfigError, match=f"{name} must be"):

@@ -221,14 +221,21 @@ class MooncakeSettings:
                                    DEFAULT_QUEUED_PER_PEER)
         pending = _env_positive_int(env, "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER",
                                     DEFAULT_PENDING_PER_PEER)
+        # the receiver's queue limit is shared by every engine writing to it: with P TP > D TP
+        # all P ranks of a server may write into one D rank at once (each its own engine), so
+        # each prefill rank keeps its 1/tp_size share in flight (P TP2 -> D TP1 with the
+        # defaults overflowed D's 2048-slot queue). Several prefill servers writing into one
+        # decode rank still need a larger MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER on decode.
+        share = max(1, int(getattr(ctx, "tp_size", 1) or 1)) if ctx.role == "prefill" else 1
+        inflight = max(1, (queued + pending) // share)
         return cls(
             protocol=protocol,
             force_tcp=force_tcp,
             force_hca="MC_FORCE_HCA" in env,
             device_name=device_name,
             custom_pool=custom_pool,
-            sub_batch=min(MAX_SUB_BATCH, queued),
-            inflight_per_peer=queued + pending,
+            sub_batch=min(MAX_SUB_BATCH, queued, inflight),
+            inflight_per_peer=inflight,
             transfer_timeout_s=_env_seconds(env, "MC_TRANSFER_TIMEOUT", DEFAULT_TRANSFER_TIMEOUT_S),
             thread_pool_size=max(1, int(ctx.thread_pool_size)),
             queue_size=max(1, int(ctx.queue_size)),
