@@ -129,7 +129,9 @@ class Scheduler:
     def can_alloc(self, n: int) -> bool:
         """Can n pages be allocated now, evicting unlocked cached pages if that is needed."""
         free = self.blocks.num_free
-        if n > free and self.cache is not None:
+        # evict only when that makes room: a request that cannot fit yet must not empty the
+        # cache every step while it waits
+        if n > free and self.cache is not None and self.cache.evictable() >= n - free:
             self.cache.evict(n - free)
         return self.blocks.can_alloc(n)
 
