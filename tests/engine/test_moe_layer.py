@@ -3,6 +3,7 @@ TP shards, and EP=2 over a real gloo group (all-to-all dispatch and combine)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
@@ -107,7 +108,14 @@ class _PartialSums(TPInfo):
         return x
 
 
-def test_moe_matches_transformers_tp1():
+@pytest.mark.parametrize("grouped", [True, False])
+def test_moe_matches_transformers_tp1(grouped, monkeypatch):
+    """Both expert paths: one grouped GEMM over all experts, and one GEMM per expert."""
+    from pdcore.engine.models import moe
+
+    if grouped and not moe.GROUPED_MM:
+        pytest.skip("this torch has no grouped_mm")
+    monkeypatch.setattr(moe, "GROUPED_MM", grouped)
     for name in FAMILIES:
         block, kwargs, sd = _random_block(name)
         x = _inputs()

