@@ -4,13 +4,16 @@
     --system-len token system prompt and --questions distinct --question-len token questions.
     The first request goes alone (it computes the prefix, so a cache then holds it); the rest
     run at --concurrency (4 by default). TTFT p50 / p90 of the rest with the cache on and with
-    --disable-radix-cache; RATIO on/off (target <= 0.3).
+    --disable-radix-cache (--off-questions of them there, to save time on slow machines);
+    RATIO on/off (target <= 0.3).
 (b) multi-turn through 1P1D, prefill cache on: --conversations conversations x --turns turns;
     turn k's prompt is turn k-1's prompt + its answer (greedy, --answer-len tokens) + a new
     --user-len token message (turn 1: a --first-len token message). Every conversation's turn k
     runs (at --concurrency) before any turn k+1, so the prefill servers' KV byte counter
     (`kv_bytes` of /get_load, what P's transfer workers wrote) splits by turn. Once with the
-    decode server's --disaggregation-decode-enable-radix-cache, once without; RATIO of the
+    decode server's --disaggregation-decode-enable-radix-cache, once without (both decode
+    servers up at once over the same P, --b-reps repetitions alternating which system goes
+    first, caches flushed before each; TTFTs pooled over them); RATIO of the
     bytes per conversation-turn from turn 2 on, reuse / plain (target <= 0.5), and of TTFT p50
     (target: not worse; 1.1 leaves room for the shared machine's noise).
 (c) router, 2 prefill + 1 decode: --prefixes distinct --prefix-len token prefixes x
@@ -21,7 +24,7 @@
     (caches flushed between); greedy answers are compared between the two.
 
 Prompts are random token ids (as in the other benches): the cache keys on ids only. At most
-3 model servers run at once: unified on + off; P + D + D(reuse); P + D + P(cache off);
+3 model servers run at once: unified on + off; P + D(reuse) + D; P + D + P(cache off);
 P + D + P (client and server plumbing: prefix_cache_harness.py).
 Every server gets OMP_NUM_THREADS=--threads and OMP_WAIT_POLICY=PASSIVE (see common.py); none is
 pinned (the comparisons are within one topology). Every server and router started is stopped on
@@ -46,11 +49,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, Run, bar_groups, figure, load_note, ratio, save_figure, summary
+from common import (
+    RESULTS,
+    Run,
+    alternating,
+    bar_groups,
+    figure,
+    load_note,
+    ratio,
+    save_figure,
+    summary,
+)
 from prefix_cache_harness import Fleet, counters, delta, flush, hit_stats, run_all
 from serving import vocab_size
 
-from pdcore.testing.processes import ServerProcess
+from pdcore.testing.processes import PDCluster, ServerProcess
 
 NAME = "prefix_cache"
 TARGETS = {"shared_prefix_ttft_p50_on_over_off_max": 0.3,
@@ -96,9 +109,11 @@ async def warm(url: str, w: Workload) -> None:
     await run_all(url, [w.warmup], 2, 1)
 
 
-async def shared_prefix(url: str, w: Workload, args: argparse.Namespace) -> dict[str, Any]:
+async def shared_prefix(url: str, w: Workload, args: argparse.Namespace, cache: bool
+                        ) -> dict[str, Any]:
     """(a): the first request alone, then the rest at --concurrency."""
-    prompts = [w.system + q for q in w.questions]
+    n = args.questions if cache else args.off_questions or args.questions
+    prompts = [w.system + q for q in w.questions[:n]]
     first = (await run_all(url, prompts[:1], args.out_len, 1))[0]
     rest = await run_all(url, prompts[1:], args.out_len, args.concurrency)
     return {"first_ttft_s": first.ttft, "first_cached_tokens": first.cached_tokens,
@@ -107,8 +122,8 @@ async def shared_prefix(url: str, w: Workload, args: argparse.Namespace) -> dict
 
 
 async def multi_turn(url: str, prefills: list[ServerProcess], decode: ServerProcess,
-                     w: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    """(b): turn by turn, all conversations per turn; P's byte counter read between turns."""
+                     w: Workload, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """(b), one repetition: turn by turn, all conversations per turn; P's byte counter read between turns."""
     prompts = [list(f) for f in w.firsts]
     turns = []
     for k in range(args.turns):
@@ -120,15 +135,29 @@ async def multi_turn(url: str, prefills: list[ServerProcess], decode: ServerProc
         turns.append({"turn": k + 1, "prompt_tokens_mean": statistics.fmean(len(p)
                                                                             for p in prompts),
                       "kv_bytes_per_conversation": dp.get("kv_bytes", 0) / n,
-                      "ttft_s": summary([r.ttft for r in replies if r.ttft is not None]),
-                      **hit_stats(replies), "prefill_deltas": dp, "decode_deltas": dd})
+                      "ttfts": [r.ttft for r in replies], **hit_stats(replies),
+                      "prefill_deltas": dp, "decode_deltas": dd})
         prompts = [p + r.output_ids + w.users[i][k] for i, (p, r) in enumerate(zip(prompts,
                                                                                    replies))]
+    return turns
+
+
+def merge_reps(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """(b) over repetitions: per turn, TTFTs pooled and bytes averaged; the from-turn-2
+    figures pool every later turn."""
+    turns = []
+    for rows in zip(*reps):
+        ttfts = [x for r in rows for x in r["ttfts"] if x is not None]
+        turns.append({**rows[0], "ttfts": ttfts, "ttft_s": summary(ttfts),
+                      "kv_bytes_per_conversation": statistics.fmean(
+                          r["kv_bytes_per_conversation"] for r in rows),
+                      "kv_bytes_per_conversation_reps": [r["kv_bytes_per_conversation"]
+                                                         for r in rows]})
     later = turns[1:]
-    return {"turns": turns,
+    return {"turns": turns, "reps": len(reps),
             "kv_bytes_per_turn_from_2": statistics.fmean(t["kv_bytes_per_conversation"]
                                                          for t in later) if later else None,
-            "ttft_p50_from_2": statistics.median(t["ttft_s"]["p50"] for t in later)
+            "ttft_p50_from_2": statistics.median(x for t in later for x in t["ttfts"])
             if later else None}
 
 
@@ -164,40 +193,50 @@ def measure(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
         fleet.ready(on, off)
         for name, s in (("unified_on", on), ("unified_off", off)):
             asyncio.run(warm(s.url, workload(s)))
-            run("a", name, shared_prefix(s.url, workload(s), args))
+            run("a", name, shared_prefix(s.url, workload(s), args, name.endswith("_on")))
         fleet.stop(on, off)
     p1, d = fleet.server("prefill"), fleet.server("decode")
     d_reuse = fleet.server("decode", D_REUSE_FLAG) if "b" in parts else None
     fleet.ready(p1, d)
+    b_sys: dict[str, tuple[PDCluster, ServerProcess]] = {}
     if d_reuse is not None:
         try:
             fleet.ready(d_reuse)
         except (RuntimeError, TimeoutError) as e:
+            fleet.stop(d_reuse)
             data["b"]["reuse"] = {"error": f"decode server with {D_REUSE_FLAG} did not start "
                                            f"(flag not accepted yet?): {str(e)[-600:]}"}
             print(f"(b) D-side reuse: NOT RUN, {D_REUSE_FLAG} refused", flush=True)
         else:
-            c = fleet.router([p1], d_reuse, "round_robin")
-            asyncio.run(warm(c.url, workload(p1)))
-            flush(p1, d_reuse)
-            run("b", "reuse", multi_turn(c.url, [p1], d_reuse, workload(p1), args))
-            fleet.unroute(c)
-        fleet.stop(d_reuse)
+            b_sys["reuse"] = (fleet.router([p1], d_reuse, "round_robin"), d_reuse)
     c = fleet.router([p1], d, "round_robin")
-    asyncio.run(warm(c.url, workload(p1)))
+    b_sys["plain"] = (c, d)
+    for sys_c, _ in b_sys.values():
+        asyncio.run(warm(sys_c.url, workload(p1)))
+    if "b" in parts:  # repetitions alternate the order, so load drift biases neither
+        reps: dict[str, list[Any]] = {name: [] for name in b_sys}
+        for rep in range(args.b_reps):
+            for name in alternating(list(b_sys), rep):
+                sys_c, dec = b_sys[name]
+                flush(p1, dec)
+                reps[name].append(asyncio.run(multi_turn(sys_c.url, [p1], dec, workload(p1),
+                                                         args)))
+        for name, runs in reps.items():
+            data["b"][name] = merge_reps(runs)
+            print_b(name, data["b"][name])
+    if "reuse" in b_sys:
+        fleet.unroute(b_sys["reuse"][0])
+        fleet.stop(d_reuse)
     if "a" in parts:
         flush(p1, d)
-        run("a", "pd_on", shared_prefix(c.url, workload(p1), args))
-    if "b" in parts:
-        flush(p1, d)
-        run("b", "plain", multi_turn(c.url, [p1], d, workload(p1), args))
+        run("a", "pd_on", shared_prefix(c.url, workload(p1), args, True))
     fleet.unroute(c)
     if "a" in parts:
         p_off = fleet.server("prefill", "--disable-radix-cache")
         fleet.ready(p_off)
         c = fleet.router([p_off], d, "round_robin")
         asyncio.run(warm(c.url, workload(p1)))
-        run("a", "pd_off", shared_prefix(c.url, workload(p1), args))
+        run("a", "pd_off", shared_prefix(c.url, workload(p1), args, False))
         fleet.stop(c.router, p_off)
     if "c" in parts:
         p2 = fleet.server("prefill")
@@ -327,6 +366,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--system-len", type=int, default=1000)
     ap.add_argument("--questions", type=int, default=64)
     ap.add_argument("--question-len", type=int, default=24)
+    ap.add_argument("--off-questions", type=int, default=0,
+                    help="questions of the cache-off runs (0: --questions); with concurrency "
+                         "held, TTFT without a cache does not depend on how many follow")
     ap.add_argument("--out-len", type=int, default=8, help="output tokens in (a) and (c)")
     ap.add_argument("--concurrency", type=int, default=4, help="(a) after the first, and (b)")
     ap.add_argument("--conversations", type=int, default=8)
@@ -334,6 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--first-len", type=int, default=400, help="(b) first user message")
     ap.add_argument("--user-len", type=int, default=48, help="(b) later user messages")
     ap.add_argument("--answer-len", type=int, default=32, help="(b) greedy answer tokens")
+    ap.add_argument("--b-reps", type=int, default=2,
+                    help="(b) repetitions of each system, alternating which goes first")
     ap.add_argument("--prefixes", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=600)
     ap.add_argument("--per-prefix", type=int, default=4)
@@ -348,8 +392,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = set(args.parts) - set("abc")
     if bad or not args.parts:
         ap.error(f"--parts takes letters of 'abc', got {args.parts!r}")
-    if args.turns < 1 or args.questions < 2 or args.prefixes < 1 or args.per_prefix < 1:
-        ap.error("--turns, --prefixes, --per-prefix must be >= 1 and --questions >= 2")
+    if args.turns < 1 or args.b_reps < 1 or args.questions < 2 or args.off_questions == 1 or args.prefixes < 1 or args.per_prefix < 1:
+        ap.error("--turns, --b-reps, --prefixes, --per-prefix must be >= 1, --questions and "
+                 "--off-questions >= 2")
     return args
 
 

@@ -160,12 +160,13 @@ def load(server: ServerProcess) -> dict[str, Any]:
 
 
 def counters(servers: list[ServerProcess]) -> dict[str, float]:
-    """Sum over `servers` of their numeric /get_load values named in _DELTA_WORDS."""
+    """Sum over `servers` of their numeric /get_load values named in _DELTA_WORDS (rates and
+    per-request averages left out: their sum or change means nothing)."""
     out: dict[str, float] = {}
     for s in servers:
         for k, v in load(s).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and \
-                    any(w in k for w in _DELTA_WORDS):
+                    any(w in k for w in _DELTA_WORDS) and not k.endswith(("_rate", "_request")):
                 out[k] = out.get(k, 0) + v
     return out
 
