@@ -88,7 +88,9 @@ def run_fake_scheduler(args: Any, recv_addr: str, send_addr: str, ready_conn: An
                         data.update({"num_running_reqs": len(running), "num_waiting_reqs": 0})
                 elif msg.kind == "last_requests":
                     data = {"reqs": [vars(r) | {"sampling": vars(r.sampling)} for r in seen]}
-                elif msg.kind in ("flush_cache", "start_profile", "stop_profile"):
+                elif msg.kind == "flush_cache":  # the real scheduler's answer when idle
+                    data = {"flushed": True, "freed_pages": 0}
+                elif msg.kind in ("start_profile", "stop_profile"):
                     data = {"args": msg.args}
                 push.send_pyobj(ControlResp(msg.call_id, True, data))
         for rid, r in list(running.items()):

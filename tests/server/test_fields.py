@@ -149,7 +149,9 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
 
 
 def _free(server: ServerProcess) -> int:
-    return int(httpx.get(server.url + "/get_load", timeout=10).json()[0]["num_pages_free"])
+    """Pages no request holds: free ones plus unreferenced pages of the prefix cache."""
+    load = httpx.get(server.url + "/get_load", timeout=10).json()[0]
+    return int(load["num_pages_free"] + load.get("radix_cache_evictable_pages", 0))
 
 
 @pytest.fixture
