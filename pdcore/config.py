@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pdcore.errors import ConfigError
 
 DISAGG_MODES = ("null", "prefill", "decode")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")  # SGLang's names
 DEFAULT_BOOTSTRAP_PORT = 8998
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -46,6 +47,7 @@ class ServerArgs:
     # parallelism / devices
     tp_size: int = 1
     dp_size: int = 1
+    load_balance_method: str = "round_robin"  # --dp-size > 1: how requests pick a replica
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -98,6 +100,9 @@ class ServerArgs:
         for name in ("tp_size", "dp_size", "nnodes", "page_size", "max_running_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ConfigError(f"--load-balance-method must be one of "
+                              f"{', '.join(LOAD_BALANCE_METHODS)}, got {self.load_balance_method!r}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("--node-rank must be in [0, --nnodes)")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:

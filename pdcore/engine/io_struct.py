@@ -48,6 +48,8 @@ class GenerateReq:
     # PD decode, parallel sampling (n > 1): the rid of sample 0 of the same prompt. This sample
     # runs no KV transfer of its own: it forks from sample 0's received prompt pages.
     fork_of: str | None = None
+    # --dp-size > 1: the replica asked for (`data_parallel_rank`); None lets the balancer pick
+    routed_dp_rank: int | None = None
 
 
 @dataclass

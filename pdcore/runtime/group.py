@@ -39,7 +39,7 @@ def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
         # each other and the collectives (a step gets several times slower, not faster)
         import torch
 
-        per_rank = max(1, (os.cpu_count() or 1) // len(local_ranks(args)))
+        per_rank = max(1, (os.cpu_count() or 1) // (len(local_ranks(args)) * args.dp_size))
         torch.set_num_threads(min(torch.get_num_threads(), per_rank))
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=args.tp_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))

@@ -23,6 +23,8 @@ class LLMEngine:
     def __init__(self, args: ServerArgs) -> None:
         args.validate()
         check_parallel_args(args)
+        if args.dp_size > 1:
+            raise ConfigError("LLMEngine runs one replica; use `pdserve serve --dp-size N`")
         if args.nnodes > 1:
             raise ConfigError("LLMEngine runs on one node; use `pdserve serve` for --nnodes > 1")
         self.ranks = RankGroup(args)

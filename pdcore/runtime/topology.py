@@ -12,9 +12,7 @@ from pdcore.errors import ConfigError
 def check_parallel_args(args: ServerArgs) -> None:
     """What --tp-size / --nnodes / --node-rank / --dist-init-addr / --dp-size must satisfy."""
     if args.dp_size > 1:
-        raise ConfigError("--dp-size > 1 (data-parallel replicas behind one server) is not "
-                          "supported yet; start one server per replica and put the router in "
-                          "front of them")
+        _check_dp(args)
     if args.tp_size % args.nnodes:
         raise ConfigError(f"--tp-size {args.tp_size} must be a multiple of --nnodes "
                           f"{args.nnodes} (every node runs the same number of ranks)")
@@ -23,6 +21,16 @@ def check_parallel_args(args: ServerArgs) -> None:
                           "where the ranks meet); give every node the same value")
     if args.dist_init_addr:
         _split_addr(args.dist_init_addr)
+
+
+def _check_dp(args: ServerArgs) -> None:
+    """--dp-size > 1 runs its replicas on one node, unified only (for now)."""
+    if args.disaggregation_mode != "null":
+        raise ConfigError("--dp-size > 1 with --disaggregation-mode is not supported yet; start "
+                          "one prefill/decode server per replica and put the router in front")
+    if args.nnodes > 1 or args.dist_init_addr:
+        raise ConfigError("--dp-size > 1 runs every replica on this node; it cannot be combined "
+                          "with --nnodes > 1 or --dist-init-addr")
 
 
 def _split_addr(addr: str) -> tuple[str, int]:

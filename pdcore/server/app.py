@@ -41,13 +41,17 @@ WARMUP_TIMEOUT_S = 120.0
 
 
 async def _warm_up(engine: EngineClient) -> None:
-    """One greedy token through the scheduler, before the server reports ready."""
+    """One greedy token through the scheduler (each DP replica's), before the server reports
+    ready."""
     t0 = time.monotonic()
-    req = GenerateReq(f"warmup-{uuid.uuid4().hex[:8]}", list(range(4)),
-                      SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
-    async with contextlib.aclosing(engine.generate(req, timeout=WARMUP_TIMEOUT_S)) as outs:
-        async for _ in outs:
-            pass
+    for rank in range(engine.args.dp_size):
+        req = GenerateReq(f"warmup-{uuid.uuid4().hex[:8]}", list(range(4)),
+                          SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        if engine.args.dp_size > 1:
+            req.routed_dp_rank = rank
+        async with contextlib.aclosing(engine.generate(req, timeout=WARMUP_TIMEOUT_S)) as outs:
+            async for _ in outs:
+                pass
     log.info("warm-up generate done in %.0f ms", (time.monotonic() - t0) * 1000)
 
 
@@ -91,6 +95,11 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
                **engine_kwargs: Any) -> FastAPI:
     """The app for one server. `scheduler_target` / `tokenizer` replace the real scheduler
     process function and tokenizer (tests)."""
+    if engine is None and args.dp_size > 1:  # N replicas behind this server
+        from pdcore.server.dp_client import DPEngineClient
+
+        engine = DPEngineClient(args, scheduler_target=scheduler_target,  # type: ignore[assignment]
+                                tokenizer=tokenizer, **engine_kwargs)
     engine = engine or EngineClient(args, scheduler_target=scheduler_target, tokenizer=tokenizer,
                                     **engine_kwargs)
 

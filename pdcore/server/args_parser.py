@@ -20,6 +20,7 @@ from pdcore.config import (
     DEEPEP_MODES,
     DISAGG_MODES,
     KV_CACHE_DTYPES,
+    LOAD_BALANCE_METHODS,
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     ServerArgs,
@@ -41,6 +42,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "load_format": LOAD_FORMATS,
     "moe_a2a_backend": MOE_A2A_BACKENDS,
     "deepep_mode": DEEPEP_MODES,
+    "load_balance_method": LOAD_BALANCE_METHODS,
 }
 HELP: dict[str, str] = {
     "model_path": "local HF folder or .gguf file (default: SmolLM2-135M-Instruct from the "
@@ -52,7 +54,9 @@ HELP: dict[str, str] = {
     "host": "address to listen on",
     "port": "HTTP port",
     "tp_size": "tensor parallel size: ranks (processes) sharding attention heads and MLP",
-    "dp_size": "data parallel replicas (only 1 for now)",
+    "dp_size": "data parallel replicas behind this server, each its own scheduler, KV pool and "
+               "--tp-size ranks",
+    "load_balance_method": "with --dp-size > 1: how a request picks its replica",
     "nnodes": "nodes the TP ranks are spread over (each runs tp-size/nnodes ranks)",
     "node_rank": "this node's index; node 0 serves HTTP, the others only run their ranks",
     "dist_init_addr": "HOST:PORT where the TP ranks meet (required with --nnodes > 1)",

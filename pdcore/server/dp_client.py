@@ -1,0 +1,191 @@
+"""`--dp-size N` (N > 1): N data-parallel replicas behind one HTTP server.
+
+The controller lives here, in the HTTP process, rather than in a process of its own: every
+request already passes through the engine client, so choosing a replica is one function call
+(no extra hop, no extra process to supervise), and the per-replica bookkeeping (which replica
+holds a request, what is in flight where) is exactly the engine client's.
+
+`DPEngineClient` has `EngineClient`'s interface and holds one `EngineClient` per replica; each
+spawns its own scheduler process (its own KV pool, and `--tp-size` ranks: DP attention is off, as
+SGLang means --dp-size without --enable-dp-attention).
+1. `start()` starts every replica at once; one failing fails the start-up (the others stop);
+2. `generate()` sends a request to its `routed_dp_rank` (`data_parallel_rank`) or to the
+   balancer's pick (pdcore.server.dp_balance) and remembers where it went, so an abort reaches
+   the replica that holds it;
+3. `control()` fans out: get_load answers one entry per replica, stats are summed, flush_cache
+   and profiling run on every replica;
+4. a replica's death ends the server, as the death of the only scheduler does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pdcore.config import ServerArgs
+from pdcore.engine.io_struct import GenerateReq, TokenOut
+from pdcore.server.dp_balance import DPBalancer
+from pdcore.server.engine_client import EngineClient, EngineError, EngineState
+
+log = logging.getLogger(__name__)
+
+# a replica's state decides the server's in this order (any dead replica: the server is dead)
+_STATE_ORDER = (EngineState.DEAD, EngineState.FAILED, EngineState.STARTING, EngineState.STOPPED,
+                EngineState.READY)
+
+
+class DPEngineClient:
+    def __init__(self, args: ServerArgs, *, tokenizer: Any = None, **kwargs: Any) -> None:
+        self.args = args
+        self.replicas = [EngineClient(dataclasses.replace(args), tokenizer=tokenizer, **kwargs)
+                         for _ in range(args.dp_size)]
+        self.balancer = DPBalancer(args.dp_size, args.load_balance_method)
+        self._where: dict[str, int] = {}  # rid -> replica holding it
+        self._dead = False
+        self.on_dead: Callable[[str], None] | None = None
+        for rank, c in enumerate(self.replicas):
+            c.on_dead = lambda msg, rank=rank: self._replica_dead(rank, msg)
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        states = {c.state for c in self.replicas}
+        return next(s for s in _STATE_ORDER if s in states)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    @property
+    def error(self) -> str:
+        for rank, c in enumerate(self.replicas):
+            if c.error:
+                return f"DP rank {rank}: {c.error}"
+        return ""
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.replicas[0].info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.replicas[0].tokenizer
+
+    @property
+    def pid(self) -> int | None:
+        return self.replicas[0].pid
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [c.pid for c in self.replicas]
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.replicas[0].tokenizer is None:  # once, before the replicas start: transformers'
+            from pdcore.engine.tokenizer import load_tokenizer  # lazy imports race in threads
+
+            tok = await asyncio.to_thread(load_tokenizer, self.args)
+            for c in self.replicas:
+                c.tokenizer = tok
+        results = await asyncio.gather(*(c.start() for c in self.replicas),
+                                       return_exceptions=True)
+        errors = [(r, e) for r, e in enumerate(results) if isinstance(e, BaseException)]
+        if not errors:
+            log.info("%d DP replicas ready (load balance: %s)", len(self.replicas),
+                     self.args.load_balance_method)
+            return
+        await asyncio.gather(*(c.shutdown() for c in self.replicas), return_exceptions=True)
+        rank, err = errors[0]
+        if isinstance(err, EngineError):
+            raise EngineError(f"DP rank {rank}: {err}", err.status) from err
+        raise err
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(c.shutdown() for c in self.replicas), return_exceptions=True)
+
+    def _replica_dead(self, rank: int, message: str) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        message = f"DP rank {rank}: {message}"
+        for c in self.replicas:  # the server goes down: nothing in flight anywhere will finish
+            c._fail_pending(message, 503)
+        if self.on_dead is not None:
+            self.on_dead(message)
+
+    # ---- requests --------------------------------------------------------------------------
+    def require_ready(self) -> None:
+        for c in self.replicas:
+            c.require_ready()
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        rank = self._where.get(rid)
+        if rank is not None:
+            self.replicas[rank].abort(rid, reason)
+
+    def _rank_for(self, req: GenerateReq) -> int:
+        rank = req.routed_dp_rank
+        if rank is None:
+            return self.balancer.pick()
+        if not 0 <= rank < len(self.replicas):
+            raise EngineError(f"data_parallel_rank must be in [0, {len(self.replicas)}), "
+                              f"got {rank}", 400)
+        return rank
+
+    async def generate(self, req: GenerateReq, timeout: float | None = None
+                       ) -> AsyncIterator[TokenOut]:
+        self.require_ready()
+        if req.rid in self._where:
+            raise EngineError(f"rid {req.rid!r} is already in flight; use a unique rid", 400)
+        rank = self._rank_for(req)
+        tokens = len(req.input_ids) + int(req.sampling.max_new_tokens or 0)
+        self._where[req.rid] = rank
+        self.balancer.start(rank, tokens)
+        try:
+            async with contextlib.aclosing(self.replicas[rank].generate(req, timeout)) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            self._where.pop(req.rid, None)
+            self.balancer.finish(rank, tokens)
+
+    async def control(self, kind: str, args: dict[str, Any] | None = None,
+                      timeout: float = 10.0) -> dict[str, Any]:
+        self.require_ready()
+        results = await asyncio.gather(*(c.control(kind, args, timeout) for c in self.replicas),
+                                       return_exceptions=True)
+        for rank, r in enumerate(results):
+            if isinstance(r, EngineError):
+                raise EngineError(f"DP rank {rank}: {r}", r.status) from r
+            if isinstance(r, BaseException):
+                raise r
+        datas: list[dict[str, Any]] = [dict(r) for r in results]  # type: ignore[arg-type]
+        if kind == "get_load":
+            return {"loads": [{**d, "dp_rank": rank} for rank, d in enumerate(datas)]}
+        if kind == "stats":
+            return merge_stats(datas)
+        if kind == "flush_cache":
+            return {"flushed": all(bool(d.get("flushed")) for d in datas), "dp_ranks": datas}
+        return {**datas[0], "dp_ranks": datas}
+
+
+def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One server's scheduler stats from its replicas': counts add up, the rest (page size,
+    flags, ratios) is taken from replica 0 or recomputed."""
+    out = dict(stats[0])
+    for k, v in stats[0].items():
+        if isinstance(v, int) and not isinstance(v, bool) and k != "page_size":
+            out[k] = sum(int(s.get(k) or 0) for s in stats)
+    prompt = out.get("prompt_tokens_total")
+    if isinstance(prompt, int) and "cache_hit_rate" in out:
+        out["cache_hit_rate"] = out.get("cache_hit_tokens_total", 0) / prompt if prompt else 0.0
+    for rank, s in enumerate(stats):  # per-replica gauges too: /metrics labels by name suffix
+        for k in ("num_running_reqs", "num_waiting_reqs", "num_pages_used", "num_pages_free"):
+            if isinstance(s.get(k), int):
+                out[f"dp{rank}_{k}"] = s[k]
+    return out
+
