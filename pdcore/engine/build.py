@@ -65,7 +65,10 @@ def kv_pool_tokens(args: ServerArgs, platform: Any, device: torch.device, model:
                                         else DEFAULT_DEVICE_MEM_FRACTION)
     mem = platform.memory_info(device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    budget = int(mem.total_bytes * frac) - weights
+    # --dp-size N on a host: the N replicas' pools share its memory (on a device each replica
+    # has its own accelerators, offset by --base-gpu-id)
+    share = args.dp_size if host else 1
+    budget = int(mem.total_bytes * frac / share) - weights
     if budget < per_token * args.page_size:
         raise ConfigError(
             f"--mem-fraction-static {frac} of {mem.total_bytes / 2**30:.1f} GiB leaves no room "

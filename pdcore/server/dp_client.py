@@ -41,8 +41,10 @@ _STATE_ORDER = (EngineState.DEAD, EngineState.FAILED, EngineState.STARTING, Engi
 class DPEngineClient:
     def __init__(self, args: ServerArgs, *, tokenizer: Any = None, **kwargs: Any) -> None:
         self.args = args
-        self.replicas = [EngineClient(dataclasses.replace(args), tokenizer=tokenizer, **kwargs)
-                         for _ in range(args.dp_size)]
+        # replica r runs on accelerators base + r * tp_size onwards (SGLang's layout)
+        self.replicas = [EngineClient(dataclasses.replace(
+            args, base_gpu_id=args.base_gpu_id + rank * args.tp_size), tokenizer=tokenizer,
+            **kwargs) for rank in range(args.dp_size)]
         self.balancer = DPBalancer(args.dp_size, args.load_balance_method)
         self._where: dict[str, int] = {}  # rid -> replica holding it
         self._dead = False

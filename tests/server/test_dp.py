@@ -90,6 +90,25 @@ def test_merge_stats_adds_counts_and_keeps_per_replica_gauges() -> None:
     assert m["radix_cache_enabled"] is True
 
 
+def test_replicas_on_a_host_share_its_kv_budget() -> None:
+    import torch
+
+    from pdcore.config import ServerArgs
+    from pdcore.engine.build import kv_pool_tokens
+    from pdcore.interfaces.platform import MemoryInfo
+
+    class Host:
+        def memory_info(self, device: torch.device) -> MemoryInfo:
+            return MemoryInfo(free_bytes=16 << 30, total_bytes=16 << 30)
+
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights
+    weights = 1024 * 1025 * 4
+    for dp in (1, 2, 4):
+        args = ServerArgs(max_running_requests=1000, dp_size=dp)
+        got = kv_pool_tokens(args, Host(), torch.device("cpu"), model, 4096, 8192)
+        assert got == (int((16 << 30) * 0.1 / dp) - weights) // 4096
+
+
 # ---- a real server ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dp2(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
@@ -245,5 +264,25 @@ def test_shortest_queue_avoids_the_busy_replica_and_a_dead_replica_ends_the_serv
         victim = spawned_children(server.proc.pid)[1]
         os.kill(victim, signal.SIGKILL)
         assert server.proc.wait(15) == 1, server.log()[-3000:]
+    finally:
+        server.stop()
+
+
+def test_dp2_with_tp2_replicas_match_transformers(tiny_llama_dir: Path) -> None:
+    """Each replica is its own TP group (its own rendezvous); 2 x 2 rank processes."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval()
+    ref = hf_greedy(model, PROMPT, NEW)
+    server = ServerProcess("--model-path", str(tiny_llama_dir), *FLAGS, "--dp-size", "2",
+                           "--tp-size", "2")
+    try:
+        server.wait_healthy(240)
+        for rank in (0, 1):
+            r = generate(server, PROMPT, data_parallel_rank=rank)
+            assert r.status_code == 200, r.text
+            assert check_greedy(r.json()["output_ids"], ref).startswith(("identical", "near-tie"))
+        assert len(loads(server)) == 2
+        wait_at_rest(server)
     finally:
         server.stop()
