@@ -143,8 +143,8 @@ def kill_decode_mid_transfer(c: PDCluster) -> None:
         body = _pd_body(c, 2000 + k, n=400)
         threads.append(_post_async(p.url, body, results))
         threads.append(_post_async(d.url, body, []))
-    _wait(lambda: _stats(p.url)["num_pages_free"] < _stats(p.url)["num_pages_total"]
-          or len(results) == 6, 30, "P to start prefilling")
+    _wait(lambda: not load_at_rest(_stats(p.url)) or len(results) == 6, 30,
+          "P to start prefilling")
     owners = server_pids(d)
     d.kill()
     killed = time.monotonic()

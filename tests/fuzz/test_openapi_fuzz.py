@@ -76,7 +76,9 @@ def target(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[Tar
 
 
 def _free_pages(server: ServerProcess) -> int:
-    return int(httpx.get(server.url + "/get_load", timeout=10).json()[0]["num_pages_free"])
+    """Pages no request holds: free ones plus unreferenced pages of the prefix cache."""
+    load = httpx.get(server.url + "/get_load", timeout=10).json()[0]
+    return int(load["num_pages_free"] + load.get("radix_cache_evictable_pages", 0))
 
 
 def _check(resp_status: int, text: str, body: Any, where: str) -> None:
