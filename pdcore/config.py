@@ -92,17 +92,11 @@ class ServerArgs:
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def validate(self) -> None:
-        if self.disaggregation_mode not in DISAGG_MODES:
-            raise ConfigError(
-                f"--disaggregation-mode must be one of {', '.join(DISAGG_MODES)}, "
-                f"got {self.disaggregation_mode!r}"
-            )
+        self._check_choice("disaggregation_mode", DISAGG_MODES)
         for name in ("tp_size", "dp_size", "nnodes", "page_size", "max_running_requests"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            raise ConfigError(f"--load-balance-method must be one of "
-                              f"{', '.join(LOAD_BALANCE_METHODS)}, got {self.load_balance_method!r}")
+        self._check_choice("load_balance_method", LOAD_BALANCE_METHODS)
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("--node-rank must be in [0, --nnodes)")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
@@ -115,12 +109,8 @@ class ServerArgs:
             raise ConfigError("--context-length must be >= 2")
         if not 0 < self.port < 65536 or not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ConfigError("ports must be in 1..65535")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                              f"got {self.kv_cache_dtype!r}")
-        if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, "
-                              f"got {self.load_format!r}")
+        self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        self._check_choice("load_format", LOAD_FORMATS)
         self._validate_moe()
         if self.tokenizer_worker_num != 1:
             raise ConfigError(
@@ -129,15 +119,17 @@ class ServerArgs:
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
 
+    def _check_choice(self, name: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in allowed:
+            raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                              f"got {value!r}")
+
     def _validate_moe(self) -> None:
         if self.enable_deepep_moe:
             self.moe_a2a_backend = "deepep"
-        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
-            raise ConfigError(f"--moe-a2a-backend must be one of {', '.join(MOE_A2A_BACKENDS)}, "
-                              f"got {self.moe_a2a_backend!r}")
-        if self.deepep_mode not in DEEPEP_MODES:
-            raise ConfigError(f"--deepep-mode must be one of {', '.join(DEEPEP_MODES)}, "
-                              f"got {self.deepep_mode!r}")
+        self._check_choice("moe_a2a_backend", MOE_A2A_BACKENDS)
+        self._check_choice("deepep_mode", DEEPEP_MODES)
         if self.ep_size < 1:
             raise ConfigError("--ep-size must be >= 1")
         if self.ep_size not in (1, self.tp_size):
