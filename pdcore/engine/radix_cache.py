@@ -63,20 +63,22 @@ class RadixCache:
             k += 1
         return k
 
-    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def match(self, tokens: Sequence[int], limit: int, touch: bool = True) -> list[int]:
         """The pages holding the longest cached prefix of `tokens[:limit]` (whole pages only).
         The caller takes its own reference on them (BlockManager.ref) before anything can
-        evict; the walk marks them recently used."""
+        evict; the walk marks them recently used unless `touch` is False (a look only)."""
         n = min(len(tokens), limit) // self.ps
         t = tuple(tokens[:n * self.ps])
-        self.clock += 1
+        if touch:
+            self.clock += 1
         node, i, out = self.root, 0, []
         while i < n:
             child = node.children.get(t[i * self.ps:(i + 1) * self.ps])
             if child is None:
                 break
             k = self._common_pages(child, t, i, n)
-            child.last_use = self.clock
+            if touch:
+                child.last_use = self.clock
             out.extend(child.pages[:k])
             i += k
             if k < len(child.pages):

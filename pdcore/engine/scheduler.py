@@ -221,7 +221,8 @@ class Scheduler:
         def key(r: Req) -> tuple[int, int]:
             if r.pages or r.preempted:
                 return (0, 0)
-            return (1, -len(cache.match(r.prompt, self._match_limit(r))))
+            # a look only: sorting must not make every queued prefix "recently used"
+            return (1, -len(cache.match(r.prompt, self._match_limit(r), touch=False)))
 
         self.waiting = deque(sorted(self.waiting, key=key))
 
