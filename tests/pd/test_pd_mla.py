@@ -5,7 +5,6 @@ greedy output equals transformers, and the KV bytes P sends per token are one la
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tp"))  # tp_helpers
-from tp_helpers import Fleet, pd_generate
+from tp_helpers import PLUGIN_BACKENDS, Fleet, pd_generate, plugin_backend_env
 
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
@@ -81,21 +80,8 @@ def test_mla_equal_tp_shm(mla_model):
     _run_pair("shm", mla_model, 1, 1)
 
 
-PLUGIN_BACKENDS = {
-    "mooncake": ("mooncake", {"MC_LOG_LEVEL": "WARNING", "MOONCAKE_PROTOCOL": "tcp"}),
-    "nixl": ("nixl._api", {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib",
-                           "NIXL_LOG_LEVEL": "WARN"}),
-}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(PLUGIN_BACKENDS))
 def test_mla_prefill_tp2_to_decode_tp1_plugin_backends(backend, mla_model):
-    module, env = PLUGIN_BACKENDS[backend]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        pytest.skip(f"{module} not installed")
+    env = plugin_backend_env(backend)
     _run_pair(backend, mla_model, 2, 1, env)

@@ -5,7 +5,6 @@ Greedy output equals transformers and both servers end with every page free."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tp"))  # tp_helpers
-from tp_helpers import FAST_ENV, FLAGS, Fleet, pd_generate
+from tp_helpers import FAST_ENV, FLAGS, PLUGIN_BACKENDS, Fleet, pd_generate, plugin_backend_env
 
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
@@ -28,11 +27,6 @@ CASES = {  # id: (arch, backend, P flags, D flags)
     "qwen3_moe-tcp-tp1-to-tp2": ("qwen3_moe", "tcp", TP1, TP2),
     "mixtral-tcp": ("mixtral", "tcp", TP1, TP1),
     "mixtral-shm": ("mixtral", "shm", TP1, TP1),
-}
-PLUGIN_BACKENDS = {  # as tests/pd/test_pd_mla.py runs them on loopback
-    "mooncake": ("mooncake", {"MC_LOG_LEVEL": "WARNING", "MOONCAKE_PROTOCOL": "tcp"}),
-    "nixl": ("nixl._api", {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib",
-                           "NIXL_LOG_LEVEL": "WARN"}),
 }
 
 
@@ -59,13 +53,7 @@ def test_pd_moe_matches_transformers(tmp_path, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", list(PLUGIN_BACKENDS))
 def test_pd_moe_ep2_plugin_backends(tmp_path, backend):
-    module, env = PLUGIN_BACKENDS[backend]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        pytest.skip(f"{module} not installed")
+    env = plugin_backend_env(backend)
     _run(tmp_path, "qwen2_moe", backend, EP2, TP1, env)
 
 

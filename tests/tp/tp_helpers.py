@@ -3,11 +3,13 @@ different TP sizes, and requests sent to an explicit (P, D) pair the way the rou
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import threading
 from typing import Any
 
 import httpx
+import pytest
 
 from pdcore.testing.processes import ServerProcess, free_port
 
@@ -73,3 +75,25 @@ def pd_generate(fleet: Fleet, p: str, d: str, ids: list[int], max_new_tokens: in
     r = httpx.post(fleet[d].url + "/generate", json=body, timeout=timeout)
     t.join(timeout)
     return r.status_code, (r.json() if r.status_code == 200 else r.text)
+
+
+# the vendor backends on loopback: the module whose presence says the SDK is installed, and the
+# environment that keeps it on 127.0.0.1 and quiet
+PLUGIN_BACKENDS = {
+    "mooncake": ("mooncake", {"MC_LOG_LEVEL": "WARNING", "MOONCAKE_PROTOCOL": "tcp"}),
+    "nixl": ("nixl._api", {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib",
+                           "NIXL_LOG_LEVEL": "WARN"}),
+}
+
+
+def plugin_backend_env(backend: str) -> dict[str, str]:
+    """The backend's loopback environment; skips the test where its SDK is not installed
+    (looked up, not imported: importing an SDK into the test process has exit-time effects)."""
+    module, env = PLUGIN_BACKENDS[backend]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        pytest.skip(f"{module} not installed")
+    return env
