@@ -56,6 +56,8 @@ class ServerArgs:
     attention_backend: str | None = None
     memory_pool: str | None = None  # None -> the platform's default pool
     kv_cache_dtype: str = "auto"  # auto: the model's --dtype
+    # CPU placement of the engine's OpenMP threads (pdcore.runtime_env): auto | all | nobind | 0-1
+    cpu_omp_threads_bind: str | None = None
     # mixture of experts (pdcore/engine/models/moe.py)
     ep_size: int = 1  # > 1: the TP ranks hold whole experts and exchange tokens all-to-all
     moe_a2a_backend: str = "none"  # none: torch.distributed; deepep: DeepEP (CUDA only)

@@ -1,4 +1,5 @@
-"""Process-wide runtime defaults that must be set before torch (and its OpenMP) loads.
+"""Process-wide runtime defaults that must be set before torch (and its OpenMP) loads, and where
+a server's compute threads run (its CPU placement).
 
 OpenMP's default wait policy spins idle threads. When more compute threads than free cores exist
 (prefill, decode and router processes on one box, or any busy machine) the spinning threads
@@ -6,19 +7,157 @@ starve the ones doing work: measured here, 48 decode steps of SmolLM2 took 110 s
 default policy and 5.6 s with PASSIVE on the same loaded 2-core machine. Entry points call
 `apply()` first; a value the user set wins. On cores a server has to itself, a bounded spin
 (GOMP_SPINCOUNT=30000, which overrides PASSIVE's zero spin) served about 1.25x the tokens/s of
-PASSIVE here; the README gives the numbers.
+PASSIVE here: a decode step is ~100 OpenMP regions per layer pass, and waking a sleeping thread
+for each costs more than the region.
+
+Placement (`--cpu-omp-threads-bind`, else PDSERVE_CPU_OMP_THREADS_BIND, else `auto`):
+- a CPU list (`0-1`, `2,3`): the engine process is bound to those CPUs, one OpenMP thread per
+  CPU pinned in order, bounded spin: the server owns them;
+- `auto`: the same over every CPU this process may run on, unless the user set OMP_NUM_THREADS
+  (then they share the box out themselves: their thread count, no binding, passive wait);
+- `all` / `nobind`: no binding, passive wait (the cores are shared with other servers).
+The engine (scheduler) process is spawned with the placement's environment and affinity, so
+OpenMP reads them when torch first starts its thread pool there.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from pdcore.errors import ConfigError
 
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+BIND_ENV = "PDSERVE_CPU_OMP_THREADS_BIND"
+# keys apply() set (not the user): children of ours inherit them, and must not read them as the
+# user's choice
+DEFAULTED_ENV = "PDSERVE_ENV_DEFAULTED"
+SPIN_COUNT = "30000"
+NO_BIND = ("all", "nobind")
 
 
 def apply() -> None:
+    ours = set(filter(None, os.environ.get(DEFAULTED_ENV, "").split(",")))
     for key, value in DEFAULTS.items():
-        os.environ.setdefault(key, value)
+        if key not in os.environ:
+            os.environ[key] = value
+            ours.add(key)
+    os.environ[DEFAULTED_ENV] = ",".join(sorted(ours))
+
+
+def user_set(key: str, env: dict[str, str] | None = None) -> bool:
+    """True when `key` is in the environment and was not put there by apply()."""
+    env = os.environ if env is None else env
+    return key in env and key not in env.get(DEFAULTED_ENV, "").split(",")
+
+
+def available_cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def parse_cpus(spec: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]; ConfigError on anything else."""
+    cpus: list[int] = []
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            a, b = int(lo), int(hi) if hi else int(lo)
+            if a < 0 or b < a:
+                raise ValueError
+            cpus.extend(c for c in range(a, b + 1) if c not in cpus)
+    except ValueError:
+        raise ConfigError(f"--cpu-omp-threads-bind {spec!r}: expected auto, all, nobind or a "
+                          "CPU list such as 0-1 or 0,2") from None
+    return cpus
+
+
+@dataclass(frozen=True)
+class Placement:
+    cpus: tuple[int, ...] | None  # bound to these (one pinned thread each); None: not bound
+    threads: int | None  # OpenMP threads; None: leave torch's choice (or the user's)
+    spin: bool  # bounded spin (owns its cores) or passive wait (shares them)
+    why: str
+
+    def env(self) -> dict[str, str | None]:
+        """Variables the engine process gets (None: remove ours). Keys the user set are kept."""
+        out: dict[str, str | None] = {}
+        if self.spin:
+            out["GOMP_SPINCOUNT"] = SPIN_COUNT
+            out["OMP_WAIT_POLICY"] = None  # our PASSIVE default goes; the spin count bounds it
+        else:
+            out["OMP_WAIT_POLICY"] = "PASSIVE"
+        if self.threads is not None:
+            out["OMP_NUM_THREADS"] = str(self.threads)
+        if self.cpus is not None:
+            out["OMP_PROC_BIND"] = "close"
+            out["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in self.cpus)
+        return {k: v for k, v in out.items() if not user_set(k)}
+
+    def describe(self) -> str:
+        where = (f"CPUs {format_cpus(self.cpus)}" if self.cpus is not None else "not bound")
+        wait = "bounded spin" if self.spin else "passive wait"
+        threads = f"{self.threads} OpenMP threads" if self.threads else "default threads"
+        return f"{where}, {threads}, {wait} ({self.why})"
+
+
+def format_cpus(cpus: tuple[int, ...] | list[int]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+def bind_spec(flag: str | None) -> str:
+    return (flag or os.environ.get(BIND_ENV) or "auto").strip()
+
+
+def choose_placement(flag: str | None, replicas: int = 1) -> Placement:
+    """The engine's placement from the flag / variable (see the module docstring). `replicas`
+    engines of one server (DP on a host) share its CPUs: not bound unless a list is given."""
+    spec = bind_spec(flag)
+    avail = available_cpus()
+    if spec in NO_BIND:
+        return Placement(None, None, False, f"{spec}: cores shared with other processes")
+    if spec == "auto":
+        if user_set("OMP_NUM_THREADS"):
+            return Placement(None, None, False, "auto: OMP_NUM_THREADS is set, so the cores "
+                             "are shared out by hand")
+        if replicas > 1:
+            return Placement(None, None, False, f"auto: {replicas} DP replicas share the cores")
+        return Placement(tuple(avail), len(avail), True,
+                         "auto: every CPU this process may use, owned by this server")
+    cpus = parse_cpus(spec)
+    missing = [c for c in cpus if c not in avail]
+    if missing:
+        raise ConfigError(f"--cpu-omp-threads-bind {spec}: CPU {format_cpus(missing)} is not "
+                          f"available to this process (available: {format_cpus(avail)})")
+    return Placement(tuple(cpus), len(cpus), True, f"{spec}: given, owned by this server")
+
+
+@contextmanager
+def spawning_with(p: Placement) -> Iterator[None]:
+    """Within the block, processes this thread starts get the placement's environment and CPU
+    affinity (a child inherits both from the thread that starts it); both are restored after."""
+    saved_env = {k: os.environ.get(k) for k in p.env()}
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+    try:
+        for k, v in p.env().items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if p.cpus is not None and before is not None:
+            os.sched_setaffinity(0, p.cpus)
+        yield
+    finally:
+        if p.cpus is not None and before is not None:
+            os.sched_setaffinity(0, before)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def server_threads(n_servers: int) -> int | None:
@@ -26,8 +165,19 @@ def server_threads(n_servers: int) -> int | None:
     out (at least 1), so the engines' thread teams do not oversubscribe the cores (an OpenMP
     team waits at every barrier for its slowest thread; a descheduled one stalls them all).
     None when the user set OMP_NUM_THREADS: theirs is kept."""
-    if "OMP_NUM_THREADS" in os.environ:
+    if user_set("OMP_NUM_THREADS"):
         return None
-    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1)
-    return max(1, cpus // max(1, n_servers))
+    return max(1, len(available_cpus()) // max(1, n_servers))
+
+
+def disjoint_cpus(n_servers: int) -> list[str] | None:
+    """One CPU list per server, disjoint and as even as the CPUs allow, or None when there are
+    fewer CPUs than servers (or the user set OMP_NUM_THREADS: they share the box out)."""
+    cpus = available_cpus()
+    if n_servers < 1 or len(cpus) < n_servers or user_set("OMP_NUM_THREADS"):
+        return None
+    out = []
+    for i in range(n_servers):
+        a, b = i * len(cpus) // n_servers, (i + 1) * len(cpus) // n_servers
+        out.append(format_cpus(cpus[a:b]))
+    return out

@@ -28,7 +28,7 @@ import httpx
 
 from pdcore.errors import ConfigError
 from pdcore.runtime.lifeline import preexec_die_with_parent
-from pdcore.runtime_env import server_threads
+from pdcore.runtime_env import disjoint_cpus, server_threads
 
 GRACE_S = 10.0
 RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S = 1.0, 30.0, 60.0
@@ -45,6 +45,7 @@ class Child:
     backoff: float = RESTART_FIRST_S  # the wait before its next restart
     restart_at: float | None = None  # set while it is dead and waiting for its restart
     restarts: int = 0
+    placement: str = ""  # where its compute threads run, as `up` prints it
 
 
 @dataclass
@@ -107,12 +108,7 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
         port = cfg.server_port_base + 100 + j
         servers.append(Child(f"decode-{j}", f"http://{cfg.host}:{port}", py + common + [
             "--port", str(port), "--disaggregation-mode", "decode"]))
-    threads = server_threads(len(servers))
-    for k, child in enumerate(servers):
-        if k < len(cfg.cpus) and cfg.cpus[k]:
-            child.argv = ["taskset", "-c", cfg.cpus[k], *child.argv]
-        if threads is not None:
-            child.env["OMP_NUM_THREADS"] = str(threads)
+    place_servers(cfg, servers)
     router = [sys.executable, "-m", "pdcore.router", "--pd-disaggregation", "--host", cfg.host,
               "--port", str(cfg.port), "--policy", cfg.policy]
     for i in range(cfg.prefill):
@@ -123,6 +119,29 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     if key is not None:  # the servers want the key: the router asks for it and sends it on
         router += ["--api-key", key]
     return servers, Child("router", f"http://{cfg.host}:{cfg.port}", router)
+
+
+def place_servers(cfg: UpConfig, servers: list[Child]) -> None:
+    """Each server its own CPUs when there are enough (bound threads, bounded spin), else all
+    share them (a thread share each, not bound, passive wait); `placement` says which."""
+    given = _flag_value(cfg.serve_args, "--cpu-omp-threads-bind")
+    lists = None if given else disjoint_cpus(len(servers))
+    threads = server_threads(len(servers))
+    for k, child in enumerate(servers):
+        if k < len(cfg.cpus) and cfg.cpus[k]:
+            child.argv = ["taskset", "-c", cfg.cpus[k], *child.argv]
+            child.placement = f"CPUs {cfg.cpus[k]} (--cpus), bound, bounded spin"
+        elif given:
+            child.placement = f"--cpu-omp-threads-bind {given} (given)"
+        elif lists is not None:
+            child.argv += ["--cpu-omp-threads-bind", lists[k]]
+            child.placement = f"CPUs {lists[k]} of its own, bound, bounded spin"
+        else:
+            child.argv += ["--cpu-omp-threads-bind", "nobind"]
+            if threads is not None:
+                child.env["OMP_NUM_THREADS"] = str(threads)
+            child.placement = (f"shares the CPUs with {len(servers) - 1} other servers "
+                               f"({threads or 'your'} OpenMP threads, passive wait)")
 
 
 class Deployment:
@@ -163,6 +182,8 @@ class Deployment:
     def start(self) -> None:
         self.log(f"pdserve up: {self.cfg.prefill} prefill + {self.cfg.decode} decode, "
                  f"backend {self.backend} ({self.why})")
+        for s in self.servers:
+            self.log(f"  {s.name}: {s.placement}")
         deadline = time.monotonic() + self.cfg.startup_timeout
         for s in self.servers:
             self._spawn(s)

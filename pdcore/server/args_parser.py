@@ -93,6 +93,10 @@ HELP: dict[str, str] = {
     "enable_metrics": "accepted for SGLang compatibility: /metrics is always on",
     "skip_server_warmup": "skip the one-token warm-up generate run before /health turns 200",
     "tokenizer_worker_num": "tokenizer processes (only 1: the HTTP process tokenizes)",
+    "cpu_omp_threads_bind": "CPUs the engine's OpenMP threads are bound to: auto (every CPU "
+                            "this process may use; bounded spin), a list such as 0-1 (those; "
+                            "bounded spin), all or nobind (not bound; passive wait); unset: "
+                            "$PDSERVE_CPU_OMP_THREADS_BIND, else auto",
     "kv_cache_dtype": "KV pool dtype: auto (the model's --dtype), float32, bfloat16; prefill "
                       "and decode must use the same",
     "watchdog_timeout": "seconds a scheduler step may hang before the server exits",
@@ -154,6 +158,10 @@ def check_supported(args: ServerArgs) -> None:
 
     check_parallel_args(args)
     _check_moe_backend(args)
+    if args.device == "cpu":
+        from pdcore.runtime_env import choose_placement
+
+        choose_placement(args.cpu_omp_threads_bind, args.dp_size)  # a bad CPU list: exit 2
     if args.attention_backend == "ascend" and args.device != "npu":
         raise ConfigError("--attention-backend ascend needs --device npu and an NPU platform "
                           "plugin (pip install ./plugins/pd-ascend)")

@@ -35,6 +35,7 @@ import zmq.asyncio
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
 from pdcore.errors import PDError
+from pdcore.runtime_env import Placement, choose_placement, spawning_with
 from pdcore.server.tokenizer_export import tokenizer_dir
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ class EngineError(PDError):
     def __init__(self, message: str, status: int = 500) -> None:
         super().__init__(message)
         self.status = status
+
+
+def _placement(args: ServerArgs) -> Placement | None:
+    if args.device != "cpu":
+        return None
+    return choose_placement(args.cpu_omp_threads_bind, args.dp_size)
 
 
 def _default_target() -> SchedulerTarget:
@@ -136,7 +143,11 @@ class EngineClient:
         # Not a daemon: a TP scheduler starts its own rank processes. atexit kills it instead.
         self._proc = mp.Process(target=target, args=(self.args, recv_addr, send_addr, writer),
                                 name="pdserve-scheduler", daemon=False)
-        self._proc.start()
+        placement = _placement(self.args)
+        with spawning_with(placement) if placement else contextlib.nullcontext():
+            self._proc.start()  # OpenMP reads the placement when the child starts torch
+        if placement:
+            log.info("engine CPU placement: %s", placement.describe())
         atexit.register(self._kill_process)
         writer.close()
         log.info("scheduler process started (pid %s)", self._proc.pid)
@@ -157,6 +168,8 @@ class EngineClient:
         if tok_task is not None:
             self.tokenizer = await tok_task
         self.info = dict(msg.get("info") or {})
+        if placement:
+            self.info["cpu_placement"] = placement.describe()
         self.info["tokenizer_path"] = await asyncio.to_thread(
             tokenizer_dir, self.tokenizer, self.info.get("tokenizer_path")
             or self.info.get("model_path") or self.args.tokenizer_path or self.args.model_path)
