@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdcore.router.admin import build_admin_router
 from pdcore.router.config import RouterConfig
+from pdcore.router.discovery import ServiceDiscovery
 from pdcore.router.health import HealthMonitor
 from pdcore.router.metrics import RouterMetrics
 from pdcore.router.policies import Policy, make_policy
@@ -46,6 +48,7 @@ class RouterState:
     client: httpx.AsyncClient | None = None
     monitor: HealthMonitor | None = None
     proxy: Proxy | None = None
+    discovery: ServiceDiscovery | None = None
 
 
 def build_state(config: RouterConfig) -> RouterState:
@@ -111,9 +114,14 @@ def create_app(config: RouterConfig) -> FastAPI:
             for worker in state.registry:
                 monitor.watch_startup(worker)
             monitor.start()
+        if config.service_discovery:
+            state.discovery = ServiceDiscovery(config, state.registry, monitor)
+            state.discovery.start(asyncio.get_running_loop())
         try:
             yield
         finally:
+            if state.discovery is not None:
+                state.discovery.stop()
             await state.proxy.close()
             await monitor.stop()
             await client.aclose()
@@ -161,6 +169,14 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def metrics() -> Response:
         data = state.metrics.render(state.registry)
         return Response(data, media_type=state.metrics.content_type)
+
+    @app.get("/service_discovery")
+    async def service_discovery() -> JSONResponse:
+        """What the Kubernetes watchers saw per role (404 without --service-discovery)."""
+        if state.discovery is None:
+            return JSONResponse({"error": {"code": "not_enabled", "message":
+                                 "start the router with --service-discovery"}}, status_code=404)
+        return JSONResponse(state.discovery.snapshot())
 
     app.include_router(build_admin_router(state))
     return app

@@ -19,6 +19,7 @@ import typer
 
 from pdcore.errors import ConfigError
 from pdcore.router.config import RouterConfig
+from pdcore.router.discovery import SELECTOR_FLAGS, check_cluster_access, parse_selector
 
 _NONE_WORDS = ("none", "null")
 
@@ -77,6 +78,7 @@ def parse_router_args(argv: Sequence[str]) -> RouterConfig:
     values: dict[str, object] = {}
     prefill: list[tuple[str, int | None]] = []
     decode: list[str] = []
+    selectors: dict[str, dict[str, str]] = {}
     args = list(argv)
     i = 0
 
@@ -108,6 +110,12 @@ def parse_router_args(argv: Sequence[str]) -> RouterConfig:
             else:
                 decode.append(url)
             continue
+        if flag in SELECTOR_FLAGS:  # one or more k=v tokens, as sglang-router's nargs="+"
+            tokens = [inline] if has_inline else []
+            while is_value(i):
+                tokens, i = [*tokens, args[i]], i + 1
+            selectors[flag.replace("-", "_")] = parse_selector(flag, tokens)
+            continue
         if flag not in kinds:
             close = difflib.get_close_matches(flag, list(kinds) + ["prefill", "decode"], n=1)
             hint = f"; did you mean --{close[0]}?" if close else "; see --help"
@@ -124,7 +132,8 @@ def parse_router_args(argv: Sequence[str]) -> RouterConfig:
             raise ConfigError(f"--{flag} needs a value")
         values[flag] = _convert(flag, raw, kind, nullable)
     config = RouterConfig(
-        prefill=prefill, decode=decode, **{k.replace("-", "_"): v for k, v in values.items()}
+        prefill=prefill, decode=decode, **selectors,
+        **{k.replace("-", "_"): v for k, v in values.items()},
     )
     config.validate()
     return config
@@ -146,6 +155,8 @@ def router_help() -> str:
             flag += " URL [BOOTSTRAP_PORT|none]"
         elif f.name == "decode":
             flag += " URL"
+        elif f.name in ("selector", "prefill_selector", "decode_selector"):
+            flag += " K=V ..."
         default = f.default if f.default is not MISSING else None
         shown = "" if f.metadata.get("special") or default in (None, False) else f" [{default}]"
         choices = f.metadata.get("choices")
@@ -185,6 +196,8 @@ def build_router_command(app: typer.Typer, name: str = "router") -> None:
             raise typer.Exit(0)
         try:
             config = parse_router_args(ctx.args)
+            if config.service_discovery:
+                check_cluster_access()  # no credentials: exit 2 now, not a crash-looping watch
         except ConfigError as exc:
             # Printed by hand: a click.UsageError raised inside a typer command body is shown
             # as a traceback with exit code 1 by this typer version.

@@ -80,6 +80,21 @@ class RouterConfig:
     api_key: str | None = field(default=None, metadata=_opt(
         "bearer token clients must send on every route but /health (401 otherwise); the router "
         "sends the same key to its workers, so start them with the same --api-key"))
+    # Kubernetes service discovery (sglang-router's flags; pdcore/router/discovery.py)
+    service_discovery: bool = field(default=False, metadata=_opt(
+        "find prefill/decode workers as Ready pods matching --prefill/--decode-selector"))
+    selector: dict[str, str] = field(default_factory=dict, metadata=_opt(
+        "labels every worker pod carries (added to both role selectors): k=v ...", special=True))
+    prefill_selector: dict[str, str] = field(default_factory=dict, metadata=_opt(
+        "labels of prefill pods: k=v ...", special=True))
+    decode_selector: dict[str, str] = field(default_factory=dict, metadata=_opt(
+        "labels of decode pods: k=v ...", special=True))
+    service_discovery_port: int = field(default=80, metadata=_opt(
+        "worker HTTP port on a discovered pod (a pdserve.ai/port annotation overrides it)"))
+    service_discovery_namespace: str | None = field(default=None, metadata=_opt(
+        "namespace to watch (default: all namespaces, which needs cluster-wide RBAC)"))
+    bootstrap_port_annotation: str = field(default="sglang.ai/bootstrap-port", metadata=_opt(
+        "prefill pod annotation holding its bootstrap port"))
 
     def worker_headers(self) -> dict[str, str]:
         """Headers on every router -> worker call (health, loads, info, generation)."""
@@ -103,9 +118,15 @@ class RouterConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag to fix."""
-        if not self.prefill:
+        if self.service_discovery:
+            from pdcore.router.discovery import validate_discovery
+
+            validate_discovery(self)
+        elif self.selector or self.prefill_selector or self.decode_selector:
+            raise ConfigError("the --*-selector flags take effect with --service-discovery only")
+        elif not self.prefill:
             raise ConfigError("give at least one prefill worker: --prefill URL [BOOTSTRAP_PORT]")
-        if not self.decode:
+        elif not self.decode:
             raise ConfigError("give at least one decode worker: --decode URL")
         self.prefill = [(normalize_url(u, "--prefill"), p) for u, p in self.prefill]
         self.decode = [normalize_url(u, "--decode") for u in self.decode]
