@@ -1,0 +1,196 @@
+"""The live cluster page: `GET /dashboard` (one HTML page with a little JavaScript, no build
+step) and `GET /dashboard/data`, the JSON it polls every REFRESH_S seconds.
+
+For each data call the router asks every registered worker for `/get_load` at once, each with
+FETCH_TIMEOUT_S, and joins the answer with what the router itself knows of the worker (health,
+circuit, its own in-flight requests). A worker that does not answer in time is shown down at
+once, before the health checker marks it unhealthy. "Recent" transfer speed is the mean
+per-transfer speed over the transfers of the last RECENT_WINDOW_S (the KV manager's speed
+histogram differenced against a snapshot kept here), falling back to the last transfer's.
+With --api-key the page itself is public (it holds no data) and asks for the key, which it
+sends on each data call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse, JSONResponse
+
+import pdcore
+from pdcore.router.dashboard_page import PAGE
+from pdcore.router.workers import Worker
+
+if TYPE_CHECKING:
+    from pdcore.router.app import RouterState
+
+REFRESH_S = 2.0
+FETCH_TIMEOUT_S = 1.5  # under REFRESH_S, so a hung worker never delays the next refresh
+RECENT_WINDOW_S = 30.0
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def summarize_load(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One worker's `/get_load` answer (one dict per DP rank) as the page's numbers."""
+    total = sum(_num(r.get("num_pages_total")) for r in ranks)
+    used = sum(_num(r.get("num_pages_used")) for r in ranks)
+    queues: dict[str, float] = {}
+    for r in ranks:
+        for key, value in r.items():
+            if key.startswith("disagg_") and key.endswith("_queue"):
+                name = key[len("disagg_"):-len("_queue")]
+                queues[name] = queues.get(name, 0.0) + _num(value)
+    prompt = sum(_num(r.get("prompt_tokens_total")) for r in ranks)
+    cached = sum(_num(r.get("cache_hit_tokens_total")) for r in ranks)
+    return {
+        "running": int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
+        "waiting": int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
+        "tokens": int(sum(_num(r.get("num_tokens")) for r in ranks)),
+        "pages_used": int(used), "pages_total": int(total),
+        "pool_usage": used / total if total else 0.0,
+        "queues": {k: int(v) for k, v in sorted(queues.items())},
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "dp_ranks": len(ranks),
+    }
+
+
+def transfer_totals(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Summed KV-transfer counters of a worker's ranks; None when it reports none (unified)."""
+    out: dict[str, Any] | None = None
+    for r in ranks:
+        kv = r.get("kv_transfer")
+        if not isinstance(kv, dict):
+            continue
+        if out is None:
+            out = {"backend": kv.get("backend"), "transfers": 0, "bytes": 0, "failures": 0,
+                   "speed_sum": 0.0, "speed_count": 0, "last": None}
+        totals = kv.get("totals") or {}
+        out["transfers"] += int(_num(totals.get("transfers")))
+        out["bytes"] += int(_num(totals.get("bytes")))
+        failures = kv.get("failures")
+        if isinstance(failures, list):
+            out["failures"] += sum(int(_num(f.get("count", 1))) if isinstance(f, dict) else 1
+                                   for f in failures)
+        elif isinstance(failures, dict):
+            out["failures"] += int(sum(_num(v) for v in failures.values()))
+        speed = ((kv.get("hist") or {}).get("speed_gb_s")) or {}
+        out["speed_sum"] += _num(speed.get("sum"))
+        out["speed_count"] += int(sum(_num(c) for c in speed.get("counts") or ()))
+        last = kv.get("last")
+        if isinstance(last, dict) and out["last"] is None:
+            out["last"] = {k: last.get(k) for k in ("speed_gb_s", "latency_ms", "bootstrap_ms")}
+    return out
+
+
+class SpeedWindow:
+    """Per worker, (time, speed sum, transfer count) snapshots of the last RECENT_WINDOW_S."""
+
+    def __init__(self, window_s: float = RECENT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._seen: dict[str, deque[tuple[float, float, int]]] = {}
+
+    def recent(self, url: str, speed_sum: float, count: int, now: float) -> float | None:
+        """Mean GB/s of the transfers since the oldest snapshot in the window (None: none)."""
+        seen = self._seen.setdefault(url, deque())
+        while seen and now - seen[0][0] > self.window_s:
+            seen.popleft()
+        seen.append((now, speed_sum, count))
+        _, old_sum, old_count = seen[0]
+        if count < old_count:  # the worker restarted: its counters began again
+            seen.clear()
+            seen.append((now, speed_sum, count))
+            return None
+        return (speed_sum - old_sum) / (count - old_count) if count > old_count else None
+
+    def forget_others(self, urls: set[str]) -> None:
+        for url in [u for u in self._seen if u not in urls]:
+            del self._seen[url]
+
+
+def _status(worker: Worker, reachable: bool) -> str:
+    if worker.starting and not worker.healthy:
+        return "starting"
+    if not reachable or not worker.healthy:
+        return "down"
+    return "up" if worker.circuit.allows_requests() else "circuit_open"
+
+
+async def _fetch_load(client: httpx.AsyncClient, worker: Worker) -> tuple[Any, str | None]:
+    try:
+        resp = await client.get(worker.url + "/get_load", timeout=FETCH_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if resp.status_code != 200:
+        return None, f"/get_load answered {resp.status_code}"
+    try:
+        payload = resp.json()
+    except ValueError:
+        return None, "/get_load answered non-JSON"
+    ranks = payload if isinstance(payload, list) else [payload]
+    if not all(isinstance(r, dict) for r in ranks):
+        return None, "/get_load answered an unknown shape"
+    return ranks, None
+
+
+def worker_view(worker: Worker, ranks: list[dict[str, Any]] | None, error: str | None,
+                speeds: SpeedWindow, now: float) -> dict[str, Any]:
+    reachable = ranks is not None
+    view: dict[str, Any] = {
+        "url": worker.url, "role": worker.worker_type, "status": _status(worker, reachable),
+        "healthy": worker.healthy, "reachable": reachable,
+        "circuit": worker.circuit.state.value, "router_in_flight": worker.in_flight,
+        "health_error": worker.last_health_error, "error": error,
+        "load": summarize_load(ranks) if ranks is not None else None, "transfer": None,
+    }
+    totals = transfer_totals(ranks) if ranks is not None else None
+    if totals is not None:
+        recent = speeds.recent(worker.url, totals["speed_sum"], totals["speed_count"], now)
+        last = totals["last"] or {}
+        view["transfer"] = {
+            "backend": totals["backend"], "transfers": totals["transfers"],
+            "bytes": totals["bytes"], "failures": totals["failures"],
+            "recent_speed_gb_s": recent, "last_speed_gb_s": last.get("speed_gb_s"),
+            "last_latency_ms": last.get("latency_ms"),
+        }
+    return view
+
+
+def build_dashboard_router(state: RouterState) -> APIRouter:
+    router = APIRouter()
+    speeds = SpeedWindow()
+    started = time.time()
+
+    @router.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(PAGE.replace("__REFRESH_MS__", str(int(REFRESH_S * 1000))))
+
+    @router.get("/dashboard/data")
+    async def dashboard_data() -> JSONResponse:
+        assert state.client is not None  # created by the app lifespan before serving
+        workers = list(state.registry)
+        answers = await asyncio.gather(*(_fetch_load(state.client, w) for w in workers))
+        now = time.monotonic()
+        views = [worker_view(w, ranks, err, speeds, now)
+                 for w, (ranks, err) in zip(workers, answers)]
+        speeds.forget_others({w.url for w in workers})
+        cfg = state.config
+        return JSONResponse({
+            "router": {
+                "version": pdcore.__version__, "uptime_s": round(time.time() - started, 1),
+                "ready": state.registry.ready(), "mini_lb": cfg.mini_lb,
+                "prefill_policy": cfg.effective_prefill_policy,
+                "decode_policy": cfg.effective_decode_policy,
+            },
+            "refresh_s": REFRESH_S,
+            "workers": views,
+        })
+
+    return router
