@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdcore.router.admin import build_admin_router
 from pdcore.router.config import RouterConfig
+from pdcore.router.dashboard import build_dashboard_router
 from pdcore.router.discovery import ServiceDiscovery
 from pdcore.router.health import HealthMonitor
 from pdcore.router.metrics import RouterMetrics
@@ -76,7 +77,8 @@ def _require_api_key(app: FastAPI, key: str) -> None:
     async def require_api_key(request: Request, call_next):  # type: ignore[no-untyped-def]
         scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
         # constant-time: the comparison must not tell how much of a guess was right
-        if request.url.path == "/health" or (
+        # the dashboard page holds no data: it asks for the key and sends it on each poll
+        if request.url.path in ("/health", "/dashboard") or (
                 scheme.lower() == "bearer"
                 and hmac.compare_digest(token.strip().encode(), key.encode())):
             return await call_next(request)
@@ -179,4 +181,5 @@ def create_app(config: RouterConfig) -> FastAPI:
         return JSONResponse(state.discovery.snapshot())
 
     app.include_router(build_admin_router(state))
+    app.include_router(build_dashboard_router(state))
     return app

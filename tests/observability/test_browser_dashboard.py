@@ -154,3 +154,22 @@ def test_speed_window_means_the_transfers_inside_it() -> None:
     assert w.recent("u", 7.0, 3, now=31.5) == pytest.approx(4.0)
     assert w.recent("u", 1.0, 1, now=32.0) is None  # counters went back: the worker restarted
     assert w.recent("u", 3.0, 2, now=33.0) == pytest.approx(2.0)
+
+
+def test_with_api_key_the_page_is_public_and_its_data_wants_the_key() -> None:
+    from fastapi.testclient import TestClient
+
+    from pdcore.router.app import create_app
+    from pdcore.router.config import RouterConfig
+
+    # workers on ports nothing listens on: they show as starting/unreachable, never up
+    cfg = RouterConfig(prefill=[("http://127.0.0.1:9", None)], decode=["http://127.0.0.1:7"],
+                       api_key="secret")
+    with TestClient(create_app(cfg)) as client:
+        page = client.get("/dashboard")
+        assert page.status_code == 200 and "dashboard/data" in page.text
+        assert client.get("/dashboard/data").status_code == 401
+        data = client.get("/dashboard/data", headers={"authorization": "Bearer secret"})
+        assert data.status_code == 200, data.text
+        assert {w["status"] for w in data.json()["workers"]} <= {"starting", "down"}
+        assert all(not w["reachable"] and w["error"] for w in data.json()["workers"])
