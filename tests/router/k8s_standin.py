@@ -60,7 +60,7 @@ class KubeStandIn:
                 super().setup()
                 outer.conns.append(self.connection)
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # http.server's name
                 outer._handle(self)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -28,8 +28,9 @@ from pdcore.router.config import RouterConfig
 pytest.importorskip("kubernetes", reason="pip install 'pdcore[kubernetes]'")
 
 ROLE_LABEL = "app.kubernetes.io/component"
-SELECTORS = dict(selector={"app.kubernetes.io/name": "pdserve"},
-                 prefill_selector={ROLE_LABEL: "prefill"}, decode_selector={ROLE_LABEL: "decode"})
+SELECTORS: dict[str, Any] = {"selector": {"app.kubernetes.io/name": "pdserve"},
+                             "prefill_selector": {ROLE_LABEL: "prefill"},
+                             "decode_selector": {ROLE_LABEL: "decode"}}
 
 
 def make_pod(role: str, i: int, port: int, state: str = "ready") -> dict[str, Any]:
@@ -173,7 +174,7 @@ def test_api_outage_keeps_workers_and_recovers(tmp_path, monkeypatch, fake_worke
 
 
 def _router_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdcore.router", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "pdcore.router", *args], env=env, check=False,
                           capture_output=True, text=True, timeout=60)
 
 
