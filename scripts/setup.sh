@@ -3,7 +3,8 @@
 # only (nothing installed system-wide is visible to it). Idempotent: the environment is reused
 # while pyproject.toml and pdcore/ are unchanged.
 #   scripts/setup.sh             the environment: torch (CPU, pinned), pdcore, the default model
-#   scripts/setup.sh --apt       also the system libraries Mooncake's transfer engine links against
+#   scripts/setup.sh --apt       also the system packages: the libraries Mooncake's transfer engine
+#                                links against, chromium + chromedriver and prometheus (tests)
 #   scripts/setup.sh --apt-only  only those (scripts/test.sh builds its own environments)
 # Environment: PDSERVE_VENV (default ~/.cache/pdserve/venv), PYTHON (the interpreter that
 # creates it, default python3). Its python is then $PDSERVE_VENV/bin/python.
@@ -19,11 +20,15 @@ case "${1:-}" in
 esac
 
 if [ "$want_apt" = 1 ] && command -v apt-get >/dev/null 2>&1; then
-  # Mooncake's transfer engine links against the verbs/rdmacm/numa libraries even over TCP
-  if ! dpkg -s libibverbs1 librdmacm1 libnuma1 ibverbs-providers >/dev/null 2>&1; then
+  # Mooncake's transfer engine links against the verbs/rdmacm/numa libraries even over TCP;
+  # the observability tests drive headless Chromium and run their own Prometheus and promtool
+  # (a prometheus system service the package may start is not used: tests pick free ports)
+  apt_pkgs="libibverbs1 librdmacm1 libnuma1 ibverbs-providers chromium chromium-driver prometheus"
+  # shellcheck disable=SC2086 - the list is meant to split
+  if ! dpkg -s $apt_pkgs >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 \
-      ibverbs-providers >/dev/null
+    $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      $apt_pkgs >/dev/null
   fi
 fi
 [ "$want_venv" = 1 ] || exit 0
