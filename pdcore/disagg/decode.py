@@ -321,6 +321,8 @@ class DecodeKVManager(KVManager):
             self._fail(r.room, f"aux row in slot {r.aux_slot} carries room {row.room}, expected "
                                f"{r.room} (not written or corrupted)")
             return
+        if r.pages is not None:  # what P wrote into this rank: its pages past the prefix
+            self.xfer.add_bytes(r.room, (len(r.pages) - r.prefix_pages) * self.kv.page_bytes)
         if self.states.advance(r.room, KVPoll.Success):
             self.counters.add("transfers")
             log.debug("room %d: KV received", r.room)

@@ -26,6 +26,7 @@ from pdcore.disagg.common import Counters, make_backend, make_planner
 from pdcore.disagg.control import ControlPlane
 from pdcore.disagg.staging import open_staging
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
+from pdcore.disagg.transfer_stats import TransferStats
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
 
@@ -49,7 +50,8 @@ class KVManager(ABC):
         staging = open_staging(self.planner, self.role, kv, kv_tensors, pool, env)
         self.backend = make_backend(backend_name, self.role, args, env, tp_rank, tp_size)
         self.backend.register(self.kv_regions + [aux.region] + self._adopt_staging(staging))
-        self.states = RoomStates()
+        self.xfer = TransferStats(backend_name)
+        self.states = RoomStates(self.xfer.on_state)
         self.counters = Counters()
         self._lock = threading.RLock()
         self._closed = False
@@ -91,6 +93,7 @@ class KVManager(ABC):
             self._rooms.pop(room, None)
             self._peer_faults.discard(room)
             self.states.remove(room)
+        self.xfer.forget(room)
 
     def metrics(self) -> dict:
         out = self.counters.snapshot()
@@ -98,6 +101,12 @@ class KVManager(ABC):
         out["inflight_rooms"] = self.states.count(*_LIVE)
         out.update(self._role_metrics())
         return out
+
+    def transfer_stats(self) -> dict:
+        """Per-room transfer measurements (see transfer_stats) and live rooms per state."""
+        snap = self.xfer.snapshot()
+        snap["rooms"] = {s.name: self.states.count(s) for s in _LIVE}
+        return snap
 
     def close(self) -> None:
         if self._closed:
@@ -150,6 +159,7 @@ class KVManager(ABC):
         if code in self.peer_fault_codes:  # set.add is atomic; release() discards under the lock
             self._peer_faults.add(room)
         self.counters.add("failures")
+        self.xfer.failed(room, code, reason)
         self._log.warning("room %d: failed: %s", room, reason)
         if not notify:
             return

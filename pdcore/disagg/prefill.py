@@ -325,6 +325,7 @@ class PrefillKVManager(KVManager):
                     self._write(sess, batch, job.room)
                 d.staged = d.staged or staged
                 self.counters.add("bytes", batch.nbytes)
+                self.xfer.add_bytes(job.room, batch.nbytes)
                 self.counters.add("staged_bytes" if staged else "direct_bytes", batch.nbytes)
             self.counters.add("chunks")
         except TransferError as e:

@@ -80,9 +80,10 @@ class RoleExtension(Extension):
 
     def _stats(self, queues: dict[str, Any]) -> dict[str, Any]:
         c = self.counts
+        transfer = getattr(self.mgr, "transfer_stats", None)  # stand-in managers have none
         return {**queues, **{f"disagg_{k}_total": v for k, v in c.items()},
                 "disagg_transfers_per_request": c["transfers"] / max(1, c["requests"]),
-                "aux_slots_free": self.aux.num_free,
+                "aux_slots_free": self.aux.num_free, "kv_transfer": transfer() if transfer else {},
                 **{f"kv_{k}": v for k, v in self.mgr.metrics().items()
                    if isinstance(v, (int, float))}}
 

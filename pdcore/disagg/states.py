@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -35,13 +36,16 @@ class _Entry:
 class RoomStates:
     """Thread-safe room -> (state, failure reason) table with the monotonic rule."""
 
-    def __init__(self) -> None:
+    def __init__(self, listener: Callable[[int, KVPoll, bool], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._rooms: dict[int, _Entry] = {}
+        self._listener = listener  # (room, new state, created); Failed is not reported
 
     def create(self, room: int, state: KVPoll = KVPoll.Bootstrapping) -> None:
         with self._lock:
             self._rooms[room] = _Entry(state, "", time.monotonic())
+            if self._listener is not None:
+                self._listener(room, state, True)
 
     def exists(self, room: int) -> bool:
         with self._lock:
@@ -64,6 +68,8 @@ class RoomStates:
             if e is None or e.state is KVPoll.Failed or state <= e.state:
                 return False
             e.state, e.since = state, time.monotonic()
+            if self._listener is not None:
+                self._listener(room, state, False)
             return True
 
     def fail(self, room: int, reason: str) -> bool:

@@ -93,6 +93,7 @@ class CircuitBreaker:
         return {
             "state": self.state.value,
             "consecutive_failures": self._failures,
+            "consecutive_successes": self._successes,
             "total_failures": self.total_failures,
             "total_successes": self.total_successes,
         }

@@ -1,77 +1,176 @@
 """Prometheus metrics of one router instance (own registry, so several routers can share a process).
 
-Request counters and latency are updated by the proxy as requests finish; per-worker gauges
-(in-flight, health, circuit state, polled load) are refreshed from the registry at scrape time.
+Names, types and labels are sglang-router's (0.3.x, `smg_*`: read from its /metrics in PD
+mode), so its dashboards work against ours; what it has no name for is `pdrouter_*`.
+docs/metrics.md lists them. Request series are updated by the proxy as requests finish;
+per-worker series (requests in flight, health, circuit state and outcomes, polled load) are
+built from the registry at scrape time, so a removed worker disappears from the next scrape.
 """
 
 from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdcore.router.circuit import CircuitState
 from pdcore.router.workers import WorkerRegistry
 
 _CIRCUIT_CODE = {CircuitState.CLOSED: 0, CircuitState.OPEN: 1, CircuitState.HALF_OPEN: 2}
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# sglang-router's default buckets
+_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 45, 60, 90,
+            120, 180, 240)
+# constant labels of a PD router speaking HTTP to its workers, as sglang-router sets them
+ROUTER = {"router_type": "http", "backend_type": "pd", "connection_mode": "http"}
+_ENDPOINTS = {"/generate": "generate", "/v1/chat/completions": "chat",
+              "/v1/completions": "completions"}
+
+
+def endpoint(route: str) -> str:
+    return _ENDPOINTS.get(route, route.strip("/").replace("/", "_") or "root")
+
+
+def error_code(response: Any) -> str:
+    """The `error.code` of an error answer's JSON body ('' when there is none)."""
+    if getattr(response, "status_code", 200) < 400:
+        return ""
+    try:
+        err = json.loads(getattr(response, "body", b"") or b"{}").get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(err.get("code") or "") if isinstance(err, dict) else ""
 
 
 class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        disable_created_metrics()  # no `*_created` gauge beside every counter
+        self.policies: dict[str, str] = {}
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "pdrouter_requests_total", "Requests answered, by route and HTTP status",
-            ["route", "status"], registry=r,
-        )
-        self.retries = Counter(
-            "pdrouter_retries_total", "Request attempts beyond the first", ["route"], registry=r
-        )
-        self.upstream_errors = Counter(
-            "pdrouter_upstream_errors_total", "Failed worker calls, by role and kind",
-            ["worker_type", "kind"], registry=r,
-        )
-        self.latency = Histogram(
-            "pdrouter_request_duration_seconds",
-            "Time to the response head (non-stream: whole response), by route",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
-        )
-        self.in_flight = Gauge(
-            "pdrouter_worker_in_flight", "Router requests in flight per worker",
-            ["worker", "worker_type"], registry=r,
-        )
-        self.healthy = Gauge(
-            "pdrouter_worker_healthy", "1 if the worker passes health checks",
-            ["worker", "worker_type"], registry=r,
-        )
-        self.circuit = Gauge(
-            "pdrouter_worker_circuit_state", "Circuit state: 0 closed, 1 open, 2 half-open",
-            ["worker", "worker_type"], registry=r,
-        )
-        self.load = Gauge(
-            "pdrouter_worker_load_tokens", "Last polled /get_load token count (-1 unknown)",
-            ["worker", "worker_type"], registry=r,
-        )
+        route = [*ROUTER, "model", "endpoint"]
+        self.http_requests = Counter("smg_http_requests", "Total HTTP requests by method and "
+                                     "path", ["method", "path"], registry=r)
+        self.http_responses = Counter("smg_http_responses", "Total HTTP responses by status_code"
+                                      " and error_code", ["status_code", "error_code"], registry=r)
+        self.http_duration = Histogram("smg_http_request_duration_seconds", "HTTP request "
+                                       "duration by method and path (to the response head)",
+                                       ["method", "path"], buckets=_BUCKETS, registry=r)
+        self.requests = Counter("smg_router_requests", "Total routed requests by router_type, "
+                                "backend_type, connection_mode, model, endpoint, streaming",
+                                [*route, "streaming"], registry=r)
+        self.duration = Histogram("smg_router_request_duration_seconds", "Router request "
+                                  "duration by router_type, backend_type, connection_mode, "
+                                  "model, endpoint", route, buckets=_BUCKETS, registry=r)
+        self.errors = Counter("smg_router_request_errors", "Router errors by router_type, "
+                              "backend_type, connection_mode, model, endpoint, error_type",
+                              [*route, "error_type"], registry=r)
+        self.selections = Counter("smg_worker_selection", "Worker selection events by "
+                                  "worker_type, connection_mode, model, policy",
+                                  ["worker_type", "connection_mode", "model", "policy"],
+                                  registry=r)
+        self.retries = Counter("smg_worker_retries", "Total retry attempts by worker_type and "
+                               "endpoint", ["worker_type", "endpoint"], registry=r)
+        self.retries_exhausted = Counter("smg_worker_retries_exhausted", "Requests that "
+                                         "exhausted all retries by worker_type and endpoint",
+                                         ["worker_type", "endpoint"], registry=r)
+        self.worker_errors = Counter("smg_worker_errors", "Worker-level errors by worker_type, "
+                                     "connection_mode, error_type",
+                                     ["worker_type", "connection_mode", "error_type"], registry=r)
+        self._workers: WorkerRegistry | None = None
+        r.register(_WorkerCollector(self))
 
-    def observe_request(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
-        self.latency.labels(route=route).observe(seconds)
+    def bind(self, workers: WorkerRegistry, policies: dict[str, str]) -> None:
+        """The registry per-worker series are read from (every scrape, on either port) and the
+        policy of each role."""
+        self._workers, self.policies = workers, dict(policies)
+
+    # -- recorded by the proxy -----------------------------------------------------------------
+    def observe_request(self, route: str, status: int, seconds: float, *, model: str = "default",
+                        stream: bool = False, code: str = "") -> None:
+        ep = endpoint(route)
+        self.http_requests.labels("POST", route).inc()
+        self.http_duration.labels("POST", route).observe(seconds)
+        self.http_responses.labels(str(status), code).inc()
+        self.requests.labels(*ROUTER.values(), model, ep, str(stream).lower()).inc()
+        self.duration.labels(*ROUTER.values(), model, ep).observe(seconds)
+        if status >= 400:
+            self.errors.labels(*ROUTER.values(), model, ep, code or str(status)).inc()
+
+    def selected(self, worker_type: str, model: str = "default") -> None:
+        self.selections.labels(worker_type, "http", model,
+                               self.policies.get(worker_type, "")).inc()
+
+    def retry(self, worker_type: str, route: str) -> None:
+        self.retries.labels(worker_type, endpoint(route)).inc()
+
+    def exhausted(self, worker_type: str, route: str) -> None:
+        self.retries_exhausted.labels(worker_type, endpoint(route)).inc()
+
+    def worker_error(self, worker_type: str, kind: str) -> None:
+        self.worker_errors.labels(worker_type, "http", kind).inc()
 
     def render(self, workers: WorkerRegistry) -> bytes:
-        for gauge in (self.in_flight, self.healthy, self.circuit, self.load):
-            gauge.clear()  # removed workers must disappear from the scrape
-        for w in workers:
-            labels = {"worker": w.url, "worker_type": w.worker_type}
-            self.in_flight.labels(**labels).set(w.in_flight)
-            self.healthy.labels(**labels).set(1 if w.healthy else 0)
-            self.circuit.labels(**labels).set(_CIRCUIT_CODE[w.circuit.state])
-            self.load.labels(**labels).set(w.load)
+        if self._workers is None:
+            self._workers = workers
         return generate_latest(self.registry)
+
+
+class _WorkerCollector:
+    """Per-worker series from the registry the last render() was given."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self._m = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        workers = list(self._m._workers or [])
+        per_worker = {
+            "smg_worker_requests_active": "Currently running requests per worker",
+            "smg_worker_health": "Worker health status (1=healthy, 0=unhealthy)",
+            "smg_worker_cb_state": "Circuit breaker state per worker (0=closed, 1=open, "
+                                   "2=half_open)",
+            "smg_worker_cb_consecutive_failures": "Current consecutive failure count per worker",
+            "smg_worker_cb_consecutive_successes": "Current consecutive success count per "
+                                                   "worker"}
+        fams = {n: GaugeMetricFamily(n, doc, labels=["worker"]) for n, doc in per_worker.items()}
+        outcomes = CounterMetricFamily("smg_worker_cb_outcomes", "Circuit breaker outcomes by "
+                                       "worker and outcome (success/failure)",
+                                       labels=["worker", "outcome"])
+        load = GaugeMetricFamily("pdrouter_worker_load_tokens", "Last polled /get_load token "
+                                 "count (-1 unknown), by worker and role",
+                                 labels=["worker", "worker_type"])
+        pool = GaugeMetricFamily("smg_worker_pool_size", "Current worker pool size by "
+                                 "worker_type, connection_mode, model",
+                                 labels=["worker_type", "connection_mode", "model"])
+        sizes = {"prefill": 0, "decode": 0}
+        for w in workers:
+            cb = w.circuit.snapshot()
+            values = {"smg_worker_requests_active": w.in_flight,
+                      "smg_worker_health": 1 if w.healthy else 0,
+                      "smg_worker_cb_state": _CIRCUIT_CODE[w.circuit.state],
+                      "smg_worker_cb_consecutive_failures": cb.get("consecutive_failures", 0),
+                      "smg_worker_cb_consecutive_successes": cb.get("consecutive_successes", 0)}
+            for name, v in values.items():
+                fams[name].add_metric([w.url], float(v or 0))  # type: ignore[arg-type]
+            outcomes.add_metric([w.url, "success"], float(w.circuit.total_successes))
+            outcomes.add_metric([w.url, "failure"], float(w.circuit.total_failures))
+            load.add_metric([w.url, w.worker_type], float(w.load))
+            sizes[w.worker_type] = sizes.get(w.worker_type, 0) + 1
+        for role, n in sizes.items():
+            pool.add_metric([role, "http", "default"], float(n))
+        yield from fams.values()
+        yield from (outcomes, load, pool)

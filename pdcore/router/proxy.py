@@ -43,7 +43,7 @@ from pdcore.router.merge import (
     prefill_input_logprobs,
     wants_logprobs,
 )
-from pdcore.router.metrics import RouterMetrics
+from pdcore.router.metrics import RouterMetrics, error_code
 from pdcore.router.policies import Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
@@ -76,6 +76,12 @@ class Failure:
     code: str
     message: str
     retriable: bool
+
+
+def _failed_role(failure: Failure | None) -> str:
+    """The role a failure names (its code starts with it), else 'pair'."""
+    role = failure.code.split("_", 1)[0] if failure else ""
+    return role if role in ("prefill", "decode") else "pair"
 
 
 def error_response(status: int, code: str, message: str, request_id: str) -> JSONResponse:
@@ -124,6 +130,8 @@ class Proxy:
         self._policies = {"prefill": prefill_policy, "decode": decode_policy}
         self._clients = clients
         self._metrics = metrics
+        metrics.bind(registry, {"prefill": config.effective_prefill_policy,
+                                "decode": config.effective_decode_policy})
         self._rng = rng or random.Random()
         self._background: set[asyncio.Task[PrefillResult]] = set()
 
@@ -135,6 +143,7 @@ class Proxy:
             if not workers:
                 return f"No available {role} workers (all unhealthy or circuits open)"
             chosen.append(self._policies[role].select(workers, text))
+            self._metrics.selected(role)
         return chosen[0], chosen[1]
 
     def backoff_s(self, retry: int) -> float:
@@ -148,7 +157,9 @@ class Proxy:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"pdr-{uuid.uuid4().hex}"
         response = await self._handle(route, request, request_id)
-        self._metrics.observe_request(route, response.status_code, time.perf_counter() - started)
+        model, stream = getattr(request.state, "model_stream", ("default", False))
+        self._metrics.observe_request(route, response.status_code, time.perf_counter() - started,
+                                      model=model, stream=stream, code=error_code(response))
         return response
 
     async def _handle(self, route: str, request: Request, request_id: str) -> Response:
@@ -160,6 +171,7 @@ class Proxy:
         except (ValueError, InvalidRequestError) as exc:
             return error_response(400, "invalid_request", f"bad request body: {exc}", request_id)
         stream = bool(body.get("stream"))
+        request.state.model_stream = (str(body.get("model") or "default"), stream)  # metrics
         logprobs = wants_logprobs(route, body)
         text = routing_text(route, body)
         headers = {"content-type": "application/json"}
@@ -182,7 +194,7 @@ class Proxy:
         failure: Failure | None = None
         for attempt in range(self._cfg.max_attempts):
             if attempt:
-                self._metrics.retries.labels(route=route).inc()
+                self._metrics.retry(_failed_role(failure), route)
                 await asyncio.sleep(min(self.backoff_s(attempt), max(0.0, deadline - loop.time())))
             if loop.time() >= deadline:
                 break
@@ -203,6 +215,9 @@ class Proxy:
             log.warning("attempt %d for %s failed: %s", attempt + 1, route, failure.message)
             if not failure.retriable:
                 break
+        else:
+            if failure is not None and failure.retriable:
+                self._metrics.exhausted(_failed_role(failure), route)
         if failure is None:
             failure = Failure(504, "request_timeout", "request deadline passed before an attempt",
                               False)
@@ -237,8 +252,7 @@ class Proxy:
             pending: set[asyncio.Task[object]] = {p_task, d_task, gone}  # type: ignore[arg-type]
             while True:
                 if gone.done():  # the finally below cancels both legs: P and D free the room
-                    self._metrics.upstream_errors.labels(worker_type="client",
-                                                         kind="disconnect").inc()
+                    self._metrics.worker_error("client", "disconnect")
                     log.info("client went away before the response started; aborting both legs")
                     return Failure(CLIENT_GONE, "client_disconnected", "client disconnected",
                                    retriable=False)
@@ -254,8 +268,7 @@ class Proxy:
                     if not leg.ok:
                         if leg.status == PEER_FAULT:  # D is fine; its prefill peer failed
                             p.circuit.record(False)
-                            self._metrics.upstream_errors.labels(worker_type="prefill",
-                                                                 kind="peer_fault").inc()
+                            self._metrics.worker_error("prefill", "peer_fault")
                             return _upstream_failure("prefill", p, leg.status, b"(reported by "
                                                      b"decode " + d.url.encode() + b") " + leg.body)
                         if leg.status in RETRY_STATUSES:
@@ -285,7 +298,7 @@ class Proxy:
                          request_id: str) -> Response | Failure:
         if res.status == PEER_FAULT:  # P is fine; its decode peer failed the pair
             d.circuit.record(False)
-            self._metrics.upstream_errors.labels(worker_type="decode", kind="peer_fault").inc()
+            self._metrics.worker_error("decode", "peer_fault")
             return _upstream_failure("decode", d, res.status,
                                      b"(reported by prefill " + p.url.encode() + b") " + res.body)
         if res.status is None:

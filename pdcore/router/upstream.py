@@ -89,13 +89,13 @@ async def call_prefill(
         )
     except (httpx.HTTPError, asyncio.TimeoutError) as exc:
         worker.circuit.record(False)
-        metrics.upstream_errors.labels(worker_type="prefill", kind="transport").inc()
+        metrics.worker_error("prefill", "transport")
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         log.warning("prefill %s failed: %s", url, reason)
         return PrefillResult(None, error=reason)
     worker.circuit.record(resp.status_code < 500 or resp.status_code == PEER_FAULT)
     if not 200 <= resp.status_code < 300:
-        metrics.upstream_errors.labels(worker_type="prefill", kind=str(resp.status_code)).inc()
+        metrics.worker_error("prefill", str(resp.status_code))
         log.warning("prefill %s answered %d: %s", url, resp.status_code, resp.text[:300])
     return PrefillResult(resp.status_code, resp.content, resp.headers.get("content-type"))
 
@@ -132,7 +132,7 @@ class DecodeLeg:
             self.content_type = self._resp.headers.get("content-type")
             self.worker.circuit.record(self.status < 500 or self.status == PEER_FAULT)
             if not self.ok:
-                self._metrics.upstream_errors.labels(worker_type="decode", kind=str(self.status)).inc()
+                self._metrics.worker_error("decode", str(self.status))
             if first_only and self.ok:
                 self._iter = self._resp.aiter_bytes()
                 self.body = await anext(self._iter, b"")  # type: ignore[arg-type]
@@ -140,7 +140,7 @@ class DecodeLeg:
                 self.body = await self._resp.aread()
         except httpx.HTTPError:
             self.worker.circuit.record(False)
-            self._metrics.upstream_errors.labels(worker_type="decode", kind="transport").inc()
+            self._metrics.worker_error("decode", "transport")
             raise
 
     async def stream(self, merger: SSEMerger | None, deadline: float) -> AsyncIterator[bytes]:
@@ -165,7 +165,7 @@ class DecodeLeg:
                     yield tail
         except (httpx.HTTPError, asyncio.TimeoutError) as exc:
             self.worker.circuit.record(False)
-            self._metrics.upstream_errors.labels(worker_type="decode", kind="stream").inc()
+            self._metrics.worker_error("decode", "stream")
             message = f"decode stream from {self.worker.url} broke: {type(exc).__name__}: {exc}"
             log.warning(message)
             event = {"error": {"code": "decode_stream_error", "message": message}}

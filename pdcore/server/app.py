@@ -31,7 +31,7 @@ from pdcore.server import admin_routes, native_routes, openai_routes
 from pdcore.server.engine_client import EngineClient, EngineError, SchedulerTarget
 from pdcore.server.http_errors import error_response, install_error_handlers
 from pdcore.server.limits import install_limits
-from pdcore.server.metrics import ServerMetrics
+from pdcore.server.metrics import ServerMetrics, metrics_engine_type, metrics_model_name
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.engine = engine
     app.state.args = args
-    app.state.metrics = ServerMetrics()
+    app.state.metrics = ServerMetrics(metrics_model_name(args), metrics_engine_type(args))
     app.state.on_ready = None
     app.state.on_start_failed = None
     app.state.warming_up = False

@@ -68,8 +68,9 @@ async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | in
                     now = time.monotonic()
                     if last is None:
                         metrics.ttft.observe(now - start)
-                    else:
-                        metrics.itl.observe((now - last) / new)
+                    else:  # one observation per token, as SGLang counts them
+                        for _ in range(new):
+                            metrics.itl.observe((now - last) / new)
                     last = now
                     metrics.generation_tokens.inc(new)
                 q.put_nowait(Event(item.index, asm, done=done))
@@ -78,6 +79,7 @@ async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | in
         metrics.prompt_tokens.inc(asm.out.prompt_tokens)
         metrics.cached_tokens.inc(asm.out.cached_tokens)
         metrics.e2e.observe(time.monotonic() - start)
+        metrics.finished.inc()
     except EngineError as e:
         q.put_nowait(Event(item.index, asm, error=e, done=True))
     finally:

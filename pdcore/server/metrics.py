@@ -1,15 +1,27 @@
 """Prometheus metrics of one server, in a registry owned by its app (several apps may share a
-process in tests).
+process in tests). docs/metrics.md lists every name.
 
-Request-level series (tokens, latencies, request counts) are recorded by the HTTP process as
-requests run; scheduler gauges (running / waiting requests, KV pages) are refreshed from a
-`stats` ControlReq when /metrics is scraped. Any other numeric value the scheduler reports is
-exported as `pdserve_scheduler_<key>`.
+Whatever SGLang also measures is exported under SGLang's name, type, labels and buckets
+(`sglang:*`), so SGLang's dashboards work unchanged; the rest is `pdserve_*`.
+
+- Request-level series (tokens, TTFT/ITL/e2e, finished requests) are recorded by the HTTP
+  process as requests run (`RequestMetrics`), labelled `model_name` as SGLang's tokenizer
+  metrics are.
+- Scheduler series are built at scrape time from the scheduler's `stats` answer
+  (`StatsCollector`): gauges from its current values, counters from its running totals (so a
+  counter is exported as one, never as a gauge), the KV-transfer histograms from the cumulative
+  buckets the KV manager keeps. Labels as SGLang's scheduler metrics: model_name, engine_type
+  (unified / prefill / decode), tp_rank, pp_rank.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -18,101 +30,236 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from pdcore.server.metrics_map import (
+    E2E_BUCKETS,
+    ITL_BUCKETS,
+    KV_GAUGE_KEYS,
+    SCHED_COUNTERS,
+    SCHED_GAUGES,
+    TTFT_BUCKETS,
+    XFER_HISTOGRAMS,
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
-                    0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+THROUGHPUT_WINDOW_S = 10.0  # sglang:gen_throughput: tokens generated over the last 10 s
+_EXTRA_PREFIX = "pdserve_scheduler_"
 
-# scheduler stats key -> our gauge; several spellings accepted
-_STAT_KEYS = {
-    "running": ("num_running_reqs", "running", "num_running"),
-    "waiting": ("num_waiting_reqs", "waiting", "num_waiting"),
-    "pages_used": ("num_pages_used", "pages_used", "used_pages"),
-    "pages_free": ("num_pages_free", "pages_free", "free_pages"),
-    "cache_hit_rate": ("cache_hit_rate",),
-    "cache_pages": ("radix_cache_pages",),
-    "cache_evictable": ("radix_cache_evictable_pages",),
-}
-# scheduler totals exported as counters (advanced by the difference since the last scrape)
-_COUNTER_KEYS = {
-    "cache_evicted": "radix_cache_evicted_pages_total",
-    "prefix_reused_tokens": "disagg_prefix_reused_tokens_total",
-    "prefix_reused_bytes": "disagg_prefix_reused_bytes_total",
-    "prefix_skipped_pages": "disagg_prefix_skipped_pages_total",
-}
+
+class RequestMetrics:
+    """What the HTTP process measures per request (sglang:* tokenizer metrics and ours)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        r, lab = registry, ["model_name"]
+        self.model_name = model_name
+        self._prompt = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.",
+                               lab, registry=r)
+        self._generation = Counter("sglang:generation_tokens",
+                                   "Number of generation tokens processed.", lab, registry=r)
+        self._cached = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", lab,
+                               registry=r)
+        self._finished = Counter("sglang:num_requests", "Number of requests processed.", lab,
+                                 registry=r)
+        self._ttft = Histogram("sglang:time_to_first_token_seconds",
+                               "Histogram of time to first token in seconds.", lab,
+                               buckets=TTFT_BUCKETS, registry=r)
+        self._itl = Histogram("sglang:inter_token_latency_seconds",
+                              "Histogram of inter-token latency in seconds.", lab,
+                              buckets=ITL_BUCKETS, registry=r)
+        self._e2e = Histogram("sglang:e2e_request_latency_seconds",
+                              "Histogram of end-to-end request latency in seconds.", lab,
+                              buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = self._prompt.labels(model_name)
+        self.generation_tokens = _Generated(self._generation.labels(model_name))
+        self.cached_tokens = self._cached.labels(model_name)
+        self.finished = self._finished.labels(model_name)
+        self.ttft = self._ttft.labels(model_name)
+        self.itl = self._itl.labels(model_name)
+        self.e2e = self._e2e.labels(model_name)
+
+
+class _Generated:
+    """The generation-token counter, also feeding the sliding window of sglang:gen_throughput."""
+
+    def __init__(self, counter: Any) -> None:
+        self._counter = counter
+        self._lock = threading.Lock()
+        self._recent: deque[tuple[float, float]] = deque()  # (monotonic time, tokens)
+
+    def inc(self, n: float = 1) -> None:
+        self._counter.inc(n)
+        with self._lock:
+            self._recent.append((time.monotonic(), n))
+
+    def throughput(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and now - self._recent[0][0] > THROUGHPUT_WINDOW_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "default", engine_type: str = "unified",
+                 tp_rank: int = 0) -> None:
+        disable_created_metrics()  # no `*_created` gauge beside every counter (SGLang has none)
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.running = Gauge("pdserve_num_running_reqs", "Requests in the running batch",
-                             registry=r)
-        self.waiting = Gauge("pdserve_num_waiting_reqs", "Requests waiting for admission",
-                             registry=r)
-        self.pages_used = Gauge("pdserve_kv_pages_used", "KV cache pages in use", registry=r)
-        self.pages_free = Gauge("pdserve_kv_pages_free", "KV cache pages free", registry=r)
+        self.req = RequestMetrics(r, model_name)
+        # the attributes generation.py and app.py record into
+        self.prompt_tokens, self.generation_tokens = self.req.prompt_tokens, self.req.generation_tokens
+        self.cached_tokens, self.finished = self.req.cached_tokens, self.req.finished
+        self.ttft, self.itl, self.e2e = self.req.ttft, self.req.itl, self.req.e2e
         self.in_flight = Gauge("pdserve_http_requests_in_flight",
                                "Generate requests the HTTP process is serving", registry=r)
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished "
-                                     "requests", registry=r)
-        self.generation_tokens = Counter("pdserve_generation_tokens", "Generated tokens",
-                                         registry=r)
-        self.cached_tokens = Counter("pdserve_cached_tokens", "Prompt tokens served from cache",
-                                     registry=r)
-        self.requests = Counter("pdserve_requests", "Generate requests by route and status",
+        self.requests = Counter("pdserve_requests", "Generate requests by route and HTTP status",
                                 ["route", "status"], registry=r)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between output tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request latency",
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.cache_hit_rate = Gauge("pdserve_cache_hit_rate", "Prompt tokens taken from the "
-                                    "prefix cache / prompt tokens, since start", registry=r)
-        self.cache_pages = Gauge("pdserve_radix_cache_pages", "KV pages the prefix cache holds",
-                                 registry=r)
-        self.cache_evictable = Gauge("pdserve_radix_cache_evictable_pages", "Cached KV pages no "
-                                     "request holds (free to evict)", registry=r)
-        self.cache_evicted = Counter("pdserve_radix_cache_evicted_pages", "KV pages evicted "
-                                     "from the prefix cache", registry=r)
-        # decode-side prefix reuse (pdcore.disagg): KV decode's own cache held, not transferred
-        self.prefix_reused_tokens = Counter("pdserve_disagg_prefix_reused_tokens", "Prompt "
-                                            "tokens whose KV decode took from its prefix cache "
-                                            "instead of receiving it", registry=r)
-        self.prefix_reused_bytes = Counter("pdserve_disagg_prefix_reused_bytes", "KV bytes "
-                                           "decode did not receive thanks to its prefix cache",
-                                           registry=r)
-        self.prefix_skipped_pages = Counter("pdserve_disagg_prefix_skipped_pages", "KV pages "
-                                            "prefill did not send: decode held them cached",
-                                            registry=r)
-        self._totals: dict[str, float] = {}
-        self._extra: dict[str, Gauge] = {}
+        self.stats_collector = StatsCollector(
+            {"model_name": model_name, "engine_type": engine_type, "tp_rank": str(tp_rank),
+             "pp_rank": "0"}, self.generation_tokens.throughput)
+        r.register(self.stats_collector)
 
     def update_from_stats(self, stats: dict[str, Any]) -> None:
-        known: set[str] = set()
-        for attr, keys in _STAT_KEYS.items():
-            for k in keys:
-                if isinstance(stats.get(k), (int, float)):
-                    getattr(self, attr).set(stats[k])
-                    known.add(k)
-                    break
-        for attr, k in _COUNTER_KEYS.items():
-            v = stats.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                getattr(self, attr).inc(max(0.0, v - self._totals.get(k, 0.0)))
-                self._totals[k] = v
-                known.add(k)
-        for k, v in stats.items():
-            if k in known or isinstance(v, bool) or not isinstance(v, (int, float)):
-                continue
-            name = "pdserve_scheduler_" + re.sub(r"[^a-zA-Z0-9_]", "_", k)
-            g = self._extra.get(name)
-            if g is None:
-                g = self._extra[name] = Gauge(name, f"scheduler stat {k}", registry=self.registry)
-            g.set(v)
+        self.stats_collector.stats = stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def metrics_model_name(args: Any) -> str:
+    """The model_name label: the name /v1/models reports (served name, else the model file's
+    or folder's base name)."""
+    if args.served_model_name:
+        return str(args.served_model_name)
+    path = args.model_path
+    if not path:
+        try:
+            from pdcore.engine.tokenizer import default_model_file
+
+            path = default_model_file()
+        except Exception:  # noqa: BLE001 - the engine reports a missing model itself
+            return "default"
+    return os.path.basename(str(path).rstrip("/")) or "default"
+
+
+def metrics_engine_type(args: Any) -> str:
+    mode = getattr(args, "disaggregation_mode", "null")
+    return mode if mode in ("prefill", "decode") else "unified"
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class StatsCollector:
+    """Scheduler series from the last `stats` answer, built at scrape time."""
+
+    def __init__(self, labels: dict[str, str], gen_throughput: Any) -> None:
+        self.labels = labels
+        self.stats: dict[str, Any] = {}
+        self._gen_throughput = gen_throughput
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the stats: nothing is checked at registration
+
+    def collect(self) -> Iterator[Metric]:
+        s, names, values = self.stats, list(self.labels), list(self.labels.values())
+        known: set[str] = {"kv_transfer"}
+        for name, doc, fn, keys in SCHED_GAUGES:
+            lab = name.startswith("sglang:")  # ours stay unlabelled, as they always were
+            g = GaugeMetricFamily(name, doc, labels=names if lab else [])
+            g.add_metric(values if lab else [], float(fn(s, self._gen_throughput) or 0.0))
+            known.update(keys)
+            yield g
+        for name, doc, key in SCHED_COUNTERS:
+            lab = name.startswith("sglang:")
+            c = CounterMetricFamily(name, doc, labels=names if lab else [])
+            v = s.get(key)
+            c.add_metric(values if lab else [], float(v) if _num(v) else 0.0)
+            known.add(key)
+            yield c
+        yield from self._transfer(s.get("kv_transfer"))
+        yield from self._extras(s, known)
+
+    def _transfer(self, x: Any) -> Iterator[Metric]:
+        """sglang:kv_transfer_* (last transfer) and pdserve_kv_* (histograms, totals, rooms)."""
+        names, values = list(self.labels), list(self.labels.values())
+        x = x if isinstance(x, dict) else {}
+        last = x.get("last", {})
+        for key, name, doc in (
+                ("speed_gb_s", "sglang:kv_transfer_speed_gb_s",
+                 "The transfer speed of the KV cache in GB/s (last transfer)."),
+                ("latency_ms", "sglang:kv_transfer_latency_ms",
+                 "The transfer latency of the KV cache in ms (last transfer)."),
+                ("bootstrap_ms", "sglang:kv_transfer_bootstrap_ms",
+                 "The bootstrap time of the KV transfer in ms (last room)."),
+                ("total_mb", "sglang:kv_transfer_total_mb",
+                 "The KV bytes of the last transfer in MB (1e6 bytes).")):
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, float(last.get(key, 0.0)))
+            yield g
+        fails = x.get("failures", [])
+        for phase, name, doc in (
+                ("bootstrap", "sglang:num_bootstrap_failed_reqs",
+                 "The number of bootstrap failed requests."),
+                ("transfer", "sglang:num_transfer_failed_reqs",
+                 "The number of transfer failed requests.")):
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, float(sum(n for p, _, n in fails if p == phase)))
+            yield c
+        names, values = names + ["backend"], values + [str(x.get("backend", ""))]
+        totals = x.get("totals", {})
+        for key, name, doc in (("bytes", "pdserve_kv_transfer_bytes",
+                                ("KV bytes this rank moved (P: wrote; D: received into its "
+                                "pages)")),
+                               ("transfers", "pdserve_kv_transfers", ("Rooms whose KV transfer "
+                                "completed"))):
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, float(totals.get(key, 0)))
+            yield c
+        c = CounterMetricFamily("pdserve_kv_failures", "Failed rooms by phase (bootstrap / "
+                                "transfer) and reason", labels=names + ["phase", "reason"])
+        for phase, why, n in fails:
+            c.add_metric(values + [phase, why], float(n))
+        yield c
+        g = GaugeMetricFamily("pdserve_kv_rooms", "Live rooms by state",
+                              labels=names + ["state"])
+        for state, n in x.get("rooms", {}).items():
+            g.add_metric(values + [state], float(n))
+        yield g
+        hist = x.get("hist", {})
+        for key, name, doc in XFER_HISTOGRAMS:
+            h = hist.get(key)
+            fam = HistogramMetricFamily(name, doc, labels=names)
+            if h:
+                cum, buckets = 0, []
+                for bound, n in zip([*h["bounds"], float("inf")], h["counts"]):
+                    cum += n
+                    buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)),
+                                    float(cum)))
+                fam.add_metric(values, buckets, float(h["sum"]))
+            yield fam
+
+    def _extras(self, s: dict[str, Any], known: set[str]) -> Iterator[Metric]:
+        """Every other numeric stat: running totals (`*_total` keys, the KV manager's counts)
+        as counters, the rest as gauges."""
+        for k, v in s.items():
+            if k in known or not _num(v):
+                continue
+            base = _EXTRA_PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", k)
+            if base.endswith("_total") or (k.startswith("kv_") and k not in KV_GAUGE_KEYS):
+                c = CounterMetricFamily(base.removesuffix("_total"), f"scheduler total {k}")
+                c.add_metric([], float(v))
+                yield c
+            else:
+                g = GaugeMetricFamily(base, f"scheduler stat {k}")
+                g.add_metric([], float(v))
+                yield g

@@ -135,9 +135,12 @@ def test_info_and_admin_routes(fake_worker, router):
     d.health_status = 200
     r.client.post("/generate", json={"text": "x"})
     metrics = r.client.get("/metrics").text
-    assert 'pdrouter_requests_total{route="/generate",status="200"} 1.0' in metrics
-    assert f'pdrouter_worker_circuit_state{{worker="{p.url}",worker_type="prefill"}} 0.0' in metrics
-    assert "pdrouter_request_duration_seconds_bucket" in metrics
+    assert ('smg_router_requests_total{backend_type="pd",connection_mode="http",'
+            'endpoint="generate",model="default",router_type="http",streaming="false"} 1.0'
+            in metrics)
+    assert 'smg_http_responses_total{error_code="",status_code="200"} 1.0' in metrics
+    assert f'smg_worker_cb_state{{worker="{p.url}"}} 0.0' in metrics
+    assert "smg_router_request_duration_seconds_bucket" in metrics
 
 
 def test_mini_lb_forwards_without_health_checks(fake_worker, router):

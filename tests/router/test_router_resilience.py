@@ -25,7 +25,8 @@ def test_prefill_503_retried_with_fresh_room(fake_worker, router):
     assert d_rooms[-1] == rooms[1] and set(d_rooms) <= set(rooms)
     assert resp.json()["room"] == rooms[1]
     _wait(lambda: r.worker_state(d.url)["in_flight"] == 0)
-    assert "pdrouter_retries_total{route=\"/generate\"} 1.0" in r.client.get("/metrics").text
+    text = r.client.get("/metrics").text
+    assert 'smg_worker_retries_total{endpoint="generate",worker_type="prefill"} 1.0' in text
 
 
 def test_decode_503_retried_then_success(fake_worker, router):

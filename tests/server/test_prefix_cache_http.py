@@ -90,9 +90,9 @@ def metrics(server: ServerProcess) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
-        if line.startswith("pdserve_") and "{" not in line:
+        if line.startswith(("pdserve_", "sglang:")) and not line.startswith("pdserve_kv_"):
             name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+            out[name.split("{", 1)[0]] = float(value)  # one series per name on one server
     return out
 
 
@@ -196,17 +196,17 @@ def test_metrics_show_the_cache(on, off):
     hit = generate(on, text)["meta_info"]["cached_tokens"]
     after = metrics(on)
     stats = load(on)
-    for name in ("pdserve_cache_hit_rate", "pdserve_radix_cache_pages",
+    for name in ("sglang:cache_hit_rate", "pdserve_radix_cache_pages",
                  "pdserve_radix_cache_evictable_pages", "pdserve_radix_cache_evicted_pages_total",
-                 "pdserve_cached_tokens_total"):
+                 "sglang:cached_tokens_total"):
         assert name in after, f"{name} missing from /metrics"
     assert hit > 0
-    assert after["pdserve_cached_tokens_total"] - before.get("pdserve_cached_tokens_total",
+    assert after["sglang:cached_tokens_total"] - before.get("sglang:cached_tokens_total",
                                                              0) == hit
-    assert after["pdserve_cache_hit_rate"] == pytest.approx(stats["cache_hit_rate"])
-    assert 0 < after["pdserve_cache_hit_rate"] <= 1
+    assert after["sglang:cache_hit_rate"] == pytest.approx(stats["cache_hit_rate"])
+    assert 0 < after["sglang:cache_hit_rate"] <= 1
     assert after["pdserve_radix_cache_pages"] == stats["radix_cache_pages"] > 0
     assert after["pdserve_radix_cache_evictable_pages"] == stats["radix_cache_evictable_pages"]
     generate(off, text)
     cold = metrics(off)
-    assert cold["pdserve_cache_hit_rate"] == 0 and cold["pdserve_radix_cache_pages"] == 0
+    assert cold["sglang:cache_hit_rate"] == 0 and cold["pdserve_radix_cache_pages"] == 0

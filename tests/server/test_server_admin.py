@@ -78,15 +78,15 @@ def test_metrics(fake_server):
     after = c.get("/metrics")
     assert after.headers["content-type"].startswith("text/plain")
     text = after.text
-    assert _sample(text, "pdserve_generation_tokens_total") - \
-        _sample(before, "pdserve_generation_tokens_total") == 3
-    assert _sample(text, "pdserve_prompt_tokens_total") - \
-        _sample(before, "pdserve_prompt_tokens_total") == len(
+    assert _sample(text, "sglang:generation_tokens_total") - \
+        _sample(before, "sglang:generation_tokens_total") == 3
+    assert _sample(text, "sglang:prompt_tokens_total") - \
+        _sample(before, "sglang:prompt_tokens_total") == len(
             fake_server.tokenizer.encode("count these tokens"))
-    assert _sample(text, "pdserve_time_to_first_token_seconds_count") >= 1
-    assert _sample(text, "pdserve_inter_token_latency_seconds_count") >= 2
+    assert _sample(text, "sglang:time_to_first_token_seconds_count") >= 1
+    assert _sample(text, "sglang:inter_token_latency_seconds_count") >= 2
     assert 'pdserve_requests_total{route="/generate",status="200"}' in text
     assert 'pdserve_requests_total{route="/generate",status="400"}' in text
     assert _sample(text, "pdserve_kv_pages_free") == fake_server.free_pages()
     assert _sample(text, "pdserve_kv_pages_used") == 0
-    assert _sample(text, "pdserve_num_running_reqs") == 0
+    assert _sample(text, "sglang:num_running_reqs") == 0
