@@ -252,7 +252,8 @@ def run_up(cfg: UpConfig) -> int:
     try:
         dep.start()
         url = dep.router.url
-        print(f"\npdserve up: ready at {url}\n  curl {url}/v1/chat/completions -H "
+        print(f"\npdserve up: ready at {url}\n  live cluster page: {url}/dashboard\n"
+              f"  curl {url}/v1/chat/completions -H "
               "'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
               "\"content\": \"Hello\"}], \"max_tokens\": 32}'\n  (Ctrl-C stops everything)",
               flush=True)

@@ -80,6 +80,11 @@ def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: 
             assert up.poll() is None, log.read_text()[-4000:]
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(1)
+        # the live cluster page's URL is printed once all is up, and the router serves it
+        while f"live cluster page: {url}/dashboard" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        assert httpx.get(url + "/dashboard", timeout=30).status_code == 200
         decode_port = str(base + 100)
         [decode_http] = [p for p in _pids_with(decode_port) if spawned_children(p)]
         [scheduler] = spawned_children(decode_http)
