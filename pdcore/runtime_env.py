@@ -27,8 +27,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pdcore.errors import ConfigError
-
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 BIND_ENV = "PDSERVE_CPU_OMP_THREADS_BIND"
 # keys apply() set (not the user): children of ours inherit them, and must not read them as the
@@ -36,6 +34,10 @@ BIND_ENV = "PDSERVE_CPU_OMP_THREADS_BIND"
 DEFAULTED_ENV = "PDSERVE_ENV_DEFAULTED"
 SPIN_COUNT = "30000"
 NO_BIND = ("all", "nobind")
+
+
+class PlacementError(ValueError):
+    """A --cpu-omp-threads-bind value that cannot be used (the CLI turns it into exit 2)."""
 
 
 def apply() -> None:
@@ -60,7 +62,7 @@ def available_cpus() -> list[int]:
 
 
 def parse_cpus(spec: str) -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5]; ConfigError on anything else."""
+    """'0-2,5' -> [0, 1, 2, 5]; PlacementError on anything else."""
     cpus: list[int] = []
     try:
         for part in spec.split(","):
@@ -70,7 +72,7 @@ def parse_cpus(spec: str) -> list[int]:
                 raise ValueError
             cpus.extend(c for c in range(a, b + 1) if c not in cpus)
     except ValueError:
-        raise ConfigError(f"--cpu-omp-threads-bind {spec!r}: expected auto, all, nobind or a "
+        raise PlacementError(f"--cpu-omp-threads-bind {spec!r}: expected auto, all, nobind or a "
                           "CPU list such as 0-1 or 0,2") from None
     return cpus
 
@@ -130,7 +132,7 @@ def choose_placement(flag: str | None, replicas: int = 1) -> Placement:
     cpus = parse_cpus(spec)
     missing = [c for c in cpus if c not in avail]
     if missing:
-        raise ConfigError(f"--cpu-omp-threads-bind {spec}: CPU {format_cpus(missing)} is not "
+        raise PlacementError(f"--cpu-omp-threads-bind {spec}: CPU {format_cpus(missing)} is not "
                           f"available to this process (available: {format_cpus(avail)})")
     return Placement(tuple(cpus), len(cpus), True, f"{spec}: given, owned by this server")
 

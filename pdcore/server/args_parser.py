@@ -159,9 +159,12 @@ def check_supported(args: ServerArgs) -> None:
     check_parallel_args(args)
     _check_moe_backend(args)
     if args.device == "cpu":
-        from pdcore.runtime_env import choose_placement
+        from pdcore.runtime_env import PlacementError, choose_placement
 
-        choose_placement(args.cpu_omp_threads_bind, args.dp_size)  # a bad CPU list: exit 2
+        try:
+            choose_placement(args.cpu_omp_threads_bind, args.dp_size)
+        except PlacementError as e:
+            raise ConfigError(str(e)) from None
     if args.attention_backend == "ascend" and args.device != "npu":
         raise ConfigError("--attention-backend ascend needs --device npu and an NPU platform "
                           "plugin (pip install ./plugins/pd-ascend)")

@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from pdcore import runtime_env as rt
-from pdcore.errors import ConfigError
 from pdcore.testing.processes import ServerProcess, spawned_children
 from pdcore.up import UpConfig, plan
 
@@ -37,7 +36,7 @@ def test_cpu_lists_parse_and_bad_ones_say_what_is_expected() -> None:
     assert rt.parse_cpus("0-2,5") == [0, 1, 2, 5]
     assert rt.parse_cpus("1") == [1]
     for bad in ("", "x", "2-1", "-1", "0,,1"):
-        with pytest.raises(ConfigError, match="auto, all, nobind or a CPU list"):
+        with pytest.raises(rt.PlacementError, match="auto, all, nobind or a CPU list"):
             rt.parse_cpus(bad)
 
 
@@ -69,7 +68,7 @@ def test_sharing_is_passive_and_user_values_win(clean_env: pytest.MonkeyPatch) -
 
 
 def test_a_cpu_outside_the_affinity_is_refused(clean_env: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match="not available to this process"):
+    with pytest.raises(rt.PlacementError, match="not available to this process"):
         rt.choose_placement(str(max(os.sched_getaffinity(0)) + 1))
 
 
