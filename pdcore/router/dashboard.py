@@ -75,12 +75,10 @@ def transfer_totals(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
         totals = kv.get("totals") or {}
         out["transfers"] += int(_num(totals.get("transfers")))
         out["bytes"] += int(_num(totals.get("bytes")))
-        failures = kv.get("failures")
-        if isinstance(failures, list):
-            out["failures"] += sum(int(_num(f.get("count", 1))) if isinstance(f, dict) else 1
-                                   for f in failures)
-        elif isinstance(failures, dict):
-            out["failures"] += int(sum(_num(v) for v in failures.values()))
+        # (phase, reason, count) rows
+        for row in kv.get("failures") or ():
+            if isinstance(row, (list, tuple)) and row:
+                out["failures"] += int(_num(row[-1]))
         speed = ((kv.get("hist") or {}).get("speed_gb_s")) or {}
         out["speed_sum"] += _num(speed.get("sum"))
         out["speed_count"] += int(sum(_num(c) for c in speed.get("counts") or ()))
