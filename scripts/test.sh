@@ -55,12 +55,13 @@ core_site=$("$core_py" -c "import sysconfig; print(sysconfig.get_path('purelib')
 
 # 3. one environment per plugin, seeing the core's packages through a .pth file (site.addsitedir
 #    so the core's own .pth files apply too): only its wheel and its declared dependencies added
-plugin_env() {  # plugin directory name, extras
+plugin_env() {  # plugin directory name (or checkov: pdcore's own extra), extras
   local name=$1 extras=$2 env=$work/$1 site
   "${PYTHON:-python3}" -m venv "$env" || return 1
   site=$("$env/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
   echo "import site; site.addsitedir('$core_site')" > "$site/zz_pdserve_core.pth"
-  pipi "$env/bin/python" "$(wheel "${name//-/_}")[$extras]" "$TORCH_PIN"
+  local dist=${name//-/_}; [ "$name" = checkov ] && dist=pdcore
+  pipi "$env/bin/python" "$(wheel "$dist")[$extras]" "$TORCH_PIN"
 }
 plugins=()
 for p in plugins/*/; do [ -d "$p/tests" ] && plugins+=("$(basename "$p")"); done
@@ -70,7 +71,10 @@ say "installing ${plugins[*]} (in the background)"
 (for n in "${plugins[@]}"; do
    if plugin_env "$n" "$(extras_of "$n")" > "$work/$n.install.log" 2>&1; then
      touch "$work/$n.ok"; else touch "$work/$n.failed"; fi
- done) &
+ done
+ # checkov (tests/deploy/test_checkov.py) pins old packaging/networkx: an environment of its own
+ if plugin_env checkov checkov > "$work/checkov.install.log" 2>&1; then
+   touch "$work/checkov.ok"; else touch "$work/checkov.failed"; fi) &
 installer=$!
 
 out=$work/junit
@@ -117,6 +121,13 @@ plugin_entries() {  # every plugin's matrix entries, one after another, once its
 # OOM-killed while the pd-staging TP tests and the fault suite had their servers up)
 run core "$work/core" "$root/tests" --rootdir="$root" "$@"
 plugin_entries "$@"
+wait_for checkov
+if [ -e "$work/checkov.ok" ]; then
+  run deploy-checkov "$work/checkov" "$root/tests/deploy/test_checkov.py" --rootdir="$root" "$@"
+else
+  cat "$work/checkov.install.log"; echo "checkov (install failed)" >> "$out/died"
+  echo "deploy-checkov 1" >> "$out/exits"
+fi
 wait "$installer"
 say "done"
 status=0
