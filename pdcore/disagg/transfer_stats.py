@@ -42,16 +42,21 @@ _KEYWORDS = (("injected failure", "injected"), ("timeout", "timeout"), ("abort",
              ("protocol version", "version_mismatch"), ("cannot reach", "peer_unreachable"),
              ("cannot bootstrap", "peer_unreachable"), ("is gone", "peer_unreachable"),
              ("lost", "peer_unreachable"), ("failed:", "peer_failed"))
+_UNREACHABLE = tuple(k for k in _KEYWORDS if k[1] == "peer_unreachable")
 _CODES = {"decode_abort": "aborted", "aborted": "aborted", "prefill_fault": "peer_failed",
           "session_failed": "session_failed", "unknown_session": "unknown_session",
           "version_mismatch": "version_mismatch"}
 
 
 def failure_reason(code: str, reason: str) -> str:
-    """The reason label of a failure: its wire code's, else a keyword of its text."""
+    """The reason label of a failure: an unreachable peer or a timeout as such, else its wire
+    code's, else a keyword of its text."""
+    text = reason.lower()
+    for word, label in _KEYWORDS[:2] + _UNREACHABLE:
+        if word in text:
+            return label
     if code in _CODES:
         return _CODES[code]
-    text = reason.lower()
     for word, label in _KEYWORDS:
         if word in text:
             return label

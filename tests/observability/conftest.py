@@ -24,20 +24,28 @@ import pytest
 
 from pdcore.testing.processes import PDCluster
 
+OBS_TIMEOUT_S = 15  # the cluster's PD bootstrap / waiting timeouts
+
 
 @pytest.fixture(scope="package")
 def obs_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from pdcore.engine.tokenizer import default_model_file
     from pdcore.testing.tiny_models import make_tiny_model
 
-    return make_tiny_model(str(tmp_path_factory.mktemp("obs") / "m"),
-                           tokenizer_from=default_model_file(), max_positions=8192)
+    # SmolLM2-135M's KV layout (30 layers x 3 KV heads x 64, bench/transfer_harness.MODEL):
+    # test_metric_names compares the servers' transfer bytes with bench/transfer.py's
+    return make_tiny_model(str(tmp_path_factory.mktemp("obs") / "m"), hidden=192, layers=30,
+                           heads=3, kv_heads=3, tokenizer_from=default_model_file(),
+                           max_positions=8192)
 
 
 @pytest.fixture(scope="package")
 def obs_cluster(obs_model_dir: str) -> Iterator[PDCluster]:
-    cluster = PDCluster("tcp", model_path=obs_model_dir,
-                        flags=("--max-total-tokens", "4096")).start()
+    p = "SGLANG_DISAGGREGATION_"  # short timeouts: test_metric_names waits for them to fire
+    env = {p + "BOOTSTRAP_TIMEOUT": str(OBS_TIMEOUT_S), p + "WAITING_TIMEOUT": str(OBS_TIMEOUT_S),
+           p + "HEARTBEAT_INTERVAL": "1"}
+    cluster = PDCluster("tcp", model_path=obs_model_dir, env=env,
+                        flags=("--max-total-tokens", "4096", "--page-size", "16")).start()
     try:
         yield cluster
     finally:
