@@ -206,7 +206,7 @@ class ServiceDiscovery:
                  self.roles["prefill"].selector, self.roles["decode"].selector,
                  self._config.service_discovery_port)
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = 0.5) -> None:
         self._stop.set()
         for w in list(self._watches):
             w.stop()
