@@ -48,6 +48,13 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     load_balance_method: str = "round_robin"  # --dp-size > 1: how requests pick a replica
+    # MoE: tp-size ranks split into dp-size attention groups (own scheduler and KV pool each),
+    # experts over all tp-size ranks (pdcore.engine.dp_attention)
+    enable_dp_attention: bool = False
+    enable_dp_lm_head: bool = False  # accepted with DP attention: the lm head never spans DP ranks
+    # set per DP rank by the controller, not flags: its index and where all its ranks meet
+    dp_attention_rank: int = 0
+    dp_attention_init: str = ""
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -143,7 +150,8 @@ class ServerArgs:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "server_id"]
+        internal = ("server_id", "dp_attention_rank", "dp_attention_init")
+        return [f.name for f in fields(cls) if f.name not in internal]
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -26,6 +26,10 @@ def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
     """Join the TP group as `rank`; TP 1 needs no group at all."""
     from pdcore.engine.models.layers import TPInfo
 
+    if args.enable_dp_attention and args.dp_size > 1:  # one group over every DP rank's ranks
+        from pdcore.engine import dp_attention
+
+        return dp_attention.join(args, rank, method)
     if args.tp_size == 1:
         return TPInfo()
     import torch.distributed as dist

@@ -34,6 +34,7 @@ class StepHeader:
     run: bool = False  # run one scheduler step after applying msgs
     stop: bool = False
     now: float = 0.0  # rank 0's monotonic clock: time-based decisions must agree
+    idle: bool = False  # DP attention: another DP rank steps, so this one runs an idle forward
 
 
 class Lockstep:
@@ -42,6 +43,12 @@ class Lockstep:
     def __init__(self, engine: Engine) -> None:
         self.sched = engine.scheduler
         self.tp: TPInfo = self.sched.tp
+        from pdcore.engine.dp_attention import sync_for
+
+        # --enable-dp-attention: the DP ranks step together (pdcore.engine.dp_attention)
+        self.dp = sync_for(self.tp, self.sched)
+        self.stopped = False  # DP attention: a stop agreed with the other DP ranks
+        self.peers_busy = False  # DP attention: some DP rank ran at the last agreement
 
     def _apply(self, msgs: list[Any]) -> None:
         from pdcore.engine.request import Req
@@ -65,22 +72,40 @@ class Lockstep:
 
     def lead(self, msgs: list[Any], stop: bool = False) -> list[TokenOut]:
         """Rank 0: apply msgs, tell the others, step if there is work; returns the outputs."""
+        if self.stopped:
+            return []
         self._apply(msgs)
         run = not stop and self.sched.has_work()
+        idle = False
+        if self.dp is not None:
+            self.peers_busy, any_stop = self.dp.agree(run, stop)
+            if any_stop:
+                stop, run, self.stopped = True, False, True
+            idle = self.peers_busy and not run
         now = time.monotonic()
         if self.tp.size > 1:
-            self.tp.broadcast_object(StepHeader(msgs, run, stop, now))
+            self.tp.broadcast_object(StepHeader(msgs, run, stop, now, idle))
         self.sched.step_time = now
         if not run:
+            if idle:
+                self.dp.idle_forward()  # type: ignore[union-attr]
             return []
         try:
-            return self.sched.step()
+            return self._step()
         except Exception as e:
-            if self.tp.size > 1:
+            if self.tp.size > 1 or self.dp is not None:
                 log.critical("scheduler step failed with TP %d; the ranks may disagree now, "
                              "so the engine stops", self.tp.size)
                 raise
             return self._contain(e)
+
+    def _step(self) -> list[TokenOut]:
+        if self.dp is None:
+            return self.sched.step()
+        self.dp.begin()
+        outs = self.sched.step()
+        self.dp.end()
+        return outs
 
     def _contain(self, e: Exception) -> list[TokenOut]:
         """Fail the requests an unexpected step error concerns; the loop goes on."""
@@ -115,5 +140,7 @@ class Lockstep:
             return False
         if head.run:
             self.sched.step_time = head.now
-            self.sched.step()  # outputs are rank 0's business
+            self._step()  # outputs are rank 0's business
+        elif head.idle:
+            self.dp.idle_forward()  # type: ignore[union-attr]
         return True

@@ -104,6 +104,13 @@ class RankGroup:
         """Spawn ranks 1..k-1 of node 0 and join the group as rank 0."""
         if self.args.tp_size == 1:
             return self.tp
+        if self.args.enable_dp_attention and self.args.dp_size > 1:  # this DP rank's ranks
+            from pdcore.engine.dp_attention_args import replica_ranks
+
+            ranks = list(replica_ranks(self.args))
+            self.children = spawn_ranks(self.args, self.args.dp_attention_init, ranks[1:])
+            self.tp = join_group(self.args, ranks[0], self.args.dp_attention_init)
+            return self.tp
         method = init_method(self.args)
         self.children = spawn_ranks(self.args, method,
                                     [r for r in local_ranks(self.args) if r != 0])
@@ -116,7 +123,7 @@ class RankGroup:
         for p in self.children:
             p.join(max(0.1, deadline - time.monotonic()))
         terminate(self.children)
-        if self.tp.size > 1:
+        if self.tp.size > 1 or getattr(self.tp, "world", None) is not None:
             leave_group()
 
 

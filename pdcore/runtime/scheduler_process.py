@@ -106,7 +106,9 @@ class SchedulerLoop:
 
     def _loop(self, poller: zmq.Poller) -> None:
         while not self.stop:
-            if not self.sched.has_work():
+            if self.lockstep.peers_busy:  # DP attention: another DP rank waits on this one
+                timeout = 0
+            elif not self.sched.has_work():
                 timeout = IDLE_POLL_MS
             elif self.sched.last_ran or self.sched.outbox:
                 timeout = 0
@@ -124,6 +126,7 @@ class SchedulerLoop:
             self.watchdog.begin(f"{len(msgs)} new messages, {len(self.sched.running)} running, "
                                 f"{len(self.sched.waiting)} waiting requests")
             outs = self.lockstep.lead(msgs)
+            self.stop = self.stop or self.lockstep.stopped  # DP attention: a DP rank stopped
             self.watchdog.end()
             for out in outs:
                 self.send.send(pickle.dumps(out))

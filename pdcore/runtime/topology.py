@@ -13,6 +13,10 @@ def check_parallel_args(args: ServerArgs) -> None:
     """What --tp-size / --nnodes / --node-rank / --dist-init-addr / --dp-size must satisfy."""
     if args.dp_size > 1:
         _check_dp(args)
+    if args.enable_dp_attention or args.enable_dp_lm_head:
+        from pdcore.engine.dp_attention_args import check_args
+
+        check_args(args)
     if args.tp_size % args.nnodes:
         raise ConfigError(f"--tp-size {args.tp_size} must be a multiple of --nnodes "
                           f"{args.nnodes} (every node runs the same number of ranks)")

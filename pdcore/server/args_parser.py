@@ -57,6 +57,10 @@ HELP: dict[str, str] = {
     "dp_size": "data parallel replicas behind this server, each its own scheduler, KV pool and "
                "--tp-size ranks",
     "load_balance_method": "with --dp-size > 1: how a request picks its replica",
+    "enable_dp_attention": "MoE models: the --tp-size ranks form --dp-size attention groups "
+                           "(own scheduler and KV pool each); MoE layers span all ranks",
+    "enable_dp_lm_head": "with --enable-dp-attention: accepted (the lm head already stays inside "
+                         "each DP rank)",
     "nnodes": "nodes the TP ranks are spread over (each runs tp-size/nnodes ranks)",
     "node_rank": "this node's index; node 0 serves HTTP, the others only run their ranks",
     "dist_init_addr": "HOST:PORT where the TP ranks meet (required with --nnodes > 1)",

@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdcore.config import ServerArgs
+from pdcore.engine.dp_attention_args import active as dp_attention_active
+from pdcore.engine.dp_attention_args import new_init_method, replica_args
 from pdcore.engine.io_struct import GenerateReq, TokenOut
 from pdcore.server.dp_balance import DPBalancer
 from pdcore.server.engine_client import EngineClient, EngineError, EngineState
@@ -45,6 +47,10 @@ class DPEngineClient:
         self.replicas = [EngineClient(dataclasses.replace(
             args, base_gpu_id=args.base_gpu_id + rank * args.tp_size), tokenizer=tokenizer,
             **kwargs) for rank in range(args.dp_size)]
+        if dp_attention_active(args):  # one rank group over all DP ranks: a shared meeting point
+            init = new_init_method()
+            for rank, c in enumerate(self.replicas):
+                c.args = replica_args(c.args, rank, init, args.base_gpu_id)
         self.balancer = DPBalancer(args.dp_size, args.load_balance_method)
         self._where: dict[str, int] = {}  # rid -> replica holding it
         self._dead = False

@@ -15,7 +15,9 @@ Two ways to spread experts over the TP ranks:
   copy to the expert's owner with all_to_all_single, runs the copies it received through its
   experts, sends the results back the same way and weighs them. One all-reduce then assembles
   the full batch (the ranks' token rows are disjoint) and sums the shared experts' TP partials.
-Attention stays TP in both, so every rank enters the layer with the whole batch.
+Attention stays TP in both, so every rank enters the layer with the whole batch. With
+--enable-dp-attention the experts span every DP rank's ranks and the layer first gathers the
+DP ranks' rows (pdcore.engine.dp_attention).
 """
 
 from __future__ import annotations
@@ -113,6 +115,11 @@ class MoE(nn.Module):
                  tp: TPInfo, ep_size: int = 1, shared_inter: int = 0,
                  shared_gate: bool = False, act: str = "silu") -> None:
         super().__init__()
+        # --enable-dp-attention: `tp` is the DP rank's attention group; the experts span the
+        # whole group behind it, and forward() gathers every DP rank's rows first
+        self.dp = tp if getattr(tp, "world", None) is not None else None
+        if self.dp is not None:
+            tp = self.dp.world
         if act != "silu":
             raise ConfigError(f"MoE activation {act!r} is not supported (silu only)")
         if ep_size not in (1, tp.size):
@@ -226,6 +233,13 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, rows, ys)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dp is not None:
+            from pdcore.engine.dp_attention import gathered
+
+            return gathered(self.dp, x, self._forward)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep:
             out = self._forward_ep(x)
         else:

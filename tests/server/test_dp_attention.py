@@ -1,0 +1,135 @@
+"""`--dp-size 2 --enable-dp-attention --tp-size 2` (real `pdserve serve`, tiny random MoE models).
+
+Each DP rank is one process with its own scheduler and KV pool (attention TP 1); the MoE layers
+span both processes (experts TP-sharded for Qwen2-MoE, whole experts per rank with --ep-size 2
+for DeepSeek-V3's MLA model). Checked against transformers' greedy output (near-tie rule):
+- concurrent requests spread over both DP ranks (different prompt lengths: the ranks bring
+  different row counts to every MoE layer);
+- concurrent requests pinned to DP rank 0 only: rank 1 has nothing and must run idle steps for
+  rank 0's collectives (without them the server hangs and the requests time out);
+- the pools come to rest; dense models and a lone --enable-dp-lm-head are refused with exit 2.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from pdserve_testing import ServerProcess
+
+from pdcore.server.args_parser import parse_server_args
+from pdcore.testing.greedy import Reference, check_greedy, hf_greedy
+from pdcore.testing.pages import load_at_rest
+from pdcore.testing.tiny_models import make_tiny_model
+
+NEW = 10
+FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--dp-size", "2", "--tp-size", "2",
+         "--enable-dp-attention")
+CASES = {"qwen2_moe": (), "deepseek_v3": ("--ep-size", "2", "--enable-dp-lm-head")}
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 47, 90, 1, 13, 30)]
+
+
+class Served:
+    def __init__(self, server: ServerProcess, refs: list[Reference]) -> None:
+        self.server, self.refs = server, refs
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def served(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from transformers import AutoModelForCausalLM
+
+    arch = request.param
+    from pdcore.engine.tokenizer import default_model_file
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("dpa") / arch), arch=arch, seed=9,
+                           tokenizer_from=default_model_file())
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = [hf_greedy(hf, p, NEW) for p in _prompts()]
+    del hf
+    server = ServerProcess("--model-path", path, *FLAGS, *CASES[arch])
+    try:
+        yield Served(server.wait_healthy(300), refs)
+    finally:
+        server.stop()
+
+
+def _generate(server: ServerProcess, ids: list[int], rank: int | None) -> list[int]:
+    body: dict[str, Any] = {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}}
+    if rank is not None:
+        body["data_parallel_rank"] = rank
+    r = httpx.post(server.url + "/generate", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def _loads(server: ServerProcess) -> list[dict[str, Any]]:
+    return httpx.get(server.url + "/get_load", timeout=10).json()
+
+
+def _run_concurrently(s: Served, ranks: list[int | None]) -> list[str]:
+    prompts = _prompts()
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        outs = list(ex.map(lambda i: _generate(s.server, prompts[i], ranks[i]),
+                           range(len(prompts))))
+    verdicts = [check_greedy(o, r) for o, r in zip(outs, s.refs)]
+    assert verdicts.count("identical") >= len(verdicts) - 1, verdicts
+    return verdicts
+
+
+def test_requests_on_both_dp_ranks_match_transformers(served: Served) -> None:
+    before = [d["finished_total"] for d in _loads(served.server)]
+    _run_concurrently(served, [0, 1, 0, 1, 1, 0])
+    after = [d["finished_total"] for d in _loads(served.server)]
+    assert [a - b for a, b in zip(after, before)] == [3, 3]
+
+
+def test_one_busy_dp_rank_and_one_idle_match_transformers(served: Served) -> None:
+    before = [d["finished_total"] for d in _loads(served.server)]
+    steps_before = _loads(served.server)[1]["steps_total"]
+    _run_concurrently(served, [0] * 6)
+    now = _loads(served.server)
+    assert [d["finished_total"] - b for d, b in zip(now, before)] == [6, 0]
+    assert now[1]["steps_total"] == steps_before  # rank 1 only ran idle forwards
+
+
+def test_balanced_requests_and_pools_at_rest(served: Served) -> None:
+    _run_concurrently(served, [None] * 6)
+    deadline = time.monotonic() + 10
+    while not all(load_at_rest(d) and d["num_reqs"] == 0 for d in _loads(served.server)):
+        assert time.monotonic() < deadline, _loads(served.server)
+        time.sleep(0.05)
+    assert [d["dp_rank"] for d in _loads(served.server)] == [0, 1]
+
+
+def _exit_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_server_args(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_dense_model_and_lone_dp_lm_head_exit_2(tiny_llama_dir: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    dense = ["--model-path", str(tiny_llama_dir), "--dp-size", "2", "--tp-size", "2"]
+    err = _exit_message([*dense, "--enable-dp-attention"], capsys)
+    assert "--enable-dp-attention is for MoE models" in err and "LlamaForCausalLM" in err
+    err = _exit_message([*dense, "--enable-dp-lm-head"], capsys)
+    assert "--enable-dp-lm-head needs --enable-dp-attention" in err
+    err = _exit_message(["--model-path", str(tiny_llama_dir), "--dp-size", "2", "--tp-size",
+                         "3", "--enable-dp-attention"], capsys)
+    assert "must be a multiple of --dp-size 2" in err
+    assert parse_server_args([*dense]).enable_dp_attention is False
