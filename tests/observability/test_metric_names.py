@@ -234,3 +234,42 @@ def test_failures_by_phase_and_reason(cluster: PDCluster) -> None:
     cluster.wait_pages_free()
     for url in (p, d):
         assert value(scrape(url), "pdserve_kv_rooms") == 0
+
+
+def test_transfer_stats_rooms_phases_and_dp_merge() -> None:
+    """Without servers: a fake (warm-up) room is not measured, a room failing before its peer is
+    ready counts as a bootstrap failure and after as a transfer failure, and a DP server's
+    replicas add up (dp_client.merge_stats)."""
+    from pdcore.disagg.states import KVPoll, RoomStates
+    from pdcore.disagg.transfer_stats import TransferStats
+    from pdcore.server.dp_client import merge_stats
+
+    snaps = []
+    for rank in range(2):
+        x = TransferStats("tcp")
+        states = RoomStates(x.on_state)
+        states.create(1, KVPoll.WaitingForInput)  # fake room: starts past bootstrap
+        states.advance(1, KVPoll.Success)
+        states.create(2)
+        for s in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            states.advance(2, s)
+        x.add_bytes(2, 1000 * (rank + 1))
+        states.advance(2, KVPoll.Success)
+        states.create(3)
+        x.failed(3, "", "bootstrap timeout: decode sent no destination pages")
+        states.create(4)
+        states.advance(4, KVPoll.WaitingForInput)
+        x.failed(4, "prefill_fault", "prefill rank 0 failed: boom")
+        snap = x.snapshot()
+        assert snap["totals"] == {"bytes": 1000 * (rank + 1), "transfers": 1}
+        assert sum(snap["hist"]["latency_seconds"]["counts"]) == 1
+        assert sum(snap["hist"]["bootstrap_seconds"]["counts"]) == 2  # rooms 2 and 4
+        assert sorted(snap["failures"]) == [["bootstrap", "timeout", 1],
+                                            ["transfer", "peer_failed", 1]]
+        snaps.append({"num_running_reqs": rank, "kv_transfer": {**snap, "rooms": {"x": 1}}})
+    merged = merge_stats(snaps)["kv_transfer"]
+    assert merged["totals"] == {"bytes": 3000, "transfers": 2} and merged["rooms"] == {"x": 2}
+    assert sum(merged["hist"]["latency_seconds"]["counts"]) == 2
+    assert sorted(merged["failures"]) == [["bootstrap", "timeout", 2],
+                                          ["transfer", "peer_failed", 2]]
+    assert merged["last"]["total_mb"] == 2000 / 1e6
