@@ -181,9 +181,9 @@ class ServiceDiscovery:
     """Keeps the registry's discovered workers equal to the Ready pods of each role."""
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry,
-                 monitor: HealthMonitor | None, resync_secs: float = RESYNC_SECS) -> None:
+                 monitor: HealthMonitor | None, resync_secs: float | None = None) -> None:
         self._config, self._registry, self._monitor = config, registry, monitor
-        self._resync = resync_secs
+        self._resync = RESYNC_SECS if resync_secs is None else resync_secs
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watches: list[Any] = []

@@ -45,7 +45,7 @@ class KubeStandIn:
         self.pods: dict[str, dict[str, Any]] = {}
         self.events: list[tuple[int, str, dict[str, Any]]] = []
         self.cond = threading.Condition()
-        self.requests: list[str] = []  # "list <selector>" / "watch <selector> <rv>"
+        self.requests: list[str] = []  # "list SELECTOR NS" / "watch SELECTOR NS RV" (NS * = all)
         self.closing = False
         self.conns: list[socket.socket] = []
         outer = self
@@ -147,7 +147,7 @@ class KubeStandIn:
                         float(q.get("timeoutSeconds") or 1800))
             return
         with self.cond:
-            self.requests.append(f"list {selector}")
+            self.requests.append(f"list {selector} {ns or '*'}")
             items = []
             for pod in self.pods.values():
                 if self._selects(pod, ns, selector):
@@ -167,7 +167,7 @@ class KubeStandIn:
 
     def _watch(self, h: BaseHTTPRequestHandler, ns: str | None, selector: str, since: int,
                timeout: float) -> None:
-        self.requests.append(f"watch {selector} {since}")
+        self.requests.append(f"watch {selector} {ns or '*'} {since}")
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
         h.send_header("Transfer-Encoding", "chunked")

@@ -173,6 +173,43 @@ def test_api_outage_keeps_workers_and_recovers(tmp_path, monkeypatch, fake_worke
         server.stop()
 
 
+def test_bad_annotations_resync_and_all_namespaces(standin, fake_worker, monkeypatch) -> None:
+    """A pod whose port annotations are not ports is seen but never a worker; without
+    --service-discovery-namespace the watch covers every namespace (/api/v1/pods); a watch that
+    reaches its timeout ends in a fresh list (resync) without churn."""
+    from pdcore.router import discovery
+
+    monkeypatch.setattr(discovery, "RESYNC_SECS", 1.0)
+    p0, d0 = fake_worker("prefill"), fake_worker("decode")
+    bad = make_pod("prefill", 1, p0.server.port)
+    bad["metadata"]["annotations"]["sglang.ai/bootstrap-port"] = "bootstrap"
+    bad_port = make_pod("decode", 2, d0.server.port)
+    bad_port["metadata"]["annotations"]["pdserve.ai/port"] = "70000"
+    for pod in (make_pod("prefill", 0, p0.server.port), make_pod("decode", 0, d0.server.port),
+                bad, bad_port):
+        standin.apply(pod)
+    config = RouterConfig(pd_disaggregation=True, service_discovery=True,
+                          health_check_interval_secs=1, **SELECTORS)
+    app = create_app(config)
+    server = ServerThread(app).start()
+    client = httpx.Client(base_url=server.url, timeout=20)
+    try:
+        wait_until(lambda: available(client) == {"prefill": {p0.url}, "decode": {d0.url}},
+                   "the good pods to join")
+        snap = client.get("/service_discovery").json()
+        assert snap["prefill"]["pods"][f"pdserve/{bad['metadata']['name']}"]["url"] is None
+        assert snap["decode"]["pods"][f"pdserve/{bad_port['metadata']['name']}"]["url"] is None
+        kept = {w.url: w for w in app.state.router.registry}
+        lists = standin.count("list")
+        wait_until(lambda: standin.count("list") >= lists + 2, "a resync list per role")
+        assert client.get("/service_discovery").json()["prefill"]["gone"] == 0
+        assert all(r.split()[2] == "*" for r in standin.requests)  # /api/v1/pods every time
+        assert {w.url: w for w in app.state.router.registry} == kept  # the same Worker objects
+    finally:
+        client.close()
+        server.stop()
+
+
 def _router_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pdcore.router", *args], env=env, check=False,
                           capture_output=True, text=True, timeout=60)
