@@ -48,6 +48,9 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     load_balance_method: str = "round_robin"  # --dp-size > 1: how requests pick a replica
+    # SGLang's decode flag: P and D must agree on a request's prefill DP rank; here they always
+    # do (bootstrap_room % P's dp size, or the request's disagg_prefill_dp_rank): accepted
+    prefill_round_robin_balance: bool = False
     # MoE: tp-size ranks split into dp-size attention groups (own scheduler and KV pool each),
     # experts over all tp-size ranks (pdcore.engine.dp_attention)
     enable_dp_attention: bool = False
@@ -99,6 +102,10 @@ class ServerArgs:
     profile_output_dir: str | None = None
     # identity (not a flag): unique per server process, names shm segments, logs
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # identity (not flags), set per replica by --dp-size > 1 (pdcore.server.dp_client): the
+    # replica's DP rank, and the PD route secret every replica of one prefill server shares
+    dp_rank: int = 0
+    pd_route_secret: str = ""
 
     def validate(self) -> None:
         self._check_choice("disaggregation_mode", DISAGG_MODES)
@@ -150,7 +157,8 @@ class ServerArgs:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        internal = ("server_id", "dp_attention_rank", "dp_attention_init")
+        internal = ("server_id", "dp_attention_rank", "dp_attention_init", "dp_rank",
+                    "pd_route_secret")
         return [f.name for f in fields(cls) if f.name not in internal]
 
 

@@ -93,14 +93,16 @@ class DecodeKVManager(KVManager):
             self.grants.staging.close()
 
     # -- scheduler API ---------------------------------------------------------------------
-    def add(self, room: int, bootstrap_host: str, bootstrap_port: int) -> None:
+    def add(self, room: int, bootstrap_host: str, bootstrap_port: int,
+            prefill_dp_rank: int | None = None) -> None:
         host = f"[{bootstrap_host}]" if ":" in bootstrap_host else bootstrap_host
         addr = f"{host}:{int(bootstrap_port)}"
         now = time.monotonic()
         with self._lock:
             if not self._claim(room):
                 return
-            r = Room(room, addr, now, fake=bootstrap_host == FAKE_BOOTSTRAP_HOST)
+            r = Room(room, addr, now, fake=bootstrap_host == FAKE_BOOTSTRAP_HOST,
+                     prefill_dp=prefill_dp_rank)
             self._rooms[room] = r
             if r.fake:
                 self.states.create(room, KVPoll.WaitingForInput)
@@ -164,7 +166,7 @@ class DecodeKVManager(KVManager):
                                 aux_slot=r.aux_slot, required=inst.required_dst,
                                 staging_offset=off, staging_len=nbytes,
                                 prefix_pages=r.prefix_pages, prefix_digest=r.prefix_digest)
-        dp = r.room % inst.dp_size
+        dp = r.prefill_dp_of(inst)
         for a in [inst.ctrl_addrs[(dp, t)] for t in inst.targets]:
             if not self.ctrl.send(a, msg):
                 self._fail(r.room, f"cannot reach prefill rank at {a}", code=wire.PREFILL_FAULT,
@@ -208,6 +210,10 @@ class DecodeKVManager(KVManager):
                 self._attach(r, inst)
 
     def _attach(self, r: Room, inst: Instance) -> None:
+        if r.prefill_dp is not None and not 0 <= r.prefill_dp < inst.dp_size:
+            self._fail(r.room, f"disagg_prefill_dp_rank {r.prefill_dp} is out of range: prefill "
+                               f"{r.addr} has --dp-size {inst.dp_size}", notify=False)
+            return
         r.inst = inst
         r.deadline = time.monotonic() + self.env.waiting_timeout
         if self.states.advance(r.room, KVPoll.WaitingForInput):
@@ -266,8 +272,8 @@ class DecodeKVManager(KVManager):
             if not self.ctrl.send(a, self._register):
                 raise TransferError(f"cannot reach prefill rank at {a} to register")
         self.counters.add("registrations", len(ctrl))
-        log.info("registered with prefill %s (instance %s, P TP %s -> ranks %s)", addr,
-                 info.get("instance_id"), info["tp_size"], targets)
+        log.info("registered with prefill %s (instance %s, P DP %d x TP %s -> ranks %s)", addr,
+                 info.get("instance_id"), dp_size, info["tp_size"], targets)
         return Instance(addr, inst_id, dp_size, int(info["tp_size"]),
                          targets, required_dst, responses, ctrl)
 
@@ -363,7 +369,9 @@ class DecodeKVManager(KVManager):
     def _send_abort(self, room: int, inst: Instance, reason: str) -> None:
         msg = wire.Abort(room=room, session=self.session, ctrl_addr=self.ctrl.addr,
                          reason=reason)
-        dp = room % inst.dp_size
+        with self._lock:
+            r = self._rooms.get(room)
+        dp = r.prefill_dp_of(inst) if r is not None else room % inst.dp_size
         for t in inst.targets:
             self.ctrl.send(inst.ctrl_addrs[(dp, t)], msg)
 

@@ -40,3 +40,8 @@ class Room:
     grant: tuple[int, int] | None = None  # (offset, bytes) in the staging ring
     prefix_pages: int = 0  # leading pages D's prefix cache holds: P writes none of them
     prefix_digest: str = ""
+    prefill_dp: int | None = None  # P's DP rank the request named; None: room % P's dp size
+
+    def prefill_dp_of(self, inst: Instance) -> int:
+        """The P DP rank holding this room's KV (SGLang's rule: room % dp unless named)."""
+        return self.prefill_dp if self.prefill_dp is not None else self.room % inst.dp_size

@@ -77,7 +77,7 @@ class DecodeExtension(RoleExtension):
         req.logprob_start_len = -1  # prompt logprobs come from P (the router merges them)
         port = req.bootstrap_port or self.args.disaggregation_bootstrap_port
         self._take(req, DState(int(req.bootstrap_room)))
-        self.mgr.add(req.disagg.room, req.bootstrap_host, int(port))
+        self.mgr.add(req.disagg.room, req.bootstrap_host, int(port), req.prefill_dp_rank)
         self.prealloc.append(req)
         self.counts["requests"] += 1
         self.counts["samples"] += 1

@@ -89,7 +89,7 @@ class PrefillKVManager(KVManager):
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         addr = self.ctrl.start()
-        if self.tp_rank == 0:
+        if self.tp_rank == 0 and self.args.dp_rank == 0:  # one per server, every replica's
             self.bootstrap = BootstrapServer(self.args.host,
                                              self.args.disaggregation_bootstrap_port,
                                              self.token, self.route_secret)
@@ -100,14 +100,16 @@ class PrefillKVManager(KVManager):
         client = BootstrapClient(token=self.token, route_secret=self.route_secret)
         client.put_route(self.bootstrap_addr, {
             "rank_ip": host, "rank_port": int(port), "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size, "dp_rank": 0, "dp_size": 1, "page_size": self.kv.page_size,
+            "tp_size": self.tp_size, "dp_rank": self.args.dp_rank, "dp_size": self.args.dp_size,
+            "page_size": self.kv.page_size,
             "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
             "total_kv_heads": self.kv.model_kv_heads,
             "backend": self.backend_name, "protocol_version": wire.PROTOCOL_VERSION},
             attempts=30, interval=0.5)
         self.workers.start()
-        log.info("prefill KV manager rank %d/%d: control %s, bootstrap %s, backend %s",
-                 self.tp_rank, self.tp_size, addr, self.bootstrap_addr, self.backend_name)
+        log.info("prefill KV manager DP %d/%d rank %d/%d: control %s, bootstrap %s, backend %s",
+                 self.args.dp_rank, self.args.dp_size, self.tp_rank, self.tp_size, addr,
+                 self.bootstrap_addr, self.backend_name)
 
     def _shutdown(self) -> None:
         self.backend.close()  # unblocks workers waiting on in-flight writes

@@ -50,6 +50,8 @@ class GenerateReq:
     fork_of: str | None = None
     # --dp-size > 1: the replica asked for (`data_parallel_rank`); None lets the balancer pick
     routed_dp_rank: int | None = None
+    # PD: the prefill DP rank holding this room's KV (None: bootstrap_room % P's dp size)
+    disagg_prefill_dp_rank: int | None = None
 
 
 @dataclass

@@ -50,6 +50,7 @@ class Req:
     ctx_slots: torch.Tensor | None = None  # cached slot table for positions < num_computed
     disagg: Any = None  # the role extension's per-request state
     fork_of: str | None = None  # rid of the sample whose prompt pages this one shares
+    prefill_dp_rank: int | None = None  # PD decode: P's DP rank named by the request
 
     @classmethod
     def from_generate(cls, g: GenerateReq) -> Req:
@@ -58,7 +59,7 @@ class Req:
             return_logprob=g.return_logprob, logprob_start_len=g.logprob_start_len,
             top_logprobs_num=g.top_logprobs_num, bootstrap_host=g.bootstrap_host,
             bootstrap_port=g.bootstrap_port, bootstrap_room=g.bootstrap_room,
-            fork_of=g.fork_of,
+            fork_of=g.fork_of, prefill_dp_rank=g.disagg_prefill_dp_rank,
         )
 
     @property

@@ -28,10 +28,8 @@ def check_parallel_args(args: ServerArgs) -> None:
 
 
 def _check_dp(args: ServerArgs) -> None:
-    """--dp-size > 1 runs its replicas on one node, unified only (for now)."""
-    if args.disaggregation_mode != "null":
-        raise ConfigError("--dp-size > 1 with --disaggregation-mode is not supported yet; start "
-                          "one prefill/decode server per replica and put the router in front")
+    """--dp-size > 1 runs its replicas on one node (in PD mode each replica is its own
+    endpoint of the PD control plane: pdcore.server.dp_client)."""
     if args.nnodes > 1 or args.dist_init_addr:
         raise ConfigError("--dp-size > 1 runs every replica on this node; it cannot be combined "
                           "with --nnodes > 1 or --dist-init-addr")

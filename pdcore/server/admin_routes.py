@@ -22,7 +22,7 @@ router = APIRouter()
 # PD managers recognise this host and finish the request without a transfer (SGLang's convention).
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-_SECRET_FIELDS = {"disaggregation_auth_token", "api_key"}
+_SECRET_FIELDS = {"disaggregation_auth_token", "api_key", "pd_route_secret"}
 
 
 def _engine(request: Request) -> EngineClient:

@@ -57,6 +57,9 @@ HELP: dict[str, str] = {
     "dp_size": "data parallel replicas behind this server, each its own scheduler, KV pool and "
                "--tp-size ranks",
     "load_balance_method": "with --dp-size > 1: how a request picks its replica",
+    "prefill_round_robin_balance": "SGLang's decode flag, accepted: P and D always agree on a "
+                                   "request's prefill DP rank (bootstrap_room %% P's --dp-size, "
+                                   "or its disagg_prefill_dp_rank)",
     "enable_dp_attention": "MoE models: the --tp-size ranks form --dp-size attention groups "
                            "(own scheduler and KV pool each); MoE layers span all ranks",
     "enable_dp_lm_head": "with --enable-dp-attention: accepted (the lm head already stays inside "

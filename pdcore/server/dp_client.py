@@ -15,6 +15,14 @@ SGLang means --dp-size without --enable-dp-attention).
 3. `control()` fans out: get_load answers one entry per replica, stats are summed, flush_cache
    and profiling run on every replica;
 4. a replica's death ends the server, as the death of the only scheduler does.
+
+In PD mode every replica is its own endpoint of the PD control plane: a prefill server's
+replicas all register (DP rank, TP rank) with the one bootstrap server that replica 0 runs,
+proving it with one route secret drawn here; decode pulls a room's KV from prefill DP rank
+`disagg_prefill_dp_rank`, else `bootstrap_room % prefill dp size` (SGLang's rule). So a prefill
+server sends each request to that same replica (`data_parallel_rank`, which both roles receive
+in one body, names decode's replica); a decode server's own replica is the request's
+`data_parallel_rank` or the balancer's pick (P and D may have different DP sizes).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -31,6 +40,7 @@ from pdcore.disagg.transfer_stats import merge_snapshots
 from pdcore.engine.dp_attention_args import active as dp_attention_active
 from pdcore.engine.dp_attention_args import new_init_method, replica_args
 from pdcore.engine.io_struct import GenerateReq, TokenOut
+from pdcore.errors import PDError
 from pdcore.server.dp_balance import DPBalancer
 from pdcore.server.engine_client import EngineClient, EngineError, EngineState
 
@@ -45,9 +55,11 @@ class DPEngineClient:
     def __init__(self, args: ServerArgs, *, tokenizer: Any = None, **kwargs: Any) -> None:
         self.args = args
         # replica r runs on accelerators base + r * tp_size onwards (SGLang's layout)
+        secret = secrets.token_hex(16) if args.disaggregation_mode == "prefill" else ""
         self.replicas = [EngineClient(dataclasses.replace(
-            args, base_gpu_id=args.base_gpu_id + rank * args.tp_size), tokenizer=tokenizer,
-            **kwargs) for rank in range(args.dp_size)]
+            args, base_gpu_id=args.base_gpu_id + rank * args.tp_size, dp_rank=rank,
+            pd_route_secret=secret), tokenizer=tokenizer, **kwargs)
+            for rank in range(args.dp_size)]
         if dp_attention_active(args):  # one rank group over all DP ranks: a shared meeting point
             init = new_init_method()
             for rank, c in enumerate(self.replicas):
@@ -97,7 +109,12 @@ class DPEngineClient:
         if self.replicas[0].tokenizer is None:  # once, before the replicas start: transformers'
             from pdcore.engine.tokenizer import load_tokenizer  # lazy imports race in threads
 
-            tok = await asyncio.to_thread(load_tokenizer, self.args)
+            try:
+                tok = await asyncio.to_thread(load_tokenizer, self.args)
+            except PDError as e:  # the start fails with the reason (never a silent hang)
+                for c in self.replicas:
+                    c.state, c.error = EngineState.FAILED, str(e)
+                raise EngineError(str(e), 503) from e
             for c in self.replicas:
                 c.tokenizer = tok
         results = await asyncio.gather(*(c.start() for c in self.replicas),
@@ -137,12 +154,19 @@ class DPEngineClient:
             self.replicas[rank].abort(rid, reason)
 
     def _rank_for(self, req: GenerateReq) -> int:
-        rank = req.routed_dp_rank
+        field, rank = "data_parallel_rank", req.routed_dp_rank
+        if self.args.disaggregation_mode == "prefill":
+            # the replica decode pulls from, which decode computes the same way; a
+            # data_parallel_rank here would be decode's rank (both get one body), so it pins
+            # prefill only for a request without a room
+            if req.disagg_prefill_dp_rank is not None:
+                field, rank = "disagg_prefill_dp_rank", req.disagg_prefill_dp_rank
+            elif req.bootstrap_room is not None:
+                rank = req.bootstrap_room % len(self.replicas)
         if rank is None:
             return self.balancer.pick()
         if not 0 <= rank < len(self.replicas):
-            raise EngineError(f"data_parallel_rank must be in [0, {len(self.replicas)}), "
-                              f"got {rank}", 400)
+            raise EngineError(f"{field} must be in [0, {len(self.replicas)}), got {rank}", 400)
         return rank
 
     async def generate(self, req: GenerateReq, timeout: float | None = None

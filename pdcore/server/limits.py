@@ -236,10 +236,13 @@ def check_body(route: str, body: dict[str, Any], info: dict[str, Any],
         raise InvalidRequestError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got "
                                   f"{timeout}", "timeout")
     dp = int(info.get("dp_size") or 0)
+    # one body goes to both roles: a prefill server's own rank is disagg_prefill_dp_rank, the
+    # others name decode's; a decode server cannot know prefill's dp size
+    own = (("disagg_prefill_dp_rank",) if info.get("disaggregation_mode") == "prefill" else
+           ("routed_dp_rank", "data_parallel_rank"))
     for key in ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"):
         rank = _int(body.get(key))
-        if rank is not None and (rank < 0 or (dp and key != "disagg_prefill_dp_rank"
-                                              and rank >= dp)):
+        if rank is not None and (rank < 0 or (dp and key in own and rank >= dp)):
             raise InvalidRequestError(f"{key} must be in [0, {dp or 'dp_size'}), got {rank}", key)
     if route == "/generate":
         for key in ("text", "input_ids"):

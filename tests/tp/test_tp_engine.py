@@ -89,8 +89,6 @@ def test_smollm2_tp2_matches_transformers(smollm2_hf, smollm2_tokenizer):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--dp-size", "2", "--disaggregation-mode", "prefill"],
-     "--dp-size > 1 with --disaggregation-mode is not supported yet"),
     (["--tp-size", "2", "--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr"),
     (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1234"],
      "must be a multiple of --nnodes"),
