@@ -210,6 +210,27 @@ def test_bad_annotations_resync_and_all_namespaces(standin, fake_worker, monkeyp
         server.stop()
 
 
+def test_forbidden_is_reported_and_retried(standin, tmp_path, monkeypatch) -> None:
+    """A token the API refuses (RBAC not applied yet, say): the router serves, reports the
+    error per role, keeps retrying with back-off, and has no workers (health 503)."""
+    cfg_path = standin.kubeconfig(tmp_path / "bad")
+    cfg_path.write_text(cfg_path.read_text().replace("standin-token", "wrong-token"))
+    monkeypatch.setenv("KUBECONFIG", str(cfg_path))
+    app = create_app(RouterConfig(pd_disaggregation=True, service_discovery=True,
+                                  service_discovery_namespace="pdserve", **SELECTORS))
+    server = ServerThread(app).start()
+    client = httpx.Client(base_url=server.url, timeout=20)
+    try:
+        snap = wait_until(lambda: (s := client.get("/service_discovery").json())["prefill"][
+            "errors"] and s["decode"]["errors"] and s, "both watchers to report the refusal")
+        assert "401" in snap["prefill"]["last_error"], snap
+        assert client.get("/health").status_code == 503
+        assert client.get("/workers").json()["total"] == 0
+    finally:
+        client.close()
+        server.stop()
+
+
 def _router_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pdcore.router", *args], env=env, check=False,
                           capture_output=True, text=True, timeout=60)
