@@ -52,11 +52,11 @@ OP_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_line
 # runs 4..16-row GEMMs on MKL-prepacked weights. The variants switch these off one at a time:
 # "per-seq attention" makes ForwardBatch.decode_group return None (one SDPA per sequence), and
 # "unpacked" clears the packed weights (F.linear everywhere): both off is the session-1 engine.
+# Since the reordered (oneDNN) weights replace the originals, the unpacked variants are gone:
+# PDCORE_CPU_PACKED_GEMM=0 in the environment times the engine without them.
 VARIANTS = {  # name: (weights dtype, batched attention, packed GEMMs)
     "as is": ("float32", True, True),
     "per-seq attention": ("float32", False, True),
-    "unpacked": ("float32", True, False),
-    "per-seq, unpacked (before)": ("float32", False, False),
     "as is, bf16 weights": ("bfloat16", True, True),
 }
 

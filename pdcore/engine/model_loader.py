@@ -120,7 +120,21 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
         hf.config.architectures = cfg.architectures
     model = MODEL_CLASSES[hf.config.architectures[0]](hf.config, tp)
     model.load_hf_state_dict(hf.state_dict())
-    del hf
+    del hf  # one copy of the weights from here: ours (prepare_for_inference replaces them)
     model = model.to(device=device, dtype=dtype).eval()
     model.prepare_for_inference()
+    _return_freed_memory()
     return model, model.cfg, resolved
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap that loading freed (the transformers model, float32 copies) back to the
+    OS: glibc keeps freed chunks for reuse otherwise, and they stay in the resident size."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
+        pass

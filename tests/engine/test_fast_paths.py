@@ -1,9 +1,10 @@
 """The engine's CPU fast paths give the same numbers as the plain ones:
 
-- prepacked MKL GEMMs for 4..16-row inputs (layers.linear) against F.linear;
+- linear layers on oneDNN-reordered weights (layers.linear), which replace the originals,
+  against F.linear;
 - batched decode attention (one padded gather + masked SDPA for every one-token sequence of a
   step) against one SDPA per sequence, in a step that mixes decodes of different context
-  lengths with a prefill chunk.
+  lengths with a prefill chunk, and in a decode-only step (its output skips the scatter).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pdcore.engine.models import layers
 from pdcore.engine.models.llama import ForwardBatch, LlamaForCausalLM, SeqSpan
 
 needs_mkl = pytest.mark.skipif(
-    not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")),
-    reason="this torch build has no MKL packed GEMM")
+    not (torch.backends.mkldnn.is_available()
+         and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+    reason="this torch build has no oneDNN linear")
 
 
 @needs_mkl
@@ -28,17 +30,22 @@ def test_packed_linear_matches_f_linear(bias: bool) -> None:
     b = torch.randn(96, generator=g) if bias else None
     packed = layers.pack_weight(w)
     assert packed is not None
-    for m in range(1, 24):
+    gone = layers.stand_in(w)  # the reordered weight is all `linear` reads
+    assert gone.untyped_storage().nbytes() == w.element_size() and gone.shape == w.shape
+    for m in [*range(1, 24), 100, 600]:
         x = torch.randn(m, 64, generator=g)
-        got = layers.linear(x, w, b, packed)
+        got = layers.linear(x, gone, b, packed)
         assert got.shape == (m, 96)
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 5, 64, generator=g)
+    torch.testing.assert_close(layers.linear(x3, gone, b, packed), F.linear(x3, w, b),
+                               rtol=1e-5, atol=1e-5)
 
 
 @needs_mkl
 def test_packing_follows_env_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(32, 16)
-    assert layers.pack_weight(w.to(torch.bfloat16)) is None  # float32 only
+    assert layers.pack_weight(w.to(torch.float16)) is None  # float32 and bfloat16 only
     monkeypatch.setenv(layers.PACKED_GEMM_ENV, "0")
     assert layers.pack_weight(w) is None
     monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
@@ -114,5 +121,24 @@ def test_packed_model_matches_unpacked(monkeypatch: pytest.MonkeyPatch) -> None:
     plain = _tiny_model(packed=False, monkeypatch=monkeypatch)
     fast = _tiny_model(packed=True, monkeypatch=monkeypatch)
     assert fast.lm_head_packed is not None and plain.lm_head_packed is None
+    for m in fast.modules():  # one copy of the weights: the originals are gone
+        if isinstance(m, (layers.ColumnLinear, layers.RowLinear)):
+            assert m.packed is not None and m.weight.untyped_storage().nbytes() <= 4
     torch.testing.assert_close(fast(*_clone(batch, kv)), plain(*_clone(batch, kv)),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_decode_only_step_matches_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _tiny_model(packed=True, monkeypatch=monkeypatch)
+    full, kv = _mixed_step()
+    dec = [s for s in full.seqs if s.q_len == 1]
+    rows = torch.tensor([s.q_start for s in dec])
+    seqs = [SeqSpan(i, 1, s.ctx_slots) for i, s in enumerate(dec)]
+    batch = ForwardBatch(full.input_ids[rows], full.positions[rows], full.out_slots[rows], seqs,
+                         torch.arange(len(dec)))
+    b1, kv1 = _clone(batch, kv)
+    fast = model(b1, kv1)
+    assert b1.decode_group() is not None and b1.decode_group().whole
+    b2, kv2 = _clone(batch, kv)
+    monkeypatch.setattr(ForwardBatch, "decode_group", lambda self: None)
+    torch.testing.assert_close(fast, model(b2, kv2), rtol=1e-5, atol=1e-5)

@@ -90,50 +90,59 @@ class TPInfo:
         return out
 
 
-# -- small-batch GEMMs on CPU ---------------------------------------------------------------------
-# MKL's float32 GEMM is fastest when the activation has exactly PACK_ROWS rows and the weight is
-# prepacked for that shape: measured here (1 thread, SmolLM2's 121 matrices) a batch of 8 or 15
-# rows costs 130-180 ms through F.linear, 16 rows 120 ms, 16 rows on packed weights 90 ms. A
-# decode step has few rows, so `linear` pads 4..16 rows to PACK_ROWS and uses the packed weight;
-# 1-3 rows (F.linear is bandwidth-bound there: 49 ms for one row, packed 90) and larger inputs
-# (prefill) use F.linear on the original weight. Results agree with F.linear to float32
-# rounding (bit-identical in our checks). The packed copy costs one more weight's worth of host
-# memory; PDCORE_CPU_PACKED_GEMM=0 turns it off.
-PACK_ROWS = 16
-PACK_MIN_ROWS = 4
+# -- GEMMs on CPU ---------------------------------------------------------------------------------
+# Linear layers run on oneDNN weights reordered once at load (its blocked layout for the CPU's
+# vector width), and the reordered weight *replaces* the original: one copy of the weights.
+# Measured here on SmolLM2's matrices, 1 thread: 1.3-1.9x F.linear's speed at 1-16 rows (a
+# decode step) and ~1.2x at prefill sizes. The session-5 MKL-packed weights needed the original
+# kept beside them and took 3.4x its bytes; they are gone. Results differ from F.linear only in
+# float32 rounding (another summation order; greedy outputs still equal transformers'). The
+# original weight is left as a zero-stride stand-in of the right shape and dtype (no bytes), so
+# code reading `.shape` / `.dtype` keeps working. PDCORE_CPU_PACKED_GEMM=0 turns reordering off.
+PACK_ROWS = 16  # the batch size oneDNN is told to expect (a hint: any row count works)
 PACKED_GEMM_ENV = "PDCORE_CPU_PACKED_GEMM"
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packed_gemm_available(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+    return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
             and env_bool(os.environ, PACKED_GEMM_ENV, True)
-            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """MKL-packed copy of a [out, in] float32 weight for PACK_ROWS-row inputs, or None."""
+    """oneDNN-reordered copy of a [out, in] weight, or None where unavailable."""
     if not packed_gemm_available(weight):
         return None
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+def stand_in(weight: torch.Tensor) -> torch.Tensor:
+    """A tensor of `weight`'s shape and dtype that holds one element (zero strides)."""
+    return torch.empty_strided(weight.shape, (0,) * weight.dim(), dtype=weight.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the packed weight when there is one and x has 4..PACK_ROWS rows."""
-    m = x.shape[0]
-    if packed is None or x.dim() != 2 or not PACK_MIN_ROWS <= m <= PACK_ROWS:
+    """F.linear, through the reordered weight when there is one (then `weight` may be its
+    stand-in and is not read)."""
+    if packed is None:
         return F.linear(x, weight, bias)
-    if m < PACK_ROWS:
-        x = F.pad(x, (0, 0, 0, PACK_ROWS - m))
-    y = torch.ops.mkl._mkl_linear(x.contiguous(), packed, weight, bias, PACK_ROWS)
-    return y[:m] if m < PACK_ROWS else y
+    lead = x.shape[:-1]
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none",
+                                           [], "")
+    return y.view(*lead, y.shape[-1]) if x.dim() != 2 else y
 
 
 def pack_linears(module: nn.Module) -> None:
-    """Prepack the weight of every ColumnLinear/RowLinear under `module` (where available)."""
+    """Reorder the weight of every ColumnLinear/RowLinear under `module` (where available);
+    the reordered weight replaces the original."""
     for m in module.modules():
         if isinstance(m, (ColumnLinear, RowLinear)):
             m.packed = pack_weight(m.weight)
+            if m.packed is not None:
+                m.weight = nn.Parameter(stand_in(m.weight), requires_grad=False)
 
 
 class RMSNorm(nn.Module):

