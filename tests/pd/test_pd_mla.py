@@ -1,7 +1,7 @@
 """PD with MLA models (real servers on loopback): DeepSeek-V2/V3 tiny models, P TP2 -> D TP1,
 P TP1 -> D TP2 and equal TP over tcp and shm, P TP2 -> D TP1 also over mooncake and nixl;
 greedy output equals transformers, and the KV bytes P sends per token are one latent per layer
-(the transfer metrics show it)."""
+(its transfer counters show it, on /get_load and on /metrics)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pdcore.testing.tiny_models import make_tiny_model
 
 NEW, PAGE, LAYERS = 12, 4, 2  # tp_helpers.FLAGS: --page-size 4
 LATENT_BYTES = (32 + 8) * 4  # kv_lora_rank + rope dim, float32: one layer of one token
+KV_BYTES_METRIC = "pdserve_kv_transfer_bytes_total"  # rank 0's KV bytes: P wrote, D received
 
 
 @pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
@@ -43,6 +44,18 @@ def _kv_bytes(fleet: Fleet, name: str) -> int:
     return int(fleet.load(name).get("kv_bytes", 0))
 
 
+def _metric(url: str, name: str) -> float:
+    """The sum of a series' samples (over its labels) in the server's /metrics, parsed as
+    Prometheus does."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    samples = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name]
+    assert samples, f"{name} not in {url}/metrics"
+    return sum(samples)
+
+
 def _run_pair(backend: str, mla_model, p_tp: int, d_tp: int, env: dict | None = None) -> None:
     _, path, prompts, refs = mla_model
     fleet = Fleet(backend, path, {"p": ("prefill", p_tp, {}), "d": ("decode", d_tp, {})},
@@ -51,6 +64,7 @@ def _run_pair(backend: str, mla_model, p_tp: int, d_tp: int, env: dict | None = 
         info = httpx.get(fleet["p"].url + "/server_info", timeout=10).json()
         assert info["is_mla"] and info["kv_bytes_per_token"] == LAYERS * LATENT_BYTES
         before = _kv_bytes(fleet, "p")
+        before_metric = {n: _metric(fleet[n].url, KV_BYTES_METRIC) for n in ("p", "d")}
         for i, (ids, ref) in enumerate(zip(prompts, refs)):
             status, out = pd_generate(fleet, "p", "d", ids, NEW)
             assert status == 200, f"P TP{p_tp} -> D TP{d_tp} prompt {i}: {out}"
@@ -59,7 +73,14 @@ def _run_pair(backend: str, mla_model, p_tp: int, d_tp: int, env: dict | None = 
         # rank 0's counters: P TP2's rank 1 writes nothing to a D TP1
         pages = sum(-(-len(p) // PAGE) for p in prompts)
         sent = _kv_bytes(fleet, "p") - before
-        assert sent == pages * PAGE * LAYERS * LATENT_BYTES * (d_tp // p_tp or 1), sent
+        writes = d_tp // p_tp or 1  # D ranks rank 0 of P writes
+        assert sent == pages * PAGE * LAYERS * LATENT_BYTES * writes, sent
+        # the transfer metrics on /metrics say the same: P's rank 0 wrote those bytes and D's
+        # rank 0 received one latent per token and layer (a per-head layout would be
+        # heads x (k + v head dims) per layer)
+        moved = {n: _metric(fleet[n].url, KV_BYTES_METRIC) - before_metric[n] for n in ("p", "d")}
+        assert moved["p"] == sent, (moved, sent)
+        assert moved["d"] / (pages * PAGE) == LAYERS * LATENT_BYTES, moved
         for name in ("p", "d"):
             load = fleet.load(name)
             assert load_at_rest(load), (name, load)

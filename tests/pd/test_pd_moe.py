@@ -1,11 +1,13 @@
-"""PD with MoE models (real servers on loopback): over tcp, Qwen2-MoE prefilled by TP2 + EP2 and
-decoded by TP1, Qwen3-MoE prefilled by TP1 and decoded by TP2 experts, Mixtral TP1 -> TP1; Mixtral
-over shm; Qwen2-MoE P TP2+EP2 -> D TP1 over mooncake and nixl (slow, where installed).
-Greedy output equals transformers and both servers end with every page free."""
+"""PD with MoE models (real servers on loopback), every family over every backend: Qwen2-MoE
+prefilled by TP2 + EP2 and decoded by TP1, Qwen3-MoE prefilled by TP1 and decoded by TP2 experts,
+Mixtral TP1 -> TP1, over tcp, mooncake and nixl (the last two slow, where installed); over shm
+each family TP1 -> TP1. Greedy output equals transformers and both servers end with every page
+free. Each family's tiny model and its transformers references are built once per module."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tp"))  # tp_helpers
 from tp_helpers import FAST_ENV, FLAGS, PLUGIN_BACKENDS, Fleet, pd_generate, plugin_backend_env
 
-from pdcore.testing.greedy import check_greedy, hf_greedy
+from pdcore.testing.greedy import Reference, check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import ServerProcess, free_port
 from pdcore.testing.tiny_models import make_tiny_model
@@ -22,12 +24,36 @@ from pdcore.testing.tiny_models import make_tiny_model
 NEW = 12
 EP2 = ["--tp-size", "2", "--ep-size", "2"]
 TP1, TP2 = ["--tp-size", "1"], ["--tp-size", "2"]
-CASES = {  # id: (arch, backend, P flags, D flags)
-    "qwen2_moe-tcp-ep2-to-tp1": ("qwen2_moe", "tcp", EP2, TP1),
-    "qwen3_moe-tcp-tp1-to-tp2": ("qwen3_moe", "tcp", TP1, TP2),
-    "mixtral-tcp": ("mixtral", "tcp", TP1, TP1),
-    "mixtral-shm": ("mixtral", "shm", TP1, TP1),
-}
+# each family's P and D layout (expert parallel, expert-sharding TP, plain), used on every
+# backend but shm, where TP1 -> TP1 keeps the CI run short (shm's hetero TP runs with MLA)
+LAYOUTS = {"qwen2_moe": (EP2, TP1), "qwen3_moe": (TP1, TP2), "mixtral": (TP1, TP1)}
+SHM_LAYOUT = (TP1, TP1)
+
+Model = tuple[str, list[list[int]], list[Reference]]  # path, prompts, transformers references
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Model]:
+    """arch -> (path, prompts, references), each family built once for the whole module."""
+    built: dict[str, Model] = {}
+
+    def get(arch: str) -> Model:
+        if arch not in built:
+            from transformers import AutoModelForCausalLM
+
+            from pdcore.engine.tokenizer import default_model_file
+
+            path = make_tiny_model(str(tmp_path_factory.mktemp(arch) / "m"), arch=arch,
+                                   seed=13, tokenizer_from=default_model_file(),
+                                   max_positions=8192)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            g = torch.Generator().manual_seed(4)
+            prompts = [torch.randint(100, 40000, (n,), generator=g).tolist()
+                       for n in (7, 45, 130)]
+            built[arch] = (path, prompts, [hf_greedy(hf, p, NEW) for p in prompts])
+        return built[arch]
+
+    return get
 
 
 def _fleet(model: str, backend: str, p_flags: list[str], d_flags: list[str],
@@ -45,30 +71,27 @@ def _fleet(model: str, backend: str, p_flags: list[str], d_flags: list[str],
     return fleet.start()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_pd_moe_matches_transformers(tmp_path, case):
-    _run(tmp_path, *CASES[case])
+@pytest.mark.parametrize("arch", list(LAYOUTS))
+def test_pd_moe_tcp(moe_model, arch):
+    _run(moe_model(arch), arch, "tcp", *LAYOUTS[arch])
+
+
+@pytest.mark.parametrize("arch", list(LAYOUTS))
+def test_pd_moe_shm(moe_model, arch):
+    _run(moe_model(arch), arch, "shm", *SHM_LAYOUT)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", list(LAYOUTS))
 @pytest.mark.parametrize("backend", list(PLUGIN_BACKENDS))
-def test_pd_moe_ep2_plugin_backends(tmp_path, backend):
+def test_pd_moe_plugin_backends(moe_model, backend, arch):
     env = plugin_backend_env(backend)
-    _run(tmp_path, "qwen2_moe", backend, EP2, TP1, env)
+    _run(moe_model(arch), arch, backend, *LAYOUTS[arch], env)
 
 
-def _run(tmp_path: Path, arch: str, backend: str, p_flags: list[str], d_flags: list[str],
+def _run(model: Model, arch: str, backend: str, p_flags: list[str], d_flags: list[str],
          env: dict[str, str] | None = None) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from pdcore.engine.tokenizer import default_model_file
-
-    path = make_tiny_model(str(tmp_path / arch), arch=arch, seed=13,
-                           tokenizer_from=default_model_file(), max_positions=8192)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 45, 130)]
-    refs = [hf_greedy(hf, p, NEW) for p in prompts]
+    path, prompts, refs = model
     fleet = _fleet(path, backend, p_flags, d_flags, env)
     try:
         verdicts = []
