@@ -44,6 +44,7 @@ from pdcore.server.metrics_map import (
     E2E_BUCKETS,
     ITL_BUCKETS,
     KV_GAUGE_KEYS,
+    REQUEST_LEVEL,
     SCHED_COUNTERS,
     SCHED_GAUGES,
     TTFT_BUCKETS,
@@ -180,10 +181,12 @@ class StatsCollector:
             known.update(keys)
             yield g
         for name, doc, key in SCHED_COUNTERS:
-            lab = name.startswith("sglang:")
-            c = CounterMetricFamily(name, doc, labels=names if lab else [])
+            # SGLang counts aborted requests in its tokenizer: model_name only
+            lab = names[:1] if name in REQUEST_LEVEL else names if name.startswith("sglang:") \
+                else []
+            c = CounterMetricFamily(name, doc, labels=lab)
             v = s.get(key)
-            c.add_metric(values if lab else [], float(v) if _num(v) else 0.0)
+            c.add_metric(values[:len(lab)], float(v) if _num(v) else 0.0)
             known.add(key)
             yield c
         yield from self._transfer(s.get("kv_transfer"))

@@ -83,6 +83,9 @@ SCHED_COUNTERS: list[tuple[str, str, str]] = [
      "cached"), "disagg_prefix_skipped_pages_total"),
 ]
 
+# counters SGLang keeps in its tokenizer collector (label model_name only)
+REQUEST_LEVEL = frozenset({"sglang:num_aborted_requests"})
+
 # kv_* stats (the KV manager's metrics()) are running totals except these
 KV_GAUGE_KEYS = frozenset({
     "kv_inflight_rooms", "kv_sessions", "kv_queued_chunks", "kv_prefill_instances",
