@@ -98,15 +98,20 @@ class _Generated:
 
     def inc(self, n: float = 1) -> None:
         self._counter.inc(n)
+        now = time.monotonic()
         with self._lock:
-            self._recent.append((time.monotonic(), n))
+            self._recent.append((now, n))
+            self._prune(now)  # bounded even when nobody scrapes
 
     def throughput(self) -> float:
         now = time.monotonic()
         with self._lock:
-            while self._recent and now - self._recent[0][0] > THROUGHPUT_WINDOW_S:
-                self._recent.popleft()
+            self._prune(now)
             return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
+
+    def _prune(self, now: float) -> None:
+        while self._recent and now - self._recent[0][0] > THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
 
 
 class ServerMetrics:
