@@ -215,11 +215,12 @@ class ServiceDiscovery:
             t.join(timeout)
 
     def snapshot(self) -> dict[str, object]:
+        # list(...) copies each watcher's dict in one C call, safe against its thread's writes
         return {role: {"selector": s.selector, "lists": s.lists, "watch_events": s.watch_events,
                        "gone": s.gone, "errors": s.errors, "last_error": s.last_error,
                        "pods": {p.name: {"url": p.url, "ready": p.ready,
                                          "bootstrap_port": p.bootstrap_port}
-                                for p in s.pods.values()},
+                                for p in list(s.pods.values())},
                        "workers": sorted(self.tracked[role])}
                 for role, s in self.roles.items()}
 
