@@ -5,7 +5,8 @@ Every object is built from the official `kubernetes` client's models and seriali
 `kubectl get pod -o json` shows it (ReplicaSet owner, projected token volume, kubelet conditions),
 its not-Ready state after a failed readiness probe, its terminating state (deletionTimestamp), a
 PodList envelope and the `Status` of a watch's 410 Gone (reason Expired). The tests patch only
-what differs per run: names, uids, the port annotations (their servers' ports).
+what differs per run: names, uids, the port annotations (their servers' ports). Written with
+kubernetes 37 (its models take `host_ips`/`pod_ips`; older clients spell them `host_i_ps`).
 """
 
 from __future__ import annotations
