@@ -23,7 +23,7 @@ import torch
 from pdcore.config import ServerArgs
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.kv_cache import KVCache
-from pdcore.engine.model_loader import load_model, resolve_dtype
+from pdcore.engine.model_loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model_runner import ModelRunner
 from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.radix_cache import RadixCache
@@ -192,6 +192,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         "tp_size": args.tp_size, "dp_size": args.dp_size, "nnodes": args.nnodes,
         "bootstrap_port": args.disaggregation_bootstrap_port, "memory_pool": pool_name,
         "is_mla": spec["is_mla"], "kv_bytes_per_token": per_token,
+        "weight_bytes": weight_bytes(model),
     }
     log.info("KV pool: %d pages x %d tokens (%.1f MiB, %s) in pool %r; max context %d",
              num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,

@@ -127,6 +127,25 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     return model, model.cfg, resolved
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights occupy: every parameter, buffer and reordered weight, each
+    storage once (a stand-in's one element counts as what it is)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for m in model.modules():
+        tensors += [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if t.is_mkldnn:  # opaque storage: its logical size
+            total += t.numel() * t.element_size()
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
 def _return_freed_memory() -> None:
     """Hand the heap that loading freed (the transformers model, float32 copies) back to the
     OS: glibc keeps freed chunks for reuse otherwise, and they stay in the resident size."""
