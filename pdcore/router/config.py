@@ -44,6 +44,13 @@ class RouterConfig:
     balance_abs_threshold: int = field(default=64, metadata=_opt("load gap that means imbalance"))
     balance_rel_threshold: float = field(default=1.5, metadata=_opt("load ratio meaning imbalance"))
     max_tree_size: int = field(default=1 << 24, metadata=_opt("cache_aware chars kept per worker"))
+    # data parallel workers (sglang-router's flags)
+    dp_aware: bool = field(default=False, metadata=_opt(
+        "route to DP ranks: a worker with dp_size N becomes N workers URL@rank, the rank sent "
+        "as data_parallel_rank (decode) / disagg_prefill_dp_rank (prefill)"))
+    prefill_round_robin_balance: bool = field(default=False, metadata=_opt(
+        "pick each prefill server's DP rank round robin and send it to both roles as "
+        "disagg_prefill_dp_rank (without it prefill's rank is bootstrap_room % its dp_size)"))
     # power_of_two load source
     load_check_interval_secs: float = field(default=5.0, metadata=_opt("GET /get_load period"))
     # health

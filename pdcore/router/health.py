@@ -34,8 +34,13 @@ log = logging.getLogger("pdcore.router.health")
 RECOVERY_PROBE_S = 0.5  # upper bound on the probe period of a suspect worker
 
 
-def parse_load(payload: object) -> int:
-    """Token load from a `/get_load` answer; -1 when the shape is not understood."""
+def parse_load(payload: object, dp_rank: int | None = None) -> int:
+    """Token load from a `/get_load` answer (one DP rank's with `dp_rank`); -1 when the shape
+    is not understood."""
+    if dp_rank is not None:
+        mine = [item for item in payload if isinstance(item, dict)
+                and item.get("dp_rank") == dp_rank] if isinstance(payload, list) else []
+        return parse_load(mine) if mine else -1
     if isinstance(payload, list):
         total = 0
         for item in payload:
@@ -104,6 +109,8 @@ class HealthMonitor:
         delay = 0.1
         while worker in self._registry:
             if await self.probe(worker):
+                if await self._learn_dp(worker):
+                    return
                 worker.healthy, worker.starting = True, False
                 worker.health_failures = worker.health_successes = 0
                 log.info("%s worker %s is healthy", worker.worker_type, worker.url)
@@ -120,6 +127,34 @@ class HealthMonitor:
                 return
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 1.5, 5.0)
+
+    async def _learn_dp(self, worker: Worker) -> bool:
+        """--dp-aware / --prefill-round-robin-balance: read the server's dp_size; with
+        --dp-aware and dp_size > 1 its entry becomes one per DP rank (True: done here)."""
+        cfg = self._config
+        if not (cfg.dp_aware or cfg.prefill_round_robin_balance):
+            return False
+        worker.dp_size = await self._dp_size(worker)
+        if not cfg.dp_aware or worker.dp_size <= 1:
+            return False
+        ranks = self._registry.expand(worker, worker.dp_size)
+        log.info("%s worker %s is healthy: %d DP ranks %s", worker.worker_type, worker.url,
+                 len(ranks), ", ".join(w.key for w in ranks))
+        return True
+
+    async def _dp_size(self, worker: Worker) -> int:
+        for path in ("/get_server_info", "/server_info"):
+            try:
+                resp = await self._client.get(worker.url + path,
+                                              timeout=self._config.health_check_timeout_secs)
+                info = resp.json() if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                info = None
+            if isinstance(info, dict) and isinstance(info.get("dp_size"), int):
+                return max(1, info["dp_size"])
+        log.warning("%s worker %s did not say its dp_size; treating it as 1",
+                    worker.worker_type, worker.url)
+        return 1
 
     async def check_all(self) -> None:
         """One round of periodic checks over every worker past its startup wait."""
@@ -189,7 +224,7 @@ class HealthMonitor:
             resp = await self._client.get(
                 worker.url + "/get_load", timeout=self._config.health_check_timeout_secs
             )
-            return parse_load(resp.json()) if resp.status_code == 200 else -1
+            return parse_load(resp.json(), worker.dp_rank) if resp.status_code == 200 else -1
         except (httpx.HTTPError, ValueError):
             return -1
 

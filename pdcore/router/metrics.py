@@ -165,10 +165,10 @@ class _WorkerCollector:
                       "smg_worker_cb_consecutive_failures": cb.get("consecutive_failures", 0),
                       "smg_worker_cb_consecutive_successes": cb.get("consecutive_successes", 0)}
             for name, v in values.items():
-                fams[name].add_metric([w.url], float(v or 0))  # type: ignore[arg-type]
-            outcomes.add_metric([w.url, "success"], float(w.circuit.total_successes))
-            outcomes.add_metric([w.url, "failure"], float(w.circuit.total_failures))
-            load.add_metric([w.url, w.worker_type], float(w.load))
+                fams[name].add_metric([w.key], float(v or 0))  # type: ignore[arg-type]
+            outcomes.add_metric([w.key, "success"], float(w.circuit.total_successes))
+            outcomes.add_metric([w.key, "failure"], float(w.circuit.total_failures))
+            load.add_metric([w.key, w.worker_type], float(w.load))
             sizes[w.worker_type] = sizes.get(w.worker_type, 0) + 1
         for role, n in sizes.items():
             pool.add_metric([role, "http", "default"], float(n))

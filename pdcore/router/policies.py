@@ -93,7 +93,7 @@ class CacheAwarePolicy(Policy):
         self._trees: dict[str, PrefixTree] = {}
 
     def _tree(self, worker: Worker) -> PrefixTree:
-        return self._trees.setdefault(worker.url, PrefixTree())
+        return self._trees.setdefault(worker.key, PrefixTree())
 
     def select(self, workers: Sequence[Worker], text: str) -> Worker:
         text = text[:_TEXT_LIMIT]
@@ -119,7 +119,7 @@ class CacheAwarePolicy(Policy):
         return chosen
 
     def forget(self, worker: Worker) -> None:
-        self._trees.pop(worker.url, None)
+        self._trees.pop(worker.key, None)
 
     def tree_sizes(self) -> dict[str, int]:
         return {url: tree.size for url, tree in self._trees.items()}
@@ -174,3 +174,30 @@ def routing_text(route: str, body: dict[str, Any]) -> str:
     if route == "/v1/completions":
         return _ids_text(value)  # token-id prompt(s)
     return _ids_text(body.get("input_ids"))
+
+
+class DPRanks:
+    """The DP-rank fields of one request, added to the body both roles get.
+
+    - a decode entry of --dp-aware names decode's replica: `data_parallel_rank`;
+    - a prefill entry of --dp-aware names prefill's: `disagg_prefill_dp_rank`, so decode pulls
+      from that replica (a prefill server reads its own rank there, never data_parallel_rank);
+    - --prefill-round-robin-balance, prefill server of dp_size N > 1 without --dp-aware: its
+      ranks in turn, one counter per server, in `disagg_prefill_dp_rank` too.
+    Without any of these a prefill server takes bootstrap_room % dp_size and decode agrees."""
+
+    def __init__(self, round_robin: bool) -> None:
+        self.round_robin = round_robin
+        self._next: dict[str, int] = {}
+
+    def fields(self, prefill: Worker, decode: Worker) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if prefill.dp_rank is not None:
+            out["disagg_prefill_dp_rank"] = prefill.dp_rank
+        elif self.round_robin and prefill.dp_size > 1:
+            rank = self._next.get(prefill.url, 0) % prefill.dp_size
+            self._next[prefill.url] = rank + 1
+            out["disagg_prefill_dp_rank"] = rank
+        if decode.dp_rank is not None:
+            out["data_parallel_rank"] = decode.dp_rank
+        return out

@@ -44,7 +44,7 @@ from pdcore.router.merge import (
     wants_logprobs,
 )
 from pdcore.router.metrics import RouterMetrics, error_code
-from pdcore.router.policies import Policy, routing_text
+from pdcore.router.policies import DPRanks, Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
     DecodeLeg,
@@ -133,6 +133,7 @@ class Proxy:
         metrics.bind(registry, {"prefill": config.effective_prefill_policy,
                                 "decode": config.effective_decode_policy})
         self._rng = rng or random.Random()
+        self._dp = DPRanks(config.prefill_round_robin_balance)
         self._background: set[asyncio.Task[PrefillResult]] = set()
 
     def select_pair(self, text: str) -> tuple[Worker, Worker] | str:
@@ -205,7 +206,8 @@ class Proxy:
                     503, "server_selection_failed", f"No available servers: {pair}{last}", request_id
                 )
             p, d = pair
-            content = json.dumps(inject_bootstrap(body, p, n, self._rng)).encode()
+            content = json.dumps({**inject_bootstrap(body, p, n, self._rng),
+                                  **self._dp.fields(p, d)}).encode()
             outcome = await self._attempt(
                 route, p, d, content, headers, stream, logprobs, deadline, request_id, gone
             )

@@ -5,13 +5,18 @@ Health is driven by `health.HealthMonitor` (which also probes a worker at once a
 request, and a down worker every fraction of a second until it is back); circuits by the
 proxy's outcomes; `in_flight` counts
 the router's own requests on the worker; `load` is the last `/get_load` token count (-1 unknown).
+
+`--dp-aware` (sglang-router's meaning): once a server with `dp_size` N > 1 turns healthy, its
+entry becomes N entries, one per DP rank (`key` URL@rank; `url` stays the server's, where
+requests, health checks and load polls go), so policies choose a DP rank, each with its own
+load (its `/get_load` entry); the proxy sends the rank along (pdcore.router.policies.dp_fields).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from pdcore.errors import ConfigError
@@ -34,6 +39,13 @@ class Worker:
     in_flight: int = 0
     load: int = -1
     added_at: float = field(default_factory=time.time)
+    dp_rank: int | None = None  # --dp-aware: the server's DP rank this entry stands for
+    dp_size: int = 1  # the server's, from its /get_server_info (--dp-aware, round robin balance)
+
+    @property
+    def key(self) -> str:
+        """The registry key: the URL, or URL@rank for one DP rank of a server."""
+        return self.url if self.dp_rank is None else f"{self.url}@{self.dp_rank}"
 
     @property
     def bootstrap_host(self) -> str:
@@ -50,7 +62,7 @@ class Worker:
 
     def snapshot(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "url": self.url,
+            "url": self.key,
             "worker_type": self.worker_type,
             "healthy": self.healthy,
             "starting": self.starting,
@@ -62,6 +74,8 @@ class Worker:
         }
         if self.worker_type == "prefill":
             out["bootstrap_port"] = self.bootstrap_port
+        if self.dp_size > 1:
+            out["dp_size"], out["dp_rank"] = self.dp_size, self.dp_rank
         return out
 
 
@@ -94,9 +108,10 @@ class WorkerRegistry:
         if worker_type == "decode" and bootstrap_port is not None:
             raise ConfigError("bootstrap_port applies to prefill workers only")
         check_port(bootstrap_port, "bootstrap_port", allow_none=True)
-        if url in self._workers:
+        same = self._of_url(url)
+        if same:
             raise DuplicateWorkerError(
-                f"worker {url} is already registered as {self._workers[url].worker_type}; "
+                f"worker {url} is already registered as {same[0].worker_type}; "
                 "remove it first to change its type or bootstrap port"
             )
         cfg = self._config
@@ -113,20 +128,48 @@ class WorkerRegistry:
             healthy=healthy,
             starting=not healthy,
         )
-        self._workers[url] = worker
+        self._workers[worker.key] = worker
         return worker
+
+    def _of_url(self, key: str) -> list[Worker]:
+        """The entry under `key`, else every DP-rank entry of server `key`."""
+        exact = self._workers.get(key)
+        return [exact] if exact is not None else [
+            w for w in self._workers.values() if w.url == key]
 
     def remove(self, url: str) -> Worker:
+        """Remove a worker (a server's URL removes all its DP-rank entries; the first is
+        returned)."""
         key = url.strip().rstrip("/")
-        worker = self._workers.pop(key, None)
-        if worker is None:
+        workers = self._of_url(key)
+        if not workers:
             raise KeyError(f"no worker {key!r} is registered; GET /workers lists them")
-        for callback in self._on_remove:
-            callback(worker)
-        return worker
+        for worker in workers:
+            del self._workers[worker.key]
+            for callback in self._on_remove:
+                callback(worker)
+        return workers[0]
 
     def get(self, url: str) -> Worker | None:
-        return self._workers.get(url.strip().rstrip("/"))
+        found = self._of_url(url.strip().rstrip("/"))
+        return found[0] if found else None
+
+    def expand(self, worker: Worker, dp_size: int) -> list[Worker]:
+        """--dp-aware: replace a server's entry by one healthy entry per DP rank."""
+        if self._workers.get(worker.key) is not worker:
+            return []
+        del self._workers[worker.key]
+        for callback in self._on_remove:
+            callback(worker)
+        out, c = [], worker.circuit
+        for rank in range(dp_size):
+            circuit = CircuitBreaker(c.failure_threshold, c.success_threshold, c.timeout_s,
+                                     enabled=c.enabled)
+            w = replace(worker, circuit=circuit, dp_rank=rank, dp_size=dp_size, healthy=True,
+                        starting=False)
+            self._workers[w.key] = w
+            out.append(w)
+        return out
 
     def __contains__(self, worker: object) -> bool:
         return isinstance(worker, Worker) and self._workers.get(worker.url) is worker
