@@ -165,6 +165,9 @@ def check_supported(args: ServerArgs) -> None:
 
     check_parallel_args(args)
     _check_moe_backend(args)
+    from pdcore.engine.cpu_features import check_cpu_dtype
+
+    check_cpu_dtype(args.dtype, args.device)
     if args.device == "cpu":
         from pdcore.runtime_env import PlacementError, choose_placement
 

@@ -1,0 +1,48 @@
+"""What this CPU can compute in: bfloat16 needs AMX (amx_bf16) or AVX-512 BF16 (avx512_bf16).
+
+Without either, torch still runs bfloat16 on CPU, but by converting every element to float32
+and back in scalar code: several times slower than float32, so `--dtype bfloat16` is refused
+there with a message instead of silently serving slower. The flags come from /proc/cpuinfo
+(PDCORE_CPUINFO names another file: how tests describe a CPU this machine is not).
+"""
+
+from __future__ import annotations
+
+import os
+
+from pdcore.errors import ConfigError
+
+CPUINFO_ENV = "PDCORE_CPUINFO"
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_flags(path: str | None = None) -> set[str]:
+    path = path or os.environ.get(CPUINFO_ENV) or "/proc/cpuinfo"
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_support() -> tuple[bool, str]:
+    """(supported, what was found)."""
+    flags = cpu_flags()
+    found = [f for f in BF16_FLAGS if f in flags]
+    if found:
+        return True, f"this CPU has {' and '.join(found)}"
+    return False, f"this CPU has neither {' nor '.join(BF16_FLAGS)}"
+
+
+def check_cpu_dtype(dtype: str, device: str) -> None:
+    """ConfigError for a compute dtype this CPU has no native support for."""
+    if device != "cpu" or dtype not in ("bfloat16", "bf16"):
+        return
+    ok, why = bf16_support()
+    if not ok:
+        raise ConfigError(f"--dtype {dtype} on cpu needs AMX or AVX-512 BF16 and {why} "
+                          "(bfloat16 would run emulated, slower than float32); use --dtype "
+                          "float32, and --kv-cache-dtype bfloat16 to halve the KV pool")
