@@ -36,13 +36,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.disagg.transfer_stats import merge_snapshots
 from pdcore.engine.dp_attention_args import active as dp_attention_active
 from pdcore.engine.dp_attention_args import new_init_method, replica_args
 from pdcore.engine.io_struct import GenerateReq, TokenOut
 from pdcore.errors import PDError
 from pdcore.server.dp_balance import DPBalancer
 from pdcore.server.engine_client import EngineClient, EngineError, EngineState
+from pdcore.server.metrics_map import merge_transfer_stats
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     if isinstance(prompt, int) and "cache_hit_rate" in out:
         out["cache_hit_rate"] = out.get("cache_hit_tokens_total", 0) / prompt if prompt else 0.0
     if "kv_transfer" in out:  # PD: every replica's KV manager measures its own rooms
-        out["kv_transfer"] = merge_snapshots([s.get("kv_transfer") for s in stats])
+        out["kv_transfer"] = merge_transfer_stats([s.get("kv_transfer") for s in stats])
     for rank, s in enumerate(stats):  # per-replica gauges too: /metrics labels by name suffix
         for k in ("num_running_reqs", "num_waiting_reqs", "num_pages_used", "num_pages_free"):
             if isinstance(s.get(k), int):
