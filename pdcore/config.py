@@ -42,6 +42,7 @@ class ServerArgs:
     api_key: str | None = None  # bearer token required on every route but /health
     log_requests: bool = False
     enable_metrics: bool = False  # /metrics is always on; accepted for SGLang parity
+    disable_cuda_graph: bool = False  # no CUDA graphs are ever captured; accepted for parity
     skip_server_warmup: bool = False
     tokenizer_worker_num: int = 1
     # parallelism / devices

@@ -98,6 +98,7 @@ HELP: dict[str, str] = {
     "api_key": "bearer token required on every route but /health (401 otherwise)",
     "log_requests": "one log line per request: rid, prompt and output tokens, latency",
     "enable_metrics": "accepted for SGLang compatibility: /metrics is always on",
+    "disable_cuda_graph": "accepted for SGLang compatibility: pdserve captures no CUDA graphs",
     "skip_server_warmup": "skip the one-token warm-up generate run before /health turns 200",
     "tokenizer_worker_num": "tokenizer processes (only 1: the HTTP process tokenizes)",
     "cpu_omp_threads_bind": "CPUs the engine's OpenMP threads are bound to: auto (every CPU "

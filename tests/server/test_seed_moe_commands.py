@@ -5,7 +5,8 @@ The lines (copied from /work/shared/seeds: 000 = the older PD page, 003 = the cu
 multi-node GPU/NPU deployments. Today each stops at exit 2 for one of three reasons, each named
 in the message:
 - flags of features other issues build (DP attention, speculative decoding, quantization, CUDA
-  graphs, several tokenizer workers): argparse's "unrecognized arguments", or our own refusal;
+  graph batch sizes, several tokenizer workers): argparse's "unrecognized arguments", or our own
+  refusal (`--disable-cuda-graph` is accepted: pdserve captures no CUDA graphs);
 - a typo in the older page (`---disaggregation-transfer-backend`, three dashes);
 - with those set aside, the one hardware-only flag: DeepEP (`--enable-deepep-moe` /
   `--moe-a2a-backend deepep`), which on CPU exits 2 saying to use `--moe-a2a-backend none`.
@@ -111,7 +112,7 @@ LATER: dict[str, int] = {
     "--speculative-algorithm": 1, "--speculative-num-steps": 1, "--speculative-eagle-topk": 1,
     "--speculative-num-draft-tokens": 1, "--enable-multi-layer-eagle": 0,
     "--speculative-draft-model-quantization": 1, "--quantization": 1,
-    "--cuda-graph-bs": -1, "--disable-cuda-graph": 0, "--tokenizer-worker-num": 1,
+    "--cuda-graph-bs": -1, "--tokenizer-worker-num": 1,
 }
 TYPO = "---disaggregation-transfer-backend"
 DEEPEP = ("--enable-deepep-moe", "--moe-a2a-backend deepep")
@@ -176,6 +177,21 @@ def test_seed_line_exits_2_naming_what_stops_it(i, tiny_moe, capsys):
     # what remains stops only at DeepEP, naming the spelling the line used
     flag = DEEPEP[0] if DEEPEP[0] in argv else DEEPEP[1]
     assert flag in err and "--moe-a2a-backend none" in err, (source, err)
+
+
+def test_lines_of_built_features_stop_only_at_hardware(tiny_moe, capsys):
+    """A line with no flag of a feature another issue builds (today the MiMo prefill line)
+    stops at its hardware-only flags as it stands: DeepEP, then the NPU."""
+    plain = [(i, line) for i, (_, line) in enumerate(SEEDS)
+             if TYPO not in line and not any(f in shlex.split(line) for f in LATER)]
+    assert [i for i, _ in plain] == [16], plain
+    for _, line in plain:
+        argv = _argv(line, tiny_moe)
+        err = _exit_message(argv, capsys)
+        assert "--moe-a2a-backend deepep" in err and "--moe-a2a-backend none" in err, err
+        argv[argv.index("deepep")] = "none"
+        err = _exit_message(argv, capsys)
+        assert "npu" in err, err
 
 
 def _cpu_version(argv: list[str]) -> list[str]:
