@@ -105,7 +105,8 @@ class PrefillKVManager(KVManager):
             "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
             "total_kv_heads": self.kv.model_kv_heads,
             "backend": self.backend_name, "protocol_version": wire.PROTOCOL_VERSION},
-            attempts=30, interval=0.5)
+            # another replica's rank waits for replica 0's model load too
+            attempts=30 if self.args.dp_rank == 0 else 240, interval=0.5)
         self.workers.start()
         log.info("prefill KV manager DP %d/%d rank %d/%d: control %s, bootstrap %s, backend %s",
                  self.args.dp_rank, self.args.dp_size, self.tp_rank, self.tp_size, addr,
