@@ -73,6 +73,16 @@ class DecodeGroup:
     mask: torch.Tensor  # bool [B, 1, 1, W]: True on real positions
     width: int
     whole: bool = False  # the sequences are the whole pack, in order (a decode-only step)
+    _bias: dict = field(default_factory=dict)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as an additive bias of `dtype` (0 / -inf), built once per step; None when
+        no sequence is padded. SDPA turns a bool mask into this on every call (an aten::where
+        per layer)."""
+        if dtype not in self._bias:
+            self._bias[dtype] = None if bool(self.mask.all()) else torch.zeros(
+                self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))
+        return self._bias[dtype]
 
     @classmethod
     def build(cls, seqs: list[SeqSpan]) -> DecodeGroup:
@@ -170,7 +180,8 @@ class Attention(nn.Module):
         vb = v_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
         qb = q if g.whole else q.index_select(0, g.rows)
         qb = qb.reshape(B, kvh, self.num_heads // kvh, d)
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.bias(qb.dtype),
+                                           scale=self.scale)
         return o.view(B, self.num_heads, d)
 
 
