@@ -83,6 +83,7 @@ class Placement:
     threads: int | None  # OpenMP threads; None: leave torch's choice (or the user's)
     spin: bool  # bounded spin (owns its cores) or passive wait (shares them)
     why: str
+    pin_threads: bool = True  # one OpenMP thread per CPU in order (one engine process only)
 
     def env(self) -> dict[str, str | None]:
         """Variables the engine process gets (None: remove ours). Keys the user set are kept."""
@@ -94,7 +95,7 @@ class Placement:
             out["OMP_WAIT_POLICY"] = "PASSIVE"
         if self.threads is not None:
             out["OMP_NUM_THREADS"] = str(self.threads)
-        if self.cpus is not None:
+        if self.cpus is not None and self.pin_threads:
             out["OMP_PROC_BIND"] = "close"
             out["OMP_PLACES"] = ",".join(f"{{{c}}}" for c in self.cpus)
         return {k: v for k, v in out.items() if not user_set(k)}
@@ -116,7 +117,9 @@ def bind_spec(flag: str | None) -> str:
 
 def choose_placement(flag: str | None, replicas: int = 1) -> Placement:
     """The engine's placement from the flag / variable (see the module docstring). `replicas`
-    engines of one server (DP on a host) share its CPUs: not bound unless a list is given."""
+    engine processes of one server (DP replicas, TP ranks on a host) share its CPUs: not bound
+    unless a list is given, and then each process may use the whole list (threads unpinned:
+    every process would pin its first thread to the list's first CPU)."""
     spec = bind_spec(flag)
     avail = available_cpus()
     if spec in NO_BIND:
@@ -126,7 +129,8 @@ def choose_placement(flag: str | None, replicas: int = 1) -> Placement:
             return Placement(None, None, False, "auto: OMP_NUM_THREADS is set, so the cores "
                              "are shared out by hand")
         if replicas > 1:
-            return Placement(None, None, False, f"auto: {replicas} DP replicas share the cores")
+            return Placement(None, None, False, f"auto: {replicas} engine processes share "
+                             "the cores")
         return Placement(tuple(avail), len(avail), True,
                          "auto: every CPU this process may use, owned by this server")
     cpus = parse_cpus(spec)
@@ -134,6 +138,9 @@ def choose_placement(flag: str | None, replicas: int = 1) -> Placement:
     if missing:
         raise PlacementError(f"--cpu-omp-threads-bind {spec}: CPU {format_cpus(missing)} is not "
                           f"available to this process (available: {format_cpus(avail)})")
+    if replicas > 1:
+        return Placement(tuple(cpus), None, True, f"{spec}: given, shared by {replicas} engine "
+                         "processes", pin_threads=False)
     return Placement(tuple(cpus), len(cpus), True, f"{spec}: given, owned by this server")
 
 

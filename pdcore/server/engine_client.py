@@ -66,7 +66,7 @@ class EngineError(PDError):
 def _placement(args: ServerArgs) -> Placement | None:
     if args.device != "cpu":
         return None
-    return choose_placement(args.cpu_omp_threads_bind, args.dp_size)
+    return choose_placement(args.cpu_omp_threads_bind, args.dp_size * args.tp_size)
 
 
 def _default_target() -> SchedulerTarget:

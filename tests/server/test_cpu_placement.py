@@ -65,6 +65,8 @@ def test_sharing_is_passive_and_user_values_win(clean_env: pytest.MonkeyPatch) -
     clean_env.setenv("GOMP_SPINCOUNT", "5")
     assert "GOMP_SPINCOUNT" not in rt.choose_placement("0").env()  # theirs is kept
     assert rt.choose_placement("auto", replicas=2).cpus is None
+    shared = rt.choose_placement("0", replicas=2)  # TP ranks / DP replicas on one list
+    assert shared.cpus == (0,) and "OMP_PLACES" not in shared.env()
 
 
 def test_a_cpu_outside_the_affinity_is_refused(clean_env: pytest.MonkeyPatch) -> None:
