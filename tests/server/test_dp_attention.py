@@ -7,12 +7,17 @@ for DeepSeek-V3's MLA model). Checked against transformers' greedy output (near-
   different row counts to every MoE layer);
 - concurrent requests pinned to DP rank 0 only: rank 1 has nothing and must run idle steps for
   rank 0's collectives (without them the server hangs and the requests time out);
-- the pools come to rest; dense models and a lone --enable-dp-lm-head are refused with exit 2.
+- a request dropped on one DP rank leaves the other rank's request running to its end;
+- the pools come to rest; killing one DP rank's scheduler ends the server;
+- dense models and a lone --enable-dp-lm-head are refused with exit 2.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +31,7 @@ from pdserve_testing import ServerProcess
 from pdcore.server.args_parser import parse_server_args
 from pdcore.testing.greedy import Reference, check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
+from pdcore.testing.processes import spawned_children
 from pdcore.testing.tiny_models import make_tiny_model
 
 NEW = 10
@@ -113,6 +119,42 @@ def test_balanced_requests_and_pools_at_rest(served: Served) -> None:
         assert time.monotonic() < deadline, _loads(served.server)
         time.sleep(0.05)
     assert [d["dp_rank"] for d in _loads(served.server)] == [0, 1]
+
+
+def test_leaving_a_request_on_one_dp_rank_keeps_the_other(served: Served) -> None:
+    """Rank 1's stream is dropped mid-way (an abort) while rank 0's runs on: rank 0 then steps
+    alone (rank 1 idles) and its request completes."""
+    def body(rank: int, new: int) -> dict[str, Any]:
+        return {"input_ids": _prompts()[1], "stream": True, "data_parallel_rank": rank,
+                "sampling_params": {"max_new_tokens": new, "temperature": 0.0,
+                                    "ignore_eos": True}}
+
+    aborted = [d["aborted_total"] for d in _loads(served.server)]
+    with httpx.Client(timeout=180) as client, client.stream(
+            "POST", served.server.url + "/generate", json=body(0, 120)) as keep:
+        kept = keep.iter_lines()
+        first = [next(kept) for _ in range(2)]
+        with client.stream("POST", served.server.url + "/generate",
+                           json=body(1, 4000)) as drop:
+            dropped = drop.iter_lines()
+            for _ in range(2):
+                next(dropped)
+        rest = [x for x in kept if x]
+    assert rest[-1] == "data: [DONE]"
+    final = json.loads([x for x in first + rest if x.startswith("data: {")][-1][6:])
+    assert len(final["output_ids"]) == 120
+    assert final["meta_info"]["finish_reason"]["type"] == "length"
+    deadline = time.monotonic() + 10
+    while [d["aborted_total"] for d in _loads(served.server)] != [aborted[0], aborted[1] + 1]:
+        assert time.monotonic() < deadline, _loads(served.server)
+        time.sleep(0.05)
+
+
+def test_zz_killing_one_dp_rank_ends_the_server(served: Served) -> None:
+    """Last for each model: the other DP rank's collectives fail, so the whole server exits."""
+    victim = spawned_children(served.server.proc.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    assert served.server.proc.wait(60) == 1, served.server.log()[-3000:]
 
 
 def _exit_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
