@@ -2,7 +2,7 @@
 
 Each DP rank is one process with its own scheduler and KV pool (attention TP 1); the MoE layers
 span both processes (experts TP-sharded for Qwen2-MoE, whole experts per rank with --ep-size 2
-for DeepSeek-V3's MLA model). Checked against transformers' greedy output (near-tie rule):
+for DeepSeek-V3's MLA model). Qwen3-MoE runs --tp-size 4: two ranks per DP rank. Checked against transformers' greedy output (near-tie rule):
 - concurrent requests spread over both DP ranks (different prompt lengths: the ranks bring
   different row counts to every MoE layer);
 - concurrent requests pinned to DP rank 0 only: rank 1 has nothing and must run idle steps for
@@ -37,7 +37,10 @@ from pdcore.testing.tiny_models import make_tiny_model
 NEW = 10
 FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--dp-size", "2", "--tp-size", "2",
          "--enable-dp-attention")
-CASES = {"qwen2_moe": (), "deepseek_v3": ("--ep-size", "2", "--enable-dp-lm-head")}
+# the last flags win: qwen3_moe runs TP 4, two attention ranks per DP rank (attention and the
+# scheduler's agreement inside each pair, the MoE layers over all four)
+CASES = {"qwen2_moe": (), "deepseek_v3": ("--ep-size", "2", "--enable-dp-lm-head"),
+         "qwen3_moe": ("--tp-size", "4")}
 
 pytestmark = pytest.mark.timeout(400)
 
