@@ -144,6 +144,10 @@ class DPSync:
             raise ConfigError("--enable-dp-attention needs a MoE model (this model has no MoE "
                               "layer); drop the flag")
         self._mark = 0
+        self.idle_forwards = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"dp_idle_forwards_total": self.idle_forwards}
 
     def agree(self, run: bool, stop: bool) -> tuple[bool, bool]:
         """(any DP rank runs, any DP rank stops): leaders only."""
@@ -159,6 +163,7 @@ class DPSync:
     @torch.inference_mode()
     def idle_forward(self) -> None:
         """Zero tokens through every MoE layer, in model order: only the collectives run."""
+        self.idle_forwards += 1
         for m in self.moes:
             m(torch.empty(0, m.gate.shape[1], dtype=m.w13.dtype, device=m.w13.device))
 

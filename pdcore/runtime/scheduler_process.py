@@ -68,7 +68,8 @@ class SchedulerLoop:
     def control(self, msg: ControlReq) -> dict[str, Any]:
         s = self.sched
         if msg.kind in ("get_load", "stats"):
-            return s.stats()
+            dp = self.lockstep.dp  # DP attention: forwards run only for the other DP ranks
+            return s.stats() if dp is None else {**s.stats(), **dp.stats()}
         if msg.kind == "flush_cache":
             return s.flush_cache()
         if msg.kind == "start_profile":

@@ -107,12 +107,13 @@ def test_requests_on_both_dp_ranks_match_transformers(served: Served) -> None:
 
 
 def test_one_busy_dp_rank_and_one_idle_match_transformers(served: Served) -> None:
-    before = [d["finished_total"] for d in _loads(served.server)]
-    steps_before = _loads(served.server)[1]["steps_total"]
+    then = _loads(served.server)
     _run_concurrently(served, [0] * 6)
     now = _loads(served.server)
-    assert [d["finished_total"] - b for d, b in zip(now, before)] == [6, 0]
-    assert now[1]["steps_total"] == steps_before  # rank 1 only ran idle forwards
+    assert [d["finished_total"] - b["finished_total"] for d, b in zip(now, then)] == [6, 0]
+    # rank 1 ran no step of its own, only idle forwards for rank 0's
+    assert now[1]["steps_total"] == then[1]["steps_total"]
+    assert now[1]["dp_idle_forwards_total"] > then[1]["dp_idle_forwards_total"]
 
 
 def test_balanced_requests_and_pools_at_rest(served: Served) -> None:
