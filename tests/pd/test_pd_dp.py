@@ -2,7 +2,8 @@
 
 - P dp2 -> D dp1, P dp1 -> D dp2, P dp2 -> D dp2: greedy output equals transformers (near-tie
   rule) through `pdserve router` and the real `sglang-router`; every replica of a dp2 side
-  serves; every KV pool is at rest afterwards;
+  serves; every KV pool is at rest afterwards; the same for a tiny MoE with DP attention
+  (dp2 x tp2) on both roles (pdserve router);
 - `pdserve router --dp-aware`: a dp2 server becomes two workers URL@rank; requests carry the
   rank, and every P and D rank serves; `--prefill-round-robin-balance`: P's replicas take turns;
 - a request in flight on one D replica survives the abort of one on the other replica;
@@ -31,6 +32,7 @@ from pdcore.testing.processes import PDCluster, ServerProcess, free_port, spawne
 from pdcore.testing.tiny_models import make_tiny_model
 
 NEW = 8
+KEEP = 2000  # new tokens of a request that stays in flight while another one is aborted
 FLAGS = ("--max-total-tokens", "4096", "--page-size", "4")
 PROMPTS = [[1, 17, 300, 42, 99, 7], [5, 250, 61, 9, 3, 77, 12], [400, 2, 8, 31], [64, 65, 66]]
 HAVE_SGLANG_ROUTER = importlib.util.find_spec("sglang_router") is not None
@@ -99,9 +101,13 @@ def wait_at_rest(c: PDCluster, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def _check_greedy_through(url: str, refs: list[Any]) -> None:
-    for ids, ref in zip(PROMPTS, refs):
-        out = _generate(url, ids)
+def _check_greedy_through(url: str, refs: list[Any], p_dp: int = 1) -> None:
+    """Greedy of every prompt through a router; with p_dp > 1 prompt i names prefill replica
+    i % p_dp (the router passes disagg_prefill_dp_rank to both roles), so each one serves
+    whatever the random rooms."""
+    for i, (ids, ref) in enumerate(zip(PROMPTS, refs)):
+        extra = {"disagg_prefill_dp_rank": i % p_dp} if p_dp > 1 else {}
+        out = _generate(url, ids, **extra)
         verdict = check_greedy(out["output_ids"], ref)
         assert verdict.startswith(("identical", "near-tie")), (ids, verdict)
 
@@ -109,8 +115,8 @@ def _check_greedy_through(url: str, refs: list[Any]) -> None:
 def _serve_shape(c: PDCluster, refs: list[Any]) -> None:
     """Greedy through both routers; every replica of a DP side serves; pools at rest."""
     before = [requests_per_rank(s) for s in (c.prefills[0], c.decodes[0])]
-    _check_greedy_through(c.url, refs)
-    if HAVE_SGLANG_ROUTER:
+    _check_greedy_through(c.url, refs, len(before[0]))
+    if HAVE_SGLANG_ROUTER:  # prefill's replica from the room here
         sg = _router(c, kind="sglang")
         try:
             _check_greedy_through(sg.url, refs)
@@ -120,7 +126,7 @@ def _serve_shape(c: PDCluster, refs: list[Any]) -> None:
     runs = 2 if HAVE_SGLANG_ROUTER else 1
     for b, a in zip(before, after):
         assert sum(a) - sum(b) == runs * len(PROMPTS), (before, after)
-        if len(a) > 1:  # 4+ requests over 2 replicas: rooms are random, round robin is not
+        if len(a) > 1:
             assert all(x > y for x, y in zip(a, b)), f"a replica served nothing: {b} -> {a}"
     wait_at_rest(c)
 
@@ -131,6 +137,32 @@ def test_pd_dp_shapes_match_transformers(model_dir: str, refs: list[Any], p_dp: 
     c = _cluster(model_dir, p_dp, d_dp)
     try:
         _serve_shape(c, refs)
+    finally:
+        c.stop()
+
+
+def test_moe_dp_attention_on_both_roles_matches_transformers(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tiny Qwen2-MoE, `--dp-size 2 --enable-dp-attention --tp-size 2` on P and on D: every DP
+    rank of both sides serves (its KV from the one P DP rank, per TP rank), tokens match."""
+    import torch
+    import transformers
+
+    from pdcore.engine.tokenizer import default_model_file
+
+    path = make_tiny_model(str(tmp_path_factory.mktemp("pddpa") / "moe"), arch="qwen2_moe",
+                           seed=9, tokenizer_from=default_model_file())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    moe_refs = [hf_greedy(hf, ids, NEW) for ids in PROMPTS]
+    del hf
+    dpa = ("--dp-size", "2", "--tp-size", "2", "--enable-dp-attention")
+    c = PDCluster("tcp", model_path=path, flags=FLAGS, prefill_flags=dpa,
+                  decode_flags=dpa).start()
+    try:
+        _check_greedy_through(c.url, moe_refs, 2)
+        for s in (c.prefills[0], c.decodes[0]):
+            assert all(n > 0 for n in requests_per_rank(s)), loads(s)
+        wait_at_rest(c)
     finally:
         c.stop()
 
@@ -208,7 +240,7 @@ def test_request_on_one_replica_survives_abort_on_the_other(p2d2: PDCluster) -> 
     d = p2d2.decodes[0]
     aborted_before = [x["aborted_total"] for x in loads(d)]
     rng = random.Random(7)
-    keep_body, keep_p, _ = _pd_pair(p2d2, PROMPTS[0], 600, 0, None, rng.getrandbits(62))
+    keep_body, keep_p, _ = _pd_pair(p2d2, PROMPTS[0], KEEP, 0, None, rng.getrandbits(62))
     drop_body, drop_p, _ = _pd_pair(p2d2, PROMPTS[1], 6000, 1, 1, rng.getrandbits(62))
     with httpx.Client(timeout=120) as client, client.stream(
             "POST", d.url + "/generate", json=keep_body) as keep:
@@ -220,12 +252,13 @@ def test_request_on_one_replica_survives_abort_on_the_other(p2d2: PDCluster) -> 
             dropped = drop.iter_lines()
             for _ in range(2):
                 next(dropped)
-        # the client left D replica 1's request; replica 0's goes on to its full length
+        # the client left D replica 1's request while replica 0's was running; it goes on
+        assert loads(d)[0]["num_reqs"] == 1
         rest = [x for x in kept if x]
     events = [json.loads(x[len("data: "):]) for x in first + rest if x.startswith("data: {")]
     assert rest[-1] == "data: [DONE]"
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length", events[-1]
-    assert len(events[-1]["output_ids"]) == 600
+    assert len(events[-1]["output_ids"]) == KEEP
     keep_p.join(30)
     drop_p.join(30)
     wait_at_rest(p2d2)
