@@ -18,6 +18,7 @@ from pdcore.router.merge import (
     merge_json,
     prefill_input_logprobs,
 )
+from pdcore.router.metrics import RouterMetrics
 from pdcore.router.policies import CacheAwarePolicy, make_policy, routing_text
 from pdcore.router.prefix_tree import PrefixTree, common_prefix_len
 from pdcore.router.proxy import Proxy
@@ -153,7 +154,8 @@ def test_routing_text():
 def test_backoff_grows_with_jitter_and_cap():
     cfg = RouterConfig(retry_initial_backoff_ms=50, retry_backoff_multiplier=1.5,
                        retry_max_backoff_ms=100, retry_jitter_factor=0.2)
-    proxy = Proxy(cfg, _registry(0), None, None, None, None, random.Random(3))  # type: ignore[arg-type]
+    proxy = Proxy(cfg, _registry(0), None, None, None, RouterMetrics(),  # type: ignore[arg-type]
+                  random.Random(3))
     for retry, base in ((1, 0.050), (2, 0.075), (3, 0.1), (9, 0.1)):
         for _ in range(20):
             assert base * 0.8 <= proxy.backoff_s(retry) <= base * 1.2
