@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -30,6 +31,7 @@ from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.testing.processes import PDCluster, free_port
 
 from .obs_helpers import send_load
+from .panel_plot import plot_panels
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "pdserve.json"
@@ -73,6 +75,13 @@ def dashboard_queries() -> dict[str, str]:
         assert m, f"variable {var['name']}: only label_values(metric, label) is used: {q}"
         out[f"variable {var['name']}"] = f"count by ({m.group(2)}) ({expand(m.group(1))})"
     return out
+
+
+def dashboard_panels() -> list[tuple[str, list[tuple[str, str]]]]:
+    """(title, [(PromQL, legend format)]) of every panel, in the dashboard's order."""
+    board = json.loads(DASHBOARD.read_text())
+    return [(p["title"], [(expand(t["expr"]), t.get("legendFormat", "")) for t in p["targets"]])
+            for p in panels(board) if p.get("targets")]
 
 
 _NOT_METRICS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
@@ -154,6 +163,12 @@ class Prometheus:
         assert r.status_code == 200, f"{expr}: {r.text}"
         return r.json()["data"]["result"]
 
+    def query_range(self, expr: str, start: float) -> list[dict[str, Any]]:
+        r = httpx.get(self.url + "/api/v1/query_range", timeout=30, params={
+            "query": expr, "start": start, "end": time.time(), "step": 1})
+        assert r.status_code == 200, f"{expr}: {r.text}"
+        return r.json()["data"]["result"]
+
     def api(self, path: str) -> Any:
         r = httpx.get(self.url + path, timeout=30)
         assert r.status_code == 200, r.text
@@ -197,6 +212,7 @@ def test_every_panel_query_returns_data_after_a_short_load(
     while {t["health"] for t in prometheus.api("/api/v1/targets")["activeTargets"]} != {"up"}:
         assert time.monotonic() < deadline, prometheus.api("/api/v1/targets")
         time.sleep(0.5)
+    started = time.time()
     send_load(c, 12)
     pending = dict(queries)
     while pending:  # rates need two scrapes after the load: poll, bounded
@@ -207,6 +223,13 @@ def test_every_panel_query_returns_data_after_a_short_load(
             detail = {k: prometheus.query(q) for k, q in pending.items()}
             raise AssertionError(f"no data for {sorted(pending)} after the load: {detail}")
         time.sleep(1)
+    if os.environ.get("PDSERVE_SCREENSHOT_DIR"):  # by hand: a few more rounds, then a picture
+        for _ in range(4):
+            time.sleep(3)
+            send_load(c, 12)
+        time.sleep(3)
+        plot_panels(Path(os.environ["PDSERVE_SCREENSHOT_DIR"]) / "grafana-panels.png",
+                    dashboard_panels(), lambda e: prometheus.query_range(e, started))
 
 
 @needs_prometheus
