@@ -68,13 +68,12 @@ class DPAttnTPInfo(TPInfo):
         return box[0]
 
 
-def join(args: ServerArgs, rank: int, method: str) -> DPAttnTPInfo:
+def join(args: ServerArgs, rank: int, method: str, timeout_s: float) -> DPAttnTPInfo:
     """Join the T-rank group as global `rank`, then every attention group (every rank creates
     every group, in the same order, as torch.distributed requires)."""
     import torch.distributed as dist
 
     from pdcore.plugins.host import platforms
-    from pdcore.runtime.group import COLLECTIVE_TIMEOUT_S
 
     platform = platforms().create(args.device)
     backend = platform.dist_backend
@@ -83,7 +82,7 @@ def join(args: ServerArgs, rank: int, method: str) -> DPAttnTPInfo:
                                          (os.cpu_count() or 1) // args.tp_size)))
     t, a = args.tp_size, attention_size(args)
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=t,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     group = dist.group.WORLD
     cpu_world = group if backend == "gloo" else dist.new_group(backend="gloo")
     world = TPInfo(rank, t, group, cpu_world, args.ep_size)

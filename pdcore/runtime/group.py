@@ -29,7 +29,7 @@ def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
     if args.enable_dp_attention and args.dp_size > 1:  # one group over every DP rank's ranks
         from pdcore.engine import dp_attention
 
-        return dp_attention.join(args, rank, method)
+        return dp_attention.join(args, rank, method, COLLECTIVE_TIMEOUT_S)
     if args.tp_size == 1:
         return TPInfo()
     import torch.distributed as dist
