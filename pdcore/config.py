@@ -156,11 +156,14 @@ class ServerArgs:
             raise ConfigError(f"--ep-num-redundant-experts {self.ep_num_redundant_experts}: "
                               "only 0 is supported (experts are not replicated); drop the flag")
 
+    # set by the server for its engine processes (a DP replica's rank, the route secret, ...),
+    # never by a user: no flag
+    INTERNAL_FIELDS = ("server_id", "dp_attention_rank", "dp_attention_init", "dp_rank",
+                       "pd_route_secret")
+
     @classmethod
     def field_names(cls) -> list[str]:
-        internal = ("server_id", "dp_attention_rank", "dp_attention_init", "dp_rank",
-                    "pd_route_secret")
-        return [f.name for f in fields(cls) if f.name not in internal]
+        return [f.name for f in fields(cls) if f.name not in cls.INTERNAL_FIELDS]
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
