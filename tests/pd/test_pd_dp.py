@@ -141,28 +141,44 @@ def test_pd_dp_shapes_match_transformers(model_dir: str, refs: list[Any], p_dp: 
         c.stop()
 
 
-def test_moe_dp_attention_on_both_roles_matches_transformers(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Tiny Qwen2-MoE, `--dp-size 2 --enable-dp-attention --tp-size 2` on P and on D: every DP
-    rank of both sides serves (its KV from the one P DP rank, per TP rank), tokens match."""
-    import torch
-    import transformers
+_DPA = ("--dp-size", "2", "--tp-size", "2", "--enable-dp-attention")
+_DPA_SHAPES = {"p2d1": (_DPA, ()), "p1d2": ((), _DPA), "p2d2": (_DPA, _DPA)}
 
-    from pdcore.engine.tokenizer import default_model_file
 
-    path = make_tiny_model(str(tmp_path_factory.mktemp("pddpa") / "moe"), arch="qwen2_moe",
-                           seed=9, tokenizer_from=default_model_file())
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    moe_refs = [hf_greedy(hf, ids, NEW) for ids in PROMPTS]
-    del hf
-    dpa = ("--dp-size", "2", "--tp-size", "2", "--enable-dp-attention")
-    c = PDCluster("tcp", model_path=path, flags=FLAGS, prefill_flags=dpa,
-                  decode_flags=dpa).start()
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, list[Any]]]:
+    """Tiny Qwen2-MoE and DeepSeek-V3 (MLA) folders with transformers' greedy references,
+    each built on first use."""
+    class Lazy(dict):  # type: ignore[type-arg]
+        def __missing__(self, arch: str) -> tuple[str, list[Any]]:
+            import torch
+            import transformers
+
+            from pdcore.engine.tokenizer import default_model_file
+
+            path = make_tiny_model(str(tmp_path_factory.mktemp("pddpa") / arch), arch=arch,
+                                   seed=9, tokenizer_from=default_model_file())
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32).eval()
+            self[arch] = (path, [hf_greedy(hf, ids, NEW) for ids in PROMPTS])
+            return self[arch]
+
+    return Lazy()
+
+
+@pytest.mark.parametrize("shape", list(_DPA_SHAPES))
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_dp_attention_pd_shapes_match_transformers(
+        moe_models: dict[str, tuple[str, list[Any]]], arch: str, shape: str) -> None:
+    """Tiny MoE and MLA models, `--dp-size 2 --enable-dp-attention --tp-size 2` on P, on D or
+    on both (the other side TP 1, one replica): through pdserve router and sglang-router the
+    tokens match transformers, every DP rank of a DP side serves, the pools come to rest."""
+    path, refs = moe_models[arch]
+    p_flags, d_flags = _DPA_SHAPES[shape]
+    c = PDCluster("tcp", model_path=path, flags=FLAGS, prefill_flags=p_flags,
+                  decode_flags=d_flags).start()
     try:
-        _check_greedy_through(c.url, moe_refs, 2)
-        for s in (c.prefills[0], c.decodes[0]):
-            assert all(n > 0 for n in requests_per_rank(s)), loads(s)
-        wait_at_rest(c)
+        _serve_shape(c, refs)
     finally:
         c.stop()
 
