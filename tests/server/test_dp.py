@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -168,6 +169,39 @@ def test_greedy_on_each_replica_matches_transformers(dp2: ServerProcess,
         after = finished(dp2)
         assert after[rank] == before[rank] + 1 and after[1 - rank] == before[1 - rank], (
             f"data_parallel_rank {rank} ran elsewhere: {before} -> {after}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
+                    reason="sglang-router not installed")
+def test_sglang_router_dp_aware_reaches_each_replica(dp2: ServerProcess,
+                                                    tiny_llama_dir: Path) -> None:
+    """sglang-router in its regular (not PD) mode with --dp-aware: it reads dp_size from the
+    server, routes to URL@rank and names the rank; each replica serves transformers' tokens."""
+    import transformers
+
+    from pdcore.testing.processes import free_port
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir)).eval()
+    ref = hf_greedy(model, PROMPT, NEW)
+    router = ServerProcess("--worker-urls", dp2.url, "--dp-aware", "--policy", "round_robin",
+                           "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                           str(free_port()), command=("-m", "sglang_router.launch_router"))
+    try:
+        router.wait_healthy(120)
+        before = finished(dp2)
+        for _ in range(4):
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW,
+                                                             "temperature": 0.0,
+                                                             "ignore_eos": True}}
+            r = httpx.post(router.url + "/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert check_greedy(r.json()["output_ids"], ref).startswith(("identical",
+                                                                         "near-tie"))
+        after = finished(dp2)
+        assert [a - b for a, b in zip(after, before)] == [2, 2], (before, after)
+    finally:
+        router.stop()
+    wait_at_rest(dp2)
 
 
 def test_out_of_range_data_parallel_rank_is_400(dp2: ServerProcess) -> None:
