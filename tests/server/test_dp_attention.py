@@ -15,6 +15,7 @@ for DeepSeek-V3's MLA model). Qwen3-MoE runs --tp-size 4: two ranks per DP rank.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib.util
 import json
 import os
 import signal
@@ -123,6 +124,29 @@ def test_balanced_requests_and_pools_at_rest(served: Served) -> None:
         assert time.monotonic() < deadline, _loads(served.server)
         time.sleep(0.05)
     assert [d["dp_rank"] for d in _loads(served.server)] == [0, 1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
+                    reason="sglang-router not installed")
+def test_through_sglang_router_dp_aware(served: Served) -> None:
+    """sglang-router's regular mode with --dp-aware (URL@rank workers, the rank named in each
+    request): transformers' tokens, both DP ranks serve."""
+    from pdcore.testing.processes import free_port
+
+    router = ServerProcess("--worker-urls", served.server.url, "--dp-aware", "--policy",
+                           "round_robin", "--prometheus-host", "127.0.0.1",
+                           "--prometheus-port", str(free_port()),
+                           command=("-m", "sglang_router.launch_router"))
+    try:
+        router.wait_healthy(120)
+        before = [d["finished_total"] for d in _loads(served.server)]
+        outs = [_generate(router, p, None) for p in _prompts()[:4]]
+        after = [d["finished_total"] for d in _loads(served.server)]
+    finally:
+        router.stop()
+    verdicts = [check_greedy(o, r) for o, r in zip(outs, served.refs)]
+    assert verdicts.count("identical") >= len(verdicts) - 1, verdicts
+    assert all(a > b for a, b in zip(after, before)), (before, after)
 
 
 def test_leaving_a_request_on_one_dp_rank_keeps_the_other(served: Served) -> None:
