@@ -15,7 +15,8 @@ from pdcore.testing.tiny_models import make_tiny_model
 
 def test_serve_uses_third_party_pool(throwaway_pool_plugin, tmp_path):
     listed = subprocess.run([sys.executable, "-m", "pdcore", "plugins", "--json"],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert listed.returncode == 0, listed.stderr
     entries = json.loads(listed.stdout)
     assert throwaway_pool_plugin in json.dumps(entries)
     from pdcore.engine.tokenizer import default_model_file

@@ -3,6 +3,8 @@ SmolLM2 token-identical to unified; kill P, kill D, client disconnect."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from pdcore.testing.backend_e2e import BackendE2E
@@ -12,4 +14,4 @@ pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine(-non-cud
 
 class TestMooncakeE2E(BackendE2E):
     backend = "mooncake"
-    env = {"MC_LOG_LEVEL": "WARNING", "MOONCAKE_PROTOCOL": "tcp"}
+    env: ClassVar[dict[str, str]] = {"MC_LOG_LEVEL": "WARNING", "MOONCAKE_PROTOCOL": "tcp"}

@@ -3,6 +3,8 @@ token-identical to unified; kill P, kill D, client disconnect."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 from pdcore.testing.backend_e2e import BackendE2E
@@ -12,4 +14,4 @@ pytest.importorskip("nixl._api", reason="nixl not installed")
 
 class TestNixlE2E(BackendE2E):
     backend = "nixl"
-    env = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
+    env: ClassVar[dict[str, str]] = {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "NIXL_LOG_LEVEL": "WARN"}
