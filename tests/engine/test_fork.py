@@ -36,7 +36,7 @@ class StandInP:
         self.reasons: dict[int, str] = {}
         self.hold = False  # keep rooms in Bootstrapping (P not found yet)
 
-    def add(self, room: int, host: str, port: int) -> None:
+    def add(self, room: int, host: str, port: int, prefill_dp_rank: int | None = None) -> None:
         self.state[room] = KVPoll.Bootstrapping if self.hold else KVPoll.WaitingForInput
 
     def poll(self, room: int) -> KVPoll:
