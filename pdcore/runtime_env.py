@@ -103,6 +103,8 @@ class Placement:
     def describe(self) -> str:
         where = (f"CPUs {format_cpus(self.cpus)}" if self.cpus is not None else "not bound")
         wait = "bounded spin" if self.spin else "passive wait"
+        if self.spin and user_set("OMP_WAIT_POLICY"):  # the user's policy wins over the spin
+            wait = f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} (set by you)"
         threads = f"{self.threads} OpenMP threads" if self.threads else "default threads"
         return f"{where}, {threads}, {wait} ({self.why})"
 

@@ -108,8 +108,12 @@ def bound_server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     if "OMP_NUM_THREADS" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         pytest.skip("this test process has OMP_NUM_THREADS/GOMP_SPINCOUNT set: a server "
                     "keeps the user's values")
-    s = ServerProcess("--model-path", str(tiny_llama_dir), "--max-total-tokens", "2048",
-                      "--cpu-omp-threads-bind", str(min(os.sched_getaffinity(0))))
+    # CI exports OMP_WAIT_POLICY=PASSIVE for every process (scripts/test.sh); a server keeps a
+    # wait policy the user set, so this one starts without it, as a user's shell would
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("OMP_WAIT_POLICY", raising=False)
+        s = ServerProcess("--model-path", str(tiny_llama_dir), "--max-total-tokens", "2048",
+                          "--cpu-omp-threads-bind", str(min(os.sched_getaffinity(0))))
     try:
         yield s.wait_healthy(180)
     finally:
