@@ -34,9 +34,14 @@ def test_a_peer_fault_opens_only_the_peers_circuit(fake_worker, router, reporter
     assert r.worker_state(reporter_w.url)["circuit"]["state"] == "closed"
     assert r.worker_state(peer_w.url)["circuit"]["state"] == "open"
     if reporter == "prefill":
-        metrics = r.client.get("/metrics").text
-        assert 'kind="peer_fault",worker_type="decode"' in metrics or \
-            'worker_type="decode",kind="peer_fault"' in metrics
+        from prometheus_client.parser import text_string_to_metric_families
+
+        errors = {(s.labels["worker_type"], s.labels["error_type"]): s.value
+                  for f in text_string_to_metric_families(r.client.get("/metrics").text)
+                  if f.name == "smg_worker_errors" for s in f.samples
+                  if s.name == "smg_worker_errors_total"}
+        assert errors.get(("decode", "peer_fault"), 0) >= 2, errors
+        assert ("prefill", "peer_fault") not in errors, errors
 
 
 def test_client_gone_before_first_byte_aborts_both_legs(fake_worker, router):
