@@ -104,6 +104,12 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.start()
 
+    def loads(self) -> list[dict[str, Any]]:
+        """Its /get_load: one entry per DP rank."""
+        r = httpx.get(self.url + "/get_load", timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def start(self) -> ServerProcess:
         env = {**os.environ, **self.extra_env}
         cwd = None

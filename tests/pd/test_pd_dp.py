@@ -81,20 +81,14 @@ def _generate(url: str, ids: list[int], new: int = NEW, **extra: Any) -> dict[st
     return r.json()
 
 
-def loads(server: ServerProcess) -> list[dict[str, Any]]:
-    r = httpx.get(server.url + "/get_load", timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def requests_per_rank(server: ServerProcess) -> list[int]:
-    return [d["disagg_requests_total"] for d in loads(server)]
+    return [d["disagg_requests_total"] for d in server.loads()]
 
 
 def wait_at_rest(c: PDCluster, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        now = [d for s in c.prefills + c.decodes for d in loads(s)]
+        now = [d for s in c.prefills + c.decodes for d in s.loads()]
         if all(load_at_rest(d) and d["num_reqs"] == 0 for d in now):
             return
         assert time.monotonic() < deadline, f"KV pools not at rest: {now}"
@@ -254,7 +248,7 @@ def _pd_pair(c: PDCluster, ids: list[int], new: int, d_rank: int, p_rank: int | 
 def test_request_on_one_replica_survives_abort_on_the_other(p2d2: PDCluster) -> None:
     wait_at_rest(p2d2)
     d = p2d2.decodes[0]
-    aborted_before = [x["aborted_total"] for x in loads(d)]
+    aborted_before = [x["aborted_total"] for x in d.loads()]
     rng = random.Random(7)
     keep_body, keep_p, _ = _pd_pair(p2d2, PROMPTS[0], KEEP, 0, None, rng.getrandbits(62))
     drop_body, drop_p, _ = _pd_pair(p2d2, PROMPTS[1], 6000, 1, 1, rng.getrandbits(62))
@@ -269,7 +263,7 @@ def test_request_on_one_replica_survives_abort_on_the_other(p2d2: PDCluster) -> 
             for _ in range(2):
                 next(dropped)
         # the client left D replica 1's request while replica 0's was running; it goes on
-        assert loads(d)[0]["num_reqs"] == 1
+        assert d.loads()[0]["num_reqs"] == 1
         rest = [x for x in kept if x]
     events = [json.loads(x[len("data: "):]) for x in first + rest if x.startswith("data: {")]
     assert rest[-1] == "data: [DONE]"
@@ -278,7 +272,7 @@ def test_request_on_one_replica_survives_abort_on_the_other(p2d2: PDCluster) -> 
     keep_p.join(30)
     drop_p.join(30)
     wait_at_rest(p2d2)
-    now = [x["aborted_total"] for x in loads(d)]
+    now = [x["aborted_total"] for x in d.loads()]
     assert now == [aborted_before[0], aborted_before[1] + 1], (aborted_before, now)
 
 

@@ -127,20 +127,14 @@ def generate(server: ServerProcess, ids: list[int], new: int = NEW, **extra: Any
     return httpx.post(server.url + "/generate", json=body, timeout=120)
 
 
-def loads(server: ServerProcess) -> list[dict[str, Any]]:
-    r = httpx.get(server.url + "/get_load", timeout=10)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def finished(server: ServerProcess) -> list[int]:
-    return [d["finished_total"] for d in loads(server)]
+    return [d["finished_total"] for d in server.loads()]
 
 
 def wait_at_rest(server: ServerProcess, timeout: float = 10.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while True:
-        now = loads(server)
+        now = server.loads()
         if all(load_at_rest(d) and d["num_reqs"] == 0 for d in now):
             return now
         assert time.monotonic() < deadline, f"pools not at rest: {now}"
@@ -148,7 +142,7 @@ def wait_at_rest(server: ServerProcess, timeout: float = 10.0) -> list[dict[str,
 
 
 def test_get_load_has_one_entry_per_dp_rank(dp2: ServerProcess) -> None:
-    now = loads(dp2)
+    now = dp2.loads()
     assert [d["dp_rank"] for d in now] == [0, 1]
     assert all(d["num_pages_total"] > 0 for d in now)
     info = httpx.get(dp2.url + "/get_server_info", timeout=10).json()
@@ -226,7 +220,7 @@ def test_leaving_a_request_on_one_replica_keeps_the_other(dp2: ServerProcess) ->
                 "sampling_params": {"max_new_tokens": new, "temperature": 0.0,
                                     "ignore_eos": True}}
 
-    aborted_before = [d["aborted_total"] for d in loads(dp2)]
+    aborted_before = [d["aborted_total"] for d in dp2.loads()]
     with httpx.Client(timeout=120) as client, client.stream(
             "POST", dp2.url + "/generate", json=body(0, 1000)) as keep:
         assert keep.status_code == 200
@@ -239,7 +233,7 @@ def test_leaving_a_request_on_one_replica_keeps_the_other(dp2: ServerProcess) ->
             for _ in range(2):
                 next(dropped)
         # the client left replica 1's request while replica 0's was running; it goes on
-        assert loads(dp2)[0]["num_reqs"] == 1
+        assert dp2.loads()[0]["num_reqs"] == 1
         rest = [x for x in kept if x]
     events = [json.loads(x[len("data: "):]) for x in first + rest
               if x.startswith("data: {")]
@@ -257,7 +251,7 @@ def test_flush_cache_reaches_every_replica_and_pools_rest(dp2: ServerProcess) ->
     r = httpx.post(dp2.url + "/flush_cache", timeout=10)
     assert r.status_code == 200 and r.json()["flushed"] is True, r.text
     assert len(r.json()["dp_ranks"]) == 2
-    for d in loads(dp2):
+    for d in dp2.loads():
         assert d["num_pages_free"] == d["num_pages_total"], d
     metrics = httpx.get(dp2.url + "/metrics", timeout=10).text
     assert "pdserve_scheduler_dp1_num_pages_free" in metrics
@@ -292,7 +286,7 @@ def test_shortest_queue_avoids_the_busy_replica_and_a_dead_replica_ends_the_serv
             for _ in range(3):  # round_robin would put one of these on replica 1
                 assert generate(server, PROMPT, new=2).status_code == 200
             after = finished(server)
-            assert loads(server)[1]["num_reqs"] == 1  # the long one was in flight all along
+            assert server.loads()[1]["num_reqs"] == 1  # the long one was in flight all along
             assert [a - b for a, b in zip(after, before)] == [3, 0]
         wait_at_rest(server)
         victim = spawned_children(server.proc.pid)[1]
@@ -316,7 +310,7 @@ def test_dp2_with_tp2_replicas_match_transformers(tiny_llama_dir: Path) -> None:
             r = generate(server, PROMPT, data_parallel_rank=rank)
             assert r.status_code == 200, r.text
             assert check_greedy(r.json()["output_ids"], ref).startswith(("identical", "near-tie"))
-        assert len(loads(server)) == 2
+        assert len(server.loads()) == 2
         wait_at_rest(server)
     finally:
         server.stop()

@@ -86,10 +86,6 @@ def _generate(server: ServerProcess, ids: list[int], rank: int | None) -> list[i
     return r.json()["output_ids"]
 
 
-def _loads(server: ServerProcess) -> list[dict[str, Any]]:
-    return httpx.get(server.url + "/get_load", timeout=10).json()
-
-
 def _run_concurrently(s: Served, ranks: list[int | None]) -> list[str]:
     prompts = _prompts()
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
@@ -101,16 +97,16 @@ def _run_concurrently(s: Served, ranks: list[int | None]) -> list[str]:
 
 
 def test_requests_on_both_dp_ranks_match_transformers(served: Served) -> None:
-    before = [d["finished_total"] for d in _loads(served.server)]
+    before = [d["finished_total"] for d in served.server.loads()]
     _run_concurrently(served, [0, 1, 0, 1, 1, 0])
-    after = [d["finished_total"] for d in _loads(served.server)]
+    after = [d["finished_total"] for d in served.server.loads()]
     assert [a - b for a, b in zip(after, before)] == [3, 3]
 
 
 def test_one_busy_dp_rank_and_one_idle_match_transformers(served: Served) -> None:
-    then = _loads(served.server)
+    then = served.server.loads()
     _run_concurrently(served, [0] * 6)
-    now = _loads(served.server)
+    now = served.server.loads()
     assert [d["finished_total"] - b["finished_total"] for d, b in zip(now, then)] == [6, 0]
     # rank 1 ran no step of its own, only idle forwards for rank 0's
     assert now[1]["steps_total"] == then[1]["steps_total"]
@@ -120,10 +116,10 @@ def test_one_busy_dp_rank_and_one_idle_match_transformers(served: Served) -> Non
 def test_balanced_requests_and_pools_at_rest(served: Served) -> None:
     _run_concurrently(served, [None] * 6)
     deadline = time.monotonic() + 10
-    while not all(load_at_rest(d) and d["num_reqs"] == 0 for d in _loads(served.server)):
-        assert time.monotonic() < deadline, _loads(served.server)
+    while not all(load_at_rest(d) and d["num_reqs"] == 0 for d in served.server.loads()):
+        assert time.monotonic() < deadline, served.server.loads()
         time.sleep(0.05)
-    assert [d["dp_rank"] for d in _loads(served.server)] == [0, 1]
+    assert [d["dp_rank"] for d in served.server.loads()] == [0, 1]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
@@ -139,9 +135,9 @@ def test_through_sglang_router_dp_aware(served: Served) -> None:
                            command=("-m", "sglang_router.launch_router"))
     try:
         router.wait_healthy(120)
-        before = [d["finished_total"] for d in _loads(served.server)]
+        before = [d["finished_total"] for d in served.server.loads()]
         outs = [_generate(router, p, None) for p in _prompts()[:4]]
-        after = [d["finished_total"] for d in _loads(served.server)]
+        after = [d["finished_total"] for d in served.server.loads()]
     finally:
         router.stop()
     verdicts = [check_greedy(o, r) for o, r in zip(outs, served.refs)]
@@ -157,7 +153,7 @@ def test_leaving_a_request_on_one_dp_rank_keeps_the_other(served: Served) -> Non
                 "sampling_params": {"max_new_tokens": new, "temperature": 0.0,
                                     "ignore_eos": True}}
 
-    aborted = [d["aborted_total"] for d in _loads(served.server)]
+    aborted = [d["aborted_total"] for d in served.server.loads()]
     with httpx.Client(timeout=180) as client, client.stream(
             "POST", served.server.url + "/generate", json=body(0, 120)) as keep:
         kept = keep.iter_lines()
@@ -173,8 +169,8 @@ def test_leaving_a_request_on_one_dp_rank_keeps_the_other(served: Served) -> Non
     assert len(final["output_ids"]) == 120
     assert final["meta_info"]["finish_reason"]["type"] == "length"
     deadline = time.monotonic() + 10
-    while [d["aborted_total"] for d in _loads(served.server)] != [aborted[0], aborted[1] + 1]:
-        assert time.monotonic() < deadline, _loads(served.server)
+    while [d["aborted_total"] for d in served.server.loads()] != [aborted[0], aborted[1] + 1]:
+        assert time.monotonic() < deadline, served.server.loads()
         time.sleep(0.05)
 
 
