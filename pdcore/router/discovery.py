@@ -322,10 +322,12 @@ class ServiceDiscovery:
 
         tracked = self.tracked[role]
         for url, worker in list(tracked.items()):
-            if url in desired and desired[url] == worker.bootstrap_port and worker in self._registry:
+            # the server's entry, or its DP-rank entries once --dp-aware expanded it
+            registered = self._registry.get(url) is not None
+            if url in desired and desired[url] == worker.bootstrap_port and registered:
                 continue
             del tracked[url]
-            if worker in self._registry:
+            if registered:
                 self._registry.remove(url)
                 log.info("%s worker %s left (pod not Ready, deleted or changed)", role, url)
         for url, bport in desired.items():

@@ -172,7 +172,7 @@ class WorkerRegistry:
         return out
 
     def __contains__(self, worker: object) -> bool:
-        return isinstance(worker, Worker) and self._workers.get(worker.url) is worker
+        return isinstance(worker, Worker) and self._workers.get(worker.key) is worker
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))

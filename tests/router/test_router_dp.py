@@ -79,3 +79,22 @@ def test_cli_flags() -> None:
     assert cfg.dp_aware and cfg.prefill_round_robin_balance
     text = router_help()
     assert "--dp-aware" in text and "--prefill-round-robin-balance" in text
+
+
+def test_discovery_keeps_and_removes_an_expanded_server() -> None:
+    """--dp-aware with --service-discovery: a pod whose server became URL@rank entries stays
+    registered while its pod is Ready, and leaves with all its ranks when the pod goes."""
+    from pdcore.router.discovery import ServiceDiscovery
+
+    reg, forgotten = _registry()
+    sd = ServiceDiscovery(RouterConfig(), reg, None)
+    url = "http://127.0.0.1:9001"
+    sd._reconcile("decode", {url: None})
+    ranks = reg.expand(reg.get(url), 2)
+    assert all(w in reg for w in ranks)
+    forgotten.clear()  # expand() forgot the unexpanded entry
+    sd._reconcile("decode", {url: None})  # a resync: nothing changes
+    mine = [w.key for w in reg if w.url == url]
+    assert mine == [f"{url}@0", f"{url}@1"] and forgotten == []
+    sd._reconcile("decode", {})  # the pod is gone
+    assert reg.get(url) is None and sorted(forgotten) == mine
