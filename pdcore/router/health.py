@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import httpx
 
@@ -213,20 +214,24 @@ class HealthMonitor:
 
     async def poll_loads(self) -> None:
         workers = list(self._registry)
-        results = await asyncio.gather(
-            *(self._fetch_load(w) for w in workers), return_exceptions=True
-        )
-        for worker, load in zip(workers, results):
-            worker.load = load if isinstance(load, int) else -1
+        urls = list(dict.fromkeys(w.url for w in workers))  # a server's DP ranks share one
+        bodies = await asyncio.gather(*(self._fetch_loads(u) for u in urls),
+                                      return_exceptions=True)
+        answers = dict(zip(urls, bodies))
+        for worker in workers:
+            body = answers[worker.url]
+            worker.load = (-1 if body is None or isinstance(body, BaseException)
+                           else parse_load(body, worker.dp_rank))
 
-    async def _fetch_load(self, worker: Worker) -> int:
+    async def _fetch_loads(self, url: str) -> Any:
+        """The server's /get_load body, or None when it did not answer 200 with JSON."""
         try:
             resp = await self._client.get(
-                worker.url + "/get_load", timeout=self._config.health_check_timeout_secs
+                url + "/get_load", timeout=self._config.health_check_timeout_secs
             )
-            return parse_load(resp.json(), worker.dp_rank) if resp.status_code == 200 else -1
+            return resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            return -1
+            return None
 
     async def _periodic_loads(self) -> None:
         while True:
