@@ -121,9 +121,9 @@ def _status(worker: Worker, reachable: bool) -> str:
     return "up" if worker.circuit.allows_requests() else "circuit_open"
 
 
-async def _fetch_load(client: httpx.AsyncClient, worker: Worker) -> tuple[Any, str | None]:
+async def _fetch_load(client: httpx.AsyncClient, url: str) -> tuple[Any, str | None]:
     try:
-        resp = await client.get(worker.url + "/get_load", timeout=FETCH_TIMEOUT_S)
+        resp = await client.get(url + "/get_load", timeout=FETCH_TIMEOUT_S)
     except httpx.HTTPError as exc:
         return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if resp.status_code != 200:
@@ -174,10 +174,11 @@ def build_dashboard_router(state: RouterState) -> APIRouter:
     async def dashboard_data() -> JSONResponse:
         assert state.client is not None  # created by the app lifespan before serving
         workers = list(state.registry)
-        answers = await asyncio.gather(*(_fetch_load(state.client, w) for w in workers))
+        urls = list(dict.fromkeys(w.url for w in workers))  # a server's DP ranks share one
+        answers = dict(zip(urls, await asyncio.gather(
+            *(_fetch_load(state.client, u) for u in urls))))
         now = time.monotonic()
-        views = [worker_view(w, ranks, err, speeds, now)
-                 for w, (ranks, err) in zip(workers, answers)]
+        views = [worker_view(w, *answers[w.url], speeds, now) for w in workers]
         speeds.forget_others({w.url for w in workers})
         cfg = state.config
         return JSONResponse({
