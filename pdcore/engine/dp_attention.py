@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +40,7 @@ import torch
 
 from pdcore.config import ServerArgs
 from pdcore.engine.dp_attention_args import attention_size
-from pdcore.engine.models.layers import TPInfo
+from pdcore.engine.models.layers import TPInfo, share_host_threads
 from pdcore.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -78,8 +77,7 @@ def join(args: ServerArgs, rank: int, method: str, timeout_s: float) -> DPAttnTP
     platform = platforms().create(args.device)
     backend = platform.dist_backend
     if platform.memory_kind.value == "host":  # all T ranks of this server share the host
-        torch.set_num_threads(max(1, min(torch.get_num_threads(),
-                                         (os.cpu_count() or 1) // args.tp_size)))
+        share_host_threads(args.tp_size)
     t, a = args.tp_size, attention_size(args)
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=t,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -135,7 +133,7 @@ class DPSync:
     """What the Lockstep needs: the leaders' agreement and idle forwards."""
 
     def __init__(self, tp: DPAttnTPInfo, model: torch.nn.Module) -> None:
-        self.tp, self.model = tp, model
+        self.tp = tp
         from pdcore.engine.models.moe import MoE
 
         self.moes = [m for m in model.modules() if isinstance(m, MoE) and m.dp is not None]

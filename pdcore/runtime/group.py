@@ -24,9 +24,10 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDCORE_TP_TIMEOUT", "600"))
 
 def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
     """Join the TP group as `rank`; TP 1 needs no group at all."""
+    from pdcore.engine import dp_attention_args
     from pdcore.engine.models.layers import TPInfo
 
-    if args.enable_dp_attention and args.dp_size > 1:  # one group over every DP rank's ranks
+    if dp_attention_args.active(args):  # one group over every DP rank's ranks
         from pdcore.engine import dp_attention
 
         return dp_attention.join(args, rank, method, COLLECTIVE_TIMEOUT_S)
@@ -39,12 +40,9 @@ def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
     platform = platforms().create(args.device)
     backend = platform.dist_backend
     if platform.memory_kind.value == "host":
-        # the ranks of a node share its cores: oversubscribed intra-op threads spin against
-        # each other and the collectives (a step gets several times slower, not faster)
-        import torch
+        from pdcore.engine.models.layers import share_host_threads
 
-        per_rank = max(1, (os.cpu_count() or 1) // (len(local_ranks(args)) * args.dp_size))
-        torch.set_num_threads(min(torch.get_num_threads(), per_rank))
+        share_host_threads(len(local_ranks(args)) * args.dp_size)  # the node's ranks share it
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=args.tp_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     group = dist.group.WORLD

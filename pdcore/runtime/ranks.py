@@ -104,8 +104,9 @@ class RankGroup:
         """Spawn ranks 1..k-1 of node 0 and join the group as rank 0."""
         if self.args.tp_size == 1:
             return self.tp
-        if self.args.enable_dp_attention and self.args.dp_size > 1:  # this DP rank's ranks
-            from pdcore.engine.dp_attention_args import replica_ranks
+        from pdcore.engine.dp_attention_args import active, replica_ranks
+
+        if active(self.args):  # this DP rank's ranks
 
             ranks = list(replica_ranks(self.args))
             self.children = spawn_ranks(self.args, self.args.dp_attention_init, ranks[1:])

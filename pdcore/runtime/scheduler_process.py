@@ -136,14 +136,6 @@ class SchedulerLoop:
         self.lockstep.lead([], stop=True)  # the other TP ranks leave their loops too
 
 
-def _share_cores(replicas: int) -> None:
-    """DP replicas on one host share its cores: each takes its slice of the intra-op threads
-    (oversubscribed threads spin against each other; TP ranks do the same in join_group)."""
-    import torch
-
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // replicas)))
-
-
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any) -> None:
     die_with_parent()  # SIGTERM (a clean stop) when the HTTP process dies, even by SIGKILL
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -161,7 +153,9 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
 
         t0 = time.monotonic()
         if args.dp_size > 1 and args.tp_size == 1 and args.device == "cpu":
-            _share_cores(args.dp_size)
+            from pdcore.engine.models.layers import share_host_threads
+
+            share_host_threads(args.dp_size)  # DP replicas on one host share its cores
         tp = ranks.start()
         error = None
         try:

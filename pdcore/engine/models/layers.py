@@ -39,6 +39,13 @@ def q_head_span(num_heads: int, total_kv: int, rank: int, size: int) -> tuple[in
     return k0 * group + first, n
 
 
+def share_host_threads(ways: int) -> None:
+    """This process's slice of the host's cores when `ways` engine processes share it:
+    oversubscribed intra-op threads spin against each other and the collectives (a step gets
+    several times slower, not faster)."""
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // ways)))
+
+
 @dataclass(frozen=True, slots=True)
 class TPInfo:
     """This rank's place in its TP group plus the collectives the engine needs.
