@@ -19,7 +19,7 @@ import typer
 
 from pdcore.errors import ConfigError
 from pdcore.router.config import RouterConfig
-from pdcore.router.discovery import SELECTOR_FLAGS, check_cluster_access, parse_selector
+from pdcore.router.discovery import SELECTOR_FLAGS, load_cluster_config, parse_selector
 
 _NONE_WORDS = ("none", "null")
 
@@ -155,7 +155,7 @@ def router_help() -> str:
             flag += " URL [BOOTSTRAP_PORT|none]"
         elif f.name == "decode":
             flag += " URL"
-        elif f.name in ("selector", "prefill_selector", "decode_selector"):
+        elif flag[2:] in SELECTOR_FLAGS:
             flag += " K=V ..."
         default = f.default if f.default is not MISSING else None
         shown = "" if f.metadata.get("special") or default in (None, False) else f" [{default}]"
@@ -197,7 +197,7 @@ def build_router_command(app: typer.Typer, name: str = "router") -> None:
         try:
             config = parse_router_args(ctx.args)
             if config.service_discovery:
-                check_cluster_access()  # no credentials: exit 2 now, not a crash-looping watch
+                load_cluster_config()  # no credentials: exit 2 now, not a crash-looping watch
         except ConfigError as exc:
             # Printed by hand: a click.UsageError raised inside a typer command body is shown
             # as a traceback with exit code 1 by this typer version.

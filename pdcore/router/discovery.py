@@ -116,10 +116,6 @@ def load_cluster_config() -> Any:
     return cfg
 
 
-def check_cluster_access() -> None:
-    load_cluster_config()
-
-
 @dataclass
 class PodView:
     name: str

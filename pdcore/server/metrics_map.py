@@ -117,6 +117,7 @@ def merge_transfer_stats(snaps: list[Any]) -> dict[str, Any]:
                            "failures": [], "rooms": {},
                            "last": max((s.get("last", {}) for s in snaps),
                                        key=lambda last: last.get("total_mb", 0.0))}
+    failures: Counter[tuple[str, str]] = Counter()
     for s in snaps:
         for name, h in s.get("hist", {}).items():
             m = out["hist"].setdefault(name, {"bounds": h["bounds"],
@@ -126,8 +127,6 @@ def merge_transfer_stats(snaps: list[Any]) -> dict[str, Any]:
         for key in ("totals", "rooms"):
             for k, v in s.get(key, {}).items():
                 out[key][k] = out[key].get(k, 0) + v
-    failures: Counter[tuple[str, str]] = Counter()
-    for s in snaps:
         for phase, why, n in s.get("failures", []):
             failures[(phase, why)] += n
     out["failures"] = [[p, why, n] for (p, why), n in failures.items()]
