@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ from common import (
     start_unified,
     tree_affinity,
 )
-from serving import closed_loop, latency_stats, vocab_size
+from serving import closed_loop, latency_stats, random_prompts, vocab_size
 
 NAME = "dp"
 SYSTEMS = {"dp1": 1, "dp2": 2}
@@ -87,11 +86,9 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(args.seed)
     vocab = vocab_size(urls["dp1"])
     n = args.num_requests
-    prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)]
-               for _ in range(n * args.rounds + 4)]
+    prompts = random_prompts(n * args.rounds + 4, args.input_len, vocab, args.seed)
     for url in urls.values():  # warm-up: both replicas of dp2 see a request
         await closed_loop(url, prompts[-4:], 4, 4)
     tok_s: dict[str, list[float]] = {s: [] for s in urls}
@@ -132,11 +129,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for s in servers.values():
             s.stop()
     errors = sum(v["errors"] for v in data["latency"].values())
+    note = load_note(run)
     data["note"] = (f"output tok/s at concurrency {args.concurrency}, both servers pinned to "
-                    f"CPUs {args.cpus}; dp2/dp1 = {data['ratio_dp2_over_dp1']:.2f}; "
-                    f"{load_note(run)}")
+                    f"CPUs {args.cpus}; dp2/dp1 = {data['ratio_dp2_over_dp1']:.2f}; {note}")
     path = run.finish(data, args.out_dir)
-    plot(data, args, load_note(run))
+    plot(data, args, note)
     print(f"RATIO dp2/dp1 output tok/s: {data['ratio_dp2_over_dp1']:.2f} "
           f"(dp1 {data['median_output_tok_s']['dp1']:.1f}, dp2 "
           f"{data['median_output_tok_s']['dp2']:.1f}); {errors} errors; {path}")

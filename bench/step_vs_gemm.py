@@ -54,13 +54,11 @@ def gemm_only(model: Any, rows: int) -> Any:
     return run
 
 
-def timed(fn: Any, iters: int) -> list[float]:
-    out = []
-    for _ in range(iters):
-        t0 = time.process_time()
-        fn()
-        out.append((time.process_time() - t0) * 1000)
-    return out
+def timed(fn: Any) -> float:
+    """CPU milliseconds of one call."""
+    t0 = time.process_time()
+    fn()
+    return (time.process_time() - t0) * 1000
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -93,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for rep in range(args.iters):
             order = [("gemm_ms", gemms), ("forward_ms", forward)]
             for key, fn in order if rep % 2 == 0 else order[::-1]:
-                t[key] += timed(fn, 1)
+                t[key].append(timed(fn))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(3):
                 forward()
@@ -105,8 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             pd.generate(prompts, 2)
             t1, tn = [], []
             for _ in range(3):
-                t1 += timed(lambda: pd.generate(prompts, 1), 1)
-                tn += timed(lambda: pd.generate(prompts, args.new_tokens + 1), 1)
+                t1.append(timed(lambda: pd.generate(prompts, 1)))
+                tn.append(timed(lambda: pd.generate(prompts, args.new_tokens + 1)))
             e2e = (statistics.median(tn) - statistics.median(t1)) / args.new_tokens
     finally:
         pd.close()

@@ -95,8 +95,7 @@ def start(system: str, args: argparse.Namespace) -> Proc:
     elif system == "pdserve-1p1d":
         argv = [py, "-m", "pdcore", "up", "--port", str(port), "--server-port-base",
                 str(free_port()), "--bootstrap-port-base", str(free_port()),
-                *(["--model-path", args.model_path] if args.model_path else []),
-                "--dtype", args.dtype]
+                *model, "--dtype", args.dtype]
     elif system == "vllm-unified":
         argv = [str(Path(args.vllm_python).parent / "vllm"), "serve", args.model_path,
                 "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
