@@ -1,5 +1,5 @@
 """Where a pdserve decode step spends its time, against transformers, and what each of the
-engine's CPU fast paths (batched decode attention, prepacked small-batch GEMMs) is worth.
+engine's batched decode attention is worth.
 
 Lifecycle:
 1. load pdserve's engine (LLMEngine) and transformers on the same weights, same torch threads;
@@ -7,8 +7,7 @@ Lifecycle:
    decode steps, alternating the systems; step = (T(N+1) - T(1)) / N, prefill = T(1);
 3. a decode step of pdserve's model alone (ForwardBatch of B sequences x ctx tokens built by
    hand) per variant (VARIANTS: the engine as is; batched attention off (one SDPA per sequence);
-   prepacked GEMMs off (F.linear); both off (the engine before these); bfloat16 weights with
-   --bf16), alternating; logits compared with the engine as is;
+   bfloat16 weights with --bf16), alternating; logits compared with the engine as is;
 4. torch profiler of decode steps per variant: share of time per op group (matmul, K/V gather,
    SDPA, K/V write, other = elementwise, norms, rotary, copies);
 5. print everything; write bench/results/engine_profile.json and .png (`--replot` redraws the
@@ -48,43 +47,30 @@ OP_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_line
 
 
 # -- the variants ------------------------------------------------------------------------------
-# The engine as is batches the decode sequences' attention (one padded gather + masked SDPA) and
-# runs 4..16-row GEMMs on MKL-prepacked weights. The variants switch these off one at a time:
-# "per-seq attention" makes ForwardBatch.decode_group return None (one SDPA per sequence), and
-# "unpacked" clears the packed weights (F.linear everywhere): both off is the session-1 engine.
-# Since the reordered (oneDNN) weights replace the originals, the unpacked variants are gone:
+# The engine as is batches the decode sequences' attention (one padded gather + masked SDPA);
+# "per-seq attention" makes ForwardBatch.decode_group return None (one SDPA per sequence).
+# The reordered (oneDNN) GEMM weights replace the originals, so no variant switches them off:
 # PDCORE_CPU_PACKED_GEMM=0 in the environment times the engine without them.
-VARIANTS = {  # name: (weights dtype, batched attention, packed GEMMs)
-    "as is": ("float32", True, True),
-    "per-seq attention": ("float32", False, True),
-    "as is, bf16 weights": ("bfloat16", True, True),
+VARIANTS = {  # name: (weights dtype, batched attention)
+    "as is": ("float32", True),
+    "per-seq attention": ("float32", False),
+    "as is, bf16 weights": ("bfloat16", True),
 }
 
 
 class Switches:
-    """Turns the fast paths on and off in place (restores everything in `restore`)."""
+    """Turns batched decode attention on and off in place (back on in `restore`)."""
 
-    def __init__(self, engines: dict[str, Any]) -> None:
-        from pdcore.engine.models import layers, llama
+    def __init__(self) -> None:
+        from pdcore.engine.models import llama
 
         self.llama, self.group = llama, llama.ForwardBatch.decode_group
-        self.saved = {}
-        for model, _ in engines.values():
-            for m in model.modules():
-                if isinstance(m, (layers.ColumnLinear, layers.RowLinear)):
-                    self.saved[m] = m.packed
-            self.saved[model] = model.lm_head_packed
 
-    def set(self, batched: bool, packed: bool) -> None:
+    def set(self, batched: bool) -> None:
         self.llama.ForwardBatch.decode_group = self.group if batched else (lambda self: None)
-        for m, p in self.saved.items():
-            if isinstance(m, self.llama.LlamaForCausalLM):
-                m.lm_head_packed = p if packed else None
-            else:
-                m.packed = p if packed else None
 
     def restore(self) -> None:
-        self.set(True, True)
+        self.set(True)
 
 
 def decode_batch(model: Any, batch_size: int, ctx: int, vocab: int) -> Any:
@@ -130,14 +116,14 @@ def per_step_costs(runners: dict[str, Any], prompts: list[list[int]], n: int, re
 def forward_variants(engines: dict[str, Any], batch_size: int, ctx: int, vocab: int,
                      iters: int) -> dict[str, Any]:
     """Decode-step time of the model alone, per variant (weights dtype, batched attention or
-    not, prepacked GEMMs or not), run in alternating order; op groups from the torch profiler;
+    not), run in alternating order; op groups from the torch profiler;
     logits checked against the engine as is."""
     variants = {k: v for k, v in VARIANTS.items() if v[0] in engines}
-    switches = Switches(engines)
+    switches = Switches()
 
     def use(name: str) -> tuple[Any, Any]:
-        dtype, batched, packed = variants[name]
-        switches.set(batched, packed)
+        dtype, batched = variants[name]
+        switches.set(batched)
         return engines[dtype]
 
     times: dict[str, list[float]] = {v: [] for v in variants}
