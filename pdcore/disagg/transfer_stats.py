@@ -12,12 +12,13 @@ room starts past it and moves nothing).
 - failures: by phase (bootstrap when the room failed in Bootstrapping, else transfer) and a
   short reason from a fixed set (the wire code when there is one).
 
-Histograms are kept as cumulative bucket counts so the HTTP process (another process) can
+Histograms are kept as bucket counts so the HTTP process (another process) can
 export them as Prometheus histograms; `snapshot()` is what the scheduler's stats carry.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import Counter
@@ -64,7 +65,8 @@ def failure_reason(code: str, reason: str) -> str:
 
 
 class Buckets:
-    """One histogram's cumulative form: counts per upper bound (last one +Inf), sum, count."""
+    """One histogram: observations per bucket (the i-th counts values in (bounds[i-1],
+    bounds[i]]; the last one, above every bound, is +Inf), and their sum."""
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
@@ -72,12 +74,7 @@ class Buckets:
         self.sum = 0.0
 
     def observe(self, v: float) -> None:
-        for i, b in enumerate(self.bounds):
-            if v <= b:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
         self.sum += v
 
     def snapshot(self) -> dict[str, Any]:
