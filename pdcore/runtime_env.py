@@ -150,25 +150,27 @@ def choose_placement(flag: str | None, replicas: int = 1) -> Placement:
 def spawning_with(p: Placement) -> Iterator[None]:
     """Within the block, processes this thread starts get the placement's environment and CPU
     affinity (a child inherits both from the thread that starts it); both are restored after."""
-    saved_env = {k: os.environ.get(k) for k in p.env()}
+    env = p.env()
+    saved_env = {k: os.environ.get(k) for k in env}
     before = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
     try:
-        for k, v in p.env().items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _put_env(env)
         if p.cpus is not None and before is not None:
             os.sched_setaffinity(0, p.cpus)
         yield
     finally:
         if p.cpus is not None and before is not None:
             os.sched_setaffinity(0, before)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _put_env(saved_env)
+
+
+def _put_env(env: dict[str, str | None]) -> None:
+    """Set each variable; None removes it."""
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def server_threads(n_servers: int) -> int | None:
