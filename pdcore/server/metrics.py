@@ -5,7 +5,7 @@ Whatever SGLang also measures is exported under SGLang's name, type, labels and 
 (`sglang:*`), so SGLang's dashboards work unchanged; the rest is `pdserve_*`.
 
 - Request-level series (tokens, TTFT/ITL/e2e, finished requests) are recorded by the HTTP
-  process as requests run (`RequestMetrics`), labelled `model_name` as SGLang's tokenizer
+  process as requests run (`ServerMetrics`), labelled `model_name` as SGLang's tokenizer
   metrics are.
 - Scheduler series are built at scrape time from the scheduler's `stats` answer
   (`StatsCollector`): gauges from its current values, counters from its running totals (so a
@@ -56,38 +56,6 @@ THROUGHPUT_WINDOW_S = 10.0  # sglang:gen_throughput: tokens generated over the l
 _EXTRA_PREFIX = "pdserve_scheduler_"
 
 
-class RequestMetrics:
-    """What the HTTP process measures per request (sglang:* tokenizer metrics and ours)."""
-
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        r, lab = registry, ["model_name"]
-        self.model_name = model_name
-        self._prompt = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.",
-                               lab, registry=r)
-        self._generation = Counter("sglang:generation_tokens",
-                                   "Number of generation tokens processed.", lab, registry=r)
-        self._cached = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", lab,
-                               registry=r)
-        self._finished = Counter("sglang:num_requests", "Number of requests processed.", lab,
-                                 registry=r)
-        self._ttft = Histogram("sglang:time_to_first_token_seconds",
-                               "Histogram of time to first token in seconds.", lab,
-                               buckets=TTFT_BUCKETS, registry=r)
-        self._itl = Histogram("sglang:inter_token_latency_seconds",
-                              "Histogram of inter-token latency in seconds.", lab,
-                              buckets=ITL_BUCKETS, registry=r)
-        self._e2e = Histogram("sglang:e2e_request_latency_seconds",
-                              "Histogram of end-to-end request latency in seconds.", lab,
-                              buckets=E2E_BUCKETS, registry=r)
-        self.prompt_tokens = self._prompt.labels(model_name)
-        self.generation_tokens = _Generated(self._generation.labels(model_name))
-        self.cached_tokens = self._cached.labels(model_name)
-        self.finished = self._finished.labels(model_name)
-        self.ttft = self._ttft.labels(model_name)
-        self.itl = self._itl.labels(model_name)
-        self.e2e = self._e2e.labels(model_name)
-
-
 class _Generated:
     """The generation-token counter, also feeding the sliding window of sglang:gen_throughput."""
 
@@ -119,11 +87,27 @@ class ServerMetrics:
                  tp_rank: int = 0) -> None:
         disable_created_metrics()  # no `*_created` gauge beside every counter (SGLang has none)
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.req = RequestMetrics(r, model_name)
-        # the attributes generation.py and app.py record into
-        self.prompt_tokens, self.generation_tokens = self.req.prompt_tokens, self.req.generation_tokens
-        self.cached_tokens, self.finished = self.req.cached_tokens, self.req.finished
-        self.ttft, self.itl, self.e2e = self.req.ttft, self.req.itl, self.req.e2e
+        # what the HTTP process measures per request (SGLang's tokenizer metrics), recorded into
+        # by generation.py and app.py
+        lab = ["model_name"]
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.",
+                                     lab, registry=r).labels(model_name)
+        self.generation_tokens = _Generated(Counter(
+            "sglang:generation_tokens", "Number of generation tokens processed.", lab,
+            registry=r).labels(model_name))
+        self.cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.",
+                                     lab, registry=r).labels(model_name)
+        self.finished = Counter("sglang:num_requests", "Number of requests processed.", lab,
+                                registry=r).labels(model_name)
+        self.ttft = Histogram("sglang:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", lab,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("sglang:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", lab,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds",
+                             "Histogram of end-to-end request latency in seconds.", lab,
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.in_flight = Gauge("pdserve_http_requests_in_flight",
                                "Generate requests the HTTP process is serving", registry=r)
         self.requests = Counter("pdserve_requests", "Generate requests by route and HTTP status",
