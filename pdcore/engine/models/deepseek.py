@@ -28,8 +28,8 @@ from pdcore.engine.models.layers import (
     RowLinear,
     TPInfo,
     linear,
+    pack_in_place,
     pack_linears,
-    pack_weight,
     span,
 )
 from pdcore.engine.models.llama import MLP, DecodeGroup, ForwardBatch
@@ -236,7 +236,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def prepare_for_inference(self) -> None:
         pack_linears(self)
-        self.lm_head_packed = pack_weight(self.lm_head)
+        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],

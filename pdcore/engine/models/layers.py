@@ -142,14 +142,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*lead, y.shape[-1]) if x.dim() != 2 else y
 
 
+def pack_in_place(weight: nn.Parameter) -> tuple[nn.Parameter, torch.Tensor | None]:
+    """(what to keep as the weight, its reordered form or None): where a reordered form is
+    made it replaces the original, which becomes a stand-in (one copy of the weight)."""
+    packed = pack_weight(weight)
+    if packed is None:
+        return weight, None
+    return nn.Parameter(stand_in(weight), requires_grad=False), packed
+
+
 def pack_linears(module: nn.Module) -> None:
     """Reorder the weight of every ColumnLinear/RowLinear under `module` (where available);
     the reordered weight replaces the original."""
     for m in module.modules():
         if isinstance(m, (ColumnLinear, RowLinear)):
-            m.packed = pack_weight(m.weight)
-            if m.packed is not None:
-                m.weight = nn.Parameter(stand_in(m.weight), requires_grad=False)
+            m.weight, m.packed = pack_in_place(m.weight)
 
 
 class RMSNorm(nn.Module):

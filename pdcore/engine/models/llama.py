@@ -23,10 +23,9 @@ from pdcore.engine.models.layers import (
     TPInfo,
     kv_head_span,
     linear,
+    pack_in_place,
     pack_linears,
-    pack_weight,
     q_head_span,
-    stand_in,
 )
 
 SUPPORTED_ARCHS = {
@@ -236,9 +235,7 @@ class LlamaForCausalLM(nn.Module):
     def prepare_for_inference(self) -> None:
         """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py)."""
         pack_linears(self)
-        self.lm_head_packed = pack_weight(self.lm_head)
-        if self.lm_head_packed is not None:
-            self.lm_head = nn.Parameter(stand_in(self.lm_head), requires_grad=False)
+        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head)
 
     @staticmethod
     def _make_rotary(cfg) -> nn.Module:
