@@ -24,6 +24,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 import pdcore
 from pdcore.router.dashboard_page import PAGE
+from pdcore.router.upstream import exc_reason
 from pdcore.router.workers import Worker
 
 if TYPE_CHECKING:
@@ -125,7 +126,7 @@ async def _fetch_load(client: httpx.AsyncClient, url: str) -> tuple[Any, str | N
     try:
         resp = await client.get(url + "/get_load", timeout=FETCH_TIMEOUT_S)
     except httpx.HTTPError as exc:
-        return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return None, exc_reason(exc)
     if resp.status_code != 200:
         return None, f"/get_load answered {resp.status_code}"
     try:

@@ -59,6 +59,11 @@ class UpstreamClients:
             await client.aclose()
 
 
+def exc_reason(exc: BaseException) -> str:
+    """An exception as one short line: its type, and its text when it has one."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def request_timeout(deadline: float) -> httpx.Timeout:
     left = max(0.001, deadline - asyncio.get_running_loop().time())
     return httpx.Timeout(left, connect=min(left, 10.0))
@@ -90,7 +95,7 @@ async def call_prefill(
     except (httpx.HTTPError, asyncio.TimeoutError) as exc:
         worker.circuit.record(False)
         metrics.worker_error("prefill", "transport")
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        reason = exc_reason(exc)
         log.warning("prefill %s failed: %s", url, reason)
         return PrefillResult(None, error=reason)
     worker.circuit.record(resp.status_code < 500 or resp.status_code == PEER_FAULT)
