@@ -219,7 +219,7 @@ class DecodeKVManager(KVManager):
         if self.states.advance(r.room, KVPoll.WaitingForInput):
             log.debug("room %d: prefill %s resolved", r.room, r.addr)
         elif self.states.get(r.room) is KVPoll.Failed:  # aborted while resolving: tell P now
-            self._send_abort(r.room, inst, self.states.reason(r.room))
+            self._send_abort(r, inst, self.states.reason(r.room))
 
     def _instance(self, addr: str, started: float) -> Instance:
         with self._lock:
@@ -364,14 +364,12 @@ class DecodeKVManager(KVManager):
     # -- failures ------------------------------------------------------------------------------
     def _notify_failed(self, r: Room, reason: str, code: str) -> None:
         if r.inst is not None:
-            self._send_abort(r.room, r.inst, reason)
+            self._send_abort(r, r.inst, reason)
 
-    def _send_abort(self, room: int, inst: Instance, reason: str) -> None:
-        msg = wire.Abort(room=room, session=self.session, ctrl_addr=self.ctrl.addr,
+    def _send_abort(self, r: Room, inst: Instance, reason: str) -> None:
+        msg = wire.Abort(room=r.room, session=self.session, ctrl_addr=self.ctrl.addr,
                          reason=reason)
-        with self._lock:
-            r = self._rooms.get(room)
-        dp = r.prefill_dp_of(inst) if r is not None else room % inst.dp_size
+        dp = r.prefill_dp_of(inst)
         for t in inst.targets:
             self.ctrl.send(inst.ctrl_addrs[(dp, t)], msg)
 
