@@ -76,8 +76,8 @@ def join(args: ServerArgs, rank: int, method: str, timeout_s: float) -> DPAttnTP
 
     platform = platforms().create(args.device)
     backend = platform.dist_backend
-    if platform.memory_kind.value == "host":  # all T ranks of this server share the host
-        share_host_threads(args.tp_size)
+    if platform.memory_kind.value == "host":  # this node's ranks of the server share the host
+        share_host_threads(args.tp_size // args.nnodes)
     t, a = args.tp_size, attention_size(args)
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=t,
                             timeout=datetime.timedelta(seconds=timeout_s))

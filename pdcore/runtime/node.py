@@ -1,13 +1,17 @@
 """`pdserve serve --nnodes N --node-rank R` (R > 0): this node runs its TP ranks and serves no
-HTTP; rank 0 on node 0 leads them."""
+HTTP; rank 0 on node 0 leads them. With `--enable-dp-attention --dp-size D` this node's ranks are
+whole DP ranks: one scheduler process per DP rank, linked to node 0's HTTP process
+(pdcore.runtime.dp_nodes), each spawning its DP rank's other ranks."""
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import time
 from typing import Any
 
 from pdcore.config import ServerArgs
+from pdcore.runtime.dp_nodes import multi_node, node_dp_ranks, run_remote_scheduler
 from pdcore.runtime.ranks import configure_logging, spawn_ranks, terminate
 from pdcore.runtime.topology import init_method, local_ranks
 
@@ -17,9 +21,16 @@ def run_node(args: ServerArgs) -> int:
     ranks = local_ranks(args)
     configure_logging(args, ranks[0])
     method = init_method(args)
-    procs = spawn_ranks(args, method, ranks)
-    print(f"pdserve: node {args.node_rank}/{args.nnodes} runs TP ranks "
-          f"{ranks.start}..{ranks.stop - 1}, joining {method}", flush=True)
+    if multi_node(args):
+        dp_ranks = node_dp_ranks(args, args.node_rank)
+        procs = _spawn_dp_schedulers(args, dp_ranks)
+        print(f"pdserve: node {args.node_rank}/{args.nnodes} runs TP ranks "
+              f"{ranks.start}..{ranks.stop - 1} as DP attention ranks "
+              f"{dp_ranks[0]}..{dp_ranks[-1]}, joining {method}", flush=True)
+    else:
+        procs = spawn_ranks(args, method, ranks)
+        print(f"pdserve: node {args.node_rank}/{args.nnodes} runs TP ranks "
+              f"{ranks.start}..{ranks.stop - 1}, joining {method}", flush=True)
     stopping = {"flag": False}
 
     def _term(*_: Any) -> None:
@@ -36,3 +47,18 @@ def run_node(args: ServerArgs) -> int:
         terminate(procs)
     codes = [p.exitcode for p in procs]
     return 0 if stopping["flag"] or all(c == 0 for c in codes) else 1
+
+
+# a DP rank's scheduler waits this long for node 0 (which may still be loading its own DP ranks)
+LINK_TIMEOUT_S = 900.0
+
+
+def _spawn_dp_schedulers(args: ServerArgs, dp_ranks: list[int]
+                         ) -> list[multiprocessing.process.BaseProcess]:
+    mp = multiprocessing.get_context("spawn")
+    # not daemons: each spawns its DP rank's other ranks; terminate() stops them
+    procs = [mp.Process(target=run_remote_scheduler, args=(args, d, LINK_TIMEOUT_S),
+                        name=f"pdserve-dp{d}", daemon=False) for d in dp_ranks]
+    for p in procs:
+        p.start()
+    return procs

@@ -146,6 +146,13 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
     send = ctx.socket(zmq.PUSH)
     send.setsockopt(zmq.LINGER, 1000)
     send.connect(send_addr)
+    serve_scheduler(args, ctx, recv, send, ready_conn)
+
+
+def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: zmq.Socket,
+                    ready_conn: Any) -> None:
+    """Start the engine, report on `ready_conn` (anything with `send(dict)`), serve until
+    stopped (a DP rank on another node comes here too: pdcore.runtime.dp_nodes)."""
     ranks = RankGroup(args)
     engine = None
     try:
@@ -174,6 +181,9 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
         if engine is not None:
             engine.close()
         ranks.close()
+        recv.close(0)
+        send.close()  # its linger delivers the error over a link to another node
+        ctx.term()
         return
     ready_conn.send({"ok": True, "info": engine.info})
     loop = SchedulerLoop(engine, recv, send, args.watchdog_timeout)

@@ -24,18 +24,29 @@ def check_parallel_args(args: ServerArgs) -> None:
         raise ConfigError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, "
                           "where the ranks meet); give every node the same value")
     if args.dist_init_addr:
-        _split_addr(args.dist_init_addr)
+        split_addr(args.dist_init_addr)
 
 
 def _check_dp(args: ServerArgs) -> None:
     """--dp-size > 1 runs its replicas on one node (in PD mode each replica is its own
-    endpoint of the PD control plane: pdcore.server.dp_client)."""
+    endpoint of the PD control plane: pdcore.server.dp_client), except with DP attention, whose
+    DP ranks are one rank group spread over the nodes (pdcore.runtime.dp_nodes). SGLang too
+    launches plain DP replicas from one node's controller only."""
+    if args.enable_dp_attention:
+        if args.nnodes > 1:
+            from pdcore.runtime.dp_nodes import check
+
+            check(args)
+        return
     if args.nnodes > 1 or args.dist_init_addr:
-        raise ConfigError("--dp-size > 1 runs every replica on this node; it cannot be combined "
-                          "with --nnodes > 1 or --dist-init-addr")
+        raise ConfigError(
+            "--dp-size > 1 without --enable-dp-attention runs every replica on this node; it "
+            "cannot be combined with --nnodes > 1 or --dist-init-addr. Across nodes use "
+            "--enable-dp-attention (MoE models), or run one server per node behind "
+            "`pdserve router` / sglang-router --dp-aware")
 
 
-def _split_addr(addr: str) -> tuple[str, int]:
+def split_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
@@ -49,7 +60,7 @@ def local_ranks(args: ServerArgs) -> range:
 
 def init_method(args: ServerArgs) -> str:
     if args.dist_init_addr:
-        host, port = _split_addr(args.dist_init_addr)
+        host, port = split_addr(args.dist_init_addr)
         return f"tcp://{host}:{port}"
     with socket.socket() as s:  # one node: any free loopback port, passed to the children
         s.bind(("127.0.0.1", 0))

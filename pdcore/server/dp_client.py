@@ -61,9 +61,18 @@ class DPEngineClient:
             pd_route_secret=secret), tokenizer=tokenizer, **kwargs)
             for rank in range(args.dp_size)]
         if dp_attention_active(args):  # one rank group over all DP ranks: a shared meeting point
-            init = new_init_method()
+            from pdcore.runtime.topology import init_method
+
+            init = init_method(args) if args.dist_init_addr else new_init_method()
             for rank, c in enumerate(self.replicas):
                 c.args = replica_args(c.args, rank, init, args.base_gpu_id)
+            if args.nnodes > 1:  # DP ranks of the other nodes: reached over their links
+                from pdcore.runtime.dp_nodes import leader_node
+                from pdcore.server.remote_engine import RemoteEngineClient
+
+                self.replicas = [RemoteEngineClient(c.args, tokenizer=tokenizer, **kwargs)
+                                 if leader_node(args, rank) else c
+                                 for rank, c in enumerate(self.replicas)]
         self.balancer = DPBalancer(args.dp_size, args.load_balance_method)
         self._where: dict[str, int] = {}  # rid -> replica holding it
         self._dead = False
