@@ -1,22 +1,31 @@
 """pdserve against vLLM on the same CPU, in one run: same model folder, same client, same shape.
 
-Systems (--systems): pdserve-unified (`pdserve serve`, its defaults: no thread variable set by
-hand), pdserve-1p1d (`pdserve up`: 1 prefill + 1 decode + router, shm, the CPUs split by
-`up`), vllm-unified (`vllm serve`, VLLM_CPU_OMP_THREADS_BIND=--vllm-bind, both cores by
-default). vLLM runs when --vllm-python names a Python with vllm installed (its own venv, see
-shared/reference/vllm-cpu.md) and --model-path is an HF folder; otherwise the run measures
-pdserve alone and its JSON says why vLLM is missing. vLLM 1P1D needs a proxy that speaks its
-kv_transfer_params protocol, which this script does not have yet (listed as skipped).
+Systems (--systems; bench/vllm_launch.py starts them):
+- pdserve-unified: `pdserve serve` with its defaults (no thread variable set by hand);
+- pdserve-1p1d: `pdserve up` (1 prefill + 1 decode + router over shm; `up` gives each server
+  its own core);
+- vllm-unified: `vllm serve`, VLLM_CPU_OMP_THREADS_BIND=--vllm-bind (both cores by default);
+- vllm-1p1d: two `vllm serve` joined by NixlConnector, bound to core 0 / core 1, behind
+  bench/vllm_pd_proxy.py (vLLM's kv_transfer_params protocol).
+vLLM runs when --vllm-python names a Python with vllm installed (its own venv, see
+shared/reference/vllm-cpu.md) and --model-path is an HF folder (`--make-model DIR` writes the
+SmolLM2 float32 folder there first); otherwise the run measures pdserve alone and its JSON says
+why vLLM is missing.
 
-Lifecycle, per round (--rounds, order alternating between rounds): start one system alone on
-the machine, warm it up, run the closed-loop client of bench/serving.py (streamed
-/v1/completions of random token-id prompts, --input-len in / --output-len out, ignore_eos,
-greedy, --concurrency in flight, --num-prompts), stop it. Per system: output tok/s (median over
-rounds), mean TTFT and TPOT; ratios pdserve / vLLM; JSON + PNG in bench/results/vs_vllm.*.
-Timings are only meaningful on an otherwise idle machine: the load average is recorded.
+Lifecycle, per round (--rounds) and dtype (--dtypes): each system in turn, order alternating
+between rounds, alone on the machine: start, warm up, one greedy probe (its text is compared
+across systems), the closed-loop client of bench/serving.py (streamed /v1/completions of random
+token-id prompts, --input-len in / --output-len out, ignore_eos, greedy, --concurrency in
+flight, --num-prompts), stop. Each round records the load average before and after.
+Per system and dtype: output tok/s (median over rounds), mean TTFT and TPOT. `acceptance`
+holds issue #21's ratios (unified float32 tok/s and TPOT, unified bf16 tok/s, 1P1D tok/s) with
+their targets; `--profile` adds vLLM's own decode-step profile at batch --concurrency
+(bench/vllm_profile.py: GEMM time vs step time). JSON + PNG in bench/results/vs_vllm.*.
+Timings are only meaningful on an otherwise idle machine.
 
-Run: `python bench/vs_vllm.py --model-path DIR [--vllm-python VENV/bin/python] [--dtype
-bfloat16]`.
+Full run (issue #21; about 20-25 min on the 2-core box, most of it vLLM start-up):
+    python3 bench/vs_vllm.py --make-model /work/smollm2-hf --model-path /work/smollm2-hf \
+        --vllm-python /work/venv-vllm/bin/python --dtypes float32,bfloat16 --rounds 2 --profile
 """
 
 from __future__ import annotations
@@ -24,11 +33,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,73 +45,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 from common import Run, alternating, figure, load_note, ratio, save_figure
 from serving import closed_loop, latency_stats, random_prompts
+from vllm_launch import make_hf_folder, start_system
 
 NAME = "vs_vllm"
-SYSTEMS = ("pdserve-unified", "pdserve-1p1d", "vllm-unified")
-VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
-            "VLLM_HOST_IP": "127.0.0.1"}
-
-
-class Proc:
-    """A server (or `pdserve up`) in its own process group, log in a temp file."""
-
-    def __init__(self, argv: list[str], url: str, env: dict[str, str] | None = None) -> None:
-        self.url = url
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
-            prefix="vs_vllm-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode}; log {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"not ready after {timeout:.0f}s; log {self.log.name}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
-
-
-def free_port() -> int:
-    from pdcore.testing.processes import free_port as fp
-
-    return fp()
-
-
-def start(system: str, args: argparse.Namespace) -> Proc:
-    py, port = sys.executable, free_port()
-    model = ["--model-path", args.model_path] if args.model_path else []
-    if system == "pdserve-unified":
-        argv = [py, "-m", "pdcore", "serve", "--host", "127.0.0.1", "--port", str(port),
-                "--dtype", args.dtype, *model]
-    elif system == "pdserve-1p1d":
-        argv = [py, "-m", "pdcore", "up", "--port", str(port), "--server-port-base",
-                str(free_port()), "--bootstrap-port-base", str(free_port()),
-                *model, "--dtype", args.dtype]
-    elif system == "vllm-unified":
-        argv = [str(Path(args.vllm_python).parent / "vllm"), "serve", args.model_path,
-                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
-                "--max-model-len", "2048", "--served-model-name", "model"]
-        env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_bind}
-        return Proc(argv, f"http://127.0.0.1:{port}", env)
-    else:
-        raise ValueError(system)
-    return Proc(argv, f"http://127.0.0.1:{port}")
+SYSTEMS = ("pdserve-unified", "pdserve-1p1d", "vllm-unified", "vllm-1p1d")
+PROBE_TOKENS = 16
+# (name, pdserve system, vLLM system, dtype, metric, target, higher is better)
+TARGETS = (("unified_f32_tok_s", "pdserve-unified", "vllm-unified", "float32", "tok_s", 1.2, True),
+           ("unified_f32_tpot", "pdserve-unified", "vllm-unified", "float32", "mean_tpot_s", 1.0,
+            False),
+           ("unified_bf16_tok_s", "pdserve-unified", "vllm-unified", "bfloat16", "tok_s", 1.2,
+            True),
+           ("1p1d_f32_tok_s", "pdserve-1p1d", "vllm-1p1d", "float32", "tok_s", 2.0, True),
+           ("1p1d_bf16_tok_s", "pdserve-1p1d", "vllm-1p1d", "bfloat16", "tok_s", 2.0, True))
 
 
 def vllm_missing(args: argparse.Namespace) -> str | None:
@@ -126,84 +79,175 @@ def vocab(args: argparse.Namespace) -> int:
     return int(load_config(resolve_model(args.model_path)).vocab_size)
 
 
-def one_round(system: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
-    proc = start(system, args)
+def probe(url: str, prompt: list[int]) -> str:
+    body = {"prompt": prompt, "max_tokens": PROBE_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["text"])
+
+
+def one_round(system: str, dtype: str, args: argparse.Namespace, prompts: list[list[int]]
+              ) -> dict[str, Any]:
+    load_before = os.getloadavg()
+    group = start_system(system, args.model_path, dtype, args.vllm_python, args.vllm_bind,
+                         args.vllm_kv_gib)
     try:
-        proc.wait_ready(args.startup_timeout)
-        asyncio.run(closed_loop(proc.url, prompts[: args.concurrency], 4, args.concurrency))
-        results, wall = asyncio.run(closed_loop(proc.url, prompts, args.output_len,
+        startup = group.wait_ready(args.startup_timeout)
+        asyncio.run(closed_loop(group.url, prompts[: args.concurrency], 4, args.concurrency))
+        text = probe(group.url, prompts[0])
+        results, wall = asyncio.run(closed_loop(group.url, prompts, args.output_len,
                                                 args.concurrency))
     finally:
-        proc.stop()
+        group.stop()
     stats = latency_stats(results)
-    return {"tok_s": stats["output_tokens"] / wall, "wall_s": wall,
+    return {"tok_s": stats["output_tokens"] / wall, "wall_s": wall, "startup_s": startup,
             "mean_ttft_s": stats["ttft_s"].get("mean"), "mean_tpot_s": stats["tpot_s"].get("mean"),
-            "errors": stats["errors"], "error_samples": stats["error_samples"]}
+            "errors": stats["errors"], "error_samples": stats["error_samples"],
+            "probe_text": text, "loadavg_before": list(load_before),
+            "loadavg_after": list(os.getloadavg()), "logs": group.logs()}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in ("tok_s", "mean_ttft_s", "mean_tpot_s"):
+        vals = [r[k] for r in rounds if r[k] is not None]
+        out[k] = statistics.median(vals) if vals else None
+    out["loadavg_1m_max"] = max(max(r["loadavg_before"][0], r["loadavg_after"][0])
+                                for r in rounds)
+    return out
+
+
+def acceptance(med: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue #21's ratios: pdserve / vLLM (for TPOT lower is better, so met means <= target)."""
+    out = {}
+    for name, ours, theirs, dtype, metric, target, higher in TARGETS:
+        a = med.get(dtype, {}).get(ours, {}).get(metric)
+        b = med.get(dtype, {}).get(theirs, {}).get(metric)
+        if a is None or b is None:
+            continue
+        r = ratio(a, b)
+        out[name] = {"pdserve": a, "vllm": b, "ratio": r, "target": target,
+                     "met": r >= target if higher else r <= target}
+    return out
+
+
+def probes_agree(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Per dtype: the greedy probe text of each system (first round) and whether they agree."""
+    out = {}
+    for dtype, by_sys in rounds.items():
+        texts = {s: r[0]["probe_text"] for s, r in by_sys.items() if r}
+        out[dtype] = {"texts": texts, "all_equal": len(set(texts.values())) <= 1}
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None, help="HF folder (vLLM needs one)")
+    ap.add_argument("--make-model", type=Path, default=None,
+                    help="first write the SmolLM2 float32 HF folder here (if missing)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
-    ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
+    ap.add_argument("--vllm-bind", default="0-1",
+                    help="VLLM_CPU_OMP_THREADS_BIND for unified vLLM (1P1D binds 0 / 1)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="one dtype (when --dtypes is not given)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile vLLM's decode step at batch --concurrency (float32)")
+    ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)
+    args.dtypes = [d for d in (args.dtypes or args.dtype).split(",") if d]
+    bad = [d for d in args.dtypes if d not in ("float32", "bfloat16")]
+    if bad:
+        ap.error(f"--dtypes: unknown {bad}; use float32 and/or bfloat16")
+    args.systems = [s for s in args.systems.split(",") if s]
+    if unknown := [s for s in args.systems if s not in SYSTEMS]:
+        ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.make_model:
+        make_hf_folder(args.make_model)
+        args.model_path = args.model_path or str(args.make_model)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     run = Run(NAME, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
-    systems = [s for s in args.systems.split(",") if s]
-    skipped = {}
+    systems, skipped = list(args.systems), {}
     missing = vllm_missing(args) if any(s.startswith("vllm") for s in systems) else None
     if missing:
         skipped.update({s: missing for s in systems if s.startswith("vllm")})
         systems = [s for s in systems if not s.startswith("vllm")]
     prompts = random_prompts(args.num_prompts, args.input_len, vocab(args), seed=0)
-    rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    rounds: dict[str, dict[str, list[dict[str, Any]]]] = {
+        d: {s: [] for s in systems} for d in args.dtypes}
+    t0 = time.monotonic()
     for rep in range(args.rounds):
-        for s in alternating(systems, rep):
-            rounds[s].append(one_round(s, args, prompts))
-            print(f"round {rep} {s}: {rounds[s][-1]['tok_s']:.1f} tok/s", flush=True)
-    med = {s: {k: statistics.median(r[k] for r in v if r[k] is not None)
-               for k in ("tok_s", "mean_ttft_s", "mean_tpot_s")} for s, v in rounds.items()}
-    ratios = {}
-    if "vllm-unified" in med:
-        for s in ("pdserve-unified", "pdserve-1p1d"):
-            if s in med:
-                ratios[f"{s}_over_vllm_unified_tok_s"] = ratio(med[s]["tok_s"],
-                                                               med["vllm-unified"]["tok_s"])
-    data = {"systems": systems, "skipped": skipped, "rounds": rounds, "median": med,
-            "ratios": ratios, "vllm_measured": "vllm-unified" in med}
+        for dtype in args.dtypes:
+            for s in alternating(systems, rep):
+                r = one_round(s, dtype, args, prompts)
+                rounds[dtype][s].append(r)
+                print(f"round {rep} {dtype} {s}: {r['tok_s']:.1f} tok/s, TPOT "
+                      f"{(r['mean_tpot_s'] or 0) * 1000:.0f} ms, start {r['startup_s']:.0f} s, "
+                      f"load {r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}, "
+                      f"{time.monotonic() - t0:.0f} s in", flush=True)
+    med = {d: {s: medians(v) for s, v in by_sys.items()} for d, by_sys in rounds.items()}
+    profile = None
+    if args.profile and "vllm-unified" in systems:
+        from vllm_profile import profile_decode
+
+        profile = profile_decode(args, prompts)
+    data = {"systems": systems, "dtypes": args.dtypes, "skipped": skipped, "rounds": rounds,
+            "median": med, "acceptance": acceptance(med), "probes": probes_agree(rounds),
+            "vllm_profile": profile, "vllm_measured": any(s.startswith("vllm") for s in systems)}
     path = run.finish(data, args.out_dir)
     note = load_note(run)
     plot(data, args, note)
-    if skipped:
-        print("pdserve alone: vLLM not measured (" + "; ".join(
-            f"{k}: {v}" for k, v in skipped.items()) + ")")
-    for s, m in med.items():
-        print(f"  {s:16s} {m['tok_s']:7.1f} tok/s  TTFT {m['mean_ttft_s'] or 0:.2f} s  "
-              f"TPOT {(m['mean_tpot_s'] or 0) * 1000:.0f} ms")
-    print("RATIOS " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-    print(f"({note}) -> {path}")
+    report(data, note, path)
     return data
 
 
+def report(data: dict[str, Any], note: str, path: Path) -> None:
+    if data["skipped"]:
+        print("pdserve alone: vLLM not measured (" + "; ".join(
+            f"{k}: {v}" for k, v in data["skipped"].items()) + ")")
+    for d, by_sys in data["median"].items():
+        for s, m in by_sys.items():
+            print(f"  {d:8s} {s:16s} {m['tok_s']:7.1f} tok/s  TTFT {m['mean_ttft_s'] or 0:.2f} s"
+                  f"  TPOT {(m['mean_tpot_s'] or 0) * 1000:.0f} ms  (load <= "
+                  f"{m['loadavg_1m_max']:.1f})")
+    for k, a in data["acceptance"].items():
+        print(f"ACCEPT {k}: {a['ratio']:.2f}x (target {'>=' if 'tpot' not in k else '<='} "
+              f"{a['target']}) {'met' if a['met'] else 'NOT met'}")
+    if data["vllm_profile"]:
+        p = data["vllm_profile"]
+        print(f"vLLM decode step at batch {p.get('batch')}: {p.get('summary')}")
+    for d, p in data["probes"].items():
+        print(f"greedy probe {d}: {'all systems agree' if p['all_equal'] else p['texts']}")
+    print(f"({note}) -> {path}")
+
+
 def plot(data: dict[str, Any], args: argparse.Namespace, note: str) -> None:
-    fig, (a, b) = figure(2, 4.5, 3.8)
-    names = list(data["median"])
-    a.bar(names, [data["median"][s]["tok_s"] for s in names], color="C0")
+    fig, (a, b) = figure(2, 5.5, 3.8)
+    names = [f"{s}\n{d}" for d, by_sys in data["median"].items() for s in by_sys]
+    meds = [m for by_sys in data["median"].values() for m in by_sys.values()]
+    colors = ["C1" if n.startswith("vllm") else "C0" for n in names]
+    a.bar(names, [m["tok_s"] for m in meds], color=colors)
     a.set_ylabel("output tok/s (median over rounds)")
-    b.bar(names, [(data["median"][s]["mean_tpot_s"] or 0) * 1000 for s in names], color="C1")
+    b.bar(names, [(m["mean_tpot_s"] or 0) * 1000 for m in meds], color=colors)
     b.set_ylabel("mean TPOT (ms)")
     for ax in (a, b):
-        ax.tick_params(axis="x", labelsize=7, rotation=15)
-    fig.suptitle(f"{NAME}: {args.dtype}, {args.input_len} in / {args.output_len} out, "
-                 f"concurrency {args.concurrency}; {note}", fontsize=9)
+        ax.tick_params(axis="x", labelsize=6, rotation=20)
+    acc = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in data["acceptance"].items())
+    fig.suptitle(f"{NAME}: {args.input_len} in / {args.output_len} out, concurrency "
+                 f"{args.concurrency}; {note}\n{acc}", fontsize=8)
     save_figure(fig, NAME, args.out_dir)
 
 

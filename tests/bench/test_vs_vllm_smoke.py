@@ -17,13 +17,19 @@ def test_vs_vllm_without_vllm_measures_pdserve_alone(tiny_llama_dir: Path,
         [sys.executable, str(ROOT / "bench" / "vs_vllm.py"), "--model-path", str(tiny_llama_dir),
          "--vllm-python", "", "--rounds", "1", "--num-prompts", "4", "--concurrency", "2",
          "--input-len", "16", "--output-len", "4", "--out-dir", str(tmp_path),
-         "--systems", "pdserve-unified,pdserve-1p1d,vllm-unified"],
+         "--systems", "pdserve-unified,pdserve-1p1d,vllm-unified,vllm-1p1d"],
         capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "pdserve alone: vLLM not measured" in proc.stdout
     data = json.loads((tmp_path / "vs_vllm.json").read_text())
-    assert not data["vllm_measured"] and data["skipped"] == {"vllm-unified": "no --vllm-python given"}
+    why = "no --vllm-python given"
+    assert not data["vllm_measured"]
+    assert data["skipped"] == {"vllm-unified": why, "vllm-1p1d": why}
     for system in ("pdserve-unified", "pdserve-1p1d"):
-        (r,) = data["rounds"][system]
+        (r,) = data["rounds"]["float32"][system]
         assert r["errors"] == 0 and r["tok_s"] > 0 and r["mean_tpot_s"] is not None
+        assert r["loadavg_before"] and r["loadavg_after"] and r["probe_text"]
+    # the same weights and greedy decoding: unified and 1P1D must write the same probe text
+    assert data["probes"]["float32"]["all_equal"], data["probes"]
+    assert data["acceptance"] == {}  # nothing to compare against without vLLM
     assert (tmp_path / "vs_vllm.png").stat().st_size > 0
