@@ -8,7 +8,9 @@ of the T ranks (`--ep-size T`).
 
 How a MoE layer runs here (torch.distributed; gloo on CPU):
 1. every rank tells every other how many token rows its DP rank brings (an all-gather of one
-   count: the sizes differ from rank to rank);
+   count: the sizes differ from rank to rank); once per forward pass, by its first MoE layer,
+   since every MoE layer of a forward sees the same rows (the lockstep marks where a forward
+   starts);
 2. the rows are all-gathered (padded to the largest count) and concatenated in DP-rank order,
    so every rank sees the same whole batch;
 3. the unchanged MoE layer runs on that batch with the T-rank group (its own all-reduce or
@@ -56,6 +58,10 @@ class DPAttnTPInfo(TPInfo):
     leaders: object | None = None  # gloo group of every DP rank's first rank
     src: int = 0  # global rank of this attention group's rank 0
     forwards: list[int] = field(default_factory=lambda: [0])  # MoE gathers run so far
+    # this forward's rows per DP rank (None: not gathered yet); only cached once the lockstep
+    # (DPSync) marks forward starts, as it does on every rank
+    counts: list[list[int] | None] = field(default_factory=lambda: [None])
+    marked: list[bool] = field(default_factory=lambda: [False])
 
     def broadcast_object(self, obj: Any = None) -> Any:
         if self.size == 1:
@@ -111,10 +117,17 @@ def gathered(dp: DPAttnTPInfo, x: torch.Tensor,
     assert world is not None
     dp.forwards[0] += 1
     a = world.size // dp.dp_size
-    count = torch.tensor([x.shape[0]], dtype=torch.int64)
-    counts = [torch.empty_like(count) for _ in range(world.size)]
-    dist.all_gather(counts, count, group=world.cpu_group)
-    per_dp = [int(counts[d * a]) for d in range(dp.dp_size)]  # an attention group agrees
+    per_dp = dp.counts[0]
+    if per_dp is None:
+        count = torch.tensor([x.shape[0]], dtype=torch.int64)
+        counts = [torch.empty_like(count) for _ in range(world.size)]
+        dist.all_gather(counts, count, group=world.cpu_group)
+        per_dp = [int(counts[d * a]) for d in range(dp.dp_size)]  # an attention group agrees
+        if dp.marked[0]:
+            dp.counts[0] = per_dp
+    elif per_dp[dp.dp_rank] != x.shape[0]:
+        raise RuntimeError(f"DP attention: a MoE layer got {x.shape[0]} rows, the forward "
+                           f"started with {per_dp[dp.dp_rank]}; the DP ranks no longer match")
     total, most = sum(per_dp), max(per_dp)
     if total == 0:
         return x
@@ -142,6 +155,7 @@ class DPSync:
                               "layer); drop the flag")
         self._mark = 0
         self.idle_forwards = 0
+        tp.marked[0] = True  # from now on every forward starts at begin() or idle_forward()
 
     def stats(self) -> dict[str, int]:
         return {"dp_idle_forwards_total": self.idle_forwards}
@@ -156,11 +170,13 @@ class DPSync:
 
     def begin(self) -> None:
         self._mark = self.tp.forwards[0]
+        self.tp.counts[0] = None
 
     @torch.inference_mode()
     def idle_forward(self) -> None:
         """Zero tokens through every MoE layer, in model order: only the collectives run."""
         self.idle_forwards += 1
+        self.tp.counts[0] = None
         for m in self.moes:
             m(torch.empty(0, m.gate.shape[1], dtype=m.w13.dtype, device=m.w13.device))
 
