@@ -26,6 +26,9 @@ from aiohttp import web
 log = logging.getLogger("vllm_pd_proxy")
 UPSTREAM_TIMEOUT_S = 600.0
 HEALTH_TIMEOUT_S = 5.0
+PREFILL = web.AppKey("prefill", str)
+DECODE = web.AppKey("decode", str)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -56,8 +59,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return error(400, f"body is not JSON: {e}")
     if not isinstance(body, dict):
         return error(400, "body must be a JSON object")
-    session: aiohttp.ClientSession = app["session"]
-    async with session.post(app["prefill"] + "/v1/completions", json=prefill_body(body)) as r:
+    session = app[SESSION]
+    async with session.post(app[PREFILL] + "/v1/completions", json=prefill_body(body)) as r:
         if r.status != 200:
             return error(r.status, f"prefill server: {(await r.text())[:500]}")
         answer = await r.json()
@@ -65,7 +68,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if dbody is None:
         return error(502, "prefill answer carries no kv_transfer_params (is the prefill server "
                           "started with --kv-transfer-config?)")
-    async with session.post(app["decode"] + "/v1/completions", json=dbody) as r:
+    async with session.post(app[DECODE] + "/v1/completions", json=dbody) as r:
         if r.status != 200 or not body.get("stream"):
             return web.Response(status=r.status, body=await r.read(),
                                 content_type=r.content_type)
@@ -78,10 +81,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.Response:
-    session: aiohttp.ClientSession = request.app["session"]
-    for name in ("prefill", "decode"):
+    session = request.app[SESSION]
+    for name, key in (("prefill", PREFILL), ("decode", DECODE)):
         try:
-            async with session.get(request.app[name] + "/health",
+            async with session.get(request.app[key] + "/health",
                                    timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
                 if r.status != 200:
                     return error(503, f"{name} server /health answered {r.status}")
@@ -92,14 +95,14 @@ async def health(request: web.Request) -> web.Response:
 
 def make_app(prefill: str, decode: str) -> web.Application:
     app = web.Application()
-    app["prefill"], app["decode"] = prefill.rstrip("/"), decode.rstrip("/")
+    app[PREFILL], app[DECODE] = prefill.rstrip("/"), decode.rstrip("/")
 
     async def session_ctx(app: web.Application) -> Any:
-        app["session"] = aiohttp.ClientSession(
+        app[SESSION] = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=UPSTREAM_TIMEOUT_S),
             connector=aiohttp.TCPConnector(limit=0))
         yield
-        await app["session"].close()
+        await app[SESSION].close()
 
     app.cleanup_ctx.append(session_ctx)
     app.router.add_post("/v1/completions", completions)
