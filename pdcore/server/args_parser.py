@@ -227,6 +227,11 @@ def parse_server_args(argv: list[str], prog: str = "pdserve serve") -> ServerArg
     from pdcore.server.preflight import preflight
 
     parser = build_parser(prog)
+    from pdcore.server.hardware_first import hardware_refusal
+
+    refusal = hardware_refusal(parser, argv)  # missing hardware before unbuilt flags
+    if refusal:
+        parser.exit(2, f"{prog}: error: {refusal}\n")
     ns = parser.parse_args(argv)
     try:
         args = ServerArgs(**vars(ns))

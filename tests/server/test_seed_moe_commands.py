@@ -2,17 +2,20 @@
 model: what stops it, and that it parses once the hardware-only flags are swapped for CPU ones.
 
 The lines (copied from /work/shared/seeds: 000 = the older PD page, 003 = the current one) are
-multi-node GPU/NPU deployments. Today each stops at exit 2 for one of three reasons, each named
-in the message:
-- flags of features other issues build (DP attention, speculative decoding, quantization, CUDA
-  graph batch sizes, several tokenizer workers): argparse's "unrecognized arguments", or our own
-  refusal (`--disable-cuda-graph` is accepted: pdserve captures no CUDA graphs);
+multi-node GPU/NPU deployments. Each stops at exit 2 for one of three reasons, each named in the
+message:
 - a typo in the older page (`---disaggregation-transfer-backend`, three dashes);
-- with those set aside, the one hardware-only flag: DeepEP (`--enable-deepep-moe` /
-  `--moe-a2a-backend deepep`), which on CPU exits 2 saying to use `--moe-a2a-backend none`.
-With DeepEP swapped for `none`, the NPU/RDMA/multi-node flags for local ones and TP 16 for 2,
-every line parses into a server configuration (its MoE/EP part runs in tests/pd/test_pd_moe.py
-and tests/tp/test_moe_tp_ep.py).
+- an NPU line (`--device npu`, the Ascend DeepSeek and MiMo decode lines): the NPU, named first,
+  with the flags of features pdserve does not build listed after it (speculative decoding,
+  `--quantization modelslim`, CUDA graph batch sizes, several tokenizer workers);
+- otherwise the one hardware-only flag: DeepEP (`--enable-deepep-moe` / `--moe-a2a-backend
+  deepep`), which on CPU exits 2 saying to use `--moe-a2a-backend none`. The multi-node DP
+  attention lines (`--nnodes 2 --tp-size 16 --dp-size 8 --enable-dp-attention`) stop only there:
+  DP attention across nodes is built (pdcore.runtime.dp_nodes).
+With DeepEP swapped for `none`, the NPU/RDMA flags for local ones and TP 16 / DP 8 for 2 / 2,
+every line parses into a server configuration, the two-node ones as two nodes (their MoE/EP part
+runs in tests/pd/test_pd_moe.py and tests/tp/test_moe_tp_ep.py, their two-node DP attention in
+tests/server/test_dp_attention_nodes.py and test_seed_dp_commands.py).
 """
 
 from __future__ import annotations
@@ -105,10 +108,8 @@ SEEDS: list[tuple[str, str]] = [
 ]
 assert len(SEEDS) == 20
 
-# flags of features other issues own, with how many values each takes (-1: a list)
+# flags of features pdserve does not build, with how many values each takes (-1: a list)
 LATER: dict[str, int] = {
-    "--dp-size": 1, "--enable-dp-attention": 0, "--enable-dp-lm-head": 0,
-    "--prefill-round-robin-balance": 0, "--load-balance-method": 1,
     "--speculative-algorithm": 1, "--speculative-num-steps": 1, "--speculative-eagle-topk": 1,
     "--speculative-num-draft-tokens": 1, "--enable-multi-layer-eagle": 0,
     "--speculative-draft-model-quantization": 1, "--quantization": 1,
@@ -171,39 +172,58 @@ def test_seed_line_exits_2_naming_what_stops_it(i, tiny_moe, capsys):
         assert TYPO in err, err
         return
     later = [f for f in LATER if f in argv]
-    if any(f in err for f in later):  # argparse names every flag it does not know, or we
-        argv = _strip(argv, LATER)  # refuse the first we do; once built, a flag stops nothing
-        err = _exit_message(argv, capsys)
+    if "npu" in argv and later:  # the NPU first, then every unbuilt flag of the line
+        assert err.count("--device npu needs that hardware") == 1, err
+        assert all(f in err for f in later), (later, err)
+        return
+    assert not later, later
     # what remains stops only at DeepEP, naming the spelling the line used
     flag = DEEPEP[0] if DEEPEP[0] in argv else DEEPEP[1]
     assert flag in err and "--moe-a2a-backend none" in err, (source, err)
 
 
 def test_lines_of_built_features_stop_only_at_hardware(tiny_moe, capsys):
-    """A line with no flag of a feature another issue builds (today the MiMo prefill line)
-    stops at its hardware-only flags as it stands: DeepEP, then the NPU."""
+    """A line with no flag of an unbuilt feature (the MiMo prefill line and the 12 multi-node
+    DeepSeek lines without the older page's typo) stops at its hardware-only flags as it
+    stands: DeepEP, then (MiMo) the NPU; with both set aside the DeepSeek lines parse as two
+    nodes with DP attention."""
     plain = [(i, line) for i, (_, line) in enumerate(SEEDS)
              if TYPO not in line and not any(f in shlex.split(line) for f in LATER)]
-    assert [i for i, _ in plain] == [16], plain
+    assert [i for i, _ in plain] == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 16], plain
     for _, line in plain:
         argv = _argv(line, tiny_moe)
         err = _exit_message(argv, capsys)
-        assert "--moe-a2a-backend deepep" in err and "--moe-a2a-backend none" in err, err
-        argv[argv.index("deepep")] = "none"
-        err = _exit_message(argv, capsys)
-        assert "npu" in err, err
+        assert "deepep" in err and "--moe-a2a-backend none" in err, err
+        argv = _strip(argv, {"--enable-deepep-moe": 0, "--deepep-mode": 1})
+        if "deepep" in argv:
+            argv[argv.index("deepep")] = "none"
+        if "npu" in argv:
+            err = _exit_message(argv, capsys)
+            assert "npu" in err, err
+            continue
+        if "nixl" in argv and importlib.util.find_spec("pd_nixl") is None:
+            argv[argv.index("nixl")] = "tcp"
+        argv = _swap(_strip(argv, {"--disaggregation-ib-device": 1}), {"--tp-size": "2",
+                                                                       "--dp-size": "2"})
+        args = parse_server_args(argv)
+        assert (args.nnodes, args.tp_size, args.dp_size, args.enable_dp_attention) == (
+            2, 2, 2, True)
+
+
+def _swap(argv: list[str], values: dict[str, str]) -> list[str]:
+    return [values.get(argv[k - 1], a) if k else a for k, a in enumerate(argv)]
 
 
 def _cpu_version(argv: list[str]) -> list[str]:
-    """Hardware-only and multi-node flags swapped for what this machine has."""
+    """Hardware-only flags swapped for what this machine has; a two-node line stays two nodes
+    (TP 16 / DP 8 -> 2 / 2)."""
     argv = _strip(argv, {**LATER, "--enable-deepep-moe": 0, "--disaggregation-ib-device": 1,
-                         "--attention-backend": 1, "--device": 1, "--dist-init-addr": 1,
-                         "--base-gpu-id": 1, "--nnodes": 1, "--node-rank": 1, TYPO: 1})
+                         "--attention-backend": 1, "--device": 1, "--base-gpu-id": 1, TYPO: 1})
     out: list[str] = []
     for a in argv:
         if out and out[-1] == "--moe-a2a-backend":
             out.append("none")
-        elif out and out[-1] == "--tp-size":
+        elif out and out[-1] in ("--tp-size", "--dp-size"):
             out.append("2")
         elif out and out[-1] == "--disaggregation-transfer-backend" and a == "ascend":
             out.append("tcp")
@@ -222,12 +242,13 @@ def test_seed_line_parses_with_cpu_flags(i, tiny_moe):
     args = parse_server_args(argv)
     assert (args.tp_size, args.ep_size, args.moe_a2a_backend) == (2, 2, "none")
     assert args.disaggregation_mode in ("prefill", "decode")
+    assert args.nnodes == (2 if i < 16 else 1)
 
 
 def test_seed_line_through_the_cli(tiny_moe):
-    """The real program: `pdserve serve` with the current page's DeepSeek decode line, DP flags
-    set aside, exits 2 naming --moe-a2a-backend deepep."""
-    argv = _strip(_argv(SEEDS[10][1], tiny_moe), LATER)
+    """The real program: `pdserve serve` with the current page's DeepSeek decode line (two
+    nodes, DP attention) exits 2 naming --moe-a2a-backend deepep."""
+    argv = _argv(SEEDS[10][1], tiny_moe)
     r = subprocess.run([sys.executable, "-m", "pdcore", "serve", *argv], capture_output=True,
                        text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr

@@ -1,0 +1,42 @@
+"""A command line for hardware this machine lacks (`--device npu` without an NPU) that also uses
+flags pdserve does not build (speculative decoding, `--quantization`, `--cuda-graph-bs`, ...):
+the missing hardware is what stops it first, so the exit-2 message names the device, then lists
+the unbuilt flags the line would hit next (argparse alone would only report those)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def hardware_refusal(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The message to exit 2 with, or None (the line's device is here, or every flag is known:
+    then the ordinary checks decide)."""
+    try:
+        ns, unknown = parser.parse_known_args(argv)
+    except SystemExit:  # a known flag with a bad value: argparse's own message follows
+        return None
+    unbuilt = [a for a in unknown if a.startswith("-")]
+    device = getattr(ns, "device", "cpu")
+    if not unbuilt or device == "cpu":
+        return None
+    from pdcore.plugins.host import platforms
+
+    registry = platforms()
+    if device not in registry:
+        why = (f"no platform plugin named {device!r} is installed (npu: pip install "
+               "./plugins/pd-ascend; see `pdserve plugins`)")
+    else:
+        ok, reason = registry.get(device).available()
+        if ok:
+            return None
+        why = f"it is not available here: {reason}"
+    also = ""
+    try:  # a known flag with a value pdserve does not support (--tokenizer-worker-num 4)
+        from pdcore.config import ServerArgs
+
+        ServerArgs(**vars(ns)).validate()
+    except Exception as e:  # noqa: BLE001 - only reported, after the device
+        also = f"; and {e}"
+    return (f"--device {device} needs that hardware and {why}. The line also uses flags "
+            f"pdserve does not build yet: {', '.join(unbuilt)} (drop them to run without)"
+            f"{also}")
