@@ -1,7 +1,11 @@
-"""Load config and weights through transformers, then copy them into our model.
+"""Load a model's config and weights into our model (whose forward pass reads and writes the
+paged KV pool).
 
-transformers reads HF folders (safetensors) and GGUF files (dequantised); the forward pass is
-ours because attention must read and write the paged KV pool.
+Weights come straight from the folder's safetensors files (`weights.py`: mapped, zero-copy; no
+transformers model is built). A GGUF file loads through its cached float32 HF conversion
+(`gguf_cache.py`); only with that cache off does transformers read the GGUF itself.
+`--load-format dummy` draws random weights with transformers' own initialisation.
+The config is read by transformers' AutoConfig.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pdcore.engine.gguf_cache import converted
 from pdcore.engine.models import deepseek, llama, mixtral, qwen_moe
 from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.tokenizer import ResolvedModel, resolve_model
+from pdcore.engine.weights import SafetensorsWeights
 from pdcore.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -85,20 +90,23 @@ def _check_format(resolved: ResolvedModel, load_format: str) -> None:
                           "use --load-format auto or gguf")
 
 
-def _hf_model(resolved: ResolvedModel, cfg: Any, load_format: str,
-              trust_remote_code: bool) -> Any:
-    """The transformers model: weights from the files, or random ones (`dummy`) drawn by
-    transformers' own initialisation for the config's shapes (no weight file is read)."""
+def _hf_state_dict(resolved: ResolvedModel, cfg: Any, load_format: str,
+                   trust_remote_code: bool) -> Any:
+    """Checkpoint tensors by HF name: mapped from the safetensors files; for `dummy`, random ones
+    of the config's shapes drawn by transformers' initialisation (no weight file is read); for
+    a GGUF file read without the cache, transformers' dequantised model's."""
+    if load_format != "dummy" and resolved.gguf_file is None:
+        return SafetensorsWeights(resolved.path)
     from transformers import AutoModelForCausalLM
 
     if load_format == "dummy":
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
-                                                trust_remote_code=trust_remote_code)
+                                                trust_remote_code=trust_remote_code).state_dict()
     try:
         return AutoModelForCausalLM.from_pretrained(
             resolved.path, dtype=torch.float32, trust_remote_code=trust_remote_code,
             **resolved.hf_kwargs(),
-        )
+        ).state_dict()
     except Exception as e:
         raise ModelLoadError(f"cannot load weights from {resolved.display_path}: {e}") from e
 
@@ -106,7 +114,7 @@ def _hf_model(resolved: ResolvedModel, cfg: Any, load_format: str,
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                tp: TPInfo | None = None, trust_remote_code: bool = False,
                load_format: str = "auto") -> tuple[Any, Any, ResolvedModel]:
-    """Our model with weights loaded (progress bars come from transformers)."""
+    """Our model with weights loaded."""
     _progress_bars_on_a_thread_lock()
     raw = resolve_model(model_path)
     _check_format(raw, load_format)
@@ -115,14 +123,18 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     cfg = load_config(resolved, trust_remote_code)
     log.info("loading %s (%s) as %s%s", resolved.display_path, cfg.architectures[0], dtype,
              " with random weights (--load-format dummy)" if load_format == "dummy" else "")
-    hf = _hf_model(resolved, cfg, load_format, trust_remote_code)
-    if not getattr(hf.config, "architectures", None):
-        hf.config.architectures = cfg.architectures
-    model = MODEL_CLASSES[hf.config.architectures[0]](hf.config, tp)
-    model.load_hf_state_dict(hf.state_dict())
-    del hf  # one copy of the weights from here: ours (prepare_for_inference replaces them)
+    sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)
+    model = MODEL_CLASSES[cfg.architectures[0]](cfg, tp)
+    try:
+        model.load_hf_state_dict(sd)
+    except KeyError as e:
+        raise ModelLoadError(f"{resolved.display_path} lacks the weight {e} that "
+                             f"{cfg.architectures[0]} needs") from e
     model = model.to(device=device, dtype=dtype).eval()
     model.prepare_for_inference()
+    if isinstance(sd, SafetensorsWeights):
+        sd.release_pages()
+    del sd  # one copy of the weights from here: ours (prepare_for_inference replaces them)
     _return_freed_memory()
     return model, model.cfg, resolved
 
@@ -147,7 +159,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _return_freed_memory() -> None:
-    """Hand the heap that loading freed (the transformers model, float32 copies) back to the
+    """Hand the heap that loading freed (stacked experts, float32 copies) back to the
     OS: glibc keeps freed chunks for reuse otherwise, and they stay in the resident size."""
     import ctypes
     import ctypes.util

@@ -34,6 +34,7 @@ from pdcore.engine.models.layers import (
 )
 from pdcore.engine.models.llama import MLP, DecodeGroup, ForwardBatch
 from pdcore.engine.models.moe import MoE, RouterSpec
+from pdcore.engine.weights import adopt
 
 SUPPORTED_ARCHS = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _REPLICATED = TPInfo()  # layers every rank computes whole (the latent projections)
@@ -259,7 +260,9 @@ class DeepseekForCausalLM(nn.Module):
             return sd[name]
 
         opt = sd.get
-        self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+        # the lookup reads a few rows a step: the checkpoint's mapped tensor serves as it is
+        self.embed_tokens.weight = adopt(self.embed_tokens.weight,
+                                         get("model.embed_tokens.weight"))
         lm = opt("lm_head.weight")
         self.lm_head.copy_(lm if lm is not None else get("model.embed_tokens.weight"))
         self.norm.weight.copy_(get("model.norm.weight"))

@@ -27,6 +27,7 @@ from pdcore.engine.models.layers import (
     pack_linears,
     q_head_span,
 )
+from pdcore.engine.weights import adopt
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -272,7 +273,9 @@ class LlamaForCausalLM(nn.Module):
         def opt(name: str) -> torch.Tensor | None:
             return sd.get(name)
 
-        self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+        # the lookup reads a few rows a step: the checkpoint's mapped tensor serves as it is
+        self.embed_tokens.weight = adopt(self.embed_tokens.weight,
+                                         get("model.embed_tokens.weight"))
         lm = opt("lm_head.weight")
         self.lm_head.copy_(lm if lm is not None else get("model.embed_tokens.weight"))
         self.norm.weight.copy_(get("model.norm.weight"))
