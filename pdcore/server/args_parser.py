@@ -64,9 +64,12 @@ HELP: dict[str, str] = {
                            "(own scheduler and KV pool each); MoE layers span all ranks",
     "enable_dp_lm_head": "with --enable-dp-attention: accepted (the lm head already stays inside "
                          "each DP rank)",
-    "nnodes": "nodes the TP ranks are spread over (each runs tp-size/nnodes ranks)",
+    "nnodes": "nodes the TP ranks are spread over (each runs tp-size/nnodes ranks; with "
+              "--enable-dp-attention they are whole DP ranks: dp-size a multiple of nnodes)",
     "node_rank": "this node's index; node 0 serves HTTP, the others only run their ranks",
-    "dist_init_addr": "HOST:PORT where the TP ranks meet (required with --nnodes > 1)",
+    "dist_init_addr": "HOST:PORT where the TP ranks meet (required with --nnodes > 1); with "
+                      "DP attention over nodes, node 0 also takes PORT+1..PORT+2*dp-size for "
+                      "the other nodes' DP ranks",
     "base_gpu_id": "first accelerator index to use",
     "device": "platform plugin to run on: cpu, cuda, npu, ... (see `pdserve plugins`)",
     "attention_backend": "attention implementation; `ascend` needs --device npu",
