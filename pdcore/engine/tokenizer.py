@@ -7,6 +7,7 @@ holding exactly one GGUF file. Without it, SmolLM2-135M-Instruct from the `llm-s
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -70,18 +71,44 @@ def resolve_model(model_path: str | None) -> ResolvedModel:
     raise ModelLoadError(f"{path} has neither config.json nor a .gguf file")
 
 
+# tokenizer_config.json classes that are exactly the generic `tokenizers` backend: loaded
+# directly, they keep the process free of torch (see _light_tokenizer)
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _light_tokenizer(folder: str) -> Any | None:
+    """The tokenizer of `folder` without AutoTokenizer, or None when that does not apply.
+
+    AutoTokenizer reads the model config through transformers' config module, which imports
+    torch (~300 MiB resident in the HTTP frontend, which never runs a tensor op). A folder whose
+    tokenizer_config.json names the generic `tokenizers` backend and ships tokenizer.json loads
+    the same class directly, chat template and special tokens included; any other class goes
+    through AutoTokenizer as before."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    if cls not in _GENERIC_CLASSES or not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return None
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(folder)
+
+
 def load_tokenizer(args: Any) -> Any:
     """The transformers tokenizer (with chat template) for args.tokenizer_path or model_path."""
-    from transformers import AutoTokenizer
-
     from pdcore.engine.gguf_cache import converted
 
     resolved = converted(resolve_model(getattr(args, "tokenizer_path", None) or args.model_path))
+    remote = bool(getattr(args, "trust_remote_code", False))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            resolved.path, trust_remote_code=bool(getattr(args, "trust_remote_code", False)),
-            **resolved.hf_kwargs(),
-        )
+        tokenizer = None if remote or resolved.gguf_file else _light_tokenizer(resolved.path)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=remote,
+                                                      **resolved.hf_kwargs())
     except Exception as e:
         raise ModelLoadError(f"cannot load tokenizer from {resolved.display_path}: {e}") from e
     template = getattr(args, "chat_template", None)
