@@ -240,10 +240,10 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def _make_rotary(cfg) -> nn.Module:
-        # transformers computes inv_freq (and any rope scaling) for us: same numbers as HF
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        # transformers' inverse frequencies (and rope scaling), without its model module (rope.py)
+        from pdcore.engine.models.rope import make_rotary
 
-        return LlamaRotaryEmbedding(cfg)
+        return make_rotary(cfg)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
