@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,10 @@ VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_S
             "UCX_TLS": "tcp,sm,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
 NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 SERVED_NAME = "model"
+# NIXL side-channel ports of the prefill / decode server. Fixed, not free ports picked per run:
+# vLLM hashes this variable into its torch.compile cache key, so a new port every run would
+# recompile the model (minutes) on every start.
+SIDE_PORTS = (5600, 5601)
 
 
 class Proc:
@@ -132,8 +137,16 @@ def vllm_serve(vllm_python: str, model: str, dtype: str, port: int, bind: str, k
     return Proc(argv, f"http://127.0.0.1:{port}", env, name)
 
 
+def check_free(port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise RuntimeError(f"port {port} is taken ({e}); pick other --vllm-side-ports") from e
+
+
 def start_system(system: str, model: str, dtype: str, vllm_python: str | None, vllm_bind: str,
-                 kv_gib: int) -> Group:
+                 kv_gib: int, side_ports: tuple[int, int] = SIDE_PORTS) -> Group:
     g, py, port = Group(), sys.executable, free_port()
     if system == "pdserve-unified":
         g.add(Proc([py, "-m", "pdcore", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -153,7 +166,8 @@ def start_system(system: str, model: str, dtype: str, vllm_python: str | None, v
         urls = []
         for i, (role, cpu) in enumerate((("prefill", "0"), ("decode", "1"))):
             p = port if i == 0 else free_port()
-            side = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            check_free(side_ports[i])
+            side = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[i])}
             urls.append(g.add(vllm_serve(vllm_python, model, dtype, p, cpu, kv_gib, side, kv,
                                          name=f"vllm-{role}")).url)
         pp = free_port()
@@ -186,9 +200,9 @@ def make_hf_folder(dest: Path) -> Path:
 
 
 def legacy_config_keys(path: Path) -> None:
-    """Add the pre-5.x spellings (rope_theta, torch_dtype) beside the new ones: vLLM's venv pins
-    an older transformers, which ignores `rope_parameters` and would silently use the default
-    rope theta (wrong logits at the same speed)."""
+    """Add the pre-5.x spellings (rope_theta, torch_dtype) beside the new ones: vLLM pins its own
+    transformers, and one older than 5.x ignores `rope_parameters` and silently uses the default
+    rope theta (wrong logits at the same speed; the bench's greedy probe would show it)."""
     cfg = json.loads(path.read_text())
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" in rope:

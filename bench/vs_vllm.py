@@ -90,13 +90,17 @@ def one_round(system: str, dtype: str, args: argparse.Namespace, prompts: list[l
               ) -> dict[str, Any]:
     load_before = os.getloadavg()
     group = start_system(system, args.model_path, dtype, args.vllm_python, args.vllm_bind,
-                         args.vllm_kv_gib)
+                         args.vllm_kv_gib, args.vllm_side_ports)
     try:
         startup = group.wait_ready(args.startup_timeout)
         asyncio.run(closed_loop(group.url, prompts[: args.concurrency], 4, args.concurrency))
         text = probe(group.url, prompts[0])
         results, wall = asyncio.run(closed_loop(group.url, prompts, args.output_len,
                                                 args.concurrency))
+    except (RuntimeError, httpx.HTTPError) as e:
+        # one system failing to start or serve must not cost the other systems' numbers
+        return {"error": f"{type(e).__name__}: {e}", "loadavg_before": list(load_before),
+                "loadavg_after": list(os.getloadavg()), "logs": group.logs()}
     finally:
         group.stop()
     stats = latency_stats(results)
@@ -108,7 +112,9 @@ def one_round(system: str, dtype: str, args: argparse.Namespace, prompts: list[l
 
 
 def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"failed_rounds": sum("error" in r for r in rounds)}
+    rounds = [r for r in rounds if "error" not in r] or [{"tok_s": None, "mean_ttft_s": None,
+                                                          "mean_tpot_s": None, **rounds[0]}]
     for k in ("tok_s", "mean_ttft_s", "mean_tpot_s"):
         vals = [r[k] for r in rounds if r[k] is not None]
         out[k] = statistics.median(vals) if vals else None
@@ -135,7 +141,8 @@ def probes_agree(rounds: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str
     """Per dtype: the greedy probe text of each system (first round) and whether they agree."""
     out = {}
     for dtype, by_sys in rounds.items():
-        texts = {s: r[0]["probe_text"] for s, r in by_sys.items() if r}
+        texts = {s: ok[0]["probe_text"] for s, r in by_sys.items()
+                 if (ok := [x for x in r if "probe_text" in x])}
         out[dtype] = {"texts": texts, "all_equal": len(set(texts.values())) <= 1}
     return out
 
@@ -149,6 +156,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-bind", default="0-1",
                     help="VLLM_CPU_OMP_THREADS_BIND for unified vLLM (1P1D binds 0 / 1)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--vllm-side-ports", default="5600,5601",
+                    help="NIXL side-channel ports of vLLM's prefill,decode servers (fixed: "
+                         "vLLM's compile cache key includes them)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -168,6 +178,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [d for d in args.dtypes if d not in ("float32", "bfloat16")]
     if bad:
         ap.error(f"--dtypes: unknown {bad}; use float32 and/or bfloat16")
+    try:
+        a, b = (int(p) for p in args.vllm_side_ports.split(","))
+    except ValueError:
+        ap.error(f"--vllm-side-ports: want two ports like 5600,5601, got {args.vllm_side_ports!r}")
+    args.vllm_side_ports = (a, b)
     args.systems = [s for s in args.systems.split(",") if s]
     if unknown := [s for s in args.systems if s not in SYSTEMS]:
         ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
@@ -194,6 +209,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for s in alternating(systems, rep):
                 r = one_round(s, dtype, args, prompts)
                 rounds[dtype][s].append(r)
+                if "error" in r:
+                    print(f"round {rep} {dtype} {s}: FAILED {r['error']}", flush=True)
+                    continue
                 print(f"round {rep} {dtype} {s}: {r['tok_s']:.1f} tok/s, TPOT "
                       f"{(r['mean_tpot_s'] or 0) * 1000:.0f} ms, start {r['startup_s']:.0f} s, "
                       f"load {r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}, "
@@ -220,7 +238,7 @@ def report(data: dict[str, Any], note: str, path: Path) -> None:
             f"{k}: {v}" for k, v in data["skipped"].items()) + ")")
     for d, by_sys in data["median"].items():
         for s, m in by_sys.items():
-            print(f"  {d:8s} {s:16s} {m['tok_s']:7.1f} tok/s  TTFT {m['mean_ttft_s'] or 0:.2f} s"
+            print(f"  {d:8s} {s:16s} {m['tok_s'] or 0:7.1f} tok/s  TTFT {m['mean_ttft_s'] or 0:.2f} s"
                   f"  TPOT {(m['mean_tpot_s'] or 0) * 1000:.0f} ms  (load <= "
                   f"{m['loadavg_1m_max']:.1f})")
     for k, a in data["acceptance"].items():
@@ -239,7 +257,7 @@ def plot(data: dict[str, Any], args: argparse.Namespace, note: str) -> None:
     names = [f"{s}\n{d}" for d, by_sys in data["median"].items() for s in by_sys]
     meds = [m for by_sys in data["median"].values() for m in by_sys.values()]
     colors = ["C1" if n.startswith("vllm") else "C0" for n in names]
-    a.bar(names, [m["tok_s"] for m in meds], color=colors)
+    a.bar(names, [m["tok_s"] or 0 for m in meds], color=colors)
     a.set_ylabel("output tok/s (median over rounds)")
     b.bar(names, [(m["mean_tpot_s"] or 0) * 1000 for m in meds], color=colors)
     b.set_ylabel("mean TPOT (ms)")
