@@ -138,4 +138,5 @@ def run_remote_scheduler(mine: ServerArgs, dp_rank: int, timeout_s: float) -> No
             if isinstance(msg, ServerArgs):
                 node0 = msg
     log.info("DP rank %d: linked to node 0 at %s / %s", dp_rank, to_addr, from_addr)
-    serve_scheduler(own_args(node0, mine, dp_rank), ctx, recv, send, _SocketReady(send))
+    if not serve_scheduler(own_args(node0, mine, dp_rank), ctx, recv, send, _SocketReady(send)):
+        raise SystemExit(1)  # node 0 got the error; this node's process exits 1 too

@@ -150,9 +150,10 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
 
 
 def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: zmq.Socket,
-                    ready_conn: Any) -> None:
+                    ready_conn: Any) -> bool:
     """Start the engine, report on `ready_conn` (anything with `send(dict)`), serve until
-    stopped (a DP rank on another node comes here too: pdcore.runtime.dp_nodes)."""
+    stopped (a DP rank on another node comes here too: pdcore.runtime.dp_nodes); False when
+    the start failed."""
     ranks = RankGroup(args)
     engine = None
     try:
@@ -184,7 +185,7 @@ def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: 
         recv.close(0)
         send.close()  # its linger delivers the error over a link to another node
         ctx.term()
-        return
+        return False
     ready_conn.send({"ok": True, "info": engine.info})
     loop = SchedulerLoop(engine, recv, send, args.watchdog_timeout)
 
@@ -200,3 +201,4 @@ def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: 
         recv.close(0)
         send.close(0)
         ctx.term()
+    return True

@@ -2,14 +2,17 @@
 on two nodes in both pages, old and new DeepEP spellings, RDMA and NIXL; the two Ascend lines),
 run with our program name and a tiny DeepSeek-V3 (MLA + MoE) model.
 
-1. as written, every line exits 2 naming a flag that stops it on this machine (two nodes with
-   --dp-size, DeepEP, an NPU, features other issues build);
-2. with the hardware-only and multi-node flags swapped for local ones (TP 16 / DP 8 or 16 ->
-   TP 2 / DP 2; DeepEP -> `--moe-a2a-backend none`; no RDMA device, no NPU) every line parses
-   with DP attention on;
-3. the current page's RDMA prefill/decode pair, so swapped, starts (two servers, each two DP
-   ranks of one attention rank) and serves: requests through PD on both DP ranks of each side
-   give transformers' greedy tokens.
+1. as written, every line exits 2 naming the one hardware-only flag that stops it on this
+   machine: DeepEP for the 16 two-node DeepSeek lines (the older page's NIXL lines stop first at
+   its `---disaggregation-transfer-backend` typo), the NPU for the two Ascend lines, whose
+   message also lists their unbuilt flags (speculative decoding, `--quantization`, ...);
+2. with the hardware-only flags swapped for local ones (TP 16 / DP 8 or 16 -> TP 2 / DP 2;
+   DeepEP -> `--moe-a2a-backend none`; no RDMA device, no NPU) every line parses with DP
+   attention on, the DeepSeek lines as node 0 or node 1 of two (`--nnodes 2`);
+3. the current page's RDMA prefill/decode pair, so swapped, runs as written on two nodes each
+   (four `pdserve serve` processes on loopback: node 0 and node 1 of the prefill server, of the
+   decode server; each node holds one DP rank) and serves: requests through PD on both DP
+   ranks of each side give transformers' greedy tokens.
 """
 
 from __future__ import annotations
@@ -85,10 +88,10 @@ ASCEND = [
 LINES = _deepseek_lines() + ASCEND
 assert len(LINES) == 18
 
-# flags with how many values they take (-1: a list): what this machine lacks (two nodes, RDMA,
-# an NPU) and features other issues build (speculative decoding, quantization, CUDA graphs,
-# several tokenizer workers)
-DROP = {"--dist-init-addr": 1, "--nnodes": 1, "--node-rank": 1, "--disaggregation-ib-device": 1,
+# flags with how many values they take (-1: a list): what this machine lacks (RDMA, an NPU) and
+# features pdserve does not build (speculative decoding, quantization, CUDA graphs, several
+# tokenizer workers)
+DROP = {"--disaggregation-ib-device": 1,
         "--enable-deepep-moe": 0, "--attention-backend": 1, "--device": 1, "--quantization": 1,
         "--speculative-algorithm": 1, "--speculative-num-steps": 1,
         "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": 1,
@@ -155,34 +158,48 @@ def test_seed_dp_line_as_written_exits_2_naming_a_flag(i: int, tiny_ds: str,
     err = _exit_message(argv, capsys)
     named = set(re.findall(r"-{2,3}[a-z][a-z0-9-]+", err)) & set(argv)
     assert named, err
+    if "---disaggregation-transfer-backend" in argv:
+        assert "---disaggregation-transfer-backend" in err, err
+    elif "npu" in argv:  # the NPU first, then the line's unbuilt flags
+        assert "--device npu needs that hardware" in err, err
+        assert "--speculative-algorithm" in err and "--quantization" in err, err
+    else:  # multi-node DP attention is built: only DeepEP stops these
+        assert "--nnodes" not in err and "--dp-size" not in err, err
+        assert "deepep" in err and "--moe-a2a-backend none" in err, err
 
 
 @pytest.mark.parametrize("i", range(len(LINES)))
 def test_seed_dp_line_parses_with_local_flags(i: int, tiny_ds: str) -> None:
     args = parse_server_args(_local(_argv(LINES[i], tiny_ds)))
     assert (args.tp_size, args.dp_size, args.enable_dp_attention) == (2, 2, True)
-    assert args.moe_a2a_backend == "none" and args.nnodes == 1
+    assert args.moe_a2a_backend == "none" and args.nnodes == (2 if i < 16 else 1)
+    assert args.node_rank == (i % 2 if i < 16 else 0)
     assert args.disaggregation_mode in ("prefill", "decode")
 
 
 # ---- the current page's RDMA pair, started and serving ------------------------------------------
 @pytest.fixture(scope="module")
 def pair(tiny_ds: str) -> Iterator[tuple[ServerProcess, ServerProcess, int]]:
-    p_line, d_line = LINES[8], LINES[10]  # 003, RDMA, node 0: prefill then decode
-    assert "prefill" in p_line and "decode" in d_line and "--moe-a2a-backend deepep" in p_line
+    lines = LINES[8:12]  # 003, RDMA: prefill node 0, node 1, decode node 0, node 1
+    assert "--moe-a2a-backend deepep" in lines[0]
+    assert [("prefill" in x, "--node-rank 1" in x) for x in lines] == [
+        (True, False), (True, True), (False, False), (False, True)]
     boot = free_port()
     loopback = ["--disaggregation-transfer-backend", "tcp", "--max-total-tokens", "4096"]
     servers = []
     try:
-        for line, extra in ((p_line, ["--disaggregation-bootstrap-port", str(boot)]),
-                            (d_line, [])):
+        for k, line in enumerate(lines):
+            if k % 2 == 0:  # each server's nodes meet at a free port (the page's :5000)
+                meet = f"127.0.0.1:{free_port()}"
             argv = _local(_argv(line, tiny_ds))
             i = argv.index("--port")
             del argv[i : i + 2]  # ServerProcess picks a free port; --host is 127.0.0.1 already
+            argv[argv.index("--dist-init-addr") + 1] = meet
+            extra = ["--disaggregation-bootstrap-port", str(boot)] if k < 2 else []
             servers.append(ServerProcess(*argv, *loopback, *extra))
-        for s in servers:
+        for s in servers[::2]:  # node 0 of each serves HTTP
             s.wait_healthy(400)
-        yield servers[0], servers[1], boot
+        yield servers[0], servers[2], boot
     finally:
         for s in servers:
             s.stop()
