@@ -76,7 +76,7 @@ class ModelRunner:
             else:  # K/V placed by someone else (a KV transfer): rebuild the table
                 ctx = self.blocks.slots(r.pages, 0, a + n)
             r.ctx_slots = ctx
-            seqs.append(SeqSpan(off, n, ctx.to(self.device)))
+            seqs.append(SeqSpan(off, n, ctx.to(self.device), key=r.rid))
             lo, hi = self._prompt_rows(r, a, n)
             p_first = len(rows)
             rows.extend(range(off + lo - a, off + hi - a))

@@ -4,7 +4,10 @@
   against F.linear;
 - batched decode attention (one padded gather + masked SDPA for every one-token sequence of a
   step) against one SDPA per sequence, in a step that mixes decodes of different context
-  lengths with a prefill chunk, and in a decode-only step (its output skips the scatter).
+  lengths with a prefill chunk, and in a decode-only step (its output skips the scatter);
+- the decode K/V view (decode_view.py: contexts kept contiguous between steps, appended to)
+  against gathering from the pool, over consecutive steps, a changed batch, a table that does
+  not continue, a mixed step and a failed forward.
 """
 
 from __future__ import annotations
@@ -142,3 +145,88 @@ def test_decode_only_step_matches_per_sequence(monkeypatch: pytest.MonkeyPatch) 
     b2, kv2 = _clone(batch, kv)
     monkeypatch.setattr(ForwardBatch, "decode_group", lambda self: None)
     torch.testing.assert_close(fast, model(b2, kv2), rtol=1e-5, atol=1e-5)
+
+
+def _decode_run(seed: int = 3) -> tuple[list[list[int]], torch.Tensor, int]:
+    """Three decoding sequences (contexts 3, 17, 40) in scattered pool slots, and slots left
+    over for the tokens they add."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(16 * 8, generator=g)
+    tables, used = [], 0
+    for n in (3, 17, 40):
+        tables.append(perm[used : used + n].tolist())
+        used += n
+    return tables, perm[used:], used
+
+
+def _decode_batch(tables: list[list[int]], keys: list[object] | None, seed: int) -> ForwardBatch:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [SeqSpan(i, 1, torch.tensor(t), key=None if keys is None else keys[i])
+            for i, t in enumerate(tables)]
+    return ForwardBatch(torch.randint(3, 300, (len(tables),), generator=g),
+                        torch.tensor([len(t) - 1 for t in tables]),
+                        torch.tensor([t[-1] for t in tables]), seqs, torch.arange(len(tables)))
+
+
+def test_decode_kv_view_matches_gathering(monkeypatch: pytest.MonkeyPatch) -> None:
+    viewed = _tiny_model(packed=True, monkeypatch=monkeypatch)
+    plain = _tiny_model(packed=True, monkeypatch=monkeypatch)  # same seed: same weights
+    _, kv = _mixed_step()
+    kv1, kv2 = [(k.clone(), v.clone()) for k, v in kv], [(k.clone(), v.clone()) for k, v in kv]
+    tables, spare, _ = _decode_run()
+    spare = iter(spare.tolist())
+    keys: list[object] = ["a", "b", "c"]
+    modes = []
+
+    def step(seed: int, check_mode: str | None = None) -> None:
+        batch = _decode_batch(tables, keys, seed)
+        got = viewed(batch, kv1)
+        modes.append(viewed.decode_kv.mode)
+        if check_mode is not None:
+            assert modes[-1] == check_mode, modes
+        want = plain(_decode_batch(tables, None, seed), kv2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    for j in range(4):  # fill, then appends
+        step(j, "fill" if j == 0 else "append")
+        for t in tables:
+            t.append(next(spare))
+    tables.pop(1)  # a sequence left the batch: the rows changed
+    keys.pop(1)
+    step(10, "fill")
+    tables[0].append(next(spare))
+    tables[1].append(next(spare))
+    tables[1][0] = tables[1][-2]  # no longer one token further along the same slots
+    step(11, "fill")
+    # a mixed step (prefill + decode) gathers and leaves the view invalid
+    mixed, _ = _mixed_step()
+    viewed(mixed, [(k.clone(), v.clone()) for k, v in kv])
+    assert viewed.decode_kv.mode == "" and not viewed.decode_kv.valid
+    for t in tables:
+        t.append(next(spare))
+    step(12, "fill")
+    for t in tables:
+        t.append(next(spare))
+
+    def boom(x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(viewed.layers[1].mlp, "forward", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        viewed(_decode_batch(tables, keys, 13), kv1)
+    assert not viewed.decode_kv.valid  # half-updated buffers are never appended to
+    monkeypatch.undo()
+    step(13, "fill")
+
+
+def test_decode_kv_view_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdcore.engine.models import decode_view
+
+    monkeypatch.setenv(decode_view.VIEW_MB_ENV, "0")
+    model = _tiny_model(packed=False, monkeypatch=monkeypatch)
+    _, kv = _mixed_step()
+    tables, _, _ = _decode_run()
+    model(_decode_batch(tables, ["a", "b", "c"], 0), kv)
+    assert model.decode_kv.mode == "" and not model.decode_kv.k  # off: nothing allocated
+    assert decode_view.DecodeKV(2, 2, 16, budget=10**6)._ensure(3, 40, torch.float32)
+    assert not decode_view.DecodeKV(2, 2, 16, budget=10**3)._ensure(3, 40, torch.float32)

@@ -4,7 +4,8 @@ Tokens of all sequences in a step are packed into one [T, hidden] tensor (prefil
 decode tokens mixed); linear layers run once over the pack. Attention reads K/V gathered from the
 pool by slot index: the decode sequences of a step (one new token each) together, as one padded
 [B, heads, ctx_max, dim] gather and one masked SDPA per layer, and each prefill chunk on its own.
-New K/V are written into the pool before attention reads it, so a chunk attends to itself and
+A decode-only step of keyed sequences reads the decode K/V view instead (decode_view.py): the
+contexts kept contiguous between steps, so a steady step appends its new K/V, no gather. New K/V are written into the pool before attention reads it, so a chunk attends to itself and
 to everything cached before it.
 """
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.engine.models.decode_view import DecodeKV
 from pdcore.engine.models.layers import (
     ColumnLinear,
     RMSNorm,
@@ -42,6 +44,7 @@ class SeqSpan:
     q_start: int  # offset of this sequence's new tokens in the packed batch
     q_len: int
     ctx_slots: torch.Tensor  # long [ctx_len]: pool slots of every position 0..ctx_len-1
+    key: object = None  # the request's id: lets the decode K/V view carry over between steps
 
 
 @dataclass
@@ -122,6 +125,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
+        self.layer_id = 0  # set by the model: this layer's buffers in the decode K/V view
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -146,6 +150,10 @@ class Attention(nn.Module):
         v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))
         group = batch.decode_group()
         if group is not None and group.whole:  # a decode-only step: its rows are the pack
+            view = batch.extra.get("kv_view")
+            if view is not None:
+                kb, vb = view.layer(self.layer_id, k, v, k_flat, v_flat, group)
+                return self.o_proj(self._grouped_sdpa(q, kb, vb, group).view(T, -1))
             return self.o_proj(self._decode_attention(q, k_flat, v_flat, group).view(T, -1))
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype)
         if group is not None:
@@ -178,8 +186,13 @@ class Attention(nn.Module):
         B, W, kvh, d = len(g.seqs), g.width, self.num_kv_heads, self.head_dim
         kb = k_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
         vb = v_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
-        qb = q if g.whole else q.index_select(0, g.rows)
-        qb = qb.reshape(B, kvh, self.num_heads // kvh, d)
+        return self._grouped_sdpa(q if g.whole else q.index_select(0, g.rows), kb, vb, g)
+
+    def _grouped_sdpa(self, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                      g: DecodeGroup) -> torch.Tensor:
+        """q [B, H, D] against kb/vb [B, KVH, W, D] -> [B, H, D]."""
+        B, kvh, d = len(g.seqs), self.num_kv_heads, self.head_dim
+        qb = q.reshape(B, kvh, self.num_heads // kvh, d)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.bias(qb.dtype),
                                            scale=self.scale)
         return o.view(B, self.num_heads, d)
@@ -223,6 +236,11 @@ class LlamaForCausalLM(nn.Module):
                                     requires_grad=False)
         self.rotary = self._make_rotary(cfg)
         self.lm_head_packed: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.layer_id = i
+        a = self.layers[0].self_attn if len(self.layers) else None
+        self.decode_kv = (DecodeKV(len(self.layers), a.num_kv_heads, a.head_dim)
+                          if isinstance(a, Attention) else None)
 
     def _make_mlp(self, cfg, layer: int) -> nn.Module | None:
         """The feed-forward block of `layer`; None: the dense MLP."""
@@ -254,12 +272,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(h.unsqueeze(0), batch.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1).to(h.dtype), sin[0].unsqueeze(1).to(h.dtype)
         residual = h
+        if self.decode_kv is not None and self.decode_kv.begin(batch, h.dtype):
+            batch.extra["kv_view"] = self.decode_kv
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(residual)
             x = layer.self_attn(x, cos, sin, kv[i][0], kv[i][1], batch)
             residual = residual + x if i == 0 else residual.add_(x)  # h is the embedding's
             x = layer.post_attention_layernorm(residual)
             residual.add_(layer.mlp(x))
+        if self.decode_kv is not None:
+            self.decode_kv.end()
         if not logits:
             return None
         h = self.norm(residual[batch.logit_rows])
