@@ -5,7 +5,8 @@ decode tokens mixed); linear layers run once over the pack. Attention reads K/V 
 pool by slot index: the decode sequences of a step (one new token each) together, as one padded
 [B, heads, ctx_max, dim] gather and one masked SDPA per layer, and each prefill chunk on its own.
 A decode-only step of keyed sequences reads the decode K/V view instead (decode_view.py): the
-contexts kept contiguous between steps, so a steady step appends its new K/V, no gather. New K/V are written into the pool before attention reads it, so a chunk attends to itself and
+contexts kept contiguous between steps, so a steady step appends its new K/V, no gather.
+New K/V are written into the pool before attention reads it, so a chunk attends to itself and
 to everything cached before it.
 """
 
