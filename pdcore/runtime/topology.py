@@ -30,8 +30,8 @@ def check_parallel_args(args: ServerArgs) -> None:
 def _check_dp(args: ServerArgs) -> None:
     """--dp-size > 1 runs its replicas on one node (in PD mode each replica is its own
     endpoint of the PD control plane: pdcore.server.dp_client), except with DP attention, whose
-    DP ranks are one rank group spread over the nodes (pdcore.runtime.dp_nodes). SGLang too
-    launches plain DP replicas from one node's controller only."""
+    DP ranks are one rank group spread over the nodes (pdcore.runtime.dp_nodes). SGLang's plain
+    DP over nodes spreads every replica's TP group over all the nodes; that is not built here."""
     if args.enable_dp_attention:
         if args.nnodes > 1:
             from pdcore.runtime.dp_nodes import check
@@ -41,9 +41,9 @@ def _check_dp(args: ServerArgs) -> None:
     if args.nnodes > 1 or args.dist_init_addr:
         raise ConfigError(
             "--dp-size > 1 without --enable-dp-attention runs every replica on this node; it "
-            "cannot be combined with --nnodes > 1 or --dist-init-addr. Across nodes use "
-            "--enable-dp-attention (MoE models), or run one server per node behind "
-            "`pdserve router` / sglang-router --dp-aware")
+            "cannot be combined with --nnodes > 1 or --dist-init-addr (replicas whose TP group "
+            "spans nodes are not built). Across nodes use --enable-dp-attention (MoE models), "
+            "or run one server per node behind `pdserve router` / sglang-router --dp-aware")
 
 
 def split_addr(addr: str) -> tuple[str, int]:
