@@ -38,5 +38,6 @@ def hardware_refusal(parser: argparse.ArgumentParser, argv: list[str]) -> str | 
     except Exception as e:  # noqa: BLE001 - only reported, after the device
         also = f"; and {e}"
     return (f"--device {device} needs that hardware and {why}. The line also uses flags "
-            f"pdserve does not build yet: {', '.join(unbuilt)} (drop them to run without)"
+            f"pdserve does not have (features not built here): {', '.join(unbuilt)} (drop them "
+            "to run without)"
             f"{also}")
