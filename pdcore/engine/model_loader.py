@@ -5,7 +5,7 @@ Weights come straight from the folder's safetensors files (`weights.py`: mapped,
 transformers model is built). A GGUF file loads through its cached float32 HF conversion
 (`gguf_cache.py`); only with that cache off does transformers read the GGUF itself.
 `--load-format dummy` draws random weights with transformers' own initialisation.
-The config is read by transformers' AutoConfig.
+The config is read directly for the plain Llama families (`hf_config.py`), else by AutoConfig.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pdcore.engine.gguf_cache import converted
+from pdcore.engine.hf_config import read_plain_config
 from pdcore.engine.models import deepseek, llama, mixtral, qwen_moe
 from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.tokenizer import ResolvedModel, resolve_model
@@ -49,7 +50,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
         raise ConfigError(f"--dtype must be auto or one of {', '.join(DTYPES)}; got {name!r}") from None
 
 
-def load_config(resolved: ResolvedModel, trust_remote_code: bool = False) -> Any:
+def load_config(resolved: ResolvedModel, trust_remote_code: bool = False,
+                plain: bool = True) -> Any:
+    """The model's config: read directly for the plain Llama families (hf_config.py; `plain`
+    False forces AutoConfig, as `--load-format dummy` needs), else by AutoConfig."""
+    if plain and not trust_remote_code and resolved.gguf_file is None:
+        cfg = read_plain_config(resolved.path, tuple(
+            a for a, cls in MODEL_CLASSES.items() if cls is not deepseek.DeepseekForCausalLM))
+        if cfg is not None:
+            return cfg
     from transformers import AutoConfig
 
     try:
@@ -120,7 +129,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     _check_format(raw, load_format)
     # a GGUF file loads through its cached HF conversion; dummy weights need only the config
     resolved = raw if load_format == "dummy" else converted(raw)
-    cfg = load_config(resolved, trust_remote_code)
+    cfg = load_config(resolved, trust_remote_code, plain=load_format != "dummy")
     log.info("loading %s (%s) as %s%s", resolved.display_path, cfg.architectures[0], dtype,
              " with random weights (--load-format dummy)" if load_format == "dummy" else "")
     sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)
