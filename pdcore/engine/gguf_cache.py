@@ -58,11 +58,13 @@ def cache_root() -> Path:
 
 
 def folder_for(gguf: Path) -> Path:
-    import transformers
+    # the installed version from its metadata: importing transformers to ask costs the engine
+    # ~25 MiB resident that nothing else there needs
+    from importlib.metadata import version
 
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|"
-                         f"{transformers.__version__}|{FORMAT}".encode()).hexdigest()[:16]
+                         f"{version('transformers')}|{FORMAT}".encode()).hexdigest()[:16]
     return cache_root() / "gguf" / f"{gguf.stem}-{key}"
 
 
