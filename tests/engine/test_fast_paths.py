@@ -217,6 +217,26 @@ def test_decode_kv_view_matches_gathering(monkeypatch: pytest.MonkeyPatch) -> No
     assert not viewed.decode_kv.valid  # half-updated buffers are never appended to
     monkeypatch.undo()
     step(13, "fill")
+    for t in tables:
+        t.append(next(spare))
+    # decodes riding along a prefill chunk keep appending; the chunk attends as before
+    chunk = [next(spare) for _ in range(5)]
+
+    def mixed_batch(keyed: bool) -> ForwardBatch:
+        b = _decode_batch(tables, keys if keyed else None, 14)
+        n = len(tables)
+        seqs = [*b.seqs, SeqSpan(n, 5, torch.tensor(chunk), key="p" if keyed else None)]
+        return ForwardBatch(torch.cat([b.input_ids, torch.arange(10, 15)]),
+                            torch.cat([b.positions, torch.arange(5)]),
+                            torch.cat([b.out_slots, torch.tensor(chunk)]), seqs,
+                            torch.arange(n + 5))
+
+    got = viewed(mixed_batch(True), kv1)
+    assert viewed.decode_kv.mode == "append"
+    torch.testing.assert_close(got, plain(mixed_batch(False), kv2), rtol=1e-5, atol=1e-5)
+    for t in tables:
+        t.append(next(spare))
+    step(15, "append")
 
 
 def test_decode_kv_view_budget(monkeypatch: pytest.MonkeyPatch) -> None:

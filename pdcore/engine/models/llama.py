@@ -5,7 +5,8 @@ decode tokens mixed); linear layers run once over the pack. Attention reads K/V 
 pool by slot index: the decode sequences of a step (one new token each) together, as one padded
 [B, heads, ctx_max, dim] gather and one masked SDPA per layer, and each prefill chunk on its own.
 A decode-only step of keyed sequences reads the decode K/V view instead (decode_view.py): the
-contexts kept contiguous between steps, so a steady step appends its new K/V, no gather.
+contexts kept contiguous between steps, so a steady step appends its new K/V, no gather
+(in mixed steps too: the decodes riding along a prefill chunk append as well).
 New K/V are written into the pool before attention reads it, so a chunk attends to itself and
 to everything cached before it.
 """
@@ -151,14 +152,10 @@ class Attention(nn.Module):
         v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))
         group = batch.decode_group()
         if group is not None and group.whole:  # a decode-only step: its rows are the pack
-            view = batch.extra.get("kv_view")
-            if view is not None:
-                kb, vb = view.layer(self.layer_id, k, v, k_flat, v_flat, group)
-                return self.o_proj(self._grouped_sdpa(q, kb, vb, group).view(T, -1))
-            return self.o_proj(self._decode_attention(q, k_flat, v_flat, group).view(T, -1))
+            return self.o_proj(self._decode(q, k, v, k_flat, v_flat, group, batch).view(T, -1))
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype)
         if group is not None:
-            out[group.rows] = self._decode_attention(q, k_flat, v_flat, group)
+            out[group.rows] = self._decode(q, k, v, k_flat, v_flat, group, batch)
         for s in batch.seqs:
             if group is not None and s.q_len == 1:
                 continue
@@ -177,6 +174,18 @@ class Attention(nn.Module):
             )
             out[s.q_start : s.q_start + n] = o[0].transpose(0, 1)
         return self.o_proj(out.view(T, -1))
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
+                v_flat: torch.Tensor, g: DecodeGroup, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of the step's one-token sequences: through the decode K/V view when this
+        forward uses it, else gathered from the pool. Returns [B, H, D]."""
+        view = batch.extra.get("kv_view")
+        if view is None:
+            return self._decode_attention(q, k_flat, v_flat, g)
+        if not g.whole:
+            q, k, v = (t.index_select(0, g.rows) for t in (q, k, v))
+        kb, vb = view.layer(self.layer_id, k, v, k_flat, v_flat, g)
+        return self._grouped_sdpa(q, kb, vb, g)
 
     def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                           g: DecodeGroup) -> torch.Tensor:
