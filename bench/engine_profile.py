@@ -39,7 +39,8 @@ NAME = "engine_profile"
 # which the shared machine's load disturbs far less than the wall clock (--clock wall)
 CLOCK = [time.process_time]
 # first match wins (kv_write before kv_gather: "aten::index_put" contains "aten::index")
-OP_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_linear")),
+OP_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_linear",
+                         "mkldnn::_linear_pointwise")),
              ("kv_write", ("aten::index_put", "aten::_index_put_impl_")),
              ("kv_gather", ("aten::index", "aten::index_select")),
              ("sdpa", ("flash_attention", "aten::_scaled_dot_product", "aten::baddbmm",
@@ -49,6 +50,8 @@ OP_GROUPS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_line
 # -- the variants ------------------------------------------------------------------------------
 # The engine as is batches the decode sequences' attention (one padded gather + masked SDPA);
 # "per-seq attention" makes ForwardBatch.decode_group return None (one SDPA per sequence).
+# The hand-built batches carry no request keys, so the decode K/V view (decode_view.py) stays
+# out of these variants: they time the gather path; bench/step_vs_gemm.py times the view.
 # The reordered (oneDNN) GEMM weights replace the originals, so no variant switches them off:
 # PDCORE_CPU_PACKED_GEMM=0 in the environment times the engine without them.
 VARIANTS = {  # name: (weights dtype, batched attention)

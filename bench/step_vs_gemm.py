@@ -3,7 +3,10 @@
 1. load pdserve's engine (LLMEngine, SmolLM2 by default) with one torch thread;
 2. step: end-to-end decode steps of B prompts through the engine (scheduler, packing, model,
    sampling): (T(1 + N new tokens) - T(1 new token)) / N;
-3. forward: the model's decode forward alone on a hand-built batch of B x ctx;
+3. forward: the model's decode forward alone, --new-tokens consecutive steps of B sequences
+   growing from ctx tokens (hand-built batches with request keys, so the decode K/V view of
+   pdcore/engine/models/decode_view.py fills on the first step and appends after, as in serving);
+   "forward, gather": the same steps without keys (K/V gathered out of the pool in every layer);
 4. GEMMs: every linear layer of the model (and the lm head) on B random rows, through the same
    `linear` the model calls (prepacked where the model packs), back to back;
 5. torch profiler of the forward: the top ops by self time;
@@ -27,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from common import Run, load_note, ratio
-from engine_profile import decode_batch
 from engine_throughput import PdserveRunner, make_prompts
 
 NAME = "step_vs_gemm"
@@ -54,6 +56,24 @@ def gemm_only(model: Any, rows: int) -> Any:
     return run
 
 
+def decode_steps(batch: int, ctx: int, steps: int, vocab: int, keyed: bool) -> list[Any]:
+    """`steps` consecutive decode batches: sequence i holds slots [i*M, i*M + ctx + j) at
+    step j (M = ctx + steps) and adds its last one."""
+    from pdcore.engine.models.llama import ForwardBatch, SeqSpan
+
+    g, m, out = torch.Generator().manual_seed(0), ctx + steps, []
+    for j in range(steps):
+        n = ctx + j
+        seqs = [SeqSpan(i, 1, torch.arange(i * m, i * m + n), key=i if keyed else None)
+                for i in range(batch)]
+        out.append(ForwardBatch(
+            input_ids=torch.randint(100, vocab, (batch,), generator=g),
+            positions=torch.full((batch,), n - 1, dtype=torch.long),
+            out_slots=torch.tensor([i * m + n - 1 for i in range(batch)]),
+            seqs=seqs, logit_rows=torch.arange(batch)))
+    return out
+
+
 def timed(fn: Any) -> float:
     """CPU milliseconds of one call."""
     t0 = time.process_time()
@@ -68,34 +88,43 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end engine steps")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     run = Run(NAME, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
-    tokens = args.batch * (max(args.ctx, args.prompt_len + args.new_tokens) + 8)
+    tokens = args.batch * (max(args.ctx, args.prompt_len) + args.new_tokens + 8)
     pd = PdserveRunner(args.model_path, tokens, args.dtype)
     try:
         model, kv = pd.engine.engine.model, pd.engine.engine.kv
         gemms = gemm_only(model, args.batch)
 
-        @torch.inference_mode()
-        def forward() -> None:
-            model(decode_batch(model, args.batch, args.ctx, pd.vocab), kv.layers)
+        steps = max(1, args.new_tokens)
 
-        for fn in (gemms, forward):
+        def forward_steps(keyed: bool) -> Any:
+            batches = decode_steps(args.batch, args.ctx, steps, pd.vocab, keyed)
+
+            @torch.inference_mode()
+            def run() -> None:
+                for b in batches:
+                    model(b, kv.layers)
+
+            return run
+
+        forward, gather = forward_steps(True), forward_steps(False)
+        for fn in (gemms, forward, gather):
             fn()
-        t: dict[str, list[float]] = {"gemm_ms": [], "forward_ms": []}
+        t: dict[str, list[float]] = {"gemm_ms": [], "forward_ms": [], "forward_gather_ms": []}
+        per = {"gemm_ms": 1, "forward_ms": steps, "forward_gather_ms": steps}
         for rep in range(args.iters):
-            order = [("gemm_ms", gemms), ("forward_ms", forward)]
+            order = [("gemm_ms", gemms), ("forward_ms", forward), ("forward_gather_ms", gather)]
             for key, fn in order if rep % 2 == 0 else order[::-1]:
-                t[key].append(timed(fn))
+                t[key].append(timed(fn) / per[key])
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            for _ in range(3):
-                forward()
-        top = [(e.key, e.self_cpu_time_total / 3000.0, e.count // 3)
+            forward()
+        top = [(e.key, e.self_cpu_time_total / 1000.0 / steps, e.count // steps)
                for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]]
         e2e = None
         if not args.no_e2e:
@@ -109,14 +138,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         pd.close()
     gemm, fwd = statistics.median(t["gemm_ms"]), statistics.median(t["forward_ms"])
-    data = {"gemm_ms": gemm, "forward_ms": fwd, "engine_step_ms": e2e, "raw": t,
-            "forward_over_gemm": ratio(fwd, gemm),
+    fwd_g = statistics.median(t["forward_gather_ms"])
+    data = {"gemm_ms": gemm, "forward_ms": fwd, "forward_gather_ms": fwd_g,
+            "engine_step_ms": e2e, "raw": t,
+            "forward_over_gemm": ratio(fwd, gemm), "forward_gather_over_gemm": ratio(fwd_g, gemm),
             "engine_step_over_gemm": ratio(e2e, gemm) if e2e else None,
             "top_ops": [{"op": k, "ms_per_step": ms, "calls_per_step": n} for k, ms, n in top]}
     path = run.finish(data, args.out_dir)
     print(f"batch {args.batch}, ctx {args.ctx}, {args.dtype}, 1 thread, CPU time")
     print(f"  GEMMs alone  {gemm:7.2f} ms")
     print(f"  forward      {fwd:7.2f} ms  ({data['forward_over_gemm']:.2f}x GEMMs)")
+    print(f"  fwd, gather  {fwd_g:7.2f} ms  ({data['forward_gather_over_gemm']:.2f}x GEMMs)")
     if e2e:
         print(f"  engine step  {e2e:7.2f} ms  ({data['engine_step_over_gemm']:.2f}x GEMMs)")
     print("  top ops of the forward (self ms per step, calls per step):")
