@@ -44,8 +44,9 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
         from pdcore.disagg.prefill_sched import PrefillExtension
 
         # rank 0 draws the route secret; the TP group (every node) is the only one to learn it;
-        # --dp-size > 1: the HTTP process drew one for all its replicas
-        secret = args.pd_route_secret or tp.broadcast_object(secrets.token_hex(16))
+        # --dp-size > 1: the HTTP process drew one for all its replicas, which rank 0 passes on
+        # (a replica's ranks on another node never saw the HTTP process's arguments)
+        secret = tp.broadcast_object(args.pd_route_secret or secrets.token_hex(16))
         mgr = PrefillKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
                                kv.layers, kv.pool, route_secret=secret)
         ext: Extension = PrefillExtension(sched, mgr, aux)

@@ -5,6 +5,7 @@ whole DP ranks: one scheduler process per DP rank, linked to node 0's HTTP proce
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import signal
 import time
@@ -27,6 +28,15 @@ def run_node(args: ServerArgs) -> int:
         print(f"pdserve: node {args.node_rank}/{args.nnodes} runs TP ranks "
               f"{ranks.start}..{ranks.stop - 1} as DP attention ranks "
               f"{dp_ranks[0]}..{dp_ranks[-1]}, joining {method}", flush=True)
+    elif args.dp_size > 1:  # plain DP: this node's ranks of every replica's TP group
+        procs = []
+        for r in range(args.dp_size):
+            mine = dataclasses.replace(args, dp_rank=r,
+                                       base_gpu_id=args.base_gpu_id + r * len(ranks))
+            procs += spawn_ranks(mine, init_method(mine), ranks)
+        print(f"pdserve: node {args.node_rank}/{args.nnodes} runs TP ranks "
+              f"{ranks.start}..{ranks.stop - 1} of each of {args.dp_size} DP replicas, joining "
+              f"{method} onwards", flush=True)
     else:
         procs = spawn_ranks(args, method, ranks)
         print(f"pdserve: node {args.node_rank}/{args.nnodes} runs TP ranks "

@@ -28,22 +28,20 @@ def check_parallel_args(args: ServerArgs) -> None:
 
 
 def _check_dp(args: ServerArgs) -> None:
-    """--dp-size > 1 runs its replicas on one node (in PD mode each replica is its own
-    endpoint of the PD control plane: pdcore.server.dp_client), except with DP attention, whose
-    DP ranks are one rank group spread over the nodes (pdcore.runtime.dp_nodes). SGLang's plain
-    DP over nodes spreads every replica's TP group over all the nodes; that is not built here."""
+    """--dp-size > 1: with DP attention the DP ranks are one rank group spread over the nodes
+    (pdcore.runtime.dp_nodes); without it each replica is its own TP group, which with
+    --nnodes > 1 spans every node as in SGLang (node R runs ranks of every replica; replica r's
+    group meets at the --dist-init-addr port + r; in PD mode each replica is its own endpoint of
+    the PD control plane: pdcore.server.dp_client)."""
     if args.enable_dp_attention:
         if args.nnodes > 1:
             from pdcore.runtime.dp_nodes import check
 
             check(args)
         return
-    if args.nnodes > 1 or args.dist_init_addr:
-        raise ConfigError(
-            "--dp-size > 1 without --enable-dp-attention runs every replica on this node; it "
-            "cannot be combined with --nnodes > 1 or --dist-init-addr (replicas whose TP group "
-            "spans nodes are not built). Across nodes use --enable-dp-attention (MoE models), "
-            "or run one server per node behind `pdserve router` / sglang-router --dp-aware")
+    if args.dist_init_addr and args.nnodes == 1:
+        raise ConfigError("--dp-size > 1 on one node needs no --dist-init-addr (each replica's "
+                          "ranks meet on this node); drop it, or give --nnodes > 1")
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -61,6 +59,8 @@ def local_ranks(args: ServerArgs) -> range:
 def init_method(args: ServerArgs) -> str:
     if args.dist_init_addr:
         host, port = split_addr(args.dist_init_addr)
+        if args.dp_size > 1 and not args.enable_dp_attention:
+            port += args.dp_rank  # each replica's TP group meets at its own port
         return f"tcp://{host}:{port}"
     with socket.socket() as s:  # one node: any free loopback port, passed to the children
         s.bind(("127.0.0.1", 0))

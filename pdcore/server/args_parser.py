@@ -69,7 +69,7 @@ HELP: dict[str, str] = {
     "node_rank": "this node's index; node 0 serves HTTP, the others only run their ranks",
     "dist_init_addr": "HOST:PORT where the TP ranks meet (required with --nnodes > 1); with "
                       "DP attention over nodes, node 0 also takes PORT+1..PORT+2*dp-size for "
-                      "the other nodes' DP ranks",
+                      "the other nodes' DP ranks; plain --dp-size: replica r meets at PORT+r",
     "base_gpu_id": "first accelerator index to use",
     "device": "platform plugin to run on: cpu, cuda, npu, ... (see `pdserve plugins`)",
     "attention_backend": "attention implementation; `ascend` needs --device npu",

@@ -54,10 +54,11 @@ _STATE_ORDER = (EngineState.DEAD, EngineState.FAILED, EngineState.STARTING, Engi
 class DPEngineClient:
     def __init__(self, args: ServerArgs, *, tokenizer: Any = None, **kwargs: Any) -> None:
         self.args = args
-        # replica r runs on accelerators base + r * tp_size onwards (SGLang's layout)
+        # replica r runs on accelerators base + r * (its ranks on this node) onwards (SGLang's)
         secret = secrets.token_hex(16) if args.disaggregation_mode == "prefill" else ""
+        per_node = args.tp_size // args.nnodes
         self.replicas = [EngineClient(dataclasses.replace(
-            args, base_gpu_id=args.base_gpu_id + rank * args.tp_size, dp_rank=rank,
+            args, base_gpu_id=args.base_gpu_id + rank * per_node, dp_rank=rank,
             pd_route_secret=secret), tokenizer=tokenizer, **kwargs)
             for rank in range(args.dp_size)]
         if dp_attention_active(args):  # one rank group over all DP ranks: a shared meeting point

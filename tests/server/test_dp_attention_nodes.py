@@ -9,7 +9,9 @@ models, greedy output checked against transformers (near-tie rule).
 - PD: the two-node DeepSeek-V3 server as prefill, a one-node TP 1 decode over tcp, a request
   through each prefill DP rank; stopping node 0 then ends node 1 with exit 0;
 - node 1 killed mid-request: the request fails naming node 1, node 0 exits 1 (bounded waits);
-- plain `--dp-size` over nodes, and a DP size that leaves a DP rank split over nodes, exit 2.
+- plain `--dp-size 2 --tp-size 2 --nnodes 2` (no DP attention, a dense model): each replica's
+  TP group spans both nodes; as a PD prefill server to a one-node decode;
+- a DP size that leaves a DP attention rank split over nodes exits 2.
 """
 
 from __future__ import annotations
@@ -202,15 +204,48 @@ def test_prefill_on_two_nodes_to_one_node_decode(tmp_path_factory: pytest.TempPa
             decode.stop()
 
 
-def test_dp_over_nodes_refusals_exit_2(tiny_llama_dir: Any,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
-    nodes = ["--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"]
-    with pytest.raises(SystemExit) as e:
-        parse_server_args(["--model-path", str(tiny_llama_dir), "--tp-size", "2", "--dp-size",
-                           "2", *nodes])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "without --enable-dp-attention" in err, err
-    assert "--enable-dp-attention" in err and "router" in err, err
+def test_plain_dp_over_two_nodes_prefill_to_decode(tmp_path_factory: pytest.TempPathFactory
+                                                   ) -> None:
+    """`--dp-size 2 --tp-size 2 --nnodes 2`, no DP attention (a dense model): each replica is a
+    TP group with one rank per node (SGLang's layout); as a PD prefill server, with each node's
+    ranks learning the route secret from their replica's rank 0."""
+    path, refs = _model(tmp_path_factory, "llama")
+    boot = free_port()
+    pd = ("--disaggregation-transfer-backend", "tcp")
+    flags = ("--model-path", path, "--max-total-tokens", "4096", "--page-size", "4")
+    prefill = TwoNodes((*flags, "--dp-size", "2", "--tp-size", "2", "--nnodes", "2",
+                        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
+                        str(boot), *pd))
+    decode = None
+    try:
+        decode = ServerProcess(*flags, "--disaggregation-mode", "decode", *pd)
+        prefill.wait()
+        decode.wait_healthy(400)
+        prompts = _prompts()
+
+        def through_pd(i: int) -> list[int]:
+            body = _body(prompts[i], None, bootstrap_host="127.0.0.1", bootstrap_port=boot,
+                         bootstrap_room=i)
+            t = threading.Thread(target=lambda: httpx.post(prefill.node0.url + "/generate",
+                                                           json=body, timeout=240), daemon=True)
+            t.start()
+            out = _generate(decode.url, body)
+            t.join(240)
+            return out
+
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(through_pd, range(len(prompts))))
+        verdicts = [check_greedy(o, r) for o, r in zip(outs, refs)]
+        assert verdicts.count("identical") >= len(verdicts) - 1, verdicts
+        assert [d["finished_total"] for d in prefill.node0.loads()] == [2, 2]
+        assert "of each of 2 DP replicas" in prefill.node1.log()
+    finally:
+        prefill.stop()
+        if decode is not None:
+            decode.stop()
+
+
+def test_dp_over_nodes_refusals_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--tp-size", "4", "--dp-size", "2", "--nnodes", "4", "--dist-init-addr",
             "127.0.0.1:5000", "--enable-dp-attention"]
     with pytest.raises(SystemExit) as e:

@@ -58,7 +58,8 @@ def test_parse_types_aliases_and_bools(tiny_llama_dir):
     (["--mem-fraction-static", "x"], "--mem-fraction-static"),
     (["--disaggregation-mode", "both"], "invalid choice: 'both'"),
     (["--dp-size", "4", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"],
-     "runs every replica on this node"),
+     "--tp-size 1 must be a multiple of --nnodes 2"),
+    (["--dp-size", "2", "--dist-init-addr", "127.0.0.1:5000"], "needs no --dist-init-addr"),
     (["--dp-size", "2", "--load-balance-method", "random"], "invalid choice: 'random'"),
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1]"),
     (["--page-size", "0"], "--page-size must be >= 1"),
@@ -109,7 +110,7 @@ def test_busy_port_exits_2_before_loading(tiny_llama_dir):
 def test_real_process_exit_codes(module):
     for argv, needle in ((["--nope"], "unrecognized arguments: --nope"),
                          (["--dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"],
-                          "runs every replica on this node")):
+                          "must be a multiple of --nnodes")):
         p = subprocess.run([sys.executable, *module, *argv], capture_output=True, text=True,
                            timeout=120, check=False)
         assert p.returncode == 2, p.stderr
