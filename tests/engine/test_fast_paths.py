@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from pdcore.engine.models import layers
 from pdcore.engine.models.llama import ForwardBatch, LlamaForCausalLM, SeqSpan
+from pdcore.errors import ConfigError
 
 needs_mkl = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available()
@@ -250,3 +251,7 @@ def test_decode_kv_view_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     assert model.decode_kv.mode == "" and not model.decode_kv.k  # off: nothing allocated
     assert decode_view.DecodeKV(2, 2, 16, budget=10**6)._ensure(3, 40, torch.float32)
     assert not decode_view.DecodeKV(2, 2, 16, budget=10**3)._ensure(3, 40, torch.float32)
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv(decode_view.VIEW_MB_ENV, bad)
+        with pytest.raises(ConfigError, match=decode_view.VIEW_MB_ENV):
+            decode_view.budget_bytes()

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdcore.errors import ConfigError
+
 if TYPE_CHECKING:
     from pdcore.engine.models.llama import DecodeGroup, ForwardBatch
 
@@ -35,8 +37,11 @@ def budget_bytes() -> int:
     try:
         mb = float(raw) if raw else DEFAULT_MB
     except ValueError:
-        mb = DEFAULT_MB
-    return max(0, int(mb * 2**20))
+        mb = -1.0
+    if not mb >= 0:  # also NaN
+        raise ConfigError(f"{VIEW_MB_ENV} must be a number of MiB >= 0 (0 turns the decode K/V "
+                          f"view off); got {raw!r}")
+    return int(mb * 2**20)
 
 
 class DecodeKV:
