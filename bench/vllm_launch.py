@@ -26,7 +26,13 @@ import httpx
 BENCH = Path(__file__).resolve().parent
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
             "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1", "UCX_NET_DEVICES": "lo",
-            "UCX_TLS": "tcp,sm,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            "UCX_TLS": "tcp,sm,self", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            # vLLM 0.32 with torch 2.13 saves its AOT-compiled model in a form it then fails to
+            # load ('function' object has no attribute 'finalize_loading'), so every start
+            # recompiles (~2.5 min on a loaded 2-core box). Without AOT compile it loads its
+            # cached graphs instead (warm-up 21 s there); the kernels are the same inductor
+            # output, only start-up changes.
+            "VLLM_USE_AOT_COMPILE": "0"}
 NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 SERVED_NAME = "model"
 # NIXL side-channel ports of the prefill / decode server. Fixed, not free ports picked per run:

@@ -23,9 +23,16 @@ their targets; `--profile` adds vLLM's own decode-step profile at batch --concur
 (bench/vllm_profile.py: GEMM time vs step time). JSON + PNG in bench/results/vs_vllm.*.
 Timings are only meaningful on an otherwise idle machine.
 
-Full run (issue #21; about 20-25 min on the 2-core box, most of it vLLM start-up):
-    python3 bench/vs_vllm.py --make-model /work/smollm2-hf --model-path /work/smollm2-hf \
-        --vllm-python /work/venv-vllm/bin/python --dtypes float32,bfloat16 --rounds 2 --profile
+Full run for issue #21 (2 rounds, alternating order, float32 and bf16, all four systems, vLLM's
+profile; vLLM installed in /work/venv-vllm as shared/reference/vllm-cpu.md says):
+    python3 bench/vs_vllm.py --make-model /work/smollm2-hf --vllm-python \
+        /work/venv-vllm/bin/python --dtypes float32,bfloat16 --rounds 2 --profile
+Wall time on the idle 2-core box, about 20-25 min: 16 system starts plus one for the profile
+(pdserve ~15-30 s; vLLM ~30-90 s from its torch.compile cache in ~/.cache/vllm, a few minutes
+more the first time a dtype / CPU binding / role is compiled), each followed by ~20-60 s of
+traffic (32 prompts x 64 tokens; vLLM 1P1D is the slowest). `--pd-dtypes float32` runs 1P1D in
+float32 only (the issue's 1P1D target names no dtype) and saves ~6 min. The NIXL side-channel
+ports (5600, 5601) must be free.
 """
 
 from __future__ import annotations
@@ -163,6 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtypes", default=None, help="comma list of float32,bfloat16")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="one dtype (when --dtypes is not given)")
+    ap.add_argument("--pd-dtypes", default=None,
+                    help="dtypes the 1P1D systems run in (default: all of --dtypes)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -175,7 +184,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)
     args.dtypes = [d for d in (args.dtypes or args.dtype).split(",") if d]
-    bad = [d for d in args.dtypes if d not in ("float32", "bfloat16")]
+    args.pd_dtypes = [d for d in (args.pd_dtypes or ",".join(args.dtypes)).split(",") if d]
+    bad = sorted({d for d in args.dtypes + args.pd_dtypes} - {"float32", "bfloat16"})
     if bad:
         ap.error(f"--dtypes: unknown {bad}; use float32 and/or bfloat16")
     try:
@@ -202,11 +212,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         systems = [s for s in systems if not s.startswith("vllm")]
     prompts = random_prompts(args.num_prompts, args.input_len, vocab(args), seed=0)
     rounds: dict[str, dict[str, list[dict[str, Any]]]] = {
-        d: {s: [] for s in systems} for d in args.dtypes}
+        d: {s: [] for s in systems if "1p1d" not in s or d in args.pd_dtypes}
+        for d in args.dtypes}
     t0 = time.monotonic()
     for rep in range(args.rounds):
         for dtype in args.dtypes:
-            for s in alternating(systems, rep):
+            for s in alternating(list(rounds[dtype]), rep):
                 r = one_round(s, dtype, args, prompts)
                 rounds[dtype][s].append(r)
                 if "error" in r:
