@@ -139,8 +139,12 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     except KeyError as e:
         raise ModelLoadError(f"{resolved.display_path} lacks the weight {e} that "
                              f"{cfg.architectures[0]} needs") from e
-    model = model.to(device=device, dtype=dtype).eval()
-    model.prepare_for_inference()
+    # in inference mode like the load: the mapped checkpoint tensors the model adopted are
+    # inference tensors, and converting one (bf16) outside it leaves a parameter that fails
+    # "Inference tensors do not track version counter" at its first use
+    with torch.inference_mode():
+        model = model.to(device=device, dtype=dtype).eval()
+        model.prepare_for_inference()
     if isinstance(sd, SafetensorsWeights):
         sd.release_pages()
     del sd  # one copy of the weights from here: ours (prepare_for_inference replaces them)
