@@ -27,7 +27,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# oneDNN caches a primitive per GEMM shape (1024 by default); every new prefill length adds
+# some, and on SmolLM2 they held about 75 MiB after a few concurrent requests. A decode step at a
+# fixed batch needs a handful, so 64 keeps every hot one and the server within #21's memory bound.
+DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
 BIND_ENV = "PDSERVE_CPU_OMP_THREADS_BIND"
 # keys apply() set (not the user): children of ours inherit them, and must not read them as the
 # user's choice
