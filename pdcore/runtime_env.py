@@ -197,3 +197,20 @@ def disjoint_cpus(n_servers: int) -> list[str] | None:
         a, b = i * len(cpus) // n_servers, (i + 1) * len(cpus) // n_servers
         out.append(format_cpus(cpus[a:b]))
     return out
+
+
+_LIBC: list = []  # the loaded C library, found once (find_library runs a helper program)
+
+
+def trim_heap() -> None:
+    """Hand the heap this process freed (after loading weights, after a busy spell of steps)
+    back to the OS: glibc keeps freed chunks for reuse otherwise, and they stay resident."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        if not _LIBC:
+            _LIBC.append(ctypes.CDLL(ctypes.util.find_library("c")))
+        _LIBC[0].malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
+        pass

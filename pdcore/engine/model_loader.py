@@ -22,6 +22,7 @@ from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.tokenizer import ResolvedModel, resolve_model
 from pdcore.engine.weights import SafetensorsWeights
 from pdcore.errors import ConfigError, ModelLoadError
+from pdcore.runtime_env import trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     if isinstance(sd, SafetensorsWeights):
         sd.release_pages()
     del sd  # one copy of the weights from here: ours (prepare_for_inference replaces them)
-    _return_freed_memory()
+    trim_heap()
     return model, model.cfg, resolved
 
 
@@ -169,16 +170,3 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(st.data_ptr())
             total += st.nbytes()
     return total
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap that loading freed (stacked experts, float32 copies) back to the
-    OS: glibc keeps freed chunks for reuse otherwise, and they stay in the resident size."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
-        pass

@@ -36,6 +36,7 @@ from pdcore.runtime.lifeline import ParentWatch, StepWatchdog, die_with_parent
 from pdcore.runtime.lockstep import Lockstep
 from pdcore.runtime.ranks import RankGroup
 from pdcore.runtime.roles import attach_role
+from pdcore.runtime_env import trim_heap
 
 log = logging.getLogger("pdcore.scheduler")
 
@@ -50,6 +51,7 @@ class SchedulerLoop:
         self.recv, self.send = recv, send
         self.profiler: Any = None
         self.stop = False
+        self.busy = False  # the last loop had work: going idle trims the heap once
         self.lockstep = Lockstep(engine)
         self.inbox: list[Any] = []  # requests and aborts for the next lockstep iteration
         self.watchdog = StepWatchdog(watchdog_timeout)
@@ -111,11 +113,15 @@ class SchedulerLoop:
                 timeout = 0
             elif not self.sched.has_work():
                 timeout = IDLE_POLL_MS
+                if self.busy:  # steps' freed activations would stay resident until reused
+                    self.busy = False
+                    trim_heap()
             elif self.sched.last_ran or self.sched.outbox:
                 timeout = 0
             else:  # only PD queues waiting on the network: do not spin (with TP every
                 # iteration costs collectives on every rank, so wait a little longer)
                 timeout = PD_WAIT_MS if self.sched.tp.size == 1 else PD_WAIT_TP_MS
+            self.busy = self.busy or timeout != IDLE_POLL_MS
             if poller.poll(timeout):
                 while True:
                     try:

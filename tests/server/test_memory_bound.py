@@ -9,6 +9,7 @@ bound. The measured margin and each process's share are printed."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -40,11 +41,20 @@ def server() -> Iterator[ServerProcess]:
 
 
 def test_server_resident_memory_is_one_copy_of_the_weights(server: ServerProcess) -> None:
-    for n in (8, 64):  # warm-up: prefill and decode of a few lengths, and a chat turn
+    # warm-up: prefill and decode of a few lengths, 8 requests at once, and a chat turn
+    for n in (8, 64):
         r = httpx.post(server.url + "/generate", timeout=300, json={
             "text": "The history of the printing press " * n,
             "sampling_params": {"max_new_tokens": 32, "temperature": 0}})
         assert r.status_code == 200
+    def concurrent(i: int) -> int:  # a full decode batch: the decode K/V view fills
+        return httpx.post(server.url + "/generate", timeout=600, json={
+            "text": f"Item {i}: " + "The history of the printing press " * (40 + 7 * i),
+            "sampling_params": {"max_new_tokens": 48, "temperature": 0,
+                                "ignore_eos": True}}).status_code
+
+    with ThreadPoolExecutor(8) as ex:
+        assert list(ex.map(concurrent, range(8))) == [200] * 8
     r = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
         "messages": [{"role": "user", "content": "Name a printer."}], "max_tokens": 16,
         "temperature": 0})
