@@ -123,5 +123,6 @@ def test_core_test_imports_are_declared() -> None:
     tests = Path(__file__).resolve().parent
     local = {p.stem for p in tests.rglob("*.py")} | {p.name for p in tests.rglob("*")
                                                       if p.is_dir()}
+    local |= {p.stem for p in (tests.parent / "bench").glob("*.py")}  # bench tests import them
     missing = _undeclared("pdcore", _third_party_imports(tests, local | {"pdcore"}))
     assert not missing, f"pdcore does not declare what its tests import: {'; '.join(missing)}"
