@@ -50,6 +50,12 @@ class ModelRunner:
         self.tp = tp or TPInfo()
         self.device = next(model.parameters()).device
 
+    def release_caches(self) -> None:
+        """Going idle: drop what only a running batch uses (the decode K/V view)."""
+        view = getattr(self.model, "decode_kv", None)
+        if view is not None:
+            view.release()
+
     def _prompt_rows(self, r: Req, a: int, n: int) -> tuple[int, int]:
         """Positions p in [lo, hi) of this chunk whose logits give the logprob of token p+1."""
         if not r.wants_prompt_logprobs:

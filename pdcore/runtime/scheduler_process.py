@@ -113,8 +113,9 @@ class SchedulerLoop:
                 timeout = 0
             elif not self.sched.has_work():
                 timeout = IDLE_POLL_MS
-                if self.busy:  # steps' freed activations would stay resident until reused
+                if self.busy:  # what the steps freed would stay resident until reused
                     self.busy = False
+                    self.sched.runner.release_caches()
                     trim_heap()
             elif self.sched.last_ran or self.sched.outbox:
                 timeout = 0

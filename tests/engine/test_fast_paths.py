@@ -238,6 +238,12 @@ def test_decode_kv_view_matches_gathering(monkeypatch: pytest.MonkeyPatch) -> No
     for t in tables:
         t.append(next(spare))
     step(15, "append")
+    # the server went idle: the buffers go, and the next decode step fills them again
+    viewed.decode_kv.release()
+    assert not viewed.decode_kv.k and not viewed.decode_kv.valid
+    for t in tables:
+        t.append(next(spare))
+    step(16, "fill")
 
 
 def test_decode_kv_view_budget(monkeypatch: pytest.MonkeyPatch) -> None:

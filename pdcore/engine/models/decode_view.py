@@ -81,6 +81,11 @@ class DecodeKV:
         self.keys, self.tables = keys, tables
         return self.mode
 
+    def release(self) -> None:
+        """Free the buffers (the server went idle: no decode batch to keep); the next decode
+        step fills them again."""
+        self.k, self.v, self.keys, self.tables, self.valid = [], [], None, [], False
+
     def end(self) -> None:
         """The forward completed: the next one may append."""
         self.valid = bool(self.mode)
