@@ -57,7 +57,7 @@ def test_server_resident_memory_is_one_copy_of_the_weights(server: ServerProcess
     # (prefill shapes the oneDNN primitive cache keeps, a batch above the view's budget)
     for n in (16, 60):
         with ThreadPoolExecutor(8) as ex:
-            assert list(ex.map(lambda i: concurrent(i, n), range(8))) == [200] * 8
+            assert list(ex.map(concurrent, range(8), [n] * 8)) == [200] * 8
     r = httpx.post(server.url + "/v1/chat/completions", timeout=300, json={
         "messages": [{"role": "user", "content": "Name a printer."}], "max_tokens": 16,
         "temperature": 0})
