@@ -6,14 +6,17 @@ the unbuilt flags the line would hit next (argparse alone would only report thos
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 
 
 def hardware_refusal(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
     """The message to exit 2 with, or None (the line's device is here, or every flag is known:
     then the ordinary checks decide)."""
-    try:
-        ns, unknown = parser.parse_known_args(argv)
-    except SystemExit:  # a known flag with a bad value: argparse's own message follows
+    try:  # quietly: for a known flag with a bad value the ordinary parse says it, once
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            ns, unknown = parser.parse_known_args(argv)
+    except SystemExit:
         return None
     unbuilt = [a for a in unknown if a.startswith("-")]
     device = getattr(ns, "device", "cpu")
