@@ -13,7 +13,7 @@ from typing import Any
 
 from pdcore.config import ServerArgs
 from pdcore.runtime.dp_nodes import multi_node, node_dp_ranks, run_remote_scheduler
-from pdcore.runtime.ranks import configure_logging, spawn_ranks, terminate
+from pdcore.runtime.ranks import configure_logging, spawn_ranks, start_spawned, terminate
 from pdcore.runtime.topology import init_method, local_ranks
 
 
@@ -65,10 +65,7 @@ LINK_TIMEOUT_S = 900.0
 
 def _spawn_dp_schedulers(args: ServerArgs, dp_ranks: list[int]
                          ) -> list[multiprocessing.process.BaseProcess]:
-    mp = multiprocessing.get_context("spawn")
     # not daemons: each spawns its DP rank's other ranks; terminate() stops them
-    procs = [mp.Process(target=run_remote_scheduler, args=(args, d, LINK_TIMEOUT_S),
-                        name=f"pdserve-dp{d}", daemon=False) for d in dp_ranks]
-    for p in procs:
-        p.start()
-    return procs
+    return start_spawned(run_remote_scheduler,
+                         {f"pdserve-dp{d}": (args, d, LINK_TIMEOUT_S) for d in dp_ranks},
+                         daemon=False)

@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdcore.config import ServerArgs
 from pdcore.runtime.group import agree_started, join_group, leave_group
@@ -80,14 +80,20 @@ def run_rank_process(args: ServerArgs, rank: int, method: str) -> None:
     os._exit(1 if failed else 0)
 
 
-def spawn_ranks(args: ServerArgs, method: str, ranks: range | list[int]
-                ) -> list[multiprocessing.process.BaseProcess]:
+def start_spawned(target: Any, jobs: dict[str, tuple], daemon: bool = True
+                  ) -> list[multiprocessing.process.BaseProcess]:
+    """One spawned process per job (name -> target's arguments), started in order."""
     mp = multiprocessing.get_context("spawn")
-    procs = [mp.Process(target=run_rank_process, args=(args, rank, method),
-                        name=f"pdserve-tp{rank}", daemon=True) for rank in ranks]
+    procs = [mp.Process(target=target, args=a, name=n, daemon=daemon) for n, a in jobs.items()]
     for p in procs:
         p.start()
     return procs
+
+
+def spawn_ranks(args: ServerArgs, method: str, ranks: range | list[int]
+                ) -> list[multiprocessing.process.BaseProcess]:
+    return start_spawned(run_rank_process,
+                         {f"pdserve-tp{rank}": (args, rank, method) for rank in ranks})
 
 
 class RankGroup:
