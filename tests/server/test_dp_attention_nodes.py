@@ -159,6 +159,28 @@ def test_zz_killing_node_1_fails_its_request_and_ends_node_0(served: Any) -> Non
     assert nodes.node0.proc.wait(60) == 1, nodes.node0.log()[-3000:]
 
 
+def _assert_pd_matches(prefill_url: str, decode_url: str, boot: int, refs: list) -> None:
+    """Every prompt through prefill -> decode at once (room i: prefill DP rank i % 2, on node
+    i % 2 with DP attention) gives transformers' tokens (near-tie rule)."""
+    prompts = _prompts()
+
+    def through_pd(i: int) -> list[int]:
+        body = _body(prompts[i], None, bootstrap_host="127.0.0.1", bootstrap_port=boot,
+                     bootstrap_room=i)
+        t = threading.Thread(target=lambda: httpx.post(prefill_url + "/generate", json=body,
+                                                       timeout=240), daemon=True)
+        t.start()
+        out = _generate(decode_url, body)
+        t.join(240)
+        return out
+
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        outs = list(ex.map(through_pd, range(len(prompts))))
+    verdicts = [check_greedy(o, r) for o, r in zip(outs, refs)]
+    assert verdicts.count("identical") >= len(verdicts) - 1, verdicts
+
+
+
 def test_prefill_on_two_nodes_to_one_node_decode(tmp_path_factory: pytest.TempPathFactory
                                                  ) -> None:
     path, refs = _model(tmp_path_factory, "deepseek_v3")
@@ -172,23 +194,7 @@ def test_prefill_on_two_nodes_to_one_node_decode(tmp_path_factory: pytest.TempPa
                                "--page-size", "4", "--disaggregation-mode", "decode", *pd)
         prefill.wait()
         decode.wait_healthy(400)
-        prompts = _prompts()
-
-        def through_pd(i: int) -> list[int]:
-            # room i: prefill DP rank i % 2 (node i % 2)
-            body = _body(prompts[i], None, bootstrap_host="127.0.0.1", bootstrap_port=boot,
-                         bootstrap_room=i)
-            t = threading.Thread(target=lambda: httpx.post(prefill.node0.url + "/generate",
-                                                           json=body, timeout=240), daemon=True)
-            t.start()
-            out = _generate(decode.url, body)
-            t.join(240)
-            return out
-
-        with cf.ThreadPoolExecutor(len(prompts)) as ex:
-            outs = list(ex.map(through_pd, range(len(prompts))))
-        verdicts = [check_greedy(o, r) for o, r in zip(outs, refs)]
-        assert verdicts.count("identical") >= len(verdicts) - 1, verdicts
+        _assert_pd_matches(prefill.node0.url, decode.url, boot, refs)
         done = [d["finished_total"] for d in prefill.node0.loads()]
         assert done == [2, 2], done
         for server in (prefill.node0, decode):
@@ -221,22 +227,7 @@ def test_plain_dp_over_two_nodes_prefill_to_decode(tmp_path_factory: pytest.Temp
         decode = ServerProcess(*flags, "--disaggregation-mode", "decode", *pd)
         prefill.wait()
         decode.wait_healthy(400)
-        prompts = _prompts()
-
-        def through_pd(i: int) -> list[int]:
-            body = _body(prompts[i], None, bootstrap_host="127.0.0.1", bootstrap_port=boot,
-                         bootstrap_room=i)
-            t = threading.Thread(target=lambda: httpx.post(prefill.node0.url + "/generate",
-                                                           json=body, timeout=240), daemon=True)
-            t.start()
-            out = _generate(decode.url, body)
-            t.join(240)
-            return out
-
-        with cf.ThreadPoolExecutor(len(prompts)) as ex:
-            outs = list(ex.map(through_pd, range(len(prompts))))
-        verdicts = [check_greedy(o, r) for o, r in zip(outs, refs)]
-        assert verdicts.count("identical") >= len(verdicts) - 1, verdicts
+        _assert_pd_matches(prefill.node0.url, decode.url, boot, refs)
         assert [d["finished_total"] for d in prefill.node0.loads()] == [2, 2]
         assert "of each of 2 DP replicas" in prefill.node1.log()
     finally:
