@@ -65,7 +65,8 @@ class DecodeKVManager(KVManager):
         self.client = BootstrapClient(token=self.token)
         self._resolver = ThreadPoolExecutor(4, thread_name_prefix=f"pd-d{tp_rank}-resolve")
         self.heartbeat = Heartbeat(env.heartbeat_interval, env.heartbeat_max_failure,
-                                   self._known_instances, self._lose, self.token)
+                                   self._known_instances, self._lose, self.token,
+                                   on_restart=self._restarted)
         self._register: wire.Register | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -152,9 +153,10 @@ class DecodeKVManager(KVManager):
             offset = self.grants.reserve(room, nbytes) if nbytes and not why else None
             if offset is not None:
                 r.grant = (offset, nbytes)
+            deferred = r.rebinding  # _rebind sends it to the new instance
         if why:
             self._fail(room, why)
-        elif not nbytes or offset is not None:  # else: sent once the ring has room (_on_tick)
+        elif (not nbytes or offset is not None) and not deferred:  # else: _on_tick or _rebind
             self._send_info(r)
 
     def _send_info(self, r: Room) -> None:
@@ -167,6 +169,7 @@ class DecodeKVManager(KVManager):
                                 staging_offset=off, staging_len=nbytes,
                                 prefix_pages=r.prefix_pages, prefix_digest=r.prefix_digest)
         dp = r.prefill_dp_of(inst)
+        r.sent_at = time.monotonic()  # before sending: a restart seen later may blame it
         for a in [inst.ctrl_addrs[(dp, t)] for t in inst.targets]:
             if not self.ctrl.send(a, msg):
                 self._fail(r.room, f"cannot reach prefill rank at {a}", code=wire.PREFILL_FAULT,
@@ -198,16 +201,22 @@ class DecodeKVManager(KVManager):
 
     # -- bootstrap resolution (resolver threads) -----------------------------------------------
     def _resolve(self, room: int, addr: str, started: float) -> None:
-        try:
-            inst = self._instance(addr, started)
-        except PDError as e:
-            self._fail(room, f"cannot bootstrap with prefill {addr}: {e}", code=wire.PREFILL_FAULT,
-                       notify=False)
-            return
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is not None:
-                self._attach(r, inst)
+        for _ in range(2):  # twice: the instance may be forgotten (restart) before we attach
+            try:
+                inst = self._instance(addr, started)
+            except PDError as e:
+                self._fail(room, f"cannot bootstrap with prefill {addr}: {e}",
+                           code=wire.PREFILL_FAULT, notify=False)
+                return
+            with self._lock:
+                r = self._rooms.get(room)
+                if r is not None and self._instances.get(addr) is inst:
+                    self._attach(r, inst)
+                    return
+                if r is None:
+                    return
+        self._fail(room, f"prefill {addr} restarted twice while resolving it",
+                   code=wire.PREFILL_FAULT, notify=False)
 
     def _attach(self, r: Room, inst: Instance) -> None:
         if r.prefill_dp is not None and not 0 <= r.prefill_dp < inst.dp_size:
@@ -352,7 +361,8 @@ class DecodeKVManager(KVManager):
                 ok = r is not None and self.states.get(room) is KVPoll.Transferring
                 if ok:
                     r.grant = (offset, nbytes)
-            if ok:
+                    send = not r.rebinding  # else _rebind sends it, grant and all
+            if ok and send:
                 self._send_info(r)
             else:
                 self.grants.free(offset, quarantine=False)
@@ -363,7 +373,7 @@ class DecodeKVManager(KVManager):
 
     # -- failures ------------------------------------------------------------------------------
     def _notify_failed(self, r: Room, reason: str, code: str) -> None:
-        if r.inst is not None:
+        if r.inst is not None and not r.rebinding:  # a rebinding room's inst is gone
             self._send_abort(r, r.inst, reason)
 
     def _send_abort(self, r: Room, inst: Instance, reason: str) -> None:
@@ -398,3 +408,73 @@ class DecodeKVManager(KVManager):
         log.warning("%s: failing %d unfinished rooms", reason, len(rooms))
         for room in rooms:
             self._fail(room, reason, code=wire.PREFILL_FAULT, notify=False)
+
+    def _restarted(self, addr: str, reason: str) -> None:
+        """Heartbeat verdict: another instance answers at addr. Rooms the old instance cannot
+        have started on (nothing sent to it yet, or sent only once it was unreachable, and no
+        Status from it) move to the new instance; the others lost their KV and fail."""
+        down = self.heartbeat.down_since(addr)
+        with self._lock:  # one section: add() must not attach to the old instance after this
+            old = self._instances.pop(addr, None)
+            if old is None:
+                return
+            movable, lost = [], []
+            for room, r in self._rooms.items():
+                if r.inst is not old or self.states.get(room) in TERMINAL:
+                    continue
+                unserved = not r.responders and not r.staged_by and (
+                    r.sent_at is None or (down is not None and r.sent_at >= down))
+                if unserved:
+                    r.rebinding = True
+                    movable.append(r)
+                else:
+                    lost.append(room)
+        for a in old.ctrl_addrs.values():
+            self.ctrl.drop(a)
+        self.counters.add("prefill_restarts")
+        log.warning("%s: failing %d rooms it had started, moving %d to the new instance", reason,
+                    len(lost), len(movable))
+        for room in lost:
+            self._fail(room, reason, code=wire.PREFILL_FAULT, notify=False)
+        if movable:
+            self._resolver.submit(self._rebind, addr, old, movable, reason)
+
+    def _rebind(self, addr: str, old: Instance, rooms: list[Room], reason: str) -> None:
+        """Resolve and register with the new instance at addr (a fresh bootstrap), then give it
+        the rooms: WaitingForInput ones attach, Transferring ones get their TransferInfo."""
+        try:
+            inst = self._instance(addr, time.monotonic())
+        except PDError as e:
+            for r in rooms:
+                with self._lock:
+                    r.rebinding = False
+                    mine = self._rooms.get(r.room) is r
+                if mine:
+                    self._fail(r.room, f"cannot bootstrap with prefill {addr} after it "
+                                       f"restarted: {e}",
+                               code=wire.PREFILL_FAULT, notify=False)
+            return
+        send: list[Room] = []
+        with self._lock:
+            for r in rooms:
+                r.rebinding = False
+                if self._rooms.get(r.room) is not r:  # released meanwhile
+                    continue
+                state = self.states.get(r.room)
+                if state is KVPoll.Failed:  # failed while re-resolving: the new P may hold it
+                    self._send_abort(r, inst, self.states.reason(r.room))
+                elif state is KVPoll.WaitingForInput:
+                    self._attach(r, inst)
+                elif state is KVPoll.Transferring and inst.tp_size != old.tp_size:
+                    self._fail(r.room, f"{reason} with TP {inst.tp_size} (was {old.tp_size})",
+                               code=wire.PREFILL_FAULT, notify=False)  # its grant is sized for TP
+                elif state is KVPoll.Transferring:  # sent nothing yet, or only to a dead instance
+                    r.inst = inst
+                    r.responders.clear()
+                    r.staged_by.clear()
+                    needs_grant = self.grants is not None and inst.tp_size != self.tp_size
+                    if r.pages is not None and (r.grant is not None or not needs_grant):
+                        send.append(r)  # else _on_tick sends it once the ring has room
+        self.counters.add("rooms_moved_after_restart", len(rooms))
+        for r in send:
+            self._send_info(r)

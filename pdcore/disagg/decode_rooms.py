@@ -41,6 +41,8 @@ class Room:
     prefix_pages: int = 0  # leading pages D's prefix cache holds: P writes none of them
     prefix_digest: str = ""
     prefill_dp: int | None = None  # P's DP rank the request named; None: room % P's dp size
+    sent_at: float | None = None  # monotonic time TransferInfo last went to `inst`
+    rebinding: bool = False  # `inst` restarted before serving the room: re-resolving its address
 
     def prefill_dp_of(self, inst: Instance) -> int:
         """The P DP rank holding this room's KV (SGLang's rule: room % dp unless named)."""

@@ -4,7 +4,10 @@ Lifecycle:
 1. `start()` runs a daemon thread that, every `interval` seconds, GETs `/health` of each address
    returned by `addresses()` (short connect/read timeouts, so a hung P cannot stall the loop);
 2. after `max_failure` consecutive failures it calls `on_lost(addr, reason)`; an answer carrying
-   another instance id than the one D resolved calls `on_lost(addr, "... restarted")` at once;
+   another instance id than the one D resolved calls `on_restart(addr, "... restarted")` at once
+   (`on_lost` where none is given); `down_since(addr)` says since when the current streak of
+   failed checks runs (None: the last check answered), so D can tell a room sent to an instance
+   already unreachable from one the old instance may have started on;
 3. `close()` stops the thread.
 """
 
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from pdcore.disagg.bootstrap import BootstrapClient
@@ -23,14 +27,17 @@ log = logging.getLogger(__name__)
 class Heartbeat:
     def __init__(self, interval: float, max_failure: int,
                  addresses: Callable[[], dict[str, str]],
-                 on_lost: Callable[[str, str], None], token: str | None = None) -> None:
+                 on_lost: Callable[[str, str], None], token: str | None = None,
+                 on_restart: Callable[[str, str], None] | None = None) -> None:
         self.interval = interval
         self.max_failure = max(1, max_failure)
         timeout = min(2.0, max(0.2, interval))
         self.client = BootstrapClient(connect_timeout=timeout,
                                       read_timeout=min(3.0, max(0.2, interval)), token=token)
         self._addresses, self._on_lost = addresses, on_lost
+        self._on_restart = on_restart or on_lost
         self._failures: dict[str, int] = {}
+        self._down: dict[str, float] = {}  # addr -> monotonic end of the streak's first failure
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pd-heartbeat", daemon=True)
         self.checks = 0
@@ -44,6 +51,9 @@ class Heartbeat:
             for addr in list(self._failures):
                 if addr not in known:
                     del self._failures[addr]
+            for addr in list(self._down):
+                if addr not in known:
+                    self._down.pop(addr, None)
             for addr, instance in known.items():
                 if self._stop.is_set():
                     return
@@ -56,18 +66,25 @@ class Heartbeat:
         except TransferError as e:
             n = self._failures.get(addr, 0) + 1
             self._failures[addr] = n
+            self._down.setdefault(addr, time.monotonic())
             log.warning("heartbeat to prefill %s failed (%d/%d): %s", addr, n, self.max_failure, e)
             if n >= self.max_failure:
                 self._failures.pop(addr, None)
-                self._safe_lost(addr, f"lost connection with prefill instance {addr}")
+                self._safe(self._on_lost, addr, f"lost connection with prefill instance {addr}")
+                self._down.pop(addr, None)
             return
         self._failures.pop(addr, None)
         if got and instance and got != instance:
-            self._safe_lost(addr, f"prefill instance {addr} restarted")
+            self._safe(self._on_restart, addr, f"prefill instance {addr} restarted")
+        self._down.pop(addr, None)
 
-    def _safe_lost(self, addr: str, reason: str) -> None:
+    def down_since(self, addr: str) -> float | None:
+        """When the running streak of failed checks of addr began (None: none running)."""
+        return self._down.get(addr)
+
+    def _safe(self, fn: Callable[[str, str], None], addr: str, reason: str) -> None:
         try:
-            self._on_lost(addr, reason)
+            fn(addr, reason)
         except Exception:  # never let one callback error end the heartbeat
             log.exception("heartbeat: on_lost(%s) raised", addr)
 
