@@ -47,6 +47,7 @@ from pdcore.router.metrics import RouterMetrics, error_code
 from pdcore.router.policies import DPRanks, Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
+    PEER_RESTARTED,
     DecodeLeg,
     PrefillResult,
     UpstreamClients,
@@ -269,8 +270,11 @@ class Proxy:
                                        f"decode worker {d.url} failed: {exc}", retriable=True)
                     if not leg.ok:
                         if leg.status == PEER_FAULT:  # D is fine; its prefill peer failed
-                            p.circuit.record(False)
-                            self._metrics.worker_error("prefill", "peer_fault")
+                            if PEER_RESTARTED.search(leg.body):  # not the instance there now
+                                self._metrics.worker_error("prefill", "peer_restarted")
+                            else:
+                                p.circuit.record(False)
+                                self._metrics.worker_error("prefill", "peer_fault")
                             return _upstream_failure("prefill", p, leg.status, b"(reported by "
                                                      b"decode " + d.url.encode() + b") " + leg.body)
                         if leg.status in RETRY_STATUSES:

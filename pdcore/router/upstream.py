@@ -3,7 +3,11 @@
 Both record their outcome on the worker's circuit breaker (5xx or transport error = failure) and
 count failures in the metrics. A prefill server answers 502 (PEER_FAULT) when its decode peer
 failed the pair: that counts against the decode worker, never against the healthy prefill; a
-decode server answers 502 when its prefill peer failed the pair (the proxy blames prefill).
+decode server answers 502 when its prefill peer failed the pair (the proxy blames prefill),
+except when the reason is that the prefill instance restarted (PEER_RESTARTED): the room was
+lost with an instance that no longer exists, whose death the router already counted (its own
+prefill call failed, health checks failed); the instance now at that URL is new and passed its
+health check, so blaming it would re-open a half-open circuit for the whole timeout.
 The prefill call is read whole; the decode call is opened as a
 stream so the proxy can commit on its first chunk and pass the rest through.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -25,6 +30,8 @@ from pdcore.router.workers import Worker
 log = logging.getLogger("pdcore.router.upstream")
 
 PEER_FAULT = 502  # a server's "my peer (decode for P, prefill for D) failed this request"
+# decode's reason when the prefill instance it had started the room with was replaced
+PEER_RESTARTED = re.compile(rb"prefill instance \S+ restarted")
 
 
 class UpstreamClients:

@@ -67,6 +67,7 @@ class FakeWorker:
     role: str  # "prefill" | "decode"
     name: str = ""
     fail_statuses: list[int] = field(default_factory=list)  # consumed one per request
+    fail_message: str = ""  # the failures' error message (default: "injected <status> by ...")
     delay: float = 0.0  # before answering a generation request
     hang_until_disconnect: bool = False
     health_status: int = 200
@@ -123,7 +124,8 @@ class FakeWorker:
         self.received.append(Received(request.url.path, body, dict(request.headers)))
         if self.fail_statuses:
             status = self.fail_statuses.pop(0)
-            return JSONResponse({"error": {"message": f"injected {status} by {self.name}"}}, status)
+            message = self.fail_message or f"injected {status} by {self.name}"
+            return JSONResponse({"error": {"message": message}}, status)
         if self.hang_until_disconnect:
             while not await request.is_disconnected():
                 await asyncio.sleep(0.02)

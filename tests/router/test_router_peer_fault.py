@@ -44,6 +44,23 @@ def test_a_peer_fault_opens_only_the_peers_circuit(fake_worker, router, reporter
         assert ("prefill", "peer_fault") not in errors, errors
 
 
+def test_a_prefill_restart_reported_by_decode_blames_nobody(fake_worker, router) -> None:
+    """Decode lost the room with a prefill instance that restarted: that instance is gone and
+    the one now at the URL is new, so P's circuit stays closed (a half-open one would otherwise
+    re-open for the whole timeout); the request is still retried and counted."""
+    p = fake_worker("prefill", delay=0.3)
+    d = fake_worker("decode", fail_statuses=[502, 502],
+                    fail_message="prefill instance 127.0.0.1:9 restarted")
+    r = router([(p, None)], [d], retry_max_retries=3, cb_failure_threshold=1,
+               cb_timeout_duration_secs=30)
+    resp = r.client.post("/generate", json={"text": "x"})
+    assert resp.status_code == 200, resp.text  # the third attempt: decode stopped failing
+    assert len(d.received) == 3
+    for w in (p, d):
+        assert r.worker_state(w.url)["circuit"]["state"] == "closed"
+    assert 'error_type="peer_restarted"' in r.client.get("/metrics").text
+
+
 def test_client_gone_before_first_byte_aborts_both_legs(fake_worker, router):
     """Neither leg has answered a byte when the client gives up: both upstream calls are
     cancelled at once (the workers see the disconnect), not when decode would have finished."""
