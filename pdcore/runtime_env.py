@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 # oneDNN caches a primitive per GEMM shape (1024 by default); every new prefill length adds
 # some, and on SmolLM2 they held about 75 MiB after a few concurrent requests. A decode step at a
@@ -200,17 +201,53 @@ def disjoint_cpus(n_servers: int) -> list[str] | None:
 
 
 _LIBC: list = []  # the loaded C library, found once (find_library runs a helper program)
+# glibc's mallopt parameters and the variables by which a user sets them instead
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+HEAP_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+MMAP_THRESHOLD = 32 * 2**20  # glibc's largest on 64-bit
+TRIM_THRESHOLD = 2**30
+
+
+def _libc() -> Any:  # a ctypes.CDLL, or None where there is no C library to load
+    import ctypes
+    import ctypes.util
+
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(ctypes.util.find_library("c")))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
+def hold_heap() -> bool:
+    """Keep the memory a forward pass frees for the next one, instead of handing it back to the
+    OS after every step (an engine process calls this once, after loading).
+
+    glibc serves each large block (a prefill's activations: 1024 tokens x SmolLM2's MLP width is
+    6 MiB) with a fresh mmap, or trims the heap top after the free, so every step page-faults
+    and zero-fills its activations again: measured on SmolLM2, a 1024-token prefill took 1.42 s
+    with the heap held against 1.56-1.84 s without, and an MLP block 19 ms against 30 ms. Blocks
+    up to 32 MiB come from the heap and up to 1 GiB of free heap stays mapped; `trim_heap` (run
+    when the server goes idle) still hands it all back, so the resident size at rest is as
+    before. A user's MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES win (then
+    nothing is changed). False where not applied."""
+    if any(user_set(k) for k in HEAP_ENV):
+        return False
+    libc = _libc()
+    try:
+        return (libc is not None and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+                and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+    except (AttributeError, TypeError):  # not glibc
+        return False
 
 
 def trim_heap() -> None:
     """Hand the heap this process freed (after loading weights, after a busy spell of steps)
     back to the OS: glibc keeps freed chunks for reuse otherwise, and they stay resident."""
-    import ctypes
-    import ctypes.util
-
+    libc = _libc()
     try:
-        if not _LIBC:
-            _LIBC.append(ctypes.CDLL(ctypes.util.find_library("c")))
-        _LIBC[0].malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
+        if libc is not None:
+            libc.malloc_trim(0)
+    except (AttributeError, TypeError):  # not glibc: nothing to trim
         pass

@@ -22,7 +22,7 @@ from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.tokenizer import ResolvedModel, resolve_model
 from pdcore.engine.weights import SafetensorsWeights
 from pdcore.errors import ConfigError, ModelLoadError
-from pdcore.runtime_env import trim_heap
+from pdcore.runtime_env import hold_heap, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
         sd.release_pages()
     del sd  # one copy of the weights from here: ours (prepare_for_inference replaces them)
     trim_heap()
+    hold_heap()  # from here each step reuses the activations' memory the last one freed
     return model, model.cfg, resolved
 
 
