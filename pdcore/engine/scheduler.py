@@ -58,6 +58,13 @@ class Counters:
     preempted: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
     steps: int = 0
+    # forward passes and their wall time, by kind: "decode" (every request one token) and
+    # "extend" (at least one prompt chunk; decodes may ride along), so /metrics shows where a
+    # server's time goes (mean decode step = decode seconds / decode steps)
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    extend_steps: int = 0
+    extend_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -293,8 +300,15 @@ class Scheduler:
         items = self.schedule()
         self.last_ran = bool(items)
         if items:
-            self.counters.steps += 1
+            c = self.counters
+            c.steps += 1
+            t0 = time.perf_counter()
             results = self.runner.run(items)
+            took = time.perf_counter() - t0
+            if any(n > 1 for _, n in items):
+                c.extend_steps, c.extend_seconds = c.extend_steps + 1, c.extend_seconds + took
+            else:
+                c.decode_steps, c.decode_seconds = c.decode_steps + 1, c.decode_seconds + took
             for res in results:
                 self._apply(res)
             self.ext.after_step(results)
@@ -386,6 +400,10 @@ class Scheduler:
             "prompt_tokens_total": c.prompt_tokens, "generation_tokens_total": c.generated_tokens,
             "finished_total": c.finished, "aborted_total": c.aborted,
             "preempted_total": c.preempted, "steps_total": c.steps,
+            "forward_decode_steps_total": c.decode_steps,
+            "forward_decode_seconds_total": c.decode_seconds,
+            "forward_extend_steps_total": c.extend_steps,
+            "forward_extend_seconds_total": c.extend_seconds,
             **self._cache_stats(), **self.ext.stats(),
         }
 

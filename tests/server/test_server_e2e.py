@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -255,6 +256,29 @@ def test_admin_routes_on_real_engine(real_server, client, pages):
     assert client.post("/flush_cache").status_code == 200
     m = client.get("/metrics").text
     assert "pdserve_kv_pages_free " in m and "pdserve_scheduler_steps_total" in m
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_forward_time_by_kind_in_metrics(real_server, client):
+    """/metrics says how many forward passes of each kind ran and how long they took: one
+    request of 6 tokens is one extend pass (the prompt, giving token 1) and 5 decode passes."""
+    names = [f"pdserve_scheduler_forward_{kind}_{unit}_total"
+             for kind in ("decode", "extend") for unit in ("steps", "seconds")]
+    text = client.get("/metrics").text
+    before = {n: _metric(text, n) for n in names}
+    r = client.post("/generate", json={"text": "count with me", "sampling_params": {
+        "max_new_tokens": 6, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    text = client.get("/metrics").text
+    grew = {n.removeprefix("pdserve_scheduler_forward_"): _metric(text, n) - before[n]
+            for n in names}
+    assert grew["decode_steps_total"] == 5 and grew["extend_steps_total"] == 1, grew
+    assert grew["decode_seconds_total"] > 0 and grew["extend_seconds_total"] > 0, grew
 
 
 def test_killed_server_leaves_no_semaphore_behind(tiny_llama_dir: Path) -> None:
