@@ -65,13 +65,25 @@ def refreshes(driver) -> int:  # type: ignore[no-untyped-def]
 
 
 def rows(driver) -> dict[str, dict[str, str]]:  # type: ignore[no-untyped-def]
-    """url -> {status, role, text} of every worker row the page shows now."""
-    out = {}
-    for role in ("prefill", "decode"):
-        for tr in driver.find_elements("css selector", f"table#{role} tr[data-url]"):
-            out[tr.get_attribute("data-url")] = {
-                "status": tr.get_attribute("data-status"), "role": role, "text": tr.text}
-    return out
+    """url -> {status, role, text} of every worker row the page shows now. A refresh that
+    replaces the table between finding a row and reading it leaves a stale element (a CI run
+    failed so): the table is read again, a bounded number of times."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for attempt in range(20):
+        try:
+            out = {}
+            for role in ("prefill", "decode"):
+                for tr in driver.find_elements("css selector", f"table#{role} tr[data-url]"):
+                    out[tr.get_attribute("data-url")] = {
+                        "status": tr.get_attribute("data-status"), "role": role,
+                        "text": tr.text}
+            return out
+        except StaleElementReferenceException:
+            if attempt == 19:
+                raise
+            time.sleep(0.05)
+    raise AssertionError("unreachable")
 
 
 def screenshot(driver, name: str) -> None:  # type: ignore[no-untyped-def]
