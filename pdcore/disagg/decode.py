@@ -148,7 +148,7 @@ class DecodeKVManager(KVManager):
             r.deadline = time.monotonic() + self.env.waiting_timeout
             self.states.advance(room, KVPoll.Transferring)
             nbytes = (self.grants.staging.grant_bytes(len(pages) - prefix_pages, r.inst.tp_size)
-                      if self.grants is not None and r.inst.tp_size != self.tp_size else 0)
+                      if self._staged(r.inst) else 0)
             why = self.grants.too_big(nbytes) if nbytes else ""
             offset = self.grants.reserve(room, nbytes) if nbytes and not why else None
             if offset is not None:
@@ -158,6 +158,10 @@ class DecodeKVManager(KVManager):
             self._fail(room, why)
         elif (not nbytes or offset is not None) and not deferred:  # else: _on_tick or _rebind
             self._send_info(r)
+
+    def _staged(self, inst: Instance) -> bool:
+        """KV from `inst` goes through D's staging ring (a grant per room): P runs another TP."""
+        return self.grants is not None and inst.tp_size != self.tp_size
 
     def _send_info(self, r: Room) -> None:
         inst, pages = r.inst, r.pages
@@ -472,8 +476,7 @@ class DecodeKVManager(KVManager):
                     r.inst = inst
                     r.responders.clear()
                     r.staged_by.clear()
-                    needs_grant = self.grants is not None and inst.tp_size != self.tp_size
-                    if r.pages is not None and (r.grant is not None or not needs_grant):
+                    if r.pages is not None and (r.grant is not None or not self._staged(inst)):
                         send.append(r)  # else _on_tick sends it once the ring has room
         self.counters.add("rooms_moved_after_restart", len(rooms))
         for r in send:

@@ -36,8 +36,8 @@ class Heartbeat:
                                       read_timeout=min(3.0, max(0.2, interval)), token=token)
         self._addresses, self._on_lost = addresses, on_lost
         self._on_restart = on_restart or on_lost
-        self._failures: dict[str, int] = {}
-        self._down: dict[str, float] = {}  # addr -> monotonic end of the streak's first failure
+        # addr -> (failed checks in a row, monotonic end of the streak's first failure)
+        self._streaks: dict[str, tuple[int, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pd-heartbeat", daemon=True)
         self.checks = 0
@@ -48,12 +48,9 @@ class Heartbeat:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             known = self._addresses()  # addr -> instance id D resolved
-            for addr in list(self._failures):
+            for addr in list(self._streaks):
                 if addr not in known:
-                    del self._failures[addr]
-            for addr in list(self._down):
-                if addr not in known:
-                    self._down.pop(addr, None)
+                    del self._streaks[addr]
             for addr, instance in known.items():
                 if self._stop.is_set():
                     return
@@ -64,23 +61,22 @@ class Heartbeat:
         try:
             got = self.client.health(addr)
         except TransferError as e:
-            n = self._failures.get(addr, 0) + 1
-            self._failures[addr] = n
-            self._down.setdefault(addr, time.monotonic())
-            log.warning("heartbeat to prefill %s failed (%d/%d): %s", addr, n, self.max_failure, e)
-            if n >= self.max_failure:
-                self._failures.pop(addr, None)
+            n, since = self._streaks.get(addr, (0, time.monotonic()))
+            self._streaks[addr] = (n + 1, since)
+            log.warning("heartbeat to prefill %s failed (%d/%d): %s", addr, n + 1,
+                        self.max_failure, e)
+            if n + 1 >= self.max_failure:
                 self._safe(self._on_lost, addr, f"lost connection with prefill instance {addr}")
-                self._down.pop(addr, None)
+                self._streaks.pop(addr, None)
             return
-        self._failures.pop(addr, None)
-        if got and instance and got != instance:
+        if got and instance and got != instance:  # the streak stays readable (down_since) in it
             self._safe(self._on_restart, addr, f"prefill instance {addr} restarted")
-        self._down.pop(addr, None)
+        self._streaks.pop(addr, None)
 
     def down_since(self, addr: str) -> float | None:
         """When the running streak of failed checks of addr began (None: none running)."""
-        return self._down.get(addr)
+        streak = self._streaks.get(addr)
+        return streak[1] if streak else None
 
     def _safe(self, fn: Callable[[str, str], None], addr: str, reason: str) -> None:
         try:
