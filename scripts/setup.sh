@@ -23,7 +23,7 @@ if [ "$want_apt" = 1 ] && command -v apt-get >/dev/null 2>&1; then
   # Mooncake's transfer engine links against the verbs/rdmacm/numa libraries even over TCP;
   # the observability tests drive headless Chromium and run their own Prometheus and promtool
   # (a prometheus system service the package may start is not used: tests pick free ports)
-  apt_pkgs="libibverbs1 librdmacm1 libnuma1 ibverbs-providers chromium chromium-driver prometheus"
+  apt_pkgs="libibverbs1 librdmacm1 libnuma1 ibverbs-providers chromium chromium-driver prometheus g++"
   # shellcheck disable=SC2086 - the list is meant to split
   if ! dpkg -s $apt_pkgs >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
@@ -33,12 +33,22 @@ if [ "$want_apt" = 1 ] && command -v apt-get >/dev/null 2>&1; then
 fi
 [ "$want_venv" = 1 ] || exit 0
 
+# the engine's native kernels (pdcore/engine/native) are compiled on first use with g++; without
+# it the engine still serves, slower (the Python decode loop and oneDNN GEMMs)
+if ! command -v g++ >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+  else
+    echo "note: no g++ here: the engine runs without its native kernels (install g++ for them)" >&2
+  fi
+fi
+
 venv=${PDSERVE_VENV:-$HOME/.cache/pdserve/venv}
 py=$venv/bin/python
 # pip warns about every project the local find-links indexes lack: noise, not a problem
 pipi() { "$py" -m pip install -q --disable-pip-version-check "$@" \
            2> >(grep -v "^WARNING: Location '" >&2); }
-stamp=$(find pyproject.toml pdcore -type f \( -name '*.py' -o -name pyproject.toml \) -print0 \
+stamp=$(find pyproject.toml pdcore -type f \( -name '*.py' -o -name '*.cpp' -o -name pyproject.toml \) -print0 \
         | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 if [ -x "$py" ] && [ "$(cat "$venv/.pdserve-stamp" 2>/dev/null)" = "$stamp" ]; then
   exit 0

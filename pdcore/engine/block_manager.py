@@ -8,6 +8,9 @@ from collections import deque
 import torch
 
 
+SMALL_SPAN = 32  # spans up to this many positions are computed without tensor ops
+
+
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages = num_pages
@@ -56,6 +59,10 @@ class BlockManager:
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Pool slot index of every position in [start, end) of a sequence with `pages`."""
+        ps = self.page_size
+        if end - start <= SMALL_SPAN:  # a decode token: plain ints (tensor indexing costs ~50 us)
+            return torch.tensor([pages[p // ps] * ps + p % ps for p in range(start, end)],
+                                dtype=torch.long)
         pos = torch.arange(start, end)
         table = torch.tensor(pages, dtype=torch.long)
         return table[pos // self.page_size] * self.page_size + pos % self.page_size

@@ -404,8 +404,16 @@ class Scheduler:
             "forward_decode_seconds_total": c.decode_seconds,
             "forward_extend_steps_total": c.extend_steps,
             "forward_extend_seconds_total": c.extend_seconds,
-            **self._cache_stats(), **self.ext.stats(),
+            **self._native_stats(), **self._cache_stats(), **self.ext.stats(),
         }
+
+    def _native_stats(self) -> dict[str, Any]:
+        """Whether the native kernels serve (1/0) and how many decode steps took the native
+        layer loop (engine/native; the rest ran the Python loop)."""
+        from pdcore.engine import native
+
+        return {"native_kernels": int(native.status().startswith("native")),
+                "native_decode_steps_total": int(getattr(self.runner.model, "native_steps", 0))}
 
     def _cache_stats(self) -> dict[str, Any]:
         c, cache = self.counters, self.cache

@@ -98,17 +98,23 @@ class TPInfo:
 
 
 # -- GEMMs on CPU ---------------------------------------------------------------------------------
-# Linear layers run on oneDNN weights reordered once at load (its blocked layout for the CPU's
-# vector width), and the reordered weight *replaces* the original: one copy of the weights.
-# Measured here on SmolLM2's matrices, 1 thread: 1.3-1.9x F.linear's speed at 1-16 rows (a
-# decode step) and ~1.2x at prefill sizes. The session-5 MKL-packed weights needed the original
-# kept beside them and took 3.4x its bytes; they are gone. Results differ from F.linear only in
-# float32 rounding (another summation order; greedy outputs still equal transformers'). The
-# original weight is left as a zero-stride stand-in of the right shape and dtype (no bytes), so
-# code reading `.shape` / `.dtype` keeps working. PDCORE_CPU_PACKED_GEMM=0 turns reordering off.
+# Linear layers run on a copy of the weight laid out once at load for the kernel that reads it,
+# and that copy *replaces* the original (one copy of the weights); the original becomes a
+# zero-stride stand-in of the right shape and dtype (no bytes), so code reading `.shape` /
+# `.dtype` keeps working. Two layouts:
+# - where the native kernels are built: panels of 32 output features (engine/native), float32
+#   [ceil(N / 32), K, 32] on AVX-512 (pdcore_native::linear), bf16 [ceil(N / 32), K / 2, 32, 2]
+#   on AVX-512 BF16 (linear_bf16). Measured here on SmolLM2's matrices, 2 threads, float32: a
+#   decode step's GEMMs at 8 rows 3.2 ms a layer (+ lm_head) against oneDNN's 5.6, 24-30 GB/s
+#   against 15-22; at prefill sizes within 0-7% of oneDNN;
+# - otherwise (no compiler, an older CPU) oneDNN's reordered weight (its blocked layout for the
+#   CPU's vector width): 1.3-1.9x F.linear's speed at 1-16 rows, ~1.2x at prefill sizes.
+# Results differ from F.linear only in float32 rounding (another summation order; greedy outputs
+# still equal transformers'). PDCORE_CPU_PACKED_GEMM=0 turns both off (F.linear on the original).
 PACK_ROWS = 16  # the batch size oneDNN is told to expect (a hint: any row count works)
 PACKED_GEMM_ENV = "PDCORE_CPU_PACKED_GEMM"
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+PANEL = 32  # output features per panel (pdcore_native::linear)
 
 
 def packed_gemm_available(weight: torch.Tensor) -> bool:
@@ -118,10 +124,48 @@ def packed_gemm_available(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 32), K, 32]: panel p holds output features 32p..32p+31 (zero rows pad
+    the last), each k's 32 weights contiguous."""
+    n, k = weight.shape
+    p = -(-n // PANEL)
+    padded = torch.zeros(p * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (K even) -> [ceil(N / 32), K / 2, 32, 2]: as `pack_panels`, with each
+    output's weights for k and k + 1 side by side (the pairs vdpbf16ps multiplies)."""
+    n, k = weight.shape
+    p = -(-n // PANEL)
+    padded = torch.zeros(p * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(p, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def _panel_packer(weight: torch.Tensor):
+    """pack_panels / pack_panels_bf16 where the native GEMM takes this weight, else None."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if weight.dtype == torch.float32:
+        from pdcore.engine import native
+
+        return pack_panels if native.panel_gemm() else None
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
+        from pdcore.engine import native
+
+        return pack_panels_bf16 if native.bf16_gemm() else None
+    return None
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN-reordered copy of a [out, in] weight, or None where unavailable."""
+    """The weight in its GEMM layout (panels or oneDNN's), or None where neither applies."""
     if not packed_gemm_available(weight):
         return None
+    packer = _panel_packer(weight)
+    if packer is not None:
+        return packer(weight.detach())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
@@ -132,10 +176,14 @@ def stand_in(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the reordered weight when there is one (then `weight` may be its
-    stand-in and is not read)."""
+    """F.linear, through the packed weight when there is one (then `weight` may be its
+    stand-in and is only asked for its shape)."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if packed.layout == torch.strided:  # panels: float32 [P, K, 32], bf16 [P, K/2, 32, 2]
+        op = torch.ops.pdcore_native.linear if packed.dim() == 3 \
+            else torch.ops.pdcore_native.linear_bf16
+        return op(x, packed, weight.shape[0], bias)
     lead = x.shape[:-1]
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none",
                                            [], "")
@@ -143,8 +191,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def pack_in_place(weight: nn.Parameter) -> tuple[nn.Parameter, torch.Tensor | None]:
-    """(what to keep as the weight, its reordered form or None): where a reordered form is
-    made it replaces the original, which becomes a stand-in (one copy of the weight)."""
+    """(what to keep as the weight, its packed form or None): where a packed form is made it
+    replaces the original, which becomes a stand-in (one copy of the weight)."""
     packed = pack_weight(weight)
     if packed is None:
         return weight, None
@@ -152,8 +200,8 @@ def pack_in_place(weight: nn.Parameter) -> tuple[nn.Parameter, torch.Tensor | No
 
 
 def pack_linears(module: nn.Module) -> None:
-    """Reorder the weight of every ColumnLinear/RowLinear under `module` (where available);
-    the reordered weight replaces the original."""
+    """Pack the weight of every ColumnLinear/RowLinear under `module` (where available); the
+    packed weight replaces the original."""
     for m in module.modules():
         if isinstance(m, (ColumnLinear, RowLinear)):
             m.weight, m.packed = pack_in_place(m.weight)

@@ -101,6 +101,14 @@ class DecodeGroup:
         return cls(seqs, rows, table.view(-1), mask[:, None, None, :], width)
 
 
+def _decode_attention_op():
+    """pdcore_native::decode_attention where the native kernels are built, else None."""
+    from pdcore.engine import native
+
+    o = native.ops()
+    return None if o is None else o.decode_attention
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -204,8 +212,12 @@ class Attention(nn.Module):
         B, kvh, d = len(g.seqs), self.num_kv_heads, self.head_dim
         # in the buffers' dtype: a bf16 model's decode K/V view is float32 (see LlamaForCausalLM)
         qb = q.reshape(B, kvh, self.num_heads // kvh, d).to(kb.dtype)
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.bias(qb.dtype),
-                                           scale=self.scale)
+        attend = _decode_attention_op()
+        if attend is not None:  # the native kernel (SDPA itself where it does not apply)
+            o = attend(qb, kb, vb, g.bias(qb.dtype), self.scale)
+        else:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.bias(qb.dtype),
+                                               scale=self.scale)
         return o.view(B, self.num_heads, d).to(q.dtype)
 
 
@@ -247,6 +259,8 @@ class LlamaForCausalLM(nn.Module):
                                     requires_grad=False)
         self.rotary = self._make_rotary(cfg)
         self.lm_head_packed: torch.Tensor | None = None
+        self.native: dict | None = None  # the native decode step's weight lists (prepare_...)
+        self.native_steps = 0  # decode steps that ran the native layer loop
         for i, layer in enumerate(self.layers):
             layer.self_attn.layer_id = i
         a = self.layers[0].self_attn if len(self.layers) else None
@@ -263,9 +277,68 @@ class LlamaForCausalLM(nn.Module):
         mlp.down.load(sd[prefix + "down_proj.weight"])
 
     def prepare_for_inference(self) -> None:
-        """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py)."""
+        """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py),
+        then the native decode step where this model can use it."""
         pack_linears(self)
         self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head)
+        self.native = self._native_plan()
+
+    def _native_plan(self) -> dict | None:
+        """The per-layer weight lists of the native decode step (engine/native), or None where
+        it does not apply: it covers the dense Llama layer on one TP rank with every GEMM
+        reordered; anything else (MoE, Qwen3's q/k norm, TP, an unpacked weight) keeps the
+        Python loop."""
+        layers = list(self.layers)
+        if not layers or self.tp.size != 1:
+            return None
+        dtype = layers[0].input_layernorm.weight.dtype
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            if type(a) is not Attention or type(m) is not MLP or a.qk_norm:
+                return None
+            if any(x.packed is None for x in (a.qkv, a.o_proj, m.gate_up, m.down)):
+                return None
+            if a.o_proj.bias is not None or m.down.bias is not None:
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.weight.dtype != dtype for n in norms):
+                return None
+        from pdcore.engine import native
+
+        op = native.decode_layers()
+        if op is None:
+            return None
+        a0 = layers[0].self_attn
+        empty = torch.empty(0)
+        return {
+            "op": op,
+            "ln1": [x.input_layernorm.weight for x in layers],
+            "ln2": [x.post_attention_layernorm.weight for x in layers],
+            "qkv_w": [x.self_attn.qkv.packed for x in layers],
+            "qkv_b": [x.self_attn.qkv.bias if x.self_attn.qkv.bias is not None else empty
+                      for x in layers],
+            "o_w": [x.self_attn.o_proj.packed for x in layers],
+            "gu_w": [x.mlp.gate_up.packed for x in layers],
+            "down_w": [x.mlp.down.packed for x in layers],
+            "shape": (a0.num_heads, a0.num_kv_heads, a0.head_dim, layers[0].mlp.inter,
+                      float(layers[0].input_layernorm.eps), float(a0.scale)),
+        }
+
+    def _native_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       kv: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
+                       g: DecodeGroup, view: DecodeKV, view_dtype: torch.dtype) -> torch.Tensor:
+        """The layer loop of a decode-only step through the decode K/V view, in C++: the
+        residual stream after the last layer, equal to the Python loop's to the bit."""
+        p = self.native
+        bias = g.bias(view_dtype)
+        empty = torch.empty(0, dtype=torch.long)
+        append = view.mode == "append"
+        return p["op"](
+            h, cos, sin, p["ln1"], p["ln2"], p["qkv_w"], p["qkv_b"], p["o_w"], p["gu_w"],
+            p["down_w"], [k for k, _ in kv], [v for _, v in kv], view.k, view.v,
+            batch.out_slots, view.rows if append else empty, view.cols if append else empty,
+            empty if append else g.table, bias if bias is not None else torch.empty(0),
+            0 if append else 1, g.width, *p["shape"])
 
     @staticmethod
     def _make_rotary(cfg) -> nn.Module:
@@ -287,9 +360,14 @@ class LlamaForCausalLM(nn.Module):
         # values): CPU SDPA over it took 145 us a layer at batch 8 against 180 us in bf16, and
         # attention then rounds once instead of per step
         view_dtype = torch.float32 if h.dtype in (torch.bfloat16, torch.float16) else h.dtype
+        view = None
         if self.decode_kv is not None and self.decode_kv.begin(batch, view_dtype):
-            batch.extra["kv_view"] = self.decode_kv
-        for i, layer in enumerate(self.layers):
+            view = batch.extra["kv_view"] = self.decode_kv
+        group = batch.decode_group() if view is not None else None
+        if self.native is not None and group is not None and group.whole:
+            residual = self._native_layers(h, cos, sin, kv, batch, group, view, view_dtype)
+            self.native_steps += 1
+        for i, layer in enumerate(self.layers if residual is h else ()):
             x = layer.input_layernorm(residual)
             x = layer.self_attn(x, cos, sin, kv[i][0], kv[i][1], batch)
             residual = residual + x if i == 0 else residual.add_(x)  # h is the embedding's

@@ -1,0 +1,260 @@
+"""The native kernels (pdcore/engine/native): the panel GEMM and decode attention against
+float64 references, the native decode loop equal to the Python loop to the bit, and the engine
+running without them (switched off, or no compiler) with the reason reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdcore.engine import native
+from pdcore.engine.models import layers
+from pdcore.engine.models.llama import ForwardBatch, LlamaForCausalLM, SeqSpan
+
+
+def _ops():
+    o = native.ops()
+    if o is None:
+        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    return o
+
+
+def _panels():
+    o = _ops()
+    if not native.panel_gemm():
+        pytest.skip("the CPU lacks AVX-512 (the panel GEMM and decode attention need it)")
+    return o
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 12, 13, 25, 200])
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 15), (33, 64), (960, 576), (70, 577)])
+def test_panel_linear_matches_float64(m: int, n: int, k: int) -> None:
+    o = _panels()
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    x = torch.randn(m, k, generator=g)
+    ref = x.double() @ w.double().t()
+    tol = 1e-5 * (1 + ref.abs().max().item()) * max(1, k / 64)
+    panels = layers.pack_panels(w)
+    assert panels.shape == (-(-n // 32), k, 32)
+    got = o.linear(x, panels, n, None)
+    assert got.shape == (m, n) and (got.double() - ref).abs().max().item() < tol
+    got_b = o.linear(x, panels, n, b)
+    assert (got_b.double() - (ref + b.double())).abs().max().item() < tol
+    # leading dimensions are kept; a non-contiguous input is read correctly
+    x3 = torch.randn(k, 2, m, generator=g).permute(1, 2, 0)
+    y3 = o.linear(x3, panels, n, b)
+    assert y3.shape == (2, m, n)
+    torch.testing.assert_close(y3, F.linear(x3, w, b), rtol=1e-4, atol=tol)
+
+
+def test_linear_routes_float32_through_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    _panels()
+    monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
+    w = torch.nn.Parameter(torch.randn(100, 48), requires_grad=False)
+    keep, packed = layers.pack_in_place(w)
+    assert packed is not None and packed.layout == torch.strided and packed.dim() == 3
+    assert keep.shape == w.shape and keep.untyped_storage().nbytes() <= 4  # one copy: a stand-in
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(layers.linear(x, keep, None, packed), F.linear(x, w),
+                               rtol=1e-5, atol=1e-5)
+    # bf16: panels of k pairs where the CPU has AVX-512 BF16, else oneDNN's reordered weight
+    wb = torch.nn.Parameter(torch.randn(64, 32).to(torch.bfloat16), requires_grad=False)
+    keep_b, pb = layers.pack_in_place(wb)
+    assert pb is not None
+    if native.bf16_gemm():
+        assert pb.layout == torch.strided and pb.shape == (2, 16, 32, 2)
+    else:
+        assert pb.layout != torch.strided
+    xb = torch.randn(3, 32).to(torch.bfloat16)
+    torch.testing.assert_close(layers.linear(xb, keep_b, None, pb), F.linear(xb, wb),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 8, 13, 40])
+@pytest.mark.parametrize("n,k", [(1, 2), (31, 16), (70, 578), (960, 576)])
+def test_bf16_panel_linear_matches_float64(m: int, n: int, k: int) -> None:
+    o = _ops()
+    if not native.bf16_gemm():
+        pytest.skip("the CPU lacks AVX-512 BF16")
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    ref = x.double() @ w.double().t() + b.double()  # exact products of the bf16 inputs
+    got = o.linear_bf16(x, layers.pack_panels_bf16(w), n, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # float32 accumulation, one rounding to bf16 (2^-8 relative) at the end
+    err = (got.double() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + 1e-4 * k**0.5).all(), err.max()
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("groups", [1, 3, 8])
+def test_decode_attention_matches_float64(d: int, groups: int) -> None:
+    o = _panels()
+    g = torch.Generator().manual_seed(d + groups)
+    b, h, cap = 5, 2, 96
+    for width in (1, 17, 80):
+        q = torch.randn(b, h, groups, d, generator=g)
+        # K/V as the decode view hands them over: a slice of wider buffers (strided rows)
+        k = torch.randn(b, h, cap, d, generator=g)[:, :, :width]
+        v = torch.randn(b, h, cap, d, generator=g)[:, :, :width]
+        lens = torch.randint(1, width + 1, (b,), generator=g)
+        lens[0] = width
+        bias = torch.zeros(b, 1, 1, width).masked_fill_(
+            ~(torch.arange(width)[None] < lens[:, None])[:, None, None, :], float("-inf"))
+        # padded positions hold garbage (NaN must not leak through a zero weight either way)
+        for mask in (None, bias):
+            ref = F.scaled_dot_product_attention(
+                q.double(), k.double(), v.double(),
+                attn_mask=None if mask is None else mask.double(), scale=d**-0.5)
+            got = o.decode_attention(q, k, v, mask, d**-0.5)
+            assert got.shape == (b, h, groups, d)
+            assert (got.double() - ref).abs().max().item() < 2e-6, (width, mask is None)
+
+
+def test_decode_attention_falls_back_to_sdpa_where_it_does_not_apply() -> None:
+    o = _ops()
+    g = torch.Generator().manual_seed(5)
+    for q, k in (((2, 2, 3, 16), (2, 2, 9, 16)),  # head_dim 16: no kernel
+                 ((2, 1, 9, 64), (2, 1, 9, 64))):  # 9 query heads per KV head
+        qt, kt, vt = torch.randn(*q, generator=g), torch.randn(*k, generator=g), \
+            torch.randn(*k, generator=g)
+        want = F.scaled_dot_product_attention(qt, kt, vt, scale=0.3)
+        assert torch.equal(o.decode_attention(qt, kt, vt, None, 0.3), want)
+
+
+def _llama(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
+    """A tiny random Llama with SmolLM2's head size (64) and grouping (3 query heads per KV
+    head), so every native kernel applies."""
+    from transformers import LlamaConfig
+
+    monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
+    cfg = LlamaConfig(vocab_size=500, hidden_size=384, intermediate_size=512,
+                      num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                      max_position_embeddings=1024, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+        for layer in model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.norm.weight.fill_(1.0)
+    model.to(dtype)
+    model.prepare_for_inference()
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_loop_equals_the_python_loop(dtype: torch.dtype,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _ops()
+    model = _llama(dtype, monkeypatch)
+    assert model.native is not None, native.status()
+    plan = model.native
+    g = torch.Generator().manual_seed(7)
+    pages, page = 40, 8
+    kv = [(torch.randn(pages, page, 2, 64, generator=g).to(dtype),
+           torch.randn(pages, page, 2, 64, generator=g).to(dtype)) for _ in range(3)]
+    perm = iter(torch.randperm(pages * page, generator=g).tolist())
+    tables = [[next(perm) for _ in range(n)] for n in (5, 40, 23, 61)]  # padded: a mask
+    keys = ["a", "b", "c", "d"]
+    modes, runs = [], 0
+    for step in range(6):
+        if step == 4:  # one request leaves: the view fills again
+            tables.pop(2), keys.pop(2)
+        for t in tables:
+            t.append(next(perm))
+        batch = lambda: ForwardBatch(  # noqa: E731 - one per forward (its caches are per step)
+            torch.randint(3, 400, (len(tables),), generator=torch.Generator().manual_seed(step)),
+            torch.tensor([len(t) - 1 for t in tables]), torch.tensor([t[-1] for t in tables]),
+            [SeqSpan(i, 1, torch.tensor(t), key=keys[i]) for i, t in enumerate(tables)],
+            torch.arange(len(tables)))
+        kv_py = [(k.clone(), v.clone()) for k, v in kv]
+        model.native = None
+        want = model(batch(), kv_py)
+        model.decode_kv.valid = False  # the Python run refilled the view: fill it again
+        model.native = plan
+        before = model.native_steps
+        got = model(batch(), kv)
+        modes.append(model.decode_kv.mode)
+        runs += model.native_steps - before
+        assert torch.equal(got, want), step  # the same operators in the same order
+        for (k1, v1), (k2, v2) in zip(kv, kv_py):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)  # the pool written alike
+    assert runs == 6 and set(modes) == {"fill"}
+
+
+def test_native_decode_loop_appends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steady decoding (append mode) through the native loop gives the logits of a model that
+    gathers every step."""
+    _ops()
+    model = _llama(torch.float32, monkeypatch)
+    ref = _llama(torch.float32, monkeypatch)
+    ref.decode_kv.budget = 0  # no view: gathers from the pool
+    g = torch.Generator().manual_seed(9)
+    kv = [(torch.randn(30, 8, 2, 64, generator=g), torch.randn(30, 8, 2, 64, generator=g))
+          for _ in range(3)]
+    kv_ref = [(k.clone(), v.clone()) for k, v in kv]
+    perm = iter(torch.randperm(240, generator=g).tolist())
+    tables = [[next(perm) for _ in range(n)] for n in (3, 30, 12)]
+    modes = []
+    for step in range(5):
+        for t in tables:
+            t.append(next(perm))
+
+        def batch(keyed: bool) -> ForwardBatch:
+            return ForwardBatch(
+                torch.tensor([5 + step, 9, 300]), torch.tensor([len(t) - 1 for t in tables]),
+                torch.tensor([t[-1] for t in tables]),
+                [SeqSpan(i, 1, torch.tensor(t), key=i if keyed else None)
+                 for i, t in enumerate(tables)], torch.arange(3))
+        got = model(batch(True), kv)
+        modes.append(model.decode_kv.mode)
+        torch.testing.assert_close(got, ref(batch(False), kv_ref), rtol=1e-5, atol=1e-5)
+    assert modes == ["fill"] + ["append"] * 4 and model.native_steps == 5
+
+
+CHILD = r"""
+import json, torch
+from pdcore.engine import native
+from pdcore.engine.models import layers
+w = torch.nn.Parameter(torch.randn(40, 16), requires_grad=False)
+keep, packed = layers.pack_in_place(w)
+x = torch.randn(3, 16)
+ok = torch.allclose(layers.linear(x, keep, None, packed), torch.nn.functional.linear(x, w),
+                    atol=1e-5)
+print(json.dumps({"status": native.status(), "ops": native.ops() is not None, "ok": ok,
+                  "layout": str(packed.layout) if packed is not None else None}))
+"""
+
+
+def _child(**env: str) -> dict:
+    e = {**os.environ, **env}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=e, capture_output=True, text=True,
+                         timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_switched_off_runs_without_native() -> None:
+    r = _child(PDCORE_NATIVE="0")
+    assert r == {"status": "off (PDCORE_NATIVE=0)", "ops": False, "ok": True,
+                 "layout": "torch._mkldnn"}, r
+
+
+def test_no_compiler_is_reported_and_the_engine_still_computes(tmp_path) -> None:
+    r = _child(CXX=str(tmp_path / "no-such-g++"), PDSERVE_NATIVE_DIR=str(tmp_path / "cache"),
+               PDCORE_NATIVE="1")
+    assert r["ops"] is False and r["ok"] is True and r["layout"] == "torch._mkldnn", r
+    assert r["status"].startswith("off (no C++ compiler") and "no-such-g++" in r["status"], r
+    assert not any((tmp_path / "cache").glob("*.so"))
