@@ -281,6 +281,26 @@ def test_forward_time_by_kind_in_metrics(real_server, client):
     assert grew["decode_seconds_total"] > 0 and grew["extend_seconds_total"] > 0, grew
 
 
+def test_native_kernels_in_metrics(real_server, client):
+    """/metrics says whether the native kernels serve, and two requests decoding together take
+    the native layer loop (a batch of one has no decode group and runs the Python loop)."""
+    from pdcore.engine import native
+
+    text = client.get("/metrics").text
+    on = _metric(text, "pdserve_scheduler_native_kernels")
+    assert on == (1.0 if native.ops() is not None else 0.0), native.status()
+    name = "pdserve_scheduler_native_decode_steps_total"
+    before = _metric(text, name)
+    body = {"text": "count with me", "sampling_params": {  # long enough to overlap
+        "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rs = list(pool.map(lambda _: client.post("/generate", json=body), range(2)))
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    assert rs[0].json()["text"] == rs[1].json()["text"]
+    grew = _metric(client.get("/metrics").text, name) - before
+    assert (grew > 0) if on else grew == 0, (on, grew)
+
+
 def test_killed_server_leaves_no_semaphore_behind(tiny_llama_dir: Path) -> None:
     """A SIGKILLed server (and its scheduler) leaves nothing in /dev/shm: loading the model used
     to create tqdm's multiprocessing lock, a named semaphore only a clean exit removes."""
