@@ -67,9 +67,12 @@ def _command(out: Path) -> list[str]:
 
 def _build() -> Path:
     """The compiled library, built now if this source and torch have none yet."""
-    cmd = _command(Path("out.so"))  # the key: the source, torch, the ABI and these flags
+    cmd = _command(Path("out.so"))
+    # the key: the source, torch's version and the flags (not where torch is installed: each
+    # CI run's fresh virtual environment would add a copy)
+    flags = [a for a in cmd[:-1] if not a.startswith(("-I", "-L", "/"))]
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
-                         + " ".join(cmd[:-1]).encode()).hexdigest()[:16]
+                         + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"decode_step-{key}.so"
     if target.exists():
         return target
