@@ -1,8 +1,9 @@
-// The Llama-family decode step's layer loop in C++ (see native/__init__.py): the same ATen
-// operators, in the same order and on the same tensors, as the Python path in
-// models/llama.py for a decode-only step through the decode K/V view, so the result is the same
-// to the bit. What it removes is the interpreter between them: ~25 operators a layer, each
-// called from Python through module calls, slicing and checks.
+// The engine's native kernels (see native/__init__.py): float32 and bf16 GEMMs over weight
+// panels, decode attention over the decode K/V view, and the Llama-family decode layer loop.
+// The loop calls the same operators (these kernels included), in the same order and on the
+// same tensors, as the Python loop in models/llama.py for a decode-only step through the view,
+// so the result is the same to the bit; what it removes is the interpreter between ~25 small
+// operators a layer.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
