@@ -124,38 +124,39 @@ def packed_gemm_available(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 32), K, 32]: panel p holds output features 32p..32p+31 (zero rows pad
-    the last), each k's 32 weights contiguous."""
+def _padded_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(weight with zero rows appended up to a whole number of panels, panel count)."""
     n, k = weight.shape
     p = -(-n // PANEL)
     padded = torch.zeros(p * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight
-    return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+    return padded, p
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 32), K, 32]: panel p holds output features 32p..32p+31 (zero rows pad
+    the last), each k's 32 weights contiguous."""
+    padded, p = _padded_rows(weight)
+    return padded.view(p, PANEL, -1).transpose(1, 2).contiguous()
 
 
 def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     """bf16 [N, K] (K even) -> [ceil(N / 32), K / 2, 32, 2]: as `pack_panels`, with each
     output's weights for k and k + 1 side by side (the pairs vdpbf16ps multiplies)."""
-    n, k = weight.shape
-    p = -(-n // PANEL)
-    padded = torch.zeros(p * PANEL, k, dtype=weight.dtype)
-    padded[:n] = weight
-    return padded.view(p, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    padded, p = _padded_rows(weight)
+    return padded.view(p, PANEL, -1, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def _panel_packer(weight: torch.Tensor):
     """pack_panels / pack_panels_bf16 where the native GEMM takes this weight, else None."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if weight.dtype == torch.float32:
-        from pdcore.engine import native
+    from pdcore.engine import native
 
-        return pack_panels if native.panel_gemm() else None
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
-        from pdcore.engine import native
-
-        return pack_panels_bf16 if native.bf16_gemm() else None
+    if weight.dtype == torch.float32 and native.panel_gemm():
+        return pack_panels
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and native.bf16_gemm():
+        return pack_panels_bf16
     return None
 
 

@@ -13,6 +13,7 @@ to everything cached before it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -101,8 +102,10 @@ class DecodeGroup:
         return cls(seqs, rows, table.view(-1), mask[:, None, None, :], width)
 
 
+@functools.cache
 def _decode_attention_op():
-    """pdcore_native::decode_attention where the native kernels are built, else None."""
+    """pdcore_native::decode_attention where the native kernels are built, else None (resolved
+    once: every layer of every decode step asks)."""
     from pdcore.engine import native
 
     o = native.ops()
@@ -286,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
     def _native_plan(self) -> dict | None:
         """The per-layer weight lists of the native decode step (engine/native), or None where
         it does not apply: it covers the dense Llama layer on one TP rank with every GEMM
-        reordered; anything else (MoE, Qwen3's q/k norm, TP, an unpacked weight) keeps the
+        packed; anything else (MoE, Qwen3's q/k norm, TP, an unpacked weight) keeps the
         Python loop."""
         layers = list(self.layers)
         if not layers or self.tp.size != 1:
@@ -367,12 +370,13 @@ class LlamaForCausalLM(nn.Module):
         if self.native is not None and group is not None and group.whole:
             residual = self._native_layers(h, cos, sin, kv, batch, group, view, view_dtype)
             self.native_steps += 1
-        for i, layer in enumerate(self.layers if residual is h else ()):
-            x = layer.input_layernorm(residual)
-            x = layer.self_attn(x, cos, sin, kv[i][0], kv[i][1], batch)
-            residual = residual + x if i == 0 else residual.add_(x)  # h is the embedding's
-            x = layer.post_attention_layernorm(residual)
-            residual.add_(layer.mlp(x))
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.input_layernorm(residual)
+                x = layer.self_attn(x, cos, sin, kv[i][0], kv[i][1], batch)
+                residual = residual + x if i == 0 else residual.add_(x)  # h is the embedding's
+                x = layer.post_attention_layernorm(residual)
+                residual.add_(layer.mlp(x))
         if self.decode_kv is not None:
             self.decode_kv.end()
         if not logits:

@@ -12,7 +12,7 @@
 
 Built with the host's C++ compiler (g++ with OpenMP; no ninja, no Python headers: the library
 registers torch operators and nothing else) into ~/.cache/pdserve/native (PDSERVE_NATIVE_DIR),
-keyed by the source, the torch version and the ABI, in ~15 s once per machine; concurrent
+keyed by the source, the torch version and the flags (the ABI among them), in ~15 s once per machine; concurrent
 builders each write a temporary file and rename it. Where it cannot be built (no compiler),
 the CPU lacks AVX-512 (the panel GEMM; oneDNN's reordered weights serve instead), or with
 PDCORE_NATIVE=0, the engine runs as before and `status()` says why (logged once; the engine's
@@ -43,7 +43,9 @@ SOURCE = Path(__file__).with_name("decode_step.cpp")
 BUILD_TIMEOUT_S = 300
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "op": the operator or None; "why": the reason it is None
+# "ops": the operator namespace or None, "why": the reason it is None, "panel" / "bf16": whether
+# the float32 / bf16 panel GEMMs serve (each resolved on first use)
+_state: dict[str, object] = {}
 
 
 def _cache_dir() -> Path:

@@ -54,6 +54,12 @@ bool panel_gemm_supported() {
 
 #define PD_UNROLL _Pragma("GCC unroll 16")
 
+// the first `valid` of 16 lanes (all for 16 or more, none for 0 or less): the output columns of
+// a panel half that exist (the last panel's padding rows are not written)
+inline __mmask16 lane_mask(int64_t valid) {
+  return static_cast<__mmask16>(valid >= 16 ? 0xFFFF : valid <= 0 ? 0 : (1u << valid) - 1u);
+}
+
 template <int MB>
 __attribute__((target("avx512f"))) void panel_tile(const float* x, int64_t K, const float* w,
                                                    float* y, int64_t N, int64_t n0,
@@ -71,10 +77,7 @@ __attribute__((target("avx512f"))) void panel_tile(const float* x, int64_t K, co
       acc[m][1] = _mm512_fmadd_ps(w1, xv, acc[m][1]);
     }
   }
-  const int64_t valid = std::min<int64_t>(PANEL, N - n0);
-  const __mmask16 m0 = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1u);
-  const __mmask16 m1 = static_cast<__mmask16>(valid >= 32 ? 0xFFFF
-                                              : valid <= 16 ? 0 : (1u << (valid - 16)) - 1u);
+  const __mmask16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (b) {
     b0 = _mm512_maskz_loadu_ps(m0, b + n0);
@@ -183,10 +186,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile_
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
     }
   }
-  const int64_t valid = std::min<int64_t>(PANEL, N - n0);
-  const __mmask16 m0 = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1u);
-  const __mmask16 m1 = static_cast<__mmask16>(valid >= 32 ? 0xFFFF
-                                              : valid <= 16 ? 0 : (1u << (valid - 16)) - 1u);
+  const __mmask16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (b) {  // bf16 bias widened to float32 (a shift: exact)
     b0 = _mm512_castsi512_ps(_mm512_slli_epi32(
