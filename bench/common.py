@@ -57,10 +57,29 @@ def alternating(systems: Sequence[str], rep: int) -> list[str]:
 
 
 # -- machine and results -----------------------------------------------------------------------
+def cpu_model() -> tuple[str, list[str]]:
+    """(the CPU's model name, which of the flags that decide the engine's kernels it has):
+    results differ by CPU (AMX or not), and sessions land on different ones."""
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = val.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(val.split())
+    except OSError:
+        pass
+    return name, [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+
+
 def machine_info() -> dict[str, Any]:
     import torch
 
+    model, flags = cpu_model()
     return {
+        "cpu": model, "cpu_flags": flags,
         "nproc": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
         "loadavg": list(os.getloadavg()), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,

@@ -7,7 +7,6 @@ from collections import deque
 
 import torch
 
-
 SMALL_SPAN = 32  # spans up to this many positions are computed without tensor ops
 
 

@@ -13,6 +13,8 @@ import os
 from pdcore.errors import ConfigError
 
 CPUINFO_ENV = "PDCORE_CPUINFO"
+LAYOUT_ENV = "PDCORE_GEMM_LAYOUT"  # linear layers' weight layout (models/layers.py)
+LAYOUTS = ("auto", "panels", "onednn")
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
@@ -46,3 +48,12 @@ def check_cpu_dtype(dtype: str, device: str) -> None:
         raise ConfigError(f"--dtype {dtype} on cpu needs AMX or AVX-512 BF16 and {why} "
                           "(bfloat16 would run emulated, slower than float32); use --dtype "
                           "float32, and --kv-cache-dtype bfloat16 to halve the KV pool")
+
+
+def gemm_layout_setting() -> str:
+    """PDCORE_GEMM_LAYOUT: auto (each weight shape timed in both layouts at load), panels (the
+    native kernels' layout where they are built) or onednn; ConfigError for anything else."""
+    raw = os.environ.get(LAYOUT_ENV, "").strip().lower() or "auto"
+    if raw not in LAYOUTS:
+        raise ConfigError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}; got {raw!r}")
+    return raw

@@ -78,6 +78,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.outbox: list[TokenOut] = []
         self.counters = Counters()
+        self._layouts: dict[str, int] | None = None  # GEMM weights per layout (_native_stats)
         self.ext = Extension()
         self.last_ran = False  # the last step did work: the loop calls again without waiting
         self.flushed_early = False  # the last step only sent tokens that arrived in poll()
@@ -408,12 +409,17 @@ class Scheduler:
         }
 
     def _native_stats(self) -> dict[str, Any]:
-        """Whether the native kernels serve (1/0) and how many decode steps took the native
-        layer loop (engine/native; the rest ran the Python loop)."""
+        """Whether the native kernels serve (1/0), how many decode steps took the native layer
+        loop (engine/native; the rest ran the Python loop), and how many GEMM weights sit in
+        each layout (models/layers.py: chosen at load)."""
         from pdcore.engine import native
+        from pdcore.engine.models.layers import weight_layouts
 
+        if self._layouts is None:
+            self._layouts = weight_layouts(self.runner.model)
         return {"native_kernels": int(native.status().startswith("native")),
-                "native_decode_steps_total": int(getattr(self.runner.model, "native_steps", 0))}
+                "native_decode_steps_total": int(getattr(self.runner.model, "native_steps", 0)),
+                **{f"gemm_weights_{k}": v for k, v in self._layouts.items()}}
 
     def _cache_stats(self) -> dict[str, Any]:
         c, cache = self.counters, self.cache

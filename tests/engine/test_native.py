@@ -14,8 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from pdcore.engine import native
+from pdcore.engine.cpu_features import LAYOUT_ENV
 from pdcore.engine.models import layers
 from pdcore.engine.models.llama import ForwardBatch, LlamaForCausalLM, SeqSpan
+from pdcore.errors import ConfigError
 
 
 def _ops():
@@ -58,6 +60,7 @@ def test_panel_linear_matches_float64(m: int, n: int, k: int) -> None:
 def test_linear_routes_float32_through_panels(monkeypatch: pytest.MonkeyPatch) -> None:
     _panels()
     monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
+    monkeypatch.setenv(LAYOUT_ENV, "panels")
     w = torch.nn.Parameter(torch.randn(100, 48), requires_grad=False)
     keep, packed = layers.pack_in_place(w)
     assert packed is not None and packed.layout == torch.strided and packed.dim() == 3
@@ -132,12 +135,61 @@ def test_decode_attention_falls_back_to_sdpa_where_it_does_not_apply() -> None:
         assert torch.equal(o.decode_attention(qt, kt, vt, None, 0.3), want)
 
 
-def _llama(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
+@pytest.mark.parametrize("dtype,pool", [(torch.float32, torch.float32),
+                                        (torch.bfloat16, torch.bfloat16),
+                                        (torch.float16, torch.float16),
+                                        (torch.float32, torch.bfloat16)])  # the aten fallback
+def test_rope_store_equals_the_aten_formula(dtype: torch.dtype, pool: torch.dtype) -> None:
+    """rotary over q and k (x cos + rotate_half(x) sin, each operator rounding to the dtype)
+    and the pool store at the slots, fused: equal to the bit to the Python code's operators."""
+    o = _ops()
+    g = torch.Generator().manual_seed(3)
+    T, H, KVH, D = 37, 6, 2, 64
+    qkv = (torch.randn(T, (H + 2 * KVH) * D + 8, generator=g) * 3).to(dtype)[:, 8:]  # strided
+    ang = torch.randn(T, 1, D, generator=g) * 4
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    kp, vp = torch.zeros(12, 8, KVH, D, dtype=pool), torch.zeros(12, 8, KVH, D, dtype=pool)
+    slots = torch.randperm(96, generator=g)[:T]
+    qk = o.rope_store(qkv, cos, sin, kp, vp, slots, H, KVH, D)
+    x = qkv[:, : (H + KVH) * D].view(T, H + KVH, D)
+    a, b = x.chunk(2, dim=-1)
+    want = x * cos + torch.cat((-b, a), dim=-1) * sin
+    assert qk.dtype == dtype and torch.equal(qk, want)
+    kf, vf = kp.view(-1, KVH, D), vp.view(-1, KVH, D)
+    assert torch.equal(kf[slots], want[:, H:].to(pool))
+    assert torch.equal(vf[slots], qkv[:, (H + KVH) * D :].reshape(T, KVH, D).to(pool))
+    untouched = torch.ones(96, dtype=torch.bool)
+    untouched[slots] = False
+    assert not kf[untouched].any() and not vf[untouched].any()
+
+
+def test_silu_mul_matches_aten() -> None:
+    """bf16 silu(gate) * up in one pass: equal to aten's two operators but for rare last-bit
+    ties (its exp and reciprocal differ from aten's by float32 ulps); float32 and a width the
+    kernel does not take run aten's operators (equal to the bit)."""
+    o = _panels()
+    g = torch.Generator().manual_seed(5)
+    gu = (torch.randn(67, 2 * 96 + 4, generator=g) * 4).bfloat16()[:, 4:]  # strided rows
+    want = F.silu(gu[:, :96]) * gu[:, 96:]
+    got = o.silu_mul(gu, 96)
+    assert got.shape == (67, 96) and got.dtype == torch.bfloat16
+    assert (got != want).float().mean().item() < 2e-3
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for x, width in ((torch.randn(5, 40, generator=g), 20),
+                     (torch.randn(5, 40, generator=g).bfloat16(), 20)):
+        assert torch.equal(o.silu_mul(x, width), F.silu(x[:, :width]) * x[:, width:])
+    f32 = torch.randn(9, 64, generator=g)
+    assert torch.equal(o.silu_mul(f32, 32), F.silu(f32[:, :32]) * f32[:, 32:])
+
+
+def _llama(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
+           layout: str = "panels") -> LlamaForCausalLM:
     """A tiny random Llama with SmolLM2's head size (64) and grouping (3 query heads per KV
-    head), so every native kernel applies."""
+    head), so every native kernel applies (`layout`: the GEMMs' weight layout)."""
     from transformers import LlamaConfig
 
     monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
+    monkeypatch.setenv(LAYOUT_ENV, layout)
     cfg = LlamaConfig(vocab_size=500, hidden_size=384, intermediate_size=512,
                       num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
                       max_position_embeddings=1024, architectures=["LlamaForCausalLM"])
@@ -175,7 +227,7 @@ def test_native_decode_loop_equals_the_python_loop(dtype: torch.dtype,
             tables.pop(2), keys.pop(2)
         for t in tables:
             t.append(next(perm))
-        batch = lambda: ForwardBatch(  # noqa: E731 - one per forward (its caches are per step)
+        batch = lambda step=step: ForwardBatch(
             torch.randint(3, 400, (len(tables),), generator=torch.Generator().manual_seed(step)),
             torch.tensor([len(t) - 1 for t in tables]), torch.tensor([t[-1] for t in tables]),
             [SeqSpan(i, 1, torch.tensor(t), key=keys[i]) for i, t in enumerate(tables)],
@@ -193,6 +245,86 @@ def test_native_decode_loop_equals_the_python_loop(dtype: torch.dtype,
         for (k1, v1), (k2, v2) in zip(kv, kv_py):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)  # the pool written alike
     assert runs == 6 and set(modes) == {"fill"}
+
+
+@pytest.mark.parametrize("layout", ["panels", "onednn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_append_equals_the_python_loop(dtype: torch.dtype, layout: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steady decoding (append mode: the fused rotary + K/V store) in the native loop against
+    the Python loop of an identical model, each with its own view and pool: equal to the bit,
+    logits, pool and view, step after step; with either weight layout."""
+    _ops()
+    nat, py = _llama(dtype, monkeypatch, layout), _llama(dtype, monkeypatch, layout)
+    n = 1 + 4 * len(nat.layers)  # lm_head, qkv, o, gate_up, down
+    assert layers.weight_layouts(nat) == {"panels": n * (layout == "panels"),
+                                          "onednn": n * (layout == "onednn"), "plain": 0}
+    py.native = None
+    g = torch.Generator().manual_seed(11)
+    kv = [(torch.randn(40, 8, 2, 64, generator=g).to(dtype),
+           torch.randn(40, 8, 2, 64, generator=g).to(dtype)) for _ in range(3)]
+    kv_py = [(k.clone(), v.clone()) for k, v in kv]
+    perm = iter(torch.randperm(320, generator=g).tolist())
+    tables = [[next(perm) for _ in range(n)] for n in (4, 37, 19)]  # padded: a mask
+    modes = []
+    for step in range(6):
+        for t in tables:
+            t.append(next(perm))
+        ids = torch.randint(3, 400, (3,), generator=torch.Generator().manual_seed(step))
+
+        def batch(ids: torch.Tensor = ids) -> ForwardBatch:
+            return ForwardBatch(ids, torch.tensor([len(t) - 1 for t in tables]),
+                                torch.tensor([t[-1] for t in tables]),
+                                [SeqSpan(i, 1, torch.tensor(t), key=i)
+                                 for i, t in enumerate(tables)], torch.arange(3))
+        got, want = nat(batch(), kv), py(batch(), kv_py)
+        modes.append((nat.decode_kv.mode, py.decode_kv.mode))
+        assert torch.equal(got, want), step
+        for (k1, v1), (k2, v2) in zip(kv, kv_py):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), step
+        for a, b in zip(nat.decode_kv.k + nat.decode_kv.v, py.decode_kv.k + py.decode_kv.v):
+            assert torch.equal(a, b), step
+    assert modes == [("fill", "fill")] + [("append", "append")] * 5
+    assert nat.native_steps == 6 and py.native_steps == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layout_is_chosen_by_the_weighted_cost(dtype: torch.dtype,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: each weight shape is timed in both layouts (decode rows weighted DECODE_WEIGHT to
+    one prefill chunk; an lm_head at decode rows only) and the cheaper layout replaces it; the
+    choice is made once per shape. Timings are stood in for, so the rule is what is tested."""
+    _panels()
+    if dtype == torch.bfloat16 and not native.bf16_gemm():
+        pytest.skip("no AVX-512 BF16: bf16 weights only take oneDNN's layout here")
+    monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
+    monkeypatch.setenv(LAYOUT_ENV, "auto")
+    monkeypatch.setattr(layers, "_layout_choice", {})
+    w = torch.randn(64, 32).to(dtype)
+    real = layers.layout_cost(w, layers._panel_packer(w)(w), layers._onednn(w), 8)
+    assert set(real) == {"panels", "onednn"} and min(real.values()) > 0  # both layouts ran
+    # panels: 1 ms per call at decode rows, 30 at prefill rows; oneDNN: 2 and 10
+    cost = {layers.DECODE_ROWS: {"panels": 1.0, "onednn": 2.0},
+            layers.PREFILL_ROWS: {"panels": 30.0, "onednn": 10.0}}
+    timed = []
+
+    def fake_cost(weight, panels, onednn, rows):
+        assert panels.layout == torch.strided and onednn.layout != torch.strided
+        timed.append(rows)
+        return cost[rows]
+
+    monkeypatch.setattr(layers, "layout_cost", fake_cost)
+    # 16 x 1 + 30 = 46 against 16 x 2 + 10 = 42: oneDNN
+    assert layers.pack_weight(w).layout != torch.strided
+    # the lm_head (decode rows only): 16 against 32: panels
+    assert layers.pack_weight(w, prefill=False).layout == torch.strided
+    assert timed == [8, 256, 8]
+    layers.pack_weight(w)  # chosen once per shape: not timed again
+    assert timed == [8, 256, 8] and len(layers._layout_choice) == 2
+    monkeypatch.setenv(LAYOUT_ENV, "fastest")
+    with pytest.raises(ConfigError, match="PDCORE_GEMM_LAYOUT must be one of auto, panels, "
+                                          "onednn; got 'fastest'"):
+        layers.pack_weight(w)
 
 
 def test_native_decode_loop_appends(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,7 +345,7 @@ def test_native_decode_loop_appends(monkeypatch: pytest.MonkeyPatch) -> None:
         for t in tables:
             t.append(next(perm))
 
-        def batch(keyed: bool) -> ForwardBatch:
+        def batch(keyed: bool, step: int = step) -> ForwardBatch:
             return ForwardBatch(
                 torch.tensor([5 + step, 9, 300]), torch.tensor([len(t) - 1 for t in tables]),
                 torch.tensor([t[-1] for t in tables]),
@@ -258,3 +390,11 @@ def test_no_compiler_is_reported_and_the_engine_still_computes(tmp_path) -> None
     assert r["ops"] is False and r["ok"] is True and r["layout"] == "torch._mkldnn", r
     assert r["status"].startswith("off (no C++ compiler") and "no-such-g++" in r["status"], r
     assert not any((tmp_path / "cache").glob("*.so"))
+
+
+def test_a_bad_layout_setting_is_refused_at_the_command_line() -> None:
+    r = subprocess.run([sys.executable, "-m", "pdcore", "serve", "--load-format", "dummy"],
+                       capture_output=True, text=True, timeout=120, check=False,
+                       env={**os.environ, LAYOUT_ENV: "fastest"})
+    assert r.returncode == 2, r.stderr
+    assert "PDCORE_GEMM_LAYOUT must be one of auto, panels, onednn; got 'fastest'" in r.stderr

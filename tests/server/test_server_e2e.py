@@ -289,6 +289,11 @@ def test_native_kernels_in_metrics(real_server, client):
     text = client.get("/metrics").text
     on = _metric(text, "pdserve_scheduler_native_kernels")
     assert on == (1.0 if native.ops() is not None else 0.0), native.status()
+    layouts = {k: _metric(text, f"pdserve_scheduler_gemm_weights_{k}")
+               for k in ("panels", "onednn", "plain")}
+    # per layer qkv, o, gate_up, down, and the lm_head: each in one layout, all packed
+    n = sum(layouts.values())
+    assert n > 1 and n % 4 == 1 and layouts["plain"] == 0, layouts
     name = "pdserve_scheduler_native_decode_steps_total"
     before = _metric(text, name)
     body = {"text": "count with me", "sampling_params": {  # long enough to overlap

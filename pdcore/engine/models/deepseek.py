@@ -237,7 +237,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def prepare_for_inference(self) -> None:
         pack_linears(self)
-        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head)
+        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head, prefill=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],

@@ -10,7 +10,9 @@ the KV head count, each rank holds one (replicated) KV head and a share of its q
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcore.config import env_bool
+from pdcore.engine.cpu_features import gemm_layout_setting
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span, span  # the split rule P and D share
+
+log = logging.getLogger(__name__)
 
 
 def q_head_span(num_heads: int, total_kv: int, rank: int, size: int) -> tuple[int, int]:
@@ -102,19 +107,30 @@ class TPInfo:
 # and that copy *replaces* the original (one copy of the weights); the original becomes a
 # zero-stride stand-in of the right shape and dtype (no bytes), so code reading `.shape` /
 # `.dtype` keeps working. Two layouts:
-# - where the native kernels are built: panels of 32 output features (engine/native), float32
+# - panels of 32 output features (engine/native, where the native kernels are built): float32
 #   [ceil(N / 32), K, 32] on AVX-512 (pdcore_native::linear), bf16 [ceil(N / 32), K / 2, 32, 2]
-#   on AVX-512 BF16 (linear_bf16). Measured here on SmolLM2's matrices, 2 threads, float32: a
-#   decode step's GEMMs at 8 rows 3.2 ms a layer (+ lm_head) against oneDNN's 5.6, 24-30 GB/s
-#   against 15-22; at prefill sizes within 0-7% of oneDNN;
-# - otherwise (no compiler, an older CPU) oneDNN's reordered weight (its blocked layout for the
-#   CPU's vector width): 1.3-1.9x F.linear's speed at 1-16 rows, ~1.2x at prefill sizes.
+#   on AVX-512 BF16 (linear_bf16);
+# - oneDNN's reordered weight (its blocked layout for the CPU: AMX tiles for bf16 where the CPU
+#   has AMX).
+# Which is faster depends on the CPU, so each weight shape is timed once at load in both layouts
+# (`choose_layout`; PDCORE_GEMM_LAYOUT=panels|onednn fixes it). Seen on two machines of this
+# project, 2 threads, SmolLM2's matrices: on AMD Zen 4 (AVX-512 BF16, no AMX) panels read the
+# weights at 24-30 GB/s against oneDNN's 15-22 (float32 decode step 3.2 against 5.6 ms a layer;
+# bf16 0.40 against 0.55), within 0-8% at prefill sizes; on an Intel Xeon with AMX, oneDNN wins:
+# bf16 1.4 against 3.2 ms at 8 rows (all layers' shapes once + lm_head), 3.6 against 37 ms at
+# 1024 rows (AMX), float32 4.5 against 5.6 at 8 rows.
 # Results differ from F.linear only in float32 rounding (another summation order; greedy outputs
 # still equal transformers'). PDCORE_CPU_PACKED_GEMM=0 turns both off (F.linear on the original).
 PACK_ROWS = 16  # the batch size oneDNN is told to expect (a hint: any row count works)
 PACKED_GEMM_ENV = "PDCORE_CPU_PACKED_GEMM"
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 PANEL = 32  # output features per panel (pdcore_native::linear)
+# choose_layout's workload: a decode step of DECODE_ROWS sequences weighs DECODE_WEIGHT against
+# one prefill chunk of PREFILL_ROWS tokens (a chat turn of ~128 tokens in and ~64 out at batch 8
+# runs ~8 decode steps per 0.5 such chunks: decode-heavy)
+DECODE_ROWS, PREFILL_ROWS, DECODE_WEIGHT = 8, 256, 16
+STREAM_BYTES = 32 << 20  # layout_cost's decode timing reads at least this much weight
+_layout_choice: dict[tuple, str] = {}
 
 
 def packed_gemm_available(weight: torch.Tensor) -> bool:
@@ -160,14 +176,94 @@ def _panel_packer(weight: torch.Tensor):
     return None
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in its GEMM layout (panels or oneDNN's), or None where neither applies."""
+def _onednn(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+def layout_cost(weight: torch.Tensor, panels: torch.Tensor, onednn: torch.Tensor,
+                rows: int) -> dict[str, float]:
+    """Milliseconds of one GEMM of `rows` random rows in each layout (best of 3 after a warm
+    call: oneDNN builds its primitive on first use). At decode sizes a step streams each weight
+    from memory once, so the timing cycles through copies of the weight that together exceed
+    the caches nearest the core (STREAM_BYTES); a weight that stays in L2 would flatter the
+    kernel that computes best over data the core already holds."""
+    n, k = weight.shape
+    op = (torch.ops.pdcore_native.linear if panels.dim() == 3
+          else torch.ops.pdcore_native.linear_bf16)
+    copies = 1
+    if rows <= DECODE_ROWS:
+        copies = max(1, min(8, -(-STREAM_BYTES // (weight.numel() * weight.element_size()))))
+    x = torch.randn(rows, k).to(weight.dtype)
+
+    def run_panels(ws: list[torch.Tensor]) -> None:
+        for w in ws:
+            op(x, w, n, None)
+
+    def run_onednn(ws: list[torch.Tensor]) -> None:
+        for w in ws:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    with torch.inference_mode():  # one layout's copies at a time
+        return {"panels": _best_ms(run_panels, [panels] + [panels.clone()
+                                                           for _ in range(copies - 1)]) / copies,
+                "onednn": _best_ms(run_onednn, [onednn] + [_onednn(weight)
+                                                           for _ in range(copies - 1)]) / copies}
+
+
+def _best_ms(run, weights: list[torch.Tensor], reps: int = 3) -> float:
+    run(weights)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        run(weights)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def choose_layout(weight: torch.Tensor, panels: torch.Tensor, onednn: torch.Tensor,
+                  prefill: bool = True) -> str:
+    """'panels' or 'onednn' for this weight's (dtype, N, K), decided once per process: the
+    cheaper of DECODE_WEIGHT decode GEMMs of DECODE_ROWS rows plus (`prefill`) one of
+    PREFILL_ROWS rows, timed (layout_cost). An lm_head only ever sees decode-sized row counts."""
+    n, k = weight.shape
+    key = (weight.dtype, n, k, prefill)
+    if key not in _layout_choice:
+        cost = {"panels": 0.0, "onednn": 0.0}
+        for rows, w in ((DECODE_ROWS, DECODE_WEIGHT), (PREFILL_ROWS, 1))[: 2 if prefill else 1]:
+            for name, ms in layout_cost(weight, panels, onednn, rows).items():
+                cost[name] += w * ms
+        _layout_choice[key] = min(cost, key=cost.get)
+        log.debug("GEMM layout for %s [%d, %d]: %s (weighted ms %s)", weight.dtype, n, k,
+                  _layout_choice[key], {a: round(b, 3) for a, b in cost.items()})
+    return _layout_choice[key]
+
+
+def weight_layouts(model: nn.Module) -> dict[str, int]:
+    """How many of `model`'s GEMM weights sit in each layout: panels, oneDNN's, or plain (not
+    packed), counting every linear layer and an lm_head (for logs and /metrics)."""
+    out = {"panels": 0, "onednn": 0, "plain": 0}
+    packed = [m.packed for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
+    if hasattr(model, "lm_head_packed"):
+        packed.append(model.lm_head_packed)
+    for p in packed:
+        out["plain" if p is None else "panels" if p.layout == torch.strided else "onednn"] += 1
+    return out
+
+
+def pack_weight(weight: torch.Tensor, prefill: bool = True) -> torch.Tensor | None:
+    """The weight in its GEMM layout (panels or oneDNN's), or None where neither applies;
+    `prefill`: whether prefill-sized row counts reach it (not an lm_head)."""
     if not packed_gemm_available(weight):
         return None
-    packer = _panel_packer(weight)
-    if packer is not None:
-        return packer(weight.detach())
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+    setting = gemm_layout_setting()
+    packer = _panel_packer(weight) if setting != "onednn" else None
+    if packer is None:
+        return _onednn(weight)
+    panels = packer(weight.detach())
+    if setting == "panels":
+        return panels
+    onednn = _onednn(weight)
+    return panels if choose_layout(weight, panels, onednn, prefill) == "panels" else onednn
 
 
 def stand_in(weight: torch.Tensor) -> torch.Tensor:
@@ -191,10 +287,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*lead, y.shape[-1]) if x.dim() != 2 else y
 
 
-def pack_in_place(weight: nn.Parameter) -> tuple[nn.Parameter, torch.Tensor | None]:
+def pack_in_place(weight: nn.Parameter, prefill: bool = True
+                  ) -> tuple[nn.Parameter, torch.Tensor | None]:
     """(what to keep as the weight, its packed form or None): where a packed form is made it
-    replaces the original, which becomes a stand-in (one copy of the weight)."""
-    packed = pack_weight(weight)
+    replaces the original, which becomes a stand-in (one copy of the weight). `prefill`: as in
+    pack_weight."""
+    packed = pack_weight(weight, prefill)
     if packed is None:
         return weight, None
     return nn.Parameter(stand_in(weight), requires_grad=False), packed

@@ -112,6 +112,25 @@ def _decode_attention_op():
     return None if o is None else o.decode_attention
 
 
+@functools.cache
+def _rope_store_op():
+    """pdcore_native::rope_store (rotary over q and k fused with the pool store) where the
+    native kernels are built, else None."""
+    from pdcore.engine import native
+
+    o = native.ops()
+    return None if o is None else o.rope_store
+
+
+@functools.cache
+def _silu_mul_op():
+    """pdcore_native::silu_mul (the MLP's silu(gate) * up in one pass), or None."""
+    from pdcore.engine import native
+
+    o = native.ops()
+    return None if o is None else o.silu_mul
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -148,19 +167,27 @@ class Attention(nn.Module):
         q = qkv[:, :qs].view(T, self.num_heads, self.head_dim)
         k = qkv[:, qs : qs + ks].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, qs + ks :].view(T, self.num_kv_heads, self.head_dim)
+        stored = False  # k and v already in the pool
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        else:  # q and k are neighbours in qkv: one rotary over both (half the small ops)
-            qk = qkv[:, : qs + ks].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = qk * cos + _rotate_half(qk) * sin
+        else:  # q and k are neighbours in qkv: one rotary over both
+            rope = _rope_store_op()
+            if rope is not None:  # fused with the pool store, equal to the bit (engine/native)
+                qk = rope(qkv, cos, sin, k_cache, v_cache, batch.out_slots, self.num_heads,
+                          self.num_kv_heads, self.head_dim)
+                stored = True
+            else:
+                qk = qkv[:, : qs + ks].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+                qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         # the pool is [pages, page_size, heads, dim]; as slots it is [pages*page_size, heads, dim]
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, batch.out_slots, k.to(k_flat.dtype))  # a row scatter, no index_put
-        v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))
+        if not stored:
+            k_flat.index_copy_(0, batch.out_slots, k.to(k_flat.dtype))  # a row scatter
+            v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))
         group = batch.decode_group()
         if group is not None and group.whole:  # a decode-only step: its rows are the pack
             return self.o_proj(self._decode(q, k, v, k_flat, v_flat, group, batch).view(T, -1))
@@ -170,20 +197,27 @@ class Attention(nn.Module):
         for s in batch.seqs:
             if group is not None and s.q_len == 1:
                 continue
-            qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [H, n, d]
-            ki = k_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)  # [KVH, ctx, d]
-            vi = v_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)
-            n, ctx = s.q_len, ki.shape[1]
+            n, ctx = s.q_len, len(s.ctx_slots)
+            a, b = s.q_start, s.q_start + n
+            qi = q[a:b].transpose(0, 1)  # [H, n, d]
             mask = None
-            if n > 1:
-                # query i sits at position ctx-n+i and may see keys 0..ctx-n+i
-                qpos = torch.arange(ctx - n, ctx).unsqueeze(1)
-                mask = torch.arange(ctx).unsqueeze(0) <= qpos
+            if n == ctx and k_flat.dtype == q.dtype:
+                # the chunk is its whole context: its K/V are this step's rows as written to
+                # the pool (no gather), and the causal mask is SDPA's own (no mask tensor)
+                ki, vi = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)  # [KVH, ctx, d]
+            else:
+                ki = k_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)
+                vi = v_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)
+                if n > 1:
+                    # query i sits at position ctx-n+i and may see keys 0..ctx-n+i
+                    qpos = torch.arange(ctx - n, ctx).unsqueeze(1)
+                    mask = torch.arange(ctx).unsqueeze(0) <= qpos
             o = F.scaled_dot_product_attention(
                 qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask,
-                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+                is_causal=mask is None and n > 1, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
             )
-            out[s.q_start : s.q_start + n] = o[0].transpose(0, 1)
+            out[a:b] = o[0].transpose(0, 1)
         return self.o_proj(out.view(T, -1))
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
@@ -234,6 +268,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
+        fused = _silu_mul_op()
+        if fused is not None:  # one pass (engine/native; the native decode loop calls it too)
+            return self.down(fused(gu, self.inter))
         return self.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
 
 
@@ -283,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
         """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py),
         then the native decode step where this model can use it."""
         pack_linears(self)
-        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head)
+        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head, prefill=False)
         self.native = self._native_plan()
 
     def _native_plan(self) -> dict | None:
