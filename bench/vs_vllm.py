@@ -275,8 +275,10 @@ def plot(data: dict[str, Any], args: argparse.Namespace, note: str) -> None:
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=6, rotation=20)
     acc = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in data["acceptance"].items())
+    cpu = data["machine"].get("cpu", "")
+    flags = "+".join(data["machine"].get("cpu_flags", []))
     fig.suptitle(f"{NAME}: {args.input_len} in / {args.output_len} out, concurrency "
-                 f"{args.concurrency}; {note}\n{acc}", fontsize=8)
+                 f"{args.concurrency}; {note}\n{cpu} ({flags}); {acc}", fontsize=8)
     save_figure(fig, NAME, args.out_dir)
 
 
