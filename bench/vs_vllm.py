@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "vllm_profile": profile, "vllm_measured": any(s.startswith("vllm") for s in systems)}
     path = run.finish(data, args.out_dir)
     note = load_note(run)
-    plot(data, args, note)
+    plot(data, args, note, run.machine_start)
     report(data, note, path)
     return data
 
@@ -263,7 +263,8 @@ def report(data: dict[str, Any], note: str, path: Path) -> None:
     print(f"({note}) -> {path}")
 
 
-def plot(data: dict[str, Any], args: argparse.Namespace, note: str) -> None:
+def plot(data: dict[str, Any], args: argparse.Namespace, note: str,
+         machine: dict[str, Any]) -> None:
     fig, (a, b) = figure(2, 5.5, 3.8)
     names = [f"{s}\n{d}" for d, by_sys in data["median"].items() for s in by_sys]
     meds = [m for by_sys in data["median"].values() for m in by_sys.values()]
@@ -275,8 +276,8 @@ def plot(data: dict[str, Any], args: argparse.Namespace, note: str) -> None:
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=6, rotation=20)
     acc = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in data["acceptance"].items())
-    cpu = data["machine"].get("cpu", "")
-    flags = "+".join(data["machine"].get("cpu_flags", []))
+    cpu = machine.get("cpu", "")
+    flags = "+".join(machine.get("cpu_flags", []))
     fig.suptitle(f"{NAME}: {args.input_len} in / {args.output_len} out, concurrency "
                  f"{args.concurrency}; {note}\n{cpu} ({flags}); {acc}", fontsize=8)
     save_figure(fig, NAME, args.out_dir)

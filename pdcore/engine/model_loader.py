@@ -146,6 +146,11 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     with torch.inference_mode():
         model = model.to(device=device, dtype=dtype).eval()
         model.prepare_for_inference()
+    if torch.device(device).type == "cpu":
+        from pdcore.engine.models.layers import weight_layouts
+
+        log.info("GEMM weights by layout (PDCORE_GEMM_LAYOUT, chosen by timing at load): %s",
+                 ", ".join(f"{n} {k}" for k, n in weight_layouts(model).items() if n))
     if isinstance(sd, SafetensorsWeights):
         sd.release_pages()
     del sd  # one copy of the weights from here: ours (prepare_for_inference replaces them)
