@@ -48,7 +48,7 @@ py=$venv/bin/python
 # pip warns about every project the local find-links indexes lack: noise, not a problem
 pipi() { "$py" -m pip install -q --disable-pip-version-check "$@" \
            2> >(grep -v "^WARNING: Location '" >&2); }
-stamp=$(find pyproject.toml pdcore -type f \( -name '*.py' -o -name '*.cpp' -o -name pyproject.toml \) -print0 \
+stamp=$(find pyproject.toml pdcore -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name pyproject.toml \) -print0 \
         | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 if [ -x "$py" ] && [ "$(cat "$venv/.pdserve-stamp" 2>/dev/null)" = "$stamp" ]; then
   exit 0

@@ -187,35 +187,26 @@ def layout_cost(weight: torch.Tensor, panels: torch.Tensor, onednn: torch.Tensor
     from memory once, so the timing cycles through copies of the weight that together exceed
     the caches nearest the core (STREAM_BYTES); a weight that stays in L2 would flatter the
     kernel that computes best over data the core already holds."""
-    n, k = weight.shape
-    op = (torch.ops.pdcore_native.linear if panels.dim() == 3
-          else torch.ops.pdcore_native.linear_bf16)
     copies = 1
     if rows <= DECODE_ROWS:
         copies = max(1, min(8, -(-STREAM_BYTES // (weight.numel() * weight.element_size()))))
-    x = torch.randn(rows, k).to(weight.dtype)
-
-    def run_panels(ws: list[torch.Tensor]) -> None:
-        for w in ws:
-            op(x, w, n, None)
-
-    def run_onednn(ws: list[torch.Tensor]) -> None:
-        for w in ws:
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-    with torch.inference_mode():  # one layout's copies at a time
-        return {"panels": _best_ms(run_panels, [panels] + [panels.clone()
-                                                           for _ in range(copies - 1)]) / copies,
-                "onednn": _best_ms(run_onednn, [onednn] + [_onednn(weight)
-                                                           for _ in range(copies - 1)]) / copies}
+    x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
+    copy = {"panels": torch.Tensor.clone, "onednn": lambda _: _onednn(weight)}
+    out = {}
+    with torch.inference_mode():
+        for name, packed in (("panels", panels), ("onednn", onednn)):  # one layout at a time
+            ws = [packed] + [copy[name](packed) for _ in range(copies - 1)]
+            out[name] = _best_ms(lambda ws=ws: [linear(x, weight, None, w) for w in ws]) / copies
+            del ws  # this layout's copies go before the next layout's are made
+    return out
 
 
-def _best_ms(run, weights: list[torch.Tensor], reps: int = 3) -> float:
-    run(weights)
+def _best_ms(run, reps: int = 3) -> float:
+    run()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        run(weights)
+        run()
         best = min(best, time.perf_counter() - t)
     return best * 1e3
 

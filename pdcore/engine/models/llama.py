@@ -103,32 +103,13 @@ class DecodeGroup:
 
 
 @functools.cache
-def _decode_attention_op():
-    """pdcore_native::decode_attention where the native kernels are built, else None (resolved
-    once: every layer of every decode step asks)."""
+def _native_op(name: str):
+    """pdcore_native::<name> where the native kernels are built, else None; resolved once per
+    name (the decode attention, rope_store and silu_mul ops are asked for in every layer of
+    every step)."""
     from pdcore.engine import native
 
-    o = native.ops()
-    return None if o is None else o.decode_attention
-
-
-@functools.cache
-def _rope_store_op():
-    """pdcore_native::rope_store (rotary over q and k fused with the pool store) where the
-    native kernels are built, else None."""
-    from pdcore.engine import native
-
-    o = native.ops()
-    return None if o is None else o.rope_store
-
-
-@functools.cache
-def _silu_mul_op():
-    """pdcore_native::silu_mul (the MLP's silu(gate) * up in one pass), or None."""
-    from pdcore.engine import native
-
-    o = native.ops()
-    return None if o is None else o.silu_mul
+    return native.op(name)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +154,7 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         else:  # q and k are neighbours in qkv: one rotary over both
-            rope = _rope_store_op()
+            rope = _native_op("rope_store")
             if rope is not None:  # fused with the pool store, equal to the bit (engine/native)
                 qk = rope(qkv, cos, sin, k_cache, v_cache, batch.out_slots, self.num_heads,
                           self.num_kv_heads, self.head_dim)
@@ -249,7 +230,7 @@ class Attention(nn.Module):
         B, kvh, d = len(g.seqs), self.num_kv_heads, self.head_dim
         # in the buffers' dtype: a bf16 model's decode K/V view is float32 (see LlamaForCausalLM)
         qb = q.reshape(B, kvh, self.num_heads // kvh, d).to(kb.dtype)
-        attend = _decode_attention_op()
+        attend = _native_op("decode_attention")
         if attend is not None:  # the native kernel (SDPA itself where it does not apply)
             o = attend(qb, kb, vb, g.bias(qb.dtype), self.scale)
         else:
@@ -268,7 +249,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
-        fused = _silu_mul_op()
+        fused = _native_op("silu_mul")
         if fused is not None:  # one pass (engine/native; the native decode loop calls it too)
             return self.down(fused(gu, self.inter))
         return self.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
@@ -343,9 +324,7 @@ class LlamaForCausalLM(nn.Module):
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if any(n.weight.dtype != dtype for n in norms):
                 return None
-        from pdcore.engine import native
-
-        op = native.decode_layers()
+        op = _native_op("decode_layers")
         if op is None:
             return None
         a0 = layers[0].self_attn

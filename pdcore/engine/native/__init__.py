@@ -1,22 +1,24 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
-(decode_step.cpp):
+(decode_step.cpp with the headers beside it: gemm.h, attention.h, elementwise.h, common.h):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
   `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight),
   AVX-512 (BF16) kernels that read each weight byte once per decode step; models/layers.py
-  routes linear layers through them;
+  routes a weight through them where they measured faster than oneDNN at load;
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
+- `pdcore_native::rope_store`: rotary over q and k with the K/V pool store, in one pass (equal
+  to the bit to the aten operators); `silu_mul`: bf16 silu(gate) * up in one pass;
 - `pdcore_native::decode_layers`: a Llama-family decode step's layer loop, the same operators
   in the same order as the Python loop in models/llama.py (equal to the bit); what it saves is
   the interpreter between ~25 small operators a layer.
 
 Built with the host's C++ compiler (g++ with OpenMP; no ninja, no Python headers: the library
 registers torch operators and nothing else) into ~/.cache/pdserve/native (PDSERVE_NATIVE_DIR),
-keyed by the source, the torch version and the flags (the ABI among them), in ~15 s once per machine; concurrent
-builders each write a temporary file and rename it. Where it cannot be built (no compiler),
-the CPU lacks AVX-512 (the panel GEMM; oneDNN's reordered weights serve instead), or with
-PDCORE_NATIVE=0, the engine runs as before and `status()` says why (logged once; the engine's
-stats carry it to /metrics).
+keyed by the sources, the torch version and the flags (the ABI among them), in ~15 s once per
+machine; concurrent builders each write a temporary file and rename it. Where it cannot be
+built (no compiler), the CPU lacks AVX-512 (the panel GEMM; oneDNN's reordered weights serve
+instead), or with PDCORE_NATIVE=0, the engine runs as before and `status()` says why (logged
+once; the engine's stats carry it to /metrics).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 
 ENV = "PDCORE_NATIVE"
 DIR_ENV = "PDSERVE_NATIVE_DIR"
-SOURCE = Path(__file__).with_name("decode_step.cpp")
+SOURCE = Path(__file__).with_name("decode_step.cpp")  # includes the headers beside it
 BUILD_TIMEOUT_S = 300
 
 _lock = threading.Lock()
@@ -75,7 +77,8 @@ def _build() -> Path:
     # the key: the source, torch's version and the flags (not where torch is installed: each
     # CI run's fresh virtual environment would add a copy)
     flags = [a for a in cmd[:-1] if not a.startswith(("-I", "-L", "/"))]
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()
+    sources = b"".join(f.read_bytes() for f in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))])
+    key = hashlib.sha256(sources + torch.__version__.encode()
                          + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"decode_step-{key}.so"
     if target.exists():
@@ -130,10 +133,10 @@ def _sweep(folder: Path) -> None:
             pass
 
 
-def decode_layers():
-    """The native decode loop operator, or None."""
+def op(name: str):
+    """The operator torch.ops.pdcore_native.<name>, or None where the kernels are not built."""
     o = ops()
-    return None if o is None else o.decode_layers
+    return None if o is None else getattr(o, name)
 
 
 def panel_gemm() -> bool:
