@@ -6,6 +6,11 @@ healthy), `DELETE /workers` (JSON `{"url"}` or `?url=`), `DELETE /workers/{url}`
 legacy `POST /add_worker?url=&worker_type=&bootstrap_port=` and `POST /remove_worker?url=`.
 Info: `/get_server_info` (= `/server_info`), `/get_model_info` (= `/model_info`), `/v1/models`,
 `/flush_cache`, `/get_loads`, `/health_generate`.
+
+Every route that changes state (adding or removing workers, flushing the workers' caches) is an
+admin route (`pdcore.server.auth.require_admin`): it needs --api-key's bearer token or, when no
+key is set, a client on loopback; anyone else gets 403. An open `POST /workers` let anyone who
+could reach the router add a worker and receive user prompts. The read-only routes stay open.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ import random
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 import pdcore
 from pdcore.errors import ConfigError
 from pdcore.router.health import parse_load
 from pdcore.router.workers import DuplicateWorkerError, Worker
+from pdcore.server.auth import require_admin
 
 if TYPE_CHECKING:
     from pdcore.router.app import RouterState
@@ -64,6 +70,7 @@ def _parse_port(raw: Any) -> int | None:
 
 def build_admin_router(state: RouterState) -> APIRouter:
     router = APIRouter()
+    admin = [Depends(require_admin)]
     cfg = state.config
     info_timeout = max(cfg.health_check_timeout_secs, 10.0)
 
@@ -108,7 +115,7 @@ def build_admin_router(state: RouterState) -> APIRouter:
             raise TypeError("the body must be a JSON object")
         return body
 
-    @router.post("/workers")
+    @router.post("/workers", dependencies=admin)
     async def post_workers(request: Request) -> JSONResponse:
         try:
             body = await json_body(request)
@@ -116,7 +123,7 @@ def build_admin_router(state: RouterState) -> APIRouter:
             return _error(400, "invalid_request", f"bad JSON body: {exc}")
         return await add_worker(body.get("url"), body.get("worker_type"), body.get("bootstrap_port"))
 
-    @router.delete("/workers")
+    @router.delete("/workers", dependencies=admin)
     async def delete_workers(request: Request) -> JSONResponse:
         try:
             body = await json_body(request)
@@ -124,7 +131,7 @@ def build_admin_router(state: RouterState) -> APIRouter:
             return _error(400, "invalid_request", f"bad JSON body: {exc}")
         return remove_worker(request.query_params.get("url") or body.get("url"))
 
-    @router.delete("/workers/{url:path}")
+    @router.delete("/workers/{url:path}", dependencies=admin)
     async def delete_worker_path(url: str) -> JSONResponse:
         return remove_worker(url)
 
@@ -134,12 +141,12 @@ def build_admin_router(state: RouterState) -> APIRouter:
         counts = {t: len(state.registry.of_type(t)) for t in ("prefill", "decode")}
         return JSONResponse({"workers": workers, "total": len(workers), "stats": counts})
 
-    @router.post("/add_worker")
+    @router.post("/add_worker", dependencies=admin)
     async def legacy_add(request: Request) -> JSONResponse:
         q = request.query_params
         return await add_worker(q.get("url"), q.get("worker_type"), q.get("bootstrap_port"))
 
-    @router.post("/remove_worker")
+    @router.post("/remove_worker", dependencies=admin)
     async def legacy_remove(request: Request) -> JSONResponse:
         return remove_worker(request.query_params.get("url"))
 
@@ -203,7 +210,7 @@ def build_admin_router(state: RouterState) -> APIRouter:
                 return JSONResponse({"object": "list", "data": [card]})
         return _error(503, "models_unavailable", "no worker answered /v1/models or server info")
 
-    @router.post("/flush_cache")
+    @router.post("/flush_cache", dependencies=admin)
     async def flush_cache() -> JSONResponse:
         workers = list(state.registry)
 

@@ -7,6 +7,8 @@
    without a healthy worker yields 503 `server_selection_failed`, and `/health` answers 503 until
    every worker is healthy. `--mini-lb` skips all of this: workers count as healthy from the start.
 3. Requests: generation routes go through `proxy.Proxy`; admin and info routes live in `admin.py`.
+   `--api-key` and the admin-route guard are the servers' (`pdcore.server.auth`): the routes
+   that change the router's state need the key or, without one, a loopback client.
 4. Lifespan end: background prefill drains and monitor tasks are cancelled, the client closed.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,11 +34,15 @@ from pdcore.router.policies import Policy, make_policy
 from pdcore.router.proxy import Proxy
 from pdcore.router.upstream import UpstreamClients
 from pdcore.router.workers import WorkerRegistry
+from pdcore.server.auth import install_auth, log_admin_policy
 from pdcore.server.limits import install_limits
 
 log = logging.getLogger("pdcore.router")
 
 GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+# answered without --api-key: supervisors probe /health; the dashboard page holds no data (it
+# asks for the key and sends it on each poll)
+OPEN_PATHS = ("/health", "/dashboard")
 
 
 @dataclass
@@ -66,26 +71,6 @@ def build_state(config: RouterConfig) -> RouterState:
     for url in config.decode:
         registry.add(url, "decode", healthy=config.mini_lb)
     return RouterState(config, registry, policies)
-
-
-def _require_api_key(app: FastAPI, key: str) -> None:
-    """401 on every route but /health without `Authorization: Bearer <key>`. The router's own
-    calls to workers carry the same key (RouterConfig.worker_headers), and a client's header,
-    forwarded with a generate request, is that key once it passed here."""
-
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next):  # type: ignore[no-untyped-def]
-        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
-        # constant-time: the comparison must not tell how much of a guess was right
-        # the dashboard page holds no data: it asks for the key and sends it on each poll
-        if request.url.path in ("/health", "/dashboard") or (
-                scheme.lower() == "bearer"
-                and hmac.compare_digest(token.strip().encode(), key.encode())):
-            return await call_next(request)
-        return JSONResponse(
-            {"error": {"message": "missing or wrong API key: send 'Authorization: Bearer "
-                                  "<--api-key>'", "type": "unauthorized", "code": 401}},
-            status_code=401, headers={"www-authenticate": "Bearer"})
 
 
 def create_app(config: RouterConfig) -> FastAPI:
@@ -131,8 +116,9 @@ def create_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
     install_limits(app)  # early 413 and the same field checks as the servers, before any worker
-    if config.api_key:
-        _require_api_key(app, config.api_key)
+    # The router's own calls to workers carry the same key (RouterConfig.worker_headers), and a
+    # client's header, forwarded with a generate request, is that key once it passed here.
+    install_auth(app, config.api_key, OPEN_PATHS)
 
     def _make_route(route: str):  # type: ignore[no-untyped-def]
         async def generate(request: Request) -> Response:
@@ -182,4 +168,5 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app.include_router(build_admin_router(state))
     app.include_router(build_dashboard_router(state))
+    log_admin_policy(app, log)
     return app

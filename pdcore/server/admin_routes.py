@@ -1,4 +1,7 @@
-"""Operational routes: health, server/model info, load, cache flush, metrics, profiling."""
+"""Operational routes: health, server/model info, load, cache flush, metrics, profiling.
+
+The routes that change state (cache flush, profiling) are admin routes: `require_admin`
+(pdcore.server.auth) lets through the --api-key holder or, without a key, loopback clients."""
 
 from __future__ import annotations
 
@@ -7,9 +10,10 @@ import logging
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcore.server.auth import require_admin
 from pdcore.server.engine_client import EngineClient, EngineError, new_rid
 from pdcore.server.generation import Item, collect
 from pdcore.server.http_errors import error_response
@@ -116,8 +120,8 @@ async def get_load(request: Request) -> Response:
     return JSONResponse(out)
 
 
-@router.post("/flush_cache")
-@router.get("/flush_cache")
+@router.post("/flush_cache", dependencies=[Depends(require_admin)])
+@router.get("/flush_cache", dependencies=[Depends(require_admin)])
 async def flush_cache(request: Request) -> Response:
     try:
         data = await _engine(request).control("flush_cache")
@@ -163,11 +167,11 @@ async def _profile(request: Request, kind: str) -> Response:
     return JSONResponse({"success": True, "seconds": round(time.time() - t0, 3), **data})
 
 
-@router.post("/start_profile")
+@router.post("/start_profile", dependencies=[Depends(require_admin)])
 async def start_profile(request: Request) -> Response:
     return await _profile(request, "start_profile")
 
 
-@router.post("/stop_profile")
+@router.post("/stop_profile", dependencies=[Depends(require_admin)])
 async def stop_profile(request: Request) -> Response:
     return await _profile(request, "stop_profile")

@@ -9,14 +9,14 @@
 Before /health turns 200 a unified server runs a one-token warm-up generate (the first forward
 pass pays for lazy initialisation; `--skip-server-warmup` skips it). PD servers skip it: a
 generate there needs a peer. With `--api-key` every route but /health answers 401 without
-`Authorization: Bearer <key>`.
+`Authorization: Bearer <key>`; the admin routes (cache flush, profiling) need that key, or
+without one a loopback client (`pdcore.server.auth`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -28,8 +28,9 @@ from fastapi import FastAPI, Request, Response
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams
 from pdcore.server import admin_routes, native_routes, openai_routes
+from pdcore.server.auth import install_auth, log_admin_policy
 from pdcore.server.engine_client import EngineClient, EngineError, SchedulerTarget
-from pdcore.server.http_errors import error_response, install_error_handlers
+from pdcore.server.http_errors import install_error_handlers
 from pdcore.server.limits import install_limits
 from pdcore.server.metrics import ServerMetrics, metrics_engine_type, metrics_model_name
 
@@ -53,13 +54,6 @@ async def _warm_up(engine: EngineClient) -> None:
             async for _ in outs:
                 pass
     log.info("warm-up generate done in %.0f ms", (time.monotonic() - t0) * 1000)
-
-
-def bearer_ok(header: str | None, key: str) -> bool:
-    scheme, _, token = (header or "").partition(" ")
-    # constant-time: the comparison must not tell how much of a guess was right
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              key.encode())
 
 
 async def _start_engine(app: FastAPI) -> None:
@@ -123,19 +117,7 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     install_error_handlers(app)
     install_limits(app)
 
-    if args.api_key:
-        key = args.api_key
-
-        @app.middleware("http")
-        async def require_api_key(request: Request,
-                                  call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-            if request.url.path in OPEN_PATHS or bearer_ok(request.headers.get("authorization"),
-                                                           key):
-                return await call_next(request)
-            response = error_response("missing or wrong API key: send 'Authorization: Bearer "
-                                      "<--api-key>'", 401)
-            response.headers["www-authenticate"] = "Bearer"
-            return response
+    install_auth(app, args.api_key, OPEN_PATHS)
 
     @app.middleware("http")
     async def count_requests(request: Request,
@@ -151,4 +133,5 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    log_admin_policy(app, log)
     return app
