@@ -228,15 +228,18 @@ def bench_ttft(tokens: int, rounds: int) -> dict[str, Any]:
              "--disaggregation-transfer-backend", "tcp")
     env_s = {**BASE_ENV, "SGLANG_DISAGG_STAGING_BUFFER": "1"}
     boot = {"p2": _free_port(), "p2s": _free_port()}
+    # requests name P's bootstrap by hand (no router): decode trusts those addresses
+    dflags = (*flags, "--disaggregation-trusted-prefill",
+              ",".join(f"127.0.0.1:{b}" for b in boot.values()))
     servers = {
         "p2": ServerProcess(*flags, "--disaggregation-mode", "prefill", "--tp-size", "2",
                             "--disaggregation-bootstrap-port", str(boot["p2"]), env=BASE_ENV),
         "p2s": ServerProcess(*flags, "--disaggregation-mode", "prefill", "--tp-size", "2",
                              "--disaggregation-bootstrap-port", str(boot["p2s"]), env=env_s),
-        "d2": ServerProcess(*flags, "--disaggregation-mode", "decode", "--tp-size", "2",
+        "d2": ServerProcess(*dflags, "--disaggregation-mode", "decode", "--tp-size", "2",
                             env=BASE_ENV),
-        "d1": ServerProcess(*flags, "--disaggregation-mode", "decode", env=BASE_ENV),
-        "d1s": ServerProcess(*flags, "--disaggregation-mode", "decode", env=env_s),
+        "d1": ServerProcess(*dflags, "--disaggregation-mode", "decode", env=BASE_ENV),
+        "d1s": ServerProcess(*dflags, "--disaggregation-mode", "decode", env=env_s),
     }
     pairs = {"equal": ("p2", "d2"), "slice": ("p2", "d1"), "staging": ("p2s", "d1s")}
     g = torch.Generator().manual_seed(0)

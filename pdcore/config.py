@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from pdcore.errors import ConfigError
+from pdcore.route_auth import parse_addrs
 
 DISAGG_MODES = ("null", "prefill", "decode")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")  # SGLang's names
@@ -92,6 +93,9 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT
     disaggregation_ib_device: str | None = None
     disaggregation_auth_token: str | None = None
+    # prefill bootstrap addresses (HOST:PORT, comma separated) whose routes this server accepts
+    # unsigned (pdcore.route_auth); signed routes need no entry
+    disaggregation_trusted_prefill: str | None = None
     num_reserved_decode_tokens: int = 512
     # decode keeps finished requests' pages in its own prefix cache and tells prefill how many
     # leading prompt tokens it holds, so only the rest crosses (SGLang's flag; off by default)
@@ -135,6 +139,12 @@ class ServerArgs:
                 "HTTP process tokenizes; run more servers behind the router to scale out)")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
+        if self.disaggregation_auth_token is not None and not self.disaggregation_auth_token:
+            raise ConfigError("--disaggregation-auth-token must not be empty")
+        try:
+            parse_addrs(self.disaggregation_trusted_prefill)
+        except ValueError as e:
+            raise ConfigError(f"--disaggregation-trusted-prefill: {e}") from None
 
     def _check_choice(self, name: str, allowed: tuple[str, ...]) -> None:
         value = getattr(self, name)
@@ -164,6 +174,18 @@ class ServerArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.name not in cls.INTERNAL_FIELDS]
+
+
+CLUSTER_SECRET_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
+
+
+def cluster_secret(flag_value: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """The cluster secret: the flag, else $PDSERVE_DISAGGREGATION_AUTH_TOKEN (how `pdserve up`
+    hands it over: a process's environment is not world-readable as its argv is)."""
+    if flag_value:
+        return flag_value
+    raw = (os.environ if env is None else env).get(CLUSTER_SECRET_ENV, "")
+    return raw or None
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:

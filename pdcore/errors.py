@@ -39,6 +39,10 @@ class InvalidRequestError(PDError):
         self.field = field
 
 
+class ForbiddenRouteError(InvalidRequestError):
+    """A request names a PD route this server may not act on; the HTTP layer answers 403."""
+
+
 class TransferError(PDError):
     """A KV transfer failed. `room` identifies the request."""
 
@@ -49,3 +53,10 @@ class TransferError(PDError):
 
 class ProtocolError(PDError):
     """A control-plane message was malformed, of another version, or unauthenticated."""
+
+
+# The HTTP header (value "client") a server puts on an error answer the client caused that its
+# status alone does not say, e.g. the 504 of a request whose own `timeout` ran out. The router
+# passes such an answer on as it is, retries nothing and counts nothing against the server's
+# circuit breaker (pdcore/router/circuit.py has the rule).
+ERROR_ORIGIN_HEADER = "x-pd-error-origin"

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdcore.config import CLUSTER_SECRET_ENV
 from pdcore.errors import ConfigError
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import disjoint_cpus, server_threads
@@ -93,9 +94,10 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
         raise ConfigError("--prefill and --decode must each be >= 1")
     py = [sys.executable, "-m", "pdcore", "serve"]
     common = ["--host", cfg.host, "--disaggregation-transfer-backend", backend, *cfg.serve_args]
-    if not any(a.startswith("--disaggregation-auth-token") for a in cfg.serve_args):
-        # the cluster's own token: its control and data planes refuse everyone else
-        common += ["--disaggregation-auth-token", secrets.token_hex(16)]
+    # the cluster's own secret: its control plane refuses everyone else and the router signs
+    # its routes with it; handed over in the environment (argv is world-readable)
+    secret = _flag_value(cfg.serve_args, "--disaggregation-auth-token") or secrets.token_hex(16)
+    secret_env = {CLUSTER_SECRET_ENV: secret}
     if cfg.model_path:
         common += ["--model-path", cfg.model_path]
     servers = []
@@ -103,11 +105,12 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
         port = cfg.server_port_base + i
         servers.append(Child(f"prefill-{i}", f"http://{cfg.host}:{port}", py + common + [
             "--port", str(port), "--disaggregation-mode", "prefill",
-            "--disaggregation-bootstrap-port", str(cfg.bootstrap_port_base + i)]))
+            "--disaggregation-bootstrap-port", str(cfg.bootstrap_port_base + i)],
+            env=dict(secret_env)))
     for j in range(cfg.decode):
         port = cfg.server_port_base + 100 + j
         servers.append(Child(f"decode-{j}", f"http://{cfg.host}:{port}", py + common + [
-            "--port", str(port), "--disaggregation-mode", "decode"]))
+            "--port", str(port), "--disaggregation-mode", "decode"], env=dict(secret_env)))
     place_servers(cfg, servers)
     router = [sys.executable, "-m", "pdcore.router", "--pd-disaggregation", "--host", cfg.host,
               "--port", str(cfg.port), "--policy", cfg.policy]
@@ -118,7 +121,7 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     key = _flag_value(cfg.serve_args, "--api-key")
     if key is not None:  # the servers want the key: the router asks for it and sends it on
         router += ["--api-key", key]
-    return servers, Child("router", f"http://{cfg.host}:{cfg.port}", router)
+    return servers, Child("router", f"http://{cfg.host}:{cfg.port}", router, env=secret_env)
 
 
 def place_servers(cfg: UpConfig, servers: list[Child]) -> None:

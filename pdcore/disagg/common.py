@@ -9,8 +9,9 @@ from collections import Counter
 from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.interfaces.planner import TransferPlanner
 from pdcore.interfaces.transfer import BackendContext, TransferEngine
+from pdcore.route_auth import WARMUP_HOST
 
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's warm-up / health_generate host: no transfer at all
+FAKE_BOOTSTRAP_HOST = WARMUP_HOST  # SGLang's warm-up / health_generate host: no transfer at all
 UNBOUNDED_PAGES = 1 << 30  # dest_page_count() of a fake room: any number of pages "fits"
 
 

@@ -29,19 +29,19 @@ from pdcore.disagg import wire
 from pdcore.disagg.aux import AuxRow
 from pdcore.disagg.bootstrap import BootstrapClient
 from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
+from pdcore.disagg.decode_resolve import BootstrapResolution
 from pdcore.disagg.decode_rooms import Instance, Room
 from pdcore.disagg.heartbeat import Heartbeat
 from pdcore.disagg.manager import KVManager
 from pdcore.disagg.staging import GrantBook, scatter_grant
 from pdcore.disagg.states import TERMINAL, KVPoll
-from pdcore.errors import PDError, ProtocolError, TransferError
-from pdcore.interfaces.geometry import rank_mapping
+from pdcore.errors import PDError
 from pdcore.interfaces.transfer import MemoryRegion
 
 log = logging.getLogger(__name__)
 
 
-class DecodeKVManager(KVManager):
+class DecodeKVManager(BootstrapResolution, KVManager):
     """The receiver: D's rooms, the prefill instances they resolve to, the heartbeat."""
 
     role = "decode"
@@ -61,7 +61,9 @@ class DecodeKVManager(KVManager):
         self._instances: dict[str, Instance] = {}
         self._addr_locks: dict[str, threading.Lock] = {}
         self._last_failure: dict[str, tuple[float, str]] = {}
-        self._handlers = {wire.Status: self._on_status, wire.AbortAck: self._on_abort_ack}
+        self._handlers = {wire.Status: self._on_status, wire.AbortAck: self._on_abort_ack,
+                          wire.HelloAck: self._on_hello_ack}
+        self._hellos: dict[str, threading.Event] = {}  # nonce -> set when P answered it
         self.client = BootstrapClient(token=self.token)
         self._resolver = ThreadPoolExecutor(4, thread_name_prefix=f"pd-d{tp_rank}-resolve")
         self.heartbeat = Heartbeat(env.heartbeat_interval, env.heartbeat_max_failure,
@@ -78,7 +80,8 @@ class DecodeKVManager(KVManager):
             regions=[r.to_dict() for r in self.kv_regions], aux_region=self.aux.region.to_dict(),
             aux_row_bytes=self.aux.row_bytes, aux_slots=self.aux.num_slots, rank=self.tp_rank,
             tp_size=self.tp_size, page_size=self.kv.page_size, dtype=str(self.kv.dtype),
-            staging_region=self.grants.staging.region.to_dict() if self.grants else None)
+            staging_region=self.grants.staging.region.to_dict() if self.grants else None,
+            model_fingerprint=self.fingerprint)
         self.heartbeat.start()
         log.info("decode KV manager rank %d/%d: control %s, session %s, backend %s",
                  self.tp_rank, self.tp_size, addr, self.session, self.backend_name)
@@ -202,93 +205,6 @@ class DecodeKVManager(KVManager):
             out = {"prefill_instances": len(self._instances)}
         out["heartbeat_checks"] = self.heartbeat.checks
         return out | (self.grants.stats() if self.grants is not None else {})
-
-    # -- bootstrap resolution (resolver threads) -----------------------------------------------
-    def _resolve(self, room: int, addr: str, started: float) -> None:
-        for _ in range(2):  # twice: the instance may be forgotten (restart) before we attach
-            try:
-                inst = self._instance(addr, started)
-            except PDError as e:
-                self._fail(room, f"cannot bootstrap with prefill {addr}: {e}",
-                           code=wire.PREFILL_FAULT, notify=False)
-                return
-            with self._lock:
-                r = self._rooms.get(room)
-                if r is not None and self._instances.get(addr) is inst:
-                    self._attach(r, inst)
-                    return
-                if r is None:
-                    return
-        self._fail(room, f"prefill {addr} restarted twice while resolving it",
-                   code=wire.PREFILL_FAULT, notify=False)
-
-    def _attach(self, r: Room, inst: Instance) -> None:
-        if r.prefill_dp is not None and not 0 <= r.prefill_dp < inst.dp_size:
-            self._fail(r.room, f"disagg_prefill_dp_rank {r.prefill_dp} is out of range: prefill "
-                               f"{r.addr} has --dp-size {inst.dp_size}", notify=False)
-            return
-        r.inst = inst
-        r.deadline = time.monotonic() + self.env.waiting_timeout
-        if self.states.advance(r.room, KVPoll.WaitingForInput):
-            log.debug("room %d: prefill %s resolved", r.room, r.addr)
-        elif self.states.get(r.room) is KVPoll.Failed:  # aborted while resolving: tell P now
-            self._send_abort(r, inst, self.states.reason(r.room))
-
-    def _instance(self, addr: str, started: float) -> Instance:
-        with self._lock:
-            lock = self._addr_locks.setdefault(addr, threading.Lock())
-        with lock:  # one fetch per address; rooms queued behind a failed fetch fail at once
-            with self._lock:
-                inst = self._instances.get(addr)
-                if inst is not None:
-                    return inst
-                failure = self._last_failure.get(addr)
-                if failure is not None and failure[0] >= started:
-                    raise TransferError(failure[1])
-            try:
-                inst = self._fetch(addr)
-            except PDError as e:
-                with self._lock:
-                    self._last_failure[addr] = (time.monotonic(), str(e))
-                raise
-            with self._lock:
-                self._instances[addr] = inst
-                self._last_failure.pop(addr, None)
-            return inst
-
-    def _fetch(self, addr: str) -> Instance:
-        budget = max(1.0, self.env.heartbeat_interval * self.env.heartbeat_max_failure)
-        interval = min(1.0, budget / 5)
-        attempts, deadline = int(budget / interval) + 1, time.monotonic() + budget
-        info = self.client.get_info(addr, attempts, interval, deadline)
-        version = info.get("protocol_version")
-        if version is not None and version != wire.PROTOCOL_VERSION:
-            raise ProtocolError(f"prefill {addr} speaks PD protocol version {version}, decode "
-                                f"speaks {wire.PROTOCOL_VERSION}; run the same pdserve version")
-        wire.check_compatible("prefill", int(info["page_size"]), str(info["kv_cache_dtype"]),
-                              self.kv)
-        if info.get("backend") and info["backend"] != self.backend_name:
-            raise ProtocolError(f"prefill {addr} uses transfer backend {info['backend']!r}, "
-                                f"decode uses {self.backend_name!r}; give both the same "
-                                "--disaggregation-transfer-backend (the default is mooncake "
-                                "where pd-mooncake is installed, else tcp)")
-        targets, required_dst, responses = rank_mapping(
-            int(info["tp_size"]), self.tp_size, self.tp_rank, bool(info.get("is_mla")))
-        dp_size, inst_id = int(info.get("dp_size") or 1), str(info.get("instance_id", ""))
-        ctrl: dict[tuple[int, int], str] = {}
-        for dp in range(dp_size):
-            for t in targets:  # every route from the instance the info came from, or none
-                ip, port = self.client.get_rank(addr, dp, t, attempts, interval, deadline, inst_id)
-                ctrl[(dp, t)] = f"tcp://{ip}:{port}"
-        assert self._register is not None, "start() must run before add()"
-        for a in ctrl.values():
-            if not self.ctrl.send(a, self._register):
-                raise TransferError(f"cannot reach prefill rank at {a} to register")
-        self.counters.add("registrations", len(ctrl))
-        log.info("registered with prefill %s (instance %s, P DP %d x TP %s -> ranks %s)", addr,
-                 info.get("instance_id"), dp_size, info["tp_size"], targets)
-        return Instance(addr, inst_id, dp_size, int(info["tp_size"]),
-                         targets, required_dst, responses, ctrl)
 
     # -- control plane (receive thread) ------------------------------------------------------
     def _on_abort_ack(self, msg: wire.AbortAck) -> None:

@@ -27,6 +27,7 @@ from pdcore.disagg.control import ControlPlane
 from pdcore.disagg.staging import open_staging
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
 from pdcore.disagg.transfer_stats import TransferStats
+from pdcore.engine.fingerprint import model_fingerprint
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
 
@@ -45,6 +46,7 @@ class KVManager(ABC):
         self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size
         self.kv_regions = list(kv_regions)
         self.token = args.disaggregation_auth_token or None
+        self.fingerprint = model_fingerprint(args.model_path, args.load_format, args.random_seed)
         self._log = logging.getLogger(type(self).__module__)
         self.planner = make_planner(env)
         staging = open_staging(self.planner, self.role, kv, kv_tensors, pool, env)

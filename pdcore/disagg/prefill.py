@@ -75,7 +75,8 @@ class PrefillKVManager(KVManager):
         self._tombstones: dict[int, tuple[str, float]] = {}  # released failed rooms
         self.sessions = SessionTable(self.backend, self._lock)
         self._handlers = {wire.TransferInfo: self._on_transfer_info,
-                          wire.Register: self._on_register, wire.Abort: self._on_abort}
+                          wire.Register: self._on_register, wire.Abort: self._on_abort,
+                          wire.Hello: self._on_hello}
         self.workers = ShardedWorkers(env.queue_size, env.thread_pool_size, self._run_chunk,
                                       label=f"pd-p{tp_rank}-xfer")
         self.bootstrap: BootstrapServer | None = None
@@ -103,7 +104,8 @@ class PrefillKVManager(KVManager):
             "tp_size": self.tp_size, "dp_rank": self.args.dp_rank, "dp_size": self.args.dp_size,
             "page_size": self.kv.page_size,
             "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
-            "total_kv_heads": self.kv.model_kv_heads,
+            "total_kv_heads": self.kv.model_kv_heads, "num_layers": self.kv.num_layers,
+            "head_dim": self.kv.head_dim, "model_fingerprint": self.fingerprint,
             "backend": self.backend_name, "protocol_version": wire.PROTOCOL_VERSION},
             # another replica's rank waits for replica 0's model load too
             attempts=30 if self.args.dp_rank == 0 else 240, interval=0.5)
@@ -230,13 +232,19 @@ class PrefillKVManager(KVManager):
                                          reason=reason, code=code))
 
     # -- control plane (receive thread) ------------------------------------------------------
+    def _on_hello(self, msg: wire.Hello) -> None:
+        """D asks P to prove it holds the cluster secret before D reveals its memory: the
+        answer is MACed (ControlPlane) and echoes D's fresh nonce."""
+        self.ctrl.send(msg.ctrl_addr, wire.HelloAck(nonce=msg.nonce, rank=self.tp_rank))
+
     def _on_register(self, msg: wire.Register) -> None:
         try:
             sess = parse_register(msg, self.kv, self.backend_name, self.aux.row_bytes,
-                                  self.planner)
+                                  self.planner, self.fingerprint)
         except ProtocolError as e:
             self.sessions.refuse(msg.session, str(e))
             self.counters.add("rejected_registrations")
+            self.counters.add("pairing_refused")
             log.warning("rejected registration of decode session %s: %s", msg.session, e)
             return
         if self.sessions.register(sess):  # False: the same D again, nothing new
@@ -277,6 +285,10 @@ class PrefillKVManager(KVManager):
 
     def _on_abort(self, msg: wire.Abort) -> None:
         reason = f"aborted by decode: {msg.reason or 'no reason given'}"
+        if msg.code == wire.PAIRING_REFUSED:
+            self.counters.add("pairing_refused")
+            log.warning("room %d: decode session %s refused to pair: %s", msg.room, msg.session,
+                        msg.reason)
         with self._lock:
             r = self._rooms.get(msg.room)
             if r is None:

@@ -107,7 +107,7 @@ class DecodeSession:
 
 
 def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes: int,
-                   planner: TransferPlanner) -> DecodeSession:
+                   planner: TransferPlanner, fingerprint: str = "") -> DecodeSession:
     """Validate a Register; ProtocolError says what is wrong."""
     wire.check_compatible("decode", msg.page_size, msg.dtype, local)
     if msg.backend != backend:
@@ -123,6 +123,10 @@ def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes:
         raise ProtocolError(f"malformed decode registration: {type(e).__name__}: {e}") from None
     if layout.page_size != msg.page_size or str(layout.dtype) != msg.dtype:
         raise ProtocolError("decode registration: layout disagrees with its page_size/dtype")
+    wire.check_pairing("decode", {
+        "page_size": msg.page_size, "kv_cache_dtype": msg.dtype,
+        "model_fingerprint": msg.model_fingerprint, "num_layers": layout.num_layers,
+        "head_dim": layout.head_dim, "is_mla": layout.is_mla}, local, fingerprint)
     if layout.num_pages < 1 or layout.num_layers < 1 or layout.item_len < 1:
         raise ProtocolError("decode registration: empty KV layout")
     if len(layout.k_bases) != layout.num_layers or len(layout.v_bases) != layout.num_layers:

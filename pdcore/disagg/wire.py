@@ -1,16 +1,22 @@
 """Control-plane messages between decode (D) and prefill (P) KV managers.
 
-Every message is a msgspec Struct encoded as a msgpack map with a type tag `t`, the protocol
-version `v` and the shared auth token `token` (empty when none is configured). Decoding first
-reads only the header: a different version or a wrong token is a ProtocolError before any field
-is interpreted, so a foreign or hostile sender can never make a manager act.
+Every message is a msgspec Struct encoded as a msgpack map with a type tag `t` and the protocol
+version `v`. With a cluster secret (`--disaggregation-auth-token`) a message travels as two zmq
+frames, the payload and its HMAC-SHA256 under `route_auth.control_key(secret)`: the secret
+itself never leaves the process, and the MAC is checked before a byte of the payload is
+parsed, so a foreign or hostile sender can never make a manager act. Version 2 peers put the
+secret itself in the payload's `token` field; `decode` still reads that field to refuse such a
+peer in words it understands (only when it proves the same secret).
 
-D -> P: Register (once per P rank per P instance), TransferInfo (per room), Abort.
-P -> D: Status (per room: Success / Failed, optional aux row payload), AbortAck.
+D -> P: Hello (once per P rank per P instance, with a cluster secret: P must answer it with a
+MAC over D's nonce before D reveals anything), Register (once per P rank per P instance),
+TransferInfo (per room), Abort.
+P -> D: HelloAck, Status (per room: Success / Failed, optional aux row payload), AbortAck.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from collections.abc import Sequence
@@ -22,15 +28,31 @@ import numpy as np
 from pdcore.disagg.states import KVPoll
 from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import KVLayout
+from pdcore.route_auth import control_key
 
 # 2: TransferInfo carries the prompt prefix decode already holds (prefix_pages, prefix_digest)
-PROTOCOL_VERSION = 2
+# 3: messages are MACed (never the secret itself); Hello/HelloAck; the model fingerprint
+PROTOCOL_VERSION = 3
 NO_AUX_SLOT = -1
 
 
 class _Msg(msgspec.Struct, tag_field="t", kw_only=True):
     v: int = PROTOCOL_VERSION
-    token: str = ""
+    token: str = ""  # version 2 carried the secret here; version 3 leaves it empty
+
+
+class Hello(_Msg, tag="hello"):
+    """D rank -> P rank before Register: P proves it holds the cluster secret by answering
+    with a MACed HelloAck that echoes `nonce` (fresh per attempt, so no old answer replays)."""
+
+    nonce: str
+    session: str
+    ctrl_addr: str
+
+
+class HelloAck(_Msg, tag="hello_ack"):
+    nonce: str
+    rank: int
 
 
 class Register(_Msg, tag="register"):
@@ -50,6 +72,7 @@ class Register(_Msg, tag="register"):
     page_size: int
     dtype: str
     staging_region: dict[str, Any] | None = None  # D's staging ring (MemoryRegion.to_dict())
+    model_fingerprint: str = ""  # engine.fingerprint of D's model; P refuses another model
 
 
 class TransferInfo(_Msg, tag="transfer_info"):
@@ -80,6 +103,7 @@ class Abort(_Msg, tag="abort"):
     session: str
     ctrl_addr: str
     reason: str = ""
+    code: str = ""  # PAIRING_REFUSED: D will not pair with this P (the reason says why)
 
 
 class Status(_Msg, tag="status"):
@@ -99,7 +123,7 @@ class AbortAck(_Msg, tag="abort_ack"):
     rank: int
 
 
-Message = Register | TransferInfo | Abort | Status | AbortAck
+Message = Hello | HelloAck | Register | TransferInfo | Abort | Status | AbortAck
 UNKNOWN_SESSION = "unknown_session"  # Status.code: P does not know D's session (P restarted)
 # Status.code: a transfer into D's session failed and P dropped the session; D registers again
 SESSION_FAILED = "session_failed"
@@ -108,6 +132,8 @@ DECODE_ABORT = "decode_abort"  # not sent: P's record that D aborted the room
 DECODE_FAULTS = frozenset({UNKNOWN_SESSION, SESSION_FAILED, DECODE_ABORT})
 PREFILL_FAULT = "prefill_fault"  # not sent: D's record that its prefill peer failed the room
 VERSION_MISMATCH = "version_mismatch"  # Status.code: the peer speaks another protocol version
+# Status.code / Abort.code: one side refused to pair with the other (model, page size, layout)
+PAIRING_REFUSED = "pairing_refused"
 
 
 class _Header(msgspec.Struct):
@@ -154,47 +180,88 @@ def encode_pages(pages: np.ndarray) -> bytes:
     return arr.astype("<i4", copy=False).tobytes()
 
 
-def encode(msg: Message, token: str | None = None) -> bytes:
-    if token:
-        msg = msgspec.structs.replace(msg, token=token)
-    return _encoder.encode(msg)
+@functools.lru_cache(maxsize=8)
+def _key(token: str) -> bytes:
+    return control_key(token)
 
 
-def decode(data: bytes, token: str | None = None) -> Message:
-    """Parse one message. ProtocolError on garbage, another version, or a wrong token."""
+def _mac(token: str, payload: bytes) -> bytes:
+    return hmac.new(_key(token), payload, hashlib.sha256).digest()
+
+
+def encode(msg: Message, token: str | None = None) -> list[bytes]:
+    """The zmq frames of msg: [payload] without a secret, [payload, MAC] with one."""
+    payload = _encoder.encode(msg)
+    return [payload, _mac(token, payload)] if token else [payload]
+
+
+def decode(frames: list[bytes], token: str | None = None) -> Message:
+    """Parse one message. ProtocolError on garbage, another version, or a wrong MAC."""
+    if not frames or len(frames) > 2:
+        raise ProtocolError(f"control message of {len(frames)} frames (1 or 2 expected)")
+    data, mac = frames[0], frames[1] if len(frames) == 2 else b""
+    if token and mac and not hmac.compare_digest(mac, _mac(token, data)):  # before parsing
+        raise ProtocolError("control message with a wrong MAC: the sender does not hold this "
+                            "server's --disaggregation-auth-token")
     try:
         head = _header.decode(data)
     except (msgspec.DecodeError, TypeError) as e:
         raise ProtocolError(f"malformed control message ({e})") from None
-    authentic = not token or hmac.compare_digest(head.token.encode(), token.encode())
     if head.v != PROTOCOL_VERSION:
         why = (f"control message {head.t!r} speaks PD protocol version {head.v}, this server "
                f"speaks {PROTOCOL_VERSION}; run the same pdserve version on prefill and decode")
-        if not authentic:  # never answer a sender that does not hold the token
+        # a version 2 peer proves the secret by sending it; never answer one that does not
+        legacy_ok = not token or hmac.compare_digest(head.token.encode(), token.encode())
+        if not (legacy_ok or mac):
             raise ProtocolError(why)
         try:
             reply = _reply.decode(data)
         except (msgspec.DecodeError, TypeError):
             reply = _Reply()
         raise VersionMismatch(why, head.t, head.v, reply)
-    if not authentic:
-        raise ProtocolError(f"control message {head.t!r} carries a wrong or missing auth token; "
-                            f"give both servers the same --disaggregation-auth-token")
+    if token and not mac:
+        raise ProtocolError(f"control message {head.t!r} carries no MAC; give both servers the "
+                            "same --disaggregation-auth-token")
+    if mac and not token:
+        raise ProtocolError(f"control message {head.t!r} is MACed but this server has no "
+                            "--disaggregation-auth-token; give both servers the same one")
     try:
         return _full.decode(data)
     except msgspec.DecodeError as e:
         raise ProtocolError(f"malformed control message {head.t!r}: {e}") from None
 
 
-def refusal(err: VersionMismatch, rank: int, token: str | None = None) -> bytes | None:
-    """A Status(Failed) for the room of a foreign-version message, encoded in the sender's
-    version so an older peer can read why (Status has the same fields in versions 1 and 2);
-    None when the message names no room."""
+def refusal(err: VersionMismatch, rank: int, token: str | None = None) -> list[bytes] | None:
+    """The frames of a Status(Failed) for the room of a foreign-version message, in the sender's
+    version so another peer can read why (Status has the same fields in versions 1 to 3): a
+    version 2 peer gets the secret it proved it holds in `token`, a later one a MAC; None when
+    the message names no room."""
     if err.room < 0:
         return None
-    return _encoder.encode(Status(v=err.version, token=token or "", room=err.room,
-                                  state=int(KVPoll.Failed), rank=rank, reason=str(err),
-                                  code=VERSION_MISMATCH))
+    legacy = err.version < 3
+    payload = _encoder.encode(Status(v=err.version, token=token or "" if legacy else "",
+                                     room=err.room, state=int(KVPoll.Failed), rank=rank,
+                                     reason=str(err), code=VERSION_MISMATCH))
+    return [payload, _mac(token, payload)] if token and not legacy else [payload]
+
+
+def check_pairing(role: str, peer: dict[str, Any], local: KVLayout, fingerprint: str) -> None:
+    """What must match before KV crosses, from the peer's bootstrap info or registration: the
+    model (fingerprint: config and weight files), page size, KV dtype and KV layout.
+    ProtocolError names the first mismatch and what to fix; fields the peer does not send
+    (an older peer, a unit test) are not compared."""
+    check_compatible(role, int(peer["page_size"]), str(peer["kv_cache_dtype"]), local)
+    theirs = str(peer.get("model_fingerprint") or "")
+    if theirs and fingerprint and theirs != fingerprint:
+        raise ProtocolError(
+            f"{role} serves another model (fingerprint {theirs}, this server's {fingerprint}: "
+            "config.json or weight files differ); start prefill and decode with the same "
+            "--model-path (and --load-format / --random-seed)")
+    for key, mine in (("num_layers", local.num_layers), ("head_dim", local.head_dim),
+                      ("total_kv_heads", local.model_kv_heads), ("is_mla", local.is_mla)):
+        if peer.get(key) is not None and peer[key] != mine:
+            raise ProtocolError(f"{role} KV layout has {key}={peer[key]}, this server's "
+                                f"{mine}: the two servers run different models")
 
 
 def check_compatible(role: str, peer_page_size: int, peer_dtype: str, local: KVLayout) -> None:

@@ -30,6 +30,7 @@ from pdcore.router.dashboard import build_dashboard_router
 from pdcore.router.discovery import ServiceDiscovery
 from pdcore.router.health import HealthMonitor
 from pdcore.router.metrics import RouterMetrics
+from pdcore.router.peering import TrustSync
 from pdcore.router.policies import Policy, make_policy
 from pdcore.router.proxy import Proxy
 from pdcore.router.upstream import UpstreamClients
@@ -55,6 +56,7 @@ class RouterState:
     monitor: HealthMonitor | None = None
     proxy: Proxy | None = None
     discovery: ServiceDiscovery | None = None
+    peering: TrustSync | None = None
 
 
 def build_state(config: RouterConfig) -> RouterState:
@@ -104,9 +106,19 @@ def create_app(config: RouterConfig) -> FastAPI:
         if config.service_discovery:
             state.discovery = ServiceDiscovery(config, state.registry, monitor)
             state.discovery.start(asyncio.get_running_loop())
+        if config.route_key is None:
+            log.warning("no cluster secret (--disaggregation-auth-token): routes go unsigned; "
+                        "the router registers its prefill workers' bootstrap addresses with its "
+                        "decode workers, which accept only those")
+            state.peering = TrustSync(config, state.registry, client)
+            state.peering.start()
+        else:
+            log.info("routes are signed with the cluster secret")
         try:
             yield
         finally:
+            if state.peering is not None:
+                await state.peering.stop()
             if state.discovery is not None:
                 state.discovery.stop()
             await state.proxy.close()

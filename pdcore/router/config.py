@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from urllib.parse import urlsplit
 
+from pdcore.config import cluster_secret
 from pdcore.errors import ConfigError
+from pdcore.route_auth import route_key
 
 POLICIES = ("random", "round_robin", "power_of_two", "cache_aware")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -87,6 +90,11 @@ class RouterConfig:
     api_key: str | None = field(default=None, metadata=_opt(
         "bearer token clients must send on every route but /health (401 otherwise); the router "
         "sends the same key to its workers, so start them with the same --api-key"))
+    disaggregation_auth_token: str | None = field(default=None, metadata=_opt(
+        "the cluster secret (same as the servers'; or $PDSERVE_DISAGGREGATION_AUTH_TOKEN): the "
+        "router signs every route it adds with it, so prefill and decode servers accept them; "
+        "without it the router registers its prefill workers with its decode workers instead "
+        "(POST /disaggregation/trusted_prefill, which needs --api-key off loopback)"))
     # Kubernetes service discovery (sglang-router's flags; pdcore/router/discovery.py)
     service_discovery: bool = field(default=False, metadata=_opt(
         "find prefill/decode workers as Ready pods matching --prefill/--decode-selector"))
@@ -102,6 +110,12 @@ class RouterConfig:
         "namespace to watch (default: all namespaces, which needs cluster-wide RBAC)"))
     bootstrap_port_annotation: str = field(default="sglang.ai/bootstrap-port", metadata=_opt(
         "prefill pod annotation holding its bootstrap port"))
+
+    @cached_property
+    def route_key(self) -> bytes | None:
+        """The key that signs routes, from the cluster secret (None: routes go unsigned)."""
+        secret = cluster_secret(self.disaggregation_auth_token)
+        return route_key(secret) if secret else None
 
     def worker_headers(self) -> dict[str, str]:
         """Headers on every router -> worker call (health, loads, info, generation)."""

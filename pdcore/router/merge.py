@@ -13,6 +13,7 @@ import random
 from typing import Any
 
 from pdcore.errors import InvalidRequestError
+from pdcore.route_auth import sign_route
 from pdcore.router.workers import Worker
 
 ROOM_BITS = 63  # bootstrap_room is uniform in [0, 2**63 - 1]
@@ -53,16 +54,25 @@ def wants_logprobs(route: str, body: dict[str, Any]) -> bool:
 
 
 def inject_bootstrap(
-    body: dict[str, Any], prefill: Worker, n: int | None, rng: random.Random
+    body: dict[str, Any], prefill: Worker, n: int | None, rng: random.Random,
+    key: bytes | None = None,
 ) -> dict[str, Any]:
+    """The body with the route to `prefill` (one room per prompt), signed with `key` (the
+    cluster secret's route key) when the router has one. A client's own route fields,
+    signature included, are replaced: the route is never the client's to choose."""
     out = dict(body)
+    out.pop("bootstrap_sig", None)
     host, port = prefill.bootstrap_host, prefill.bootstrap_port
     if n is None:
         out["bootstrap_host"], out["bootstrap_port"] = host, port
         out["bootstrap_room"] = rng.getrandbits(ROOM_BITS)
+        if key is not None:
+            out["bootstrap_sig"] = sign_route(key, out["bootstrap_room"], host, port)
     else:
         out["bootstrap_host"], out["bootstrap_port"] = [host] * n, [port] * n
         out["bootstrap_room"] = [rng.getrandbits(ROOM_BITS) for _ in range(n)]
+        if key is not None:
+            out["bootstrap_sig"] = [sign_route(key, r, host, port) for r in out["bootstrap_room"]]
     return out
 
 

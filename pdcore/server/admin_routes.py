@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcore.route_auth import WARMUP_HOST as FAKE_BOOTSTRAP_HOST
 from pdcore.server.auth import require_admin
 from pdcore.server.engine_client import EngineClient, EngineError, new_rid
 from pdcore.server.generation import Item, collect
@@ -23,8 +24,6 @@ from pdcore.server.params import PDInfo, make_req
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-# PD managers recognise this host and finish the request without a transfer (SGLang's convention).
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 _SECRET_FIELDS = {"disaggregation_auth_token", "api_key", "pd_route_secret"}
 

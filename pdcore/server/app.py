@@ -27,7 +27,8 @@ from fastapi import FastAPI, Request, Response
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams
-from pdcore.server import admin_routes, native_routes, openai_routes
+from pdcore.route_auth import RouteGuard
+from pdcore.server import admin_routes, native_routes, openai_routes, pd_trust_routes
 from pdcore.server.auth import install_auth, log_admin_policy
 from pdcore.server.engine_client import EngineClient, EngineError, SchedulerTarget
 from pdcore.server.http_errors import install_error_handlers
@@ -114,6 +115,9 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     app.state.on_ready = None
     app.state.on_start_failed = None
     app.state.warming_up = False
+    app.state.route_guard = RouteGuard(
+        args.disaggregation_auth_token, args.disaggregation_trusted_prefill,
+        args.disaggregation_bootstrap_port if args.disaggregation_mode == "prefill" else None)
     install_error_handlers(app)
     install_limits(app)
 
@@ -133,5 +137,8 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(admin_routes.router)
+    if args.disaggregation_mode != "null":
+        app.include_router(pd_trust_routes.router)
+        pd_trust_routes.log_trust_policy(app.state.route_guard, args.disaggregation_mode, log)
     log_admin_policy(app, log)
     return app

@@ -24,6 +24,7 @@ from pdcore.config import (
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     ServerArgs,
+    cluster_secret,
 )
 from pdcore.errors import ConfigError
 
@@ -92,7 +93,13 @@ HELP: dict[str, str] = {
                                        "else tcp",
     "disaggregation_bootstrap_port": "port of the prefill server's bootstrap server",
     "disaggregation_ib_device": "RDMA device(s) for the transfer backend",
-    "disaggregation_auth_token": "shared secret for the PD control plane",
+    "disaggregation_auth_token": "the cluster secret: authenticates every PD control-plane "
+                                 "message and checks the routes the router signs (same value "
+                                 "on prefill, decode and router; or "
+                                 "$PDSERVE_DISAGGREGATION_AUTH_TOKEN)",
+    "disaggregation_trusted_prefill": "prefill bootstrap addresses HOST:PORT (comma separated) "
+                                      "whose unsigned routes this server accepts, e.g. behind "
+                                      "sglang-router, which does not sign routes",
     "profile_output_dir": "where /start_profile writes traces",
     "load_format": "auto (by --model-path), safetensors, gguf, or dummy: random weights of the "
                    "model's shapes from its config.json (no weight files needed)",
@@ -239,6 +246,7 @@ def parse_server_args(argv: list[str], prog: str = "pdserve serve") -> ServerArg
     ns = parser.parse_args(argv)
     try:
         args = ServerArgs(**vars(ns))
+        args.disaggregation_auth_token = cluster_secret(args.disaggregation_auth_token)
         args.validate()
         check_supported(args)
         if args.disaggregation_mode != "null" and not args.disaggregation_transfer_backend:

@@ -1,11 +1,13 @@
 """Error bodies and exception handlers: every error is JSON
 `{"error": {"message", "type", "param", "code"}}` (the OpenAI shape, used on every route).
-FastAPI's 422 validation errors become 400 naming the offending field."""
+FastAPI's 422 validation errors become 400 naming the offending field. An EngineError the client
+caused (`client_caused`) carries its origin header (`engine_error_response`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pdcore.errors import InvalidRequestError
+from pdcore.errors import ForbiddenRouteError, InvalidRequestError
 from pdcore.server.engine_client import EngineError
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,12 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
 
 def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def engine_error_response(e: EngineError) -> JSONResponse:
+    response = error_response(str(e), e.status)
+    response.headers.update(e.headers)  # the client-origin mark the router reads
+    return response
 
 
 def sse_error(message: str, status: int) -> bytes:
@@ -68,6 +76,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param}: {e.get('msg')} (got {e.get('input')!r:.80})", param
 
 
+_last_refusal_log = [-1e9]
+
+
+def _warn_refused(peer: str, why: str) -> None:
+    """At most one line per 10 s (pdserve_routes_refused counts them all): a client flooding
+    forged routes must not flood the log."""
+    now = time.monotonic()
+    if now - _last_refusal_log[0] >= 10.0:
+        _last_refusal_log[0] = now
+        log.warning("refused a PD route from %s (pdserve_routes_refused counts all): %s", peer,
+                    why)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -86,12 +107,18 @@ def install_error_handlers(app: FastAPI) -> None:
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(InvalidRequestError)
-    async def _invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        if isinstance(exc, ForbiddenRouteError):
+            metrics = getattr(request.app.state, "metrics", None)
+            if metrics is not None:
+                metrics.routes_refused.inc()
+            _warn_refused(request.client.host if request.client else "?", str(exc))
+            return error_response(str(exc), 403, exc.field)
         return error_response(str(exc), 400, exc.field)
 
     @app.exception_handler(EngineError)
     async def _engine(_: Request, exc: EngineError) -> JSONResponse:
-        return error_response(str(exc), exc.status)
+        return engine_error_response(exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -112,6 +112,9 @@ class ServerMetrics:
                                "Generate requests the HTTP process is serving", registry=r)
         self.requests = Counter("pdserve_requests", "Generate requests by route and HTTP status",
                                 ["route", "status"], registry=r)
+        self.routes_refused = Counter(
+            "pdserve_routes_refused", "PD requests refused with 403: their route was neither "
+            "signed nor to a trusted prefill address (pdcore.route_auth)", registry=r)
         self.stats_collector = StatsCollector(
             {"model_name": model_name, "engine_type": engine_type, "tp_rank": str(tp_rank),
              "pp_rank": "0"}, self.generation_tokens.throughput)

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.route_auth import RouteGuard
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.engine_client import EngineClient, EngineError, new_rid
 from pdcore.server.generation import (
@@ -25,7 +26,7 @@ from pdcore.server.generation import (
     sse,
     unless_disconnected,
 )
-from pdcore.server.http_errors import error_response, sse_error
+from pdcore.server.http_errors import engine_error_response, error_response, sse_error
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import (
     SamplingInput,
@@ -71,7 +72,7 @@ def _prompts(body: GenerateRequest, engine: EngineClient) -> tuple[list[list[int
     return [list(tok.encode(t)) for t in texts], isinstance(body.text, list), "text"
 
 
-def plan_generate(body: GenerateRequest, engine: EngineClient) -> _Plan:
+def plan_generate(body: GenerateRequest, engine: EngineClient, guard: RouteGuard) -> _Plan:
     args, info = engine.args, engine.info
     prompts, batch, field = _prompts(body, engine)
     if not prompts:
@@ -88,7 +89,7 @@ def plan_generate(body: GenerateRequest, engine: EngineClient) -> _Plan:
         n = check_n(sp.n, "sampling_params.n")
         expanded.extend((p, j, sp) for j in range(n))
     batch = batch or len(expanded) > 1
-    pds = pd_items(body, [check_n(sp.n) for sp in sp_list], args)
+    pds = pd_items(body, [check_n(sp.n) for sp in sp_list], args, guard)
     leaders: dict[int, Item] = {}  # prompt -> its sample 0
     rids = body.rid if isinstance(body.rid, list) else None
     if rids is not None and len(rids) != len(expanded):
@@ -179,7 +180,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     engine: EngineClient = request.app.state.engine
     start = time.time()
     engine.require_ready()
-    plan = plan_generate(body, engine)
+    plan = plan_generate(body, engine, request.app.state.route_guard)
     if body.stream:
         return StreamingResponse(_stream(engine, plan, body, request, start),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -189,6 +190,6 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     except ClientDisconnected:
         return error_response("client disconnected", 499)
     except EngineError as e:
-        return error_response(str(e), e.status)
+        return engine_error_response(e)
     results = [_result(a, plan, i, engine, body, start, True) for i, a in enumerate(done)]
     return JSONResponse(results if plan.batch else results[0])

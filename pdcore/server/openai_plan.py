@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcore.route_auth import RouteGuard
 from pdcore.server.engine_client import EngineClient, new_rid
 from pdcore.server.generation import Item
 from pdcore.server.output import OutputAssembler
@@ -72,7 +73,7 @@ class Plan:
 def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
           prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
           max_tokens_field: str, default_max: int | None, want_logprobs: bool, top: int,
-          echo: bool, id_prefix: str) -> Plan:
+          echo: bool, id_prefix: str, guard: RouteGuard) -> Plan:
     args, info = engine.args, engine.info
     model = check_model(body.model, engine)
     n = check_n(body.n)
@@ -86,7 +87,7 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
         v = getattr(body, name)
         if v is not None:
             setattr(s, name, v)
-    pds = pd_items(body, [n] * len(prompts), args)
+    pds = pd_items(body, [n] * len(prompts), args, guard)
     rid = body.rid if isinstance(body.rid, str) else f"{id_prefix}-{uuid.uuid4().hex}"
     rids = body.rid if isinstance(body.rid, list) else None
     if rids is not None and len(rids) != len(prompts) * n:

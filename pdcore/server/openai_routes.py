@@ -26,7 +26,7 @@ from pdcore.server.generation import (
     sse,
     unless_disconnected,
 )
-from pdcore.server.http_errors import error_response, sse_error
+from pdcore.server.http_errors import engine_error_response, error_response, sse_error
 from pdcore.server.openai_plan import Plan, finish_of, plan_request, served_model_name, usage
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import bad
@@ -48,7 +48,7 @@ async def _run(request: Request, engine: EngineClient, plan: Plan, timeout: floa
     except ClientDisconnected:
         return error_response("client disconnected", 499)
     except EngineError as e:
-        return error_response(str(e), e.status)
+        return engine_error_response(e)
 
 
 async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any, chat: bool
@@ -132,7 +132,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise bad(f"max_tokens must be >= 0, got {body.max_tokens}", "max_tokens")
     want = body.logprobs is not None
     plan = plan_request(body, engine, _completion_prompts(body, engine), "prompt", body.max_tokens,
-                 "max_tokens", None, want, body.logprobs or 0, body.echo, "cmpl")
+                 "max_tokens", None, want, body.logprobs or 0, body.echo, "cmpl",
+                 request.app.state.route_guard)
     if body.stream:
         return StreamingResponse(_stream(request, engine, plan, body, chat=False),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -196,7 +197,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         if not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     plan = plan_request(body, engine, [chat_prompt(body, engine.tokenizer)], "messages", max_tokens,
-                 name, None, bool(body.logprobs), top, False, "chatcmpl")
+                 name, None, bool(body.logprobs), top, False, "chatcmpl",
+                 request.app.state.route_guard)
     if body.stream:
         return StreamingResponse(_stream(request, engine, plan, body, chat=True),
                                  media_type="text/event-stream", headers=SSE_HEADERS)

@@ -16,7 +16,8 @@ from typing import Any
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams
-from pdcore.errors import InvalidRequestError
+from pdcore.errors import ForbiddenRouteError, InvalidRequestError
+from pdcore.route_auth import RouteGuard
 from pdcore.server.generation import Item
 
 MAX_N = 64
@@ -146,11 +147,14 @@ class PDInfo:
     disagg_prefill_dp_rank: int | None = None
 
 
-def pd_items(body: Any, samples: list[int], args: ServerArgs) -> list[PDInfo]:
+def pd_items(body: Any, samples: list[int], args: ServerArgs,
+             guard: RouteGuard) -> list[PDInfo]:
     """Bootstrap fields per prompt; `samples[p]` is prompt p's n. A scalar applies to the whole
     request; a list has one entry per prompt, or one per sample (sum of samples), as
     sglang-router sends for a chat request with n > 1: a prompt then takes its first sample's
-    entry. Either way a prompt's KV crosses once, in one room, whatever its n."""
+    entry. Either way a prompt's KV crosses once, in one room, whatever its n. On a prefill or
+    decode server every route must pass `guard` (signed, or a trusted prefill address): else
+    ForbiddenRouteError (403) before anything is queued."""
     count, total = len(samples), sum(samples)
     firsts = [sum(samples[:p]) for p in range(count)]
 
@@ -167,6 +171,7 @@ def pd_items(body: Any, samples: list[int], args: ServerArgs) -> list[PDInfo]:
     hosts = per_prompt(body.bootstrap_host, "bootstrap_host")
     ports = per_prompt(body.bootstrap_port, "bootstrap_port")
     rooms = per_prompt(body.bootstrap_room, "bootstrap_room")
+    sigs = per_prompt(body.bootstrap_sig, "bootstrap_sig")
     if args.disaggregation_mode != "null" and count > 1 and rooms[0] is not None:
         # a room carries one prompt's KV: two prompts in one room would run two transfers on it
         if not isinstance(body.bootstrap_room, list):
@@ -177,11 +182,15 @@ def pd_items(body: Any, samples: list[int], args: ServerArgs) -> list[PDInfo]:
                       "own", "bootstrap_room")
     dp_rank = body.routed_dp_rank if body.routed_dp_rank is not None else body.data_parallel_rank
     out = []
-    for h, p, r in zip(hosts, ports, rooms):
+    for h, p, r, sig in zip(hosts, ports, rooms, sigs):
         if r is not None and not 0 <= r < 2**64:
             raise bad("bootstrap_room must be in [0, 2^64)", "bootstrap_room")
         if p is not None and not 0 < p < 65536:
             raise bad("bootstrap_port must be in 1..65535", "bootstrap_port")
+        if args.disaggregation_mode != "null":
+            why = guard.check(r, h, p, sig, args.disaggregation_bootstrap_port)
+            if why:
+                raise ForbiddenRouteError(why, "bootstrap_host")
         if p is None and h is not None:
             p = args.disaggregation_bootstrap_port
         out.append(PDInfo(h, p, r, dp_rank, body.disagg_prefill_dp_rank))

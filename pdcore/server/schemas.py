@@ -25,6 +25,7 @@ class PDFields(_Open):
     bootstrap_host: BootstrapHost = None
     bootstrap_port: BootstrapInt = None
     bootstrap_room: BootstrapInt = None
+    bootstrap_sig: BootstrapHost = None  # the router's signature of the route (route_auth)
     routed_dp_rank: int | None = None
     disagg_prefill_dp_rank: int | None = None
     data_parallel_rank: int | None = None

@@ -4,28 +4,23 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from pdcore.config import CLUSTER_SECRET_ENV
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import server_threads
 from pdcore.testing.pages import load_at_rest
+from pdcore.testing.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-_PORTS_GIVEN: set[int] = set()
-_PORTS_LOCK = threading.Lock()
-LOWEST_PORT = 20000
-
 
 
 def spawned_children(pid: int) -> list[int]:
@@ -54,38 +49,6 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, for a server started later. Taken below the kernel's
-    ephemeral range: a port from bind(0) comes from that range, and between this check and the
-    server's bind the kernel may give it to any outgoing connection (a 2P2D test once lost its
-    bootstrap port that way). Never the same port twice in one process."""
-    low = _ephemeral_low()
-    with _PORTS_LOCK:
-        for _ in range(200 if low > LOWEST_PORT + 1000 else 0):
-            port = random.randrange(LOWEST_PORT, low)
-            if port in _PORTS_GIVEN:
-                continue
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
-            _PORTS_GIVEN.add(port)
-            return port
-        with socket.socket() as s:  # no room below the ephemeral range: the kernel's pick
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        _PORTS_GIVEN.add(port)
-        return port
 
 
 class ServerProcess:
@@ -173,6 +136,14 @@ class ServerProcess:
         return None if self.proc is None else self.proc.returncode
 
 
+def trust_prefill(decode_url: str, *bootstrap_ports: int, host: str = "127.0.0.1") -> None:
+    """Tell a decode server (started by hand, no router in front) to accept routes to these
+    prefill bootstrap ports, as `pdserve router` does for its workers."""
+    r = httpx.post(decode_url + "/disaggregation/trusted_prefill", timeout=10,
+                   json={"add": [f"{host}:{p}" for p in bootstrap_ports]})
+    assert r.status_code == 200, r.text
+
+
 class PDCluster:
     """N prefill + M decode `pdserve serve` processes and a router (ours by default)."""
 
@@ -180,8 +151,14 @@ class PDCluster:
                  model_path: str | None = None, flags: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, router: str = "pdcore",
                  prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
-                 policy: str = "round_robin") -> None:
+                 policy: str = "round_robin", secret: str | None = None) -> None:
+        """Route trust (pdcore.route_auth) as a deployment would set it up: with `secret` every
+        process shares it (our router signs routes); without, our router registers the prefill
+        addresses with the decode servers, and behind sglang-router (which does neither) the
+        decode servers get --disaggregation-trusted-prefill."""
         self.env = dict(env or {})
+        if secret:
+            self.env[CLUSTER_SECRET_ENV] = secret
         self.policy = policy  # our router's --policy (prefix-cache tests compare policies)
         threads = server_threads(prefill + decode)  # the engines share this host's CPUs
         if threads is not None:
@@ -198,8 +175,12 @@ class PDCluster:
             self.prefills.append(ServerProcess(
                 *common, "--disaggregation-mode", "prefill", *prefill_flags,
                 "--disaggregation-bootstrap-port", str(bport), env=self.env))
+        if router == "sglang" and not secret:
+            decode_flags = (*decode_flags, "--disaggregation-trusted-prefill",
+                            ",".join(f"127.0.0.1:{b}" for b in self.bootstrap_ports))
         self.decodes = [ServerProcess(*common, "--disaggregation-mode", "decode", *decode_flags,
                                       env=self.env) for _ in range(decode)]
+        self.secret = secret
         self.router_kind = router
         self.router: ServerProcess | None = None
 
@@ -209,6 +190,8 @@ class PDCluster:
                 s.wait_healthy(timeout)
             self.router = self._start_router()
             self.router.wait_healthy(120)
+            if self.router_kind != "sglang" and not self.secret:
+                self.wait_trusted()
         except BaseException:
             self.stop()
             raise
@@ -227,6 +210,20 @@ class PDCluster:
             cmd = ("-m", "pdcore.router")
             args += ["--health-check-interval-secs", "1"]
         return ServerProcess(*args, command=cmd, env=self.env)
+
+    def wait_trusted(self, timeout: float = 60.0) -> None:
+        """Until every decode server accepts routes to every prefill server (our router
+        registers them a moment after it starts)."""
+        want = {f"127.0.0.1:{b}" for b in self.bootstrap_ports}
+        deadline = time.monotonic() + timeout
+        for d in self.decodes:
+            while True:
+                r = httpx.get(d.url + "/disaggregation/trusted_prefill", timeout=10)
+                if r.status_code == 200 and want <= set(r.json()["trusted"]):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"decode {d.url} still does not trust {want}: {r.text}")
+                time.sleep(0.1)
 
     @property
     def url(self) -> str:

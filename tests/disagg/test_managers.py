@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import numpy as np
 import pytest
 from pd_disagg_util import (
@@ -146,14 +147,18 @@ def test_chunk_beyond_reserved_pages_fails(pd):
 
 
 def test_wrong_token_rejected_nothing_written(pd):
-    s = pd(p_token="secret", d_token="wrong")
+    """D's Hello is MACed with another secret: P rejects it, never answers, so D never sends
+    its Register (endpoint, KV addresses) and the room fails saying why."""
+    s = pd(p_token="secret", d_token="wrong",
+           d_env={"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1"})
     s.p.add(12)
     s.d.add(12, "127.0.0.1", s.port)
-    wait_for(lambda: s.d.poll(12) == KVPoll.WaitingForInput)
-    s.d.send_transfer_info(12, np.array([1]), s.dkv.aux.alloc())
-    wait_for(lambda: s.p.metrics().get("rejected_messages", 0) >= 2, what="register+info rejected")
+    wait_for(lambda: s.d.poll(12) == KVPoll.Failed, timeout=20, what="D gives up on P")
+    assert "did not prove" in s.d.failure_reason(12)
+    assert s.p.metrics().get("rejected_messages", 0) >= 1  # the Hello
     assert s.p.poll(12) == KVPoll.Bootstrapping
     assert s.p.metrics()["sessions"] == 0 and s.p.metrics().get("received_messages", 0) == 0
+    assert s.d.metrics().get("registrations", 0) == 0
     assert s.dkv.all_zero_except([])
 
 
@@ -284,22 +289,44 @@ def test_page_size_or_dtype_mismatch_fails_clearly(pd, changes, words):
         d.add(50, "127.0.0.1", s.port)
         wait_for(lambda: d.poll(50) == KVPoll.Failed)
         assert words in d.failure_reason(50) and "same" in d.failure_reason(50)
-        assert s.p.metrics().get("received_messages", 0) == 0  # never registered
+        # never registered: P only hears D's Abort of the room, which fails it with the reason
+        wait_for(lambda: s.p.poll(50) == KVPoll.Failed)
+        assert words in s.p.failure_reason(50)
+        assert s.p.metrics()["sessions"] == 0 and s.p.metrics()["pairing_refused"] == 1
+        assert d.metrics()["pairing_refused"] == 1
+    finally:
+        d.close()
+
+
+def test_layout_mismatch_fails_the_pairing_on_both_sides(pd):
+    s = pd()
+    _, d = _decode_with({"head_dim": 4})
+    try:
+        s.p.add(51)
+        d.add(51, "127.0.0.1", s.port)
+        wait_for(lambda: d.poll(51) == KVPoll.Failed)
+        assert "head_dim=" in d.failure_reason(51)
+        wait_for(lambda: s.p.poll(51) == KVPoll.Failed)
+        assert "head_dim=" in s.p.failure_reason(51)
+        assert s.p.metrics()["pairing_refused"] == 1 and s.p.metrics()["sessions"] == 0
     finally:
         d.close()
 
 
 def test_registration_rejected_by_prefill_fails_the_room(pd):
+    """A decode that skips its own checks (an older one) still cannot pair with another model:
+    P refuses its Register, and the room fails on both sides with P's reason."""
     s = pd()
-    dkv, d = _decode_with({"head_dim": 4})  # D's checks pass; P's planner refuses the layout
+    dkv, d = _decode_with({})
+    d._register = msgspec.structs.replace(d._register, model_fingerprint="0" * 16)
     try:
-        s.p.add(51)
-        d.add(51, "127.0.0.1", s.port)
-        wait_for(lambda: d.poll(51) == KVPoll.WaitingForInput)
-        d.send_transfer_info(51, np.array([1]), dkv.aux.alloc())
-        wait_for(lambda: d.poll(51) == KVPoll.Failed)
-        assert "head_dim" in d.failure_reason(51)
-        assert s.p.poll(51) == KVPoll.Failed and "head_dim" in s.p.failure_reason(51)
+        s.p.add(52)
+        d.add(52, "127.0.0.1", s.port)
+        wait_for(lambda: d.poll(52) == KVPoll.WaitingForInput)
+        d.send_transfer_info(52, np.array([1]), dkv.aux.alloc())
+        wait_for(lambda: d.poll(52) == KVPoll.Failed)
+        assert "another model" in d.failure_reason(52)
+        assert s.p.poll(52) == KVPoll.Failed and "another model" in s.p.failure_reason(52)
         assert s.p.metrics()["rejected_registrations"] == 1
     finally:
         d.close()

@@ -109,7 +109,7 @@ class OldPeer:
         if to not in self.push:
             self.push[to] = self.ctx.socket(zmq.PUSH)
             self.push[to].connect(to)
-        self.push[to].send(wire.encode(msgspec.structs.replace(msg, v=1)))
+        self.push[to].send_multipart(wire.encode(msgspec.structs.replace(msg, v=1)))
 
     def receive(self, timeout_ms: int = 5000) -> dict | None:
         if not self.pull.poll(timeout_ms):
@@ -145,12 +145,12 @@ def test_old_decode_is_refused_in_its_own_version(pair: PD, old_peer: OldPeer,
     # the answer is a v1 Status(Failed) the old peer can parse, saying why
     assert reply["t"] == "status" and reply["v"] == 1 and reply["room"] == 7
     assert reply["state"] == int(KVPoll.Failed) and reply["code"] == wire.VERSION_MISMATCH
-    assert "version 1" in reply["reason"] and "speaks 2" in reply["reason"]
+    assert "version 1" in reply["reason"] and f"speaks {wire.PROTOCOL_VERSION}" in reply["reason"]
     if not added_first:
         pair.p.add(7)  # the request reaches P after the refusal: it fails at once
     assert pair.p.poll(7) == KVPoll.Failed
     why = pair.p.failure_reason(7)
-    assert "protocol version 1" in why and "speaks 2" in why
+    assert "protocol version 1" in why and f"speaks {wire.PROTOCOL_VERSION}" in why
     assert pair.p.metrics()["version_refusals"] == 1
     assert pair.p.metrics()["version_mismatches"] == 1
 
@@ -267,7 +267,7 @@ def test_decode_refuses_a_prefill_of_version_1_at_bootstrap(monkeypatch: pytest.
         d.add(11, "127.0.0.1", port)
         wait_for(lambda: d.poll(11) == KVPoll.Failed, what="decode refuses the old prefill")
         why = d.failure_reason(11)
-        assert "protocol version 1" in why and "decode speaks 2" in why, why
+        assert "protocol version 1" in why and f"decode speaks {wire.PROTOCOL_VERSION}" in why, why
         assert d.metrics().get("registrations", 0) == 0
         assert d.peer_fault(11)  # the router blames the prefill side
     finally:

@@ -69,28 +69,51 @@ def _info(**kw) -> wire.TransferInfo:
     return wire.TransferInfo(**{**base, **kw})
 
 
-def test_wire_round_trip_and_token() -> None:
-    data = wire.encode(_info(), "tok")
-    msg = wire.decode(data, "tok")
+def test_wire_round_trip_and_mac() -> None:
+    frames = wire.encode(_info(), "tok")
+    assert len(frames) == 2  # payload, MAC
+    secret = "s3cret-value-0123"
+    assert secret.encode() not in b"".join(wire.encode(_info(), secret)), "it never travels"
+    msg = wire.decode(frames, "tok")
     assert isinstance(msg, wire.TransferInfo) and msg.pages().tolist() == [3, 1, 2]
     assert msg.v == wire.PROTOCOL_VERSION and msg.aux_slot == 4
-    with pytest.raises(ProtocolError, match="auth token"):
-        wire.decode(data, "other")
-    with pytest.raises(ProtocolError, match="auth token"):
+    with pytest.raises(ProtocolError, match="wrong MAC"):
+        wire.decode(frames, "other")
+    with pytest.raises(ProtocolError, match="wrong MAC"):  # a payload changed in flight
+        wire.decode([frames[0].replace(b"\x05", b"\x06", 1), frames[1]], "tok")
+    with pytest.raises(ProtocolError, match="no MAC"):
         wire.decode(wire.encode(_info()), "tok")
+    with pytest.raises(ProtocolError, match="no --disaggregation-auth-token"):
+        wire.decode(frames)
     st = wire.decode(wire.encode(wire.Status(room=1, state=4, rank=0, aux=b"\x00\x01")))
     assert isinstance(st, wire.Status) and st.aux == b"\x00\x01"
+
+
+def test_wire_answers_an_old_peer_only_when_it_proves_the_secret() -> None:
+    old = msgspec.msgpack.encode({"t": "transfer_info", "v": 2, "token": "tok", "room": 7,
+                                  "session": "s", "ctrl_addr": "tcp://127.0.0.1:1"})
+    with pytest.raises(wire.VersionMismatch) as e:
+        wire.decode([old], "tok")
+    frames = wire.refusal(e.value, rank=0, token="tok")
+    assert frames is not None and len(frames) == 1  # in the old peer's own format
+    assert msgspec.msgpack.decode(frames[0])["v"] == 2
+    forged = old.replace(b"tok", b"bad")
+    with pytest.raises(ProtocolError) as e2:
+        wire.decode([forged], "tok")
+    assert not isinstance(e2.value, wire.VersionMismatch)
 
 
 def test_wire_rejects_version_and_garbage() -> None:
     newer = msgspec.msgpack.encode({"t": "status", "v": 99, "room": 1, "state": 4, "rank": 0})
     with pytest.raises(ProtocolError, match="protocol version 99"):
-        wire.decode(newer)
+        wire.decode([newer])
     with pytest.raises(ProtocolError, match="malformed"):
-        wire.decode(b"\xff\x00garbage")
+        wire.decode([b"\xff\x00garbage"])
     with pytest.raises(ProtocolError, match="malformed"):
-        wire.decode(msgspec.msgpack.encode({"t": "status", "v": wire.PROTOCOL_VERSION,
-                                           "room": "x"}))
+        wire.decode([msgspec.msgpack.encode({"t": "status", "v": wire.PROTOCOL_VERSION,
+                                            "room": "x"})])
+    with pytest.raises(ProtocolError, match="frames"):
+        wire.decode([b"a", b"b", b"c"])
     with pytest.raises(ProtocolError, match="whole number"):
         _info(dst_pages=b"\x00\x01\x02").pages()
 
@@ -102,6 +125,14 @@ def test_compatibility_checks() -> None:
         wire.check_compatible("prefill", 16, "float32", layout)
     with pytest.raises(ProtocolError, match="dtype bfloat16"):
         wire.check_compatible("prefill", layout.page_size, "bfloat16", layout)
+    same = {"page_size": layout.page_size, "kv_cache_dtype": "float32",
+            "model_fingerprint": "aa", "num_layers": layout.num_layers}
+    wire.check_pairing("prefill", same, layout, "aa")
+    wire.check_pairing("prefill", same, layout, "")  # a peer that names no model: not compared
+    with pytest.raises(ProtocolError, match="another model"):
+        wire.check_pairing("prefill", same, layout, "bb")
+    with pytest.raises(ProtocolError, match="num_layers"):
+        wire.check_pairing("prefill", {**same, "num_layers": layout.num_layers + 1}, layout, "aa")
 
 
 # -- bootstrap ---------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def test_hijack_sequence_is_refused_at_its_first_step(pair: PDCluster) -> None:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 1000)
         push.connect(_control_addr(d, "decode"))
-        push.send(wire.encode(wire.Status(room=9999, state=0, rank=0, reason="forged",
+        push.send_multipart(wire.encode(wire.Status(room=9999, state=0, rank=0, reason="forged",
                                           code=wire.UNKNOWN_SESSION)))
         push.close()
         t.join(30)

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from pdcore.config import CLUSTER_SECRET_ENV
 from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdcore.disagg.control import ControlPlane
 from pdcore.errors import TransferError
@@ -16,19 +17,20 @@ RANK = {"rank_ip": "127.0.0.1", "rank_port": 5000, "tp_rank": 0, "tp_size": 1,
         "page_size": 4, "kv_cache_dtype": "float32"}
 
 
-def _token(argv: list[str]) -> str:
-    return argv[argv.index("--disaggregation-auth-token") + 1]
+def _secret(child) -> str:
+    return child.env[CLUSTER_SECRET_ENV]
 
 
-def test_up_gives_its_cluster_one_token_and_keeps_a_given_one() -> None:
-    servers, _ = plan(UpConfig(prefill=1, decode=2), "tcp")
-    tokens = {_token(s.argv) for s in servers}
-    assert len(tokens) == 1 and len(tokens.pop()) >= 32
+def test_up_gives_its_cluster_one_secret_and_keeps_a_given_one() -> None:
+    servers, router = plan(UpConfig(prefill=1, decode=2), "tcp")
+    secrets = {_secret(c) for c in [*servers, router]}  # the router signs routes with it
+    assert len(secrets) == 1 and len(secrets.pop()) >= 32
+    assert not any("--disaggregation-auth-token" in c.argv for c in [*servers, router]), (
+        "the secret travels in the environment: argv is world-readable")
     again, _ = plan(UpConfig(prefill=1, decode=1), "tcp")
-    assert _token(again[0].argv) != _token(servers[0].argv)  # drawn per cluster
-    mine, _ = plan(UpConfig(serve_args=["--disaggregation-auth-token", "t0k"]), "tcp")
-    assert all(s.argv.count("--disaggregation-auth-token") == 1 and _token(s.argv) == "t0k"
-               for s in mine)
+    assert _secret(again[0]) != _secret(servers[0])  # drawn per cluster
+    mine, router = plan(UpConfig(serve_args=["--disaggregation-auth-token", "t0k"]), "tcp")
+    assert all(_secret(c) == "t0k" for c in [*mine, router])
 
 
 def test_open_control_plane_is_a_warning_and_loopback_is_not(caplog) -> None:

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcore.testing.processes import PDCluster, free_port
+from pdcore.testing.processes import PDCluster, free_port, trust_prefill
 
 from .conftest import OBS_TIMEOUT_S
 
@@ -194,9 +194,11 @@ def test_failures_by_phase_and_reason(cluster: PDCluster) -> None:
     boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_ports[0]}
     ids = [random.Random(3).randrange(3, 40000) for _ in range(20)]
     results: dict[str, httpx.Response] = {}
+    nowhere = free_port()
+    trust_prefill(d, nowhere)  # a trusted address where nothing listens (a prefill that is down)
     calls = {"p_alone": (p, {**boot, "bootstrap_room": 7_000_001}),
              "d_alone": (d, {**boot, "bootstrap_room": 7_000_002}),
-             "d_nowhere": (d, {"bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(),
+             "d_nowhere": (d, {"bootstrap_host": "127.0.0.1", "bootstrap_port": nowhere,
                                "bootstrap_room": 7_000_003})}
 
     def post(name: str, url: str, extra: dict[str, Any]) -> None:

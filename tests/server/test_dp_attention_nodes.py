@@ -32,7 +32,7 @@ from pdserve_testing import ServerProcess
 from pdcore.server.args_parser import parse_server_args
 from pdcore.testing.greedy import Reference, check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
-from pdcore.testing.processes import free_port
+from pdcore.testing.processes import free_port, trust_prefill
 from pdcore.testing.tiny_models import make_tiny_model
 
 NEW = 8
@@ -163,6 +163,7 @@ def _assert_pd_matches(prefill_url: str, decode_url: str, boot: int, refs: list)
     """Every prompt through prefill -> decode at once (room i: prefill DP rank i % 2, on node
     i % 2 with DP attention) gives transformers' tokens (near-tie rule)."""
     prompts = _prompts()
+    trust_prefill(decode_url, boot)
 
     def through_pd(i: int) -> list[int]:
         body = _body(prompts[i], None, bootstrap_host="127.0.0.1", bootstrap_port=boot,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from pdcore.testing.processes import LOWEST_PORT, _ephemeral_low, free_port
+from pdcore.testing.ports import LOWEST_PORT, _ephemeral_low, free_port
 
 
 def test_ports_are_bindable_distinct_and_below_the_ephemeral_range() -> None:

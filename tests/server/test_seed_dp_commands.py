@@ -32,7 +32,7 @@ from pdserve_testing import ServerProcess
 
 from pdcore.server.args_parser import parse_server_args
 from pdcore.testing.greedy import check_greedy, hf_greedy
-from pdcore.testing.processes import free_port
+from pdcore.testing.processes import free_port, trust_prefill
 from pdcore.testing.tiny_models import make_tiny_model
 
 _NODE = ("--host ${{ip}} --port {port} --trust-remote-code --dist-init-addr ${{master}}:5000 "
@@ -214,6 +214,7 @@ def test_seed_dp_pair_serves_greedy_on_every_dp_rank(pair: tuple[ServerProcess, 
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (6, 41, 17, 70)]
     hf = AutoModelForCausalLM.from_pretrained(tiny_ds, dtype=torch.float32).eval()
     refs = [hf_greedy(hf, ids, NEW) for ids in prompts]
+    trust_prefill(d.url, boot)
 
     def through_pd(i: int) -> Any:
         # room i: prefill DP rank i % 2; data_parallel_rank: decode DP rank (i // 2) % 2

@@ -31,13 +31,16 @@ class Fleet:
     def __init__(self, backend: str, model: str, specs: dict[str, tuple[str, int, dict]],
                  env: dict[str, str] | None = None) -> None:
         self.servers: dict[str, ServerProcess] = {}
-        self.boot: dict[str, int] = {}
+        self.boot = {name: free_port() for name, spec in specs.items() if spec[0] == "prefill"}
+        # requests name P's bootstrap by hand (no router): decode must trust those addresses
+        trusted = ",".join(f"127.0.0.1:{b}" for b in self.boot.values())
         for name, (mode, tp, extra_env) in specs.items():
             flags = [*FLAGS, "--model-path", model, "--disaggregation-transfer-backend", backend,
                      "--disaggregation-mode", mode, "--tp-size", str(tp)]
             if mode == "prefill":
-                self.boot[name] = free_port()
                 flags += ["--disaggregation-bootstrap-port", str(self.boot[name])]
+            elif trusted:
+                flags += ["--disaggregation-trusted-prefill", trusted]
             self.servers[name] = ServerProcess(*flags, env={**FAST_ENV, **(env or {}),
                                                             **extra_env})
 

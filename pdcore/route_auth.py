@@ -1,0 +1,182 @@
+"""Who may name a PD route (layer 0: stdlib only): signed routes and trusted prefill addresses.
+
+A request to a prefill (P) or decode (D) server names the route of its KV cache:
+`bootstrap_host`, `bootstrap_port` (P's bootstrap server) and `bootstrap_room`. D contacts that
+address, registers its KV memory there and waits for KV from it, so the route decides where D's
+pool addresses, data-plane endpoint and KV go: it is never the client's to choose. A server acts
+on a route only when
+
+1. it carries a valid, unexpired signature (`bootstrap_sig`): `v1.<expiry>.<hex HMAC-SHA256>`
+   over `room|host|port|expiry` with a key derived from the cluster secret
+   (`--disaggregation-auth-token`), added by the router (`pdserve router`, `pdserve up`) just
+   before it forwards the request; or
+2. its `host:port` is a prefill bootstrap address the server has been told about: the
+   `--disaggregation-trusted-prefill` flag, registrations through the admin route
+   `POST /disaggregation/trusted_prefill` (API key or loopback), and, on P, its own bootstrap
+   port (P cannot know every name it is reached by, and the route does not steer P: P sends
+   KV only to decode ranks that authenticated on its control plane).
+
+Everything else is refused with 403 before the engine sees it, including SGLang's warm-up host
+`2.2.2.2` (a decode room with that host takes no KV at all: a client naming it would decode over
+pages another request left behind). The key that signs routes is derived from the secret and is
+not the key that authenticates control-plane messages (`control_key`), so neither use can be
+turned into the other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+
+SIG_VERSION = "v1"
+DEFAULT_TTL_S = 60.0  # covers the router's queueing and a modest clock skew between hosts
+MAX_TRUSTED = 4096  # registered prefill addresses kept (oldest registration dropped first)
+WARMUP_HOST = "2.2.2.2"  # SGLang's fake bootstrap host: only a server's own warm-up uses it
+
+
+def _derive(secret: str, label: bytes) -> bytes:
+    return hmac.new(secret.encode(), label, hashlib.sha256).digest()
+
+
+def route_key(secret: str) -> bytes:
+    return _derive(secret, b"pdserve route signature v1")
+
+
+def control_key(secret: str) -> bytes:
+    return _derive(secret, b"pdserve control plane v1")
+
+
+def normalize_addr(host: str, port: int | None) -> str:
+    """`host:port` as routes are compared: lower-case host, IPv6 without brackets. No DNS
+    lookup: a name and its address are different entries (list P as the router names it). A
+    port left to the server's default (None) signs as `host:default`."""
+    return f"{str(host).strip('[]').lower()}:{'default' if port is None else int(port)}"
+
+
+def _payload(room: int, host: str, port: int | None, expiry: int) -> bytes:
+    return f"{int(room)}|{normalize_addr(host, port)}|{expiry}".encode()
+
+
+def sign_route(key: bytes, room: int, host: str, port: int | None,
+               ttl_s: float = DEFAULT_TTL_S, now: float | None = None) -> str:
+    expiry = int((time.time() if now is None else now) + ttl_s)
+    mac = hmac.new(key, _payload(room, host, port, expiry), hashlib.sha256).hexdigest()
+    return f"{SIG_VERSION}.{expiry}.{mac}"
+
+
+def check_signature(key: bytes, sig: str, room: int, host: str, port: int | None,
+                    now: float | None = None, max_ttl_s: float = 3600.0) -> str:
+    """'' when `sig` signs exactly this route and has not expired, else why not."""
+    parts = sig.split(".") if isinstance(sig, str) and len(sig) <= 128 else []
+    if len(parts) != 3 or parts[0] != SIG_VERSION or not parts[1].isdigit():
+        return "bootstrap_sig is malformed"
+    expiry = int(parts[1])
+    want = hmac.new(key, _payload(room, host, port, expiry), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(want, parts[2]):
+        return "bootstrap_sig does not sign this route (another room, host or port, or another " \
+               "cluster secret)"
+    t = time.time() if now is None else now
+    if expiry < t:
+        return f"bootstrap_sig expired {t - expiry:.0f}s ago"
+    if expiry > t + max_ttl_s:  # a signature for the far future is a leaked-key smell
+        return "bootstrap_sig expires too far in the future"
+    return ""
+
+
+def parse_addrs(spec: Iterable[str] | str | None) -> list[str]:
+    """`host:port` entries of a flag value or list (comma or space separated), normalised;
+    ValueError names the bad entry."""
+    if spec is None:
+        return []
+    items = spec.replace(",", " ").split() if isinstance(spec, str) else [
+        x for s in spec for x in str(s).replace(",", " ").split()]
+    out = []
+    for item in items:
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{item!r} is not HOST:PORT (a prefill server's bootstrap address, "
+                             "e.g. 10.0.0.5:8998)")
+        out.append(normalize_addr(host, int(port)))
+    return out
+
+
+class RouteGuard:
+    """The trust a server's HTTP edge applies to the routes of PD requests (see module doc)."""
+
+    def __init__(self, secret: str | None = None, trusted: Iterable[str] | str | None = None,
+                 own_port: int | None = None) -> None:
+        self.key = route_key(secret) if secret else None
+        self.own_port = own_port
+        self._fixed = set(parse_addrs(trusted))
+        self._registered: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def register(self, addrs: Iterable[str]) -> list[str]:
+        new = parse_addrs(list(addrs))
+        with self._lock:
+            for a in new:
+                self._registered[a] = None
+                self._registered.move_to_end(a)
+            while len(self._registered) > MAX_TRUSTED:
+                self._registered.popitem(last=False)
+        return new
+
+    def unregister(self, addrs: Iterable[str]) -> list[str]:
+        gone = parse_addrs(list(addrs))
+        with self._lock:
+            for a in gone:
+                self._registered.pop(a, None)
+        return gone
+
+    def trusted(self) -> list[str]:
+        with self._lock:
+            return sorted(self._fixed | set(self._registered))
+
+    def is_trusted(self, host: str, port: int) -> bool:
+        if port == self.own_port:
+            return True
+        a = normalize_addr(host, port)
+        with self._lock:
+            return a in self._fixed or a in self._registered
+
+    def check(self, room: int | None, host: str | None, port: int | None, sig: str | None,
+              default_port: int) -> str:
+        """'' when the server may act on this route, else why not (the HTTP edge answers 403).
+        `port` as the request gave it (None: the server's `default_port`; a signature signs
+        what was sent). A request naming no bootstrap host names no route: the role decides
+        what that means."""
+        if host is None:
+            return ""
+        why = self._why(room, host, port, sig, default_port)
+        if why:
+            with self._lock:
+                self.refused += 1
+        return why
+
+    def _why(self, room: int | None, host: str, port: int | None, sig: str | None,
+             default_port: int) -> str:
+        if host.strip("[]") == WARMUP_HOST:
+            return (f"bootstrap_host {WARMUP_HOST} is reserved for the server's own warm-up; a "
+                    "client cannot name it")
+        if room is None:
+            return "a PD route needs bootstrap_room with bootstrap_host"
+        if sig:
+            if self.key is None:
+                return ("bootstrap_sig given but this server has no cluster secret to check it; "
+                        "start it with the router's --disaggregation-auth-token")
+            return check_signature(self.key, sig, room, host, port)
+        port = default_port if port is None else port
+        if self.is_trusted(host, port):
+            return ""
+        how = ("the router signs routes with the cluster secret: give router and servers the "
+               "same --disaggregation-auth-token" if self.key else
+               "start this server with --disaggregation-trusted-prefill HOST:PORT (the prefill "
+               "server's bootstrap address), or give router and servers the same "
+               "--disaggregation-auth-token so the router signs its routes")
+        return (f"the route to prefill {normalize_addr(host, port)} is neither signed nor a "
+                f"trusted prefill address of this server; {how}")

@@ -1,0 +1,248 @@
+"""The route is not the client's to choose (issue 30, items 1 and 6): real P + D (tcp) and our
+router on loopback, attacked as an outsider would.
+
+An outsider runs a bootstrap server of its own (it answers D's route lookups with a control
+address it listens on) and names it in a request to D: before the fix D resolved it, sent it its
+Register (data-plane token, KV addresses) and took "KV" from it. Now the request is refused with
+403 before the engine sees it, and the outsider sees no connection at all."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from pdcore.disagg.control import MAX_PEERS, ControlPlane
+from pdcore.route_auth import route_key, sign_route
+from pdcore.testing.processes import PDCluster
+from pdcore.testing.tiny_models import make_tiny_model
+
+FLAGS = ("--max-total-tokens", "2048", "--page-size", "4")
+ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
+       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30"}
+SECRET = "cluster-secret-for-the-test"
+ROUTES = {"/generate": {"text": "hello there", "sampling_params": {"max_new_tokens": 4,
+                                                                   "temperature": 0}},
+          "/v1/completions": {"prompt": "hello there", "max_tokens": 4, "temperature": 0},
+          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
+                                   "max_tokens": 4, "temperature": 0}}
+
+
+class Outsider:
+    """A bootstrap server of the attacker's and the control socket it advertises; records every
+    TCP connection and every control-plane frame that reaches them."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        zport = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.connections = 0
+        outsider = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:  # answers like a complete prefill instance
+                info = {"rank_ip": "127.0.0.1", "rank_port": zport} if "=-1" not in self.path \
+                    else {"tp_size": 1, "dp_size": 1, "page_size": 4, "kv_cache_dtype":
+                          "float32", "instance_id": "evil"}
+                data = json.dumps(info).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("X-PD-Instance", "evil")
+                self.end_headers()
+                self.wfile.write(data)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def process_request(self, request: Any, client_address: Any) -> None:
+                outsider.connections += 1
+                super().process_request(request, client_address)
+
+        self.http = Server(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def frames(self, wait_ms: int = 300) -> list[list[bytes]]:
+        out = []
+        while self.pull.poll(wait_ms):
+            out.append(self.pull.recv_multipart())
+        return out
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from pdcore.engine.tokenizer import default_model_file
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("trust") / "m"), hidden=64, layers=2,
+                           tokenizer_from=default_model_file())
+
+
+@pytest.fixture
+def outsider():
+    o = Outsider()
+    yield o
+    o.close()
+
+
+@pytest.fixture(scope="module")
+def open_pair(model_dir):
+    """No cluster secret: our router registers P's bootstrap address with D."""
+    c = PDCluster("tcp", model_path=model_dir, flags=FLAGS, env=ENV).start()
+    yield c
+    c.stop()
+
+
+def _refused(r: httpx.Response, what: str) -> None:
+    assert r.status_code == 403, (r.status_code, r.text)
+    assert what in r.json()["error"]["message"], r.text
+
+
+def test_forged_bootstrap_gets_403_and_nothing_is_sent(open_pair, outsider) -> None:
+    c = open_pair
+    d, p = c.decodes[0], c.prefills[0]
+    for route, body in ROUTES.items():
+        forged = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": outsider.port,
+                  "bootstrap_room": 4242}
+        _refused(httpx.post(d.url + route, json=forged, timeout=30), "neither signed nor")
+        _refused(httpx.post(p.url + route, json=forged, timeout=30), "neither signed nor")
+        # a list of routes with one forged entry among real ones is refused whole
+        batch = {**forged, "bootstrap_host": ["127.0.0.1"], "bootstrap_port": [outsider.port],
+                 "bootstrap_room": [7]}
+        if route == "/generate":
+            _refused(httpx.post(d.url + route, json=batch, timeout=30), "neither signed nor")
+    time.sleep(1.5)  # a resolver thread would have connected by now
+    assert outsider.connections == 0 and outsider.frames() == [], "decode contacted the outsider"
+    metrics = httpx.get(d.url + "/metrics", timeout=10).text
+    assert "pdserve_routes_refused_total 4.0" in metrics, metrics[-2000:]
+    c.wait_pages_free()
+    r = httpx.post(c.url + "/generate", json=ROUTES["/generate"], timeout=120)
+    assert r.status_code == 200 and r.json()["output_ids"], (r.text, c.router.log()[-3000:])
+
+
+def test_warmup_host_is_not_the_clients(open_pair) -> None:
+    """2.2.2.2 makes a decode room that takes no KV: a client naming it would decode over pages
+    another request left behind."""
+    body = {**ROUTES["/generate"], "bootstrap_host": "2.2.2.2", "bootstrap_room": 5}
+    for s in (open_pair.decodes[0], open_pair.prefills[0]):
+        _refused(httpx.post(s.url + "/generate", json=body, timeout=30), "warm-up")
+    assert httpx.get(open_pair.decodes[0].url + "/health_generate", timeout=60).status_code == 200
+
+
+def test_trust_registration_is_validated(open_pair) -> None:
+    url = open_pair.decodes[0].url + "/disaggregation/trusted_prefill"
+    for bad in ({"add": ["no-port"]}, {"add": "127.0.0.1:1"}, {"add": ["x:1"] * 300}, [1]):
+        r = httpx.post(url, json=bad, timeout=10)
+        assert r.status_code == 400, (bad, r.text)
+    r = httpx.post(url, json={"add": ["10.9.8.7:8998"], "remove": []}, timeout=10)
+    assert r.status_code == 200 and "10.9.8.7:8998" in r.json()["trusted"]
+    r = httpx.post(url, json={"remove": ["10.9.8.7:8998"]}, timeout=10)
+    assert "10.9.8.7:8998" not in r.json()["trusted"]
+
+
+@pytest.fixture(scope="module")
+def signed_pair(model_dir, tmp_path_factory):
+    """A cluster secret everywhere: the router signs its routes, D also trusts one address of
+    the outsider's (a misconfiguration) so the challenge has something to refuse."""
+    o = Outsider()
+    c = PDCluster("tcp", model_path=model_dir, flags=FLAGS, env=ENV, secret=SECRET,
+                  decode_flags=("--disaggregation-trusted-prefill", f"127.0.0.1:{o.port}"))
+    try:
+        c.start()
+        yield c, o
+    finally:
+        c.stop()
+        o.close()
+
+
+def test_signed_routes(signed_pair) -> None:
+    c, _ = signed_pair
+    d = c.decodes[0]
+    r = httpx.post(c.url + "/generate", json=ROUTES["/generate"], timeout=120)
+    assert r.status_code == 200 and r.json()["output_ids"], r.text
+    key = route_key(SECRET)
+    route = {"bootstrap_host": "127.0.0.1", "bootstrap_port": c.bootstrap_ports[0],
+             "bootstrap_room": 99}
+    cases = {"neither signed nor": {},  # the real P, but unsigned: no registration in this mode
+             "expired": {"bootstrap_sig": sign_route(key, 99, "127.0.0.1", route["bootstrap_port"],
+                                                     ttl_s=-5)},
+             "does not sign this route": {"bootstrap_sig": sign_route(
+                 key, 98, "127.0.0.1", route["bootstrap_port"])},
+             "malformed": {"bootstrap_sig": "v1.x.y"}}
+    for why, extra in cases.items():
+        _refused(httpx.post(d.url + "/generate", json={**ROUTES["/generate"], **route, **extra},
+                            timeout=30), why)
+    wrong = sign_route(route_key("another secret"), 99, "127.0.0.1", route["bootstrap_port"])
+    _refused(httpx.post(d.url + "/generate", json={**ROUTES["/generate"], **route,
+                                                   "bootstrap_sig": wrong}, timeout=30),
+             "does not sign")
+
+
+def test_secret_never_goes_to_an_address_that_cannot_prove_it(signed_pair) -> None:
+    """D trusts the outsider's address (misconfigured), so it resolves it; but before D sends
+    anything about its memory, the 'prefill rank' must answer a nonce with the cluster MAC."""
+    c, o = signed_pair
+    body = {**ROUTES["/generate"], "bootstrap_host": "127.0.0.1", "bootstrap_port": o.port,
+            "bootstrap_room": 31337}
+    r = httpx.post(c.decodes[0].url + "/generate", json=body, timeout=60)
+    assert r.status_code >= 500 and "did not prove" in r.text, r.text
+    frames = o.frames()
+    kinds = [msgspec.msgpack.decode(f[0])["t"] for f in frames]
+    assert kinds and set(kinds) == {"hello"}, kinds  # no Register: no endpoint, no KV address
+    assert all(SECRET.encode() not in b"".join(f) for f in frames)
+    metrics = httpx.get(c.decodes[0].url + "/metrics", timeout=10).text
+    assert "pdserve_scheduler_kv_pairing_refused_total" in metrics
+    c.wait_pages_free()
+
+
+def test_a_prefill_with_other_weights_is_refused_on_both_sides(tmp_path) -> None:
+    """Same architecture and file sizes, other weights: KV from it would decode as wrong text
+    that looks fine. The pairing fails with the reason, counted by P and D."""
+    from pdcore.engine.tokenizer import default_model_file
+
+    tok = default_model_file()
+    a = make_tiny_model(str(tmp_path / "a"), hidden=64, layers=2, seed=1, tokenizer_from=tok)
+    b = make_tiny_model(str(tmp_path / "b"), hidden=64, layers=2, seed=2, tokenizer_from=tok)
+    c = PDCluster("tcp", flags=FLAGS, env=ENV, prefill_flags=("--model-path", a),
+                  decode_flags=("--model-path", b)).start()
+    try:
+        r = httpx.post(c.url + "/generate", json={**ROUTES["/generate"]}, timeout=120)
+        assert r.status_code >= 400 and "another model" in r.text, r.text
+        for s in (c.decodes[0], c.prefills[0]):
+            deadline = time.monotonic() + 20
+            while "pdserve_scheduler_kv_pairing_refused_total 0" in (
+                    m := httpx.get(s.url + "/metrics", timeout=10).text) or \
+                    "pairing_refused_total" not in m:
+                assert time.monotonic() < deadline, (s.url, m[-1500:])
+                time.sleep(0.3)
+        c.wait_pages_free()
+    finally:
+        c.stop()
+
+
+def test_reply_sockets_are_bounded() -> None:
+    """P answers at the address a message names: the sockets it opens for that are bounded."""
+    cp = ControlPlane("127.0.0.1", None, "t", lambda m: None, lambda: None)
+    cp.start()
+    try:
+        for i in range(MAX_PEERS + 40):
+            cp.send_raw(f"tcp://127.0.0.1:{1024 + i}", [b"x"])
+        assert cp.peer_sockets() == MAX_PEERS
+        assert cp.counters.snapshot()["peer_sockets_evicted"] == 40
+    finally:
+        cp.close()
