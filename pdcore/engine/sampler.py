@@ -13,6 +13,8 @@ import torch
 from pdcore.engine.io_struct import LogprobEntry, SamplingParams
 from pdcore.errors import InvalidRequestError
 
+SEED_MIN, SEED_MAX = -(1 << 63), 1 << 64  # what torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SampleState:
@@ -27,7 +29,10 @@ class SampleState:
     def create(cls, params: SamplingParams, prompt: list[int]) -> SampleState:
         gen = None
         if params.seed is not None and not params.greedy:
-            gen = torch.Generator().manual_seed(int(params.seed))
+            seed = int(params.seed)
+            if not SEED_MIN <= seed < SEED_MAX:  # torch raises a RuntimeError: a 500, not a 400
+                raise InvalidRequestError(f"seed {seed} is outside [-2^63, 2^64)", "seed")
+            gen = torch.Generator().manual_seed(seed)
         st = cls(params, gen)
         if params.frequency_penalty or params.presence_penalty:
             st.counts = {}

@@ -12,6 +12,7 @@
    a dead worker leaves rotation within a few probes, and one that answers again is back
    within one health interval; a worker that comes back from unhealthy also gets its open
    circuit half-opened at once (its failures were the outage, not a fault of the new process).
+   A good probe sent while a worker's circuit is half-open closes the circuit (circuit.py).
 3. When a policy needs loads (power_of_two), another task polls `GET /get_load` each
    `--load-check-interval-secs`; the answer is a JSON list of per-DP-rank dicts whose
    `num_tokens` are summed (a dict with `num_tokens` or `load` is accepted too).
@@ -179,6 +180,7 @@ class HealthMonitor:
             if ok:
                 worker.health_failures = 0
                 worker.health_successes += 1
+                worker.circuit.probe_ok(worker.last_probe_at)
                 if not worker.healthy and worker.health_successes >= cfg.health_success_threshold:
                     worker.healthy = True
                     worker.circuit.retry_now()

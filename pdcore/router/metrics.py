@@ -148,7 +148,7 @@ class _WorkerCollector:
                                                    "worker"}
         fams = {n: GaugeMetricFamily(n, doc, labels=["worker"]) for n, doc in per_worker.items()}
         outcomes = CounterMetricFamily("smg_worker_cb_outcomes", "Circuit breaker outcomes by "
-                                       "worker and outcome (success/failure)",
+                                       "worker and outcome (success/failure/client_error)",
                                        labels=["worker", "outcome"])
         load = GaugeMetricFamily("pdrouter_worker_load_tokens", "Last polled /get_load token "
                                  "count (-1 unknown), by worker and role",
@@ -168,6 +168,8 @@ class _WorkerCollector:
                 fams[name].add_metric([w.key], float(v or 0))  # type: ignore[arg-type]
             outcomes.add_metric([w.key, "success"], float(w.circuit.total_successes))
             outcomes.add_metric([w.key, "failure"], float(w.circuit.total_failures))
+            # answers the client caused (circuit.py): counted neither way
+            outcomes.add_metric([w.key, "client_error"], float(w.circuit.total_client_errors))
             load.add_metric([w.key, w.worker_type], float(w.load))
             sizes[w.worker_type] = sizes.get(w.worker_type, 0) + 1
         for role, n in sizes.items():

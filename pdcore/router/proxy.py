@@ -1,7 +1,9 @@
 """PD fan-out of one generation request (`/generate`, `/v1/completions`, `/v1/chat/completions`).
 
 1. Parse the JSON body (400 on bad JSON or an empty batch); work out batch size, stream,
-   logprobs and the routing text; deadline = now + --request-timeout-secs (whole request).
+   logprobs and the routing text; deadline = now + --request-timeout-secs (whole request), or
+   sooner with the request's own `timeout`: now + timeout + CLIENT_TIMEOUT_GRACE_S (the servers
+   answer that timeout themselves; the grace lets their 504 arrive first).
 2. Per attempt (at most --retry-max-retries): pick (P, D) among available workers (503
    `server_selection_failed` when a role has none), inject bootstrap_host/port and a fresh
    bootstrap_room, and start the P call and the D call at the same time.
@@ -9,7 +11,10 @@
    both whole bodies (D stream: its first chunk). Before it, a failure of one leg cancels the
    other, so D never waits for KV from a dead P (nor P for a dead D). 408/429/500/502/503/504 and
    transport errors are retried after 50 ms x 1.5^n (capped, +-20 % jitter); other non-2xx
-   answers go to the client as the worker sent them. Nothing is retried after commit.
+   answers go to the client as the worker sent them. Nothing is retried after commit. What the
+   client caused is never retried nor counted against a worker (circuit.py has the rule): an
+   answer marked `X-PD-Error-Origin: client` goes to the client as it is, and a failure once
+   the request's own `timeout` has passed is a 504 `request_timeout`.
 4. After commit the client gets D's status, content-type and body; a stream is passed through
    (rewritten per SSE event when prefill logprobs are merged). An unfinished P call completes in
    the background (bounded by the deadline); its errors are logged and counted on P's circuit.
@@ -48,10 +53,12 @@ from pdcore.router.policies import DPRanks, Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
     PEER_RESTARTED,
+    Deadline,
     DecodeLeg,
     PrefillResult,
     UpstreamClients,
     call_prefill,
+    record,
 )
 from pdcore.router.workers import Worker, WorkerRegistry
 
@@ -62,6 +69,8 @@ FORWARD_HEADERS = ("authorization", "x-request-id", "x-correlation-id")
 _KIND = {408: "timeout", 429: "rate_limited", 500: "internal_error", 502: "bad_gateway",
          503: "unavailable", 504: "timeout"}
 CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it
+CLIENT_TIMEOUT_GRACE_S = 1.0  # the router waits this long past the request's own `timeout`
+CLIENT_TIMEOUT = "the request's own timeout passed before the workers answered"
 
 
 async def _client_gone(request: Request) -> None:
@@ -90,6 +99,19 @@ def error_response(status: int, code: str, message: str, request_id: str) -> JSO
         {"error": {"code": code, "message": message}}, status_code=status,
         headers={"x-request-id": request_id},
     )
+
+
+def request_deadline(body: dict, router_timeout: float) -> Deadline:
+    """The request's deadline (see the module doc, step 1)."""
+    now = asyncio.get_running_loop().time()
+    t = body.get("timeout")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf"):
+        return Deadline(now + min(router_timeout, t + CLIENT_TIMEOUT_GRACE_S), now + t)
+    return Deadline(now + router_timeout)
+
+
+def _client_timeout() -> Failure:
+    return Failure(504, "request_timeout", CLIENT_TIMEOUT, retriable=False)
 
 
 def _upstream_failure(role: str, worker: Worker, status: int, body: bytes) -> Failure:
@@ -179,7 +201,7 @@ class Proxy:
         headers = {"content-type": "application/json"}
         headers.update({h: v for h in FORWARD_HEADERS if (v := request.headers.get(h))})
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._cfg.request_timeout_secs
+        deadline = request_deadline(body, self._cfg.request_timeout_secs)
         gone = loop.create_task(_client_gone(request))
         try:
             return await self._attempts(route, body, n, stream, logprobs, text, headers,
@@ -190,15 +212,14 @@ class Proxy:
 
     async def _attempts(
         self, route: str, body: dict, n: int, stream: bool, logprobs: bool, text: str,
-        headers: dict[str, str], deadline: float, request_id: str, gone: asyncio.Task[None],
+        headers: dict[str, str], deadline: Deadline, request_id: str, gone: asyncio.Task[None],
     ) -> Response:
-        loop = asyncio.get_running_loop()
         failure: Failure | None = None
         for attempt in range(self._cfg.max_attempts):
             if attempt:
                 self._metrics.retry(_failed_role(failure), route)
-                await asyncio.sleep(min(self.backoff_s(attempt), max(0.0, deadline - loop.time())))
-            if loop.time() >= deadline:
+                await asyncio.sleep(min(self.backoff_s(attempt), deadline.left()))
+            if deadline.left() <= 0:
                 break
             pair = self.select_pair(text)
             if isinstance(pair, str):
@@ -222,12 +243,13 @@ class Proxy:
             if failure is not None and failure.retriable:
                 self._metrics.exhausted(_failed_role(failure), route)
         if failure is None:
-            failure = Failure(504, "request_timeout", "request deadline passed before an attempt",
-                              False)
+            failure = (_client_timeout() if deadline.client_expired() else
+                       Failure(504, "request_timeout", "request deadline passed before an attempt",
+                               False))
         return error_response(failure.status, failure.code, failure.message, request_id)
 
     def _start_prefill(
-        self, p: Worker, url: str, content: bytes, headers: dict[str, str], deadline: float
+        self, p: Worker, url: str, content: bytes, headers: dict[str, str], deadline: Deadline
     ) -> asyncio.Task[PrefillResult]:
         p.in_flight += 1
         task = asyncio.get_running_loop().create_task(
@@ -242,7 +264,8 @@ class Proxy:
 
     async def _attempt(
         self, route: str, p: Worker, d: Worker, content: bytes, headers: dict[str, str],
-        stream: bool, logprobs: bool, deadline: float, request_id: str, gone: asyncio.Task[None],
+        stream: bool, logprobs: bool, deadline: Deadline, request_id: str,
+        gone: asyncio.Task[None],
     ) -> Response | Failure:
         loop = asyncio.get_running_loop()
         p_task = self._start_prefill(p, p.url + route, content, headers, deadline)
@@ -262,14 +285,22 @@ class Proxy:
                 if p_task.done() and not p_task.result().ok:
                     d_ok = d_task.done() and d_task.exception() is None and leg.ok
                     if logprobs or not d_ok:
-                        return self._prefill_outcome(p, d, p_task.result(), request_id)
+                        return self._prefill_outcome(p, d, p_task.result(), request_id, deadline)
                 if d_task.done():
                     if d_task.exception() is not None:
+                        if leg.client_caused:
+                            return _client_timeout()
                         exc = d_task.exception()
                         return Failure(502, "decode_transport_error",
                                        f"decode worker {d.url} failed: {exc}", retriable=True)
                     if not leg.ok:
+                        if leg.client_caused and leg.status != PEER_FAULT:  # as D answered
+                            return Response(leg.body, leg.status, media_type=leg.content_type,
+                                            headers={"x-request-id": request_id, **leg.headers})
                         if leg.status == PEER_FAULT:  # D is fine; its prefill peer failed
+                            if deadline.client_expired():  # P gave up on the client's timeout
+                                record(p, None, self._metrics, "timeout")
+                                return _client_timeout()
                             if PEER_RESTARTED.search(leg.body):  # not the instance there now
                                 self._metrics.worker_error("prefill", "peer_restarted")
                             else:
@@ -284,13 +315,13 @@ class Proxy:
                     if not logprobs or p_task.done():
                         break
                 done, pending = await asyncio.wait(
-                    pending, timeout=max(0.0, deadline - loop.time()),
+                    pending, timeout=deadline.left(),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if not done:
-                    return Failure(504, "request_timeout",
-                                   f"no answer within --request-timeout-secs "
-                                   f"({self._cfg.request_timeout_secs:g} s)", retriable=False)
+                    return _client_timeout() if deadline.client_expired() else Failure(
+                        504, "request_timeout", f"no answer within --request-timeout-secs "
+                        f"({self._cfg.request_timeout_secs:g} s)", retriable=False)
             committed = True
         finally:
             if not committed:
@@ -300,24 +331,29 @@ class Proxy:
                 await leg.release()
         return await self._commit(p_task, leg, stream, logprobs, deadline, request_id)
 
-    def _prefill_outcome(self, p: Worker, d: Worker, res: PrefillResult,
-                         request_id: str) -> Response | Failure:
-        if res.status == PEER_FAULT:  # P is fine; its decode peer failed the pair
+    def _prefill_outcome(self, p: Worker, d: Worker, res: PrefillResult, request_id: str,
+                         deadline: Deadline) -> Response | Failure:
+        if res.status == PEER_FAULT and not res.client_caused:  # P is fine; D failed the pair
+            if deadline.client_expired():  # D gave up on the client's timeout
+                record(d, None, self._metrics, "timeout")
+                return _client_timeout()
             d.circuit.record(False)
             self._metrics.worker_error("decode", "peer_fault")
             return _upstream_failure("decode", d, res.status,
                                      b"(reported by prefill " + p.url.encode() + b") " + res.body)
+        if res.client_caused and res.status is None:
+            return _client_timeout()
         if res.status is None:
             return Failure(502, "prefill_transport_error",
                            f"prefill worker {p.url} failed: {res.error}", retriable=True)
-        if res.status in RETRY_STATUSES:
+        if res.status in RETRY_STATUSES and not res.client_caused:
             return _upstream_failure("prefill", p, res.status, res.body)
         return Response(res.body, res.status, media_type=res.content_type,
-                        headers={"x-request-id": request_id})
+                        headers={"x-request-id": request_id, **res.headers})
 
     async def _commit(
         self, p_task: asyncio.Task[PrefillResult], leg: DecodeLeg, stream: bool, logprobs: bool,
-        deadline: float, request_id: str,
+        deadline: Deadline, request_id: str,
     ) -> Response:
         found: dict[int, list[object]] = {}
         if logprobs:

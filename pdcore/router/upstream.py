@@ -1,6 +1,7 @@
 """The two upstream legs of a PD request: the prefill call and the decode call.
 
-Both record their outcome on the worker's circuit breaker (5xx or transport error = failure) and
+Both record their outcome on the worker's circuit breaker (5xx or transport error = failure;
+what the client caused counts neither way: `worker_outcome`, the rule in circuit.py) and
 count failures in the metrics. A prefill server answers 502 (PEER_FAULT) when its decode peer
 failed the pair: that counts against the decode worker, never against the healthy prefill; a
 decode server answers 502 when its prefill peer failed the pair (the proxy blames prefill),
@@ -19,10 +20,11 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
+from pdcore.errors import ERROR_ORIGIN_HEADER
 from pdcore.router.merge import SSEMerger
 from pdcore.router.metrics import RouterMetrics
 from pdcore.router.workers import Worker
@@ -32,6 +34,48 @@ log = logging.getLogger("pdcore.router.upstream")
 PEER_FAULT = 502  # a server's "my peer (decode for P, prefill for D) failed this request"
 # decode's reason when the prefill instance it had started the room with was replaced
 PEER_RESTARTED = re.compile(rb"prefill instance \S+ restarted")
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When the router gives up on a request (`at`, event-loop time) and when the client's own
+    `timeout` runs out (`client_at`; None without one). Once that has passed, whatever goes
+    wrong (a cut connection, the router's deadline, a peer-fault report) is the client's doing."""
+
+    at: float
+    client_at: float | None = None
+
+    def left(self) -> float:
+        return max(0.0, self.at - asyncio.get_running_loop().time())
+
+    def client_expired(self) -> bool:
+        return (self.client_at is not None
+                and asyncio.get_running_loop().time() >= self.client_at)
+
+
+def client_caused(headers: httpx.Headers | None) -> bool:
+    return headers is not None and headers.get(ERROR_ORIGIN_HEADER, "").strip().lower() == "client"
+
+
+def worker_outcome(status: int | None, client_marked: bool, deadline: Deadline) -> bool | None:
+    """How one upstream answer counts on the worker's circuit: True success, False the worker's
+    fault, None the client's doing (counted apart). `status` None: transport error or timeout.
+    PEER_FAULT is a success of the answering worker: the proxy blames its peer."""
+    if client_marked:
+        return None
+    if status is not None and (status < 500 or status == PEER_FAULT):
+        return True
+    return None if deadline.client_expired() else False
+
+
+def record(worker: Worker, outcome: bool | None, metrics: RouterMetrics, kind: str) -> None:
+    """Put `outcome` on the worker's circuit; a client-caused one (None) is counted as the
+    client's error `kind` (an HTTP status, or timeout)."""
+    if outcome is None:
+        worker.circuit.record_client_error()
+        metrics.worker_error("client", kind)
+    else:
+        worker.circuit.record(outcome)
 
 
 class UpstreamClients:
@@ -71,8 +115,8 @@ def exc_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def request_timeout(deadline: float) -> httpx.Timeout:
-    left = max(0.001, deadline - asyncio.get_running_loop().time())
+def request_timeout(deadline: Deadline) -> httpx.Timeout:
+    left = max(0.001, deadline.left())
     return httpx.Timeout(left, connect=min(left, 10.0))
 
 
@@ -82,6 +126,8 @@ class PrefillResult:
     body: bytes = b""
     content_type: str | None = None
     error: str | None = None
+    client_caused: bool = False  # marked by the server, or failed after the client's timeout
+    headers: dict[str, str] = field(default_factory=dict)  # the origin mark, passed on
 
     @property
     def ok(self) -> bool:
@@ -90,26 +136,34 @@ class PrefillResult:
 
 async def call_prefill(
     client: httpx.AsyncClient, worker: Worker, url: str, content: bytes,
-    headers: dict[str, str], deadline: float, metrics: RouterMetrics,
+    headers: dict[str, str], deadline: Deadline, metrics: RouterMetrics,
 ) -> PrefillResult:
     """POST to the prefill worker and read the whole answer; never raises transport errors."""
-    left = max(0.001, deadline - asyncio.get_running_loop().time())
     try:
         resp = await asyncio.wait_for(
             client.post(url, content=content, headers=headers, timeout=request_timeout(deadline)),
-            timeout=left,
+            timeout=max(0.001, deadline.left()),
         )
     except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-        worker.circuit.record(False)
-        metrics.worker_error("prefill", "transport")
+        outcome = worker_outcome(None, False, deadline)
         reason = exc_reason(exc)
-        log.warning("prefill %s failed: %s", url, reason)
-        return PrefillResult(None, error=reason)
-    worker.circuit.record(resp.status_code < 500 or resp.status_code == PEER_FAULT)
-    if not 200 <= resp.status_code < 300:
+        if outcome is None:
+            record(worker, None, metrics, "timeout")
+            log.info("prefill %s: the request's own timeout passed (%s)", url, reason)
+        else:
+            record(worker, outcome, metrics, "transport")
+            metrics.worker_error("prefill", "transport")
+            log.warning("prefill %s failed: %s", url, reason)
+        return PrefillResult(None, error=reason, client_caused=outcome is None)
+    marked = client_caused(resp.headers)
+    outcome = worker_outcome(resp.status_code, marked, deadline)
+    record(worker, outcome, metrics, str(resp.status_code))
+    if not 200 <= resp.status_code < 300 and outcome is not None:
         metrics.worker_error("prefill", str(resp.status_code))
         log.warning("prefill %s answered %d: %s", url, resp.status_code, resp.text[:300])
-    return PrefillResult(resp.status_code, resp.content, resp.headers.get("content-type"))
+    return PrefillResult(resp.status_code, resp.content, resp.headers.get("content-type"),
+                         client_caused=outcome is None,
+                         headers={ERROR_ORIGIN_HEADER: "client"} if marked else {})
 
 
 class DecodeLeg:
@@ -124,6 +178,8 @@ class DecodeLeg:
         self.status = 0
         self.content_type: str | None = None
         self.body = b""  # whole body (non-stream or error) or the first chunk (stream)
+        self.client_caused = False  # the answer is the client's doing (see worker_outcome)
+        self.headers: dict[str, str] = {}  # the origin mark, passed on to the client
         worker.in_flight += 1
 
     @property
@@ -132,7 +188,7 @@ class DecodeLeg:
 
     async def open(
         self, client: httpx.AsyncClient, url: str, content: bytes, headers: dict[str, str],
-        deadline: float, first_only: bool,
+        deadline: Deadline, first_only: bool,
     ) -> None:
         """Send; read the whole body, or only the first chunk of a successful stream."""
         request = client.build_request(
@@ -142,8 +198,12 @@ class DecodeLeg:
             self._resp = await client.send(request, stream=True)
             self.status = self._resp.status_code
             self.content_type = self._resp.headers.get("content-type")
-            self.worker.circuit.record(self.status < 500 or self.status == PEER_FAULT)
-            if not self.ok:
+            if client_caused(self._resp.headers):
+                self.headers = {ERROR_ORIGIN_HEADER: "client"}
+            outcome = worker_outcome(self.status, bool(self.headers), deadline)
+            self.client_caused = outcome is None
+            record(self.worker, outcome, self._metrics, str(self.status))
+            if not self.ok and outcome is not None:
                 self._metrics.worker_error("decode", str(self.status))
             if first_only and self.ok:
                 self._iter = self._resp.aiter_bytes()
@@ -151,11 +211,14 @@ class DecodeLeg:
             else:
                 self.body = await self._resp.aread()
         except httpx.HTTPError:
-            self.worker.circuit.record(False)
-            self._metrics.worker_error("decode", "transport")
+            outcome = worker_outcome(None, False, deadline)
+            self.client_caused = outcome is None
+            record(self.worker, outcome, self._metrics, "timeout")
+            if outcome is not None:
+                self._metrics.worker_error("decode", "transport")
             raise
 
-    async def stream(self, merger: SSEMerger | None, deadline: float) -> AsyncIterator[bytes]:
+    async def stream(self, merger: SSEMerger | None, deadline: Deadline) -> AsyncIterator[bytes]:
         """The committed stream: first chunk, then the rest; an error ends it with one
         `data: {"error": ...}` event (the status line is already sent)."""
         loop = asyncio.get_running_loop()
@@ -166,7 +229,7 @@ class DecodeLeg:
             return
         try:
             async for chunk in self._iter:
-                if loop.time() > deadline:
+                if loop.time() > deadline.at:
                     raise asyncio.TimeoutError("request deadline passed while streaming")
                 out = merger.feed(chunk) if merger else chunk
                 if out:
@@ -176,8 +239,10 @@ class DecodeLeg:
                 if tail:
                     yield tail
         except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-            self.worker.circuit.record(False)
-            self._metrics.worker_error("decode", "stream")
+            outcome = worker_outcome(None, False, deadline)
+            record(self.worker, outcome, self._metrics, "timeout")
+            if outcome is not None:
+                self._metrics.worker_error("decode", "stream")
             message = f"decode stream from {self.worker.url} broke: {type(exc).__name__}: {exc}"
             log.warning(message)
             event = {"error": {"code": "decode_stream_error", "message": message}}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdcore.engine.io_struct import AbortReq, GenerateReq, TokenOut
+from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from pdcore.engine.build import Engine
@@ -60,13 +61,19 @@ class Lockstep:
                 elif isinstance(m, AbortReq):
                     self.sched.abort(m.rid, m.reason)
             except Exception as e:
-                # every rank applies the same messages, so every rank takes this branch alike
-                log.exception("request %s could not be admitted", m.rid)
+                # every rank applies the same messages, so every rank takes this branch alike;
+                # a bad field found only here (a seed torch refuses) is the client's: 400
+                bad = isinstance(e, InvalidRequestError)
+                if bad:
+                    log.warning("request %s refused: %s", m.rid, e)
+                else:
+                    log.exception("request %s could not be admitted", m.rid)
                 req = self.sched.reqs.get(m.rid)
                 if req is None:
                     self.sched.outbox.append(TokenOut(
-                        m.rid, [], finished=True, error=f"{type(e).__name__}: {e}",
-                        error_status=500, finish_reason={"type": "abort", "message": str(e)}))
+                        m.rid, [], finished=True, error=str(e) if bad else f"{type(e).__name__}: {e}",
+                        error_status=400 if bad else 500,
+                        finish_reason={"type": "abort", "message": str(e)}))
                 else:
                     self._contain_one(req, e)
 

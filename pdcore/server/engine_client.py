@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
-from pdcore.errors import PDError
+from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
 from pdcore.runtime_env import Placement, choose_placement, spawning_with
 from pdcore.server.tokenizer_export import tokenizer_dir
 
@@ -56,11 +56,20 @@ class EngineState(str, enum.Enum):
 
 
 class EngineError(PDError):
-    """A request could not be served; `status` is the HTTP status to answer with."""
+    """A request could not be served; `status` is the HTTP status to answer with.
+    `client_caused`: the client's own doing although the status does not say so (the 504 of the
+    request's own `timeout`); the answer then carries ERROR_ORIGIN_HEADER (`headers`)."""
 
-    def __init__(self, message: str, status: int = 500) -> None:
+    def __init__(self, message: str, status: int = 500, client_caused: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.client_caused = client_caused
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers of the HTTP answer: the router neither retries nor counts against this
+        server an answer marked as the client's doing."""
+        return {ERROR_ORIGIN_HEADER: "client"} if self.client_caused else {}
 
 
 def _placement(args: ServerArgs) -> Placement | None:
@@ -309,7 +318,8 @@ class EngineClient:
     async def generate(self, req: GenerateReq, timeout: float | None = None
                        ) -> AsyncIterator[TokenOut]:
         """Yield the scheduler's messages for `req` until finished. Use under
-        `contextlib.aclosing` so that leaving early aborts the request at once."""
+        `contextlib.aclosing` so that leaving early aborts the request at once. `timeout`: the
+        request's own (its client's; the 504 when it passes is marked so), None: the server's."""
         self.require_ready()
         if req.rid in self._reqs:
             raise EngineError(f"rid {req.rid!r} is already in flight; use a unique rid", 400)
@@ -330,6 +340,9 @@ class EngineClient:
                 out = await q.get()
                 if out is None:
                     outcome = "timed out"
+                    if timeout:  # the client's own `timeout`: its choice, not this server's fault
+                        raise EngineError(f"request {req.rid} timed out: its timeout of "
+                                          f"{timeout:g} s passed", 504, client_caused=True)
                     raise EngineError(f"request {req.rid} timed out", 504)
                 if out.error:
                     done, outcome = out.finished, f"error: {out.error}"

@@ -71,6 +71,22 @@ def test_bad_request_fails_alone_tp1(model_path: str) -> None:
         eng.close()
 
 
+def test_out_of_range_seed_is_a_400_that_fails_alone(model_path: str) -> None:
+    """A seed torch cannot take is the client's error (400, naming the field), not a 500 that a
+    router would retry and count against the server."""
+    eng = LLMEngine(ServerArgs(model_path=model_path, max_total_tokens=1024, page_size=4))
+    try:
+        bad = GenerateReq(uuid.uuid4().hex, PROMPTS[0], SamplingParams(
+            max_new_tokens=2, temperature=1.0, seed=1 << 64))
+        good = _req(PROMPTS[1])
+        res = _run(eng, [bad, good])
+        assert res[bad.rid]["status"] == 400 and "seed" in res[bad.rid]["error"]
+        assert res[good.rid]["error"] is None and len(res[good.rid]["ids"]) == 6
+        assert pages_at_rest(eng.scheduler)
+    finally:
+        eng.close()
+
+
 def test_failed_forward_fails_its_batch_only(model_path: str) -> None:
     eng = LLMEngine(ServerArgs(model_path=model_path, max_total_tokens=1024, page_size=4))
     try:

@@ -68,6 +68,8 @@ class FakeWorker:
     name: str = ""
     fail_statuses: list[int] = field(default_factory=list)  # consumed one per request
     fail_message: str = ""  # the failures' error message (default: "injected <status> by ...")
+    fail_headers: dict[str, str] = field(default_factory=dict)  # on the injected failures
+    fail_delay: float = 0.0  # before answering an injected failure
     delay: float = 0.0  # before answering a generation request
     hang_until_disconnect: bool = False
     health_status: int = 200
@@ -125,7 +127,10 @@ class FakeWorker:
         if self.fail_statuses:
             status = self.fail_statuses.pop(0)
             message = self.fail_message or f"injected {status} by {self.name}"
-            return JSONResponse({"error": {"message": message}}, status)
+            if self.fail_delay:
+                await asyncio.sleep(self.fail_delay)
+            return JSONResponse({"error": {"message": message}}, status,
+                                headers=self.fail_headers)
         if self.hang_until_disconnect:
             while not await request.is_disconnected():
                 await asyncio.sleep(0.02)

@@ -85,6 +85,12 @@ def test_request_timeout_is_504_and_frees_pages(slow_server):
     start = slow_server.free_pages()
     r = slow_server.client.post("/generate", json={**LONG_GEN, "timeout": 0.3})
     assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+    # the request's own timeout: marked as the client's doing, so a router neither retries it
+    # nor counts it against this server's circuit
+    assert r.headers["x-pd-error-origin"] == "client"
+    r = slow_server.client.post("/v1/completions", json={
+        "prompt": "a long generation", "max_tokens": 250, "ignore_eos": True, "timeout": 0.3})
+    assert r.status_code == 504 and r.headers["x-pd-error-origin"] == "client"
     assert wait_pages(slow_server, start, timeout=3) == start
 
 
