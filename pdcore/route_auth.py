@@ -35,7 +35,8 @@ from collections.abc import Iterable
 SIG_VERSION = "v1"
 DEFAULT_TTL_S = 60.0  # covers the router's queueing and a modest clock skew between hosts
 MAX_TRUSTED = 4096  # registered prefill addresses kept (oldest registration dropped first)
-WARMUP_HOST = "2.2.2.2"  # SGLang's fake bootstrap host: only a server's own warm-up uses it
+WARMUP_HOST = "2.2.2.2"
+UNTRUSTED = "neither signed nor a trusted prefill address"  # routers match this in the 403  # SGLang's fake bootstrap host: only a server's own warm-up uses it
 
 
 def _derive(secret: str, label: bytes) -> bytes:
@@ -178,5 +179,5 @@ class RouteGuard:
                "start this server with --disaggregation-trusted-prefill HOST:PORT (the prefill "
                "server's bootstrap address), or give router and servers the same "
                "--disaggregation-auth-token so the router signs its routes")
-        return (f"the route to prefill {normalize_addr(host, port)} is neither signed nor a "
-                f"trusted prefill address of this server; {how}")
+        return (f"the route to prefill {normalize_addr(host, port)} is {UNTRUSTED} of this "
+                f"server; {how}")

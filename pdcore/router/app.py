@@ -112,6 +112,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                         "decode workers, which accept only those")
             state.peering = TrustSync(config, state.registry, client)
             state.peering.start()
+            state.proxy.on_route_refused = state.peering.sync
         else:
             log.info("routes are signed with the cluster secret")
         try:

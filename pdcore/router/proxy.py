@@ -32,13 +32,14 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.errors import InvalidRequestError
+from pdcore.route_auth import UNTRUSTED
 from pdcore.router.config import RouterConfig
 from pdcore.router.merge import (
     SSEMerger,
@@ -65,6 +66,7 @@ from pdcore.router.workers import Worker, WorkerRegistry
 log = logging.getLogger("pdcore.router.proxy")
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+ROUTE_REFUSED = UNTRUSTED.encode()  # in a server's 403 for a route it does not trust
 FORWARD_HEADERS = ("authorization", "x-request-id", "x-correlation-id")
 _KIND = {408: "timeout", 429: "rate_limited", 500: "internal_error", 502: "bad_gateway",
          503: "unavailable", 504: "timeout"}
@@ -156,6 +158,9 @@ class Proxy:
         metrics.bind(registry, {"prefill": config.effective_prefill_policy,
                                 "decode": config.effective_decode_policy})
         self._rng = rng or random.Random()
+        # set by the router when it registers prefill addresses with decode workers (it has
+        # no cluster secret to sign routes with): re-registers with one that refused a route
+        self.on_route_refused: Callable[[Worker], Awaitable[object]] | None = None
         self._dp = DPRanks(config.prefill_round_robin_balance)
         self._background: set[asyncio.Task[PrefillResult]] = set()
 
@@ -228,7 +233,7 @@ class Proxy:
                     503, "server_selection_failed", f"No available servers: {pair}{last}", request_id
                 )
             p, d = pair
-            content = json.dumps({**inject_bootstrap(body, p, n, self._rng),
+            content = json.dumps({**inject_bootstrap(body, p, n, self._rng, self._cfg.route_key),
                                   **self._dp.fields(p, d)}).encode()
             outcome = await self._attempt(
                 route, p, d, content, headers, stream, logprobs, deadline, request_id, gone
@@ -294,6 +299,14 @@ class Proxy:
                         return Failure(502, "decode_transport_error",
                                        f"decode worker {d.url} failed: {exc}", retriable=True)
                     if not leg.ok:
+                        if leg.status == 403 and ROUTE_REFUSED in leg.body and \
+                                self.on_route_refused is not None:
+                            # D lost the prefill addresses we told it (it restarted): tell it
+                            # again and retry; nobody's fault, no circuit counts it
+                            await self.on_route_refused(d)
+                            self._metrics.worker_error("decode", "route_refused")
+                            return Failure(503, "route_refused", f"decode worker {d.url} did "
+                                           "not trust the route yet", retriable=True)
                         if leg.client_caused and leg.status != PEER_FAULT:  # as D answered
                             return Response(leg.body, leg.status, media_type=leg.content_type,
                                             headers={"x-request-id": request_id, **leg.headers})

@@ -8,6 +8,7 @@ Register (data-plane token, KV addresses) and took "KV" from it. Now the request
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 import time
@@ -155,6 +156,36 @@ def test_trust_registration_is_validated(open_pair) -> None:
     assert "10.9.8.7:8998" not in r.json()["trusted"]
 
 
+def _refused_count(url: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("pdserve_routes_refused_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_decode_that_forgot_the_prefill_is_told_again(open_pair) -> None:
+    """A restarted decode server trusts nothing until the router tells it again: the router
+    answers the 403 by registering the prefill addresses with it and retrying, so the client
+    sees 200 (no circuit counts it)."""
+    c = open_pair
+    d = c.decodes[0]
+    addr = f"127.0.0.1:{c.bootstrap_ports[0]}"
+    before, refused = _refused_count(d.url), False
+    for _ in range(3):  # the router's periodic pass may re-register first: try again then
+        r = httpx.post(d.url + "/disaggregation/trusted_prefill", json={"remove": [addr]},
+                       timeout=10)
+        assert addr not in r.json()["trusted"]
+        r = httpx.post(c.url + "/generate", json=ROUTES["/generate"], timeout=120)
+        assert r.status_code == 200, r.text
+        refused = _refused_count(d.url) > before
+        if refused:
+            break
+    assert refused, "the decode server never refused the route: nothing was tested"
+    workers = httpx.get(c.url + "/workers", timeout=10).json()["workers"]
+    assert all(w["circuit"]["state"] == "closed" and w["circuit"]["total_failures"] == 0
+               for w in workers), workers
+
+
 @pytest.fixture(scope="module")
 def signed_pair(model_dir, tmp_path_factory):
     """A cluster secret everywhere: the router signs its routes, D also trusts one address of
@@ -246,3 +277,17 @@ def test_reply_sockets_are_bounded() -> None:
         assert cp.counters.snapshot()["peer_sockets_evicted"] == 40
     finally:
         cp.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
+                    reason="sglang-router is not installed (pip install sglang-router)")
+def test_sglang_router_needs_one_setting(model_dir) -> None:
+    """sglang-router neither signs routes nor registers addresses: decode servers started with
+    --disaggregation-trusted-prefill (PDCluster does that for it) serve through it."""
+    c = PDCluster("tcp", model_path=model_dir, flags=FLAGS, env=ENV, router="sglang").start()
+    try:
+        assert "--disaggregation-trusted-prefill" in c.decodes[0].flags
+        r = httpx.post(c.url + "/generate", json=ROUTES["/generate"], timeout=120)
+        assert r.status_code == 200 and r.json()["output_ids"], r.text
+    finally:
+        c.stop()
