@@ -188,6 +188,24 @@ def cluster_secret(flag_value: str | None, env: Mapping[str, str] | None = None)
     return raw or None
 
 
+# how many servers on this host share its KV budget (engine/build.py's kv_pool_tokens splits it
+# evenly): `pdserve up` sets it to the number of servers it starts, unless the user sized the
+# pools (--max-total-tokens, --mem-fraction-static), so its P + D servers together take the KV
+# memory one server would
+HOST_SERVERS_ENV = "PDCORE_HOST_SERVERS"
+
+
+def host_servers(env: Mapping[str, str] | None = None) -> int:
+    """PDCORE_HOST_SERVERS as a count >= 1 (1 when unset); ConfigError for anything else."""
+    raw = (os.environ if env is None else env).get(HOST_SERVERS_ENV, "").strip()
+    if not raw:
+        return 1
+    n = int(raw) if raw.isdigit() else 0
+    if n < 1:
+        raise ConfigError(f"{HOST_SERVERS_ENV} must be a whole number >= 1; got {raw!r}")
+    return n
+
+
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw == "":

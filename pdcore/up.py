@@ -4,7 +4,8 @@
    port_base+100+j; router: --port) and the backend (`shm` when every server is local and the
    backend was not given, else `tcp`);
 2. start N prefill and M decode `pdserve serve` processes, then wait until each answers
-   /health (a child that exits first stops everything, naming it);
+   /health (a child that exits first stops everything, naming it); unless the user sized the
+   KV pools, the N + M servers split the KV budget one server would take (share_kv_budget);
 3. start the router in front of them and wait for its /health;
 4. print the URL and an example; then supervise: a child that exits is restarted (its
    process group killed first) after a back-off of 1 s, 2 s, 4 s ... capped at
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdcore.config import CLUSTER_SECRET_ENV
+from pdcore.config import CLUSTER_SECRET_ENV, HOST_SERVERS_ENV
 from pdcore.errors import ConfigError
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import disjoint_cpus, server_threads
@@ -112,6 +113,7 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
         servers.append(Child(f"decode-{j}", f"http://{cfg.host}:{port}", py + common + [
             "--port", str(port), "--disaggregation-mode", "decode"], env=dict(secret_env)))
     place_servers(cfg, servers)
+    share_kv_budget(cfg, servers)
     router = [sys.executable, "-m", "pdcore.router", "--pd-disaggregation", "--host", cfg.host,
               "--port", str(cfg.port), "--policy", cfg.policy]
     for i in range(cfg.prefill):
@@ -122,6 +124,19 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     if key is not None:  # the servers want the key: the router asks for it and sends it on
         router += ["--api-key", key]
     return servers, Child("router", f"http://{cfg.host}:{cfg.port}", router, env=secret_env)
+
+
+def share_kv_budget(cfg: UpConfig, servers: list[Child]) -> None:
+    """Every server one share of the KV budget one server alone would take on this host (each
+    still holds its own weights): a server sizes its pool from the machine's total memory, so N
+    of them started side by side would each take the whole budget (2P2D of SmolLM2 on 24 GiB:
+    four 1.8 GiB pools, 11 GB resident in all). A user's --max-total-tokens or
+    --mem-fraction-static sizes each server as given."""
+    if any(_flag_value(cfg.serve_args, f) is not None
+           for f in ("--max-total-tokens", "--mem-fraction-static")):
+        return
+    for child in servers:
+        child.env[HOST_SERVERS_ENV] = str(len(servers))
 
 
 def place_servers(cfg: UpConfig, servers: list[Child]) -> None:

@@ -3,7 +3,8 @@
 1. resolve platform and device; seed the RNGs (`--random-seed`); load the model through
    transformers (`--load-format dummy`: random weights of the config's shapes);
 2. size the KV pool: `--max-total-tokens`, else `--mem-fraction-static` (default 0.1 on
-   host memory, 0.85 on accelerators) of the device's TOTAL memory minus the weights, capped at
+   host memory, 0.85 on accelerators) of the device's TOTAL memory minus the weights (on a host,
+   split evenly when `pdserve up` says the server is one of N: PDCORE_HOST_SERVERS), capped at
    context length x max running requests. Never "what is free now", so the size does not
    change from one start to the next. The KV dtype is `--kv-cache-dtype` (auto: the model's);
 3. allocate it from the memory-pool plugin; build block manager, runner and scheduler.
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pdcore.config import ServerArgs
+from pdcore.config import HOST_SERVERS_ENV, ServerArgs, host_servers
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.kv_cache import KVCache
 from pdcore.engine.model_loader import load_model, resolve_dtype, weight_bytes
@@ -69,11 +70,16 @@ def kv_pool_tokens(args: ServerArgs, platform: Any, device: torch.device, model:
     # has its own accelerators, offset by --base-gpu-id)
     share = args.dp_size if host else 1
     budget = int(mem.total_bytes * frac / share) - weights
+    # servers started together on a host (`pdserve up`): each its own weights, the KV budget
+    # split among them (the weights are not divided: every server holds a whole copy)
+    servers = host_servers() if host else 1
+    budget //= servers
     if budget < per_token * args.page_size:
+        split = f", split over {servers} servers ({HOST_SERVERS_ENV})" if servers > 1 else ""
         raise ConfigError(
             f"--mem-fraction-static {frac} of {mem.total_bytes / 2**30:.1f} GiB leaves no room "
-            f"for the KV cache after {weights / 2**30:.2f} GiB of weights; raise it or give "
-            "--max-total-tokens")
+            f"for the KV cache after {weights / 2**30:.2f} GiB of weights{split}; raise it or "
+            "give --max-total-tokens")
     # more tokens than every running request's whole context can never be in use at once
     tokens = min(budget // per_token, context * args.max_running_requests)
     if tokens * per_token > mem.free_bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdcore.config import HOST_SERVERS_ENV
 from pdcore.errors import ConfigError
 from pdcore.up import UpConfig, choose_backend, plan
 
@@ -32,3 +33,42 @@ def test_the_servers_api_key_reaches_the_router(args: list[str]) -> None:
     assert router.argv[i + 1] == "k1"
     _, router = plan(UpConfig(), "tcp")
     assert "--api-key" not in router.argv
+
+
+def test_up_splits_the_kv_budget_over_its_servers() -> None:
+    """Each of up's servers is told how many share the host's KV budget (2P2D: 4); a user who
+    sized the pools (either flag, either spelling) gets exactly that on every server."""
+    servers, router = plan(UpConfig(prefill=2, decode=2), "shm")
+    assert [s.env.get(HOST_SERVERS_ENV) for s in servers] == ["4"] * 4
+    assert HOST_SERVERS_ENV not in router.env
+    for sizing in (["--max-total-tokens", "8192"], ["--mem-fraction-static=0.2"]):
+        servers, _ = plan(UpConfig(prefill=2, decode=1, serve_args=sizing), "shm")
+        assert all(HOST_SERVERS_ENV not in s.env for s in servers)
+        assert all(sizing[0] in s.argv for s in servers)
+
+
+def test_a_server_told_it_shares_the_host_sizes_its_pool_to_its_share(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from pdcore.config import ServerArgs
+    from pdcore.engine.build import kv_pool_tokens
+    from pdcore.interfaces.platform import MemoryInfo
+
+    class Host:
+        def memory_info(self, device: torch.device) -> MemoryInfo:
+            return MemoryInfo(free_bytes=16 << 30, total_bytes=16 << 30)
+
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights: every server holds its own copy
+    budget = int((16 << 30) * 0.1) - 1024 * 1025 * 4
+    args = ServerArgs(max_running_requests=1000)
+    cpu = torch.device("cpu")
+    for n in (1, 4):
+        monkeypatch.setenv(HOST_SERVERS_ENV, str(n))
+        assert kv_pool_tokens(args, Host(), cpu, model, 4096, 8192) == budget // n // 4096
+    # the user's sizing is per server, whatever up said
+    given = ServerArgs(max_running_requests=1000, max_total_tokens=12345)
+    assert kv_pool_tokens(given, Host(), cpu, model, 4096, 8192) == 12345
+    monkeypatch.setenv(HOST_SERVERS_ENV, "0")
+    with pytest.raises(ConfigError, match=HOST_SERVERS_ENV):
+        kv_pool_tokens(args, Host(), cpu, model, 4096, 8192)
