@@ -40,7 +40,7 @@ FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--dp-size", "2", "--
          "--enable-dp-attention", "--nnodes", "2")
 CASES = {"deepseek_v3": ("--ep-size", "2"), "qwen2_moe": (), "qwen3_moe": ("--tp-size", "4")}
 
-pytestmark = pytest.mark.timeout(500)
+pytestmark = [pytest.mark.timeout(500), pytest.mark.heavy]  # heavy: DP/TP process trees
 
 
 def _prompts() -> list[list[int]]:
@@ -61,7 +61,9 @@ def _model(tmp: Any, arch: str) -> tuple[str, list[Reference]]:
 
 class TwoNodes:
     def __init__(self, flags: tuple[str, ...]) -> None:
-        common = (*flags, "--dist-init-addr", f"127.0.0.1:{free_port()}")
+        # node 0's zmq links take the init port + 1 and + 2: all three claimed
+        port = free_port(offsets=(0, 1, 2))
+        common = (*flags, "--dist-init-addr", f"127.0.0.1:{port}")
         self.node1 = ServerProcess(*common, "--node-rank", "1")
         self.node0 = ServerProcess(*common, "--node-rank", "0")
 
