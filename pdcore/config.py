@@ -177,15 +177,37 @@ class ServerArgs:
 
 
 CLUSTER_SECRET_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
+# a file holding it (a Kubernetes secret mounted as a volume: a file, not an environment
+# variable that every process of the container and `kubectl describe` of a crash can show)
+CLUSTER_SECRET_FILE_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN_FILE"
+MAX_SECRET_FILE_BYTES = 4096
 
 
 def cluster_secret(flag_value: str | None, env: Mapping[str, str] | None = None) -> str | None:
     """The cluster secret: the flag, else $PDSERVE_DISAGGREGATION_AUTH_TOKEN (how `pdserve up`
-    hands it over: a process's environment is not world-readable as its argv is)."""
+    hands it over: a process's environment is not world-readable as its argv is), else the
+    contents of the file $PDSERVE_DISAGGREGATION_AUTH_TOKEN_FILE names (surrounding whitespace
+    stripped). ConfigError when that file cannot be read or holds nothing."""
     if flag_value:
         return flag_value
-    raw = (os.environ if env is None else env).get(CLUSTER_SECRET_ENV, "")
-    return raw or None
+    env = os.environ if env is None else env
+    raw = env.get(CLUSTER_SECRET_ENV, "")
+    if raw:
+        return raw
+    path = env.get(CLUSTER_SECRET_FILE_ENV, "").strip()
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{CLUSTER_SECRET_FILE_ENV}={path}: cannot read the cluster secret "
+                          f"({e.strerror})") from None
+    secret = data.decode("utf-8", "replace").strip()
+    if not secret or len(data) > MAX_SECRET_FILE_BYTES:
+        raise ConfigError(f"{CLUSTER_SECRET_FILE_ENV}={path}: the file must hold the cluster "
+                          f"secret (1 to {MAX_SECRET_FILE_BYTES} bytes)")
+    return secret
 
 
 # how many servers on this host share its KV budget (engine/build.py's kv_pool_tokens splits it

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdcore.config import CLUSTER_SECRET_ENV, HOST_SERVERS_ENV
+from pdcore.config import CLUSTER_SECRET_ENV, HOST_SERVERS_ENV, cluster_secret
 from pdcore.errors import ConfigError
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import disjoint_cpus, server_threads
@@ -97,7 +97,9 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     common = ["--host", cfg.host, "--disaggregation-transfer-backend", backend, *cfg.serve_args]
     # the cluster's own secret: its control plane refuses everyone else and the router signs
     # its routes with it; handed over in the environment (argv is world-readable)
-    secret = _flag_value(cfg.serve_args, "--disaggregation-auth-token") or secrets.token_hex(16)
+    # (the user's, from the flag, the environment or its file, else a new one)
+    secret = (cluster_secret(_flag_value(cfg.serve_args, "--disaggregation-auth-token"))
+              or secrets.token_hex(16))
     secret_env = {CLUSTER_SECRET_ENV: secret}
     if cfg.model_path:
         common += ["--model-path", cfg.model_path]

@@ -139,6 +139,7 @@ class RouterConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the flag to fix."""
+        _ = self.route_key  # an unreadable cluster-secret file: exit 2 now, not at a request
         if self.service_discovery:
             from pdcore.router.discovery import validate_discovery
 

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from pdcore.config import CLUSTER_SECRET_ENV
+from pdcore.config import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV, cluster_secret
 from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdcore.disagg.control import ControlPlane
-from pdcore.errors import TransferError
+from pdcore.errors import ConfigError, TransferError
 from pdcore.up import UpConfig, plan
 
 RANK = {"rank_ip": "127.0.0.1", "rank_port": 5000, "tp_rank": 0, "tp_size": 1,
@@ -31,6 +31,23 @@ def test_up_gives_its_cluster_one_secret_and_keeps_a_given_one() -> None:
     assert _secret(again[0]) != _secret(servers[0])  # drawn per cluster
     mine, router = plan(UpConfig(serve_args=["--disaggregation-auth-token", "t0k"]), "tcp")
     assert all(_secret(c) == "t0k" for c in [*mine, router])
+
+
+def test_cluster_secret_from_a_file_as_kubernetes_mounts_it(tmp_path, monkeypatch) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    assert cluster_secret(None, {CLUSTER_SECRET_FILE_ENV: str(token)}) == "s3cret"
+    # the flag, then the variable, win over the file
+    assert cluster_secret("f", {CLUSTER_SECRET_FILE_ENV: str(token)}) == "f"
+    assert cluster_secret(None, {CLUSTER_SECRET_ENV: "e", CLUSTER_SECRET_FILE_ENV: "/x"}) == "e"
+    token.write_text(" \n")
+    for path in (str(token), str(tmp_path / "missing")):  # empty or unreadable: say so at start
+        with pytest.raises(ConfigError, match=CLUSTER_SECRET_FILE_ENV):
+            cluster_secret(None, {CLUSTER_SECRET_FILE_ENV: path})
+    token.write_text("from-file")
+    monkeypatch.setenv(CLUSTER_SECRET_FILE_ENV, str(token))
+    servers, router = plan(UpConfig(prefill=1, decode=1), "tcp")  # up hands the user's on
+    assert all(_secret(c) == "from-file" for c in [*servers, router])
 
 
 def test_open_control_plane_is_a_warning_and_loopback_is_not(caplog) -> None:

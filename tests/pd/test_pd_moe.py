@@ -21,6 +21,8 @@ from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import ServerProcess, free_port
 from pdcore.testing.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.heavy  # TP/EP process trees
+
 NEW = 12
 EP2 = ["--tp-size", "2", "--ep-size", "2"]
 TP1, TP2 = ["--tp-size", "1"], ["--tp-size", "2"]
@@ -66,8 +68,10 @@ def _fleet(model: str, backend: str, p_flags: list[str], d_flags: list[str],
     fleet.servers["p"] = ServerProcess(
         *common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
         str(fleet.boot["p"]), *p_flags, env=env)
-    fleet.servers["d"] = ServerProcess(*common, "--disaggregation-mode", "decode", *d_flags,
-                                       env=env)
+    # no router: D accepts routes to this P's bootstrap address because it is told to
+    fleet.servers["d"] = ServerProcess(
+        *common, "--disaggregation-mode", "decode", "--disaggregation-trusted-prefill",
+        f"127.0.0.1:{fleet.boot['p']}", *d_flags, env=env)
     return fleet.start()
 
 
