@@ -7,6 +7,9 @@
 - `launch_server` (function): factory starting `python -m pdcore serve ...` as a real subprocess
   on a free loopback port and waiting for /health; every server is stopped at teardown.
   `pdserve_testing.ServerProcess` is the class behind it (use it for module-scoped servers).
+- a module marked `heavy` (`pytestmark = pytest.mark.heavy`: several SmolLM2 servers, TP or DP
+  process trees) runs on the same pytest-xdist worker as the other heavy modules, one after
+  another (pytest_collection_modifyitems below), so parallel workers do not stack their memory.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ _apply_runtime_env()  # before any test module loads torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make pdserve_testing importable
 
 from pdserve_testing import ServerProcess, build_tiny_llama, smollm2_gguf_path
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # scripts/test.sh runs this suite on pytest-xdist workers with --dist loadgroup: each module
+    # is one group (its module-scoped servers start once, on one worker), and the modules marked
+    # `heavy` are one group together, run one after another on one worker, so two of them never
+    # have their gigabytes of servers up at once on the 24 GiB machine (three suites at once
+    # once ran it out of memory) while the light modules keep the other worker busy
+    for item in items:
+        heavy = item.get_closest_marker("heavy") is not None
+        item.add_marker(pytest.mark.xdist_group("heavy" if heavy else item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from pdcore.config import CLUSTER_SECRET_ENV
+from pdcore.config import CLUSTER_SECRET_ENV, HOST_SERVERS_ENV
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import server_threads
 from pdcore.testing.pages import load_at_rest
@@ -163,6 +163,12 @@ class PDCluster:
         threads = server_threads(prefill + decode)  # the engines share this host's CPUs
         if threads is not None:
             self.env.setdefault("OMP_NUM_THREADS", str(threads))
+        # and its memory, as `pdserve up` shares it: without a pool size in the flags, a cluster
+        # of N servers takes the KV memory of one (several suites run side by side in CI)
+        sized = any(f.startswith(("--max-total-tokens", "--mem-fraction-static"))
+                    for f in (*flags, *prefill_flags, *decode_flags))
+        if not sized and prefill + decode > 1:
+            self.env.setdefault(HOST_SERVERS_ENV, str(prefill + decode))
         # backend None: the servers choose their default (mooncake where installed, else tcp)
         common = (*(("--disaggregation-transfer-backend", backend) if backend else ()), *flags)
         if model_path:

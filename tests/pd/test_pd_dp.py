@@ -37,7 +37,7 @@ FLAGS = ("--max-total-tokens", "4096", "--page-size", "4")
 PROMPTS = [[1, 17, 300, 42, 99, 7], [5, 250, 61, 9, 3, 77, 12], [400, 2, 8, 31], [64, 65, 66]]
 HAVE_SGLANG_ROUTER = importlib.util.find_spec("sglang_router") is not None
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]  # heavy: DP/TP process trees
 
 
 @pytest.fixture(scope="module")

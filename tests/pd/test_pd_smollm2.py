@@ -13,6 +13,8 @@ from helpers import GREEDY, assert_same_tokens, generate, generate_all
 
 from pdcore.testing.processes import PDCluster, ServerProcess, free_port
 
+pytestmark = pytest.mark.heavy  # SmolLM2 P and D with 24576-token pools
+
 FLAGS = ("--max-total-tokens", "24576", "--page-size", "16", "--chunked-prefill-size", "256")
 
 

@@ -35,7 +35,7 @@ LONG = 8000  # new tokens of a request that stays in flight while a test looks a
 PROMPT = [1, 17, 300, 42, 99, 7, 123, 5, 250, 61]
 NEW = 12
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]  # heavy: DP/TP process trees
 
 
 # ---- balancer units -------------------------------------------------------------------------

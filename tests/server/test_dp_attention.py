@@ -43,7 +43,7 @@ FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--dp-size", "2", "--
 CASES = {"qwen2_moe": (), "deepseek_v3": ("--ep-size", "2", "--enable-dp-lm-head"),
          "qwen3_moe": ("--tp-size", "4")}
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]  # heavy: DP/TP process trees
 
 
 def _prompts() -> list[list[int]]:

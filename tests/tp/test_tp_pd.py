@@ -14,6 +14,8 @@ from tp_helpers import NEW, STAGING, Fleet, pd_generate
 
 from pdcore.testing.pages import load_at_rest
 
+pytestmark = pytest.mark.heavy  # TP process trees
+
 HAS_STAGING = importlib.util.find_spec("pd_staging") is not None
 needs_staging = pytest.mark.skipif(not HAS_STAGING,
                                    reason="pd-staging not installed (pip install -e plugins/pd-staging)")

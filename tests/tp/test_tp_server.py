@@ -14,6 +14,8 @@ from tp_helpers import NEW
 
 from pdcore.testing.processes import ServerProcess, free_port, spawned_children
 
+pytestmark = pytest.mark.heavy  # TP process trees
+
 FLAGS = ("--max-total-tokens", "16384", "--page-size", "4")
 
 
