@@ -205,6 +205,41 @@ def make_hf_folder(dest: Path) -> Path:
     return dest
 
 
+# Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, MLP 8192, tied
+# embeddings) with SmolLM2's tokenizer and vocabulary (49152 instead of 128256: random greedy
+# output must stay decodable by the tokenizer both servers load), default rotary (no llama3
+# frequency scaling: the cost is the same). 1.07 B parameters, 4.3 GB as float32.
+LLAMA_1B_SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                  "max_position_embeddings": 4096, "tie_word_embeddings": True}
+
+
+def make_llama_1b_folder(dest: Path, seed: int = 0) -> Path:
+    """A Llama-3.2-1B-shaped model with random weights (std 0.02) as a float32 HF folder."""
+    if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
+        return dest
+    import torch
+    import transformers
+
+    from pdcore.engine.tokenizer import resolve_model
+
+    r = resolve_model(None)
+    tok = transformers.AutoTokenizer.from_pretrained(r.path, **r.hf_kwargs())
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), **LLAMA_1B_SHAPE, initializer_range=0.02,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    legacy_config_keys(tmp / "config.json")
+    os.rename(tmp, dest)
+    return dest
+
+
 def legacy_config_keys(path: Path) -> None:
     """Add the pre-5.x spellings (rope_theta, torch_dtype) beside the new ones: vLLM pins its own
     transformers, and one older than 5.x ignores `rope_parameters` and silently uses the default

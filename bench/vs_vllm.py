@@ -33,6 +33,12 @@ more the first time a dtype / CPU binding / role is compiled), each followed by 
 traffic (32 prompts x 64 tokens; vLLM 1P1D is the slowest). `--pd-dtypes float32` runs 1P1D in
 float32 only (the issue's 1P1D target names no dtype) and saves ~6 min. The NIXL side-channel
 ports (5600, 5601) must be free.
+
+A bigger model (issue #31): `--make-1b /work/llama1b-hf` writes a Llama-3.2-1B-shaped model with
+random weights once (vllm_launch.LLAMA_1B_SHAPE: 1.07 B parameters, 4.3 GB float32, SmolLM2's
+tokenizer) and runs the same comparison on it into vs_vllm_1b.json / .png:
+    python3 bench/vs_vllm.py --make-1b /work/llama1b-hf --vllm-python \
+        /work/venv-vllm/bin/python --systems pdserve-unified,vllm-unified --rounds 2
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 from common import Run, alternating, figure, load_note, ratio, save_figure
 from serving import closed_loop, latency_stats, random_prompts
-from vllm_launch import make_hf_folder, start_system
+from vllm_launch import make_hf_folder, make_llama_1b_folder, start_system
 
 NAME = "vs_vllm"
 SYSTEMS = ("pdserve-unified", "pdserve-1p1d", "vllm-unified", "vllm-1p1d")
@@ -159,6 +165,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-path", default=None, help="HF folder (vLLM needs one)")
     ap.add_argument("--make-model", type=Path, default=None,
                     help="first write the SmolLM2 float32 HF folder here (if missing)")
+    ap.add_argument("--make-1b", type=Path, default=None,
+                    help="write a Llama-3.2-1B-shaped random float32 model to this folder (once) "
+                         "and serve it (vllm_launch.LLAMA_1B_SHAPE); results go to "
+                         "vs_vllm_1b.json unless --tag says otherwise")
+    ap.add_argument("--tag", default=None, help="results file vs_vllm_<tag>.json / .png")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
     ap.add_argument("--vllm-bind", default="0-1",
                     help="VLLM_CPU_OMP_THREADS_BIND for unified vLLM (1P1D binds 0 / 1)")
@@ -196,15 +207,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.systems = [s for s in args.systems.split(",") if s]
     if unknown := [s for s in args.systems if s not in SYSTEMS]:
         ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.make_model and args.make_1b:
+        ap.error("--make-model and --make-1b each make the model served; give one")
     if args.make_model:
         make_hf_folder(args.make_model)
         args.model_path = args.model_path or str(args.make_model)
+    if args.make_1b:
+        make_llama_1b_folder(args.make_1b)
+        args.model_path = args.model_path or str(args.make_1b)
+        args.tag = args.tag or "1b"
+    args.name = f"{NAME}_{args.tag}" if args.tag else NAME
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    run = Run(NAME, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
+    run = Run(args.name, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
     systems, skipped = list(args.systems), {}
     missing = vllm_missing(args) if any(s.startswith("vllm") for s in systems) else None
     if missing:
@@ -278,9 +296,9 @@ def plot(data: dict[str, Any], args: argparse.Namespace, note: str,
     acc = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in data["acceptance"].items())
     cpu = machine.get("cpu", "")
     flags = "+".join(machine.get("cpu_flags", []))
-    fig.suptitle(f"{NAME}: {args.input_len} in / {args.output_len} out, concurrency "
+    fig.suptitle(f"{args.name}: {args.input_len} in / {args.output_len} out, concurrency "
                  f"{args.concurrency}; {note}\n{cpu} ({flags}); {acc}", fontsize=8)
-    save_figure(fig, NAME, args.out_dir)
+    save_figure(fig, args.name, args.out_dir)
 
 
 if __name__ == "__main__":
