@@ -40,6 +40,19 @@ def _stream_usage_requested(body: Any) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
+def _continuous_usage(body: Any) -> bool:
+    """stream_options.continuous_usage_stats: every chunk carries the usage of the choices in it
+    so far (SGLang and vLLM; guidellm asks for it)."""
+    return bool(body.stream_options and body.stream_options.continuous_usage_stats)
+
+
+def _running_usage(plan: Plan, counts: dict[int, int]) -> dict[str, int]:
+    """Usage of the choices a chunk holds: {choice index: completion tokens so far}."""
+    prompt = sum(len(plan.prompts[i // plan.n]) for i in counts)
+    done = sum(counts.values())
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
 async def _run(request: Request, engine: EngineClient, plan: Plan, timeout: float | None
                ) -> list[OutputAssembler] | Response:
     try:
@@ -59,10 +72,14 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
     sent_text = {it.index: 0 for it in plan.items}
     sent_lp = {it.index: 0 for it in plan.items}
     finished: dict[int, OutputAssembler] = {}
+    continuous = _continuous_usage(body)
 
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
-        return sse({"id": plan.rid, "object": obj, "created": created, "model": plan.model,
-                    "choices": choices})
+    def chunk(choices: list[dict[str, Any]], counts: dict[int, int] | None = None) -> bytes:
+        data = {"id": plan.rid, "object": obj, "created": created, "model": plan.model,
+                "choices": choices}
+        if continuous:
+            data["usage"] = _running_usage(plan, counts or {c["index"]: 0 for c in choices})
+        return sse(data)
 
     try:
         if chat:
@@ -98,7 +115,7 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
                 if ev.done:
                     c["matched_stop"] = matched
                     finished[i] = a
-                yield chunk([c])
+                yield chunk([c], {i: len(a.out.output_ids)})
         if _stream_usage_requested(body) and len(finished) == len(plan.items):
             outs = [finished[it.index] for it in plan.items]
             yield sse({"id": plan.rid, "object": obj, "created": created, "model": plan.model,

@@ -37,7 +37,8 @@ _MESSAGE: dict[str, tuple[Any, ...]] = {
     "name": (), "tool_calls": ([],), "tool_call_id": (), "function_call": (),
     "reasoning_content": (),
 }
-_STREAM_OPTIONS: dict[str, tuple[Any, ...]] = {"continuous_usage_stats": (False,)}
+# stream_options: include_usage and continuous_usage_stats are both served
+_STREAM_OPTIONS: dict[str, tuple[Any, ...]] = {}
 
 
 def names() -> dict[str, list[str]]:

@@ -61,6 +61,28 @@ def test_completion_stream_and_usage(fake_server):
     assert by_index == {0: text, 1: text} and finishes == {0: "stop", 1: "stop"}
 
 
+def test_continuous_usage_stats_in_every_chunk(fake_server):
+    # guidellm sends stream_options.continuous_usage_stats: every chunk carries the usage of its
+    # choices so far (as SGLang and vLLM do); the closing usage chunk still totals all choices
+    text = "count these tokens"
+    events = post(fake_server, "/v1/completions", prompt=text, max_tokens=50, n=2, stream=True,
+                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+    prompt = events[-1]["usage"]["prompt_tokens"]
+    seen = {0: 0, 1: 0}
+    for e in events[:-1]:
+        (c,) = e["choices"]
+        u = e["usage"]
+        assert u["prompt_tokens"] == prompt and u["completion_tokens"] >= seen[c["index"]] > -1
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        seen[c["index"]] = u["completion_tokens"]
+    assert sum(seen.values()) == events[-1]["usage"]["completion_tokens"] > 0
+    chat = post(fake_server, "/v1/chat/completions", max_tokens=4, stream=True,
+                messages=[{"role": "user", "content": "hi"}],
+                stream_options={"continuous_usage_stats": True})
+    assert chat[0]["usage"]["completion_tokens"] == 0  # the role chunk
+    assert chat[-1]["usage"]["completion_tokens"] == 4 and "choices" in chat[-1]
+
+
 def test_completion_stop_and_logprobs(fake_server):
     r = post(fake_server, "/v1/completions", prompt="alpha beta gamma delta", max_tokens=50,
              stop=[" gamma"], logprobs=2)
