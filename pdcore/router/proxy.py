@@ -7,8 +7,10 @@
 2. Per attempt (at most --retry-max-retries): pick (P, D) among available workers (503
    `server_selection_failed` when a role has none), inject bootstrap_host/port and a fresh
    bootstrap_room, and start the P call and the D call at the same time.
-3. Commit point: without logprobs, D's first body chunk (stream) or whole body; with logprobs,
-   both whole bodies (D stream: its first chunk). Before it, a failure of one leg cancels the
+3. Commit point: without logprobs, D's whole body, or for a stream its first body chunk and then
+   either P's good answer or D's second chunk, whichever comes first (D may send a stream's
+   first event before the KV arrives; once it streams on it has the KV); with logprobs, both
+   whole bodies (D stream: its first chunk). Before it, a failure of one leg cancels the
    other, so D never waits for KV from a dead P (nor P for a dead D). 408/429/500/502/503/504 and
    transport errors are retried after 50 ms x 1.5^n (capped, +-20 % jitter); other non-2xx
    answers go to the client as the worker sent them. Nothing is retried after commit. What the
@@ -288,7 +290,10 @@ class Proxy:
                     return Failure(CLIENT_GONE, "client_disconnected", "client disconnected",
                                    retriable=False)
                 if p_task.done() and not p_task.result().ok:
-                    d_ok = d_task.done() and d_task.exception() is None and leg.ok
+                    # D's whole answer, or a stream that is past its first event, came without
+                    # needing P's answer; before that, D waits for KV that will never come
+                    d_ok = d_task.done() and d_task.exception() is None and leg.ok and (
+                        not stream or leg.flowing)
                     if logprobs or not d_ok:
                         return self._prefill_outcome(p, d, p_task.result(), request_id, deadline)
                 if d_task.done():
@@ -325,7 +330,16 @@ class Proxy:
                             return _upstream_failure("decode", d, leg.status, leg.body)
                         return Response(leg.body, leg.status, media_type=leg.content_type,
                                         headers={"x-request-id": request_id})
-                    if not logprobs or p_task.done():
+                    if stream and not logprobs and not p_task.done() and not leg.flowing:
+                        # a stream's first event may come before the KV (a chat stream's role
+                        # chunk): commit once D streams on or P answers well, whichever is first;
+                        # until then a failed P is retried, not a stream left hanging (#32)
+                        more = leg.read_next()
+                        if more.done() and more.exception() is not None:
+                            return Failure(502, "decode_transport_error", f"decode worker "
+                                           f"{d.url} failed: {more.exception()}", retriable=True)
+                        pending.add(more)  # type: ignore[arg-type]
+                    elif not logprobs or p_task.done():
                         break
                 done, pending = await asyncio.wait(
                     pending, timeout=deadline.left(),

@@ -180,6 +180,10 @@ class DecodeLeg:
         self.body = b""  # whole body (non-stream or error) or the first chunk (stream)
         self.client_caused = False  # the answer is the client's doing (see worker_outcome)
         self.headers: dict[str, str] = {}  # the origin mark, passed on to the client
+        # a stream's second chunk, read before commit (`read_next`): once it came (or the stream
+        # ended) D is streaming tokens, so it has the KV and P's answer no longer matters
+        self._next: asyncio.Task[bytes] | None = None
+        self.flowing = False
         worker.in_flight += 1
 
     @property
@@ -218,6 +222,17 @@ class DecodeLeg:
                 self._metrics.worker_error("decode", "transport")
             raise
 
+    def read_next(self) -> asyncio.Task[bytes]:
+        """Start reading a stream's second chunk (once); the task ends when D streams on."""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_task(self._second_chunk())
+        return self._next
+
+    async def _second_chunk(self) -> bytes:
+        chunk = await anext(self._iter, b"") if self._iter is not None else b""  # type: ignore[arg-type]
+        self.flowing = True
+        return chunk
+
     async def stream(self, merger: SSEMerger | None, deadline: Deadline) -> AsyncIterator[bytes]:
         """The committed stream: first chunk, then the rest; an error ends it with one
         `data: {"error": ...}` event (the status line is already sent)."""
@@ -228,6 +243,11 @@ class DecodeLeg:
         if self._iter is None:
             return
         try:
+            if self._next is not None:  # the second chunk, read before commit
+                second = await self._next
+                out = merger.feed(second) if merger and second else second
+                if out:
+                    yield out
             async for chunk in self._iter:
                 if loop.time() > deadline.at:
                     raise asyncio.TimeoutError("request deadline passed while streaming")
@@ -253,6 +273,9 @@ class DecodeLeg:
             return
         self._released = True
         self.worker.in_flight -= 1
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
+            await asyncio.gather(self._next, return_exceptions=True)
         if self._resp is not None:
             try:
                 await self._resp.aclose()

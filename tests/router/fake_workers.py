@@ -75,6 +75,9 @@ class FakeWorker:
     health_status: int = 200
     load_tokens: list[int] = field(default_factory=lambda: [0])  # one entry per DP rank
     stream_interval: float = 0.0
+    # streams that send their first event and then wait until the client goes away, as a real
+    # decode server does when the KV never comes (its prefill died): consumed one per request
+    hang_after_first: int = 0
     received: list[Received] = field(default_factory=list)
     disconnects: int = 0
     flushes: int = 0
@@ -141,17 +144,27 @@ class FakeWorker:
         n = self._batch(body)
         tokens = D_TOKENS if self.role == "decode" else ["P"]
         if body.get("stream"):
-            return StreamingResponse(self._sse(body, n, tokens), media_type="text/event-stream")
+            hang, self.hang_after_first = self.hang_after_first > 0, max(0, self.hang_after_first - 1)
+            return StreamingResponse(self._sse(body, n, tokens, request if hang else None),
+                                     media_type="text/event-stream")
         items = [self._item(body, i, "".join(tokens), True) for i in range(n or 1)]
         return JSONResponse(items if n else items[0])
 
-    async def _sse(self, body: dict[str, Any], n: int | None, tokens: list[str]):
+    async def _sse(self, body: dict[str, Any], n: int | None, tokens: list[str],
+                   hang: Request | None = None):
         text = ""
         for k, tok in enumerate(tokens):
             text += tok
             for i in range(n or 1):
                 item = self._item(body, i, text, k == len(tokens) - 1)
                 yield f"data: {json.dumps(item)}\n\n".encode()
+            if hang is not None:
+                try:  # starlette cancels a stream whose client went away
+                    while not await hang.is_disconnected():
+                        await asyncio.sleep(0.02)
+                finally:
+                    self.disconnects += 1
+                return
             if self.stream_interval:
                 await asyncio.sleep(self.stream_interval)
         yield b"data: [DONE]\n\n"

@@ -29,6 +29,37 @@ def test_prefill_503_retried_with_fresh_room(fake_worker, router):
     assert 'smg_worker_retries_total{endpoint="generate",worker_type="prefill"} 1.0' in text
 
 
+def test_stream_whose_prefill_fails_after_decode_began_is_retried(fake_worker, router):
+    """#32 item 4: a decode server sends a stream's first event before the KV arrives (a chat
+    stream's role chunk); when its prefill then fails (a restarting P answers 503), the router
+    must not have committed that stream: it drops the decode leg (D aborts the room) and retries
+    on a pair, and the client sees one whole stream, not 200 headers and then nothing."""
+    p = fake_worker("prefill", fail_statuses=[503], fail_delay=0.3)
+    d = fake_worker("decode", hang_after_first=1)
+    r = router([(p, None)], [d], retry_initial_backoff_ms=1)
+    started = time.monotonic()
+    resp = r.client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n"), resp.text
+    assert time.monotonic() - started < 10
+    texts = [line for line in resp.text.split("\n") if line.startswith("data: {")]
+    assert len(texts) == 3 and '"error"' not in resp.text  # the first attempt's event is not sent
+    assert len(d.received) == 2 and len({b["bootstrap_room"] for b in d.bodies()}) == 2
+    _wait(lambda: d.disconnects == 1)  # the first decode leg was closed: its room aborted
+    _wait(lambda: r.worker_state(d.url)["in_flight"] == 0)
+
+
+def test_stream_committed_once_tokens_flow(fake_worker, router):
+    """Once decode streams past its first event it has the KV: a prefill answer arriving later
+    (even a failure) changes nothing, and nothing waits for it."""
+    p = fake_worker("prefill", fail_statuses=[500], fail_delay=1.5)
+    d = fake_worker("decode", stream_interval=0.05)
+    r = router([(p, None)], [d], retry_initial_backoff_ms=1)
+    started = time.monotonic()
+    resp = r.client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert resp.status_code == 200 and "[DONE]" in resp.text and '"error"' not in resp.text
+    assert time.monotonic() - started < 1.4 and len(d.received) == 1
+
+
 def test_decode_503_retried_then_success(fake_worker, router):
     p, d = fake_worker("prefill"), fake_worker("decode", fail_statuses=[503, 503])
     r = router([(p, None)], [d], retry_initial_backoff_ms=1)
