@@ -113,6 +113,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             state.peering = TrustSync(config, state.registry, client)
             state.peering.start()
             state.proxy.on_route_refused = state.peering.sync
+            state.proxy.before_decode = state.peering.ensure
         else:
             log.info("routes are signed with the cluster secret")
         try:

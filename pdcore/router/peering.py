@@ -8,7 +8,8 @@ route: loopback, or the router's --api-key), and drops those of prefill workers 
 
 1. `start()`: a task that, every `period()` seconds, reads each healthy decode worker's trusted
    set and posts what is missing or stale (a restarted decode server starts empty: it is
-   caught on the next pass; `sync()` also runs at once when the proxy sees a route refused);
+   caught on the next pass; `sync()` also runs at once when the proxy sees a route refused,
+   and `ensure()` before a route goes to a decode worker not yet told every address);
 2. `sync(worker)`: one exchange with one decode worker; False (and one rate-limited warning
    naming the fix) when the worker refuses it;
 3. `stop()`: cancels the task.
@@ -65,6 +66,13 @@ class TrustSync:
             await asyncio.gather(*(self.sync(w) for w in decodes.values()))
             await asyncio.sleep(self.period())
 
+    async def ensure(self, worker: Worker) -> None:
+        """Before a route goes to `worker`: one sync now unless it has all our prefill addresses
+        (a decode worker that just became healthy would otherwise refuse the first requests
+        until the next periodic pass)."""
+        if self._told.get(worker.url) != self.wanted():
+            await self.sync(worker)
+
     async def sync(self, worker: Worker) -> bool:
         want = self.wanted()
         url, timeout = worker.url + PATH, self._config.health_check_timeout_secs
@@ -75,6 +83,7 @@ class TrustSync:
                 return False
             stale = self._told.get(worker.url, set()) - want
             if have is not None and want <= have and not (stale & have):
+                self._told[worker.url] = want
                 return True
             resp = await self._client.post(url, timeout=timeout, json={
                 "add": sorted(want), "remove": sorted(stale)})

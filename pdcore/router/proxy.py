@@ -163,6 +163,9 @@ class Proxy:
         # set by the router when it registers prefill addresses with decode workers (it has
         # no cluster secret to sign routes with): re-registers with one that refused a route
         self.on_route_refused: Callable[[Worker], Awaitable[object]] | None = None
+        # before a route goes to a decode worker: make sure it trusts our prefill workers
+        # (peering.TrustSync.ensure; None when the router signs its routes)
+        self.before_decode: Callable[[Worker], Awaitable[object]] | None = None
         self._dp = DPRanks(config.prefill_round_robin_balance)
         self._background: set[asyncio.Task[PrefillResult]] = set()
 
@@ -235,6 +238,8 @@ class Proxy:
                     503, "server_selection_failed", f"No available servers: {pair}{last}", request_id
                 )
             p, d = pair
+            if self.before_decode is not None:
+                await self.before_decode(d)
             content = json.dumps({**inject_bootstrap(body, p, n, self._rng, self._cfg.route_key),
                                   **self._dp.fields(p, d)}).encode()
             outcome = await self._attempt(

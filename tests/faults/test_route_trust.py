@@ -22,7 +22,7 @@ import zmq
 
 from pdcore.disagg.control import MAX_PEERS, ControlPlane
 from pdcore.route_auth import route_key, sign_route
-from pdcore.testing.processes import PDCluster
+from pdcore.testing.processes import PDCluster, ServerProcess
 from pdcore.testing.tiny_models import make_tiny_model
 
 FLAGS = ("--max-total-tokens", "2048", "--page-size", "4")
@@ -184,6 +184,27 @@ def test_a_decode_that_forgot_the_prefill_is_told_again(open_pair) -> None:
     workers = httpx.get(c.url + "/workers", timeout=10).json()["workers"]
     assert all(w["circuit"]["state"] == "closed" and w["circuit"]["total_failures"] == 0
                for w in workers), workers
+
+
+def test_a_new_router_tells_decode_before_its_first_route(open_pair) -> None:
+    """A router that just started (or a decode worker that just became healthy) registers the
+    prefill addresses before it routes there, not on its next periodic pass: the first request,
+    sent the moment /health answers and with no retries, is served (CI once saw it refused)."""
+    c = open_pair
+    addr = f"127.0.0.1:{c.bootstrap_ports[0]}"
+    r = httpx.post(c.decodes[0].url + "/disaggregation/trusted_prefill",
+                   json={"remove": [addr]}, timeout=10)
+    assert addr not in r.json()["trusted"]
+    router = ServerProcess(  # a 60 s health interval: its periodic pass comes 5 s late
+        "--pd-disaggregation", "--prefill", c.prefills[0].url, str(c.bootstrap_ports[0]),
+        "--decode", c.decodes[0].url, "--disable-retries", "--health-check-interval-secs", "60",
+        command=("-m", "pdcore.router"), env=c.env)
+    try:
+        router.wait_healthy(120)
+        r = httpx.post(router.url + "/generate", json=ROUTES["/generate"], timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        router.stop()
 
 
 @pytest.fixture(scope="module")
