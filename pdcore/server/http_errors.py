@@ -17,11 +17,11 @@ from starlette.exceptions import HTTPException
 
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
 from pdcore.server.engine_client import EngineError
+from pdcore.server.schemas import validation_message
 
 log = logging.getLogger(__name__)
 
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "tuple"}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -43,37 +43,8 @@ def sse_error(message: str, status: int) -> bytes:
     return b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
 
 
-def _param(loc: tuple[Any, ...]) -> str | None:
-    """("body", "sampling_params", "SamplingParamsIn", "max_new_tokens") -> the field path;
-    pydantic puts union member tags (type names) into locations, which we drop."""
-    parts: list[str] = []
-    for p in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(p, int):
-            parts.append(f"[{p}]")
-        elif p in _TYPE_TAGS or "[" in p or "(" in p or p[:1].isupper():
-            continue
-        else:
-            parts.append(("." if parts else "") + p)
-    return "".join(parts) or None
-
-
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = list(exc.errors())
-    if not errors:
-        return "invalid request", None
-    for e in errors:
-        if e.get("type") == "json_invalid":
-            detail = (e.get("ctx") or {}).get("error", "")
-            return f"request body is not valid JSON: {detail}".rstrip(": "), "body"
-    e = max(errors, key=lambda e: len(e.get("loc", ())))  # the most specific one
-    param = _param(tuple(e.get("loc", ())))
-    if e.get("type") == "missing":
-        if param is None:
-            return "request body is required (JSON object)", "body"
-        return f"{param} is required", param
-    if param is None:
-        return f"request body must be a JSON object: {e.get('msg')}", "body"
-    return f"{param}: {e.get('msg')} (got {e.get('input')!r:.80})", param
+    return validation_message(list(exc.errors()))
 
 
 _last_refusal_log = [-1e9]

@@ -3,10 +3,12 @@
 Two layers, both installed by `install_limits(app)` on the servers and on the router:
 1. `BodySizeLimit` (ASGI middleware): a POST body over `max_request_bytes()` gets 413 from its
    Content-Length header, before a byte of it is read; a chunked body is counted as it arrives
-   and refused the moment it passes the limit. Parsing and tokenising a 20 MB prompt took 17 s
-   just to refuse it for its length.
-2. `check_request` (a dependency of every generate route): walks the parsed JSON once and
-   answers 400 naming the field for what the pydantic schemas cannot see: lone surrogates
+   and refused the moment it passes the limit (parsing and tokenising a 20 MB prompt took 17 s
+   just to refuse it for its length); a JSON body nested deeper than MAX_JSON_DEPTH gets 400 on
+   every route.
+2. `check_request` (a dependency of every generate route): validates the body against the
+   route's schema (strict numbers: "40000" is not a number, schemas.py), then walks the parsed
+   JSON once and answers 400 naming the field for what the pydantic schemas cannot see: lone surrogates
    (tokenisers and UTF-8 encoders raise on them), integers beyond 64 bits and non-finite
    numbers (they overflow in torch or the wire format), list and string sizes, values bounded
    by the model (vocabulary, context), and fields that are not implemented (`unsupported.py`).
@@ -24,8 +26,15 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 from pdcore.errors import ConfigError, InvalidRequestError
+from pdcore.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    validation_message,
+)
 from pdcore.server.unsupported import check_unsupported
 
 Scope = MutableMapping[str, Any]
@@ -44,10 +53,14 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_NAME_CHARS = 256  # rid, model, user, bootstrap_host
 MAX_TOP_LOGPROBS_NUM = 100  # /generate; the OpenAI routes allow 20 as OpenAI does
 MAX_TIMEOUT_S = 86400.0
-MAX_DEPTH = 32  # JSON nesting
+MAX_DEPTH = 32  # JSON nesting of a generate request's fields
+MAX_JSON_DEPTH = 64  # JSON nesting of any request body (BodySizeLimit)
 INT64 = 1 << 63
 
 GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+SCHEMAS: dict[str, type[BaseModel]] = {"/generate": GenerateRequest,
+                                       "/v1/completions": CompletionRequest,
+                                       "/v1/chat/completions": ChatCompletionRequest}
 
 
 def max_request_bytes() -> int:
@@ -70,23 +83,55 @@ def _too_large(limit: int) -> JSONResponse:
         "type": "invalid_request_error", "param": "body", "code": 413}}, status_code=413)
 
 
+def _too_deep(why: str) -> JSONResponse:
+    return JSONResponse({"error": {
+        "message": f"request body is {why}; send JSON nested at most {MAX_JSON_DEPTH} levels",
+        "type": "invalid_request_error", "param": "body", "code": 400}}, status_code=400)
+
+
+def json_too_deep(raw: bytes) -> str | None:
+    """Why a JSON body is too deeply nested, or None. Any route, before any handler parses it:
+    200,000 opening brackets made the router's parser raise RecursionError (a 500). A body with
+    at most MAX_JSON_DEPTH brackets cannot be deeper; otherwise it is parsed (C speed; the
+    parser's own recursion limit ends a bracket flood early) and its containers walked until
+    one lies deeper than the limit."""
+    head = raw.lstrip()[:1]
+    if head not in (b"[", b"{") or raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return None
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        return "nested too deeply to parse"
+    except ValueError:
+        return None  # not JSON: the route says so in its own words
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return f"nested deeper than {MAX_JSON_DEPTH} levels"
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return None
+
+
 class BodySizeLimit:
+    """POST / PUT / PATCH / DELETE bodies: over the size limit -> 413 (from Content-Length before a byte is
+    read, or as a chunked body passes it); JSON nested too deep -> 400. The body is read here
+    and replayed to the route."""
+
     def __init__(self, app: ASGIApp, limit: int | None = None) -> None:
         self.app = app
         self.limit = max_request_bytes() if limit is None else limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH", "DELETE"):
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None:
-            if length.isdigit() and int(length) > self.limit:
-                await _too_large(self.limit)(scope, receive, send)
-                return
-            await self.app(scope, receive, send)  # the server enforces Content-Length itself
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _too_large(self.limit)(scope, receive, send)
             return
-        # chunked: read it all here (the routes read it all anyway), then replay it
+        # read it all here (the routes read it all anyway), then replay it
         messages: list[Message] = []
         size = 0
         while True:
@@ -100,6 +145,11 @@ class BodySizeLimit:
                 return
             if not msg.get("more_body", False):
                 break
+        why = json_too_deep(b"".join(m.get("body", b"") for m in messages
+                                     if m["type"] == "http.request"))
+        if why is not None:
+            await _too_deep(why)(scope, receive, send)
+            return
 
         async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
@@ -309,6 +359,13 @@ async def check_request(request: Request) -> None:
         return
     engine = getattr(request.app.state, "engine", None)
     info = getattr(engine, "info", None) or {}
+    # the schema's types (strict numbers) first, here too so that the router, which forwards
+    # the body as it is, refuses what the servers refuse, with the same message
+    try:
+        SCHEMAS[request.url.path].model_validate(body)
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise InvalidRequestError(message, param) from None
     check_body(request.url.path, body, info, max_token_chars(request.app))
 
 

@@ -3,16 +3,65 @@
 Every model allows extra fields: SGLang clients and sglang-router add defaults we do not use
 (`log_metrics`, `return_hidden_states`, `separate_reasoning`, ...) and they must not be rejected.
 Ranges are checked in `pdcore.server.params`, so that errors name the field consistently.
+
+Numbers must be JSON numbers: an `Int` field takes a JSON integer only, a `Float` field an integer
+or a decimal; a string ("40000") or a boolean is a 400, as OpenAI answers it. pydantic's lax
+mode would turn "40000" into 40000 after every bound had looked at a string and let it pass
+(limits.check_body bounds the parsed JSON, which both the servers and the router validate
+against these models first: limits.check_request).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
+# pydantic's strict mode per field (checked in its core, no Python call per token id): an Int
+# takes a JSON integer only, a Float an integer or a decimal; strings and booleans are refused
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
 BootstrapHost = str | list[str | None] | None
-BootstrapInt = int | list[int | None] | None
+BootstrapInt = Int | list[Int | None] | None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "tuple"}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """("body", "sampling_params", "SamplingParamsIn", "max_new_tokens") -> the field path;
+    pydantic puts union member tags (type names) into locations, which we drop."""
+    parts: list[str] = []
+    for p in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif p in _TYPE_TAGS or "[" in p or "(" in p or p[:1].isupper():
+            continue
+        else:
+            parts.append(("." if parts else "") + p)
+    return "".join(parts) or None
+
+
+def validation_message(errors: list[Any]) -> tuple[str, str | None]:
+    """pydantic's (or FastAPI's) validation errors -> (message, the field path)."""
+    if not errors:
+        return "invalid request", None
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error", "")
+            return f"request body is not valid JSON: {detail}".rstrip(": "), "body"
+    e = max(errors, key=lambda e: len(e.get("loc", ())))  # the most specific one
+    param = _param(tuple(e.get("loc", ())))
+    if e.get("type") == "missing":
+        if param is None:
+            return "request body is required (JSON object)", "body"
+        return f"{param} is required", param
+    if param is None:
+        return f"request body must be a JSON object: {e.get('msg')}", "body"
+    hint = ""
+    if e.get("type") in ("int_type", "float_type") and isinstance(e.get("input"), (str, bool)):
+        hint = "; numbers must be JSON numbers (5, not \"5\")"
+    return f"{param}: {e.get('msg')} (got {e.get('input')!r:.80}){hint}", param
 
 
 class _Open(BaseModel):
@@ -26,9 +75,9 @@ class PDFields(_Open):
     bootstrap_port: BootstrapInt = None
     bootstrap_room: BootstrapInt = None
     bootstrap_sig: BootstrapHost = None  # the router's signature of the route (route_auth)
-    routed_dp_rank: int | None = None
-    disagg_prefill_dp_rank: int | None = None
-    data_parallel_rank: int | None = None
+    routed_dp_rank: Int | None = None
+    disagg_prefill_dp_rank: Int | None = None
+    data_parallel_rank: Int | None = None
     rid: str | list[str] | None = None
 
 
@@ -41,34 +90,34 @@ class SamplingParamsIn(_Open):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
-    max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    sampling_seed: int | None = None
+    max_new_tokens: Int | None = None
+    temperature: Float = 1.0
+    top_k: Int = -1
+    top_p: Float = 1.0
+    min_p: Float = 0.0
+    repetition_penalty: Float = 1.0
+    frequency_penalty: Float = 0.0
+    presence_penalty: Float = 0.0
+    seed: Int | None = None
+    sampling_seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: int = 1
+    n: Int = 1
 
 
 class GenerateRequest(PDFields):
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Int] | list[list[Int]] | None = None
     sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
     stream: bool = False
     return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: Int | list[Int] = -1
+    top_logprobs_num: Int | list[Int] = 0
     return_text_in_logprobs: bool = False
-    timeout: float | None = Field(default=None, description="seconds; pdserve extension")
+    timeout: Float | None = Field(default=None, description="seconds; pdserve extension")
 
 
 class StreamOptions(_Open):
@@ -78,30 +127,30 @@ class StreamOptions(_Open):
 
 class _OpenAIBase(PDFields):
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    stop_token_ids: list[Int] | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    seed: Int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     user: str | None = None
-    timeout: float | None = None
+    timeout: Float | None = None
 
 
 class CompletionRequest(_OpenAIBase):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -123,8 +172,8 @@ class ChatMessage(_Open):
 
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     continue_final_message: bool = False
