@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcore.router.admin import build_admin_router
+from pdcore.router.client_limit import PerClientLimit
 from pdcore.router.config import RouterConfig
 from pdcore.router.dashboard import build_dashboard_router
 from pdcore.router.discovery import ServiceDiscovery
@@ -130,6 +131,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state
     install_limits(app)  # early 413 and the same field checks as the servers, before any worker
+    app.add_middleware(PerClientLimit, limit=config.max_concurrent_requests_per_client,
+                       paths=GENERATION_ROUTES, counter=state.metrics.client_refused)
     # The router's own calls to workers carry the same key (RouterConfig.worker_headers), and a
     # client's header, forwarded with a generate request, is that key once it passed here.
     install_auth(app, config.api_key, OPEN_PATHS)

@@ -175,9 +175,14 @@ def run_router(config: RouterConfig) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from pdcore.server import connections
+
+    app = create_app(config)
+    # header / body deadlines, a connection limit that evicts the slowest first, quiet logs
+    _, protocol = connections.install(app, app.state.router.metrics.registry)
     uvicorn.run(
-        create_app(config), host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.log_level == "debug",
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        access_log=config.log_level == "debug", http=protocol,
     )
 
 

@@ -82,6 +82,8 @@ class RouterConfig:
         default=False, metadata=_opt("minimal mode: random pairs, no health checks/retries/circuits")
     )
     request_timeout_secs: float = field(default=1800.0, metadata=_opt("whole-request deadline"))
+    max_concurrent_requests_per_client: int = field(default=256, metadata=_opt(
+        "generate requests one client address may have in flight (more: 429); 0: no limit"))
     prometheus_host: str = field(default="127.0.0.1", metadata=_opt("extra metrics listener host"))
     prometheus_port: int | None = field(
         default=None, metadata=_opt("also serve /metrics on this port (main port always has it)")
@@ -140,6 +142,8 @@ class RouterConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the flag to fix."""
         _ = self.route_key  # an unreadable cluster-secret file: exit 2 now, not at a request
+        if self.max_concurrent_requests_per_client < 0:
+            raise ConfigError("--max-concurrent-requests-per-client must be >= 0 (0: no limit)")
         if self.service_discovery:
             from pdcore.router.discovery import validate_discovery
 

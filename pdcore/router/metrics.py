@@ -60,6 +60,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         route = [*ROUTER, "model", "endpoint"]
+        self.client_refused = Counter(
+            "pdrouter_client_requests_refused", "Generate requests refused with 429: their "
+            "client had --max-concurrent-requests-per-client in flight", registry=r)
         self.http_requests = Counter("smg_http_requests", "Total HTTP requests by method and "
                                      "path", ["method", "path"], registry=r)
         self.http_responses = Counter("smg_http_responses", "Total HTTP responses by status_code"

@@ -71,14 +71,17 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
         return run_node(args)
     import uvicorn
 
+    from pdcore.server import connections
     from pdcore.server.app import create_app
 
     configure_logging(args.log_level)
     sock = bind_socket(args.host, args.port)
     url = url_of(args.host, args.port)
     app = create_app(args, **app_kwargs)
+    # header / body deadlines, a connection limit that evicts the slowest first, quiet logs
+    _, protocol = connections.install(app, app.state.metrics.registry)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on", http=protocol)
     server = uvicorn.Server(config)
     outcome = {"rc": 0}
 

@@ -171,3 +171,23 @@ def test_router_listens_before_workers_are_healthy(fake_worker, router):
     d.health_status = 200
     r.wait_for("/health")
     assert r.client.post("/generate", json={"text": "x"}).status_code == 200
+
+
+def test_one_client_cannot_take_every_slot(fake_worker, router):
+    """--max-concurrent-requests-per-client: the request past the limit gets 429 at once (no
+    worker sees it); the slots come back when the requests end, streams included."""
+    import concurrent.futures
+
+    p, d = fake_worker("prefill"), fake_worker("decode", delay=1.0)
+    r = router([(p, None)], [d], max_concurrent_requests_per_client=2)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        slow = [pool.submit(r.client.post, "/v1/completions",
+                            json={"prompt": "x", "stream": stream}) for stream in (True, False)]
+        _wait(lambda: len(d.received) == 2)
+        refused = r.client.post("/generate", json={"text": "x"})
+        assert [f.result().status_code for f in slow] == [200, 200]
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "too_many_requests"
+    assert refused.headers["retry-after"] == "1" and len(d.received) == 2
+    assert r.client.post("/generate", json={"text": "x"}).status_code == 200  # slots returned
+    assert "pdrouter_client_requests_refused_total 1.0" in r.client.get("/metrics").text
