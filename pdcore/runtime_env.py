@@ -44,9 +44,33 @@ class PlacementError(ValueError):
     """A --cpu-omp-threads-bind value that cannot be used (the CLI turns it into exit 2)."""
 
 
+# PDCORE_CPU_ISA: run as on a CPU with less than this one has (tests and benchmarks of the paths
+# other hosts take, on this one). torch's kernels (ATEN_CPU_CAPABILITY), oneDNN's
+# (ONEDNN_MAX_CPU_ISA), our native kernels (engine/native: avx512_allowed) and the bf16 decision
+# (engine/cpu_features) all follow it: `avx2` is an AVX2-only CPU (AMD Zen 2: no AVX-512, no
+# bf16 hardware), `avx512` an AVX-512 one with BF16 but no AMX (AMD Zen 4).
+ISA_ENV = "PDCORE_CPU_ISA"
+ISA_ENVS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+            "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}
+
+
+def forced_isa(env: dict[str, str] | None = None) -> str:
+    """'' (this CPU as it is), 'avx2' or 'avx512'; ValueError for anything else."""
+    raw = (os.environ if env is None else env).get(ISA_ENV, "").strip().lower()
+    if raw in ("", "auto", "native"):
+        return ""
+    if raw not in ISA_ENVS:
+        raise ValueError(f"{ISA_ENV}={raw!r}: use auto, avx512 or avx2")
+    return raw
+
+
 def apply() -> None:
     ours = set(filter(None, os.environ.get(DEFAULTED_ENV, "").split(",")))
-    for key, value in DEFAULTS.items():
+    try:
+        isa = forced_isa()
+    except ValueError:
+        isa = ""  # the server's argument check says so (cpu_features.check_cpu_dtype)
+    for key, value in {**DEFAULTS, **ISA_ENVS.get(isa, {})}.items():
         if key not in os.environ:
             os.environ[key] = value
             ours.add(key)

@@ -60,3 +60,21 @@ def build_tiny_llama(dest: Path, seed: int = 0, **overrides: Any) -> Path:
     model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32).eval()
     model.save_pretrained(str(dest))
     return dest
+
+
+def parse_or_bf16_refusal(argv: list[str], prog: str = "pdserve serve") -> Any:
+    """parse_server_args(argv), where this CPU can compute in a `--dtype bfloat16` the line asks
+    for; on one without bf16 hardware (or with PDCORE_CPU_ISA=avx2) the line must instead exit 2
+    saying so, and the calling test ends there, skipped with the reason."""
+    from pdcore.engine.cpu_features import bf16_support
+    from pdcore.server.args_parser import parse_server_args
+
+    ok, why = bf16_support()
+    dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv[:-1] else ""
+    if ok or dtype not in ("bfloat16", "bf16"):
+        return parse_server_args(argv, prog=prog)
+    with pytest.raises(SystemExit) as refused:
+        parse_server_args(argv, prog=prog)
+    assert refused.value.code == 2
+    pytest.skip(f"--dtype {dtype} is refused here, as it must be ({why}); the rest of the "
+                "line needs bf16 hardware")

@@ -3,7 +3,8 @@
 Without either, torch still runs bfloat16 on CPU, but by converting every element to float32
 and back in scalar code: several times slower than float32, so `--dtype bfloat16` is refused
 there with a message instead of silently serving slower. The flags come from /proc/cpuinfo
-(PDCORE_CPUINFO names another file: how tests describe a CPU this machine is not).
+(PDCORE_CPUINFO names another file: how tests describe a CPU this machine is not), less those
+PDCORE_CPU_ISA forces away (runtime_env: `avx2` runs as an AVX2-only CPU would).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 
 from pdcore.errors import ConfigError
+from pdcore.runtime_env import forced_isa
 
 CPUINFO_ENV = "PDCORE_CPUINFO"
 LAYOUT_ENV = "PDCORE_GEMM_LAYOUT"  # linear layers' weight layout (models/layers.py)
@@ -19,15 +21,23 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def cpu_flags(path: str | None = None) -> set[str]:
+    """This CPU's flags, less what PDCORE_CPU_ISA (runtime_env) forces away."""
     path = path or os.environ.get(CPUINFO_ENV) or "/proc/cpuinfo"
+    flags: set[str] = set()
     try:
         with open(path) as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    flags = set(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return set()
+    try:
+        isa = forced_isa()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    drop = {"avx2": ("avx512", "amx"), "avx512": ("amx",)}.get(isa, ())
+    return {f for f in flags if not f.startswith(drop)} if drop else flags
 
 
 def bf16_support() -> tuple[bool, str]:
@@ -40,7 +50,12 @@ def bf16_support() -> tuple[bool, str]:
 
 
 def check_cpu_dtype(dtype: str, device: str) -> None:
-    """ConfigError for a compute dtype this CPU has no native support for."""
+    """ConfigError for a compute dtype this CPU has no native support for (or a bad
+    PDCORE_CPU_ISA)."""
+    try:
+        forced_isa()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if device != "cpu" or dtype not in ("bfloat16", "bf16"):
         return
     ok, why = bf16_support()

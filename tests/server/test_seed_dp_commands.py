@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from pdserve_testing import ServerProcess
+from pdserve_testing import ServerProcess, parse_or_bf16_refusal
 
 from pdcore.server.args_parser import parse_server_args
 from pdcore.testing.greedy import check_greedy, hf_greedy
@@ -170,7 +170,7 @@ def test_seed_dp_line_as_written_exits_2_naming_a_flag(i: int, tiny_ds: str,
 
 @pytest.mark.parametrize("i", range(len(LINES)))
 def test_seed_dp_line_parses_with_local_flags(i: int, tiny_ds: str) -> None:
-    args = parse_server_args(_local(_argv(LINES[i], tiny_ds)))
+    args = parse_or_bf16_refusal(_local(_argv(LINES[i], tiny_ds)))
     assert (args.tp_size, args.dp_size, args.enable_dp_attention) == (2, 2, True)
     assert args.moe_a2a_backend == "none" and args.nnodes == (2 if i < 16 else 1)
     assert args.node_rank == (i % 2 if i < 16 else 0)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 import pytest
+from pdserve_testing import parse_or_bf16_refusal
 
 from pdcore.server.args_parser import parse_server_args
 from pdcore.testing.tiny_models import make_tiny_model
@@ -239,7 +240,7 @@ def test_seed_line_parses_with_cpu_flags(i, tiny_moe):
         # the core's CI environment has no pd-nixl (its own matrix entry has); the line's other
         # flags still have to parse, so its backend becomes the built-in tcp
         argv[argv.index("nixl")] = "tcp"
-    args = parse_server_args(argv)
+    args = parse_or_bf16_refusal(argv)
     assert (args.tp_size, args.ep_size, args.moe_a2a_backend) == (2, 2, "none")
     assert args.disaggregation_mode in ("prefill", "decode")
     assert args.nnodes == (2 if i < 16 else 1)
