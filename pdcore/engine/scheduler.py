@@ -409,15 +409,18 @@ class Scheduler:
         }
 
     def _native_stats(self) -> dict[str, Any]:
-        """Whether the native kernels serve (1/0), how many decode steps took the native layer
-        loop (engine/native; the rest ran the Python loop), and how many GEMM weights sit in
-        each layout (models/layers.py: chosen at load)."""
+        """Whether the native kernels serve (1/0) and on which ISA (native_isa_*: 1 for the
+        library loaded), how many decode steps took the native layer loop (engine/native; the
+        rest ran the Python loop), and how many GEMM weights sit in each layout
+        (models/layers.py: chosen at load)."""
         from pdcore.engine import native
         from pdcore.engine.models.layers import weight_layouts
 
         if self._layouts is None:
             self._layouts = weight_layouts(self.runner.model)
+        isa = native.isa()
         return {"native_kernels": int(native.status().startswith("native")),
+                **{f"native_isa_{name}": int(isa == name) for name in native.ISAS},
                 "native_decode_steps_total": int(getattr(self.runner.model, "native_steps", 0)),
                 **{f"gemm_weights_{k}": v for k, v in self._layouts.items()}}
 

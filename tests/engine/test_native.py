@@ -1,6 +1,11 @@
 """The native kernels (pdcore/engine/native): the panel GEMM and decode attention against
 float64 references, the native decode loop equal to the Python loop to the bit, and the engine
-running without them (switched off, or no compiler) with the reason reported."""
+running without them (switched off, or no compiler) with the reason reported.
+
+This process runs the library of the best ISA this CPU has (or PDCORE_NATIVE_ISA's);
+test_native_isa.py runs the file again in a child for each other ISA the CPU has. Tests
+of a bf16 model skip where the CPU has no bf16 hardware (the product refuses --dtype bfloat16
+there)."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcore.engine import native
-from pdcore.engine.cpu_features import LAYOUT_ENV
+from pdcore.engine.cpu_features import LAYOUT_ENV, bf16_support
 from pdcore.engine.models import layers
 from pdcore.engine.models.llama import ForwardBatch, LlamaForCausalLM, SeqSpan
 from pdcore.errors import ConfigError
@@ -30,8 +35,26 @@ def _ops():
 def _panels():
     o = _ops()
     if not native.panel_gemm():
-        pytest.skip("the CPU lacks AVX-512 (the panel GEMM and decode attention need it)")
+        pytest.skip(f"the panel GEMM does not serve here ({native.status()})")
     return o
+
+
+def _bf16_model(dtype: torch.dtype) -> None:
+    if dtype == torch.bfloat16 and not bf16_support()[0]:
+        pytest.skip(f"no bf16 hardware ({bf16_support()[1]}): --dtype bfloat16 is refused here")
+
+
+def _panels_serve(dtype: torch.dtype) -> bool:
+    """Whether weights of `dtype` take the panel layout in this process's library."""
+    return native.panel_gemm() if dtype == torch.float32 else native.bf16_gemm()
+
+
+def test_the_chosen_isa_serves() -> None:
+    """PDCORE_NATIVE_ISA (set: that ISA; unset: the best the CPU has) is what status() says."""
+    _ops()
+    want = os.environ.get(native.ISA_ENV) or next(i for i in native.ISAS if native._cpu_has(i))
+    assert native.isa() == want and native.status() == f"native ({want})"
+    assert native.ops().isa() == want  # the library's own word
 
 
 @pytest.mark.parametrize("m", [1, 2, 7, 12, 13, 25, 200])
@@ -69,6 +92,8 @@ def test_linear_routes_float32_through_panels(monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(layers.linear(x, keep, None, packed), F.linear(x, w),
                                rtol=1e-5, atol=1e-5)
     # bf16: panels of k pairs where the CPU has AVX-512 BF16, else oneDNN's reordered weight
+    if not bf16_support()[0]:
+        return  # no bf16 model here (refused), nor oneDNN's bf16 reorder
     wb = torch.nn.Parameter(torch.randn(64, 32).to(torch.bfloat16), requires_grad=False)
     keep_b, pb = layers.pack_in_place(wb)
     assert pb is not None
@@ -188,6 +213,7 @@ def _llama(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
     head), so every native kernel applies (`layout`: the GEMMs' weight layout)."""
     from transformers import LlamaConfig
 
+    _bf16_model(dtype)
     monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
     monkeypatch.setenv(LAYOUT_ENV, layout)
     cfg = LlamaConfig(vocab_size=500, hidden_size=384, intermediate_size=512,
@@ -257,8 +283,9 @@ def test_native_append_equals_the_python_loop(dtype: torch.dtype, layout: str,
     _ops()
     nat, py = _llama(dtype, monkeypatch, layout), _llama(dtype, monkeypatch, layout)
     n = 1 + 4 * len(nat.layers)  # lm_head, qkv, o, gate_up, down
-    assert layers.weight_layouts(nat) == {"panels": n * (layout == "panels"),
-                                          "onednn": n * (layout == "onednn"), "plain": 0}
+    panels = layout == "panels" and _panels_serve(dtype)  # else oneDNN's, whatever was asked
+    assert layers.weight_layouts(nat) == {"panels": n * panels, "onednn": n * (not panels),
+                                          "plain": 0}
     py.native = None
     g = torch.Generator().manual_seed(11)
     kv = [(torch.randn(40, 8, 2, 64, generator=g).to(dtype),
@@ -398,3 +425,4 @@ def test_a_bad_layout_setting_is_refused_at_the_command_line() -> None:
                        env={**os.environ, LAYOUT_ENV: "fastest"})
     assert r.returncode == 2, r.stderr
     assert "PDCORE_GEMM_LAYOUT must be one of auto, panels, onednn; got 'fastest'" in r.stderr
+

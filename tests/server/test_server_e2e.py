@@ -289,6 +289,8 @@ def test_native_kernels_in_metrics(real_server, client):
     text = client.get("/metrics").text
     on = _metric(text, "pdserve_scheduler_native_kernels")
     assert on == (1.0 if native.ops() is not None else 0.0), native.status()
+    isas = {i: _metric(text, f"pdserve_scheduler_native_isa_{i}") for i in native.ISAS}
+    assert isas == {i: float(i == native.isa()) for i in native.ISAS}, (isas, native.status())
     layouts = {k: _metric(text, f"pdserve_scheduler_gemm_weights_{k}")
                for k in ("panels", "onednn", "plain")}
     # per layer qkv, o, gate_up, down, and the lm_head: each in one layout, all packed

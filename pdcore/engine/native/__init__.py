@@ -1,9 +1,10 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
-(decode_step.cpp with the headers beside it: gemm.h, attention.h, elementwise.h, common.h):
+(decode_step.cpp with the headers beside it: gemm.h, attention.h, elementwise.h, common.h and
+vec.h, the vector layer they are written against):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
-  `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight),
-  AVX-512 (BF16) kernels that read each weight byte once per decode step; models/layers.py
+  `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight), kernels
+  that read each weight byte once per decode step (bf16: AVX-512 BF16 only); models/layers.py
   routes a weight through them where they measured faster than oneDNN at load;
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
 - `pdcore_native::rope_store`: rotary over q and k with the K/V pool store, in one pass (equal
@@ -12,13 +13,21 @@
   in the same order as the Python loop in models/llama.py (equal to the bit); what it saves is
   the interpreter between ~25 small operators a layer.
 
+One library per ISA, from the same source: `avx512` (AVX-512 F/BW/VL/DQ, 16 float lanes in one
+register; the bf16 GEMM besides, for CPUs with AVX-512 BF16) and `avx2` (AVX2 + FMA, the 16
+lanes as two registers: AMD Zen 2 and older Intel). The best this CPU has is loaded;
+PDCORE_NATIVE_ISA=avx2|avx512 forces one (an ISA the CPU lacks is refused: the engine runs
+without native kernels and says so), `off` none (as PDCORE_NATIVE=0). Both compute the same bits
+(vec.h); `status()` and /metrics (`native_isa_*`) say which runs, the log says it once.
+
 Built with the host's C++ compiler (g++ with OpenMP; no ninja, no Python headers: the library
 registers torch operators and nothing else) into ~/.cache/pdserve/native (PDSERVE_NATIVE_DIR),
-keyed by the sources, the torch version and the flags (the ABI among them), in ~15 s once per
-machine; concurrent builders each write a temporary file and rename it. Where it cannot be
-built (no compiler), the CPU lacks AVX-512 (the panel GEMM; oneDNN's reordered weights serve
-instead), or with PDCORE_NATIVE=0, the engine runs as before and `status()` says why (logged
-once; the engine's stats carry it to /metrics).
+keyed by the sources, the torch version and the flags (the ISA and the ABI among them), in ~15 s
+once per machine and ISA; concurrent builders each write a temporary file and rename it. Where it
+cannot be built (no compiler), the CPU has not even AVX2, or with PDCORE_NATIVE=0, the engine
+runs as before and `status()` says why (logged once; the engine's stats carry it to /metrics).
+The CPU's flags are cpu_features.cpu_flags(): PDCORE_CPU_ISA=avx2 (runtime_env) hides AVX-512 from
+the choice too, PDCORE_CPUINFO describes another CPU.
 """
 
 from __future__ import annotations
@@ -40,6 +49,13 @@ from pdcore.config import env_bool
 log = logging.getLogger(__name__)
 
 ENV = "PDCORE_NATIVE"
+ISA_ENV = "PDCORE_NATIVE_ISA"
+# best first: the compiler flags of each ISA's library, and the CPU flags it needs
+ISAS = {
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+                "-DPD_ISA_AVX512"], ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")),
+    "avx2": (["-mavx2", "-mfma", "-DPD_ISA_AVX2"], ("avx2", "fma")),
+}
 DIR_ENV = "PDSERVE_NATIVE_DIR"
 SOURCE = Path(__file__).with_name("decode_step.cpp")  # includes the headers beside it
 BUILD_TIMEOUT_S = 300
@@ -55,7 +71,7 @@ def _cache_dir() -> Path:
     return Path(raw) if raw else Path.home() / ".cache" / "pdserve" / "native"
 
 
-def _command(out: Path) -> list[str]:
+def _command(out: Path, isa: str = "avx512") -> list[str]:
     # torch's headers and libraries from its own folder (torch.utils.cpp_extension would say
     # the same, but imports setuptools, which a fresh virtual environment may lack)
     root = Path(torch.__file__).parent
@@ -67,20 +83,20 @@ def _command(out: Path) -> list[str]:
     # rounds twice, as aten's elementwise operators do (the fused rotary is equal to the bit;
     # explicit FMA intrinsics stay FMAs)
     return [cxx, "-O3", "-shared", "-fPIC", "-std=c++17", "-w", "-fopenmp", "-ffp-contract=off",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}", f"-I{inc / 'torch/csrc/api/include'}",
-            str(SOURCE), f"-L{lib}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+            *ISAS[isa][0], f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{inc}",
+            f"-I{inc / 'torch/csrc/api/include'}", str(SOURCE), f"-L{lib}", "-lc10", "-ltorch_cpu", "-o", str(out)]
 
 
-def _build() -> Path:
-    """The compiled library, built now if this source and torch have none yet."""
-    cmd = _command(Path("out.so"))
+def _build(isa: str) -> Path:
+    """`isa`'s compiled library, built now if this source and torch have none yet."""
+    cmd = _command(Path("out.so"), isa)
     # the key: the source, torch's version and the flags (not where torch is installed: each
     # CI run's fresh virtual environment would add a copy)
     flags = [a for a in cmd[:-1] if not a.startswith(("-I", "-L", "/"))]
     sources = b"".join(f.read_bytes() for f in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))])
     key = hashlib.sha256(sources + torch.__version__.encode()
                          + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_step-{key}.so"
+    target = _cache_dir() / f"decode_step-{isa}-{key}.so"
     if target.exists():
         return target
     if shutil.which(cmd[0]) is None:
@@ -91,7 +107,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         cmd[-1] = tmp
-        log.info("building the native decode step (once per machine, ~15 s): %s", target)
+        log.info("building the native kernels for %s (once per machine, ~15 s): %s", isa, target)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
                            check=False)
         if r.returncode != 0:
@@ -103,23 +119,58 @@ def _build() -> Path:
     return target
 
 
+def _cpu_has(isa: str) -> bool:
+    """Whether the CPU has `isa`'s flags (as cpu_features sees them: PDCORE_CPU_ISA,
+    PDCORE_CPUINFO)."""
+    from pdcore.engine.cpu_features import cpu_flags
+
+    return set(ISAS[isa][1]) <= cpu_flags()
+
+
+def choose_isa() -> tuple[str | None, str]:
+    """(the ISA whose library to load, '') or (None, why none)."""
+    raw = os.environ.get(ISA_ENV, "").strip().lower()
+    if raw == "off" or not env_bool(os.environ, ENV, True):
+        return None, f"{ISA_ENV}=off" if raw == "off" else f"{ENV}=0"
+    if raw not in ("", "auto") and raw not in ISAS:
+        return None, f"{ISA_ENV}={raw!r}: use auto, {', '.join(ISAS)} or off"
+    if raw in ISAS:
+        if not _cpu_has(raw):
+            return None, f"{ISA_ENV}={raw}: this CPU lacks {raw} ({'/'.join(ISAS[raw][1])})"
+        return raw, ""
+    for isa in ISAS:
+        if _cpu_has(isa):
+            return isa, ""
+    return None, "the CPU has neither AVX-512 nor AVX2 with FMA"
+
+
 def ops():
-    """The torch.ops.pdcore_native namespace, built and loaded on first call; None where it
-    cannot be (then `status()` says why)."""
+    """The torch.ops.pdcore_native namespace of the chosen ISA's library, built and loaded on
+    first call; None where it cannot be (then `status()` says why)."""
     with _lock:
         if "ops" not in _state:
             _state["ops"], _state["why"] = None, ""
-            if not env_bool(os.environ, ENV, True):
-                _state["why"] = f"{ENV}=0"
+            isa, why = choose_isa()
+            _state["isa"], _state["why"] = isa, why
+            if isa is None:
+                log.warning("native kernels off, the Python decode loop and oneDNN GEMMs run: %s",
+                            why)
             else:
                 try:
-                    torch.ops.load_library(str(_build()))
+                    torch.ops.load_library(str(_build(isa)))
                     _state["ops"] = torch.ops.pdcore_native
+                    log.info("native kernels: %s", isa)
                 except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                    _state["why"] = str(e)
+                    _state["isa"], _state["why"] = None, str(e)
                     log.warning("native kernels unavailable, the Python decode loop and oneDNN "
                                 "GEMMs run: %s", e)
         return _state["ops"]
+
+
+def isa() -> str | None:
+    """The ISA of the loaded library ('avx512', 'avx2'); None where none serves or before the
+    first use (builds nothing)."""
+    return _state.get("isa") if _state.get("ops") is not None else None
 
 
 def _sweep(folder: Path) -> None:
@@ -140,12 +191,10 @@ def op(name: str):
 
 
 def panel_gemm() -> bool:
-    """Whether float32 linear layers take the panel GEMM (built, and the CPU has AVX-512)."""
+    """Whether float32 linear layers can take the panel GEMM (built: every ISA has it)."""
     if "panel" not in _state:
         o = ops()
         _state["panel"] = o is not None and bool(o.panel_gemm_supported())
-        if o is not None and not _state["panel"]:
-            log.info("the CPU lacks AVX-512: float32 GEMMs run on oneDNN's reordered weights")
     return bool(_state["panel"])
 
 
@@ -158,9 +207,9 @@ def bf16_gemm() -> bool:
 
 
 def status() -> str:
-    """'native', or why the engine runs without it ('' before the first use)."""
+    """'native (<isa>)', or why the engine runs without it ('' before the first use)."""
     if "ops" not in _state:
         return ""
     if _state["ops"] is None:
         return f"off ({_state['why']})"
-    return "native" if _state.get("panel", True) else "native (no panel GEMM: no AVX-512)"
+    return f"native ({_state['isa']})"

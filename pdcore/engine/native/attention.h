@@ -13,81 +13,81 @@ namespace {
 // kernels for head_dim 32 / 64 / 128 / 256 and 1-8 query heads per KV head; SDPA otherwise
 
 template <int DV, int G>
-__attribute__((target("avx512f"))) void attend_one(
+void attend_one(
     const float* q, const float* k, int64_t ksw, const float* v, int64_t vsw,
     const float* bias, int64_t W, float scale, float* out, float* scores) {
   // scores[g * W + w]: KB keys at a time against the G queries (KB x G independent sums)
   constexpr int KB = G <= 4 ? 4 : 2;
   int64_t w = 0;
   for (; w + KB <= W; w += KB) {
-    __m512 acc[KB][G];
+    V16 acc[KB][G];
     PD_UNROLL for (int j = 0; j < KB; ++j)
-      PD_UNROLL for (int g = 0; g < G; ++g) acc[j][g] = _mm512_setzero_ps();
+      PD_UNROLL for (int g = 0; g < G; ++g) acc[j][g] = vzero();
     PD_UNROLL for (int d = 0; d < DV; ++d) {
       PD_UNROLL for (int j = 0; j < KB; ++j) {
-        const __m512 kv = _mm512_loadu_ps(k + (w + j) * ksw + d * 16);
+        const V16 kv = vload(k + (w + j) * ksw + d * 16);
         PD_UNROLL for (int g = 0; g < G; ++g)
-          acc[j][g] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + (g * DV + d) * 16), acc[j][g]);
+          acc[j][g] = vfmadd(kv, vload(q + (g * DV + d) * 16), acc[j][g]);
       }
     }
     PD_UNROLL for (int j = 0; j < KB; ++j) {
       const float add = bias ? bias[w + j] : 0.0f;
       PD_UNROLL for (int g = 0; g < G; ++g)
-        scores[g * W + w + j] = _mm512_reduce_add_ps(acc[j][g]) * scale + add;
+        scores[g * W + w + j] = vreduce_add(acc[j][g]) * scale + add;
     }
   }
   for (; w < W; ++w) {
-    __m512 acc[G];
-    PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    V16 acc[G];
+    PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = vzero();
     PD_UNROLL for (int d = 0; d < DV; ++d) {
-      const __m512 kv = _mm512_loadu_ps(k + w * ksw + d * 16);
+      const V16 kv = vload(k + w * ksw + d * 16);
       PD_UNROLL for (int g = 0; g < G; ++g)
-        acc[g] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + (g * DV + d) * 16), acc[g]);
+        acc[g] = vfmadd(kv, vload(q + (g * DV + d) * 16), acc[g]);
     }
     const float add = bias ? bias[w] : 0.0f;
     PD_UNROLL for (int g = 0; g < G; ++g)
-      scores[g * W + w] = _mm512_reduce_add_ps(acc[g]) * scale + add;
+      scores[g * W + w] = vreduce_add(acc[g]) * scale + add;
   }
   const int64_t wfull = W & ~int64_t(15);
-  const __mmask16 tail = static_cast<__mmask16>((1u << (W - wfull)) - 1u);
-  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const M16 tail = static_cast<M16>((1u << (W - wfull)) - 1u);
+  const V16 ninf = vset1(-INFINITY);
   for (int g = 0; g < G; ++g) {
     float* s = scores + g * W;
-    __m512 mx = ninf;
-    for (int64_t i = 0; i < wfull; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
-    if (tail) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail, s + wfull));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
+    V16 mx = ninf;
+    for (int64_t i = 0; i < wfull; i += 16) mx = vmax(mx, vload(s + i));
+    if (tail) mx = vmax(mx, vmask_load(ninf, tail, s + wfull));
+    const V16 m = vset1(vreduce_max(mx));
+    V16 sum = vzero();
     for (int64_t i = 0; i < wfull; i += 16) {
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
-      _mm512_storeu_ps(s + i, e);
-      sum = _mm512_add_ps(sum, e);
+      const V16 e = exp_ps(vsub(vload(s + i), m));
+      vstore(s + i, e);
+      sum = vadd(sum, e);
     }
     if (tail) {
-      const __m512 e = _mm512_maskz_mov_ps(
-          tail, exp_ps(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, tail, s + wfull), m)));
-      _mm512_mask_storeu_ps(s + wfull, tail, e);
-      sum = _mm512_add_ps(sum, e);
+      const V16 e = vmaskz(
+          tail, exp_ps(vsub(vmask_load(ninf, tail, s + wfull), m)));
+      vmask_store(s + wfull, tail, e);
+      sum = vadd(sum, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    const V16 inv = vset1(1.0f / vreduce_add(sum));
     for (int64_t i = 0; i < wfull; i += 16)
-      _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+      vstore(s + i, vmul(vload(s + i), inv));
     if (tail)
-      _mm512_mask_storeu_ps(s + wfull, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + wfull), inv));
+      vmask_store(s + wfull, tail, vmul(vmaskz_load(tail, s + wfull), inv));
   }
-  __m512 acc[G][DV];
+  V16 acc[G][DV];
   PD_UNROLL for (int g = 0; g < G; ++g)
-    PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+    PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vzero();
   for (int64_t i = 0; i < W; ++i) {
-    __m512 vr[DV];
-    PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = _mm512_loadu_ps(v + i * vsw + d * 16);
+    V16 vr[DV];
+    PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = vload(v + i * vsw + d * 16);
     PD_UNROLL for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * W + i]);
-      PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(vr[d], p, acc[g][d]);
+      const V16 p = vset1(scores[g * W + i]);
+      PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vfmadd(vr[d], p, acc[g][d]);
     }
   }
   PD_UNROLL for (int g = 0; g < G; ++g)
-    PD_UNROLL for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + (g * DV + d) * 16, acc[g][d]);
+    PD_UNROLL for (int d = 0; d < DV; ++d) vstore(out + (g * DV + d) * 16, acc[g][d]);
 }
 
 using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int64_t,

@@ -98,6 +98,7 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("linear_bf16(Tensor x, Tensor panels, int n, Tensor? b) -> Tensor");
   m.impl("linear_bf16", c10::DispatchKey::CompositeExplicitAutograd, &panel_linear_bf16);
   m.def("bf16_gemm_supported() -> bool", &bf16_gemm_supported);
+  m.def("isa() -> str", &native_isa);
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CompositeExplicitAutograd, &decode_attention);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "

@@ -15,61 +15,42 @@ inline float rnd(float f) {
   return static_cast<float>(X(f));
 }
 
-// Vector forms of rnd: float32 (nothing to round) and bf16 (round to nearest even in integer
-// ops, as c10::BFloat16 rounds: denormals kept, NaN stays NaN), 16 lanes at a time.
+// Vector forms of rnd (vec.h): float32 (nothing to round) and bf16 (round to nearest even in
+// integer ops, as c10::BFloat16 rounds: denormals kept, NaN stays NaN), 16 lanes at a time.
 template <typename X>
 struct Lanes;
 
 template <>
 struct Lanes<float> {
-  __attribute__((target("avx512f"))) static __m512 load(const float* p) {
-    return _mm512_loadu_ps(p);
-  }
-  __attribute__((target("avx512f"))) static __m512 round(__m512 v) { return v; }
+  static V16 load(const float* p) { return vload(p); }
+  static V16 round(V16 v) { return v; }
 };
 
 template <>
 struct Lanes<c10::BFloat16> {
-  __attribute__((target("avx512f"))) static __m512 load(const c10::BFloat16* p) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  static V16 load(const c10::BFloat16* p) {
+    return vload_bf16(reinterpret_cast<const uint16_t*>(p));
   }
-  __attribute__((target("avx512f"))) static __m512 round(__m512 v) {
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
-    return _mm512_castsi512_ps(r);
-  }
+  static V16 round(V16 v) { return vround_bf16(v); }
 };
 
 template <typename X>
-__attribute__((target("avx512f"))) void rotate_head_avx512(const X* xh, const X* c, const X* s,
-                                                           int64_t D2, float* rot) {
+void rotate_head_vec(const X* xh, const X* c, const X* s, int64_t D2, float* rot) {
   using L = Lanes<X>;
   for (int64_t d = 0; d < D2; d += 16) {
-    const __m512 x1 = L::load(xh + d), x2 = L::load(xh + D2 + d);
-    const __m512 c1 = L::load(c + d), c2 = L::load(c + D2 + d);
-    const __m512 s1 = L::load(s + d), s2 = L::load(s + D2 + d);
-    const __m512 nx2 = _mm512_castsi512_ps(_mm512_xor_si512(  // -x2: the sign bit flipped
-        _mm512_castps_si512(x2), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-    const __m512 lo = L::round(_mm512_add_ps(L::round(_mm512_mul_ps(x1, c1)),
-                                             L::round(_mm512_mul_ps(nx2, s1))));
-    const __m512 hi = L::round(_mm512_add_ps(L::round(_mm512_mul_ps(x2, c2)),
-                                             L::round(_mm512_mul_ps(x1, s2))));
-    _mm512_storeu_ps(rot + d, lo);
-    _mm512_storeu_ps(rot + D2 + d, hi);
+    const V16 x1 = L::load(xh + d), x2 = L::load(xh + D2 + d);
+    const V16 c1 = L::load(c + d), c2 = L::load(c + D2 + d);
+    const V16 s1 = L::load(s + d), s2 = L::load(s + D2 + d);
+    const V16 nx2 = vneg(x2);  // -x2: the sign bit flipped
+    const V16 lo = L::round(vadd(L::round(vmul(x1, c1)), L::round(vmul(nx2, s1))));
+    const V16 hi = L::round(vadd(L::round(vmul(x2, c2)), L::round(vmul(x1, s2))));
+    vstore(rot + d, lo);
+    vstore(rot + D2 + d, hi);
   }
 }
 
-__attribute__((target("avx512f"))) inline void store_upper_halves(uint16_t* dst, const float* src,
-                                                                   int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512i b = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(src + i)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(b));
-  }
+inline void store_upper_halves(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) vstore_upper_halves(dst + i, vload(src + i));
 }
 
 // dst[0:n] = src, values already rounded to V (so bf16 keeps their upper halves: exact)
@@ -89,13 +70,13 @@ inline void store_rounded(V* dst, const float* src, int64_t n) {
 }
 
 // one head of rotary into `rot` (float, already rounded to X): 16 lanes at a time (D a
-// multiple of 32, AVX-512) or one element at a time
+// multiple of 32) or one element at a time
 template <typename X>
 inline void rotate_head(const X* xh, const X* c, const X* s, int64_t D, float* rot) {
   const int64_t D2 = D / 2;
   if constexpr (std::is_same_v<X, float> || std::is_same_v<X, c10::BFloat16>) {
     if (D2 % 16 == 0 && panel_gemm_supported()) {
-      rotate_head_avx512<X>(xh, c, s, D2, rot);
+      rotate_head_vec<X>(xh, c, s, D2, rot);
       return;
     }
   }
@@ -261,26 +242,19 @@ Tensor rope_store(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const
 // reciprocal (a few float32 ulps from aten's, far below bf16's last bit), rounded to bf16 before
 // the product as aten's two operators round. float32 keeps aten's operators (the float32 model
 // stays equal to transformers' to the token).
-__attribute__((target("avx512f"))) void silu_mul_rows(const c10::BFloat16* gu, int64_t ld,
-                                                      c10::BFloat16* out, int64_t I, int64_t m0,
-                                                      int64_t m1) {
+void silu_mul_rows(const c10::BFloat16* gu, int64_t ld, c10::BFloat16* out, int64_t I,
+                   int64_t m0, int64_t m1) {
   using L = Lanes<c10::BFloat16>;
-  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const V16 one = vset1(1.0f);
   for (int64_t m = m0; m < m1; ++m) {
     const c10::BFloat16* g = gu + m * ld;
     const c10::BFloat16* u = g + I;
     auto* o = reinterpret_cast<uint16_t*>(out + m * I);
     for (int64_t i = 0; i < I; i += 16) {
-      const __m512 x = L::load(g + i);
-      const __m512 nx = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
-      const __m512 den = _mm512_add_ps(one, exp_ps(nx));
-      __m512 r = _mm512_rcp14_ps(den);
-      r = _mm512_mul_ps(r, _mm512_fnmadd_ps(den, r, two));  // one Newton step: ~1 ulp
-      const __m512 sl = L::round(_mm512_mul_ps(x, r));
-      const __m512 y = L::round(_mm512_mul_ps(sl, L::load(u + i)));
-      const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(y), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(hi));
+      const V16 x = L::load(g + i);
+      const V16 r = rcp_refined(vadd(one, exp_ps(vneg(x))));
+      const V16 sl = L::round(vmul(x, r));
+      vstore_upper_halves(o + i, L::round(vmul(sl, L::load(u + i))));
     }
   }
 }

@@ -33,36 +33,64 @@ constexpr int64_t PANEL = 32;
 constexpr int TILE = 12;
 
 
-
-
+#if defined(PD_ISA_AVX512)
+// AVX-512: 2 x MB accumulators (24 at 12 rows) of the 32 registers
 template <int MB>
-__attribute__((target("avx512f"))) void panel_tile(const float* x, int64_t K, const float* w,
-                                                   float* y, int64_t N, int64_t n0,
-                                                   const float* b) {
-  __m512 acc[MB][2];
-  PD_UNROLL for (int m = 0; m < MB; ++m) {
-    acc[m][0] = _mm512_setzero_ps();
-    acc[m][1] = _mm512_setzero_ps();
-  }
+void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+                const float* b) {
+  V16 acc[MB][2];
+  PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16);
+    const V16 w0 = vload(w + k * PANEL), w1 = vload(w + k * PANEL + 16);
     PD_UNROLL for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-      acc[m][0] = _mm512_fmadd_ps(w0, xv, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(w1, xv, acc[m][1]);
+      const V16 xv = vset1(x[m * K + k]);
+      acc[m][0] = vfmadd(w0, xv, acc[m][0]);
+      acc[m][1] = vfmadd(w1, xv, acc[m][1]);
     }
   }
-  const __mmask16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  const M16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
+  V16 b0 = vzero(), b1 = vzero();
   if (b) {
-    b0 = _mm512_maskz_loadu_ps(m0, b + n0);
-    b1 = _mm512_maskz_loadu_ps(m1, b + n0 + 16);
+    b0 = vmaskz_load(m0, b + n0);
+    b1 = vmaskz_load(m1, b + n0 + 16);
   }
   PD_UNROLL for (int m = 0; m < MB; ++m) {
-    _mm512_mask_storeu_ps(y + m * N + n0, m0, _mm512_add_ps(acc[m][0], b0));
-    _mm512_mask_storeu_ps(y + m * N + n0 + 16, m1, _mm512_add_ps(acc[m][1], b1));
+    vmask_store(y + m * N + n0, m0, vadd(acc[m][0], b0));
+    vmask_store(y + m * N + n0 + 16, m1, vadd(acc[m][1], b1));
   }
 }
+#else
+// AVX2 has 16 registers: one half of the panel (16 outputs, one cache line per k) for up to 6
+// rows at a time (12 accumulators); the other half's lines are read by the next pass, so each
+// weight byte still comes from memory once. Every output sums as the AVX-512 tile sums it.
+template <int R>
+void panel_half(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+                const float* b) {
+  V16 acc[R];
+  PD_UNROLL for (int m = 0; m < R; ++m) acc[m] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const V16 wv = vload(w + k * PANEL);
+    PD_UNROLL for (int m = 0; m < R; ++m) acc[m] = vfmadd(wv, vset1(x[m * K + k]), acc[m]);
+  }
+  const M16 mask = lane_mask(N - n0);
+  const V16 bv = b ? vmaskz_load(mask, b + n0) : vzero();
+  PD_UNROLL for (int m = 0; m < R; ++m) vmask_store(y + m * N + n0, mask, vadd(acc[m], bv));
+}
+
+using HalfFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t,
+                        const float*);
+const HalfFn HALVES[6] = {panel_half<1>, panel_half<2>, panel_half<3>,
+                          panel_half<4>, panel_half<5>, panel_half<6>};
+
+template <int MB>
+void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+                const float* b) {
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MB; m += 6)
+      HALVES[(MB - m < 6 ? MB - m : 6) - 1](x + m * K, K, w + h * 16, y + m * N, N, n0 + h * 16,
+                                            b);
+}
+#endif
 
 using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t,
                         const float*);
@@ -105,7 +133,7 @@ Tensor with_lead(const Tensor& y, const Tensor& x_in) {
 Tensor panel_linear(const Tensor& x_in, const Tensor& panels, int64_t N,
                     const std::optional<Tensor>& b) {
   const int64_t K = x_in.size(-1);
-  TORCH_CHECK(panel_gemm_supported(), "the panel GEMM needs AVX-512");
+  TORCH_CHECK(panel_gemm_supported(), "the panel GEMM needs AVX2 and FMA");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
               "the panel GEMM is float32");
   TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K && panels.size(2) == PANEL &&
@@ -134,12 +162,18 @@ Tensor panel_linear(const Tensor& x_in, const Tensor& panels, int64_t N,
 // one 64-byte load holds 16 outputs x 2 k; vdpbf16ps multiplies them by the broadcast pair
 // (x[m, k], x[m, k + 1]) and accumulates in float32; the output is rounded to bf16 once.
 bool bf16_gemm_supported() {
+#if defined(PD_ISA_AVX512)
   static const bool ok = __builtin_cpu_supports("avx512f") &&
                          __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") &&
                          __builtin_cpu_supports("avx512bf16");
   return ok;
+#else
+  return false;  // the AVX2 library has no bf16 kernel
+#endif
 }
+
+#if defined(PD_ISA_AVX512)
 
 template <int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile_bf16(
@@ -183,6 +217,7 @@ const TileBf16Fn TILES_BF16[TILE] = {
     panel_tile_bf16<1>, panel_tile_bf16<2>, panel_tile_bf16<3>, panel_tile_bf16<4>,
     panel_tile_bf16<5>, panel_tile_bf16<6>, panel_tile_bf16<7>, panel_tile_bf16<8>,
     panel_tile_bf16<9>, panel_tile_bf16<10>, panel_tile_bf16<11>, panel_tile_bf16<12>};
+#endif
 
 // x [..., K] bf16, panels [ceil(N / 32), K / 2, 32, 2] bf16, b [N] bf16 or empty
 Tensor panel_linear_bf16(const Tensor& x_in, const Tensor& panels, int64_t N,
@@ -206,9 +241,11 @@ Tensor panel_linear_bf16(const Tensor& x_in, const Tensor& panels, int64_t N,
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+#if defined(PD_ISA_AVX512)
   for_tiles(M, P, [&](int64_t m, int64_t rows, int64_t p) {
     TILES_BF16[rows - 1](xp + m * K, K, wp + p * K * PANEL, yp + m * N, N, p * PANEL, bp);
   });
+#endif
   return with_lead(y, x_in);
 }
 
