@@ -26,6 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_new_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
 
     @property
     def greedy(self) -> bool:

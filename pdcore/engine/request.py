@@ -53,9 +53,10 @@ class Req:
     prefill_dp_rank: int | None = None  # PD decode: P's DP rank named by the request
 
     @classmethod
-    def from_generate(cls, g: GenerateReq) -> Req:
+    def from_generate(cls, g: GenerateReq, eos_ids: frozenset[int] = frozenset()) -> Req:
         return cls(
-            rid=g.rid, prompt=list(g.input_ids), state=SampleState.create(g.sampling, g.input_ids),
+            rid=g.rid, prompt=list(g.input_ids),
+            state=SampleState.create(g.sampling, g.input_ids, eos_ids),
             return_logprob=g.return_logprob, logprob_start_len=g.logprob_start_len,
             top_logprobs_num=g.top_logprobs_num, bootstrap_host=g.bootstrap_host,
             bootstrap_port=g.bootstrap_port, bootstrap_room=g.bootstrap_room,

@@ -1,4 +1,5 @@
-"""Token sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling: penalties, logit bias, min_new_tokens, temperature, top-k, top-p, min-p,
+per-request seeds, logprobs.
 
 Logprobs are those of the model's distribution (log_softmax of the raw logits), as transformers
 reports them; sampling knobs change which token is picked, not the reported logprob.
@@ -24,9 +25,13 @@ class SampleState:
     generator: torch.Generator | None = None
     counts: dict[int, int] | None = None  # output token counts (frequency/presence penalty)
     seen: set[int] | None = None  # prompt + output tokens (repetition penalty)
+    generated: int = 0  # tokens sampled so far (on D: P's first token included)
+    # EOS and stop ids, masked while fewer than min_new_tokens are out (None: nothing masked)
+    banned: list[int] | None = None
 
     @classmethod
-    def create(cls, params: SamplingParams, prompt: list[int]) -> SampleState:
+    def create(cls, params: SamplingParams, prompt: list[int],
+               eos_ids: frozenset[int] | tuple[int, ...] = ()) -> SampleState:
         gen = None
         if params.seed is not None and not params.greedy:
             seed = int(params.seed)
@@ -38,9 +43,15 @@ class SampleState:
             st.counts = {}
         if params.repetition_penalty != 1.0:
             st.seen = set(prompt)
+        if params.min_new_tokens > 0:
+            ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+            st.banned = sorted(ids) or None
         return st
 
     def observe(self, token: int) -> None:
+        self.generated += 1
+        if self.banned is not None and self.generated >= self.params.min_new_tokens:
+            self.banned = None  # back on the fast path
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
         if self.seen is not None:
@@ -48,7 +59,8 @@ class SampleState:
 
     @property
     def plain_greedy(self) -> bool:
-        return self.params.greedy and self.counts is None and self.seen is None
+        return (self.params.greedy and self.counts is None and self.seen is None
+                and not self.params.logit_bias and self.banned is None)
 
 
 def _penalize(row: torch.Tensor, st: SampleState) -> torch.Tensor:
@@ -61,6 +73,11 @@ def _penalize(row: torch.Tensor, st: SampleState) -> torch.Tensor:
         idx = torch.tensor(list(st.counts), dtype=torch.long)
         cnt = torch.tensor(list(st.counts.values()), dtype=row.dtype)
         row[idx] -= p.frequency_penalty * cnt + p.presence_penalty
+    if p.logit_bias:
+        idx = torch.tensor(list(p.logit_bias), dtype=torch.long)
+        row[idx] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+    if st.banned:
+        row[torch.tensor(st.banned, dtype=torch.long)] = float("-inf")
     return row
 
 

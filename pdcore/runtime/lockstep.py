@@ -57,7 +57,7 @@ class Lockstep:
         for m in msgs:
             try:
                 if isinstance(m, GenerateReq):
-                    self.sched.add(Req.from_generate(m))
+                    self.sched.add(Req.from_generate(m, self.sched.cfg.eos_ids))
                 elif isinstance(m, AbortReq):
                     self.sched.abort(m.rid, m.reason)
             except Exception as e:

@@ -53,6 +53,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_NAME_CHARS = 256  # rid, model, user, bootstrap_host
 MAX_TOP_LOGPROBS_NUM = 100  # /generate; the OpenAI routes allow 20 as OpenAI does
 MAX_TIMEOUT_S = 86400.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_DEPTH = 32  # JSON nesting of a generate request's fields
 MAX_JSON_DEPTH = 64  # JSON nesting of any request body (BodySizeLimit)
 INT64 = 1 << 63
@@ -223,6 +224,19 @@ def _check_stop(obj: dict[str, Any], prefix: str, vocab: int) -> None:
                                           f"vocabulary [0, {vocab})", prefix + "stop_token_ids")
 
 
+def _check_bias(obj: dict[str, Any], prefix: str, vocab: int) -> None:
+    bias = obj.get("logit_bias")
+    if not isinstance(bias, dict):
+        return
+    field = prefix + "logit_bias"
+    _count(list(bias), MAX_LOGIT_BIAS_ENTRIES, field)
+    for key in bias:
+        ok = isinstance(key, str) and 0 < len(key) <= 20 and key.isdigit()
+        if not ok or (vocab and int(key) >= vocab):
+            raise InvalidRequestError(f"{field} keys must be token ids in [0, {vocab or 'vocab'})"
+                                      f", got {str(key)[:40]!r}", field)
+
+
 def _check_seed(obj: dict[str, Any], prefix: str) -> None:
     for key in ("seed", "sampling_seed"):
         seed = _int(obj.get(key))
@@ -311,9 +325,11 @@ def check_body(route: str, body: dict[str, Any], info: dict[str, Any],
                 prefix = f"sampling_params[{i}]." if isinstance(sps, list) else "sampling_params."
                 _check_stop(sp, prefix, vocab)
                 _check_seed(sp, prefix)
+                _check_bias(sp, prefix, vocab)
     else:
         _check_stop(body, "", vocab)
         _check_seed(body, "")
+        _check_bias(body, "", vocab)
         _count(_batch(body.get("prompt")), MAX_BATCH, "prompt")
         _check_text(body.get("prompt"), "prompt", max_chars)
         for key in ("logprobs", "top_logprobs"):

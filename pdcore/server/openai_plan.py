@@ -81,7 +81,8 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
         check_prompt(ids, info, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field)
     s = SamplingInput(max_new_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
                       ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
-                      no_stop_trim=body.no_stop_trim, seed=body.seed)
+                      no_stop_trim=body.no_stop_trim, seed=body.seed,
+                      logit_bias=body.logit_bias, min_new_tokens=body.min_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         v = getattr(body, name)

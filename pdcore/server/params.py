@@ -46,6 +46,26 @@ class SamplingInput:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    logit_bias: dict[str, float] | None = None  # token id (as OpenAI sends it, a string) -> bias
+    min_new_tokens: int = 0
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]; the entries are bounded in limits.py
+
+
+def _logit_bias(raw: dict[str, float] | None, field: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise bad(f"{field} keys must be token ids, got {key!r}", field) from None
+        if token < 0:
+            raise bad(f"{field} keys must be token ids >= 0, got {token}", field)
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise bad(f"{field}[{key}] must be in [-100, 100], got {value}", field)
+        out[token] = float(value)
+    return out
 
 
 def build_sampling(s: SamplingInput, prefix: str = "", names: dict[str, str] | None = None
@@ -82,6 +102,9 @@ def build_sampling(s: SamplingInput, prefix: str = "", names: dict[str, str] | N
         raise bad(f"{f('stop')} must not contain empty strings", f("stop"))
     if any(t < 0 for t in s.stop_token_ids or []):
         raise bad(f"{f('stop_token_ids')} must be token ids >= 0", f("stop_token_ids"))
+    if s.min_new_tokens < 0:
+        raise bad(f"{f('min_new_tokens')} must be >= 0, got {s.min_new_tokens}",
+                  f("min_new_tokens"))
     return SamplingParams(
         max_new_tokens=-1 if s.max_new_tokens is None else s.max_new_tokens,  # -1: fill later
         temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
@@ -90,6 +113,8 @@ def build_sampling(s: SamplingInput, prefix: str = "", names: dict[str, str] | N
         seed=s.seed, stop=stop, stop_token_ids=list(s.stop_token_ids or []),
         ignore_eos=bool(s.ignore_eos), skip_special_tokens=bool(s.skip_special_tokens),
         no_stop_trim=bool(s.no_stop_trim),
+        logit_bias=_logit_bias(s.logit_bias, f("logit_bias")),
+        min_new_tokens=int(s.min_new_tokens),
     )
 
 

@@ -106,6 +106,8 @@ class SamplingParamsIn(_Open):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: Int = 1
+    logit_bias: dict[str, Float] | None = None
+    min_new_tokens: Int = 0
 
 
 class GenerateRequest(PDFields):
@@ -143,6 +145,8 @@ class _OpenAIBase(PDFields):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    logit_bias: dict[str, Float] | None = None
+    min_tokens: Int = 0  # vLLM's and SGLang's extension (SGLang's min_new_tokens)
     user: str | None = None
     timeout: Float | None = None
 

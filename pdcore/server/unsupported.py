@@ -20,7 +20,14 @@ _ANY_ROUTE: dict[str, tuple[Any, ...]] = {
     "token_ids_logprob": (), "input_embeds": (), "priority": (),
     "image_data": ([],), "video_data": ([],), "audio_data": ([],),
     "return_hidden_states": (False,), "return_entropy": (False,), "return_bytes": (False,),
-    "background": (False,), "min_tokens": (0,), "logit_bias": ({},),
+    "background": (False,),
+}
+# served, but under another name or place on this route: field -> where it goes
+_MISPLACED: dict[str, dict[str, str]] = {
+    "/generate": {"min_tokens": "sampling_params.min_new_tokens",
+                  "min_new_tokens": "sampling_params.min_new_tokens",
+                  "logit_bias": "sampling_params.logit_bias"},
+    "openai": {"min_new_tokens": "min_tokens"},
 }
 _OPENAI: dict[str, tuple[Any, ...]] = {
     "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
@@ -30,7 +37,7 @@ _OPENAI: dict[str, tuple[Any, ...]] = {
 }
 _SAMPLING: dict[str, tuple[Any, ...]] = {
     "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "stop_regex": (),
-    "min_new_tokens": (0,), "logit_bias": ({},), "custom_params": (), "stream_interval": (),
+    "custom_params": (), "stream_interval": (),
     "spaces_between_special_tokens": (True,),
 }
 _MESSAGE: dict[str, tuple[Any, ...]] = {
@@ -63,6 +70,9 @@ def _check(obj: dict[str, Any], table: dict[str, tuple[Any, ...]], prefix: str) 
 def check_unsupported(route: str, body: dict[str, Any]) -> None:
     """400 naming the first field of `body` that asks for something not implemented."""
     _check(body, _ANY_ROUTE, "")
+    for key, there in _MISPLACED["/generate" if route == "/generate" else "openai"].items():
+        if body.get(key) not in (None, 0, {}) or isinstance(body.get(key), bool):
+            raise InvalidRequestError(f"{key} goes in {there} on {route}", key)
     if route == "/generate":
         sps = body.get("sampling_params")
         for i, sp in enumerate(sps if isinstance(sps, list) else [sps]):

@@ -1,0 +1,84 @@
+"""`logit_bias` and `min_new_tokens` / `min_tokens` (#32 item 3), on a unified server and through
+a PD pair (tcp) behind our router, on a tiny random Llama: each option changes the answer as
+asked, the PD answer equals the unified one token for token (P samples the first token under the
+same options, D the rest, counting P's token toward min_new_tokens), and bad values are 400."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from pdcore.engine.tokenizer import default_model_file
+from pdcore.testing.processes import PDCluster, ServerProcess
+from pdcore.testing.tiny_models import make_tiny_model
+
+PROMPT = [5, 250, 61, 9, 3, 77, 12, 400, 31]
+NEW = 6
+FLAGS = ("--max-total-tokens", "4096")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Any:
+    model = make_tiny_model(str(tmp_path_factory.mktemp("opts") / "m"), seed=5,
+                            tokenizer_from=default_model_file())
+    unified = ServerProcess("--model-path", model, *FLAGS)
+    cluster = PDCluster("tcp", model_path=model, flags=FLAGS)
+    try:
+        unified.wait_healthy(180)
+        cluster.start()
+        yield {"unified": unified.url, "pd": cluster.url}
+    finally:
+        cluster.stop()
+        unified.stop()
+
+
+def _ids(url: str, **sp: Any) -> list[int]:
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0,
+                                                     **sp}}
+    r = httpx.post(url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def _both(servers: dict[str, str], **sp: Any) -> list[int]:
+    got = {name: _ids(url, **sp) for name, url in servers.items()}
+    assert got["pd"] == got["unified"], (sp, got)
+    return got["unified"]
+
+
+def test_logit_bias(servers) -> None:
+    plain = _both(servers, ignore_eos=True)
+    forced = _both(servers, ignore_eos=True, logit_bias={"777": 100})
+    assert forced == [777] * NEW  # the first token too: sampled on P under the same bias
+    banned = _both(servers, ignore_eos=True, logit_bias={str(plain[0]): -100})
+    assert banned[0] != plain[0] and plain[0] not in banned
+
+
+def test_min_new_tokens(servers) -> None:
+    plain = _both(servers, ignore_eos=True)
+    stop = plain[1]  # greedy's second token, made a stop id
+    assert _both(servers, stop_token_ids=[stop]) == plain[:2]
+    held = _both(servers, stop_token_ids=[stop], min_new_tokens=4)
+    assert len(held) >= 4 and stop not in held[:3], held  # not sampled before the 4th token
+    # the OpenAI name, on the router
+    r = httpx.post(servers["pd"] + "/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "stop_token_ids": [stop],
+        "min_tokens": 4, "logit_bias": {str(stop): 0}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 4
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"sampling_params": {"logit_bias": {"x": 1}}}, "sampling_params.logit_bias"),
+    ({"sampling_params": {"logit_bias": {"99999999": 1}}}, "sampling_params.logit_bias"),
+    ({"sampling_params": {"logit_bias": {"5": 101}}}, "sampling_params.logit_bias"),
+    ({"sampling_params": {"min_new_tokens": -1}}, "sampling_params.min_new_tokens"),
+    ({"min_tokens": 3}, "min_tokens"),  # /generate takes it in sampling_params
+])
+def test_bad_values_are_400(servers, body, field) -> None:
+    for url in servers.values():
+        r = httpx.post(url + "/generate", json={"input_ids": PROMPT, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field, r.text
