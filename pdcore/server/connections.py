@@ -3,7 +3,7 @@
 uvicorn reads a request's headers and body with no deadline and takes as many connections as the
 process has file descriptors: 20,000 sockets that never finished their headers kept the router's
 `/health` unreachable for the whole hold, and the accept loop's "Too many open files" logged
-180,000 tracebacks. `ConnectionGate` bounds each port:
+180,000 tracebacks. `PortGate` bounds each port:
 
 1. **Header deadline** (PDSERVE_HTTP_HEADER_TIMEOUT_S, 10 s): a connection whose request line and
    headers are not complete that long after its first byte (or after it opened, or after its
@@ -22,6 +22,9 @@ process has file descriptors: 20,000 sockets that never finished their headers k
 
 `guarded_protocol(gate)` is the uvicorn HTTP protocol class (`uvicorn.Config(http=...)`) that
 reports to the gate; the gate sweeps its connections once a second on the server's loop.
+(pdcore.netguard.ConnectionGate does the same eviction for the threaded, blocking listeners of
+P's bootstrap server and the tcp backend; this one adds deadlines and a total limit for the
+asyncio HTTP ports.)
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def max_connections(nofile: int) -> int:
     return min(int(raw), cap)
 
 
-class ConnectionGate:
+class PortGate:
     """The connections of one listening port: who waits for headers since when, who reads a
     body, what was closed and why."""
 
@@ -190,7 +193,7 @@ class ConnectionGate:
 
 
 class MetricsCollector:
-    def __init__(self, gate: ConnectionGate) -> None:
+    def __init__(self, gate: PortGate) -> None:
         self._gate = gate
 
     def describe(self) -> list[Any]:
@@ -206,7 +209,7 @@ class QuietFilter(logging.Filter):
 
     NOISE = ("socket.accept() out of system resource", "Invalid HTTP request received")
 
-    def __init__(self, gate: ConnectionGate) -> None:
+    def __init__(self, gate: PortGate) -> None:
         super().__init__()
         self._gate = gate
 
@@ -217,7 +220,7 @@ class QuietFilter(logging.Filter):
         return True
 
 
-def guarded_protocol(gate: ConnectionGate) -> type:
+def guarded_protocol(gate: PortGate) -> type:
     """uvicorn's h11 protocol, reporting to `gate`."""
 
     class GuardedH11Protocol(H11Protocol):
@@ -245,10 +248,10 @@ def guarded_protocol(gate: ConnectionGate) -> type:
     return GuardedH11Protocol
 
 
-def install(app: Any, registry: Any | None = None) -> tuple[ConnectionGate, type]:
+def install(app: Any, registry: Any | None = None) -> tuple[PortGate, type]:
     """A gate for the app's port: its metrics in `registry`, the noise filters on the loggers;
     returns (gate, the protocol class for uvicorn.Config(http=...))."""
-    gate = ConnectionGate()
+    gate = PortGate()
     app.state.connection_gate = gate
     if registry is not None:
         registry.register(MetricsCollector(gate))
