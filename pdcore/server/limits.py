@@ -231,7 +231,8 @@ def _check_bias(obj: dict[str, Any], prefix: str, vocab: int) -> None:
     field = prefix + "logit_bias"
     _count(list(bias), MAX_LOGIT_BIAS_ENTRIES, field)
     for key in bias:
-        ok = isinstance(key, str) and 0 < len(key) <= 20 and key.isdigit()
+        # isascii: str.isdigit() is also true of "³" and other digits int() refuses
+        ok = isinstance(key, str) and 0 < len(key) <= 20 and key.isascii() and key.isdigit()
         if not ok or (vocab and int(key) >= vocab):
             raise InvalidRequestError(f"{field} keys must be token ids in [0, {vocab or 'vocab'})"
                                       f", got {str(key)[:40]!r}", field)

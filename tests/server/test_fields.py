@@ -66,6 +66,7 @@ CASES = [
     ("unsupported", "/v1/completions", _cmpl(suffix="end"), 400, "suffix"),
     ("misplaced", "/v1/completions", _cmpl(min_new_tokens=3), 400, "min_new_tokens"),
     ("vocab", "/v1/completions", _cmpl(logit_bias={"5000000": 10}), 400, "logit_bias"),
+    ("vocab", "/v1/completions", _cmpl(logit_bias={"\u00b3": 1}), 400, "logit_bias"),  # "³"
     ("unsupported", "/v1/completions", _cmpl(best_of=3), 400, "best_of"),
     ("unsupported", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name"),
