@@ -86,6 +86,9 @@ class ServerArgs:
     max_prefill_tokens: int = 8192
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
+    # structured output (pdcore.engine.grammar): xgrammar, as SGLang's default, or none
+    grammar_backend: str = "xgrammar"
+    constrained_json_disable_any_whitespace: bool = False
     # disaggregation
     disaggregation_mode: str = "null"
     # None: mooncake when installed and available, else tcp (pdcore.plugins.default_backend)

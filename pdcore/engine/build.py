@@ -23,6 +23,7 @@ import torch
 
 from pdcore.config import HOST_SERVERS_ENV, ServerArgs, host_servers
 from pdcore.engine.block_manager import BlockManager
+from pdcore.engine.grammar import GrammarBackend
 from pdcore.engine.kv_cache import KVCache
 from pdcore.engine.model_loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model_runner import ModelRunner
@@ -146,6 +147,14 @@ def kv_spec(model: Any, cfg: Any, tp: TPInfo) -> dict[str, Any]:
             "head_dim": head_dim, "total_kv_heads": cfg.num_key_value_heads, "is_mla": False}
 
 
+def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
+    """The structured-output backend; it loads the tokenizer on the first constrained request."""
+    from pdcore.engine.tokenizer import load_tokenizer
+
+    return GrammarBackend(args.grammar_backend, lambda: load_tokenizer(args), cfg.vocab_size,
+                          eos, any_whitespace=not args.constrained_json_disable_any_whitespace)
+
+
 def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     tp = tp or TPInfo()
     platform = _platform(args)
@@ -180,7 +189,9 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
                  cache_dtype, tp.rank, tp.size, spec["total_kv_heads"], spec["is_mla"])
     blocks = BlockManager(num_pages, args.page_size)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    sched = Scheduler(ModelRunner(model, kv, blocks, tp), blocks, SchedulerConfig(
+    runner = ModelRunner(model, kv, blocks, tp)
+    runner.grammar = _grammar(args, cfg, [e for e in eos if e is not None])
+    sched = Scheduler(runner, blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
         eos_ids=frozenset(e for e in eos if e is not None),

@@ -10,6 +10,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on the output (pdcore.engine.grammar): kind is json_schema, json_object,
+    regex, ebnf or structural_tag; source its text ("" for json_object); field the request
+    field that named it, for error messages."""
+
+    kind: str
+    source: str
+    field: str = "json_schema"
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -28,6 +39,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_new_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    grammar: GrammarSpec | None = None  # the output follows it (structured output)
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pdcore.engine.block_manager import BlockManager
+from pdcore.engine.grammar import GrammarBackend
 from pdcore.engine.io_struct import LogprobEntry
 from pdcore.engine.kv_cache import KVCache
 from pdcore.engine.models.layers import TPInfo
@@ -48,6 +49,7 @@ class ModelRunner:
                  tp: TPInfo | None = None) -> None:
         self.model, self.kv, self.blocks = model, kv, blocks
         self.tp = tp or TPInfo()
+        self.grammar: GrammarBackend | None = None  # structured output (build_engine sets it)
         self.device = next(model.parameters()).device
 
     def release_caches(self) -> None:
@@ -134,7 +136,8 @@ class ModelRunner:
             states = [items[i][0].state for i, _ in samp]
             want = [items[i][0].top_logprobs_num if items[i][0].return_logprob else None
                     for i, _ in samp]
-            toks, lps, errs = sample(logits[[row for _, row in samp]], states, want)
+            toks, lps, errs = sample(logits[[row for _, row in samp]], states, want,
+                                     self.grammar)
             for (i, _), t, lp, err in zip(samp, toks, lps, errs):
                 results[i].token, results[i].logprob, results[i].error = t, lp, err
         for i, (p_first, count, lo, _) in enumerate(plan):

@@ -1,5 +1,5 @@
-"""Token sampling: penalties, logit bias, min_new_tokens, temperature, top-k, top-p, min-p,
-per-request seeds, logprobs.
+"""Token sampling: grammar masks, penalties, logit bias, min_new_tokens, temperature, top-k,
+top-p, min-p, per-request seeds, logprobs.
 
 Logprobs are those of the model's distribution (log_softmax of the raw logits), as transformers
 reports them; sampling knobs change which token is picked, not the reported logprob.
@@ -7,12 +7,16 @@ reports them; sampling knobs change which token is picked, not the reported logp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdcore.engine.io_struct import LogprobEntry, SamplingParams
 from pdcore.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pdcore.engine.grammar import Constraint, GrammarBackend
 
 SEED_MIN, SEED_MAX = -(1 << 63), 1 << 64  # what torch.Generator.manual_seed accepts
 
@@ -28,6 +32,11 @@ class SampleState:
     generated: int = 0  # tokens sampled so far (on D: P's first token included)
     # EOS and stop ids, masked while fewer than min_new_tokens are out (None: nothing masked)
     banned: list[int] | None = None
+    # structured output: the matcher, made at the first sampling of this request (on the rank
+    # that samples); tokens observed before it exists (D: P's first token) are replayed into it
+    constraint: Constraint | None = None
+    unmatched: list[int] = field(default_factory=list)
+    grammar_done: bool = False  # the grammar accepted a stop token: the output is complete
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: list[int],
@@ -50,6 +59,13 @@ class SampleState:
 
     def observe(self, token: int) -> None:
         self.generated += 1
+        if self.params.grammar is not None:
+            if self.constraint is None:
+                self.unmatched.append(token)
+            elif not self.constraint.accept(token):  # sampled under its mask: cannot happen
+                raise RuntimeError(f"token {token} breaks the grammar it was sampled under")
+            else:
+                self.grammar_done = self.constraint.terminated
         if self.banned is not None and self.generated >= self.params.min_new_tokens:
             self.banned = None  # back on the fast path
         if self.counts is not None:
@@ -60,7 +76,27 @@ class SampleState:
     @property
     def plain_greedy(self) -> bool:
         return (self.params.greedy and self.counts is None and self.seen is None
-                and not self.params.logit_bias and self.banned is None)
+                and not self.params.logit_bias and self.banned is None
+                and self.params.grammar is None)
+
+    def ensure_constraint(self, backend: GrammarBackend | None) -> Constraint:
+        """The matcher, made on first use and fed the tokens observed before it existed."""
+        if self.constraint is None:
+            if backend is None:
+                from pdcore.engine.grammar import GrammarUnavailable
+
+                raise GrammarUnavailable("this engine has no grammar backend", "grammar")
+            c = backend.constraint(self.params.grammar)  # type: ignore[arg-type]
+            for tok in self.unmatched:
+                if not c.accept(tok):
+                    raise RuntimeError(
+                        f"token {tok}, sampled before this server's matcher existed (on the "
+                        "prefill server in PD), does not follow the grammar: do P and D run the "
+                        "same --grammar-backend and model?")
+            self.unmatched.clear()
+            self.constraint = c
+            self.grammar_done = c.terminated
+        return self.constraint
 
 
 def _penalize(row: torch.Tensor, st: SampleState) -> torch.Tensor:
@@ -111,7 +147,34 @@ def row_error(e: Exception, what: str) -> RowError:
     return f"{what} failed: {type(e).__name__}: {e}", 500
 
 
+def _grammar_rows(logits: torch.Tensor, states: list[SampleState],
+                  grammar: GrammarBackend | None, errors: list[RowError | None],
+                  ) -> dict[int, torch.Tensor]:
+    """Row index -> that row's logits with the tokens its grammar forbids at -inf, for every
+    constrained request (one bitmask for the batch, applied in one call)."""
+    rows = [i for i, st in enumerate(states) if st.params.grammar is not None]
+    if not rows:
+        return {}
+    ok: list[int] = []
+    for i in rows:
+        try:
+            states[i].ensure_constraint(grammar)
+            ok.append(i)
+        except Exception as e:  # noqa: BLE001 - a grammar that does not compile is one row's
+            errors[i] = row_error(e, "grammar")
+    if not ok:
+        return {}
+    assert grammar is not None
+    bitmask = grammar.bitmask(len(ok))
+    for j, i in enumerate(ok):
+        states[i].constraint.fill(bitmask, j)  # type: ignore[union-attr]
+    masked = logits[ok].clone()
+    grammar.apply(masked, bitmask)
+    return {i: masked[j] for j, i in enumerate(ok)}
+
+
 def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[int | None],
+           grammar: GrammarBackend | None = None,
            ) -> tuple[list[int | None], list[LogprobEntry | None], list[RowError | None]]:
     """logits [R, V] (one row per request). want_logprobs[i]: None (no logprobs) or the number
     of top logprobs to return (0 = only the chosen token's). Returns tokens, logprob entries
@@ -123,11 +186,18 @@ def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[
     if all(st.plain_greedy for st in states):
         tokens = list(torch.argmax(logits, -1).tolist())
     else:
+        masked = _grammar_rows(logits, states, grammar, errors)
         for i, st in enumerate(states):
+            if errors[i] is not None:
+                continue
             try:
-                row = logits[i].clone()
+                row = masked[i] if i in masked else logits[i].clone()
                 if not st.plain_greedy:
                     row = _penalize(row, st)
+                if i in masked and not torch.isfinite(row).any():
+                    raise InvalidRequestError(
+                        "no token satisfies the grammar together with logit_bias and "
+                        "min_new_tokens", st.params.grammar.field)  # type: ignore[union-attr]
                 tokens[i] = _sample_row(row, st)
             except Exception as e:  # noqa: BLE001 - isolated to this request
                 errors[i] = row_error(e, "sampling")
@@ -142,8 +212,11 @@ def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[
                     errors[i] = row_error(e, "logprobs")
     for i, st in enumerate(states):
         if errors[i] is None:
-            st.observe(int(tokens[i]))  # type: ignore[arg-type]
-        else:
+            try:
+                st.observe(int(tokens[i]))  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - isolated to this request
+                errors[i] = row_error(e, "grammar")
+        if errors[i] is not None:
             tokens[i] = None
     return tokens, entries, errors
 

@@ -345,7 +345,9 @@ class Scheduler:
             req.pending_out_logprobs.append(logprob)
         self.counters.generated_tokens += 1
         p = req.params
-        if not p.ignore_eos and token in self.cfg.eos_ids or token in p.stop_token_ids:
+        # a grammar that took a stop token ends the output, even with ignore_eos
+        stopped = not p.ignore_eos and token in self.cfg.eos_ids or token in p.stop_token_ids
+        if stopped or req.state.grammar_done:
             self.finish(req, {"type": "stop", "matched": token})
         elif len(req.output) >= p.max_new_tokens:
             self.finish(req, {"type": "length", "length": p.max_new_tokens})
@@ -406,7 +408,15 @@ class Scheduler:
             "forward_extend_steps_total": c.extend_steps,
             "forward_extend_seconds_total": c.extend_seconds,
             **self._native_stats(), **self._cache_stats(), **self.ext.stats(),
+            **self._grammar_stats(),
         }
+
+    def _grammar_stats(self) -> dict[str, Any]:
+        g = getattr(self.runner, "grammar", None)  # test runners may have none
+        running = sum(1 for r in self.running if r.params.grammar is not None)
+        return {"grammar_compiled_total": g.compiled if g else 0,
+                "grammar_compile_seconds_total": g.compile_seconds if g else 0.0,
+                "grammar_running_requests": running}
 
     def _native_stats(self) -> dict[str, Any]:
         """Whether the native kernels serve (1/0) and on which ISA (native_isa_*: 1 for the

@@ -31,6 +31,7 @@ import zmq
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import ControlReq, ControlResp
+from pdcore.runtime.grammar_gate import GrammarGate
 from pdcore.runtime.group import agree_started
 from pdcore.runtime.lifeline import ParentWatch, StepWatchdog, die_with_parent
 from pdcore.runtime.lockstep import Lockstep
@@ -41,6 +42,7 @@ from pdcore.runtime_env import trim_heap
 log = logging.getLogger("pdcore.scheduler")
 
 IDLE_POLL_MS = 50
+GRAMMAR_POLL_MS = 5  # a grammar compiling: look again soon
 PD_WAIT_MS, PD_WAIT_TP_MS = 1, 4
 
 
@@ -54,6 +56,8 @@ class SchedulerLoop:
         self.busy = False  # the last loop had work: going idle trims the heap once
         self.lockstep = Lockstep(engine)
         self.inbox: list[Any] = []  # requests and aborts for the next lockstep iteration
+        # constrained requests wait for their grammar off the scheduler's thread
+        self.grammar = GrammarGate(getattr(self.sched.runner, "grammar", None))
         self.watchdog = StepWatchdog(watchdog_timeout)
 
     def handle(self, msg: Any) -> None:
@@ -111,7 +115,7 @@ class SchedulerLoop:
         while not self.stop:
             if self.lockstep.peers_busy:  # DP attention: another DP rank waits on this one
                 timeout = 0
-            elif not self.sched.has_work():
+            elif not self.sched.has_work() and not self.grammar.pending:
                 timeout = IDLE_POLL_MS
                 if self.busy:  # what the steps freed would stay resident until reused
                     self.busy = False
@@ -119,6 +123,8 @@ class SchedulerLoop:
                     trim_heap()
             elif self.sched.last_ran or self.sched.outbox:
                 timeout = 0
+            elif self.grammar.pending:
+                timeout = GRAMMAR_POLL_MS
             else:  # only PD queues waiting on the network: do not spin (with TP every
                 # iteration costs collectives on every rank, so wait a little longer)
                 timeout = PD_WAIT_MS if self.sched.tp.size == 1 else PD_WAIT_TP_MS
@@ -130,7 +136,10 @@ class SchedulerLoop:
                     except zmq.Again:
                         break
                     self.handle(pickle.loads(raw))
-            msgs, self.inbox = self.inbox, []
+            msgs, ended = self.grammar.admit(self.inbox)
+            self.inbox = []
+            for out in ended:
+                self.send.send(pickle.dumps(out))
             self.watchdog.begin(f"{len(msgs)} new messages, {len(self.sched.running)} running, "
                                 f"{len(self.sched.waiting)} waiting requests")
             outs = self.lockstep.lead(msgs)

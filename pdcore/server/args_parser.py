@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "disaggregation_mode": DISAGG_MODES,
     "log_level": ("debug", "info", "warning", "error", "critical"),
     "schedule_policy": ("fcfs", "lpm"),
+    "grammar_backend": ("xgrammar", "none"),
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "load_format": LOAD_FORMATS,
     "moe_a2a_backend": MOE_A2A_BACKENDS,
@@ -84,6 +85,10 @@ HELP: dict[str, str] = {
     "disable_radix_cache": "turn the prefix cache (RadixAttention) off: every prompt is "
                            "computed in full",
     "schedule_policy": "queue order: fcfs (arrival) or lpm (longest cached prefix first)",
+    "grammar_backend": "structured output (json_schema, regex, ebnf, response_format): "
+                       "xgrammar or none (such requests then get 400)",
+    "constrained_json_disable_any_whitespace": "JSON-schema output without free whitespace "
+                                               "between tokens (compact JSON)",
     "disaggregation_decode_enable_radix_cache": "decode server: keep finished requests' KV "
                                                 "in a prefix cache and receive only the part of "
                                                 "a prompt it does not hold",

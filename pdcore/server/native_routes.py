@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.engine.grammar import spec_from_fields
 from pdcore.route_auth import RouteGuard
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.engine_client import EngineClient, EngineError, new_rid
@@ -44,7 +45,7 @@ from pdcore.server.schemas import GenerateRequest, SamplingParamsIn
 
 router = APIRouter()
 DEFAULT_MAX_NEW_TOKENS = 128
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingInput)}
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingInput)} - {"grammar"}
 
 
 @dataclasses.dataclass
@@ -103,7 +104,8 @@ def plan_generate(body: GenerateRequest, engine: EngineClient, guard: RouteGuard
         if raw.get("sampling_seed") is not None and raw.get("seed") is None:
             raw["seed"] = raw["sampling_seed"]
         sampling = build_sampling(
-            SamplingInput(**{f: raw[f] for f in _SAMPLING_FIELDS if f in raw}), prefix)
+            SamplingInput(**{f: raw[f] for f in _SAMPLING_FIELDS if f in raw},
+                          grammar=spec_from_fields(raw, prefix)), prefix)
         if sampling.seed is not None and j:
             sampling.seed += j  # n samples with one seed must still differ
         clamp_max_new_tokens(sampling, len(ids), info, DEFAULT_MAX_NEW_TOKENS,

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcore.engine.grammar import spec_from_fields, spec_from_response_format
+from pdcore.engine.io_struct import GrammarSpec
 from pdcore.route_auth import RouteGuard
 from pdcore.server.engine_client import EngineClient, new_rid
 from pdcore.server.generation import Item
@@ -70,6 +72,17 @@ class Plan:
     echo_texts: list[str] = field(default_factory=list)
 
 
+def _grammar(body: CompletionRequest | ChatCompletionRequest) -> GrammarSpec | None:
+    """response_format, or SGLang's top-level json_schema / regex / ebnf; not both."""
+    rf = spec_from_response_format(body.response_format)
+    own = spec_from_fields({"json_schema": body.json_schema, "regex": body.regex,
+                            "ebnf": body.ebnf})
+    if rf is not None and own is not None:
+        raise bad(f"response_format and {own.field} both constrain the output; send one",
+                  own.field)
+    return rf or own
+
+
 def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
           prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
           max_tokens_field: str, default_max: int | None, want_logprobs: bool, top: int,
@@ -82,7 +95,8 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
     s = SamplingInput(max_new_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
                       ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
                       no_stop_trim=body.no_stop_trim, seed=body.seed,
-                      logit_bias=body.logit_bias, min_new_tokens=body.min_tokens)
+                      logit_bias=body.logit_bias, min_new_tokens=body.min_tokens,
+                      grammar=_grammar(body))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         v = getattr(body, name)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GenerateReq, SamplingParams
+from pdcore.engine.io_struct import GenerateReq, GrammarSpec, SamplingParams
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
 from pdcore.route_auth import RouteGuard
 from pdcore.server.generation import Item
@@ -48,6 +48,7 @@ class SamplingInput:
     no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI sends it, a string) -> bias
     min_new_tokens: int = 0
+    grammar: GrammarSpec | None = None  # parsed by pdcore.engine.grammar.spec_from_*
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]; the entries are bounded in limits.py
@@ -114,7 +115,7 @@ def build_sampling(s: SamplingInput, prefix: str = "", names: dict[str, str] | N
         ignore_eos=bool(s.ignore_eos), skip_special_tokens=bool(s.skip_special_tokens),
         no_stop_trim=bool(s.no_stop_trim),
         logit_bias=_logit_bias(s.logit_bias, f("logit_bias")),
-        min_new_tokens=int(s.min_new_tokens),
+        min_new_tokens=int(s.min_new_tokens), grammar=s.grammar,
     )
 
 

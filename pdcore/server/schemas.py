@@ -108,6 +108,11 @@ class SamplingParamsIn(_Open):
     n: Int = 1
     logit_bias: dict[str, Float] | None = None
     min_new_tokens: Int = 0
+    # structured output (pdcore.engine.grammar): at most one; a schema may be an object or text
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
 
 class GenerateRequest(PDFields):
@@ -149,6 +154,11 @@ class _OpenAIBase(PDFields):
     min_tokens: Int = 0  # vLLM's and SGLang's extension (SGLang's min_new_tokens)
     user: str | None = None
     timeout: Float | None = None
+    # structured output: OpenAI's response_format, or SGLang's regex / ebnf / json_schema
+    response_format: dict[str, Any] | None = None
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_OpenAIBase):

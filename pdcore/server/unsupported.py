@@ -15,7 +15,6 @@ from pdcore.errors import InvalidRequestError
 
 # field -> values that leave the answer unchanged; null (JSON null) is always accepted
 _ANY_ROUTE: dict[str, tuple[Any, ...]] = {
-    "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (),
     "lora_path": (), "lora_id": (), "session_params": (), "custom_logit_processor": (),
     "token_ids_logprob": (), "input_embeds": (), "priority": (),
     "image_data": ([],), "video_data": ([],), "audio_data": ([],),
@@ -26,17 +25,22 @@ _ANY_ROUTE: dict[str, tuple[Any, ...]] = {
 _MISPLACED: dict[str, dict[str, str]] = {
     "/generate": {"min_tokens": "sampling_params.min_new_tokens",
                   "min_new_tokens": "sampling_params.min_new_tokens",
-                  "logit_bias": "sampling_params.logit_bias"},
-    "openai": {"min_new_tokens": "min_tokens"},
+                  "logit_bias": "sampling_params.logit_bias",
+                  "json_schema": "sampling_params.json_schema", "regex": "sampling_params.regex",
+                  "ebnf": "sampling_params.ebnf",
+                  "structural_tag": "sampling_params.structural_tag",
+                  "response_format": "sampling_params.json_schema"},
+    "openai": {"min_new_tokens": "min_tokens",
+               "structural_tag": 'response_format {"type": "structural_tag", ...}'},
 }
 _OPENAI: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "chat_template_kwargs": ({},),
     "reasoning_effort": (), "audio": (), "prediction": (), "modalities": (["text"],),
     "store": (False,), "suffix": ("",),
 }
 _SAMPLING: dict[str, tuple[Any, ...]] = {
-    "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "stop_regex": (),
+    "stop_regex": (),
     "custom_params": (), "stream_interval": (),
     "spaces_between_special_tokens": (True,),
 }

@@ -50,17 +50,21 @@ def _nested(depth: int) -> object:
 # (class, path, body (dict or raw JSON text), status, field named in param and message)
 CASES = [
     # not implemented: refused rather than silently ignored
-    ("unsupported", "/v1/chat/completions", _chat(response_format={"type": "json_object"}), 400,
-     "response_format"),
     ("unsupported", "/v1/chat/completions",
      _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("unsupported", "/v1/chat/completions", _chat(tool_choice="auto"), 400, "tool_choice"),
-    ("unsupported", "/v1/chat/completions", _chat(regex="a+"), 400, "regex"),
-    ("unsupported", "/v1/completions", _cmpl(json_schema='{"type": "object"}'), 400,
-     "json_schema"),
-    ("unsupported", "/v1/completions", _cmpl(ebnf="root ::= 'a'"), 400, "ebnf"),
-    ("unsupported", "/generate", _sp(regex="a+"), 400, "sampling_params.regex"),
-    ("unsupported", "/generate", _sp(json_schema="{}"), 400, "sampling_params.json_schema"),
+    # structured output: the grammar fields are checked before the engine sees them
+    ("grammar", "/v1/chat/completions", _chat(response_format={"type": "xml"}), 400,
+     "response_format.type"),
+    ("grammar", "/v1/chat/completions",
+     _chat(regex="a+", response_format={"type": "json_object"}), 400, "regex"),
+    ("grammar", "/v1/completions", _cmpl(json_schema='{"type": '), 400, "json_schema"),
+    ("grammar", "/generate", _sp(regex=""), 400, "sampling_params.regex"),
+    ("grammar", "/generate", _sp(json_schema="{}", ebnf="root ::= 'a'"), 400,
+     "sampling_params.ebnf"),
+    ("misplaced", "/generate", _gen(regex="a+"), 400, "regex"),
+    ("misplaced", "/v1/chat/completions", _chat(structural_tag={"structures": []}), 400,
+     "structural_tag"),
     ("misplaced", "/generate", _gen(min_new_tokens=3), 400, "min_new_tokens"),
     ("unsupported", "/generate", _gen(return_hidden_states=True), 400, "return_hidden_states"),
     ("unsupported", "/v1/completions", _cmpl(suffix="end"), 400, "suffix"),
@@ -134,6 +138,8 @@ ACCEPTED = [
     ("/generate", {**_sp(seed=2**62), "log_metrics": True, "return_entropy": False,
                    "background": False, "model": None, "timeout": 30}),
     ("/v1/completions", _cmpl(logprobs=20, seed=-5, stop=["\U0001f600"])),
+    ("/generate", _sp(regex="[a-z]+")),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_object"})),
 ]
 
 

@@ -1,0 +1,248 @@
+"""Constrained decoding: a request's grammar (JSON schema, JSON object, regex, EBNF, structural
+tag) turned into a per-request matcher whose token bitmask the sampler applies.
+
+The grammar backend is xgrammar (`--grammar-backend xgrammar`, SGLang's default) or `none`.
+It is built lazily, on the first constrained request of a scheduler process, from the model's
+tokenizer (xgrammar's TokenizerInfo, with the model's vocabulary size: the logits may be wider
+than the tokenizer) and compiles each grammar once (an LRU of compiled grammars), ahead of
+scheduling on a worker thread (runtime/grammar_gate.py holds the request until it is ready).
+
+In PD the first output token is sampled on P under the grammar and D accepts it into its own
+matcher before sampling the second (SampleState.observe), so P and D follow one grammar.
+Each sample of n > 1 has its own SampleState and so its own matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from pdcore.engine.io_struct import GrammarSpec
+from pdcore.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # the HTTP process parses specs here without importing torch
+    import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("xgrammar", "none")
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused (400)
+COMPILED_KEPT = 128  # compiled grammars kept for reuse (LRU), per scheduler process
+COMPILE_THREADS = 2  # one slow grammar leaves a thread for the others
+
+
+class GrammarUnavailable(InvalidRequestError):
+    """The server was started without a grammar backend, or it is not installed."""
+
+
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def _clean(message: str) -> str:
+    """xgrammar's C++ error text without its time stamp, source line and assertion."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    return _CPP_PREFIX.sub("", first)[:300]
+
+
+class Constraint:
+    """One request's matcher. `allows` and `accept` are the sampler's and the scheduler's view."""
+
+    def __init__(self, matcher: Any, field: str) -> None:
+        self.m, self.field = matcher, field
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return bool(self.m.accept_token(int(token)))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.m.is_terminated())
+
+
+class GrammarBackend:
+    """Compiles grammars for one model's vocabulary and makes matchers; thread-safe building."""
+
+    def __init__(self, name: str, tokenizer: Callable[[], Any], vocab_size: int,
+                 eos_ids: Sequence[int], any_whitespace: bool = True) -> None:
+        if name not in BACKENDS:
+            raise ValueError(f"grammar backend {name!r}: expected one of {', '.join(BACKENDS)}")
+        self.name, self.vocab_size = name, int(vocab_size)
+        self._tokenizer, self._eos = tokenizer, sorted(int(e) for e in eos_ids)
+        self.any_whitespace = any_whitespace
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+        self._done: OrderedDict[GrammarSpec, Any] = OrderedDict()  # LRU of compiled grammars
+        self._pool: ThreadPoolExecutor | None = None
+        self.compiled = 0  # grammars compiled
+        self.compile_seconds = 0.0
+
+    def _xgr(self) -> Any:
+        if self.name == "none":
+            raise GrammarUnavailable(
+                "constrained decoding is off on this server (--grammar-backend none); start it "
+                "with --grammar-backend xgrammar", "grammar")
+        try:
+            import xgrammar
+        except ImportError as e:  # declared in pdcore's dependencies; a broken install
+            raise GrammarUnavailable(f"the grammar backend xgrammar cannot be imported ({e}); "
+                                     "pip install xgrammar", "grammar") from None
+        return xgrammar
+
+    def compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                xgr = self._xgr()
+                t = time.monotonic()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=self._eos)
+                # our own LRU keeps compiled grammars (bounded by count); xgrammar's cache off
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                log.info("grammar backend xgrammar ready for %d tokens in %.2fs",
+                         self.vocab_size, time.monotonic() - t)
+            return self._compiler
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        comp = self.compiler()
+        if spec.kind == "json_object":
+            return comp.compile_builtin_json_grammar()
+        if spec.kind == "json_schema":
+            return comp.compile_json_schema(spec.source, any_whitespace=self.any_whitespace)
+        if spec.kind == "regex":
+            return comp.compile_regex(spec.source)
+        if spec.kind == "ebnf":
+            return comp.compile_grammar(spec.source)
+        if spec.kind == "structural_tag":
+            tag = json.loads(spec.source)
+            if isinstance(tag, dict) and "structures" in tag and "format" not in tag:
+                # SGLang's form: {"structures": [{begin, schema, end}], "triggers": [...]}
+                xgr = self._xgr()
+                items = [xgr.StructuralTagItem(
+                    begin=s["begin"], end=s["end"],
+                    schema=s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"]))
+                    for s in tag["structures"]]
+                return comp.compile_structural_tag(items, list(tag.get("triggers") or []))
+            return comp.compile_structural_tag(spec.source)
+        raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", spec.field)
+
+    def compiled_grammar(self, spec: GrammarSpec) -> Any:
+        """`spec` compiled (from the LRU when it was before); a grammar xgrammar refuses is the
+        client's error (400). Thread-safe: `prepare` runs it off the scheduler's thread."""
+        key = GrammarSpec(spec.kind, spec.source)  # the field name does not change the grammar
+        with self._lock:
+            if key in self._done:
+                self._done.move_to_end(key)
+                return self._done[key]
+        t = time.monotonic()
+        try:
+            compiled = self._compile(spec)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError kinds
+            msg = _clean(str(e)) or type(e).__name__
+            raise InvalidRequestError(f"{spec.field} cannot be compiled: {msg}",
+                                      spec.field) from None
+        with self._lock:
+            self.compiled += 1
+            self.compile_seconds += time.monotonic() - t
+            self._done[key] = compiled
+            while len(self._done) > COMPILED_KEPT:
+                self._done.popitem(last=False)
+        return compiled
+
+    def ready(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return GrammarSpec(spec.kind, spec.source) in self._done
+
+    def prepare(self, spec: GrammarSpec) -> Future:
+        """Compile `spec` on a worker thread (xgrammar releases the GIL while it compiles), so a
+        slow grammar never stalls the scheduler's steps; the future raises what compiling
+        raised."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        return self._pool.submit(self.compiled_grammar, spec)
+
+    def constraint(self, spec: GrammarSpec) -> Constraint:
+        """A fresh matcher for `spec` (compiled here when `prepare` did not run first)."""
+        compiled = self.compiled_grammar(spec)
+        return Constraint(self._xgr().GrammarMatcher(compiled), spec.field)
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        return self._xgr().allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Disallowed tokens' logits -> -inf, in place (logits [R, V], bitmask [R, words])."""
+        self._xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
+
+
+def _checked_text(kind: str, value: Any, field: str) -> str:
+    if isinstance(value, dict) and kind in ("json_schema", "structural_tag"):
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{field} must be a string", field)
+    if not value.strip():
+        raise InvalidRequestError(f"{field} must not be empty", field)
+    if len(value) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequestError(f"{field} has {len(value)} characters; at most "
+                                  f"{MAX_GRAMMAR_CHARS}", field)
+    if kind in ("json_schema", "structural_tag"):
+        try:
+            json.loads(value)
+        except ValueError as e:
+            raise InvalidRequestError(f"{field} is not valid JSON: {e}", field) from None
+    return value
+
+
+def spec_from_fields(fields: dict[str, Any], prefix: str = "") -> GrammarSpec | None:
+    """The one grammar named by json_schema / regex / ebnf / structural_tag in `fields` (None
+    when none is), checked for size and, for JSON kinds, for being JSON. json_schema and
+    structural_tag may hold a JSON object or its text."""
+    named = [(k, fields[k]) for k in ("json_schema", "regex", "ebnf", "structural_tag")
+             if fields.get(k) is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        keys = ", ".join(prefix + k for k, _ in named)
+        raise InvalidRequestError(f"at most one of json_schema, regex, ebnf, structural_tag may "
+                                  f"be set; got {keys}", prefix + named[1][0])
+    kind, value = named[0]
+    return GrammarSpec(kind, _checked_text(kind, value, prefix + kind), prefix + kind)
+
+
+def spec_from_response_format(rf: Any, field: str = "response_format") -> GrammarSpec | None:
+    """OpenAI's response_format: text (None), json_object, json_schema {name, schema, strict},
+    and SGLang's structural_tag {structures, triggers}."""
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise InvalidRequestError(f"{field} must be an object with a string `type`", field)
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", field)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise InvalidRequestError(f"{field}.json_schema must be an object with a `schema`",
+                                      f"{field}.json_schema")
+        schema = js.get("schema", js.get("schema_"))
+        if schema is None:  # OpenAI: a json_schema without `schema` means any JSON object
+            return GrammarSpec("json_object", "", field)
+        where = f"{field}.json_schema.schema"
+        return GrammarSpec("json_schema", _checked_text("json_schema", schema, where), where)
+    if kind == "structural_tag":
+        return GrammarSpec("structural_tag", _checked_text("structural_tag", dict(rf), field),
+                           field)
+    raise InvalidRequestError(f"{field}.type must be text, json_object, json_schema or "
+                              f"structural_tag; got {kind!r}", f"{field}.type")

@@ -1,0 +1,99 @@
+"""Constrained requests wait here, on the scheduler's rank 0, until their grammar is compiled.
+
+Compiling a grammar can take from microseconds to seconds (a long bounded repetition in a
+regex), so it runs on the grammar backend's worker threads (GrammarBackend.prepare) while the
+scheduler keeps stepping; the request enters the scheduler, on every TP rank at the same step,
+only once its grammar is ready. A grammar that does not compile answers 400 without ever
+reaching the scheduler; one still compiling after PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S (30 s)
+answers 400 too (its thread finishes in the background). An abort for a held request ends it
+here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from pdcore.engine.grammar import GrammarBackend
+from pdcore.engine.io_struct import AbortReq, GenerateReq, TokenOut
+from pdcore.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+TIMEOUT_ENV = "PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class _Held:
+    req: GenerateReq
+    future: Future
+    since: float
+
+
+class GrammarGate:
+    def __init__(self, backend: GrammarBackend | None, timeout_s: float | None = None) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s if timeout_s is not None else float(
+            os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        self.held: list[_Held] = []
+        self.timed_out = 0
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.held)
+
+    def _needs_wait(self, m: Any) -> bool:
+        g = m.sampling.grammar if isinstance(m, GenerateReq) else None
+        return g is not None and self.backend is not None and not self.backend.ready(g)
+
+    def admit(self, msgs: list[Any]) -> tuple[list[Any], list[TokenOut]]:
+        """(messages for the scheduler now, answers for requests that end here)."""
+        now = time.monotonic()
+        out: list[Any] = []
+        ended: list[TokenOut] = []
+        for m in msgs:
+            if isinstance(m, AbortReq) and any(h.req.rid == m.rid for h in self.held):
+                self.held = [h for h in self.held if h.req.rid != m.rid]
+                ended.append(TokenOut(m.rid, [], finished=True,
+                                      finish_reason={"type": "abort", "message": m.reason}))
+            elif self._needs_wait(m):
+                assert self.backend is not None
+                try:
+                    fut = self.backend.prepare(m.sampling.grammar)
+                except InvalidRequestError as e:  # --grammar-backend none
+                    ended.append(_refused(m.rid, str(e)))
+                    continue
+                self.held.append(_Held(m, fut, now))
+            else:
+                out.append(m)
+        still: list[_Held] = []
+        for h in self.held:
+            if h.future.done():
+                e = h.future.exception()
+                if e is None:
+                    out.append(h.req)
+                elif isinstance(e, InvalidRequestError):
+                    ended.append(_refused(h.req.rid, str(e)))
+                else:
+                    log.error("grammar of %s failed to compile: %r", h.req.rid, e)
+                    ended.append(_refused(h.req.rid, f"grammar failed: {e}", 500))
+            elif now - h.since > self.timeout_s:
+                self.timed_out += 1
+                field = h.req.sampling.grammar.field  # type: ignore[union-attr]
+                log.warning("grammar of %s still compiling after %.0fs: refused", h.req.rid,
+                            self.timeout_s)
+                ended.append(_refused(h.req.rid, f"{field} took longer than {self.timeout_s:g}s "
+                                      f"to compile ({TIMEOUT_ENV}); simplify it"))
+            else:
+                still.append(h)
+        self.held = still
+        return out, ended
+
+
+def _refused(rid: str, message: str, status: int = 400) -> TokenOut:
+    return TokenOut(rid, [], finished=True, error=message, error_status=status,
+                    finish_reason={"type": "abort", "message": message})

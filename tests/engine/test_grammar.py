@@ -1,0 +1,198 @@
+"""Structured output in the sampler (#32 item 1): the real xgrammar backend over SmolLM2's
+tokenizer masks random logits so that whatever the "model" prefers, the output follows the
+grammar; a token observed before the matcher exists (PD: P's first token) is replayed; a grammar
+that does not compile, or a server without a backend, fails only its own row with a 400."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdcore.engine.grammar import (
+    GrammarBackend,
+    spec_from_fields,
+    spec_from_response_format,
+)
+from pdcore.engine.io_struct import GrammarSpec, SamplingParams
+from pdcore.engine.sampler import SampleState, sample
+from pdcore.engine.tokenizer import default_model_file, load_tokenizer
+from pdcore.errors import InvalidRequestError
+
+pytest.importorskip("xgrammar", reason="xgrammar is one of pdcore's dependencies")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(SimpleNamespace(model_path=default_model_file()))
+
+
+@pytest.fixture(scope="module")
+def backend(tok) -> GrammarBackend:
+    return GrammarBackend("xgrammar", lambda: tok, len(tok), [tok.eos_token_id],
+                          any_whitespace=False)
+
+
+def _run(backend: GrammarBackend, tok, specs: list[GrammarSpec], steps: int = 48,
+         seed: int = 0, temperature: float = 0.0) -> list[str]:
+    """Decode under each spec from random logits (a hostile 'model'), batch together."""
+    states = [SampleState.create(SamplingParams(temperature=temperature, seed=seed + i,
+                                                grammar=s), [1, 2, 3])
+              for i, s in enumerate(specs)]
+    out: list[list[int]] = [[] for _ in specs]
+    live = list(range(len(specs)))
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        if not live:
+            break
+        logits = torch.randn(len(live), len(tok), generator=g) * 5
+        toks, _, errs = sample(logits, [states[i] for i in live], [None] * len(live), backend)
+        assert errs == [None] * len(live), errs
+        for i, t in zip(list(live), toks):
+            if t == tok.eos_token_id or states[i].grammar_done:
+                live.remove(i)
+            if t != tok.eos_token_id:
+                out[i].append(t)
+    assert not live, "a grammar never completed in the step budget"
+    return [tok.decode(ids) for ids in out]
+
+
+def test_regex_ebnf_json_schema_followed_from_random_logits(backend, tok) -> None:
+    schema = {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "level", "n"], "additionalProperties": False}
+    specs = [GrammarSpec("regex", r"[0-9]{3}-[a-c]{2}"),
+             GrammarSpec("ebnf", 'root ::= "yes" | "no" | "maybe"'),
+             GrammarSpec("json_schema", json.dumps(schema))]
+    for seed in range(3):
+        rx, eb, js = _run(backend, tok, specs, seed=seed)
+        assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", rx), rx
+        assert eb in ("yes", "no", "maybe"), eb
+        obj = json.loads(js)
+        assert set(obj) == {"ok", "level", "n"} and isinstance(obj["ok"], bool)
+        assert obj["level"] in ("low", "high") and 0 <= obj["n"] <= 99
+
+
+def test_sampled_rows_follow_the_grammar_too(backend, tok) -> None:
+    [out] = _run(backend, tok, [GrammarSpec("regex", r"(cat|dog)s? [0-9]")], temperature=1.0)
+    assert re.fullmatch(r"(cat|dog)s? [0-9]", out), out
+
+
+def test_token_seen_before_the_matcher_is_replayed(backend, tok) -> None:
+    spec = GrammarSpec("ebnf", 'root ::= "yes" | "no"')
+    st = SampleState.create(SamplingParams(temperature=0.0, grammar=spec), [1])
+    first = tok.encode("ye", add_special_tokens=False)
+    for t in first:  # D: P's first token arrives before D ever samples
+        st.observe(t)
+    toks, _, errs = sample(torch.zeros(1, len(tok)), [st], [None], backend)
+    assert errs == [None]
+    assert tok.decode([*first, toks[0]]) == "yes"
+
+    bad = SampleState.create(SamplingParams(temperature=0.0, grammar=spec), [1])
+    bad.observe(tok.encode("x", add_special_tokens=False)[0])  # P ignored the grammar
+    toks, _, errs = sample(torch.zeros(1, len(tok)), [bad], [None], backend)
+    assert toks == [None] and errs[0][1] == 500 and "does not follow the grammar" in errs[0][0]
+
+
+def test_bad_grammar_fails_its_row_only(backend, tok) -> None:
+    ok = SampleState.create(SamplingParams(temperature=0.0), [1])
+    bad = SampleState.create(SamplingParams(temperature=0.0,
+                                            grammar=GrammarSpec("regex", "((", "regex")), [1])
+    toks, _, errs = sample(torch.randn(2, len(tok)), [ok, bad], [None, None], backend)
+    assert toks[0] is not None and errs[0] is None
+    assert toks[1] is None and errs[1][1] == 400 and "regex cannot be compiled" in errs[1][0]
+    assert "parenthesis" in errs[1][0]
+
+
+def test_backend_none_refuses_with_400(tok) -> None:
+    off = GrammarBackend("none", lambda: tok, len(tok), [tok.eos_token_id])
+    st = SampleState.create(SamplingParams(grammar=GrammarSpec("json_object", "")), [1])
+    toks, _, errs = sample(torch.randn(1, len(tok)), [st], [None], off)
+    assert toks == [None] and errs[0][1] == 400 and "--grammar-backend none" in errs[0][0]
+
+
+def test_grammar_that_must_end_before_min_new_tokens_is_400(backend, tok) -> None:
+    """After "a" the grammar allows only EOS, which min_new_tokens forbids: no token is left."""
+    st = SampleState.create(SamplingParams(temperature=0.0, min_new_tokens=5, grammar=GrammarSpec(
+        "regex", "a", "sampling_params.regex")), [1], eos_ids=(tok.eos_token_id,))
+    toks, _, errs = sample(torch.zeros(1, len(tok)), [st], [None], backend)
+    assert errs == [None] and tok.decode(toks) == "a"
+    toks, _, errs = sample(torch.zeros(1, len(tok)), [st], [None], backend)
+    assert toks == [None] and errs[0][1] == 400
+    assert "no token satisfies the grammar together with" in errs[0][0]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"regex": "a", "ebnf": "root ::= \"a\""}, "at most one of"),
+    ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
+    ({"regex": ""}, "must not be empty"),
+    ({"regex": "a" * 70000}, "at most 65536"),
+    ({"regex": 5}, "must be a string"),
+])
+def test_spec_fields_are_checked(fields, message) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        spec_from_fields(fields, "sampling_params.")
+
+
+def test_response_format_forms() -> None:
+    assert spec_from_response_format(None) is None
+    assert spec_from_response_format({"type": "text"}) is None
+    assert spec_from_response_format({"type": "json_object"}).kind == "json_object"
+    js = spec_from_response_format({"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "object"}}})
+    assert js.kind == "json_schema" and json.loads(js.source) == {"type": "object"}
+    assert js.field == "response_format.json_schema.schema"
+    for bad, msg in [({"type": "xml"}, "response_format.type must be"),
+                     ("json", "must be an object"),
+                     ({"type": "json_schema"}, "json_schema must be an object")]:
+        with pytest.raises(InvalidRequestError, match=msg):
+            spec_from_response_format(bad)
+
+
+def test_gate_holds_a_slow_grammar_off_the_scheduler_thread(backend, tok) -> None:
+    """The scheduler loop hands requests to the gate each iteration: a constrained one waits
+    (compiling on a worker thread) while the others pass; a bad grammar, a timeout and an abort
+    end the held request there with an answer."""
+    from pdcore.engine.io_struct import AbortReq, GenerateReq
+    from pdcore.runtime.grammar_gate import GrammarGate
+
+    def req(rid: str, spec: GrammarSpec | None) -> GenerateReq:
+        return GenerateReq(rid, [1, 2], SamplingParams(grammar=spec))
+
+    gate = GrammarGate(backend, timeout_s=60)
+    slow = GrammarSpec("regex", "[a-z]{1,3000}x", "sampling_params.regex")
+    plain = req("plain", None)
+    ready, ended = gate.admit([req("slow", slow), plain, req("bad", GrammarSpec("regex", "(("))])
+    assert ready == [plain] and gate.pending  # "bad" may have failed already: it ends here
+    deadline = time.monotonic() + 60
+    got: dict[str, object] = {o.rid: o for o in ended}
+    while gate.pending:
+        assert time.monotonic() < deadline, "the grammar never compiled"
+        ready, ended = gate.admit([])
+        got.update({m.rid: m for m in ready})
+        got.update({o.rid: o for o in ended})
+        time.sleep(0.005)
+    assert isinstance(got["slow"], GenerateReq) and backend.ready(slow)
+    assert got["bad"].error_status == 400 and "cannot be compiled" in got["bad"].error
+    # a compiled grammar passes at once
+    again = req("again", slow)
+    assert gate.admit([again]) == ([again], [])
+
+    strict = GrammarGate(backend, timeout_s=0.0)
+    strict.admit([req("late", GrammarSpec("regex", "[a-z]{1,2999}y", "sampling_params.regex"))])
+    time.sleep(0.01)
+    _, ended = strict.admit([])
+    if ended:  # compiled within 10 ms on a fast host: nothing to time out
+        assert ended[0].error_status == 400 and "took longer than 0s" in ended[0].error
+        assert "sampling_params.regex" in ended[0].error
+
+    held = GrammarGate(backend, timeout_s=60)
+    held.admit([req("gone", GrammarSpec("regex", "[a-z]{1,2998}z"))])
+    _, ended = held.admit([AbortReq("gone", "client left")])
+    assert [o.rid for o in ended] == ["gone"] and ended[0].finish_reason["type"] == "abort"
+    assert not held.pending
