@@ -89,6 +89,8 @@ class ServerArgs:
     # structured output (pdcore.engine.grammar): xgrammar, as SGLang's default, or none
     grammar_backend: str = "xgrammar"
     constrained_json_disable_any_whitespace: bool = False
+    tool_call_parser: str | None = None  # server/tool_parsers.py: llama3, qwen25, ...
+    reasoning_parser: str | None = None  # server/reasoning.py: deepseek-r1, qwen3
     # disaggregation
     disaggregation_mode: str = "null"
     # None: mooncake when installed and available, else tcp (pdcore.plugins.default_backend)

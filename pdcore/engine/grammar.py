@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the HTTP process parses specs here without importing torch
 log = logging.getLogger(__name__)
 
 BACKENDS = ("xgrammar", "none")
-KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag", "tool_call")
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused (400)
 COMPILED_KEPT = 128  # compiled grammars kept for reuse (LRU), per scheduler process
 COMPILE_THREADS = 2  # one slow grammar leaves a thread for the others
@@ -121,6 +121,8 @@ class GrammarBackend:
             return comp.compile_regex(spec.source)
         if spec.kind == "ebnf":
             return comp.compile_grammar(spec.source)
+        if spec.kind == "tool_call":  # server/chat_tools.py: forced tool calls
+            return comp.compile_grammar(self._tool_call(json.loads(spec.source)))
         if spec.kind == "structural_tag":
             tag = json.loads(spec.source)
             if isinstance(tag, dict) and "structures" in tag and "format" not in tag:
@@ -133,6 +135,21 @@ class GrammarBackend:
                 return comp.compile_structural_tag(items, list(tag.get("triggers") or []))
             return comp.compile_structural_tag(spec.source)
         raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", spec.field)
+
+    def _tool_call(self, src: dict[str, Any]) -> Any:
+        """One of the alternatives, each a fixed prefix, JSON following a schema and a fixed
+        suffix (server/tool_parsers.py: ToolParser.forced)."""
+        g = self._xgr().Grammar
+        alts = []
+        for prefix, schema, suffix in src["alternatives"]:
+            parts = [g.from_ebnf("root ::= " + json.dumps(prefix, ensure_ascii=False))] \
+                if prefix else []
+            parts.append(g.from_json_schema(json.dumps(schema),
+                                            any_whitespace=self.any_whitespace))
+            if suffix:
+                parts.append(g.from_ebnf("root ::= " + json.dumps(suffix, ensure_ascii=False)))
+            alts.append(g.concat(*parts) if len(parts) > 1 else parts[0])
+        return g.union(*alts) if len(alts) > 1 else alts[0]
 
     def compiled_grammar(self, spec: GrammarSpec) -> Any:
         """`spec` compiled (from the LRU when it was before); a grammar xgrammar refuses is the

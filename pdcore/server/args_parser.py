@@ -27,6 +27,7 @@ from pdcore.config import (
     cluster_secret,
 )
 from pdcore.errors import ConfigError
+from pdcore.server import reasoning, tool_parsers
 
 ALIASES: dict[str, list[str]] = {
     "model_path": ["--model"],
@@ -40,6 +41,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("debug", "info", "warning", "error", "critical"),
     "schedule_policy": ("fcfs", "lpm"),
     "grammar_backend": ("xgrammar", "none"),
+    "tool_call_parser": tool_parsers.NAMES,
+    "reasoning_parser": reasoning.NAMES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "load_format": LOAD_FORMATS,
     "moe_a2a_backend": MOE_A2A_BACKENDS,
@@ -89,6 +92,10 @@ HELP: dict[str, str] = {
                        "xgrammar or none (such requests then get 400)",
     "constrained_json_disable_any_whitespace": "JSON-schema output without free whitespace "
                                                "between tokens (compact JSON)",
+    "tool_call_parser": "the model family's tool-call format: /v1/chat/completions returns "
+                        "the calls it finds as tool_calls (tools need it)",
+    "reasoning_parser": "the model's <think> format: /v1/chat/completions returns the "
+                        "reasoning as reasoning_content",
     "disaggregation_decode_enable_radix_cache": "decode server: keep finished requests' KV "
                                                 "in a prefix cache and receive only the part of "
                                                 "a prompt it does not hold",

@@ -72,21 +72,25 @@ class Plan:
     echo_texts: list[str] = field(default_factory=list)
 
 
-def _grammar(body: CompletionRequest | ChatCompletionRequest) -> GrammarSpec | None:
-    """response_format, or SGLang's top-level json_schema / regex / ebnf; not both."""
+def _grammar(body: CompletionRequest | ChatCompletionRequest,
+             tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
+    """response_format, SGLang's top-level json_schema / regex / ebnf, or the grammar that
+    forces a tool call (chat_tools.plan_tools): at most one."""
     rf = spec_from_response_format(body.response_format)
     own = spec_from_fields({"json_schema": body.json_schema, "regex": body.regex,
                             "ebnf": body.ebnf})
-    if rf is not None and own is not None:
-        raise bad(f"response_format and {own.field} both constrain the output; send one",
-                  own.field)
-    return rf or own
+    named = [g for g in (rf, own, tool_grammar) if g is not None]
+    if len(named) > 1:
+        raise bad(f"{named[0].field} and {named[1].field} both constrain the output; send one",
+                  named[1].field)
+    return named[0] if named else None
 
 
 def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
           prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
           max_tokens_field: str, default_max: int | None, want_logprobs: bool, top: int,
-          echo: bool, id_prefix: str, guard: RouteGuard) -> Plan:
+          echo: bool, id_prefix: str, guard: RouteGuard,
+          tool_grammar: GrammarSpec | None = None) -> Plan:
     args, info = engine.args, engine.info
     model = check_model(body.model, engine)
     n = check_n(body.n)
@@ -96,7 +100,7 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
                       ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
                       no_stop_trim=body.no_stop_trim, seed=body.seed,
                       logit_bias=body.logit_bias, min_new_tokens=body.min_tokens,
-                      grammar=_grammar(body))
+                      grammar=_grammar(body, tool_grammar))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty"):
         v = getattr(body, name)

@@ -8,6 +8,7 @@ the tokenizer's chat template with the generation prompt added.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.server import logprobs as lpfmt
+from pdcore.server.chat_tools import ChoiceShaper, plan_tools
 from pdcore.server.engine_client import EngineClient, EngineError
 from pdcore.server.generation import (
     SSE_DONE,
@@ -30,6 +32,7 @@ from pdcore.server.http_errors import engine_error_response, error_response, sse
 from pdcore.server.openai_plan import Plan, finish_of, plan_request, served_model_name, usage
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import bad
+from pdcore.server.reasoning import ReasoningParser
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -64,8 +67,8 @@ async def _run(request: Request, engine: EngineClient, plan: Plan, timeout: floa
         return engine_error_response(e)
 
 
-async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any, chat: bool
-                  ) -> AsyncIterator[bytes]:
+async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any, chat: bool,
+                  shapers: dict[int, ChoiceShaper] | None = None) -> AsyncIterator[bytes]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     text_of = lpfmt.TokenText(engine.tokenizer)
@@ -103,8 +106,13 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
                 if not delta and not new_lps and not ev.done:
                     continue
                 if chat:
-                    c: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},
-                                         "logprobs": None, "finish_reason": reason}
+                    fields: dict[str, Any] = {"content": delta} if delta else {}
+                    if shapers is not None:  # reasoning / tool calls: the shaper splits them
+                        fields, reason = shapers[i].delta(text, ev.done, reason)
+                        if not fields and not new_lps and not ev.done:
+                            continue  # held back: it may open a tool call or a marker
+                    c: dict[str, Any] = {"index": i, "delta": fields, "logprobs": None,
+                                         "finish_reason": reason}
                     if new_lps:
                         c["logprobs"] = {"content": lpfmt.chat(new_lps, text_of,
                                                                plan.top_logprobs > 0)}
@@ -185,14 +193,40 @@ def _message_text(content: Any) -> str:
     return "".join(parts)
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
+def _message(m: Any) -> dict[str, Any]:
+    """A chat message as chat templates read it (tool-call arguments as objects)."""
+    out: dict[str, Any] = {"role": m.role, "content": _message_text(m.content)}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    if m.tool_calls:
+        out["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad("messages: a tool call must be {\"id\", \"type\": \"function\", "
+                  "\"function\": {\"name\", \"arguments\"}}", "messages")
+    fn = dict(fn)
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass  # the template gets the text as sent
+    return {**call, "function": fn}
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Any,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     if not body.messages:
         raise bad("messages must not be empty", "messages")
-    msgs = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+    msgs = [_message(m) for m in body.messages]
     cont = bool(body.continue_final_message)
     try:
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not cont,
-                                             continue_final_message=cont)
+                                             continue_final_message=cont, tools=tools or None)
     except Exception as e:
         raise bad(f"messages do not fit the model's chat template: {e}", "messages") from e
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -213,11 +247,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         if not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    plan = plan_request(body, engine, [chat_prompt(body, engine.tokenizer)], "messages", max_tokens,
-                 name, None, bool(body.logprobs), top, False, "chatcmpl",
-                 request.app.state.route_guard)
+    tools = plan_tools(body.tools, body.tool_choice, engine.args.tool_call_parser)
+    reasoning = (ReasoningParser(engine.args.reasoning_parser)
+                 if engine.args.reasoning_parser and body.separate_reasoning else None)
+    plan = plan_request(body, engine, [chat_prompt(body, engine.tokenizer,
+                                                   tools.template_tools if tools else None)],
+                        "messages", max_tokens, name, None, bool(body.logprobs), top, False,
+                        "chatcmpl", request.app.state.route_guard,
+                        tools.grammar if tools else None)
+    shapers = {it.index: ChoiceShaper(reasoning, tools) for it in plan.items} \
+        if (tools and tools.parser) or reasoning else None
     if body.stream:
-        return StreamingResponse(_stream(request, engine, plan, body, chat=True),
+        return StreamingResponse(_stream(request, engine, plan, body, chat=True, shapers=shapers),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await _run(request, engine, plan, body.timeout)
     if isinstance(outs, Response):
@@ -228,8 +269,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         reason, matched = finish_of(a)
         logprobs = ({"content": lpfmt.chat(a.out.output_logprobs, text_of, top > 0)}
                     if body.logprobs else None)
-        choices.append({"index": i, "message": {"role": "assistant", "content": a.out.text},
-                        "logprobs": logprobs, "finish_reason": reason, "matched_stop": matched})
+        message: dict[str, Any] = {"role": "assistant", "content": a.out.text}
+        if shapers is not None:
+            message, reason = shapers[i].message(a.out.text, reason)
+        choices.append({"index": i, "message": message, "logprobs": logprobs,
+                        "finish_reason": reason, "matched_stop": matched})
     return JSONResponse({"id": plan.rid, "object": "chat.completion", "created": int(time.time()),
                          "model": plan.model, "choices": choices, "usage": usage(plan, outs)})
 

@@ -169,14 +169,18 @@ class CompletionRequest(_OpenAIBase):
     suffix: str | None = None
 
 
-# "developer" is OpenAI's newer name for "system"; "tool" / "function" messages need tools,
-# which are not implemented (README, "No silent no-ops")
-ChatRole = Literal["system", "user", "assistant", "developer"]
+# "developer" is OpenAI's newer name for "system"; "tool" answers a tool call (the legacy
+# "function" role is refused, as are `functions`)
+ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
 
 
 class ChatMessage(_Open):
     role: ChatRole
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning (templates may use it)
 
     @field_validator("role")
     @classmethod
@@ -191,3 +195,7 @@ class ChatCompletionRequest(_OpenAIBase):
     logprobs: bool = False
     top_logprobs: Int | None = None
     continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # "auto" returns every call; forced: one
+    separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart

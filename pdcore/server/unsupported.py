@@ -34,7 +34,6 @@ _MISPLACED: dict[str, dict[str, str]] = {
                "structural_tag": 'response_format {"type": "structural_tag", ...}'},
 }
 _OPENAI: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "chat_template_kwargs": ({},),
     "reasoning_effort": (), "audio": (), "prediction": (), "modalities": (["text"],),
     "store": (False,), "suffix": ("",),
@@ -44,10 +43,7 @@ _SAMPLING: dict[str, tuple[Any, ...]] = {
     "custom_params": (), "stream_interval": (),
     "spaces_between_special_tokens": (True,),
 }
-_MESSAGE: dict[str, tuple[Any, ...]] = {
-    "name": (), "tool_calls": ([],), "tool_call_id": (), "function_call": (),
-    "reasoning_content": (),
-}
+_MESSAGE: dict[str, tuple[Any, ...]] = {"function_call": ()}
 # stream_options: include_usage and continuous_usage_stats are both served
 _STREAM_OPTIONS: dict[str, tuple[Any, ...]] = {}
 
@@ -85,6 +81,11 @@ def check_unsupported(route: str, body: dict[str, Any]) -> None:
                        else "sampling_params.")
         return
     _check(body, _OPENAI, "")
+    if route == "/v1/completions":  # chat-only fields: refused rather than ignored here
+        for key in ("tools", "tool_choice", "parallel_tool_calls"):
+            if body.get(key) not in (None, [], "none"):
+                raise InvalidRequestError(f"{key} is served on /v1/chat/completions, not on "
+                                          f"{route}", key)
     _check(body, _SAMPLING, "")  # OpenAI routes take SGLang's sampling extras at top level
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):

@@ -23,7 +23,33 @@ from pdcore.testing.tiny_models import make_tiny_model
 
 pytest.importorskip("xgrammar", reason="xgrammar is one of pdcore's dependencies")
 
-FLAGS = ("--max-total-tokens", "4096", "--constrained-json-disable-any-whitespace")
+FLAGS = ("--max-total-tokens", "4096", "--constrained-json-disable-any-whitespace",
+         "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+# a Qwen 2.5-style template that renders tools, calls and tool answers (SmolLM2's own has none)
+TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call these functions:
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}
+Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.tool_calls %}<|im_start|>assistant
+{%- for c in m.tool_calls %}
+<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 PROMPT = "Answer in the requested format."
 SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]},
@@ -42,11 +68,13 @@ GRAMMARS: dict[str, tuple[dict[str, Any], Any]] = {
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> Any:
-    model = make_tiny_model(str(tmp_path_factory.mktemp("grammar") / "m"), seed=11,
-                            tokenizer_from=default_model_file())
-    unified = ServerProcess("--model-path", model, *FLAGS)
-    tcp = PDCluster("tcp", model_path=model, flags=FLAGS)
-    shm = PDCluster("shm", model_path=model, flags=FLAGS, router="sglang")
+    folder = tmp_path_factory.mktemp("grammar")
+    model = make_tiny_model(str(folder / "m"), seed=11, tokenizer_from=default_model_file())
+    (folder / "tools.jinja").write_text(TEMPLATE)
+    flags = (*FLAGS, "--chat-template", str(folder / "tools.jinja"))
+    unified = ServerProcess("--model-path", model, *flags)
+    tcp = PDCluster("tcp", model_path=model, flags=flags)
+    shm = PDCluster("shm", model_path=model, flags=flags, router="sglang")
     try:
         unified.wait_healthy(180)
         tcp.start()
@@ -189,3 +217,88 @@ def test_grammar_fields_in_the_wrong_place_say_where(servers) -> None:
         "messages": [{"role": "user", "content": "hi"}], "regex": "a",
         "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and "both constrain the output" in r.text, r.text
+
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Oslo", "Lima"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "forecast",
+                                            "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+             "required": ["zone"], "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "What is the weather in Oslo for 3 days?"}]
+
+
+def _valid_call(call: Any) -> tuple[str, dict[str, Any]]:
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert args["city"] in ("Paris", "Oslo", "Lima") and 1 <= args["days"] <= 7, args
+    else:
+        assert call.function.name == "get_time" and args["zone"] in ("UTC", "CET"), call
+    assert call.id.startswith("call_") and call.type == "function"
+    return call.function.name, args
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_forced_tool_call_streamed_and_not_pd_equals_unified(servers, choice) -> None:
+    got = {}
+    for name, url in _urls(servers).items():
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
+        kw = {"model": _model(url), "messages": ASK, "tools": TOOLS, "tool_choice": choice,
+              "temperature": 0, "max_tokens": 96}
+        done = client.chat.completions.create(**kw)
+        ch = done.choices[0]
+        assert ch.finish_reason == "tool_calls", (name, ch)
+        calls = [_valid_call(c) for c in ch.message.tool_calls]
+        assert len(calls) == 1 and ch.message.content is None, (name, ch.message)
+        if isinstance(choice, dict):
+            assert calls[0][0] == "get_time"
+        streamed: dict[int, dict[str, str]] = {}
+        reasons = []
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                reasons.append(c.finish_reason)
+                for tc in c.delta.tool_calls or []:
+                    d = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
+                    d["name"] += tc.function.name or ""
+                    d["arguments"] += tc.function.arguments or ""
+                assert not c.delta.content, (name, c.delta)
+        assert reasons[-1] == "tool_calls"
+        assert [(d["name"], json.loads(d["arguments"])) for d in streamed.values()] == calls
+        got[name] = calls
+    assert len({json.dumps(v) for v in got.values()}) == 1, got
+
+
+def test_tool_results_go_back_to_the_model(servers) -> None:
+    """A second turn with the assistant's call and the tool's answer renders and serves."""
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 12 C"}]
+    for name, url in _urls(servers).items():
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": turn, "tools": TOOLS, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, (name, r.text)
+
+
+def test_reasoning_content_is_separated(servers) -> None:
+    """--reasoning-parser qwen3; the output is steered into a think block by a regex."""
+    rx = r"<think>[a-z]{3,8}( [a-z]{2,6}){0,2}</think>[A-Z][a-z]{2,6}"
+    for name, url in _urls(servers).items():
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
+        kw = {"model": _model(url), "messages": ASK, "temperature": 0, "max_tokens": 64,
+              "extra_body": {"regex": rx}}
+        msg = client.chat.completions.create(**kw).choices[0].message
+        reasoning = msg.model_extra.get("reasoning_content")
+        assert re.fullmatch(r"[a-z]{3,8}( [a-z]{2,6}){0,2}", reasoning or ""), (name, msg)
+        assert re.fullmatch(r"[A-Z][a-z]{2,6}", msg.content), (name, msg)
+        parts = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                parts["content"] += c.delta.content or ""
+                parts["reasoning_content"] += (c.delta.model_extra or {}).get(
+                    "reasoning_content") or ""
+        assert parts == {"reasoning_content": reasoning, "content": msg.content}, (name, parts)

@@ -50,9 +50,14 @@ def _nested(depth: int) -> object:
 # (class, path, body (dict or raw JSON text), status, field named in param and message)
 CASES = [
     # not implemented: refused rather than silently ignored
-    ("unsupported", "/v1/chat/completions",
+    # tools: this server runs without --tool-call-parser (tests/pd/test_pd_structured.py has one)
+    ("tools", "/v1/chat/completions",
      _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    ("unsupported", "/v1/chat/completions", _chat(tool_choice="auto"), 400, "tool_choice"),
+    ("tools", "/v1/chat/completions", _chat(tool_choice="required"), 400, "tool_choice"),
+    ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function", "function": {
+        "name": "f"}}], tool_choice={"type": "function", "function": "f"}), 400, "tool_choice"),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"function": "x"}]}]}, 400, "messages"),
     # structured output: the grammar fields are checked before the engine sees them
     ("grammar", "/v1/chat/completions", _chat(response_format={"type": "xml"}), 400,
      "response_format.type"),
@@ -73,14 +78,15 @@ CASES = [
     ("vocab", "/v1/completions", _cmpl(logit_bias={"\u00b3": 1}), 400, "logit_bias"),  # "³"
     ("unsupported", "/v1/completions", _cmpl(best_of=3), 400, "best_of"),
     ("unsupported", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name"),
+     {"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f"}}]}, 400,
+     "messages[0].function_call"),
     ("unsupported", "/v1/chat/completions", _chat(chat_template_kwargs={"x": 1}), 400,
      "chat_template_kwargs"),
-    # chat roles: system, user, assistant, developer (= system)
+    # chat roles: system, user, assistant, developer (= system), tool; not the legacy function
     ("role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0].role"),
     ("role", "/v1/chat/completions",
-     {"messages": [*CHAT, {"role": "tool", "content": "42"}]}, 400, "messages[1].role"),
+     {"messages": [*CHAT, {"role": "function", "content": "42"}]}, 400, "messages[1].role"),
     # logprob counts: the native cap, the OpenAI cap (20)
     ("logprobs", "/generate", _gen(return_logprob=True, top_logprobs_num=100_000), 400,
      "top_logprobs_num"),

@@ -1,0 +1,167 @@
+"""Tools and reasoning on /v1/chat/completions: the request side (`plan_tools`: checks `tools`
+and `tool_choice`, and for "required" or a named function the grammar that forces a call) and
+the answer side (`ChoiceShaper`: one choice's text split into reasoning, content and tool calls,
+whole or as stream deltas).
+
+`tool_choice`: "none" (tools reach the template, the output is content), "auto" (the default
+with tools: calls found in the output by the server's `--tool-call-parser` are returned as
+`tool_calls`), "required" (the output is forced to open with a call of one of the tools, its
+arguments following that tool's JSON schema) or `{"type": "function", "function": {"name":
+...}}` (forced, that tool). A forced output holds one call; "auto" returns as many as the model
+writes. The engine builds the forcing grammar (engine/grammar.py, kind `tool_call`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcore.engine.io_struct import GrammarSpec
+from pdcore.errors import InvalidRequestError
+from pdcore.server.reasoning import ReasoningParser
+from pdcore.server.tool_parsers import ToolParser, get_parser
+
+MAX_TOOLS = 128
+MAX_TOOLS_CHARS = 256 * 1024  # the tools' JSON, all together
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _bad(message: str, field: str) -> InvalidRequestError:
+    return InvalidRequestError(message, field)
+
+
+@dataclass
+class ToolPlan:
+    parser: ToolParser | None  # None: tool_choice "none" (no parsing)
+    known: set[str]
+    schemas: dict[str, dict[str, Any]]
+    grammar: GrammarSpec | None = None  # forcing a call ("required" or a named function)
+    template_tools: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _functions(tools: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise _bad(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
+    if len(json.dumps(tools)) > MAX_TOOLS_CHARS:
+        raise _bad(f"tools take more than {MAX_TOOLS_CHARS} characters of JSON", "tools")
+    out: dict[str, dict[str, Any]] = {}
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or \
+                not isinstance(f, dict):
+            raise _bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                       f"tools[{i}]")
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise _bad(f"tools[{i}].function.name must match [A-Za-z0-9_.-]{{1,64}}",
+                       f"tools[{i}].function.name")
+        if name in out:
+            raise _bad(f"tools[{i}]: a second tool named {name!r}", f"tools[{i}].function.name")
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object",
+                       f"tools[{i}].function.parameters")
+        out[name] = params
+    return out
+
+
+def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None) -> ToolPlan | None:
+    """None without tools; 400 for a malformed tool, an unknown named tool, or tools on a
+    server without --tool-call-parser (their calls would come back as plain text)."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise _bad("tool_choice needs tools", "tool_choice")
+        return None
+    schemas = _functions(tools)
+    choice = "auto" if tool_choice is None else tool_choice
+    forced: list[str] = []
+    if choice == "required":
+        forced = list(schemas)
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) \
+            else None
+        if name not in schemas:
+            raise _bad(f"tool_choice names {name!r}, which is not among the tools",
+                       "tool_choice")
+        forced = [name]
+    elif choice not in ("auto", "none"):
+        raise _bad("tool_choice must be none, auto, required or {\"type\": \"function\", "
+                   "\"function\": {\"name\": ...}}", "tool_choice")
+    if choice == "none":
+        return ToolPlan(None, set(schemas), schemas, template_tools=list(tools))
+    if parser_name is None:
+        raise _bad("tools need a server started with --tool-call-parser (llama3, qwen25, "
+                   "mistral, deepseekv3): without it calls would come back as plain text",
+                   "tools")
+    parser = get_parser(parser_name)
+    grammar = None
+    if forced:
+        alts = [parser.forced(n, schemas[n]) for n in forced]
+        grammar = GrammarSpec("tool_call", json.dumps({"alternatives": alts}), "tool_choice")
+    return ToolPlan(parser, set(schemas), schemas, grammar, list(tools))
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class ChoiceShaper:
+    """One choice's output as OpenAI's message fields: reasoning_content (with a reasoning
+    parser), content, tool_calls (with tools). Stream deltas add up to the whole."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolPlan | None) -> None:
+        self.reasoning = reasoning
+        self.parser = tools.parser if tools else None
+        self.known = tools.known if tools else set()
+        self.sent_r = self.sent_c = 0
+        self.called = False
+
+    def _split(self, text: str, done: bool) -> tuple[str, str]:
+        if self.reasoning is None:
+            return "", text
+        r, c, _ = self.reasoning.split(text, done)
+        return r, c
+
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        r, c = self._split(text, True)
+        msg: dict[str, Any] = {"role": "assistant", "content": c}
+        if self.reasoning is not None:
+            msg["reasoning_content"] = r or None
+        if self.parser is not None:
+            _, calls = self.parser.parse(c, self.known)
+            if calls:  # content: the text before the first call (what a stream sends)
+                msg["content"] = c[:self.parser.hold_from(c)].rstrip() or None
+                msg["tool_calls"] = [{"id": _call_id(), "type": "function", "function": {
+                    "name": k.name, "arguments": k.arguments}} for k in calls]
+                reason = "tool_calls" if reason == "stop" else reason
+        return msg, reason
+
+    def delta(self, text: str, done: bool, reason: str | None) -> tuple[dict[str, Any],
+                                                                          str | None]:
+        """What the stream has not sent yet of `text` (the output so far)."""
+        r, c = self._split(text, done)
+        out: dict[str, Any] = {}
+        if len(r) > self.sent_r:
+            out["reasoning_content"], self.sent_r = r[self.sent_r:], len(r)
+        visible = c
+        if self.parser is not None:
+            if done:
+                head = c[:self.parser.hold_from(c)]
+                _, calls = self.parser.parse(c, self.known)
+                if calls:
+                    visible = head.rstrip()
+                    out["tool_calls"] = [{"index": k, "id": _call_id(), "type": "function",
+                                          "function": {"name": t.name, "arguments": t.arguments}}
+                                         for k, t in enumerate(calls)]
+                    reason = "tool_calls" if reason == "stop" else reason
+            else:  # trailing whitespace waits: it is dropped when a call follows
+                visible = c[:self.parser.hold_from(c)].rstrip()
+        if len(visible) > self.sent_c:
+            out["content"], self.sent_c = visible[self.sent_c:], len(visible)
+        return out, reason
