@@ -4,6 +4,9 @@
   added (scalars for one request, equal-length lists with a fresh room per item for a batch).
 - `prefill_input_logprobs`, `merge_json`, `SSEMerger`: prepend the prefill worker's
   `meta_info.input_token_logprobs` to the decode worker's, per batch index, in JSON or SSE.
+- `prefill_echo_logprobs`, `merge_echo_json`: the same for `/v1/completions` with `echo` and
+  `logprobs` (lm-eval's loglikelihood): P's prompt entries go before D's (JSON answers; a
+  stream's echo is not merged).
 """
 
 from __future__ import annotations
@@ -142,6 +145,62 @@ def merge_json(decode_body: bytes, found: dict[int, list[Any]]) -> bytes | None:
     items = obj if isinstance(obj, list) else [obj]
     changed = [_prepend(item, found.get(i)) for i, item in enumerate(items)]
     return json.dumps(obj, ensure_ascii=False).encode() if any(changed) else None
+
+
+_LP_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def prefill_echo_logprobs(body: bytes) -> dict[int, dict[str, Any]]:
+    """P's `choices[i]` by choice index (its logprobs: prompt entries, then the token it
+    sampled)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return {}
+    out: dict[int, dict[str, Any]] = {}
+    for ch in obj.get("choices") or [] if isinstance(obj, dict) else []:
+        if isinstance(ch, dict) and isinstance(ch.get("index"), int) and _has_lp(ch):
+            out[ch["index"]] = ch
+    return out
+
+
+def _has_lp(ch: dict[str, Any]) -> bool:
+    lp = ch.get("logprobs")
+    return isinstance(lp, dict) and all(isinstance(lp.get(k), list) for k in _LP_KEYS) and \
+        isinstance(ch.get("text"), str)
+
+
+def _merge_echo(d_ch: dict[str, Any], p_ch: dict[str, Any]) -> bool:
+    """D's choice (the sampled tokens, P's first included) with P's prompt entries put before
+    its logprobs. P samples one token even for max_tokens 0 (the prefill always does): its
+    text then ends past the echoed prompt, which is all D's text, and its last entry is
+    dropped; when D sampled, P's last entry is D's first (checked)."""
+    d, p = d_ch["logprobs"], p_ch["logprobs"]
+    if d["tokens"]:
+        if not p["tokens"] or p["tokens"][-1] != d["tokens"][0]:
+            return False  # not the shape expected: leave D's answer as it is
+        cut = len(p["tokens"]) - 1
+    else:
+        cut = len(p["tokens"]) - (1 if len(p_ch["text"]) > len(d_ch["text"]) else 0)
+    for k in _LP_KEYS:
+        d[k] = p[k][:max(cut, 0)] + d[k]
+    return True
+
+
+def merge_echo_json(decode_body: bytes, found: dict[int, dict[str, Any]]) -> bytes | None:
+    """D's /v1/completions JSON with P's prompt logprobs merged in; None when nothing changed."""
+    if not found:
+        return None
+    try:
+        obj = json.loads(decode_body)
+    except ValueError:
+        return None
+    changed = False
+    for ch in obj.get("choices") or [] if isinstance(obj, dict) else []:
+        p = found.get(ch.get("index")) if isinstance(ch, dict) else None
+        if p is not None and _has_lp(ch):
+            changed = _merge_echo(ch, p) or changed
+    return json.dumps(obj, ensure_ascii=False).encode() if changed else None
 
 
 class SSEMerger:

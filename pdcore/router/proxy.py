@@ -47,7 +47,9 @@ from pdcore.router.merge import (
     SSEMerger,
     batch_size,
     inject_bootstrap,
+    merge_echo_json,
     merge_json,
+    prefill_echo_logprobs,
     prefill_input_logprobs,
     wants_logprobs,
 )
@@ -243,7 +245,8 @@ class Proxy:
             content = json.dumps({**inject_bootstrap(body, p, n, self._rng, self._cfg.route_key),
                                   **self._dp.fields(p, d)}).encode()
             outcome = await self._attempt(
-                route, p, d, content, headers, stream, logprobs, deadline, request_id, gone
+                route, p, d, content, headers, stream, logprobs, deadline, request_id, gone,
+                echo=route == "/v1/completions" and bool(body.get("echo")),
             )
             if isinstance(outcome, Response):
                 return outcome
@@ -277,7 +280,7 @@ class Proxy:
     async def _attempt(
         self, route: str, p: Worker, d: Worker, content: bytes, headers: dict[str, str],
         stream: bool, logprobs: bool, deadline: Deadline, request_id: str,
-        gone: asyncio.Task[None],
+        gone: asyncio.Task[None], echo: bool = False,
     ) -> Response | Failure:
         loop = asyncio.get_running_loop()
         p_task = self._start_prefill(p, p.url + route, content, headers, deadline)
@@ -361,7 +364,7 @@ class Proxy:
                     task.cancel()
                 await asyncio.gather(p_task, d_task, return_exceptions=True)
                 await leg.release()
-        return await self._commit(p_task, leg, stream, logprobs, deadline, request_id)
+        return await self._commit(p_task, leg, stream, logprobs, deadline, request_id, echo)
 
     def _prefill_outcome(self, p: Worker, d: Worker, res: PrefillResult, request_id: str,
                          deadline: Deadline) -> Response | Failure:
@@ -385,9 +388,15 @@ class Proxy:
 
     async def _commit(
         self, p_task: asyncio.Task[PrefillResult], leg: DecodeLeg, stream: bool, logprobs: bool,
-        deadline: Deadline, request_id: str,
+        deadline: Deadline, request_id: str, echo: bool = False,
     ) -> Response:
         found: dict[int, list[object]] = {}
+        if logprobs and echo and not stream:  # /v1/completions: P's prompt logprobs first
+            merged = merge_echo_json(leg.body, prefill_echo_logprobs(p_task.result().body))
+            if merged is not None:
+                await leg.release()
+                return Response(merged, leg.status, media_type="application/json",
+                                headers={"x-request-id": request_id})
         if logprobs:
             found = prefill_input_logprobs(p_task.result().body, streamed=stream)
         elif not p_task.done():

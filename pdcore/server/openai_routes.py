@@ -173,7 +173,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         logprobs = None
         if want:
             entries = list(a.out.input_logprobs or []) if body.echo else []
-            logprobs = lpfmt.completion(entries + a.out.output_logprobs, text_of)
+            # PD decode has no prompt logprobs (the router puts P's first): its offsets still
+            # start after the echoed prompt, as a unified server's do
+            start = sum(len(text_of(t)) for t in plan.prompts[i // plan.n]) \
+                if body.echo and not entries else 0
+            logprobs = lpfmt.completion(entries + a.out.output_logprobs, text_of, start)
         choices.append({"index": i, "text": echo + a.out.text, "logprobs": logprobs,
                         "finish_reason": reason, "matched_stop": matched})
     return JSONResponse({"id": plan.rid, "object": "text_completion", "created": int(time.time()),

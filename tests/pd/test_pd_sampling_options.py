@@ -82,3 +82,26 @@ def test_bad_values_are_400(servers, body, field) -> None:
         r = httpx.post(url + "/generate", json={"input_ids": PROMPT, **body}, timeout=60)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_logprobs_in_pd_equal_unified(servers, max_tokens: int) -> None:
+    """lm-eval's loglikelihood request: /v1/completions with echo, logprobs and (usually)
+    max_tokens 0, a batch of prompts. In PD the prompt's logprobs come from P (our router puts
+    them before D's), and the offsets continue after the echoed prompt (#32 item 3)."""
+    body = {"prompt": [PROMPT, PROMPT[:5]], "max_tokens": max_tokens, "echo": True,
+            "logprobs": 2, "temperature": 0}
+    got = {}
+    for name, url in servers.items():
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, (name, r.text)
+        got[name] = r.json()["choices"]
+    for u, p in zip(got["unified"], got["pd"]):
+        lu, lp = u["logprobs"], p["logprobs"]
+        assert len(lu["tokens"]) == len(PROMPT if u["index"] == 0 else PROMPT[:5]) + max_tokens
+        assert (p["text"], lp["tokens"], lp["text_offset"]) == (
+            u["text"], lu["tokens"], lu["text_offset"])
+        assert lp["token_logprobs"][0] is None and lu["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(lu["token_logprobs"][1:], abs=1e-4)
+        assert [sorted(t) for t in lp["top_logprobs"][1:]] == \
+            [sorted(t) for t in lu["top_logprobs"][1:]]

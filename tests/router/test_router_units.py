@@ -15,7 +15,9 @@ from pdcore.router.merge import (
     SSEMerger,
     batch_size,
     inject_bootstrap,
+    merge_echo_json,
     merge_json,
+    prefill_echo_logprobs,
     prefill_input_logprobs,
 )
 from pdcore.router.metrics import RouterMetrics
@@ -172,3 +174,32 @@ def test_bootstrap_fields_from_prefill_url():
     assert len(rooms) == 50 and all(0 <= r < 2**63 for r in rooms)
     out = inject_bootstrap({"text": ["a", "b"]}, v6, 2, random.Random(6))
     assert out["bootstrap_host"] == ["::1", "::1"] and out["bootstrap_port"] == [8998, 8998]
+
+
+def _choice(tokens: list[str], text: str, index: int = 0) -> dict:
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"index": index, "text": text, "logprobs": {
+        "tokens": tokens, "token_logprobs": [None] + [-1.0] * (len(tokens) - 1),
+        "top_logprobs": [None] * len(tokens), "text_offset": offsets}}
+
+
+def test_echo_merge_puts_prefill_prompt_entries_first() -> None:
+    p = json.dumps({"choices": [_choice(["a", "b", "X"], "abX")]}).encode()
+    found = prefill_echo_logprobs(p)
+    # D sampled X, Y (X was P's): P's entries without X go first
+    d = {"choices": [_choice(["X", "Y"], "abXY")]}
+    d["choices"][0]["logprobs"]["text_offset"] = [2, 3]
+    merged = json.loads(merge_echo_json(json.dumps(d).encode(), found))["choices"][0]
+    assert merged["logprobs"]["tokens"] == ["a", "b", "X", "Y"]
+    assert merged["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    # max_tokens 0: D sampled nothing; P still sampled X, which is dropped
+    d0 = json.dumps({"choices": [_choice([], "ab")]}).encode()
+    assert json.loads(merge_echo_json(d0, found))["choices"][0]["logprobs"]["tokens"] == \
+        ["a", "b"]
+    # not the expected shape (P's token is not D's first): D's answer is left alone
+    odd = json.dumps({"choices": [_choice(["Z"], "abZ")]}).encode()
+    assert merge_echo_json(odd, found) is None
+    assert merge_echo_json(b"not json", found) is None and prefill_echo_logprobs(b"[]") == {}
