@@ -134,13 +134,20 @@ def _prepend(obj: Any, prefix: list[Any] | None) -> bool:
     return True
 
 
-def merge_json(decode_body: bytes, found: dict[int, list[Any]]) -> bytes | None:
-    """Decode's JSON with prefill logprobs prepended; None when nothing changed."""
+def _decoded(decode_body: bytes, found: dict[int, Any]) -> Any:
+    """Decode's answer parsed, or None when there is nothing to merge or it is not JSON."""
     if not found:
         return None
     try:
-        obj = json.loads(decode_body)
+        return json.loads(decode_body)
     except ValueError:
+        return None
+
+
+def merge_json(decode_body: bytes, found: dict[int, list[Any]]) -> bytes | None:
+    """Decode's JSON with prefill logprobs prepended; None when nothing changed."""
+    obj = _decoded(decode_body, found)
+    if obj is None:
         return None
     items = obj if isinstance(obj, list) else [obj]
     changed = [_prepend(item, found.get(i)) for i, item in enumerate(items)]
@@ -189,12 +196,7 @@ def _merge_echo(d_ch: dict[str, Any], p_ch: dict[str, Any]) -> bool:
 
 def merge_echo_json(decode_body: bytes, found: dict[int, dict[str, Any]]) -> bytes | None:
     """D's /v1/completions JSON with P's prompt logprobs merged in; None when nothing changed."""
-    if not found:
-        return None
-    try:
-        obj = json.loads(decode_body)
-    except ValueError:
-        return None
+    obj = _decoded(decode_body, found)
     changed = False
     for ch in obj.get("choices") or [] if isinstance(obj, dict) else []:
         p = found.get(ch.get("index")) if isinstance(ch, dict) else None
