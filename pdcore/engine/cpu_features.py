@@ -17,6 +17,8 @@ from pdcore.runtime_env import forced_isa
 CPUINFO_ENV = "PDCORE_CPUINFO"
 LAYOUT_ENV = "PDCORE_GEMM_LAYOUT"  # linear layers' weight layout (models/layers.py)
 LAYOUTS = ("auto", "panels", "onednn")
+NATIVE_ISA_ENV = "PDCORE_NATIVE_ISA"
+NATIVE_ISAS = ("avx512", "avx2")  # engine/native's libraries, best first
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # bench/bf16_cost.py with PDCORE_CPU_ISA=avx2 on a Xeon (SmolLM2's decode-step GEMMs, 8 rows):
 # bfloat16 3.37x the float32 time (1 row: 1.10x); with AVX-512 BF16 / AMX it is 0.49x
@@ -68,6 +70,18 @@ def check_cpu_dtype(dtype: str, device: str) -> None:
                           f"{EMULATED_BF16_COST}x as long as in float32, bench/bf16_cost.py); "
                           "use --dtype float32, and --kv-cache-dtype bfloat16 to halve the KV "
                           "pool")
+
+
+def native_isa_setting() -> str:
+    """PDCORE_NATIVE_ISA: auto (the best library the CPU runs), avx512, avx2 or off; a
+    ConfigError (exit 2) for anything else, rather than a quiet run without the kernels.
+    Forcing an ISA this CPU lacks is not an error here: engine/native says so in its status
+    and the engine runs without it, as on a host without a compiler."""
+    raw = os.environ.get(NATIVE_ISA_ENV, "").strip().lower() or "auto"
+    if raw not in ("auto", "off", *NATIVE_ISAS):
+        raise ConfigError(f"{NATIVE_ISA_ENV} must be one of auto, {', '.join(NATIVE_ISAS)} or "
+                          f"off; got {raw!r}")
+    return raw
 
 
 def gemm_layout_setting() -> str:

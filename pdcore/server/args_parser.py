@@ -188,11 +188,16 @@ def check_supported(args: ServerArgs) -> None:
 
     check_parallel_args(args)
     _check_moe_backend(args)
-    from pdcore.engine.cpu_features import check_cpu_dtype, gemm_layout_setting
+    from pdcore.engine.cpu_features import (
+        check_cpu_dtype,
+        gemm_layout_setting,
+        native_isa_setting,
+    )
 
     check_cpu_dtype(args.dtype, args.device)
     if args.device == "cpu":
         gemm_layout_setting()
+        native_isa_setting()
         from pdcore.runtime_env import PlacementError, choose_placement
 
         try:

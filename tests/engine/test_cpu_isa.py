@@ -68,3 +68,18 @@ def test_torch_and_onednn_follow_it() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={**env, ISA_ENV: "avx2"},
                          capture_output=True, text=True, timeout=120, check=True).stdout.split()
     assert out == ["AVX2", "AVX2"], out
+
+
+def test_a_bad_native_isa_stops_the_server_with_exit_2(tmp_path) -> None:
+    """PDCORE_NATIVE_ISA=avx1024 once ran quietly without the native kernels; now the server
+    refuses to start and says what to use (values that exist: tests/engine/test_native_isa.py)."""
+    for good in ("", "auto", "OFF", "avx2", "avx512"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cpu_features.NATIVE_ISA_ENV, good)
+            assert cpu_features.native_isa_setting() == (good.lower() or "auto")
+    env = {**os.environ, cpu_features.NATIVE_ISA_ENV: "avx1024"}
+    run = subprocess.run([sys.executable, "-m", "pdcore.launch_server", "--model-path",
+                          str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "PDCORE_NATIVE_ISA must be one of auto, avx512, avx2 or off; got 'avx1024'" in \
+        run.stderr, run.stderr[-2000:]

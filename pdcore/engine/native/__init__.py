@@ -45,17 +45,19 @@ from pathlib import Path
 import torch
 
 from pdcore.config import env_bool
+from pdcore.engine.cpu_features import NATIVE_ISA_ENV, NATIVE_ISAS
 
 log = logging.getLogger(__name__)
 
 ENV = "PDCORE_NATIVE"
-ISA_ENV = "PDCORE_NATIVE_ISA"
+ISA_ENV = NATIVE_ISA_ENV  # values checked at server start: cpu_features.native_isa_setting
 # best first: the compiler flags of each ISA's library, and the CPU flags it needs
 ISAS = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
                 "-DPD_ISA_AVX512"], ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma")),
     "avx2": (["-mavx2", "-mfma", "-DPD_ISA_AVX2"], ("avx2", "fma")),
 }
+assert tuple(ISAS) == NATIVE_ISAS, "cpu_features.NATIVE_ISAS names these libraries"
 DIR_ENV = "PDSERVE_NATIVE_DIR"
 SOURCE = Path(__file__).with_name("decode_step.cpp")  # includes the headers beside it
 BUILD_TIMEOUT_S = 300
