@@ -5,8 +5,8 @@ regex), so it runs on the grammar backend's worker threads (GrammarBackend.prepa
 scheduler keeps stepping; the request enters the scheduler, on every TP rank at the same step,
 only once its grammar is ready. A grammar that does not compile answers 400 without ever
 reaching the scheduler; one still compiling after PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S (30 s)
-answers 400 too (its thread finishes in the background). An abort for a held request ends it
-here.
+answers 400 too (a compile already running finishes in the background; one still queued is
+cancelled). An abort for a held request ends it here and cancels its queued compile.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class GrammarGate:
         ended: list[TokenOut] = []
         for m in msgs:
             if isinstance(m, AbortReq) and any(h.req.rid == m.rid for h in self.held):
+                for h in self.held:
+                    if h.req.rid == m.rid:
+                        h.future.cancel()  # a compile not started yet never runs
                 self.held = [h for h in self.held if h.req.rid != m.rid]
                 ended.append(TokenOut(m.rid, [], finished=True,
                                       finish_reason={"type": "abort", "message": m.reason}))
@@ -83,6 +86,7 @@ class GrammarGate:
                     ended.append(_refused(h.req.rid, f"grammar failed: {e}", 500))
             elif now - h.since > self.timeout_s:
                 self.timed_out += 1
+                h.future.cancel()  # still queued behind slow grammars: drop it
                 field = h.req.sampling.grammar.field  # type: ignore[union-attr]
                 log.warning("grammar of %s still compiling after %.0fs: refused", h.req.rid,
                             self.timeout_s)

@@ -1,0 +1,105 @@
+"""Real serving clients through PD (#32: "16/16 through both routers"): vLLM's `vllm bench serve`
+(completions and chat) and, when installed, guidellm, against a 1P1D pair (tcp) on SmolLM2
+behind our router and behind sglang-router. Counts the requests each client saw complete.
+
+Run: `python bench/client_compat.py --model-path /work/smollm2-hf --vllm-python
+/work/venv-vllm/bin/python [--guidellm /path/to/guidellm]`; JSON + PNG in
+bench/results/client_compat.*. Not a timing: the counts are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Run, figure, save_figure
+
+NAME = "client_compat"
+PROMPTS = 16
+
+
+def _vllm(vllm_python: str, url: str, model: str, tokenizer: str, chat: bool,
+          out: Path) -> dict[str, Any]:
+    name = "chat" if chat else "completions"
+    cmd = [str(Path(vllm_python).with_name("vllm")), "bench", "serve",
+           "--backend", "openai-chat" if chat else "openai", "--base-url", url,
+           "--endpoint", "/v1/chat/completions" if chat else "/v1/completions",
+           "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
+           "--random-input-len", "64", "--random-output-len", "16",
+           "--num-prompts", str(PROMPTS), "--max-concurrency", "4", "--save-result",
+           "--result-dir", str(out), "--result-filename", f"vllm_{name}.json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    path = out / f"vllm_{name}.json"
+    done = json.loads(path.read_text()).get("completed", 0) if path.exists() else 0
+    return {"client": f"vllm bench serve ({name})", "completed": done, "of": PROMPTS,
+            "rc": run.returncode, "tail": (run.stdout + run.stderr)[-600:] if done < PROMPTS
+            else ""}
+
+
+def _guidellm(exe: str, url: str, tokenizer: str, out: Path) -> dict[str, Any]:
+    path = out / "guidellm.json"
+    cmd = [exe, "benchmark", "--target", url, "--rate-type", "concurrent", "--rate", "4",
+           "--max-requests", str(PROMPTS), "--data", "prompt_tokens=64,output_tokens=16",
+           "--processor", tokenizer, "--output-path", str(path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    done = 0
+    if path.exists():
+        text = path.read_text()
+        done = text.count('"status": "success"') or text.count('"successful"')
+        try:
+            data = json.loads(text)
+            bench = data["benchmarks"][0]
+            done = len(bench["requests"]["successful"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            pass
+    return {"client": "guidellm", "completed": done, "of": PROMPTS, "rc": run.returncode,
+            "tail": (run.stdout + run.stderr)[-600:] if done < PROMPTS else ""}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-path", required=True, help="HF folder (the clients' tokenizer)")
+    ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--guidellm", default=None, help="the guidellm executable, if installed")
+    a = ap.parse_args()
+    from pdcore.testing.processes import PDCluster
+
+    run = Run(NAME, vars(a))
+    rows: list[dict[str, Any]] = []
+    for router in ("pdcore", "sglang"):
+        cluster = PDCluster("tcp", model_path=a.model_path, router=router).start()
+        try:
+            model = httpx.get(cluster.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp)
+                results = [_vllm(a.vllm_python, cluster.url, model, a.model_path, chat, out)
+                           for chat in (False, True)]
+                if a.guidellm:
+                    results.append(_guidellm(a.guidellm, cluster.url, a.model_path, out))
+        finally:
+            cluster.stop()
+        for r in results:
+            r["router"] = router
+            print(f"{router:7s} {r['client']:32s} {r['completed']}/{r['of']}", flush=True)
+        rows.extend(results)
+    path = run.finish({"rows": rows})
+    fig, (ax,) = figure(1, width=8)
+    labels = [f"{r['client']}\n{r['router']}" for r in rows]
+    ax.barh(labels, [r["completed"] for r in rows], color="#3a7")
+    ax.set_xlim(0, PROMPTS)
+    ax.set_xlabel(f"requests completed of {PROMPTS}")
+    save_figure(fig, NAME)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
