@@ -83,6 +83,7 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._done: OrderedDict[GrammarSpec, Any] = OrderedDict()  # LRU of compiled grammars
         self._pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[GrammarSpec, Future] = {}
         self.compiled = 0  # grammars compiled
         self.compile_seconds = 0.0
 
@@ -184,10 +185,21 @@ class GrammarBackend:
         """Compile `spec` on a worker thread (xgrammar releases the GIL while it compiles), so a
         slow grammar never stalls the scheduler's steps; the future raises what compiling
         raised."""
+        key = GrammarSpec(spec.kind, spec.source)
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
-        return self._pool.submit(self.compiled_grammar, spec)
+            fut = self._inflight.get(key)  # a burst of one schema compiles it once
+            if fut is None or fut.cancelled():
+                fut = self._pool.submit(self.compiled_grammar, spec)
+                self._inflight[key] = fut
+                fut.add_done_callback(lambda f, k=key: self._forget(k, f))
+            return fut
+
+    def _forget(self, key: GrammarSpec, fut: Future) -> None:
+        with self._lock:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
         """A fresh matcher for `spec` (compiled here when `prepare` did not run first)."""

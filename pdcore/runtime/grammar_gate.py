@@ -57,10 +57,10 @@ class GrammarGate:
         ended: list[TokenOut] = []
         for m in msgs:
             if isinstance(m, AbortReq) and any(h.req.rid == m.rid for h in self.held):
-                for h in self.held:
-                    if h.req.rid == m.rid:
-                        h.future.cancel()  # a compile not started yet never runs
+                gone = [h for h in self.held if h.req.rid == m.rid]
                 self.held = [h for h in self.held if h.req.rid != m.rid]
+                for h in gone:
+                    self._cancel(h.future)
                 ended.append(TokenOut(m.rid, [], finished=True,
                                       finish_reason={"type": "abort", "message": m.reason}))
             elif self._needs_wait(m):
@@ -74,8 +74,13 @@ class GrammarGate:
             else:
                 out.append(m)
         still: list[_Held] = []
+        dropped: list[Future] = []
         for h in self.held:
-            if h.future.done():
+            if h.future.cancelled():  # not expected (shared compiles are kept): compile again
+                assert self.backend is not None
+                h.future = self.backend.prepare(h.req.sampling.grammar)  # type: ignore[arg-type]
+                still.append(h)
+            elif h.future.done():
                 e = h.future.exception()
                 if e is None:
                     out.append(h.req)
@@ -86,7 +91,7 @@ class GrammarGate:
                     ended.append(_refused(h.req.rid, f"grammar failed: {e}", 500))
             elif now - h.since > self.timeout_s:
                 self.timed_out += 1
-                h.future.cancel()  # still queued behind slow grammars: drop it
+                dropped.append(h.future)
                 field = h.req.sampling.grammar.field  # type: ignore[union-attr]
                 log.warning("grammar of %s still compiling after %.0fs: refused", h.req.rid,
                             self.timeout_s)
@@ -95,7 +100,16 @@ class GrammarGate:
             else:
                 still.append(h)
         self.held = still
+        for fut in dropped:
+            self._cancel(fut)
         return out, ended
+
+
+    def _cancel(self, fut: Future) -> None:
+        """Cancel a compile that has not started, unless a held request still waits on it
+        (the backend shares one compile among requests naming the same grammar)."""
+        if not any(h.future is fut for h in self.held):
+            fut.cancel()
 
 
 def _refused(rid: str, message: str, status: int = 400) -> TokenOut:

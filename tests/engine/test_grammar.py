@@ -196,3 +196,26 @@ def test_gate_holds_a_slow_grammar_off_the_scheduler_thread(backend, tok) -> Non
     _, ended = held.admit([AbortReq("gone", "client left")])
     assert [o.rid for o in ended] == ["gone"] and ended[0].finish_reason["type"] == "abort"
     assert not held.pending
+
+
+def test_gate_shares_one_compile_and_an_abort_keeps_it_for_the_others(backend) -> None:
+    from pdcore.engine.io_struct import AbortReq, GenerateReq
+    from pdcore.runtime.grammar_gate import GrammarGate
+
+    spec = GrammarSpec("regex", "[a-z]{1,2997}q")
+    gate = GrammarGate(backend, timeout_s=60)
+    a, b = (GenerateReq(rid, [1], SamplingParams(grammar=spec)) for rid in ("a", "b"))
+    gate.admit([a, b])
+    if gate.pending:  # not compiled within the call: both wait on one compile
+        assert len({id(h.future) for h in gate.held}) == 1
+    _, ended = gate.admit([AbortReq("a")])
+    assert [o.rid for o in ended if o.rid == "a"] or not gate.pending
+    deadline = time.monotonic() + 60
+    ready: list = []
+    while gate.pending:
+        assert time.monotonic() < deadline
+        got, _ = gate.admit([])
+        ready += got
+        time.sleep(0.005)
+    assert [m.rid for m in ready] in (["b"], [])  # [] only when it compiled at once
+    assert backend.ready(spec)
