@@ -46,21 +46,27 @@ def _vllm(vllm_python: str, url: str, model: str, tokenizer: str, chat: bool,
 
 
 def _guidellm(exe: str, url: str, tokenizer: str, out: Path) -> dict[str, Any]:
+    """guidellm 0.8's `run` (its arguments are kind=... lists)."""
     path = out / "guidellm.json"
-    cmd = [exe, "benchmark", "--target", url, "--rate-type", "concurrent", "--rate", "4",
-           "--max-requests", str(PROMPTS), "--data", "prompt_tokens=64,output_tokens=16",
-           "--processor", tokenizer, "--output-path", str(path)]
+    cmd = [exe, "run", "--backend", f"kind=openai_http,target={url}/v1",
+           "--profile", "kind=concurrent,streams=4",
+           "--constraint", f"kind=max_requests,count={PROMPTS}",
+           "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
+           "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+           "--output", f"kind=json,path={path}", "--disable-console-interactive",
+           "--disable-progress"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     done = 0
     if path.exists():
         text = path.read_text()
-        done = text.count('"status": "success"') or text.count('"successful"')
         try:
-            data = json.loads(text)
-            bench = data["benchmarks"][0]
-            done = len(bench["requests"]["successful"])
+            bench = json.loads(text)["benchmarks"][0]
+            reqs = bench.get("requests", {})
+            done = len(reqs.get("successful", [])) if isinstance(reqs, dict) else 0
+            if not done:  # the totals when the per-request lists are sampled away
+                done = int(bench["metrics"]["request_totals"]["successful"])
         except (ValueError, KeyError, IndexError, TypeError):
-            pass
+            done = text.count('"successful"')
     return {"client": "guidellm", "completed": done, "of": PROMPTS, "rc": run.returncode,
             "tail": (run.stdout + run.stderr)[-600:] if done < PROMPTS else ""}
 
