@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcore.engine.io_struct import GrammarSpec
-from pdcore.errors import InvalidRequestError
+from pdcore.server.params import bad
 from pdcore.server.reasoning import ReasoningParser
 from pdcore.server.tool_parsers import ToolParser, get_parser
 
@@ -29,42 +29,37 @@ MAX_TOOLS_CHARS = 256 * 1024  # the tools' JSON, all together
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-def _bad(message: str, field: str) -> InvalidRequestError:
-    return InvalidRequestError(message, field)
-
-
 @dataclass
 class ToolPlan:
     parser: ToolParser | None  # None: tool_choice "none" (no parsing)
     known: set[str]
-    schemas: dict[str, dict[str, Any]]
     grammar: GrammarSpec | None = None  # forcing a call ("required" or a named function)
     template_tools: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _functions(tools: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise _bad(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
+        raise bad(f"tools must be a list of at most {MAX_TOOLS} tools", "tools")
     if len(json.dumps(tools)) > MAX_TOOLS_CHARS:
-        raise _bad(f"tools take more than {MAX_TOOLS_CHARS} characters of JSON", "tools")
+        raise bad(f"tools take more than {MAX_TOOLS_CHARS} characters of JSON", "tools")
     out: dict[str, dict[str, Any]] = {}
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or \
                 not isinstance(f, dict):
-            raise _bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
+            raise bad(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
                        f"tools[{i}]")
         name = f.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
-            raise _bad(f"tools[{i}].function.name must match [A-Za-z0-9_.-]{{1,64}}",
+            raise bad(f"tools[{i}].function.name must match [A-Za-z0-9_.-]{{1,64}}",
                        f"tools[{i}].function.name")
         if name in out:
-            raise _bad(f"tools[{i}]: a second tool named {name!r}", f"tools[{i}].function.name")
+            raise bad(f"tools[{i}]: a second tool named {name!r}", f"tools[{i}].function.name")
         params = f.get("parameters")
         if params is None:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict):
-            raise _bad(f"tools[{i}].function.parameters must be a JSON schema object",
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema object",
                        f"tools[{i}].function.parameters")
         out[name] = params
     return out
@@ -75,7 +70,7 @@ def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None) -> ToolPla
     server without --tool-call-parser (their calls would come back as plain text)."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
-            raise _bad("tool_choice needs tools", "tool_choice")
+            raise bad("tool_choice needs tools", "tool_choice")
         return None
     schemas = _functions(tools)
     choice = "auto" if tool_choice is None else tool_choice
@@ -87,16 +82,16 @@ def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None) -> ToolPla
         name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) \
             else None
         if name not in schemas:
-            raise _bad(f"tool_choice names {name!r}, which is not among the tools",
+            raise bad(f"tool_choice names {name!r}, which is not among the tools",
                        "tool_choice")
         forced = [name]
     elif choice not in ("auto", "none"):
-        raise _bad("tool_choice must be none, auto, required or {\"type\": \"function\", "
+        raise bad("tool_choice must be none, auto, required or {\"type\": \"function\", "
                    "\"function\": {\"name\": ...}}", "tool_choice")
     if choice == "none":
-        return ToolPlan(None, set(schemas), schemas, template_tools=list(tools))
+        return ToolPlan(None, set(schemas), template_tools=list(tools))
     if parser_name is None:
-        raise _bad("tools need a server started with --tool-call-parser (llama3, qwen25, "
+        raise bad("tools need a server started with --tool-call-parser (llama3, qwen25, "
                    "mistral, deepseekv3): without it calls would come back as plain text",
                    "tools")
     parser = get_parser(parser_name)
@@ -104,7 +99,7 @@ def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None) -> ToolPla
     if forced:
         alts = [parser.forced(n, schemas[n]) for n in forced]
         grammar = GrammarSpec("tool_call", json.dumps({"alternatives": alts}), "tool_choice")
-    return ToolPlan(parser, set(schemas), schemas, grammar, list(tools))
+    return ToolPlan(parser, set(schemas), grammar, list(tools))
 
 
 def _call_id() -> str:

@@ -21,8 +21,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-NAMES = ("qwen25", "qwen", "hermes", "llama3", "mistral", "deepseekv3")
-
 
 def partial_tail(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
@@ -181,6 +179,7 @@ _PARSERS: dict[str, type[ToolParser]] = {
     "qwen25": Qwen25, "qwen": Qwen25, "hermes": Qwen25, "llama3": Llama3, "mistral": Mistral,
     "deepseekv3": DeepSeekV3,
 }
+NAMES = tuple(_PARSERS)  # --tool-call-parser's choices
 
 
 def get_parser(name: str) -> ToolParser:
