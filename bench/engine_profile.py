@@ -78,7 +78,7 @@ class Switches:
 
 def decode_batch(model: Any, batch_size: int, ctx: int, vocab: int) -> Any:
     """B sequences of `ctx` tokens, each adding one token: slots [i*ctx, (i+1)*ctx)."""
-    from pdcore.engine.models.llama import ForwardBatch, SeqSpan
+    from pdcore.engine.models.batch import ForwardBatch, SeqSpan
 
     g = torch.Generator().manual_seed(0)
     seqs = [SeqSpan(i, 1, torch.arange(i * ctx, (i + 1) * ctx)) for i in range(batch_size)]

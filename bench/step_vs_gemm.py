@@ -59,7 +59,7 @@ def gemm_only(model: Any, rows: int) -> Any:
 def decode_steps(batch: int, ctx: int, steps: int, vocab: int, keyed: bool) -> list[Any]:
     """`steps` consecutive decode batches: sequence i holds slots [i*M, i*M + ctx + j) at
     step j (M = ctx + steps) and adds its last one."""
-    from pdcore.engine.models.llama import ForwardBatch, SeqSpan
+    from pdcore.engine.models.batch import ForwardBatch, SeqSpan
 
     g, m, out = torch.Generator().manual_seed(0), ctx + steps, []
     for j in range(steps):

@@ -22,6 +22,10 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MOE_A2A_BACKENDS = ("none", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
+# SGLang's --speculative-algorithm names; pdserve builds NGRAM (pdcore/engine/speculative.py)
+SPEC_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+SPEC_BUILT = ("NGRAM",)
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
 
 
 @dataclass
@@ -91,6 +95,23 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = False
     tool_call_parser: str | None = None  # server/tool_parsers.py: llama3, qwen25, ...
     reasoning_parser: str | None = None  # server/reasoning.py: deepseek-r1, qwen3
+    # speculative decoding (pdcore/engine/speculative.py), SGLang's flags
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None  # NGRAM: 8 (the current token + 7 drafts)
+    speculative_draft_model_quantization: str | None = None
+    enable_multi_layer_eagle: bool = False
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    # entries of the cross-request n-gram cache (SGLang: trie nodes, 10M; each entry here holds
+    # a whole continuation, so the default is smaller: about 40 MB)
+    speculative_ngram_capacity: int = 100_000
     # disaggregation
     disaggregation_mode: str = "null"
     # None: mooncake when installed and available, else tcp (pdcore.plugins.default_backend)
@@ -150,6 +171,7 @@ class ServerArgs:
             parse_addrs(self.disaggregation_trusted_prefill)
         except ValueError as e:
             raise ConfigError(f"--disaggregation-trusted-prefill: {e}") from None
+        self.validate_speculative()
 
     def _check_choice(self, name: str, allowed: tuple[str, ...]) -> None:
         value = getattr(self, name)
@@ -170,6 +192,43 @@ class ServerArgs:
         if self.ep_num_redundant_experts != 0:
             raise ConfigError(f"--ep-num-redundant-experts {self.ep_num_redundant_experts}: "
                               "only 0 is supported (experts are not replicated); drop the flag")
+
+    def validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        self.speculative_algorithm = algo = algo.upper()
+        self._check_choice("speculative_algorithm", SPEC_ALGORITHMS)
+        given = [f for f in ("speculative_draft_model_path", "speculative_draft_model_quantization",
+                             "speculative_num_steps", "speculative_eagle_topk")
+                 if getattr(self, f) is not None] + (
+            ["enable_multi_layer_eagle"] if self.enable_multi_layer_eagle else [])
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        if algo not in SPEC_BUILT:
+            named = given + (["speculative_num_draft_tokens"]
+                             if self.speculative_num_draft_tokens is not None else [])
+            line = ", ".join("--" + f.replace("_", "-") for f in named)
+            raise ConfigError(
+                f"--speculative-algorithm {algo}{f' (with {line})' if line else ''} is not "
+                "built yet: it needs a draft model or MTP layers run beside the target, which "
+                "pdserve does not load; NGRAM (drafts from the request's own context, no draft "
+                "model) is built. Use --speculative-algorithm NGRAM, or drop the speculative flags")
+        if given:
+            raise ConfigError(f"{flags}: NGRAM runs no draft model and drafts a chain; drop "
+                              "them (the draft length is --speculative-num-draft-tokens)")
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = 8
+        if not 1 <= self.speculative_num_draft_tokens <= 64:
+            raise ConfigError("--speculative-num-draft-tokens must be in [1, 64] (1: no drafts)")
+        lo, hi = (self.speculative_ngram_min_match_window_size,
+                  self.speculative_ngram_max_match_window_size)
+        if not 1 <= lo <= hi <= 64:
+            raise ConfigError("the NGRAM match windows need 1 <= --speculative-ngram-min-match-"
+                              "window-size <= --speculative-ngram-max-match-window-size <= 64")
+        self._check_choice("speculative_ngram_match_type", NGRAM_MATCH_TYPES)
+        if self.speculative_ngram_branch_length < 1 or self.speculative_ngram_capacity < 0:
+            raise ConfigError("--speculative-ngram-branch-length must be >= 1 and "
+                              "--speculative-ngram-capacity >= 0")
 
     # set by the server for its engine processes (a DP replica's rank, the route secret, ...),
     # never by a user: no flag
@@ -258,6 +317,15 @@ def env_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     if raw is None or raw == "":
         return default
     return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+# speculative decoding verifies drafts only when the measured cost pays (engine/speculative.py);
+# 0 verifies every draft (tests of identity and measurements of the verify pass itself)
+SPEC_GATE_ENV = "PDSERVE_SPEC_GATE"
+
+
+def spec_gate(env: Mapping[str, str] | None = None) -> bool:
+    return env_bool(os.environ if env is None else env, SPEC_GATE_ENV, True)
 
 
 def default_thread_pool_size(cpu_count: int | None = None) -> int:

@@ -31,15 +31,32 @@ from pdserve_testing import ServerProcess, build_tiny_llama, smollm2_gguf_path
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # scripts/test.sh runs this suite on pytest-xdist workers with --dist loadgroup: each module
     # is one group (its module-scoped servers start once, on one worker), and the modules marked
     # `heavy` are one group together, run one after another on one worker, so two of them never
     # have their gigabytes of servers up at once on the 24 GiB machine (three suites at once
     # once ran it out of memory) while the light modules keep the other worker busy
+    loadgroup = bool(getattr(config.option, "loadgroup", False))
     for item in items:
         heavy = item.get_closest_marker("heavy") is not None
-        item.add_marker(pytest.mark.xdist_group("heavy" if heavy else item.nodeid.split("::")[0]))
+        group = "heavy" if heavy else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+        if loadgroup:
+            _group_suffix(item, group)
+
+
+def _group_suffix(item: pytest.Item, group: str) -> None:
+    """The group as the "@group" suffix of the node id, which xdist's loadgroup scheduler reads.
+    pytest-xdist 3.8 writes it into `_nodeid`, which pytest 9 no longer reads (its node id comes
+    from `_id`), so without this every test would be scheduled alone and a module's servers
+    would start on both workers, heavy modules side by side."""
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # pytest < 9: xdist's own suffix works
+        return
+    if "@" not in item.nodeid:
+        item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")

@@ -162,7 +162,7 @@ QUEUES = {"running", "waiting", "blocks", "cfg", "reqs", "runner", "outbox"}
 
 def test_role_extensions_use_the_scheduler_api_only() -> None:
     """No module of the protocol reaches into the scheduler's queues, pages or config: what a
-    role extension may do is pdcore.engine.extension.SchedulerAPI."""
+    role extension may do is pdcore.engine.scheduler_api.SchedulerAPI."""
     bad = []
     for path in sorted((PDCORE / "disagg").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -179,3 +179,54 @@ def test_the_scheduler_has_no_role_branches() -> None:
     bad = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute)
            and n.attr in ("disagg", "bootstrap_room", "bootstrap_host", "fork_of")]
     assert not bad, f"engine/scheduler.py reads role state at lines {bad}"
+
+
+def import_circles() -> list[list[str]]:
+    """The strongly connected components (of two or more modules) of pdcore's import graph,
+    imports inside functions and under TYPE_CHECKING included: a circle closed that way still
+    ties the modules together."""
+    graph = {m: {imp for _, imp in found if imp in imports() and imp != m}
+             for m, found in imports().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan; the graph is a few hundred modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles() -> None:
+    circles = import_circles()
+    assert not circles, "import circles (break each by moving what both sides need below " \
+        "them):\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_no_module_over_500_lines() -> None:
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in sorted(PDCORE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 500]
+    assert not long, "modules over 500 lines (split them by concern):\n" + "\n".join(long)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pdcore.config import HOST_SERVERS_ENV, ServerArgs, host_servers
+from pdcore.config import HOST_SERVERS_ENV, ServerArgs, host_servers, spec_gate
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.grammar import GrammarBackend
 from pdcore.engine.kv_cache import KVCache
@@ -30,6 +30,7 @@ from pdcore.engine.model_runner import ModelRunner
 from pdcore.engine.models.layers import TPInfo
 from pdcore.engine.radix_cache import RadixCache
 from pdcore.engine.scheduler import Scheduler, SchedulerConfig
+from pdcore.engine.speculative import NgramSpeculator, SpecConfig
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span
 from pdcore.interfaces.memory import PoolContext
@@ -155,6 +156,24 @@ def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
                           eos, any_whitespace=not args.constrained_json_disable_any_whitespace)
 
 
+def _speculator(args: ServerArgs) -> NgramSpeculator | None:
+    """Speculative decoding for the servers that decode (a prefill server samples one token)."""
+    if args.speculative_algorithm is None:
+        return None
+    if args.disaggregation_mode == "prefill":
+        log.info("--speculative-algorithm %s: a prefill server computes only the first token; "
+                 "the decode server speculates", args.speculative_algorithm)
+        return None
+    cfg = SpecConfig(args.speculative_algorithm, args.speculative_num_draft_tokens or 8,
+                     args.speculative_ngram_min_match_window_size,
+                     args.speculative_ngram_max_match_window_size,
+                     args.speculative_ngram_branch_length, args.speculative_ngram_capacity,
+                     gate=spec_gate())
+    log.info("speculative decoding: %s, up to %d draft tokens per request and step",
+             cfg.algorithm, cfg.max_drafts)
+    return NgramSpeculator(cfg)
+
+
 def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     tp = tp or TPInfo()
     platform = _platform(args)
@@ -195,7 +214,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
         eos_ids=frozenset(e for e in eos if e is not None),
-        schedule_policy=args.schedule_policy), cache=_prefix_cache(args, blocks))
+        schedule_policy=args.schedule_policy), cache=_prefix_cache(args, blocks),
+        spec=_speculator(args))
     info = {
         "model_path": resolved.display_path, "tokenizer_path": resolved.display_path,
         "served_model_name": args.served_model_name or resolved.name,

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pdcore.config import env_bool
-from pdcore.engine.tokenizer import ResolvedModel
+from pdcore.engine.model_source import ResolvedModel
 
 log = logging.getLogger(__name__)
 

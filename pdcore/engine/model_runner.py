@@ -21,10 +21,11 @@ from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.grammar import GrammarBackend
 from pdcore.engine.io_struct import LogprobEntry
 from pdcore.engine.kv_cache import KVCache
+from pdcore.engine.models.batch import ForwardBatch, SeqSpan
 from pdcore.engine.models.layers import TPInfo
-from pdcore.engine.models.llama import ForwardBatch, SeqSpan
 from pdcore.engine.request import Req
 from pdcore.engine.sampler import RowError, logprob_entry, row_error, sample
+from pdcore.engine.speculative import verify
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ class StepResult:
     logprob: LogprobEntry | None = None
     prompt_logprobs: list[LogprobEntry] | None = None
     error: RowError | None = None  # (message, HTTP status): this request failed in this step
+    # speculative decoding: the tokens a verify pass gave (accepted drafts + the target's own)
+    # and their logprob entries; `token` stays None then
+    spec_tokens: list[int] | None = None
+    spec_logprobs: list[LogprobEntry] | None = None
 
 
 class RankDivergedError(RuntimeError):
@@ -71,9 +76,14 @@ class ModelRunner:
         ids, pos, slots, seqs, rows = [], [], [], [], []
         plan = []  # per item: (first prompt row index, count, sampling row index or None)
         off = 0
+        # a step that verifies drafts attends all its decodes in the verify group: one SDPA
+        # per layer, and the decode K/V view is left alone instead of refilled for a subset
+        verifying = any(self._verify_item(it) for it in items)
         for r, n in items:
             a = r.num_computed
-            ids.extend(r.token_at(p) for p in range(a, a + n))
+            drafts = r.drafts if n > r.remaining else []  # a verify: [current, d1..dk]
+            ids.extend(r.token_at(p) for p in range(a, a + n - len(drafts)))
+            ids.extend(drafts)
             pos.append(torch.arange(a, a + n))
             new_slots = self.blocks.slots(r.pages, a, a + n)
             slots.append(new_slots)
@@ -84,12 +94,16 @@ class ModelRunner:
             else:  # K/V placed by someone else (a KV transfer): rebuild the table
                 ctx = self.blocks.slots(r.pages, 0, a + n)
             r.ctx_slots = ctx
-            seqs.append(SeqSpan(off, n, ctx.to(self.device), key=r.rid))
+            verify = bool(drafts) or verifying and n == 1 and a + 1 == r.seq_len
+            seqs.append(SeqSpan(off, n, ctx.to(self.device), key=r.rid, verify=verify))
             lo, hi = self._prompt_rows(r, a, n)
             p_first = len(rows)
             rows.extend(range(off + lo - a, off + hi - a))
             s_row = None
-            if a + n == r.seq_len:
+            if drafts:  # every row: row j scores draft j+1 (and the last one the bonus token)
+                s_row = len(rows)
+                rows.extend(range(off, off + n))
+            elif a + n == r.seq_len:
                 s_row = len(rows)
                 rows.append(off + n - 1)
             plan.append((p_first, hi - lo, lo, s_row))
@@ -116,22 +130,40 @@ class ModelRunner:
         if self.tp.size > 1:
             # reached even after a failure on rank 0, so the other ranks never wait for it
             shared = self.tp.broadcast_object(
-                (failure, [(res.token, res.logprob, res.error) for res in results])
+                (failure, [(res.token, res.logprob, res.error, res.spec_tokens, res.spec_logprobs)
+                           for res in results])
                 if leader else None)
             if not leader:
                 if failure is not None and shared[0] is None:
                     raise RankDivergedError(f"TP rank {self.tp.rank}: {failure[0]}")
                 failure = shared[0]
-                for res, (token, lp, err) in zip(results, shared[1]):
+                for res, (token, lp, err, spec, spec_lp) in zip(results, shared[1]):
                     res.token, res.logprob, res.error = token, lp, err
+                    res.spec_tokens, res.spec_logprobs = spec, spec_lp
         if failure is not None:
             for res in results:
                 res.token, res.logprob, res.prompt_logprobs, res.error = None, None, None, failure
+                res.spec_tokens = res.spec_logprobs = None
         return results
+
+    @staticmethod
+    def _verify_item(item: tuple[Req, int]) -> bool:
+        r, n = item
+        return n > r.remaining and bool(r.drafts)
 
     def _sample(self, items: list[tuple[Req, int]], plan: list[tuple[int, int, int, int | None]],
                 logits: torch.Tensor, results: list[StepResult]) -> None:
-        samp = [(i, plan[i][3]) for i in range(len(items)) if plan[i][3] is not None]
+        samp = [(i, plan[i][3]) for i in range(len(items))
+                if plan[i][3] is not None and not self._verify_item(items[i])]
+        for i, (r, n) in enumerate(items):
+            if self._verify_item(items[i]):
+                row = plan[i][3]
+                toks, lps, err = verify(logits[row : row + n], r.state, r.drafts,
+                                        r.top_logprobs_num if r.return_logprob else None)
+                results[i].error = err
+                if err is None:
+                    results[i].spec_tokens = toks
+                    results[i].spec_logprobs = lps if r.return_logprob else None
         if samp:
             states = [items[i][0].state for i, _ in samp]
             want = [items[i][0].top_logprobs_num if items[i][0].return_logprob else None

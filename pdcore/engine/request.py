@@ -51,6 +51,7 @@ class Req:
     disagg: Any = None  # the role extension's per-request state
     fork_of: str | None = None  # rid of the sample whose prompt pages this one shares
     prefill_dp_rank: int | None = None  # PD decode: P's DP rank named by the request
+    spec: Any = None  # speculative decoding: this request's drafting state (ReqSpec)
 
     @classmethod
     def from_generate(cls, g: GenerateReq, eos_ids: frozenset[int] = frozenset()) -> Req:
@@ -74,6 +75,11 @@ class Req:
     def token_at(self, pos: int) -> int:
         n = len(self.prompt)
         return self.prompt[pos] if pos < n else self.output[pos - n]
+
+    @property
+    def drafts(self) -> list[int]:
+        """This step's draft tokens (speculative decoding); empty when it drafts none."""
+        return self.spec.drafts if self.spec is not None else []
 
     @property
     def remaining(self) -> int:

@@ -118,9 +118,15 @@ def _penalize(row: torch.Tensor, st: SampleState) -> torch.Tensor:
 
 
 def _sample_row(row: torch.Tensor, st: SampleState) -> int:
-    p = st.params
-    if p.greedy:
+    if st.params.greedy:
         return int(torch.argmax(row))
+    return int(torch.multinomial(probs_for(row, st), 1, generator=st.generator))
+
+
+def probs_for(row: torch.Tensor, st: SampleState) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: temperature, top-k, min-p, top-p
+    applied to one row of (already penalized) logits."""
+    p = st.params
     row = row / p.temperature
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
@@ -134,7 +140,7 @@ def _sample_row(row: torch.Tensor, st: SampleState) -> int:
         drop = cum - sp > p.top_p  # keep the smallest prefix reaching top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, si, sp)
-    return int(torch.multinomial(probs, 1, generator=st.generator))
+    return probs
 
 
 RowError = tuple[str, int]  # (message, HTTP status) of one request that could not be served

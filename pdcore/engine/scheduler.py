@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pdcore.engine.block_manager import BlockManager
@@ -29,6 +29,8 @@ from pdcore.engine.io_struct import TokenOut
 from pdcore.engine.model_runner import ModelRunner, StepResult
 from pdcore.engine.radix_cache import RadixCache
 from pdcore.engine.request import Phase, Req
+from pdcore.engine.sched_stats import Counters, scheduler_stats
+from pdcore.engine.speculative import NgramSpeculator
 from pdcore.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -49,36 +51,18 @@ class SchedulerConfig:
 LPM_MAX_QUEUE = 128
 
 
-@dataclass
-class Counters:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    finished: int = 0
-    aborted: int = 0
-    preempted: int = 0
-    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
-    steps: int = 0
-    # forward passes and their wall time, by kind: "decode" (every request one token) and
-    # "extend" (at least one prompt chunk; decodes may ride along), so /metrics shows where a
-    # server's time goes (mean decode step = decode seconds / decode steps)
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
-    extend_steps: int = 0
-    extend_seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 class Scheduler:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, cfg: SchedulerConfig,
-                 cache: RadixCache | None = None) -> None:
+                 cache: RadixCache | None = None, spec: NgramSpeculator | None = None) -> None:
         self.runner, self.blocks, self.cfg = runner, blocks, cfg
+        self.spec = spec  # speculative decoding (engine/speculative.py); None: off
         self.cache = cache  # None: --disable-radix-cache (or a decode server without its own)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         self.outbox: list[TokenOut] = []
         self.counters = Counters()
-        self._layouts: dict[str, int] | None = None  # GEMM weights per layout (_native_stats)
+        self.gemm_layouts: dict[str, int] | None = None  # GEMM weights per layout (_native_stats)
         self.ext = Extension()
         self.last_ran = False  # the last step did work: the loop calls again without waiting
         self.flushed_early = False  # the last step only sent tokens that arrived in poll()
@@ -265,6 +249,8 @@ class Scheduler:
                     break
             if req in self.running:
                 items.append((req, 1))
+        if self.spec is not None:
+            items = self._speculate([req for req, _ in items])
         budget = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
         scheduled = {id(r) for r, _ in items}
         for req in [r for r in self.running if r.remaining > 1 and id(r) not in scheduled]:
@@ -287,6 +273,34 @@ class Scheduler:
             budget -= n
         return items
 
+    def _speculate(self, decodes: list[Req]) -> list[tuple[Req, int]]:
+        """The decode items with this step's draft tokens (engine/speculative.py)."""
+        spec = self.spec
+        assert spec is not None
+        for req in decodes:
+            p = req.params
+            spec.propose(req, min(p.max_new_tokens - len(req.output),
+                                  self.cfg.context_length - req.seq_len) - 1)
+        spec.select(decodes)
+        return [self._draft_pages(req) for req in decodes]
+
+    def _draft_pages(self, req: Req) -> tuple[Req, int]:
+        """Pages for a request's drafts from those free now: drafts never evict the prefix
+        cache or preempt anyone, and leave a queued request's next chunk its pages."""
+        drafts = req.drafts
+        chunk = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
+        reserve = self.blocks.pages_for(chunk) if self.waiting else 0
+        while drafts:
+            need = self.blocks.pages_for(req.num_computed + 1 + len(drafts)) - len(req.pages)
+            if need <= 0 or self.blocks.can_alloc(need + reserve):
+                if need > 0:
+                    req.pages.extend(self.blocks.alloc(need))
+                break
+            drafts = drafts[: len(drafts) // 2]
+        if req.spec is not None:
+            req.spec.drafts = drafts
+        return req, 1 + len(drafts)
+
     def step(self) -> list[TokenOut]:
         before = self.counters.generated_tokens
         self.ext.poll()
@@ -306,10 +320,15 @@ class Scheduler:
             t0 = time.perf_counter()
             results = self.runner.run(items)
             took = time.perf_counter() - t0
-            if any(n > 1 for _, n in items):
+            if any(n > 1 and not r.drafts for r, n in items):
                 c.extend_steps, c.extend_seconds = c.extend_steps + 1, c.extend_seconds + took
+            elif self.spec is not None and any(r.drafts for r, _ in items):
+                self.spec.steps, self.spec.seconds = self.spec.steps + 1, self.spec.seconds + took
+                self.spec.timed(len(items), took, verify=True)
             else:
                 c.decode_steps, c.decode_seconds = c.decode_steps + 1, c.decode_seconds + took
+                if self.spec is not None:
+                    self.spec.timed(len(items), took, verify=False)
             for res in results:
                 self._apply(res)
             self.ext.after_step(results)
@@ -329,6 +348,9 @@ class Scheduler:
         if res.error is not None:  # this request alone failed in the step (model_runner)
             self.fail(req, *res.error)
             return
+        if req.drafts:
+            self._apply_verify(req, res)
+            return
         req.num_computed += res.n
         if res.n > 1 or req.num_computed <= len(req.prompt):
             self.cache_pages(req, adopt=True)  # a prefill chunk: shared with later requests
@@ -337,6 +359,25 @@ class Scheduler:
         if res.token is None:
             return
         self.push_token(req, res.token, res.logprob)
+
+    def _apply_verify(self, req: Req, res: StepResult) -> None:
+        """Tokens of a verify pass: positions up to the last accepted draft hold valid K/V; the
+        rejected drafts' pages beyond the sequence go back to the pool at once."""
+        tokens = res.spec_tokens or []
+        proposed, req.spec.drafts = len(req.drafts), []
+        self.spec.verified(req, proposed, len(tokens))  # type: ignore[union-attr]
+        base = req.num_computed
+        for i, tok in enumerate(tokens):
+            req.num_computed = base + i + 1  # the token before this one is in the pool
+            self.push_token(req, tok, res.spec_logprobs[i] if res.spec_logprobs else None)
+            if req.phase is Phase.FINISHED or req.finish_reason is not None:
+                return
+        if req.ctx_slots is not None:
+            req.ctx_slots = req.ctx_slots[: req.num_computed]
+        keep = self.blocks.pages_for(req.seq_len)
+        if len(req.pages) > keep:
+            self.blocks.free(req.pages[keep:])
+            del req.pages[keep:]
 
     def push_token(self, req: Req, token: int, logprob: Any = None) -> None:
         req.output.append(token)
@@ -361,6 +402,8 @@ class Scheduler:
         self.drop(req)
 
     def drop(self, req: Req) -> None:
+        if self.spec is not None and req.error is None:
+            self.spec.remember(req)
         req.phase = Phase.FINISHED
         self.uncollected = True  # its final TokenOut goes out on the next step
         if req in self.running:
@@ -384,6 +427,7 @@ class Scheduler:
             req.sent_prompt_stats = True
         if done:
             msg.finished, msg.finish_reason = True, req.finish_reason
+            msg.spec_verify_ct = req.spec.verify_ct if req.spec is not None else 0
             msg.error, msg.error_status = req.error, req.error_status
             del self.reqs[req.rid]
         return msg
@@ -393,55 +437,4 @@ class Scheduler:
                     or self.ext.busy())
 
     def stats(self) -> dict[str, Any]:
-        c = self.counters
-        return {
-            "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
-            "num_reqs": len(self.reqs), "num_pages_total": self.blocks.num_pages,
-            "num_pages_free": self.blocks.num_free, "num_pages_used": self.blocks.num_used,
-            "page_size": self.blocks.page_size,
-            "num_tokens": sum(r.seq_len for r in self.reqs.values()),
-            "prompt_tokens_total": c.prompt_tokens, "generation_tokens_total": c.generated_tokens,
-            "finished_total": c.finished, "aborted_total": c.aborted,
-            "preempted_total": c.preempted, "steps_total": c.steps,
-            "forward_decode_steps_total": c.decode_steps,
-            "forward_decode_seconds_total": c.decode_seconds,
-            "forward_extend_steps_total": c.extend_steps,
-            "forward_extend_seconds_total": c.extend_seconds,
-            **self._native_stats(), **self._cache_stats(), **self.ext.stats(),
-            **self._grammar_stats(),
-        }
-
-    def _grammar_stats(self) -> dict[str, Any]:
-        g = getattr(self.runner, "grammar", None)  # test runners may have none
-        running = sum(1 for r in self.running if r.params.grammar is not None)
-        return {"grammar_compiled_total": g.compiled if g else 0,
-                "grammar_compile_seconds_total": g.compile_seconds if g else 0.0,
-                "grammar_running_requests": running}
-
-    def _native_stats(self) -> dict[str, Any]:
-        """Whether the native kernels serve (1/0) and on which ISA (native_isa_*: 1 for the
-        library loaded), how many decode steps took the native layer loop (engine/native; the
-        rest ran the Python loop), and how many GEMM weights sit in each layout
-        (models/layers.py: chosen at load)."""
-        from pdcore.engine import native
-        from pdcore.engine.models.layers import weight_layouts
-
-        if self._layouts is None:
-            self._layouts = weight_layouts(self.runner.model)
-        isa = native.isa()
-        return {"native_kernels": int(native.status().startswith("native")),
-                **{f"native_isa_{name}": int(isa == name) for name in native.ISAS},
-                "native_decode_steps_total": int(getattr(self.runner.model, "native_steps", 0)),
-                **{f"gemm_weights_{k}": v for k, v in self._layouts.items()}}
-
-    def _cache_stats(self) -> dict[str, Any]:
-        c, cache = self.counters, self.cache
-        return {
-            "radix_cache_enabled": cache is not None,
-            "cache_hit_tokens_total": c.cached_tokens,
-            "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            "radix_cache_pages": cache.num_pages if cache else 0,
-            "radix_cache_evictable_pages": cache.evictable() if cache else 0,
-            "radix_cache_evicted_pages_total": cache.evicted_pages if cache else 0,
-            "radix_cache_inserted_pages_total": cache.inserted_pages if cache else 0,
-        }
+        return scheduler_stats(self)

@@ -31,7 +31,7 @@ from pdcore.router.workers import DuplicateWorkerError, Worker
 from pdcore.server.auth import require_admin
 
 if TYPE_CHECKING:
-    from pdcore.router.app import RouterState
+    from pdcore.router.state import RouterState
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -30,10 +29,10 @@ from pdcore.router.config import RouterConfig
 from pdcore.router.dashboard import build_dashboard_router
 from pdcore.router.discovery import ServiceDiscovery
 from pdcore.router.health import HealthMonitor
-from pdcore.router.metrics import RouterMetrics
 from pdcore.router.peering import TrustSync
-from pdcore.router.policies import Policy, make_policy
+from pdcore.router.policies import make_policy
 from pdcore.router.proxy import Proxy
+from pdcore.router.state import RouterState
 from pdcore.router.upstream import UpstreamClients
 from pdcore.router.workers import WorkerRegistry
 from pdcore.server.auth import install_auth, log_admin_policy
@@ -45,19 +44,6 @@ GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 # answered without --api-key: supervisors probe /health; the dashboard page holds no data (it
 # asks for the key and sends it on each poll)
 OPEN_PATHS = ("/health", "/dashboard")
-
-
-@dataclass
-class RouterState:
-    config: RouterConfig
-    registry: WorkerRegistry
-    policies: dict[str, Policy]
-    metrics: RouterMetrics = field(default_factory=RouterMetrics)
-    client: httpx.AsyncClient | None = None
-    monitor: HealthMonitor | None = None
-    proxy: Proxy | None = None
-    discovery: ServiceDiscovery | None = None
-    peering: TrustSync | None = None
 
 
 def build_state(config: RouterConfig) -> RouterState:

@@ -139,15 +139,32 @@ class RouterConfig:
     def circuit_breaker_enabled(self) -> bool:
         return not (self.mini_lb or self.disable_circuit_breaker)
 
+    def role_selectors(self) -> dict[str, dict[str, str]]:
+        """--service-discovery: each role's pod labels (the shared --selector included)."""
+        return {"prefill": {**self.selector, **self.prefill_selector},
+                "decode": {**self.selector, **self.decode_selector}}
+
+    def _validate_discovery(self) -> None:
+        if not self.prefill_selector or not self.decode_selector:
+            raise ConfigError(
+                "--service-discovery needs --prefill-selector K=V ... and --decode-selector K=V "
+                "... (the labels of the prefill and of the decode pods)")
+        sel = self.role_selectors()
+        if sel["prefill"] == sel["decode"]:
+            raise ConfigError("--prefill-selector and --decode-selector select the same pods; "
+                              "give each role a label of its own (e.g. role=prefill / "
+                              "role=decode)")
+        check_port(self.service_discovery_port, "--service-discovery-port")
+        if not self.bootstrap_port_annotation.strip():
+            raise ConfigError("--bootstrap-port-annotation must not be empty")
+
     def validate(self) -> None:
         """Raise ConfigError naming the flag to fix."""
         _ = self.route_key  # an unreadable cluster-secret file: exit 2 now, not at a request
         if self.max_concurrent_requests_per_client < 0:
             raise ConfigError("--max-concurrent-requests-per-client must be >= 0 (0: no limit)")
         if self.service_discovery:
-            from pdcore.router.discovery import validate_discovery
-
-            validate_discovery(self)
+            self._validate_discovery()
         elif self.selector or self.prefill_selector or self.decode_selector:
             raise ConfigError("the --*-selector flags take effect with --service-discovery only")
         elif not self.prefill:

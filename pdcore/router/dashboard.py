@@ -28,7 +28,7 @@ from pdcore.router.upstream import exc_reason
 from pdcore.router.workers import Worker
 
 if TYPE_CHECKING:
-    from pdcore.router.app import RouterState
+    from pdcore.router.state import RouterState
 
 REFRESH_S = 2.0
 FETCH_TIMEOUT_S = 1.5  # under REFRESH_S, so a hung worker never delays the next refresh

@@ -60,30 +60,8 @@ def parse_selector(flag: str, tokens: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def role_selectors(config: RouterConfig) -> dict[str, dict[str, str]]:
-    return {"prefill": {**config.selector, **config.prefill_selector},
-            "decode": {**config.selector, **config.decode_selector}}
-
-
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in labels.items())
-
-
-def validate_discovery(config: RouterConfig) -> None:
-    """ConfigError naming the flag to fix (called by RouterConfig.validate)."""
-    from pdcore.router.config import check_port
-
-    if not config.prefill_selector or not config.decode_selector:
-        raise ConfigError(
-            "--service-discovery needs --prefill-selector K=V ... and --decode-selector K=V ... "
-            "(the labels of the prefill and of the decode pods)")
-    sel = role_selectors(config)
-    if sel["prefill"] == sel["decode"]:
-        raise ConfigError("--prefill-selector and --decode-selector select the same pods; give "
-                          "each role a label of its own (e.g. role=prefill / role=decode)")
-    check_port(config.service_discovery_port, "--service-discovery-port")
-    if not config.bootstrap_port_annotation.strip():
-        raise ConfigError("--bootstrap-port-annotation must not be empty")
 
 
 def load_cluster_config() -> Any:
@@ -184,7 +162,7 @@ class ServiceDiscovery:
         self._threads: list[threading.Thread] = []
         self._watches: list[Any] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.roles = {r: RoleState(selector_string(s)) for r, s in role_selectors(config).items()}
+        self.roles = {r: RoleState(selector_string(s)) for r, s in config.role_selectors().items()}
         self.tracked: dict[str, dict[str, Worker]] = {"prefill": {}, "decode": {}}
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

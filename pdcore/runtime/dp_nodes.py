@@ -57,14 +57,6 @@ def multi_node(args: ServerArgs) -> bool:
     return bool(args.enable_dp_attention) and args.dp_size > 1 and args.nnodes > 1
 
 
-def check(args: ServerArgs) -> None:
-    """Exit-2 checks of DP attention over several nodes."""
-    if args.dp_size % args.nnodes:
-        raise ConfigError(
-            f"--enable-dp-attention over --nnodes {args.nnodes}: --dp-size {args.dp_size} must "
-            "be a multiple of --nnodes, so that every DP rank's attention ranks are on one node")
-
-
 def link_addrs(args: ServerArgs, dp_rank: int) -> tuple[str, str]:
     """(to the scheduler, from the scheduler) of a DP rank on another node."""
     from pdcore.runtime.topology import split_addr

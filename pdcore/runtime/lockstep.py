@@ -36,6 +36,9 @@ class StepHeader:
     stop: bool = False
     now: float = 0.0  # rank 0's monotonic clock: time-based decisions must agree
     idle: bool = False  # DP attention: another DP rank steps, so this one runs an idle forward
+    # speculative decoding's measured verify/decode cost ratio: every rank gates drafts on
+    # rank 0's value (engine/speculative.py)
+    spec_ratio: float | None = None
 
 
 class Lockstep:
@@ -91,7 +94,9 @@ class Lockstep:
             idle = self.peers_busy and not run
         now = time.monotonic()
         if self.tp.size > 1:
-            self.tp.broadcast_object(StepHeader(msgs, run, stop, now, idle))
+            spec = self.sched.spec
+            self.tp.broadcast_object(StepHeader(msgs, run, stop, now, idle,
+                                                spec.ratio if spec is not None else None))
         self.sched.step_time = now
         if not run:
             if idle:
@@ -147,6 +152,8 @@ class Lockstep:
             return False
         if head.run:
             self.sched.step_time = head.now
+            if head.spec_ratio is not None and self.sched.spec is not None:
+                self.sched.spec.ratio = head.spec_ratio
             self._step()  # outputs are rank 0's business
         elif head.idle:
             self.dp.idle_forward()  # type: ignore[union-attr]

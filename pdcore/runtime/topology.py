@@ -34,10 +34,12 @@ def _check_dp(args: ServerArgs) -> None:
     group meets at the --dist-init-addr port + r; in PD mode each replica is its own endpoint of
     the PD control plane: pdcore.server.dp_client)."""
     if args.enable_dp_attention:
-        if args.nnodes > 1:
-            from pdcore.runtime.dp_nodes import check
-
-            check(args)
+        if args.nnodes > 1 and args.dp_size % args.nnodes:
+            # every DP rank's attention ranks on one node (pdcore.runtime.dp_nodes's layout)
+            raise ConfigError(
+                f"--enable-dp-attention over --nnodes {args.nnodes}: --dp-size {args.dp_size} "
+                "must be a multiple of --nnodes, so that every DP rank's attention ranks are on "
+                "one node")
         return
     if args.dist_init_addr and args.nnodes == 1:
         raise ConfigError("--dp-size > 1 on one node needs no --dist-init-addr (each replica's "

@@ -23,6 +23,7 @@ from pdcore.config import (
     LOAD_BALANCE_METHODS,
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
+    NGRAM_MATCH_TYPES,
     ServerArgs,
     cluster_secret,
 )
@@ -43,6 +44,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grammar_backend": ("xgrammar", "none"),
     "tool_call_parser": tool_parsers.NAMES,
     "reasoning_parser": reasoning.NAMES,
+    "speculative_ngram_match_type": NGRAM_MATCH_TYPES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "load_format": LOAD_FORMATS,
     "moe_a2a_backend": MOE_A2A_BACKENDS,
@@ -96,6 +98,20 @@ HELP: dict[str, str] = {
                         "the calls it finds as tool_calls (tools need it)",
     "reasoning_parser": "the model's <think> format: /v1/chat/completions returns the "
                         "reasoning as reasoning_content",
+    "speculative_algorithm": "speculative decoding: NGRAM (draft tokens from the request's own "
+                             "context and earlier outputs, verified in one pass); EAGLE, EAGLE3, "
+                             "NEXTN and STANDALONE are refused (not built)",
+    "speculative_num_draft_tokens": "positions verified per request and step: the current "
+                                    "token + up to this many - 1 drafts (NGRAM default 8)",
+    "speculative_ngram_min_match_window_size": "shortest context suffix an NGRAM draft must "
+                                               "match",
+    "speculative_ngram_max_match_window_size": "longest context suffix NGRAM matches",
+    "speculative_ngram_match_type": "accepted for SGLang compatibility: drafts are a chain "
+                                    "(the best match's continuation)",
+    "speculative_ngram_min_bfs_breadth": "accepted for SGLang compatibility (chain drafts)",
+    "speculative_ngram_max_bfs_breadth": "accepted for SGLang compatibility (chain drafts)",
+    "speculative_ngram_branch_length": "tokens kept per entry of the cross-request n-gram cache",
+    "speculative_ngram_capacity": "entries of the cross-request n-gram cache (0: off)",
     "disaggregation_decode_enable_radix_cache": "decode server: keep finished requests' KV "
                                                 "in a prefix cache and receive only the part of "
                                                 "a prompt it does not hold",

@@ -33,13 +33,18 @@ def hardware_refusal(parser: argparse.ArgumentParser, argv: list[str]) -> str | 
         if ok:
             return None
         why = f"it is not available here: {reason}"
-    also = ""
-    try:  # a known flag with a value pdserve does not support (--tokenizer-worker-num 4)
-        from pdcore.config import ServerArgs
+    from pdcore.config import ServerArgs
 
-        ServerArgs(**vars(ns)).validate()
-    except Exception as e:  # noqa: BLE001 - only reported, after the device
-        also = f"; and {e}"
+    found: list[str] = []
+    # known flags with values pdserve does not support (--tokenizer-worker-num 4), and the
+    # speculative algorithm apart, which validate() reaches only after the rest
+    for check in (ServerArgs.validate, ServerArgs.validate_speculative):
+        try:
+            check(ServerArgs(**vars(ns)))
+        except Exception as e:  # noqa: BLE001 - only reported, after the device
+            if str(e) not in found:
+                found.append(str(e))
+    also = "".join(f"; and {e}" for e in found)
     return (f"--device {device} needs that hardware and {why}. The line also uses flags "
             f"pdserve does not have (features not built here): {', '.join(unbuilt)} (drop them "
             "to run without)"

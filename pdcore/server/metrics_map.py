@@ -61,6 +61,12 @@ SCHED_GAUGES: list[tuple[str, str, Callable[[Stats, Any], float], tuple[str, ...
     ("sglang:num_decode_transfer_queue_reqs",
      "The number of requests in the decode transfer queue.",
      _get("disagg_transfer_queue"), ("disagg_transfer_queue",)),
+    ("sglang:spec_accept_length",
+     "The average acceptance length of speculative decoding (tokens per verify, since start).",
+     _get("spec_accept_length"), ("spec_accept_length",)),
+    ("sglang:spec_accept_rate",
+     "The acceptance rate of speculative decoding (accepted / draft tokens, since start).",
+     _get("spec_accept_rate"), ("spec_accept_rate",)),
     # ours, from the same stats
     ("pdserve_kv_pages_used", "KV cache pages in use", _get("num_pages_used"), ()),
     ("pdserve_kv_pages_free", "KV cache pages free", _get("num_pages_free"),

@@ -135,6 +135,8 @@ def _meta(asm: OutputAssembler, plan: _Plan, idx: int, engine: EngineClient,
         "prompt_tokens": o.prompt_tokens, "completion_tokens": len(o.output_ids),
         "cached_tokens": o.cached_tokens, "e2e_latency": round(time.time() - start, 6),
     }
+    if engine.args.speculative_algorithm is not None:
+        meta["spec_verify_ct"] = o.spec_verify_ct  # as SGLang reports it with speculation on
     want = plan.return_logprob[idx]
     if want or engine.args.disaggregation_mode == "decode":
         # decode servers always carry the key so a PD router can prepend prefill's prompt part

@@ -20,6 +20,7 @@ class SequenceOutput:
     rid: str
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    spec_verify_ct: int = 0  # speculative decoding's verify passes (from the last message)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     output_logprobs: list[LogprobEntry] = field(default_factory=list)
@@ -49,6 +50,7 @@ class OutputAssembler:
         if msg.prompt_tokens:
             o.prompt_tokens = msg.prompt_tokens
         o.cached_tokens = max(o.cached_tokens, msg.cached_tokens)
+        o.spec_verify_ct = max(o.spec_verify_ct, msg.spec_verify_ct)
         if msg.input_logprobs is not None:
             o.input_logprobs = list(msg.input_logprobs)
         sched_reason = msg.finish_reason if msg.finished else None

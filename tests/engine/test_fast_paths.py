@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from pdcore.engine.models import layers
-from pdcore.engine.models.llama import ForwardBatch, LlamaForCausalLM, SeqSpan
+from pdcore.engine.models.batch import ForwardBatch, SeqSpan
+from pdcore.engine.models.llama import LlamaForCausalLM
 from pdcore.errors import ConfigError
 
 needs_mkl = pytest.mark.skipif(

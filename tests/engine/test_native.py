@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from pdcore.engine import native
 from pdcore.engine.cpu_features import LAYOUT_ENV, bf16_support
 from pdcore.engine.models import layers
-from pdcore.engine.models.llama import ForwardBatch, LlamaForCausalLM, SeqSpan
+from pdcore.engine.models.batch import ForwardBatch, SeqSpan
+from pdcore.engine.models.llama import LlamaForCausalLM
 from pdcore.errors import ConfigError
 
 

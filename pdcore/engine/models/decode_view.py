@@ -25,7 +25,7 @@ import torch
 from pdcore.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pdcore.engine.models.llama import DecodeGroup, ForwardBatch
+    from pdcore.engine.models.batch import DecodeGroup, ForwardBatch
 
 VIEW_MB_ENV = "PDCORE_DECODE_KV_VIEW_MB"
 DEFAULT_MB = 128

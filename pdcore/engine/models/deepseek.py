@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.engine.models.batch import DecodeGroup, ForwardBatch
 from pdcore.engine.models.layers import (
     ColumnLinear,
     RMSNorm,
@@ -32,7 +33,7 @@ from pdcore.engine.models.layers import (
     pack_linears,
     span,
 )
-from pdcore.engine.models.llama import MLP, DecodeGroup, ForwardBatch
+from pdcore.engine.models.llama import MLP
 from pdcore.engine.models.moe import MoE, RouterSpec
 from pdcore.engine.weights import adopt
 

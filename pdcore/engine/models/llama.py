@@ -14,12 +14,12 @@ to everything cached before it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.engine.models.batch import DecodeGroup, ForwardBatch, VerifyGroup
 from pdcore.engine.models.decode_view import DecodeKV
 from pdcore.engine.models.layers import (
     ColumnLinear,
@@ -40,66 +40,6 @@ SUPPORTED_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-
-
-@dataclass
-class SeqSpan:
-    q_start: int  # offset of this sequence's new tokens in the packed batch
-    q_len: int
-    ctx_slots: torch.Tensor  # long [ctx_len]: pool slots of every position 0..ctx_len-1
-    key: object = None  # the request's id: lets the decode K/V view carry over between steps
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor  # long [T]
-    positions: torch.Tensor  # long [T]
-    out_slots: torch.Tensor  # long [T]: where each new token's K/V goes
-    seqs: list[SeqSpan]
-    logit_rows: torch.Tensor  # long [R]: rows of the pack whose logits are wanted
-    extra: dict = field(default_factory=dict)
-
-    def decode_group(self) -> DecodeGroup | None:
-        """The step's one-token sequences as one padded batch (built once, used by every layer),
-        or None when fewer than two sequences decode."""
-        if "decode" not in self.extra:
-            dec = [s for s in self.seqs if s.q_len == 1]
-            group = DecodeGroup.build(dec) if len(dec) >= 2 else None
-            if group is not None and len(dec) == len(self.seqs) == len(self.input_ids):
-                group.whole = all(s.q_start == i for i, s in enumerate(dec))
-            self.extra["decode"] = group
-        return self.extra["decode"]
-
-
-@dataclass
-class DecodeGroup:
-    seqs: list[SeqSpan]
-    rows: torch.Tensor  # long [B]: each sequence's row in the pack
-    table: torch.Tensor  # long [B * W]: slots of each context, padded to the longest (W)
-    mask: torch.Tensor  # bool [B, 1, 1, W]: True on real positions
-    width: int
-    whole: bool = False  # the sequences are the whole pack, in order (a decode-only step)
-    _bias: dict = field(default_factory=dict)
-
-    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask as an additive bias of `dtype` (0 / -inf), built once per step; None when
-        no sequence is padded. SDPA turns a bool mask into this on every call (an aten::where
-        per layer)."""
-        if dtype not in self._bias:
-            self._bias[dtype] = None if bool(self.mask.all()) else torch.zeros(
-                self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))
-        return self._bias[dtype]
-
-    @classmethod
-    def build(cls, seqs: list[SeqSpan]) -> DecodeGroup:
-        width = max(len(s.ctx_slots) for s in seqs)
-        lens = torch.tensor([len(s.ctx_slots) for s in seqs])
-        table = torch.zeros(len(seqs), width, dtype=torch.long, device=seqs[0].ctx_slots.device)
-        for i, s in enumerate(seqs):  # padding points at slot 0 and is masked out
-            table[i, : len(s.ctx_slots)] = s.ctx_slots
-        mask = (torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)).to(table.device)
-        rows = torch.tensor([s.q_start for s in seqs], dtype=torch.long, device=table.device)
-        return cls(seqs, rows, table.view(-1), mask[:, None, None, :], width)
 
 
 @functools.cache
@@ -175,8 +115,11 @@ class Attention(nn.Module):
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype)
         if group is not None:
             out[group.rows] = self._decode(q, k, v, k_flat, v_flat, group, batch)
+        vg = batch.verify_group()
+        if vg is not None:
+            out[vg.rows[vg.real]] = self._verify(q, k_flat, v_flat, vg)[vg.real]
         for s in batch.seqs:
-            if group is not None and s.q_len == 1:
+            if group is not None and s.q_len == 1 or s.verify:
                 continue
             n, ctx = s.q_len, len(s.ctx_slots)
             a, b = s.q_start, s.q_start + n
@@ -200,6 +143,22 @@ class Attention(nn.Module):
             )
             out[a:b] = o[0].transpose(0, 1)
         return self.o_proj(out.view(T, -1))
+
+    def _verify(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                g: VerifyGroup) -> torch.Tensor:
+        """Attention of the verify sequences in one SDPA; [B * qmax, H, D] (padding included).
+        A KV head's query heads go in as its query rows ([B, KVH, group * qmax, D])."""
+        kvh, d, hq = self.num_kv_heads, self.head_dim, self.num_heads
+        grp, B = hq // kvh, g.rows.numel() // g.qmax
+        qb = q.index_select(0, g.rows).view(B, g.qmax, kvh, grp, d).permute(0, 2, 3, 1, 4)
+        qb = qb.reshape(B, kvh, grp * g.qmax, d)
+        shape = (B, g.width, kvh, d)
+        kb = k_flat.index_select(0, g.table).view(shape).transpose(1, 2).to(q.dtype)
+        vb = v_flat.index_select(0, g.table).view(shape).transpose(1, 2).to(q.dtype)
+        bias = g.bias.to(q.dtype).repeat(1, 1, grp, 1)  # [B, 1, grp * qmax, W]
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, scale=self.scale)
+        o = o.view(B, kvh, grp, g.qmax, d).permute(0, 3, 1, 2, 4)  # [B, qmax, KVH, grp, D]
+        return o.reshape(B * g.qmax, hq, d)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
                 v_flat: torch.Tensor, g: DecodeGroup, batch: ForwardBatch) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.engine.models.dp_gather import gathered
 from pdcore.engine.models.layers import ColumnLinear, TPInfo, linear
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import span
@@ -234,8 +235,6 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dp is not None:
-            from pdcore.engine.dp_attention import gathered
-
             return gathered(self.dp, x, self._forward)
         return self._forward(x)
 

@@ -1,0 +1,254 @@
+"""Speculative decoding with NGRAM drafts (#33): the drafter, the verify rule, and identity:
+greedy output with speculation equals greedy output without it, token for token, and equals
+transformers, with chunked prefill, the prefix cache, page sizes 1 and 16, logprobs, stop ids,
+n > 1 and TP 2 (grammar-constrained requests beside speculated ones: tests/pd/test_pd_spec.py); sampled output keeps the target
+distribution (rejection sampling). Every identity test checks that drafts were verified and
+accepted, so it cannot pass by never speculating."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdcore.config import ServerArgs
+from pdcore.engine.io_struct import GrammarSpec, SamplingParams
+from pdcore.engine.request import Req
+from pdcore.engine.sampler import SampleState
+from pdcore.engine.speculative import NgramSpeculator, SpecConfig, verify
+from pdcore.errors import ConfigError
+from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.testing.greedy import check_greedy, hf_greedy
+from pdcore.testing.pages import pages_at_rest
+from pdcore.testing.tiny_models import make_tiny_model
+
+VOCAB = 512
+
+
+def _req(tokens: list[int], greedy: bool = True) -> Req:
+    sp = SamplingParams(max_new_tokens=64, temperature=0.0 if greedy else 1.0)
+    return Req("r", list(tokens), SampleState.create(sp, tokens))
+
+
+# ---- the drafter ------------------------------------------------------------------------------
+
+def test_drafts_continue_the_latest_longest_match_of_the_context():
+    spec = NgramSpeculator(SpecConfig(num_draft_tokens=5, min_window=1, max_window=4))
+    # "7 8 9" occurs twice; the last token 9 matches both, "8 9" too; the later match wins
+    r = _req([1, 7, 8, 9, 10, 11, 12, 2, 7, 8, 9, 20, 21, 3, 7, 8, 9])
+    assert spec.propose(r, budget=10) == [20, 21, 3, 7]
+    assert r.drafts == [20, 21, 3, 7]
+    assert spec.propose(r, budget=2) == [20, 21]  # bounded by the output budget
+    # the longest suffix decides: "5 8 9" matches only the first occurrence
+    r2 = _req([5, 8, 9, 40, 41, 6, 8, 9, 50, 51, 5, 8, 9])
+    assert spec.propose(r2, budget=10)[:2] == [40, 41]
+
+
+def test_min_window_and_no_match_give_no_drafts():
+    spec = NgramSpeculator(SpecConfig(min_window=3))
+    assert spec.propose(_req([1, 2, 3, 9, 4, 5, 9]), budget=8) == []  # only "9" matches
+    assert NgramSpeculator(SpecConfig()).propose(_req([1, 2, 3, 4]), budget=8) == []
+
+
+def test_grammar_and_penalties_are_not_speculated():
+    spec = NgramSpeculator(SpecConfig())
+    r = _req([1, 2, 3, 1, 2, 3, 1, 2])
+    r.state.params.grammar = GrammarSpec("regex", "[0-9]+", "regex")
+    assert spec.propose(r, budget=8) == []
+    r = Req("p", [1, 2, 3, 1, 2], SampleState.create(
+        SamplingParams(temperature=0.0, repetition_penalty=1.2), [1, 2, 3, 1, 2]))
+    assert spec.propose(r, budget=8) == []
+    # min_new_tokens: EOS is banned row by row until then; drafts start once it is reached
+    # (read from the tokens, not the sampling state, which advances on TP rank 0 only)
+    r = Req("m", [1, 2, 3, 1, 2], SampleState.create(
+        SamplingParams(temperature=0.0, min_new_tokens=2), [1, 2, 3, 1, 2]))
+    assert spec.propose(r, budget=8) == []
+    r.output = [3, 1]
+    assert spec.propose(r, budget=8) == [2, 3, 1]
+
+
+def test_cross_request_cache_drafts_for_a_new_request():
+    spec = NgramSpeculator(SpecConfig(num_draft_tokens=4))
+    done = _req([1, 2, 3])
+    done.output = [30, 31, 32, 33, 34, 35]
+    spec.remember(done)
+    fresh = _req([9, 9, 31, 32, 33])  # its own context has no earlier "33"
+    assert spec.propose(fresh, budget=8) == [34, 35]
+    small = NgramSpeculator(SpecConfig(capacity=2))
+    small.remember(done)
+    assert len(small.cache) == 2
+
+
+def test_the_gate_drops_drafts_that_would_not_pay_and_tries_again_later():
+    spec = NgramSpeculator(SpecConfig(num_draft_tokens=4))
+    reqs = [_req([1, 2, 3, 1, 2, 3, 1, 2]) for _ in range(4)]
+    spec.ratio = 3.0  # a verify costs three decode steps
+    for r in reqs:
+        spec.propose(r, budget=8)
+        r.spec.alpha = 0.1
+    spec.select(reqs)
+    assert all(r.drafts == [] for r in reqs) and spec.gated == 1
+    before = reqs[0].spec.alpha
+    spec.select(reqs)
+    assert reqs[0].spec.alpha > before  # drifts back toward the prior
+    spec.ratio = 1.1  # cheap verifies: good drafts go through
+    for r in reqs:
+        spec.propose(r, budget=8)
+        r.spec.alpha = 0.9
+    spec.select(reqs)
+    assert all(r.drafts for r in reqs)
+
+
+def test_measured_ratio_follows_step_times():
+    spec = NgramSpeculator(SpecConfig())
+    for _ in range(20):
+        spec.timed(4, 0.010, verify=False)
+        spec.timed(4, 0.030, verify=True)
+    assert spec.ratio == pytest.approx(3.0, rel=0.05)
+    spec.timed(7, 0.5, verify=True)  # no decode time known for batch 7: ignored
+    assert spec.ratio == pytest.approx(3.0, rel=0.05)
+
+
+# ---- the verify rule --------------------------------------------------------------------------
+
+def test_greedy_verify_accepts_the_agreeing_prefix_and_adds_the_target_token():
+    rows = torch.full((4, 10), -5.0)
+    for j, best in enumerate([3, 4, 7, 1]):
+        rows[j, best] = 5.0
+    st = SampleState.create(SamplingParams(temperature=0.0), [0])
+    toks, lps, err = verify(rows, st, [3, 4, 5], 0)
+    assert err is None and toks == [3, 4, 7]  # 5 rejected: the target's 7 instead
+    assert len(lps) == 3 and lps[0][1] == 3 and lps[2][1] == 7
+    toks, _, _ = verify(rows, st, [3, 4, 7], None)
+    assert toks == [3, 4, 7, 1]  # all accepted: the bonus token from the last row
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    rows = torch.log(p).repeat(2, 1)
+    counts = torch.zeros(3)
+    st = SampleState.create(SamplingParams(temperature=1.0, seed=1), [0])
+    n = 6000
+    for _ in range(n):
+        toks, _, err = verify(rows, st, [2], None)  # always draft the least likely token
+        assert err is None
+        counts[toks[0]] += 1
+    assert torch.allclose(counts / n, p, atol=0.025), counts / n
+
+
+# ---- identity on real engines -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("spec") / "m"), vocab_size=VOCAB, seed=5)
+
+
+def _prompts() -> list[list[int]]:
+    """Prompts with repeated stretches (so drafts exist from the start) and one without."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for n, reps in ((12, 4), (30, 3), (7, 9), (90, 1)):
+        part = torch.randint(3, VOCAB, (n,), generator=g).tolist()
+        out.append((part * reps)[: n * reps])
+    return out
+
+
+def _engine(path: str, spec: bool, **kw) -> LLMEngine:
+    extra = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6} if spec \
+        else {}
+    return LLMEngine(ServerArgs(model_path=path, max_total_tokens=4096, page_size=kw.pop(
+        "page_size", 4), chunked_prefill_size=kw.pop("chunk", 32), **extra, **kw))
+
+
+def _generate(path: str, spec: bool, prompts, sp: SamplingParams, **kw):
+    eng = _engine(path, spec, **kw)
+    try:
+        outs = eng.generate(prompts, sp, return_logprob=True)
+        again = eng.generate(prompts[:2], sp, return_logprob=True)  # from the prefix cache
+        assert pages_at_rest(eng.scheduler)
+        stats = eng.scheduler.stats()
+    finally:
+        eng.close()
+    return outs + again, stats
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_with_speculation_equals_without_and_transformers(tiny, monkeypatch, page_size):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")  # verify every draft
+    prompts = _prompts()
+    sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    base, _ = _generate(tiny, False, prompts, sp, page_size=page_size)
+    spec, st = _generate(tiny, True, prompts, sp, page_size=page_size)
+    assert st["spec_verifies_total"] > 0 and st["spec_accepted_tokens_total"] > 0, st
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in base]
+    for a, b in zip(spec, base):
+        assert [e[1] for e in a["output_logprobs"]] == a["output_ids"]
+        got = torch.tensor([e[0] for e in a["output_logprobs"]])
+        assert torch.allclose(got, torch.tensor([e[0] for e in b["output_logprobs"]]),
+                              atol=1e-3)
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    verdicts = [check_greedy(o["output_ids"], hf_greedy(hf, p, 40),
+                             [e[0] for e in o["output_logprobs"]], logprob_tol=1e-3)
+                for p, o in zip(prompts, spec)]
+    assert verdicts.count("identical") >= 3, verdicts
+
+
+def test_stop_ids_length_limits_and_n_samples(tiny, monkeypatch):
+    monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
+    prompts = _prompts()[:3]
+    free = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    base, _ = _generate(tiny, False, prompts, free)
+    stop = base[0]["output_ids"][13]  # a token the first output makes after several steps
+    for sp in (SamplingParams(max_new_tokens=40, temperature=0.0, stop_token_ids=[stop]),
+               SamplingParams(max_new_tokens=9, temperature=0.0, ignore_eos=True)):
+        want, _ = _generate(tiny, False, prompts, sp)
+        got, st = _generate(tiny, True, prompts, sp)
+        assert st["spec_verifies_total"] > 0
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    # parallel samples (n = 3) of one prompt, greedy: all three equal the plain output
+    eng = _engine(tiny, True)
+    try:
+        outs = eng.generate([prompts[0]] * 3, free)
+        assert pages_at_rest(eng.scheduler)
+    finally:
+        eng.close()
+    assert all(o["output_ids"] == base[0]["output_ids"] for o in outs)
+
+
+def test_sampled_requests_verify_by_rejection_sampling(tiny, monkeypatch):
+    monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
+    prompts = _prompts()
+    eng = _engine(tiny, True)
+    try:
+        sampled = eng.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0.8,
+                                                       top_p=0.9, seed=4, ignore_eos=True))
+        assert all(len(o["output_ids"]) == 30 for o in sampled)
+        st = eng.scheduler.stats()
+        assert st["spec_verifies_total"] > 0
+        assert pages_at_rest(eng.scheduler)
+    finally:
+        eng.close()
+
+
+def test_tp2_speculative_greedy_equals_tp1(tiny, monkeypatch):
+    monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
+    prompts = _prompts()
+    sp = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    base, _ = _generate(tiny, False, prompts, sp)
+    got, st = _generate(tiny, True, prompts, sp, tp_size=2)
+    assert st["spec_verifies_total"] > 0
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in base]
+
+
+def test_flags_refuse_what_is_not_built():
+    with pytest.raises(ConfigError, match="EAGLE is not built"):
+        ServerArgs(speculative_algorithm="EAGLE").validate()
+    with pytest.raises(ConfigError, match="NGRAM runs no draft model"):
+        ServerArgs(speculative_algorithm="NGRAM",
+                   speculative_draft_model_path="/x").validate()
+    with pytest.raises(ConfigError, match="num-draft-tokens"):
+        ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0).validate()
+    ok = ServerArgs(speculative_algorithm="ngram")
+    ok.validate()
+    assert ok.speculative_algorithm == "NGRAM" and ok.speculative_num_draft_tokens == 8
