@@ -26,7 +26,9 @@ from typing import Any
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.extension import Extension
 from pdcore.engine.io_struct import TokenOut
+from pdcore.engine.kv_pages import KVPages
 from pdcore.engine.model_runner import ModelRunner, StepResult
+from pdcore.engine.outputs import take_output
 from pdcore.engine.radix_cache import RadixCache
 from pdcore.engine.request import Phase, Req
 from pdcore.engine.sched_stats import Counters, scheduler_stats
@@ -57,6 +59,7 @@ class Scheduler:
         self.runner, self.blocks, self.cfg = runner, blocks, cfg
         self.spec = spec  # speculative decoding (engine/speculative.py); None: off
         self.cache = cache  # None: --disable-radix-cache (or a decode server without its own)
+        self.pages = KVPages(blocks, cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
@@ -117,82 +120,14 @@ class Scheduler:
         self.ext.on_abort(req)
         self.finish(req, {"type": "abort", "message": message}, drop_ext=False)
 
-    # ---- page management --------------------------------------------------------------------
-    def can_alloc(self, n: int) -> bool:
-        """Can n pages be allocated now, evicting unlocked cached pages if that is needed."""
-        free = self.blocks.num_free
-        # evict only when that makes room: a request that cannot fit yet must not empty the
-        # cache every step while it waits
-        if n > free and self.cache is not None and self.cache.evictable() >= n - free:
-            self.cache.evict(n - free)
-        return self.blocks.can_alloc(n)
-
-    def alloc(self, n: int) -> list[int]:
-        if not self.can_alloc(n):
-            raise MemoryError(f"need {n} KV pages, {self.blocks.num_free} free")
-        return self.blocks.alloc(n)
-
-    def cache_pages(self, req: Req, adopt: bool = False) -> None:
-        """Offer the request's computed full pages to the prefix cache. With `adopt` (a request
-        that goes on running), pages the tree already held under other ids replace its own
-        copies, which return to the pool: its pages stay a root path of the tree, so no leaf
-        it holds pins ancestors that nobody holds (such pinned pages are neither free nor
-        evictable; a prefill that needs them would wait forever for its own end)."""
-        if self.cache is None or not req.pages or req.error is not None:
-            return
-        n = min(req.num_computed, req.seq_len)
-        tokens = [req.token_at(p) for p in range(n)]
-        self.cache.insert(tokens, req.pages)
-        if not adopt:
-            return
-        for i, page in enumerate(self.cache.match(tokens, n)):
-            if req.pages[i] != page:
-                self.blocks.free([req.pages[i]])
-                req.pages[i] = self.blocks.ref([page])[0]
-                req.ctx_slots = None  # the slot table is rebuilt from the pages
-
-    def attach_prefix(self, req: Req, limit: int) -> int:
-        """Give a request without pages the cached pages of its sequence's longest prefix
-        (at most `limit` tokens, whole pages); they stay locked (referenced) until it frees
-        them. Returns the tokens they hold."""
-        if self.cache is None or req.pages or limit < self.blocks.page_size:
-            return 0
-        tokens = req.prompt[:limit] if limit <= len(req.prompt) else req.prompt + req.output
-        req.pages = self.blocks.ref(self.cache.match(tokens, limit))
-        req.ctx_slots = None
-        return len(req.pages) * self.blocks.page_size
-
-    def _match_limit(self, req: Req) -> int:
-        """The positions a request may take from the cache: never the last one (its logits
-        are needed), nor any whose prompt logprobs it asked for."""
-        limit = req.seq_len - 1
-        if req.wants_prompt_logprobs:
-            limit = min(limit, max(req.logprob_start_len - 1, 0))
-        return limit
-
-    def release_pages(self, req: Req) -> None:
-        if req.pages:
-            self.cache_pages(req)
-            self.blocks.free(req.pages)
-        req.pages, req.ctx_slots, req.num_computed = [], None, 0
-
-    def _ensure_pages(self, req: Req, upto: int) -> bool:
-        need = self.blocks.pages_for(upto) - len(req.pages)
-        if need <= 0:
-            return True
-        if not self.can_alloc(need):
-            return False
-        req.pages.extend(self.blocks.alloc(need))
-        return True
-
     def _admit(self, req: Req, budget: int) -> int:
         """Pages for the next chunk of a request from the queue (its cached prefix first);
         the chunk's length, or 0 when the pool cannot hold it (it keeps nothing then)."""
         fresh = not req.pages and req.num_computed == 0
         if fresh:
-            req.num_computed = self.attach_prefix(req, self._match_limit(req))
+            req.num_computed = self.pages.attach_prefix(req, self.pages.match_limit(req))
         n = min(req.remaining, budget)
-        if self._ensure_pages(req, req.num_computed + n):
+        if self.pages.ensure(req, req.num_computed + n):
             if fresh and not req.preempted:
                 req.cached_tokens = req.num_computed
                 self.counters.cached_tokens += req.num_computed
@@ -214,7 +149,7 @@ class Scheduler:
             if r.pages or r.preempted:
                 return (0, 0)
             # a look only: sorting must not make every queued prefix "recently used"
-            return (1, -len(cache.match(r.prompt, self._match_limit(r), touch=False)))
+            return (1, -len(cache.match(r.prompt, self.pages.match_limit(r), touch=False)))
 
         self.waiting = deque(sorted(self.waiting, key=key))
 
@@ -231,7 +166,7 @@ class Scheduler:
     def _preempt(self, victim: Req) -> None:
         log.info("preempting %s (%d tokens) to free KV pages", victim.rid, victim.seq_len)
         self.running.remove(victim)
-        self.release_pages(victim)
+        self.pages.release(victim)
         victim.preempted = True
         self.counters.preempted += 1
         self.enqueue(victim, front=True)
@@ -242,7 +177,7 @@ class Scheduler:
         for req in sorted((r for r in self.running if r.remaining == 1), key=lambda r: r.arrival):
             if req not in self.running:
                 continue  # preempted below as a victim
-            while not self._ensure_pages(req, req.num_computed + 1):
+            while not self.pages.ensure(req, req.num_computed + 1):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim)
                 if victim is req:
@@ -257,7 +192,7 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(req.remaining, budget)
-            if self._ensure_pages(req, req.num_computed + n):
+            if self.pages.ensure(req, req.num_computed + n):
                 items.append((req, n))
                 budget -= n
         self._order_waiting()
@@ -282,24 +217,10 @@ class Scheduler:
             spec.propose(req, min(p.max_new_tokens - len(req.output),
                                   self.cfg.context_length - req.seq_len) - 1)
         spec.select(decodes)
-        return [self._draft_pages(req) for req in decodes]
-
-    def _draft_pages(self, req: Req) -> tuple[Req, int]:
-        """Pages for a request's drafts from those free now: drafts never evict the prefix
-        cache or preempt anyone, and leave a queued request's next chunk its pages."""
-        drafts = req.drafts
+        # a queued request's next chunk keeps its pages
         chunk = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
         reserve = self.blocks.pages_for(chunk) if self.waiting else 0
-        while drafts:
-            need = self.blocks.pages_for(req.num_computed + 1 + len(drafts)) - len(req.pages)
-            if need <= 0 or self.blocks.can_alloc(need + reserve):
-                if need > 0:
-                    req.pages.extend(self.blocks.alloc(need))
-                break
-            drafts = drafts[: len(drafts) // 2]
-        if req.spec is not None:
-            req.spec.drafts = drafts
-        return req, 1 + len(drafts)
+        return [(req, 1 + self.pages.for_drafts(req, reserve)) for req in decodes]
 
     def step(self) -> list[TokenOut]:
         before = self.counters.generated_tokens
@@ -338,9 +259,11 @@ class Scheduler:
         out, self.outbox = self.outbox, []
         self.uncollected = False
         for req in list(self.reqs.values()):
-            msg = self._collect(req)
+            msg = take_output(req)
             if msg is not None:
                 out.append(msg)
+                if msg.finished:
+                    del self.reqs[req.rid]
         return out
 
     def _apply(self, res: StepResult) -> None:
@@ -353,7 +276,7 @@ class Scheduler:
             return
         req.num_computed += res.n
         if res.n > 1 or req.num_computed <= len(req.prompt):
-            self.cache_pages(req, adopt=True)  # a prefill chunk: shared with later requests
+            self.pages.cache(req, adopt=True)  # a prefill chunk: shared with later requests
         if res.prompt_logprobs:
             req.pending_in_logprobs.extend(res.prompt_logprobs)
         if res.token is None:
@@ -372,12 +295,7 @@ class Scheduler:
             self.push_token(req, tok, res.spec_logprobs[i] if res.spec_logprobs else None)
             if req.phase is Phase.FINISHED or req.finish_reason is not None:
                 return
-        if req.ctx_slots is not None:
-            req.ctx_slots = req.ctx_slots[: req.num_computed]
-        keep = self.blocks.pages_for(req.seq_len)
-        if len(req.pages) > keep:
-            self.blocks.free(req.pages[keep:])
-            del req.pages[keep:]
+        self.pages.trim(req)
 
     def push_token(self, req: Req, token: int, logprob: Any = None) -> None:
         req.output.append(token)
@@ -410,27 +328,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.release_pages(req)
+        self.pages.release(req)
         self.counters.finished += 1
-
-    def _collect(self, req: Req) -> TokenOut | None:
-        done = req.phase is Phase.FINISHED
-        if req.phase is Phase.HELD or (not req.pending_tokens and not done):
-            return None
-        msg = TokenOut(req.rid, req.pending_tokens, req.pending_out_logprobs)
-        req.pending_tokens, req.pending_out_logprobs = [], []
-        if not req.sent_prompt_stats:
-            msg.prompt_tokens, msg.cached_tokens = len(req.prompt), req.cached_tokens
-            if req.wants_prompt_logprobs:
-                head = [(None, req.prompt[0], None)] if req.logprob_start_len == 0 else []
-                msg.input_logprobs = head + req.pending_in_logprobs
-            req.sent_prompt_stats = True
-        if done:
-            msg.finished, msg.finish_reason = True, req.finish_reason
-            msg.spec_verify_ct = req.spec.verify_ct if req.spec is not None else 0
-            msg.error, msg.error_status = req.error, req.error_status
-            del self.reqs[req.rid]
-        return msg
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.outbox or self.uncollected

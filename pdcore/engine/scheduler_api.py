@@ -92,16 +92,16 @@ class SchedulerAPI:
 
     def can_alloc(self, pages: int) -> bool:
         """Free pages enough (the prefix cache gives back unlocked pages when needed)."""
-        return self._s.can_alloc(pages)
+        return self._s.pages.can_alloc(pages)
 
     def alloc_pages(self, pages: int) -> list[int]:
-        return self._s.alloc(pages)
+        return self._s.pages.alloc(pages)
 
     def attach_prefix(self, req: Req, limit: int) -> int:
         """Lock the cached pages of the longest prefix of `req`'s prompt (at most `limit`
         tokens, whole pages) as the first of its pages; returns the tokens they hold (0: no
         cache, or no hit). The request must hold no pages yet."""
-        return self._s.attach_prefix(req, limit)
+        return self._s.pages.attach_prefix(req, limit)
 
     @property
     def has_cache(self) -> bool:

@@ -120,8 +120,7 @@ class ChoiceShaper:
     def _split(self, text: str, done: bool) -> tuple[str, str]:
         if self.reasoning is None:
             return "", text
-        r, c, _ = self.reasoning.split(text, done)
-        return r, c
+        return self.reasoning.split(text, done)
 
     def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         r, c = self._split(text, True)

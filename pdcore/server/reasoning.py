@@ -20,20 +20,20 @@ class ReasoningParser:
             raise ValueError(f"reasoning parser {name!r}: expected one of {', '.join(NAMES)}")
         self.name = name
 
-    def split(self, text: str, done: bool = True) -> tuple[str, str, int]:
-        """(reasoning, content, held): `held` characters at the end of `text` are not yet
-        placed (they may be the start of a marker; 0 when done)."""
+    def split(self, text: str, done: bool = True) -> tuple[str, str]:
+        """(reasoning, content). Unless `done`, characters at the end of `text` that may be the
+        start of a marker are in neither yet."""
         body = text.lstrip()
         if not done and OPEN.startswith(body):  # could still become "<think>"
-            return "", "", len(text)
+            return "", ""
         opened = body.startswith(OPEN)
         if self.name == "qwen3" and not opened:
-            return "", text, 0
+            return "", text
         if opened:
             body = body[len(OPEN):].lstrip()
         # every piece only grows as `text` does: a stream sends each one's new end as a delta
         if CLOSE in body:
             reasoning, content = body.split(CLOSE, 1)
-            return reasoning, content.lstrip(), 0
+            return reasoning, content.lstrip()
         held = 0 if done else partial_tail(body, CLOSE)
-        return body[:len(body) - held], "", held
+        return body[:len(body) - held], ""

@@ -26,17 +26,19 @@ FLAGS = ("--max-total-tokens", "16384", "--page-size", "4", "--chunked-prefill-s
 
 
 class Fleet:
-    """Named P/D servers (`p2s`: prefill, TP 2, staging on), started together."""
+    """Named P/D servers (`p2s`: prefill, TP 2, staging on), started together. A spec is
+    (mode, TP size, extra env) or (mode, TP size, extra env, extra flags)."""
 
-    def __init__(self, backend: str, model: str, specs: dict[str, tuple[str, int, dict]],
+    def __init__(self, backend: str, model: str, specs: dict[str, tuple[Any, ...]],
                  env: dict[str, str] | None = None) -> None:
         self.servers: dict[str, ServerProcess] = {}
         self.boot = {name: free_port() for name, spec in specs.items() if spec[0] == "prefill"}
         # requests name P's bootstrap by hand (no router): decode must trust those addresses
         trusted = ",".join(f"127.0.0.1:{b}" for b in self.boot.values())
-        for name, (mode, tp, extra_env) in specs.items():
+        for name, (mode, tp, extra_env, *more) in specs.items():
             flags = [*FLAGS, "--model-path", model, "--disaggregation-transfer-backend", backend,
-                     "--disaggregation-mode", mode, "--tp-size", str(tp)]
+                     "--disaggregation-mode", mode, "--tp-size", str(tp), *(more[0] if more
+                                                                             else ())]
             if mode == "prefill":
                 flags += ["--disaggregation-bootstrap-port", str(self.boot[name])]
             elif trusted:

@@ -22,20 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.engine.models.base import CausalLM
 from pdcore.engine.models.batch import DecodeGroup, ForwardBatch
 from pdcore.engine.models.layers import (
     ColumnLinear,
     RMSNorm,
     RowLinear,
     TPInfo,
-    linear,
-    pack_in_place,
     pack_linears,
     span,
 )
 from pdcore.engine.models.llama import MLP
 from pdcore.engine.models.moe import MoE, RouterSpec
-from pdcore.engine.weights import adopt
 
 SUPPORTED_ARCHS = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _REPLICATED = TPInfo()  # layers every rank computes whole (the latent projections)
@@ -216,20 +214,12 @@ def deepseek_moe(cfg, tp: TPInfo, arch: str) -> MoE:
                act=cfg.hidden_act)
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLM):
     def __init__(self, cfg, tp: TPInfo | None = None) -> None:
-        super().__init__()
-        arch = SUPPORTED_ARCHS[cfg.architectures[0]]
-        self.cfg, self.tp, self.arch = cfg, tp or TPInfo(), arch
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i, arch)
+        super().__init__(cfg, tp, SUPPORTED_ARCHS[cfg.architectures[0]])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, i, self.arch)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
-                                    requires_grad=False)
-        self.rotary = LatentRotary(cfg, arch)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.rotary = LatentRotary(cfg, self.arch)
 
     def kv_spec(self) -> dict:
         """The pool this model needs per layer: one latent 'head' on every rank, not sharded."""
@@ -238,7 +228,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def prepare_for_inference(self) -> None:
         pack_linears(self)
-        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head, prefill=False)
+        self.pack_lm_head()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -250,10 +240,7 @@ class DeepseekForCausalLM(nn.Module):
             x = layer.input_layernorm(residual)
             residual = residual + layer.self_attn(x, cos, sin, self.rotary, kv[i][0], batch)
             residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        if not logits:
-            return None
-        h = self.norm(residual[batch.logit_rows])
-        return linear(h, self.lm_head, None, self.lm_head_packed).float()
+        return self.logits_of(residual, batch, logits)
 
     @torch.inference_mode()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -261,12 +248,7 @@ class DeepseekForCausalLM(nn.Module):
             return sd[name]
 
         opt = sd.get
-        # the lookup reads a few rows a step: the checkpoint's mapped tensor serves as it is
-        self.embed_tokens.weight = adopt(self.embed_tokens.weight,
-                                         get("model.embed_tokens.weight"))
-        lm = opt("lm_head.weight")
-        self.lm_head.copy_(lm if lm is not None else get("model.embed_tokens.weight"))
-        self.norm.weight.copy_(get("model.norm.weight"))
+        self.load_outer(sd)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             layer.self_attn.load(get, opt, p + "self_attn.")

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.engine.models.base import CausalLM
 from pdcore.engine.models.batch import DecodeGroup, ForwardBatch, VerifyGroup
 from pdcore.engine.models.decode_view import DecodeKV
 from pdcore.engine.models.layers import (
@@ -27,12 +28,9 @@ from pdcore.engine.models.layers import (
     RowLinear,
     TPInfo,
     kv_head_span,
-    linear,
-    pack_in_place,
     pack_linears,
     q_head_span,
 )
-from pdcore.engine.weights import adopt
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -223,22 +221,15 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, tp)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     ARCHS = SUPPORTED_ARCHS  # subclasses (MoE families) swap in their own table and MLPs
 
     def __init__(self, cfg, tp: TPInfo | None = None) -> None:
-        super().__init__()
-        arch = self.ARCHS[(cfg.architectures or ["LlamaForCausalLM"])[0]]
-        self.cfg, self.tp, self.arch = cfg, tp or TPInfo(), arch
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, arch, self._make_mlp(cfg, i))
+        super().__init__(cfg, tp, self.ARCHS[(cfg.architectures or ["LlamaForCausalLM"])[0]])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.tp, self.arch,
+                                                 self._make_mlp(cfg, i))
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
-                                    requires_grad=False)
         self.rotary = self._make_rotary(cfg)
-        self.lm_head_packed: torch.Tensor | None = None
         self.native: dict | None = None  # the native decode step's weight lists (prepare_...)
         self.native_steps = 0  # decode steps that ran the native layer loop
         for i, layer in enumerate(self.layers):
@@ -260,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         """After the weights are loaded and placed: prepack small-batch CPU GEMMs (layers.py),
         then the native decode step where this model can use it."""
         pack_linears(self)
-        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head, prefill=False)
+        self.pack_lm_head()
         self.native = self._native_plan()
 
     def _native_plan(self) -> dict | None:
@@ -354,10 +345,7 @@ class LlamaForCausalLM(nn.Module):
                 residual.add_(layer.mlp(x))
         if self.decode_kv is not None:
             self.decode_kv.end()
-        if not logits:
-            return None
-        h = self.norm(residual[batch.logit_rows])
-        return linear(h, self.lm_head, None, self.lm_head_packed).float()
+        return self.logits_of(residual, batch, logits)
 
     @torch.inference_mode()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
@@ -367,12 +355,7 @@ class LlamaForCausalLM(nn.Module):
         def opt(name: str) -> torch.Tensor | None:
             return sd.get(name)
 
-        # the lookup reads a few rows a step: the checkpoint's mapped tensor serves as it is
-        self.embed_tokens.weight = adopt(self.embed_tokens.weight,
-                                         get("model.embed_tokens.weight"))
-        lm = opt("lm_head.weight")
-        self.lm_head.copy_(lm if lm is not None else get("model.embed_tokens.weight"))
-        self.norm.weight.copy_(get("model.norm.weight"))
+        self.load_outer(sd)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = layer.self_attn
