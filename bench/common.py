@@ -250,14 +250,15 @@ def cpu_seconds(pid: int) -> float:
 # -- servers ---------------------------------------------------------------------------------
 def start_unified(model_path: str | None, flags: Sequence[str] = (), cpus: set[int] | None = None,
                   threads: int | None = None, timeout: float = 600.0, wait: bool = True,
-                  wait_policy: str | None = None) -> Any:
-    """A unified `pdserve serve` on loopback, pinned to `cpus` with `threads` torch threads
-    (`wait=False`: spawned only; call `.wait_healthy()`)."""
+                  wait_policy: str | None = None, env: dict[str, str] | None = None) -> Any:
+    """A unified `pdserve serve` on loopback, pinned to `cpus` with `threads` torch threads,
+    `env` added to its environment (`wait=False`: spawned only; call `.wait_healthy()`)."""
     from pdcore.testing.processes import ServerProcess
 
     extra = ("--model-path", model_path) if model_path else ()
     with pinned(cpus):
-        server = ServerProcess(*extra, *flags, env=thread_env(threads, wait_policy))
+        server = ServerProcess(*extra, *flags,
+                               env={**thread_env(threads, wait_policy), **(env or {})})
     return server.wait_healthy(timeout) if wait else server
 
 

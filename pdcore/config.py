@@ -328,6 +328,15 @@ def spec_gate(env: Mapping[str, str] | None = None) -> bool:
     return env_bool(os.environ if env is None else env, SPEC_GATE_ENV, True)
 
 
+# a constrained request drafts what its grammar forces next (jump-forward), verified like any
+# draft; 0 turns it off
+JUMP_FORWARD_ENV = "PDSERVE_JUMP_FORWARD"
+
+
+def jump_forward(env: Mapping[str, str] | None = None) -> bool:
+    return env_bool(os.environ if env is None else env, JUMP_FORWARD_ENV, True)
+
+
 def default_thread_pool_size(cpu_count: int | None = None) -> int:
     """The seed's formula: int(0.75 * cpu_count) // 8, clamped to [4, 12]."""
     cpus = cpu_count or os.cpu_count() or 1

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pdcore.config import HOST_SERVERS_ENV, ServerArgs, host_servers, spec_gate
+from pdcore.config import HOST_SERVERS_ENV, ServerArgs, host_servers, jump_forward, spec_gate
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.grammar import GrammarBackend
 from pdcore.engine.kv_cache import KVCache
@@ -157,20 +157,27 @@ def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
 
 
 def _speculator(args: ServerArgs) -> NgramSpeculator | None:
-    """Speculative decoding for the servers that decode (a prefill server samples one token)."""
-    if args.speculative_algorithm is None:
+    """Drafts for the servers that decode (a prefill server samples one token): NGRAM with
+    --speculative-algorithm, and jump-forward for constrained requests (the grammar's forced
+    tokens; without TP, where the matcher is on the rank that drafts)."""
+    jump = (jump_forward() and args.grammar_backend != "none" and args.tp_size == 1
+            and not args.enable_dp_attention)
+    if args.speculative_algorithm is None and not jump:
         return None
     if args.disaggregation_mode == "prefill":
-        log.info("--speculative-algorithm %s: a prefill server computes only the first token; "
-                 "the decode server speculates", args.speculative_algorithm)
+        if args.speculative_algorithm is not None:
+            log.info("--speculative-algorithm %s: a prefill server computes only the first "
+                     "token; the decode server speculates", args.speculative_algorithm)
         return None
     cfg = SpecConfig(args.speculative_algorithm, args.speculative_num_draft_tokens or 8,
                      args.speculative_ngram_min_match_window_size,
                      args.speculative_ngram_max_match_window_size,
                      args.speculative_ngram_branch_length, args.speculative_ngram_capacity,
-                     gate=spec_gate())
-    log.info("speculative decoding: %s, up to %d draft tokens per request and step",
-             cfg.algorithm, cfg.max_drafts)
+                     gate=spec_gate(), jump_forward=jump)
+    if cfg.ngram:
+        log.info("speculative decoding: %s, up to %d draft tokens per request and step%s",
+                 cfg.algorithm, cfg.max_drafts, "; jump-forward for constrained requests"
+                 if jump else "")
     return NgramSpeculator(cfg)
 
 

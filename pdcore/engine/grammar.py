@@ -68,6 +68,12 @@ class Constraint:
     def terminated(self) -> bool:
         return bool(self.m.is_terminated())
 
+    def jump_tokens(self) -> list[int]:
+        """Tokens that spell what the grammar forces next (xgrammar's jump-forward tokens, which
+        may tokenize it otherwise than the model would: drafts to verify, never taken as they
+        are); empty when nothing is forced."""
+        return [int(t) for t in self.m.find_jump_forward_tokens()]
+
 
 class GrammarBackend:
     """Compiles grammars for one model's vocabulary and makes matchers; thread-safe building."""

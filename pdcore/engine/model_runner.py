@@ -159,7 +159,8 @@ class ModelRunner:
             if self._verify_item(items[i]):
                 row = plan[i][3]
                 toks, lps, err = verify(logits[row : row + n], r.state, r.drafts,
-                                        r.top_logprobs_num if r.return_logprob else None)
+                                        r.top_logprobs_num if r.return_logprob else None,
+                                        self.grammar)
                 results[i].error = err
                 if err is None:
                     results[i].spec_tokens = toks

@@ -292,12 +292,17 @@ class Scheduler:
         base = req.num_computed
         for i, tok in enumerate(tokens):
             req.num_computed = base + i + 1  # the token before this one is in the pool
-            self.push_token(req, tok, res.spec_logprobs[i] if res.spec_logprobs else None)
+            self.push_token(req, tok, res.spec_logprobs[i] if res.spec_logprobs else None,
+                            last=i == len(tokens) - 1)
             if req.phase is Phase.FINISHED or req.finish_reason is not None:
                 return
         self.pages.trim(req)
 
-    def push_token(self, req: Req, token: int, logprob: Any = None) -> None:
+    def push_token(self, req: Req, token: int, logprob: Any = None,
+                   last: bool = True) -> None:
+        """Append an output token and apply the finish checks. `last`: the sampling state has
+        seen no token after this one (a verify observes all its tokens before they are
+        pushed: its grammar's end belongs to its last token)."""
         req.output.append(token)
         req.pending_tokens.append(token)
         if logprob is not None:
@@ -306,7 +311,7 @@ class Scheduler:
         p = req.params
         # a grammar that took a stop token ends the output, even with ignore_eos
         stopped = not p.ignore_eos and token in self.cfg.eos_ids or token in p.stop_token_ids
-        if stopped or req.state.grammar_done:
+        if stopped or last and req.state.grammar_done:
             self.finish(req, {"type": "stop", "matched": token})
         elif len(req.output) >= p.max_new_tokens:
             self.finish(req, {"type": "length", "length": p.max_new_tokens})

@@ -1,6 +1,6 @@
 """Speculative decoding: NGRAM drafts, verified in the target model's ordinary forward pass.
 
-A decoding request whose sampling allows it (no grammar, penalties, logit_bias or pending
+A decoding request whose sampling allows it (no penalties, logit_bias or pending
 min_new_tokens) gets up to k draft tokens each step from the n-gram drafter: the continuation
 that followed the latest earlier occurrence of its context's longest matching suffix
 (`--speculative-ngram-min/max-match-window-size`), in its own prompt and output first, else in
@@ -19,6 +19,12 @@ the target agrees with plus one token of its own:
   the target distribution exactly (not the same samples as without speculation).
 K/V of rejected positions stays in the pool beyond the request's length (overwritten by later
 steps, never read); their pages beyond the sequence return to the pool at once.
+
+Constrained requests (structured output) speculate too: with jump-forward on (TP 1) their drafts
+are the tokens the grammar forces next (keys, punctuation: xgrammar's jump-forward tokens, which
+may split the text otherwise than the model would), else n-gram drafts; `verify` masks each row
+by the grammar's state after the tokens accepted before it, so the output is the one decoding a
+token at a time gives.
 
 Adaptive, so that speculation does not cost where it cannot help:
 - each request's draft length follows its acceptance (all accepted: grow by 2 up to k; a
@@ -41,8 +47,10 @@ import torch
 
 from pdcore.engine.io_struct import LogprobEntry
 from pdcore.engine.sampler import SampleState, logprob_entry, probs_for, row_error
+from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from pdcore.engine.grammar import GrammarBackend
     from pdcore.engine.request import Req
     from pdcore.engine.sampler import RowError
 
@@ -57,13 +65,20 @@ EMA = 0.3  # weight of a new observation in the acceptance and step-time average
 
 @dataclass
 class SpecConfig:
-    algorithm: str = "NGRAM"
+    algorithm: str | None = "NGRAM"  # None: jump-forward drafts only
     num_draft_tokens: int = 8  # verified positions per request and step: current + drafts
     min_window: int = 1
     max_window: int = 12
     branch_length: int = 18  # continuation tokens kept per cross-request cache entry
     capacity: int = 100_000  # cross-request cache entries
     gate: bool = True  # verify only when it pays ($PDSERVE_SPEC_GATE=0: always)
+    # a constrained request drafts the tokens its grammar forces next (xgrammar's jump-forward
+    # tokens); the matcher lives on the sampling rank, so only without TP
+    jump_forward: bool = False
+
+    @property
+    def ngram(self) -> bool:
+        return self.algorithm == "NGRAM"
 
     @property
     def max_drafts(self) -> int:
@@ -87,7 +102,7 @@ def eligible(req: Req) -> bool:
     on the tokens accepted before them in the same pass. Read from the request's parameters and
     tokens only, which every TP rank has (the sampling state advances on rank 0 alone)."""
     p = req.params
-    return (p.grammar is None and p.repetition_penalty == 1.0 and not p.frequency_penalty
+    return (p.repetition_penalty == 1.0 and not p.frequency_penalty
             and not p.presence_penalty and not p.logit_bias
             and len(req.output) >= p.min_new_tokens)
 
@@ -101,6 +116,7 @@ class NgramSpeculator:
         self.ratio = 1.5  # verify step time / decode step time at the same batch (measured)
         self._decode_s: dict[int, float] = {}  # batch size -> decode step seconds (EMA)
         self.gated = 0  # steps whose drafts were dropped because they would not pay
+        self.forced = 0  # draft tokens a grammar forced (jump-forward)
 
     # ---- drafting ----------------------------------------------------------------------------
     def propose(self, req: Req, budget: int) -> list[int]:
@@ -111,6 +127,15 @@ class NgramSpeculator:
         sp.drafts = []
         k = min(sp.cap, budget)
         if k <= 0 or not eligible(req):
+            return sp.drafts
+        st = req.state
+        if self.cfg.jump_forward and st.constraint is not None and not st.grammar_done:
+            forced = st.constraint.jump_tokens()
+            if forced:
+                sp.drafts = forced[:k]
+                self.forced += len(sp.drafts)
+                return sp.drafts
+        if not self.cfg.ngram:
             return sp.drafts
         own, matched = self._own(req, sp, k)
         # the longer match predicts better: a cached continuation (keyed by CACHE_KEY tokens)
@@ -183,7 +208,7 @@ class NgramSpeculator:
 
     def remember(self, req: Req) -> None:
         """A finished request's output enters the cross-request cache."""
-        if self.cfg.capacity <= 0 or not req.output:
+        if not self.cfg.ngram or self.cfg.capacity <= 0 or not req.output:
             return
         seq = req.prompt[-CACHE_KEY:] + req.output
         for i in range(len(seq) - CACHE_KEY):
@@ -216,18 +241,21 @@ class NgramSpeculator:
             "spec_accept_length": self.emitted / self.verifies if self.verifies else 0.0,
             "spec_accept_rate": self.accepted / self.proposed if self.proposed else 0.0,
             "spec_cache_entries": len(self.cache), "spec_cost_ratio": self.ratio,
-            "spec_gated_steps_total": self.gated,
+            "spec_gated_steps_total": self.gated, "spec_jump_forward_tokens_total": self.forced,
         }
 
 
 def verify(rows: torch.Tensor, st: SampleState, drafts: list[int], want: int | None,
+           grammar: GrammarBackend | None = None,
            ) -> tuple[list[int], list[LogprobEntry], RowError | None]:
     """rows [k+1, V]: the target's logits after the current token and after each draft.
     Returns the tokens the request gets (accepted drafts + one of the target's), their logprob
     entries (when `want` is not None) and an error (then no tokens)."""
     try:
         out: list[int] = []
-        if st.params.greedy:
+        if st.params.grammar is not None:
+            out = _verify_masked(rows, st, drafts, grammar)
+        elif st.params.greedy:
             best = rows.argmax(-1).tolist()
             for j, d in enumerate(drafts):
                 if best[j] != d:
@@ -236,12 +264,13 @@ def verify(rows: torch.Tensor, st: SampleState, drafts: list[int], want: int | N
             out.append(int(best[len(out)]))
         else:
             out = _rejection(rows, st, drafts)
+        if st.params.grammar is None:
+            for t in out:
+                st.observe(t)
         entries: list[LogprobEntry] = []
         if want is not None:
             lp = torch.log_softmax(rows[: len(out)], -1)
             entries = [logprob_entry(lp[j], t, want) for j, t in enumerate(out)]
-        for t in out:
-            st.observe(t)
         return out, entries, None
     except Exception as e:  # noqa: BLE001 - isolated to this request
         return [], [], row_error(e, "speculative verify")
@@ -265,3 +294,44 @@ def _rejection(rows: torch.Tensor, st: SampleState, drafts: list[int]) -> list[i
     p = probs_for(rows[len(drafts)], st)
     out.append(int(torch.multinomial(p, 1, generator=st.generator)))
     return out
+
+
+def _verify_masked(rows: torch.Tensor, st: SampleState, drafts: list[int],
+                   grammar: GrammarBackend | None) -> list[int]:
+    """`verify` for a constrained request: row j is masked by the grammar's state after the
+    tokens accepted before it (the matcher advances as they are accepted), so the choice at
+    every row is the one plain decoding would make there."""
+    c = st.ensure_constraint(grammar)
+    assert grammar is not None  # ensure_constraint raised otherwise
+    mask = grammar.bitmask(1)
+    out: list[int] = []
+    for j in range(len(drafts) + 1):
+        c.fill(mask, 0)
+        row = rows[j : j + 1].clone()
+        grammar.apply(row, mask)
+        if not torch.isfinite(row).any():
+            raise InvalidRequestError("no token satisfies the grammar",
+                                      st.params.grammar.field)  # type: ignore[union-attr]
+        d = drafts[j] if j < len(drafts) else None
+        t = _choose(row[0], st, d)
+        st.observe(t)
+        out.append(t)
+        if t != d or st.grammar_done:
+            break
+    return out
+
+
+def _choose(row: torch.Tensor, st: SampleState, draft: int | None) -> int:
+    """The token at one row: greedy's argmax, or a sample; given a draft, sampled requests keep
+    it with probability p(draft) and otherwise sample with it removed (rejection sampling)."""
+    if st.params.greedy:
+        return int(row.argmax())
+    p = probs_for(row, st)
+    if draft is not None:
+        if float(torch.rand(1, generator=st.generator)) < float(p[draft]):
+            return draft
+        p = p.clone()
+        p[draft] = 0.0
+        if float(p.sum()) <= 0.0:
+            return draft
+    return int(torch.multinomial(p, 1, generator=st.generator))

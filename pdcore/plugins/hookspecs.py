@@ -20,11 +20,22 @@ order); the plugins' other names stay usable. Lazy helpers: pdcore.plugins.lazy 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
 from pdcore.plugins import hookspec
 
-Register = Callable[..., None]
+Availability = Callable[[], "tuple[bool, str]"]
+PoolChoice = str | Callable[[Mapping[str, str]], "str | None"]
+
+
+class Register(Protocol):
+    """The `register` callback each hook receives (the module docstring says what each argument
+    means); the plugin host hands a pdcore.plugins.host.Registrar, one per plugin and kind."""
+
+    def __call__(self, name: str, factory: Callable[..., Any], *, description: str = "",
+                 availability: Availability | None = None, memory_pool: PoolChoice | None = None,
+                 reads: Iterable[str] = ()) -> None: ...
 
 
 @hookspec

@@ -12,6 +12,11 @@
    its registry and plugin; a bad registration or a raising hook is recorded as a failure of that
    plugin, and a name registered twice becomes a conflict (unusable, DuplicateNameError on use);
 4. registries are then frozen for the life of the process.
+
+Entry points are loaded here rather than by pluggy's `load_setuptools_entrypoints`, which
+raises at the first plugin that fails to import and knows no allow/deny list: here one broken
+plugin is a line in `pdserve plugins`, never a server that cannot start. Each hook gets a typed
+`Registrar` (hookspecs.Register).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -28,6 +33,7 @@ import pluggy
 
 from pdcore.errors import DuplicateNameError, PluginError
 from pdcore.plugins import hookspecs
+from pdcore.plugins.hookspecs import Availability, PoolChoice
 from pdcore.plugins.registry import Entry, Kind, Registry
 
 log = logging.getLogger(__name__)
@@ -184,32 +190,12 @@ class PluginHost:
                     ))
                     continue
                 try:
-                    impl.function(register=self._register_callback(registry, info))
+                    impl.function(register=Registrar(self, registry, info))
                 except Exception as e:  # noqa: BLE001 - a broken hook is its plugin's failure
                     log.warning("plugin %s hook %s failed: %s", info.name, hook_name, e)
                     self.failures.append(Failure(
                         info.name, info.distribution, f"{hook_name}: {type(e).__name__}: {e}"
                     ))
-
-    def _register_callback(self, registry: Registry, info: PluginInfo) -> Any:
-        def register(name: str, factory: Any, *, description: str = "",
-                     availability: Any = None, memory_pool: Any = None,
-                     reads: Any = ()) -> None:
-            entry = Entry(registry.kind, name, factory, info.name, info.distribution,
-                          info.version, description, availability, memory_pool,
-                          frozenset(reads or ()))
-            try:
-                registry.add(entry)
-            except DuplicateNameError as e:
-                # Not raised into the hook: the plugin's other names stay usable; this one
-                # becomes a conflict that raises on use and shows in `pdserve plugins`.
-                registry.add_conflict(entry)
-                log.warning("%s", e)
-                self.failures.append(Failure(info.name, info.distribution, str(e)))
-            except PluginError as e:
-                self.failures.append(Failure(info.name, info.distribution, str(e)))
-
-        return register
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -226,6 +212,32 @@ class PluginHost:
             parts.append("skipped plugins: " + ", ".join(
                 f"{n} ({self.skip_reasons[n]})" for n in self.skipped))
         return "; ".join(parts)
+
+
+class Registrar:
+    """The `register` callback of one plugin's hook for one kind (hookspecs.Register): adds an
+    entry to the registry, and records a bad or duplicate one as that plugin's failure instead
+    of raising into the hook (the plugin's other names stay usable; a duplicate name becomes a
+    conflict that raises on use and shows in `pdserve plugins`)."""
+
+    def __init__(self, host: PluginHost, registry: Registry, info: PluginInfo) -> None:
+        self.host, self.registry, self.info = host, registry, info
+
+    def __call__(self, name: str, factory: Callable[..., Any], *, description: str = "",
+                 availability: Availability | None = None, memory_pool: PoolChoice | None = None,
+                 reads: Iterable[str] = ()) -> None:
+        info = self.info
+        entry = Entry(self.registry.kind, name, factory, info.name, info.distribution,
+                      info.version, description, availability, memory_pool,
+                      frozenset(reads or ()))
+        try:
+            self.registry.add(entry)
+        except DuplicateNameError as e:
+            self.registry.add_conflict(entry)
+            log.warning("%s", e)
+            self.host.failures.append(Failure(info.name, info.distribution, str(e)))
+        except PluginError as e:
+            self.host.failures.append(Failure(info.name, info.distribution, str(e)))
 
 
 _host: PluginHost | None = None

@@ -49,11 +49,11 @@ def test_min_window_and_no_match_give_no_drafts():
     assert NgramSpeculator(SpecConfig()).propose(_req([1, 2, 3, 4]), budget=8) == []
 
 
-def test_grammar_and_penalties_are_not_speculated():
+def test_penalties_are_not_speculated_and_grammars_are():
     spec = NgramSpeculator(SpecConfig())
     r = _req([1, 2, 3, 1, 2, 3, 1, 2])
     r.state.params.grammar = GrammarSpec("regex", "[0-9]+", "regex")
-    assert spec.propose(r, budget=8) == []
+    assert spec.propose(r, budget=8) == [3, 1, 2]  # verified under the grammar's masks
     r = Req("p", [1, 2, 3, 1, 2], SampleState.create(
         SamplingParams(temperature=0.0, repetition_penalty=1.2), [1, 2, 3, 1, 2]))
     assert spec.propose(r, budget=8) == []
@@ -252,3 +252,109 @@ def test_flags_refuse_what_is_not_built():
     ok = ServerArgs(speculative_algorithm="ngram")
     ok.validate()
     assert ok.speculative_algorithm == "NGRAM" and ok.speculative_num_draft_tokens == 8
+
+
+# ---- jump-forward: a grammar's forced tokens as drafts -------------------------------------------
+
+def _model(vocab: int):
+    """A deterministic stand-in for a model: logits that depend on the whole prefix."""
+    def logits(prefix: list[int]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash(tuple(prefix)) & 0x7FFFFFFF)
+        return torch.randn(vocab, generator=g) * 4
+    return logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_jump_forward_drafts_verified_under_the_grammar_equal_plain_decoding(temperature):
+    """Constrained decoding one token at a time vs with the grammar's jump-forward tokens as
+    drafts, verified row by row under the matcher's masks: greedy gives the same tokens;
+    sampled output follows the grammar (and verify never accepts a token the mask forbids)."""
+    import json
+    from types import SimpleNamespace
+
+    pytest.importorskip("xgrammar", reason="xgrammar is one of pdcore's dependencies")
+    from pdcore.engine.grammar import GrammarBackend
+    from pdcore.engine.sampler import sample
+    from pdcore.engine.tokenizer import default_model_file, load_tokenizer
+
+    tok = load_tokenizer(SimpleNamespace(model_path=default_model_file()))
+    backend = GrammarBackend("xgrammar", lambda: tok, len(tok), [tok.eos_token_id],
+                             any_whitespace=False)
+    schema = {"type": "object", "properties": {
+        "customer_identifier": {"type": "integer"}, "shipping_priority": {"enum": ["low", "high"]},
+        "is_gift_wrapped": {"type": "boolean"}},
+        "required": ["customer_identifier", "shipping_priority", "is_gift_wrapped"],
+        "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    model = _model(len(tok))
+    params = SamplingParams(temperature=temperature, seed=3, grammar=spec, max_new_tokens=80)
+
+    plain_state = SampleState.create(params, [1])
+    plain: list[int] = []
+    while not plain_state.grammar_done and len(plain) < 80:
+        [t], _, [err] = sample(model([1, *plain])[None], [plain_state], [None], backend)
+        assert err is None
+        plain.append(t)
+
+    st = SampleState.create(params, [1])
+    out: list[int] = []
+    forced = accepted = 0
+    while not st.grammar_done and len(out) < 80:
+        drafts = st.constraint.jump_tokens()[:7] if st.constraint is not None else []
+        rows = torch.stack([model([1, *out, *drafts[:j]]) for j in range(len(drafts) + 1)])
+        got, _, err = verify(rows, st, drafts, None, backend)
+        assert err is None and got
+        forced += len(drafts)
+        accepted += sum(1 for a, b in zip(got, drafts) if a == b)
+        out += got
+    assert forced > 0, "the schema's keys never produced jump-forward tokens"
+    text = tok.decode(out, skip_special_tokens=True)
+    assert set(json.loads(text)) == set(schema["properties"]), text
+    if temperature == 0.0:
+        assert out == plain
+
+
+def test_jump_forward_in_the_engine_equals_one_token_per_step(monkeypatch, tmp_path):
+    """Whole engines, constrained requests in one batch: with jump-forward the output ids,
+    finish reasons and text equal one token per step's, including outputs whose last verify
+    holds both the grammar's closing tokens and the stop token (the grammar's end belongs to
+    the last token of a verify, not to the first)."""
+    import json
+
+    pytest.importorskip("xgrammar", reason="xgrammar is one of pdcore's dependencies")
+    from pdcore.engine.tokenizer import default_model_file, load_tokenizer
+
+    model = make_tiny_model(str(tmp_path / "jf"), seed=11, tokenizer_from=default_model_file())
+    tok = load_tokenizer(ServerArgs(model_path=model))
+    level = {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 500}},
+        "required": ["ok", "level", "n"], "additionalProperties": False}
+    nested = {"type": "object", "properties": {  # this model closes it with "}}" then EOS
+        "f0": {"enum": ["x", "y", "z"]}, "f1": {"enum": [1, 2, 3]}, "sub": level},
+        "required": ["f0", "f1", "sub"], "additionalProperties": False}
+    schemas = [level, nested, {"type": "array", "items": level, "minItems": 2, "maxItems": 2}]
+    specs = [GrammarSpec("json_schema", json.dumps(s)) for s in schemas] + [
+        GrammarSpec("regex", r"(red|green|blue)-[0-9]{2,4}")]
+    chat = tok.apply_chat_template([{"role": "user", "content": "Answer in the requested "
+                                     "format."}], add_generation_prompt=True, tokenize=False)
+    prompts = [tok(chat)["input_ids"]] * len(specs)
+    outs = {}
+    monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")  # every draft verified, whatever the timing
+    for jf in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_JUMP_FORWARD", jf)
+        eng = LLMEngine(ServerArgs(model_path=model, max_total_tokens=4096,
+                                   constrained_json_disable_any_whitespace=True))
+        try:
+            outs[jf] = eng.generate(prompts, [SamplingParams(
+                max_new_tokens=160, temperature=0.0, grammar=s) for s in specs])
+            st = eng.scheduler.stats()
+            assert pages_at_rest(eng.scheduler)
+        finally:
+            eng.close()
+        if jf == "1":
+            assert st["spec_jump_forward_tokens_total"] > 0, st
+    for a, b in zip(outs["0"], outs["1"]):
+        assert a["output_ids"] == b["output_ids"]
+        assert a["finish_reason"] == b["finish_reason"]
+        assert a["finish_reason"]["type"] == "stop", a

@@ -14,10 +14,16 @@ from pdcore.testing.processes import PDCluster
 
 pytestmark = pytest.mark.timeout(400)
 FLAGS = ("--max-total-tokens", "4096", "--page-size", "4", "--skip-server-warmup")
+# a request that reaches a server after the violated room was already failed and forgotten
+# there (a busy CI machine delays one thread that long) is a new room whose peer never comes:
+# it fails at the bootstrap / waiting timeout, which must come before the client's 120 s
+TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"}
 
 
 def test_duplicate_room_fails_alone(tiny_llama_dir: Path) -> None:
-    cluster = PDCluster("tcp", model_path=str(tiny_llama_dir), flags=FLAGS).start(300)
+    cluster = PDCluster("tcp", model_path=str(tiny_llama_dir), flags=FLAGS,
+                        env=TIMEOUTS).start(300)
     try:
         [p], [d] = cluster.prefills, cluster.decodes
         body = {"text": "Hello there", "sampling_params": {"max_new_tokens": 8},
