@@ -17,7 +17,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,36 @@ def bar_groups(ax: Any, groups: Sequence[str], series: dict[str, Sequence[float]
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
+
+
+def medians_and_speedup(rows: dict[str, dict[str, Any]], base: str, other: str) -> None:
+    """Each row's `tok_s` lists (one per round, per system) -> `median_tok_s` and `speedup`
+    (other / base), in place."""
+    for row in rows.values():
+        med = {k: statistics.median(v) for k, v in row["tok_s"].items()}
+        row["median_tok_s"], row["speedup"] = med, med[other] / med[base]
+
+
+def speedup_bars(rows: dict[str, dict[str, Any]], base: str, other: str, title: str, name: str,
+                 note: Callable[[dict[str, Any]], str] = lambda row: "",
+                 width: float = 10.0) -> Path:
+    """Two bars per row (base grey, other green: median output tok/s), the speedup (and
+    `note(row)`) above each pair; saved as `name`."""
+    fig, axes = figure(1, width=width)
+    ax, keys = axes[0], list(rows)
+    for off, system, color in ((-0.2, base, "#888"), (0.2, other, "#3a7")):
+        ax.bar([i + off for i in range(len(keys))],
+               [rows[k]["median_tok_s"][system] for k in keys], 0.4, label=system, color=color)
+    for i, k in enumerate(keys):
+        ax.text(i, max(rows[k]["median_tok_s"].values()),
+                f"{rows[k]['speedup']:.2f}x{note(rows[k])}", ha="center", va="bottom",
+                fontsize=8)
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set_ylabel("output tok/s (median of rounds)")
+    ax.set_ylim(0, 1.15 * max(max(r["median_tok_s"].values()) for r in rows.values()))
+    ax.set_title(title)
+    ax.legend()
+    return save_figure(fig, name)
 
 
 # -- pinning -----------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Run, alternating, figure, load_note, save_figure, start_unified
+from common import (
+    Run,
+    alternating,
+    load_note,
+    medians_and_speedup,
+    speedup_bars,
+    start_unified,
+)
 
 NAME = "jump_forward"
 SYSTEMS = ("plain", "jump_forward")
@@ -120,9 +126,7 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
-    for row in rows.values():
-        med = {k: statistics.median(v) for k, v in row["tok_s"].items()}
-        row["median_tok_s"], row["speedup"] = med, med["jump_forward"] / med["plain"]
+    medians_and_speedup(rows, "plain", "jump_forward")
     path = run.finish({"rows": rows, "note": load_note(run)})
     plot(rows)
     for key, row in rows.items():
@@ -131,21 +135,9 @@ def main() -> None:
 
 
 def plot(rows: dict[str, dict[str, Any]]) -> None:
-    fig, axes = figure(1, width=8)
-    ax, keys = axes[0], list(rows)
-    for off, name, color in ((-0.2, "plain", "#888"), (0.2, "jump_forward", "#3a7")):
-        ax.bar([i + off for i in range(len(keys))],
-               [rows[k]["median_tok_s"][name] for k in keys], 0.4, label=name, color=color)
-    top = max(max(r["median_tok_s"].values()) for r in rows.values())
-    for i, k in enumerate(keys):
-        ax.text(i, max(rows[k]["median_tok_s"].values()), f"{rows[k]['speedup']:.2f}x",
-                ha="center", va="bottom", fontsize=8)
-    ax.set_ylim(0, 1.15 * top)
-    ax.set_xticks(range(len(keys)), keys)
-    ax.set_ylabel("output tok/s (median of rounds)")
-    ax.set_title("SmolLM2-135M, JSON schema: jump-forward drafts vs one token per step")
-    ax.legend()
-    save_figure(fig, NAME)
+    speedup_bars(rows, "plain", "jump_forward",
+                 "SmolLM2-135M, JSON schema: jump-forward drafts vs one token per step", NAME,
+                 width=8)
 
 
 if __name__ == "__main__":

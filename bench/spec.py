@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +36,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Run, alternating, figure, load_note, save_figure, start_unified
+from common import (
+    Run,
+    alternating,
+    load_note,
+    medians_and_speedup,
+    speedup_bars,
+    start_unified,
+)
 
 NAME = "spec"
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,10 +156,8 @@ def main() -> None:
     finally:
         for s in servers.values():
             s.stop()
+    medians_and_speedup(rows, "plain", "ngram")
     for row in rows.values():
-        med = {k: statistics.median(v) for k, v in row["tok_s"].items()}
-        row["median_tok_s"] = med
-        row["speedup"] = med["ngram"] / med["plain"]
         sp = row["spec"]
         ver = sum(x["spec_verifies_total"] for x in sp)
         row["accept_length"] = (sum(x["spec_emitted_tokens_total"] for x in sp) / ver
@@ -171,22 +175,8 @@ def main() -> None:
 
 
 def plot(rows: dict[str, dict[str, Any]]) -> None:
-    fig, axes = figure(1, width=10)
-    ax = axes[0]
-    keys = list(rows)
-    x = range(len(keys))
-    for off, name, color in ((-0.2, "plain", "#888"), (0.2, "ngram", "#3a7")):
-        ax.bar([i + off for i in x], [rows[k]["median_tok_s"][name] for k in keys], 0.4,
-               label=name, color=color)
-    for i, k in enumerate(keys):
-        ax.text(i, max(rows[k]["median_tok_s"].values()), f"{rows[k]['speedup']:.2f}x\n"
-                f"acc {rows[k]['accept_length']:.1f}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), keys)
-    ax.set_ylabel("output tok/s (median of rounds)")
-    ax.set_ylim(0, 1.15 * max(max(r["median_tok_s"].values()) for r in rows.values()))
-    ax.set_title("SmolLM2-135M, NGRAM speculative decoding vs plain")
-    ax.legend()
-    save_figure(fig, NAME)
+    speedup_bars(rows, "plain", "ngram", "SmolLM2-135M, NGRAM speculative decoding vs plain",
+                 NAME, note=lambda row: f"\nacc {row['accept_length']:.1f}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ DEEPEP_MODES = ("normal", "low_latency", "auto")
 SPEC_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 SPEC_BUILT = ("NGRAM",)
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
+NGRAM_DRAFT_TOKENS = 8  # --speculative-num-draft-tokens default: the current token + 7 drafts
 
 
 @dataclass
@@ -100,7 +101,7 @@ class ServerArgs:
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
-    speculative_num_draft_tokens: int | None = None  # NGRAM: 8 (the current token + 7 drafts)
+    speculative_num_draft_tokens: int | None = None  # NGRAM: NGRAM_DRAFT_TOKENS
     speculative_draft_model_quantization: str | None = None
     enable_multi_layer_eagle: bool = False
     speculative_ngram_min_match_window_size: int = 1
@@ -217,7 +218,7 @@ class ServerArgs:
             raise ConfigError(f"{flags}: NGRAM runs no draft model and drafts a chain; drop "
                               "them (the draft length is --speculative-num-draft-tokens)")
         if self.speculative_num_draft_tokens is None:
-            self.speculative_num_draft_tokens = 8
+            self.speculative_num_draft_tokens = NGRAM_DRAFT_TOKENS
         if not 1 <= self.speculative_num_draft_tokens <= 64:
             raise ConfigError("--speculative-num-draft-tokens must be in [1, 64] (1: no drafts)")
         lo, hi = (self.speculative_ngram_min_match_window_size,

@@ -21,7 +21,14 @@ from typing import Any
 
 import torch
 
-from pdcore.config import HOST_SERVERS_ENV, ServerArgs, host_servers, jump_forward, spec_gate
+from pdcore.config import (
+    HOST_SERVERS_ENV,
+    NGRAM_DRAFT_TOKENS,
+    ServerArgs,
+    host_servers,
+    jump_forward,
+    spec_gate,
+)
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.grammar import GrammarBackend
 from pdcore.engine.kv_cache import KVCache
@@ -169,7 +176,8 @@ def _speculator(args: ServerArgs) -> NgramSpeculator | None:
             log.info("--speculative-algorithm %s: a prefill server computes only the first "
                      "token; the decode server speculates", args.speculative_algorithm)
         return None
-    cfg = SpecConfig(args.speculative_algorithm, args.speculative_num_draft_tokens or 8,
+    cfg = SpecConfig(args.speculative_algorithm,
+                     args.speculative_num_draft_tokens or NGRAM_DRAFT_TOKENS,
                      args.speculative_ngram_min_match_window_size,
                      args.speculative_ngram_max_match_window_size,
                      args.speculative_ngram_branch_length, args.speculative_ngram_capacity,

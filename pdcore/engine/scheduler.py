@@ -287,14 +287,14 @@ class Scheduler:
         """Tokens of a verify pass: positions up to the last accepted draft hold valid K/V; the
         rejected drafts' pages beyond the sequence go back to the pool at once."""
         tokens = res.spec_tokens or []
-        proposed, req.spec.drafts = len(req.drafts), []
-        self.spec.verified(req, proposed, len(tokens))  # type: ignore[union-attr]
+        self.spec.verified(req, req.drafts, tokens)  # type: ignore[union-attr]
+        req.spec.drafts = []
         base = req.num_computed
         for i, tok in enumerate(tokens):
             req.num_computed = base + i + 1  # the token before this one is in the pool
             self.push_token(req, tok, res.spec_logprobs[i] if res.spec_logprobs else None,
                             last=i == len(tokens) - 1)
-            if req.phase is Phase.FINISHED or req.finish_reason is not None:
+            if req.finish_reason is not None:  # finish() sets it, held by the role or not
                 return
         self.pages.trim(req)
 

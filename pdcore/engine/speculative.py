@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdcore.config import NGRAM_DRAFT_TOKENS
 from pdcore.engine.io_struct import LogprobEntry
 from pdcore.engine.sampler import SampleState, logprob_entry, probs_for, row_error
 from pdcore.errors import InvalidRequestError
@@ -54,8 +55,6 @@ if TYPE_CHECKING:
     from pdcore.engine.request import Req
     from pdcore.engine.sampler import RowError
 
-ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
-BUILT = ("NGRAM",)
 CANDIDATES = 8  # latest occurrences of the last token examined per lookup
 CACHE_KEY = 3  # tokens of context that key the cross-request cache
 PRIOR = 0.6  # acceptance rate assumed for a request that has not verified yet
@@ -66,7 +65,7 @@ EMA = 0.3  # weight of a new observation in the acceptance and step-time average
 @dataclass
 class SpecConfig:
     algorithm: str | None = "NGRAM"  # None: jump-forward drafts only
-    num_draft_tokens: int = 8  # verified positions per request and step: current + drafts
+    num_draft_tokens: int = NGRAM_DRAFT_TOKENS  # verified positions per request and step
     min_window: int = 1
     max_window: int = 12
     branch_length: int = 18  # continuation tokens kept per cross-request cache entry
@@ -219,10 +218,13 @@ class NgramSpeculator:
             self.cache.popitem(last=False)
 
     # ---- after the verify pass -----------------------------------------------------------------
-    def verified(self, req: Req, proposed: int, emitted: int) -> None:
-        """Book one verify of `req`: `emitted` tokens came out of `proposed` drafts."""
+    def verified(self, req: Req, drafts: list[int], tokens: list[int]) -> None:
+        """Book one verify of `req`: `tokens` came out of `drafts` (the accepted ones are their
+        agreeing prefix; a grammar that ends on a draft leaves no token of the target's)."""
         sp = req.spec
-        accepted = max(0, emitted - 1)
+        proposed, emitted = len(drafts), len(tokens)
+        accepted = next((i for i, (t, d) in enumerate(zip(tokens, drafts)) if t != d),
+                        min(proposed, emitted))
         self.verifies, self.proposed = self.verifies + 1, self.proposed + proposed
         self.accepted, self.emitted = self.accepted + accepted, self.emitted + emitted
         sp.verify_ct += 1
@@ -250,23 +252,35 @@ def verify(rows: torch.Tensor, st: SampleState, drafts: list[int], want: int | N
            ) -> tuple[list[int], list[LogprobEntry], RowError | None]:
     """rows [k+1, V]: the target's logits after the current token and after each draft.
     Returns the tokens the request gets (accepted drafts + one of the target's), their logprob
-    entries (when `want` is not None) and an error (then no tokens)."""
+    entries (when `want` is not None) and an error (then no tokens).
+
+    Row by row, the choice plain decoding would make there (`_choose`), observed into the
+    sampling state as it is made; a constrained request's row is first masked by its grammar's
+    state after the tokens accepted before it. The walk stops at the first token that is not
+    the draft, or where the grammar ends."""
     try:
+        masked = st.params.grammar is not None
+        if masked:
+            c = st.ensure_constraint(grammar)
+            assert grammar is not None  # ensure_constraint raised otherwise
+            mask = grammar.bitmask(1)
         out: list[int] = []
-        if st.params.grammar is not None:
-            out = _verify_masked(rows, st, drafts, grammar)
-        elif st.params.greedy:
-            best = rows.argmax(-1).tolist()
-            for j, d in enumerate(drafts):
-                if best[j] != d:
-                    break
-                out.append(d)
-            out.append(int(best[len(out)]))
-        else:
-            out = _rejection(rows, st, drafts)
-        if st.params.grammar is None:
-            for t in out:
-                st.observe(t)
+        for j in range(len(drafts) + 1):
+            row = rows[j]
+            if masked:
+                c.fill(mask, 0)
+                row = row.unsqueeze(0).clone()
+                grammar.apply(row, mask)  # type: ignore[union-attr]
+                row = row[0]
+                if not torch.isfinite(row).any():
+                    raise InvalidRequestError("no token satisfies the grammar",
+                                              st.params.grammar.field)  # type: ignore[union-attr]
+            d = drafts[j] if j < len(drafts) else None
+            t = _choose(row, st, d)
+            st.observe(t)
+            out.append(t)
+            if t != d or st.grammar_done:
+                break
         entries: list[LogprobEntry] = []
         if want is not None:
             lp = torch.log_softmax(rows[: len(out)], -1)
@@ -276,54 +290,10 @@ def verify(rows: torch.Tensor, st: SampleState, drafts: list[int], want: int | N
         return [], [], row_error(e, "speculative verify")
 
 
-def _rejection(rows: torch.Tensor, st: SampleState, drafts: list[int]) -> list[int]:
-    out: list[int] = []
-    for j, d in enumerate(drafts):
-        p = probs_for(rows[j], st)
-        u = float(torch.rand(1, generator=st.generator))
-        if u < float(p[d]):
-            out.append(d)
-            continue
-        p = p.clone()
-        p[d] = 0.0
-        if float(p.sum()) <= 0.0:  # p was one-hot on d and u hit its rounding edge
-            out.append(d)
-            continue
-        out.append(int(torch.multinomial(p, 1, generator=st.generator)))
-        return out
-    p = probs_for(rows[len(drafts)], st)
-    out.append(int(torch.multinomial(p, 1, generator=st.generator)))
-    return out
-
-
-def _verify_masked(rows: torch.Tensor, st: SampleState, drafts: list[int],
-                   grammar: GrammarBackend | None) -> list[int]:
-    """`verify` for a constrained request: row j is masked by the grammar's state after the
-    tokens accepted before it (the matcher advances as they are accepted), so the choice at
-    every row is the one plain decoding would make there."""
-    c = st.ensure_constraint(grammar)
-    assert grammar is not None  # ensure_constraint raised otherwise
-    mask = grammar.bitmask(1)
-    out: list[int] = []
-    for j in range(len(drafts) + 1):
-        c.fill(mask, 0)
-        row = rows[j : j + 1].clone()
-        grammar.apply(row, mask)
-        if not torch.isfinite(row).any():
-            raise InvalidRequestError("no token satisfies the grammar",
-                                      st.params.grammar.field)  # type: ignore[union-attr]
-        d = drafts[j] if j < len(drafts) else None
-        t = _choose(row[0], st, d)
-        st.observe(t)
-        out.append(t)
-        if t != d or st.grammar_done:
-            break
-    return out
-
-
 def _choose(row: torch.Tensor, st: SampleState, draft: int | None) -> int:
     """The token at one row: greedy's argmax, or a sample; given a draft, sampled requests keep
-    it with probability p(draft) and otherwise sample with it removed (rejection sampling)."""
+    it with probability p(draft) and otherwise sample with it removed (rejection sampling for a
+    deterministic draft: the output follows p)."""
     if st.params.greedy:
         return int(row.argmax())
     p = probs_for(row, st)
@@ -332,6 +302,6 @@ def _choose(row: torch.Tensor, st: SampleState, draft: int | None) -> int:
             return draft
         p = p.clone()
         p[draft] = 0.0
-        if float(p.sum()) <= 0.0:
+        if float(p.sum()) <= 0.0:  # p was one-hot on the draft and the draw hit its edge
             return draft
     return int(torch.multinomial(p, 1, generator=st.generator))

@@ -58,6 +58,15 @@ class VerifyGroup:
     bias: torch.Tensor  # float32 [B, 1, qmax, width]: 0 where visible, -inf elsewhere
     qmax: int
     width: int
+    _grouped: dict = field(default_factory=dict)
+
+    def grouped_bias(self, dtype: torch.dtype, group: int) -> torch.Tensor:
+        """The bias for `group` query heads per KV head stacked as query rows ([B, 1, group *
+        qmax, width], head-major), in `dtype`: built once per step, read by every layer."""
+        key = (dtype, group)
+        if key not in self._grouped:
+            self._grouped[key] = self.bias.to(dtype).repeat(1, 1, group, 1)
+        return self._grouped[key]
 
     @classmethod
     def build(cls, seqs: list[SeqSpan]) -> VerifyGroup:

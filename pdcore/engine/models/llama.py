@@ -153,8 +153,8 @@ class Attention(nn.Module):
         shape = (B, g.width, kvh, d)
         kb = k_flat.index_select(0, g.table).view(shape).transpose(1, 2).to(q.dtype)
         vb = v_flat.index_select(0, g.table).view(shape).transpose(1, 2).to(q.dtype)
-        bias = g.bias.to(q.dtype).repeat(1, 1, grp, 1)  # [B, 1, grp * qmax, W]
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, scale=self.scale)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.grouped_bias(q.dtype, grp),
+                                           scale=self.scale)
         o = o.view(B, kvh, grp, g.qmax, d).permute(0, 3, 1, 2, 4)  # [B, qmax, KVH, grp, D]
         return o.reshape(B * g.qmax, hq, d)
 
