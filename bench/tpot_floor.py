@@ -7,7 +7,8 @@ reads achieve); (2) the model's weight bytes as the engine holds them; (3) serve
 unified server at batch 1 and 8 (streamed /generate, ignore_eos, 64 tokens). The ratio
 TPOT / floor is how many weight reads a token costs; the CPU is recorded with the result.
 
-Run: `python bench/tpot_floor.py [--model-path DIR]`; JSON + PNG in bench/results/tpot_floor.*.
+Run: `python bench/tpot_floor.py [--model-path DIR] [--tag T]`; JSON + PNG in
+bench/results/tpot_floor[_T].*.
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tag", default=None, help="results in tpot_floor_<tag>.json / .png")
     a = ap.parse_args()
-    run = Run(NAME, vars(a))
+    name = f"{NAME}_{a.tag}" if a.tag else NAME
+    run = Run(name, vars(a))
     bw = bandwidth(a.threads)
     server = start_unified(a.model_path)
     try:
@@ -95,7 +98,7 @@ def main() -> None:
     ax.bar(names, vals, color=["#888", "#aaa", "#3a7", "#37a"])
     ax.set_ylabel("ms per token")
     ax.set_title(f"{wbytes / 1e6:.0f} MB of weights, {bw['sum_gb_s']:.1f} GB/s read")
-    save_figure(fig, NAME)
+    save_figure(fig, name)
     print(f"read {bw['sum_gb_s']:.1f} GB/s (GEMV {bw['gemv_gb_s']:.1f}); weights "
           f"{wbytes / 1e6:.0f} MB; floor {floor_ms.get('sum_gb_s', 0):.1f} ms; TPOT batch 1 "
           f"{tpot[1]:.1f} ms, batch 8 {tpot[8]:.1f} ms; {path}")

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 # share of TOTAL device memory for weights + KV when --mem-fraction-static is not given: host
 # RAM is shared with everything else on the machine, an accelerator's memory is ours
 DEFAULT_HOST_MEM_FRACTION, DEFAULT_DEVICE_MEM_FRACTION = 0.1, 0.85
+# ... and the least KV a host server gets by default when the weights fill that share (a 1B
+# float32 model is 4.4 GiB, over 10% of a 24 GiB host): 1/40 of the host (0.6 GiB there), the
+# way vLLM CPU gives its KV a fixed space. An explicit --mem-fraction-static is kept as given.
+DEFAULT_HOST_MIN_KV_FRACTION = 1 / 40
 
 
 @dataclass
@@ -79,6 +83,14 @@ def kv_pool_tokens(args: ServerArgs, platform: Any, device: torch.device, model:
     # has its own accelerators, offset by --base-gpu-id)
     share = args.dp_size if host else 1
     budget = int(mem.total_bytes * frac / share) - weights
+    if host and args.mem_fraction_static is None:
+        least = int(mem.total_bytes * DEFAULT_HOST_MIN_KV_FRACTION / share)
+        if budget < least:
+            log.info("the weights (%.2f GiB) fill the default %.0f%% of host memory: the KV "
+                     "pool gets %.2f GiB (1/%d of it); --mem-fraction-static or "
+                     "--max-total-tokens set it", weights / 2**30, frac * 100, least / 2**30,
+                     round(1 / DEFAULT_HOST_MIN_KV_FRACTION))
+            budget = least
     # servers started together on a host (`pdserve up`): each its own weights, the KV budget
     # split among them (the weights are not divided: every server holds a whole copy)
     servers = host_servers() if host else 1

@@ -72,3 +72,30 @@ def test_a_server_told_it_shares_the_host_sizes_its_pool_to_its_share(
     monkeypatch.setenv(HOST_SERVERS_ENV, "0")
     with pytest.raises(ConfigError, match=HOST_SERVERS_ENV):
         kv_pool_tokens(args, Host(), cpu, model, 4096, 8192)
+
+
+def test_default_kv_pool_when_the_weights_fill_the_default_share(monkeypatch) -> None:
+    """A model over 10% of host memory (a 1B float32 model on 24 GiB) still starts with pdserve
+    defaults: the KV pool gets 1/40 of the host; an explicit --mem-fraction-static that leaves
+    nothing is still refused, saying what to change."""
+    import torch
+
+    from pdcore.config import ServerArgs
+    from pdcore.engine.build import kv_pool_tokens
+    from pdcore.interfaces.platform import MemoryInfo
+
+    total = 1 << 30  # a 1 GiB "host", a 0.5 GiB model
+
+    class Host:
+        def memory_info(self, device: torch.device) -> MemoryInfo:
+            return MemoryInfo(free_bytes=total, total_bytes=total)
+
+    model = torch.nn.Linear(8192, 16384, bias=False)
+    monkeypatch.delenv(HOST_SERVERS_ENV, raising=False)
+    args = ServerArgs(max_running_requests=1000)
+    cpu = torch.device("cpu")
+    assert kv_pool_tokens(args, Host(), cpu, model, 4096, 8192) == total // 40 // 4096
+    monkeypatch.setenv(HOST_SERVERS_ENV, "2")  # `pdserve up`: the floor is split as well
+    assert kv_pool_tokens(args, Host(), cpu, model, 4096, 8192) == total // 40 // 2 // 4096
+    with pytest.raises(ConfigError, match="--mem-fraction-static 0.3 .* raise it"):
+        kv_pool_tokens(ServerArgs(mem_fraction_static=0.3), Host(), cpu, model, 4096, 8192)
