@@ -5,8 +5,9 @@
 - `prefill_input_logprobs`, `merge_json`, `SSEMerger`: prepend the prefill worker's
   `meta_info.input_token_logprobs` to the decode worker's, per batch index, in JSON or SSE.
 - `prefill_echo_logprobs`, `merge_echo_json`: the same for `/v1/completions` with `echo` and
-  `logprobs` (lm-eval's loglikelihood): P's prompt entries go before D's (JSON answers; a
-  stream's echo is not merged).
+  `logprobs` (lm-eval's loglikelihood): P's prompt entries go before D's.
+- `prefill_echo_stream`, `EchoSSEMerger`: a streamed echo: P's echo chunk's entries fill D's
+  (empty) echo chunk, per choice index.
 """
 
 from __future__ import annotations
@@ -205,10 +206,24 @@ def merge_echo_json(decode_body: bytes, found: dict[int, dict[str, Any]]) -> byt
     return json.dumps(obj, ensure_ascii=False).encode() if changed else None
 
 
+def prefill_echo_stream(body: bytes) -> dict[int, dict[str, Any]]:
+    """P's streamed echo: the logprobs of the first chunk of each choice index that has them
+    (the echoed prompt's entries; its sampled token comes in a later chunk)."""
+    found: dict[int, dict[str, Any]] = {}
+    for chunk in iter_sse_data(body):
+        for ch in chunk.get("choices") or [] if isinstance(chunk, dict) else []:
+            idx = ch.get("index") if isinstance(ch, dict) else None
+            lp = ch.get("logprobs") if isinstance(ch, dict) else None
+            if isinstance(idx, int) and idx not in found and isinstance(lp, dict) and \
+                    all(isinstance(lp.get(k), list) for k in _LP_KEYS):
+                found[idx] = lp
+    return found
+
+
 class SSEMerger:
     """Incremental SSE rewriter: feed decode's bytes, get whole events with logprobs merged."""
 
-    def __init__(self, found: dict[int, list[Any]]) -> None:
+    def __init__(self, found: dict[int, Any]) -> None:
         self._found = found
         self._buf = b""
 
@@ -247,8 +262,28 @@ class SSEMerger:
                 obj = json.loads(payload)
             except ValueError:
                 continue
-            idx = obj.get("index", 0) if isinstance(obj, dict) else 0
-            if isinstance(idx, int) and _prepend(obj, self._found.get(idx)):
+            if self._merge(obj):
                 end = b"\r" if line.endswith(b"\r") else b""
                 lines[i] = b"data: " + json.dumps(obj, ensure_ascii=False).encode() + end
         return b"\n".join(lines)
+
+    def _merge(self, obj: Any) -> bool:
+        """/generate: P's prompt logprobs before D's in the chunk's meta_info."""
+        idx = obj.get("index", 0) if isinstance(obj, dict) else 0
+        return isinstance(idx, int) and _prepend(obj, self._found.get(idx))
+
+
+class EchoSSEMerger(SSEMerger):
+    """/v1/completions with echo: D's echo chunk (the first of each index, with no entries:
+    D computed no prompt logprobs) takes P's."""
+
+    def _merge(self, obj: Any) -> bool:
+        changed = False
+        for ch in obj.get("choices") or [] if isinstance(obj, dict) else []:
+            idx = ch.get("index") if isinstance(ch, dict) else None
+            p = self._found.pop(idx, None) if isinstance(idx, int) else None
+            lp = ch.get("logprobs") if p is not None else None
+            if isinstance(lp, dict) and lp.get("tokens") == []:
+                ch["logprobs"] = p
+                changed = True
+        return changed

@@ -44,12 +44,14 @@ from pdcore.errors import InvalidRequestError
 from pdcore.route_auth import UNTRUSTED
 from pdcore.router.config import RouterConfig
 from pdcore.router.merge import (
+    EchoSSEMerger,
     SSEMerger,
     batch_size,
     inject_bootstrap,
     merge_echo_json,
     merge_json,
     prefill_echo_logprobs,
+    prefill_echo_stream,
     prefill_input_logprobs,
     wants_logprobs,
 )
@@ -397,7 +399,10 @@ class Proxy:
                 await leg.release()
                 return Response(merged, leg.status, media_type="application/json",
                                 headers={"x-request-id": request_id})
-        if logprobs:
+        echo_stream = logprobs and echo and stream
+        if echo_stream:  # /v1/completions streamed: P's echo chunk fills D's
+            found = prefill_echo_stream(p_task.result().body)
+        elif logprobs:
             found = prefill_input_logprobs(p_task.result().body, streamed=stream)
         elif not p_task.done():
             self._background.add(p_task)
@@ -409,7 +414,7 @@ class Proxy:
             if merged is not None:
                 return Response(merged, leg.status, media_type="application/json", headers=headers)
             return Response(leg.body, leg.status, media_type=leg.content_type, headers=headers)
-        merger = SSEMerger(found) if found else None
+        merger = (EchoSSEMerger if echo_stream else SSEMerger)(found) if found else None
         return _LegResponse(
             leg.stream(merger, deadline), leg, status_code=leg.status,
             media_type=leg.content_type or "text/event-stream", headers=headers,

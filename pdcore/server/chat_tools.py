@@ -8,7 +8,9 @@ with tools: calls found in the output by the server's `--tool-call-parser` are r
 `tool_calls`), "required" (the output is forced to open with a call of one of the tools, its
 arguments following that tool's JSON schema) or `{"type": "function", "function": {"name":
 ...}}` (forced, that tool). A forced output holds one call; "auto" returns as many as the model
-writes. The engine builds the forcing grammar (engine/grammar.py, kind `tool_call`).
+writes, or only the first with `parallel_tool_calls: false` (the later ones are dropped from
+`tool_calls`, not shown as content). The engine builds the forcing grammar (engine/grammar.py,
+kind `tool_call`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ToolPlan:
     known: set[str]
     grammar: GrammarSpec | None = None  # forcing a call ("required" or a named function)
     template_tools: list[dict[str, Any]] = field(default_factory=list)
+    parallel: bool = True  # parallel_tool_calls: false returns the first call only
 
 
 def _functions(tools: Any) -> dict[str, dict[str, Any]]:
@@ -65,7 +68,8 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None) -> ToolPlan | None:
+def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None,
+               parallel: bool | None = None) -> ToolPlan | None:
     """None without tools; 400 for a malformed tool, an unknown named tool, or tools on a
     server without --tool-call-parser (their calls would come back as plain text)."""
     if not tools:
@@ -99,7 +103,7 @@ def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None) -> ToolPla
     if forced:
         alts = [parser.forced(n, schemas[n]) for n in forced]
         grammar = GrammarSpec("tool_call", json.dumps({"alternatives": alts}), "tool_choice")
-    return ToolPlan(parser, set(schemas), grammar, list(tools))
+    return ToolPlan(parser, set(schemas), grammar, list(tools), parallel is not False)
 
 
 def _call_id() -> str:
@@ -114,8 +118,14 @@ class ChoiceShaper:
         self.reasoning = reasoning
         self.parser = tools.parser if tools else None
         self.known = tools.known if tools else set()
+        self.parallel = tools.parallel if tools else True
         self.sent_r = self.sent_c = 0
         self.called = False
+
+    def _calls(self, content: str) -> list[Any]:
+        assert self.parser is not None
+        _, calls = self.parser.parse(content, self.known)
+        return calls if self.parallel else calls[:1]
 
     def _split(self, text: str, done: bool) -> tuple[str, str]:
         if self.reasoning is None:
@@ -128,7 +138,7 @@ class ChoiceShaper:
         if self.reasoning is not None:
             msg["reasoning_content"] = r or None
         if self.parser is not None:
-            _, calls = self.parser.parse(c, self.known)
+            calls = self._calls(c)
             if calls:  # content: the text before the first call (what a stream sends)
                 msg["content"] = c[:self.parser.hold_from(c)].rstrip() or None
                 msg["tool_calls"] = [{"id": _call_id(), "type": "function", "function": {
@@ -147,7 +157,7 @@ class ChoiceShaper:
         if self.parser is not None:
             if done:
                 head = c[:self.parser.hold_from(c)]
-                _, calls = self.parser.parse(c, self.known)
+                calls = self._calls(c)
                 if calls:
                     visible = head.rstrip()
                     out["tool_calls"] = [{"index": k, "id": _call_id(), "type": "function",

@@ -76,6 +76,12 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
     sent_lp = {it.index: 0 for it in plan.items}
     finished: dict[int, OutputAssembler] = {}
     continuous = _continuous_usage(body)
+    # /v1/completions echo: the prompt comes first; with logprobs its chunk waits for the
+    # prompt's logprobs (the item's first event). Offsets run on across chunks, after the echo.
+    echo_lp = bool(plan.echo_texts) and plan.want_logprobs and not chat
+    lp_pos = {it.index: _echo_chars(plan, it.index, text_of) for it in plan.items} \
+        if plan.echo_texts and not chat else {it.index: 0 for it in plan.items}
+    echoed: set[int] = set()
 
     def chunk(choices: list[dict[str, Any]], counts: dict[int, int] | None = None) -> bytes:
         data = {"id": plan.rid, "object": obj, "created": created, "model": plan.model,
@@ -88,7 +94,7 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
         if chat:
             yield chunk([{"index": it.index, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None} for it in plan.items])
-        elif plan.echo_texts:
+        elif plan.echo_texts and not echo_lp:
             yield chunk([{"index": it.index, "text": plan.echo_texts[it.index // plan.n],
                           "logprobs": None, "finish_reason": None} for it in plan.items])
         async with contextlib.aclosing(run_items(engine, plan.items, request.app.state.metrics,
@@ -98,6 +104,12 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
                     yield sse_error(str(ev.error), ev.error.status)
                     break
                 a, i = ev.asm, ev.index
+                if echo_lp and i not in echoed:  # unified: the prompt's entries; PD decode: none
+                    echoed.add(i)  # (the router puts P's there)
+                    entries = list(a.out.input_logprobs or [])
+                    yield chunk([{"index": i, "text": plan.echo_texts[i // plan.n],
+                                  "logprobs": lpfmt.completion(entries, text_of),
+                                  "finish_reason": None}])
                 text = a.out.text if ev.done else a.visible_text()
                 delta, sent_text[i] = text[sent_text[i]:], len(text)
                 new_lps = a.out.output_logprobs[sent_lp[i]:] if plan.want_logprobs else []
@@ -119,7 +131,8 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
                 else:
                     c = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
                     if new_lps:
-                        c["logprobs"] = lpfmt.completion(new_lps, text_of)
+                        c["logprobs"] = lpfmt.completion(new_lps, text_of, lp_pos[i])
+                        lp_pos[i] += sum(map(len, c["logprobs"]["tokens"]))
                 if ev.done:
                     c["matched_stop"] = matched
                     finished[i] = a
@@ -131,6 +144,12 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
     except Exception as e:  # noqa: BLE001 - headers are out already: report in-band
         yield sse_error(f"internal error: {type(e).__name__}: {e}", 500)
     yield SSE_DONE
+
+
+def _echo_chars(plan: Plan, index: int, text_of: lpfmt.TokenText) -> int:
+    """Where the first sampled token's text_offset starts after an echoed prompt: the length of
+    the prompt tokens' texts (what the prompt's own entries add up to)."""
+    return sum(len(text_of(t)) for t in plan.prompts[index // plan.n])
 
 
 # ---- /v1/completions --------------------------------------------------------------------------
@@ -175,8 +194,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             entries = list(a.out.input_logprobs or []) if body.echo else []
             # PD decode has no prompt logprobs (the router puts P's first): its offsets still
             # start after the echoed prompt, as a unified server's do
-            start = sum(len(text_of(t)) for t in plan.prompts[i // plan.n]) \
-                if body.echo and not entries else 0
+            start = _echo_chars(plan, i, text_of) if body.echo and not entries else 0
             logprobs = lpfmt.completion(entries + a.out.output_logprobs, text_of, start)
         choices.append({"index": i, "text": echo + a.out.text, "logprobs": logprobs,
                         "finish_reason": reason, "matched_stop": matched})
@@ -251,7 +269,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         if not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    tools = plan_tools(body.tools, body.tool_choice, engine.args.tool_call_parser)
+    tools = plan_tools(body.tools, body.tool_choice, engine.args.tool_call_parser,
+                       body.parallel_tool_calls)
     reasoning = (ReasoningParser(engine.args.reasoning_parser)
                  if engine.args.reasoning_parser and body.separate_reasoning else None)
     plan = plan_request(body, engine, [chat_prompt(body, engine.tokenizer,

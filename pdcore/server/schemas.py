@@ -197,5 +197,5 @@ class ChatCompletionRequest(_OpenAIBase):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # "auto" returns every call; forced: one
+    parallel_tool_calls: bool | None = None  # false: the first call only (chat_tools)
     separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart

@@ -5,6 +5,7 @@ same options, D the rest, counting P's token toward min_new_tokens), and bad val
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -105,3 +106,42 @@ def test_echo_logprobs_in_pd_equal_unified(servers, max_tokens: int) -> None:
         assert lp["token_logprobs"][1:] == pytest.approx(lu["token_logprobs"][1:], abs=1e-4)
         assert [sorted(t) for t in lp["top_logprobs"][1:]] == \
             [sorted(t) for t in lu["top_logprobs"][1:]]
+
+
+def _streamed_choices(url: str, body: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """A streamed /v1/completions answer put back together per choice: text and logprobs
+    lists concatenated over the chunks, in order."""
+    out: dict[int, dict[str, Any]] = {}
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            for ch in json.loads(line[5:])["choices"]:
+                acc = out.setdefault(ch["index"], {"text": "", "logprobs": {
+                    "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}})
+                acc["text"] += ch["text"]
+                for k, v in (ch.get("logprobs") or {}).items():
+                    acc["logprobs"][k] += v
+    return out
+
+
+def test_streamed_echo_logprobs_equal_the_whole_answer(servers) -> None:
+    """The same request streamed: the echo chunk carries the prompt's entries (in PD, P's, put
+    there by our router), and the offsets run on across chunks: the stream put together equals
+    the unified JSON answer, unified and PD alike (#32 item 3)."""
+    body = {"prompt": [PROMPT, PROMPT[:5]], "max_tokens": 3, "echo": True, "logprobs": 2,
+            "temperature": 0}
+    r = httpx.post(servers["unified"] + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    want = {c["index"]: c for c in r.json()["choices"]}
+    for name, url in servers.items():
+        got = _streamed_choices(url, body)
+        assert sorted(got) == sorted(want), name
+        for i, w in want.items():
+            g, lw, lg = got[i], w["logprobs"], got[i]["logprobs"]
+            assert g["text"] == w["text"], name
+            assert (lg["tokens"], lg["text_offset"]) == (lw["tokens"], lw["text_offset"]), name
+            assert lg["token_logprobs"][0] is None
+            assert lg["token_logprobs"][1:] == pytest.approx(lw["token_logprobs"][1:], abs=1e-4)

@@ -12,12 +12,14 @@ from pdcore.router.circuit import CircuitBreaker, CircuitState
 from pdcore.router.config import RouterConfig
 from pdcore.router.health import parse_load
 from pdcore.router.merge import (
+    EchoSSEMerger,
     SSEMerger,
     batch_size,
     inject_bootstrap,
     merge_echo_json,
     merge_json,
     prefill_echo_logprobs,
+    prefill_echo_stream,
     prefill_input_logprobs,
 )
 from pdcore.router.metrics import RouterMetrics
@@ -184,6 +186,31 @@ def _choice(tokens: list[str], text: str, index: int = 0) -> dict:
     return {"index": index, "text": text, "logprobs": {
         "tokens": tokens, "token_logprobs": [None] + [-1.0] * (len(tokens) - 1),
         "top_logprobs": [None] * len(tokens), "text_offset": offsets}}
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + \
+        b"data: [DONE]\n\n"
+
+
+def test_streamed_echo_takes_the_prefill_echo_chunk() -> None:
+    """P's stream: the echo chunk (prompt entries) then its token; D's: an echo chunk with no
+    entries, then tokens. D's echo chunk of each index takes P's, whatever way D's bytes are
+    cut; later chunks, and an index P never echoed, are left alone."""
+    p = _sse({"choices": [_choice(["a", "b"], "ab", 0)]}, {"choices": [_choice(["X"], "X", 0)]},
+             {"choices": [_choice(["c"], "c", 1)]})
+    found = prefill_echo_stream(p)
+    assert sorted(found) == [0, 1] and found[0]["tokens"] == ["a", "b"]
+    d = _sse({"choices": [_choice([], "ab", 0)]}, {"choices": [_choice([], "c", 1)]},
+             {"choices": [_choice(["X"], "X", 0)]}, {"choices": [_choice([], "", 2)]})
+    for cut in (1, 7, len(d)):
+        merger = EchoSSEMerger(dict(found))
+        out = b"".join(merger.feed(d[i:i + cut]) for i in range(0, len(d), cut)) + \
+            merger.flush()
+        got = [c["choices"][0] for c in
+               (json.loads(ln[5:]) for ln in out.split(b"\n") if ln.startswith(b"data: {"))]
+        assert [c["logprobs"]["tokens"] for c in got] == [["a", "b"], ["c"], ["X"], []]
+        assert out.endswith(b"data: [DONE]\n\n")
 
 
 def test_echo_merge_puts_prefill_prompt_entries_first() -> None:

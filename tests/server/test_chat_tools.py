@@ -68,6 +68,22 @@ def test_llama3_several_calls_and_qwen_several_blocks() -> None:
     assert len(get_parser("qwen25").parse(q, KNOWN)[1]) == 2
 
 
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_parallel_tool_calls_false_returns_the_first_call(parallel) -> None:
+    """parallel_tool_calls: false keeps the first call of an "auto" answer that holds two,
+    whole and streamed; unset or true keeps both."""
+    q = ('<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "days": 1, '
+         '"metric": false}}\n</tool_call>')
+    plan = plan_tools(TOOLS, "auto", "qwen25", parallel)
+    want = ["noop"] if parallel is False else ["noop", "get_weather"]
+    msg, reason = ChoiceShaper(None, plan).message(q, "stop")
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == want and reason == "tool_calls"
+    _, calls, _ = _stream(ChoiceShaper(None, plan), q)
+    assert [c["function"]["name"] for c in calls] == want
+    assert [c["index"] for c in calls] == list(range(len(want)))
+
+
 @pytest.fixture(scope="module")
 def backend():
     tok = load_tokenizer(SimpleNamespace(model_path=default_model_file()))
