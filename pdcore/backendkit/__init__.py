@@ -8,6 +8,7 @@
 - `TransferJobs` (jobs.py): blocking library calls on sharded workers behind handles;
 - `HandleEngine` (engine.py): a TransferEngine base answering poll()/wait() from a HandleTable;
 - `host_port` (endpoints.py): a "host:port" peer endpoint, validated;
+- `split_by_bytes`, `join_futures` (parallel.py): one batch over several copy workers;
 - `SharedExclusive` (guard.py): never unmap memory a copy still uses;
 - `read_timeout` (settings.py): a validated PDCORE_*_TIMEOUT style setting.
 It imports only pdcore.interfaces and pdcore.errors (and numpy). See docs/backend-kit.md.
@@ -20,6 +21,7 @@ from pdcore.backendkit.engine import HandleEngine
 from pdcore.backendkit.guard import SharedExclusive
 from pdcore.backendkit.handles import HandleTable
 from pdcore.backendkit.jobs import TransferJobs
+from pdcore.backendkit.parallel import join_futures, split_by_bytes
 from pdcore.backendkit.regions import (
                                        MAX_ITEM_BYTES,
                                        RegionIndex,
@@ -41,6 +43,8 @@ __all__ = [
     "batch_arrays",
     "describe_range",
     "host_port",
+    "join_futures",
     "read_timeout",
     "region_views",
+    "split_by_bytes",
 ]

@@ -36,7 +36,6 @@ Lifecycle:
 from __future__ import annotations
 
 import errno
-import itertools
 import json
 import os
 import threading
@@ -44,7 +43,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +56,7 @@ from pdcore.backendkit import (
     batch_arrays,
     read_timeout,
 )
+from pdcore.backendkit.parallel import join_futures, split_by_bytes
 from pdcore.builtin import shm_copy
 from pdcore.builtin import shm_segment as seg
 from pdcore.errors import ConfigError, TransferError
@@ -322,53 +322,14 @@ class ShmTransferEngine(HandleEngine):
         # order once the caches are cold). Items never overlap, so their order is free.
         order = np.argsort(local_dst)
         local_iov, remote_iov = shm_copy.iovecs(local_dst[order], src[order], length[order])
-        chunks = self._split(local_iov[:, 1])
+        chunks = split_by_bytes(local_iov[:, 1], self.workers, self.chunk_bytes)
         gen = self._generation
         futures = [self._pool.submit(self._copy, state, local_iov[a:b], remote_iov[a:b], gen)
                    for a, b in chunks]
         if len(futures) == 1:
             return self.handles.add(futures[0])
-        return self.handles.add(self._pool_join(futures))
-
-    def _split(self, length: np.ndarray) -> list[tuple[int, int]]:
-        """Item ranges of roughly equal bytes, one per worker, for big batches only."""
-        total = int(length.sum())
-        parts = min(self.workers, max(1, total // self.chunk_bytes), len(length))
-        if parts <= 1:
-            return [(0, len(length))]
-        cuts = np.searchsorted(np.cumsum(length, dtype=np.uint64),
-                               np.arange(1, parts, dtype=np.uint64) * (total // parts))
-        bounds = [0, *sorted({int(c) + 1 for c in cuts if 0 <= c < len(length) - 1}),
-                  len(length)]
-        return list(itertools.pairwise(bounds))
-
-    @staticmethod
-    def _pool_join(futures: list[Future]) -> Future:
-        """One future for the chunks of a batch: DONE when all are, else the first failure."""
-        joined: Future = Future()
-        remaining = [len(futures)]
-        lock = threading.Lock()
-
-        def chunk_done(_f: Future) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            for f in futures:
-                if f.cancelled():
-                    joined.set_result(failed("shm: engine closed before the copy ran"))
-                    return
-                if f.exception() is not None:
-                    joined.set_exception(f.exception())
-                    return
-                if f.result().status is not DONE.status:
-                    joined.set_result(f.result())
-                    return
-            joined.set_result(DONE)
-
-        for f in futures:
-            f.add_done_callback(chunk_done)
-        return joined
+        return self.handles.add(join_futures(futures, failed("shm: engine closed before the "
+                                                              "copy ran")))
 
     def _copy(self, state: _ShmPeer, local_iov: np.ndarray, remote_iov: np.ndarray,
               generation: int) -> PollResult:

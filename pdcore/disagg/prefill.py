@@ -36,20 +36,20 @@ from pdcore.disagg.common import (
     advertised_host,
 )
 from pdcore.disagg.manager import KVManager
+from pdcore.disagg.prefill_chunks import ChunkWriter
 from pdcore.disagg.prefill_rooms import Chunk, Dest, Pending, RoomState, send_violation
 from pdcore.disagg.prefill_sessions import SessionTable
-from pdcore.disagg.sessions import DecodeSession, parse_register
-from pdcore.disagg.staging import chunk_batch
-from pdcore.disagg.states import TERMINAL, KVPoll
+from pdcore.disagg.sessions import parse_register
+from pdcore.disagg.states import KVPoll
 from pdcore.disagg.workers import ShardedWorkers
-from pdcore.errors import ProtocolError, TransferError
+from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import KVLayout
-from pdcore.interfaces.transfer import CopyBatch, MemoryRegion
+from pdcore.interfaces.transfer import MemoryRegion
 
 log = logging.getLogger(__name__)
 
 
-class PrefillKVManager(KVManager):
+class PrefillKVManager(ChunkWriter, KVManager):
     """The sender: P's rooms, D sessions, the bootstrap server (rank 0), transfer workers."""
 
     role = "prefill"
@@ -320,108 +320,3 @@ class PrefillKVManager(KVManager):
                 del self._tombstones[room]
         for room, why in expired:
             self._fail(room, why)
-
-    # -- transfer workers ------------------------------------------------------------------
-    def _run_chunk(self, job: Chunk) -> None:
-        ok = True
-        try:
-            with self._lock:
-                r = self._rooms.get(job.room)
-                dests = list(r.dests.values()) if r is not None else []
-            if r is None or self.states.get(job.room) is KVPoll.Failed:
-                ok = False
-                return
-            for d in dests:
-                sess = self.sessions.get(d.session)
-                if len(job.src_pages) == 0:
-                    continue
-                with chunk_batch(self.planner, self.staging, self.kv, sess, d, job.src_pages,
-                                 job.page_start) as (batch, staged):
-                    self._write(sess, batch, job.room)
-                d.staged = d.staged or staged
-                self.counters.add("bytes", batch.nbytes)
-                self.xfer.add_bytes(job.room, batch.nbytes)
-                self.counters.add("staged_bytes" if staged else "direct_bytes", batch.nbytes)
-            self.counters.add("chunks")
-        except TransferError as e:
-            ok = False
-            self._fail(job.room, str(e))
-        except Exception as e:  # a planner bug must fail the room, not hang it
-            ok = False
-            log.exception("room %d: chunk transfer raised", job.room)
-            self._fail(job.room, f"chunk transfer raised {type(e).__name__}: {e}")
-        finally:
-            self._chunk_done(job, ok)
-
-    def _chunk_done(self, job: Chunk, ok: bool) -> None:
-        with self._lock:
-            r = self._rooms.get(job.room)
-            if r is None:
-                return
-            r.inflight -= 1
-            r.deadline = time.monotonic() + self.env.waiting_timeout  # progress
-            acks = r.abort_acks if r.inflight == 0 else []
-            if acks:
-                r.abort_acks = []
-            final = ok and r.last_queued and r.inflight == 0
-            dests = list(r.dests.values())
-            aux_slot = r.final_aux
-        for addr in acks:
-            self.ctrl.send(addr, wire.AbortAck(room=job.room, rank=self.tp_rank))
-        if final and self.states.get(job.room) is not KVPoll.Failed:
-            self._finish(job.room, dests, aux_slot)
-
-    def _finish(self, room: int, dests: list[Dest], aux_slot: int | None) -> None:
-        """All chunks landed: copy the aux row to each D rank, then report Success."""
-        moves = self.backend.capabilities.moves_data
-        try:
-            payloads: dict[str, bytes] = {}
-            for d in dests:
-                payloads[d.session] = b""
-                if aux_slot is None or d.aux_slot == wire.NO_AUX_SLOT:
-                    continue
-                if not moves:  # the backend moves nothing: the row rides on the Status
-                    payloads[d.session] = self.aux.raw(aux_slot)
-                    continue
-                sess = self.sessions.get(d.session)
-                n = np.array([self.aux.row_bytes], dtype=np.uint64)
-                batch = CopyBatch(np.array([self.aux.slot_addr(aux_slot)], dtype=np.uint64),
-                                  np.array([sess.aux_addr(d.aux_slot)], dtype=np.uint64), n)
-                self._write(sess, batch, room)
-        except TransferError as e:
-            self._fail(room, str(e))
-            return
-        if self.states.get(room) is KVPoll.Failed:  # aborted meanwhile
-            return
-        for d in dests:
-            sent = self.ctrl.send(d.ctrl_addr, wire.Status(
-                room=room, state=int(KVPoll.Success), rank=self.tp_rank, aux=payloads[d.session],
-                staged=d.staged))
-            if not sent:
-                self._fail(room, f"cannot reach decode rank {d.rank} at {d.ctrl_addr}", "",
-                           notify=False)
-                return
-        if self.states.advance(room, KVPoll.Success):
-            self.counters.add("transfers")
-            log.debug("room %d: transferred", room)
-
-    def _write(self, sess: DecodeSession, batch: CopyBatch, room: int) -> None:
-        try:
-            sess.write(self.backend, batch, self.env.waiting_timeout)
-        except TransferError as e:
-            self._fail_session(sess, str(e))
-            raise TransferError(f"transfer to decode session {sess.key} failed: {e}",
-                                room) from None
-
-    def _fail_session(self, sess: DecodeSession, why: str) -> None:
-        """Drop a D session at once and fail its unfinished rooms with SESSION_FAILED: D then
-        forgets this P and registers again on its next room (a frozen D is back at once)."""
-        self.sessions.drop(sess, why)
-        with self._lock:
-            rooms = [room for room, r in self._rooms.items() if sess.key in r.dests]
-        self.counters.add("session_failures")
-        log.warning("decode session %s dropped: %s", sess.key, why)
-        for room in rooms:
-            if self.states.get(room) not in TERMINAL:
-                self._fail(room, f"transfer to decode session {sess.key} failed: {why} "
-                                 f"(decode could be dead)", wire.SESSION_FAILED)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from pdcore.backendkit import split_by_bytes
 from pdcore.builtin import shm_copy
 from pdcore.builtin.shm_backend import ShmTransferEngine
 from pdcore.builtin.shm_pool import ShmMemoryPool
@@ -79,7 +80,7 @@ def test_split_across_workers_is_exact(sender) -> None:
         b = batch([base + int(i) * 12288 for i in order],
                   [dst.region.addr + j * 12288 for j in range(n)], [12288] * n)
         eng.chunk_bytes = 1 << 20
-        assert len(eng._split(b.length)) == 3  # 4 MiB / 1 MiB chunks, 341 items
+        assert len(split_by_bytes(b.length, eng.workers, eng.chunk_bytes)) == 3  # 4 MiB / 1 MiB chunks, 341 items
         assert eng.wait(eng.write(peer, b), 20).status is TransferStatus.DONE
         got = dst.tensor.numpy()
         want = data[:n * 12288].reshape(n, 12288)[order].ravel()
