@@ -230,3 +230,15 @@ def test_no_module_over_500_lines() -> None:
     long = [f"{p.relative_to(ROOT)}: {n}" for p in sorted(PDCORE.rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 500]
     assert not long, "modules over 500 lines (split them by concern):\n" + "\n".join(long)
+
+
+def test_no_class_over_300_lines() -> None:
+    """#34: a class that grows past 300 lines holds more than one concern (the KV managers
+    mix theirs in from modules of their own: prefill_chunks, decode_resolve, decode_peers)."""
+    long = []
+    for p in sorted(PDCORE.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and \
+                    (n := node.end_lineno - node.lineno + 1) > 300:  # type: ignore[operator]
+                long.append(f"{p.relative_to(ROOT)}: {node.name} {n}")
+    assert not long, "classes over 300 lines (split them by concern):\n" + "\n".join(long)
