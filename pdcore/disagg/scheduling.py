@@ -1,5 +1,5 @@
 """Builds a PD role's scheduling extension: the aux rows, the KV manager over the engine's KV
-pool, and the prefill or decode extension (pdcore.disagg.prefill_sched / decode_sched). The
+pool, and the prefill or decode extension (pdcore.disagg.prefill.sched / decode.sched). The
 runtime (pdcore.runtime.roles) installs it into the scheduler."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
     tp = sched.tp  # every TP rank runs its own manager for the heads it holds
     if args.disaggregation_mode == "prefill":
         from pdcore.disagg.prefill import PrefillKVManager
-        from pdcore.disagg.prefill_sched import PrefillExtension
+        from pdcore.disagg.prefill.sched import PrefillExtension
 
         # rank 0 draws the route secret; the TP group (every node) is the only one to learn it;
         # --dp-size > 1: the HTTP process drew one for all its replicas, which rank 0 passes on
@@ -52,7 +52,7 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
         ext: Extension = PrefillExtension(sched, mgr, aux)
     else:
         from pdcore.disagg.decode import DecodeKVManager
-        from pdcore.disagg.decode_sched import DecodeExtension
+        from pdcore.disagg.decode.sched import DecodeExtension
 
         mgr = DecodeKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
                               kv.layers, kv.pool)

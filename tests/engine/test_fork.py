@@ -12,7 +12,7 @@ import torch
 
 from pdcore.config import ServerArgs
 from pdcore.disagg.aux import AuxBuffers, AuxRow
-from pdcore.disagg.decode_sched import DecodeExtension
+from pdcore.disagg.decode.sched import DecodeExtension
 from pdcore.disagg.states import KVPoll
 from pdcore.engine.block_manager import BlockManager
 from pdcore.engine.fork import fork, shared_pages

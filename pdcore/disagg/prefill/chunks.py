@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from pdcore.disagg import wire
-from pdcore.disagg.prefill_rooms import Chunk, Dest, RoomState
+from pdcore.disagg.prefill.rooms import Chunk, Dest, RoomState
 from pdcore.disagg.sessions import DecodeSession
 from pdcore.disagg.staging import chunk_batch
 from pdcore.disagg.states import TERMINAL, KVPoll

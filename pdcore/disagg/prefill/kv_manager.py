@@ -36,9 +36,9 @@ from pdcore.disagg.common import (
     advertised_host,
 )
 from pdcore.disagg.manager import KVManager
-from pdcore.disagg.prefill_chunks import ChunkWriter
-from pdcore.disagg.prefill_rooms import Chunk, Dest, Pending, RoomState, send_violation
-from pdcore.disagg.prefill_sessions import SessionTable
+from pdcore.disagg.prefill.chunks import ChunkWriter
+from pdcore.disagg.prefill.rooms import Chunk, Dest, Pending, RoomState, send_violation
+from pdcore.disagg.prefill.sessions import SessionTable
 from pdcore.disagg.sessions import parse_register
 from pdcore.disagg.states import KVPoll
 from pdcore.disagg.workers import ShardedWorkers
@@ -46,7 +46,7 @@ from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pdcore.disagg.prefill")
 
 
 class PrefillKVManager(ChunkWriter, KVManager):

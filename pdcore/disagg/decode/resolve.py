@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from pdcore.disagg import wire
-from pdcore.disagg.decode_rooms import Instance, Room
+from pdcore.disagg.decode.rooms import Instance, Room
 from pdcore.disagg.states import KVPoll
 from pdcore.errors import PDError, ProtocolError, TransferError
 from pdcore.interfaces.geometry import rank_mapping

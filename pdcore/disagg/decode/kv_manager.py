@@ -29,16 +29,16 @@ from pdcore.disagg import wire
 from pdcore.disagg.aux import AuxRow
 from pdcore.disagg.bootstrap import BootstrapClient
 from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
-from pdcore.disagg.decode_peers import PrefillPeerWatch
-from pdcore.disagg.decode_resolve import BootstrapResolution
-from pdcore.disagg.decode_rooms import Instance, Room
+from pdcore.disagg.decode.peers import PrefillPeerWatch
+from pdcore.disagg.decode.resolve import BootstrapResolution
+from pdcore.disagg.decode.rooms import Instance, Room
 from pdcore.disagg.heartbeat import Heartbeat
 from pdcore.disagg.manager import KVManager
 from pdcore.disagg.staging import GrantBook, scatter_grant
 from pdcore.disagg.states import TERMINAL, KVPoll
 from pdcore.interfaces.transfer import MemoryRegion
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("pdcore.disagg.decode")
 
 
 class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):

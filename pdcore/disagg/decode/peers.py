@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from pdcore.disagg import wire
-from pdcore.disagg.decode_rooms import Instance, Room
+from pdcore.disagg.decode.rooms import Instance, Room
 from pdcore.disagg.states import TERMINAL, KVPoll
 from pdcore.errors import PDError
 
