@@ -65,7 +65,7 @@ class Switches:
     """Turns batched decode attention on and off in place (back on in `restore`)."""
 
     def __init__(self) -> None:
-        from pdcore.engine.models import llama
+        from pdcore.engine.model import llama
 
         self.llama, self.group = llama, llama.ForwardBatch.decode_group
 
@@ -78,7 +78,7 @@ class Switches:
 
 def decode_batch(model: Any, batch_size: int, ctx: int, vocab: int) -> Any:
     """B sequences of `ctx` tokens, each adding one token: slots [i*ctx, (i+1)*ctx)."""
-    from pdcore.engine.models.batch import ForwardBatch, SeqSpan
+    from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 
     g = torch.Generator().manual_seed(0)
     seqs = [SeqSpan(i, 1, torch.arange(i * ctx, (i + 1) * ctx)) for i in range(batch_size)]

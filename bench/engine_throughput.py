@@ -84,7 +84,7 @@ class TransformersRunner:
         import transformers
         from transformers import AutoModelForCausalLM
 
-        from pdcore.engine.tokenizer import resolve_model
+        from pdcore.engine.model.tokenizer import resolve_model
 
         resolved = resolve_model(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(

@@ -103,10 +103,10 @@ def sampler_alone(batch: int, steps: int) -> dict[str, Any]:
     """ms per step of sample() for `batch` constrained rows against `batch` greedy rows."""
     import torch
 
-    from pdcore.engine.grammar import GrammarBackend
     from pdcore.engine.io_struct import GrammarSpec, SamplingParams
-    from pdcore.engine.sampler import SampleState, sample
-    from pdcore.engine.tokenizer import default_model_file, load_tokenizer
+    from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
+    from pdcore.engine.sched.grammar import GrammarBackend
+    from pdcore.engine.sched.sampler import SampleState, sample
 
     tok = load_tokenizer(argparse.Namespace(model_path=default_model_file()))
     vocab = len(tok)

@@ -44,7 +44,7 @@ from pdcore.disagg.aux import AuxBuffers, AuxRow
 from pdcore.disagg.decode import DecodeKVManager
 from pdcore.disagg.prefill import PrefillKVManager
 from pdcore.disagg.states import KVPoll
-from pdcore.engine.models.layers import kv_head_span
+from pdcore.engine.model.layers import kv_head_span
 from pdcore.interfaces.memory import Buffer, MemoryPool
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
@@ -213,7 +213,7 @@ def bench_transfer(tokens: int, rounds: int) -> dict[str, Any]:
 def bench_ttft(tokens: int, rounds: int) -> dict[str, Any]:
     import httpx
 
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
     from pdcore.testing.processes import ServerProcess
     from pdcore.testing.tiny_models import make_tiny_model
 

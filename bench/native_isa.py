@@ -51,7 +51,7 @@ def child(args: argparse.Namespace) -> None:
     prompts = make_prompts(args.batch, args.prompt_len, pd.vocab, 1)
     forward()
     pd.generate(prompts, 2)
-    from pdcore.engine.models.layers import weight_layouts
+    from pdcore.engine.model.layers import weight_layouts
 
     print(json.dumps({"ready": native.status(), "layouts": weight_layouts(model)}), flush=True)
     for _ in sys.stdin:

@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.model_path == "tiny":
-            from pdcore.engine.tokenizer import default_model_file
+            from pdcore.engine.model.tokenizer import default_model_file
             from pdcore.testing.tiny_models import make_tiny_model
 
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="prefix-cache-"))

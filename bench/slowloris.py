@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 from common import Run, figure, save_figure, summary
 
-from pdcore.engine.tokenizer import default_model_file
+from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.testing.processes import ServerProcess
 from pdcore.testing.tiny_models import make_tiny_model
 

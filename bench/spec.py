@@ -47,10 +47,10 @@ from common import (
 
 NAME = "spec"
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [("pdcore/engine/block_manager.py", "BlockManager", "PagePool"),
-           ("pdcore/engine/kv_cache.py", "KVCache", "PagedKV"),
-           ("pdcore/engine/fork.py", "fork", "split"),
-           ("pdcore/engine/models/rope.py", "make_rotary", "build_rope")]
+SOURCES = [("pdcore/engine/kv/blocks.py", "BlockManager", "PagePool"),
+           ("pdcore/engine/kv/cache.py", "KVCache", "PagedKV"),
+           ("pdcore/engine/sched/fork.py", "fork", "split"),
+           ("pdcore/engine/model/rope.py", "make_rotary", "build_rope")]
 SYSTEMS = ("plain", "ngram")
 
 
@@ -111,7 +111,7 @@ def main() -> None:
     a = ap.parse_args()
     run = Run(NAME, vars(a))
     from pdcore.config import ServerArgs
-    from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.engine.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ServerArgs())
     rnd = random_prompts(len(tok), a.requests)

@@ -5,7 +5,7 @@
    sampling): (T(1 + N new tokens) - T(1 new token)) / N;
 3. forward: the model's decode forward alone, --new-tokens consecutive steps of B sequences
    growing from ctx tokens (hand-built batches with request keys, so the decode K/V view of
-   pdcore/engine/models/decode_view.py fills on the first step and appends after, as in serving);
+   pdcore/engine/model/decode_view.py fills on the first step and appends after, as in serving);
    "forward, gather": the same steps without keys (K/V gathered out of the pool in every layer);
 4. GEMMs: every linear layer of the model (and the lm head) on B random rows, through the same
    `linear` the model calls (prepacked where the model packs), back to back;
@@ -37,7 +37,7 @@ NAME = "step_vs_gemm"
 
 def gemm_only(model: Any, rows: int) -> Any:
     """A callable running every linear layer of `model` once on `rows` random rows."""
-    from pdcore.engine.models.layers import ColumnLinear, RowLinear, linear
+    from pdcore.engine.model.layers import ColumnLinear, RowLinear, linear
 
     calls = []
     for m in model.modules():
@@ -59,7 +59,7 @@ def gemm_only(model: Any, rows: int) -> Any:
 def decode_steps(batch: int, ctx: int, steps: int, vocab: int, keyed: bool) -> list[Any]:
     """`steps` consecutive decode batches: sequence i holds slots [i*M, i*M + ctx + j) at
     step j (M = ctx + steps) and adds its last one."""
-    from pdcore.engine.models.batch import ForwardBatch, SeqSpan
+    from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 
     g, m, out = torch.Generator().manual_seed(0), ctx + steps, []
     for j in range(steps):

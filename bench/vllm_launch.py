@@ -190,8 +190,8 @@ def make_hf_folder(dest: Path) -> Path:
     pdserve's GGUF cache already writes exactly that conversion, so copy its folder."""
     if (dest / "config.json").is_file() and (dest / "model.safetensors").is_file():
         return dest
-    from pdcore.engine.gguf_cache import converted
-    from pdcore.engine.tokenizer import resolve_model
+    from pdcore.engine.model.gguf_cache import converted
+    from pdcore.engine.model.tokenizer import resolve_model
 
     src = converted(resolve_model(None))
     if src.gguf_file:
@@ -221,7 +221,7 @@ def make_llama_1b_folder(dest: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    from pdcore.engine.tokenizer import resolve_model
+    from pdcore.engine.model.tokenizer import resolve_model
 
     r = resolve_model(None)
     tok = transformers.AutoTokenizer.from_pretrained(r.path, **r.hf_kwargs())

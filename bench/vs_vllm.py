@@ -86,8 +86,8 @@ def vllm_missing(args: argparse.Namespace) -> str | None:
 
 
 def vocab(args: argparse.Namespace) -> int:
-    from pdcore.engine.model_loader import load_config
-    from pdcore.engine.tokenizer import resolve_model
+    from pdcore.engine.model.loader import load_config
+    from pdcore.engine.model.tokenizer import resolve_model
 
     return int(load_config(resolve_model(args.model_path)).vocab_size)
 

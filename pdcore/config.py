@@ -22,7 +22,7 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MOE_A2A_BACKENDS = ("none", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
-# SGLang's --speculative-algorithm names; pdserve builds NGRAM (pdcore/engine/speculative.py)
+# SGLang's --speculative-algorithm names; pdserve builds NGRAM (pdcore/engine/sched/speculative.py)
 SPEC_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 SPEC_BUILT = ("NGRAM",)
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
@@ -59,7 +59,7 @@ class ServerArgs:
     # do (bootstrap_room % P's dp size, or the request's disagg_prefill_dp_rank): accepted
     prefill_round_robin_balance: bool = False
     # MoE: tp-size ranks split into dp-size attention groups (own scheduler and KV pool each),
-    # experts over all tp-size ranks (pdcore.engine.dp_attention)
+    # experts over all tp-size ranks (pdcore.engine.parallel.dp_attention)
     enable_dp_attention: bool = False
     enable_dp_lm_head: bool = False  # accepted with DP attention: the lm head never spans DP ranks
     # set per DP rank by the controller, not flags: its index and where all its ranks meet
@@ -75,7 +75,7 @@ class ServerArgs:
     kv_cache_dtype: str = "auto"  # auto: the model's --dtype
     # CPU placement of the engine's OpenMP threads (pdcore.runtime_env): auto | all | nobind | 0-1
     cpu_omp_threads_bind: str | None = None
-    # mixture of experts (pdcore/engine/models/moe.py)
+    # mixture of experts (pdcore/engine/model/moe.py)
     ep_size: int = 1  # > 1: the TP ranks hold whole experts and exchange tokens all-to-all
     moe_a2a_backend: str = "none"  # none: torch.distributed; deepep: DeepEP (CUDA only)
     deepep_mode: str = "auto"  # normal | low_latency | auto (DeepEP's kernels)
@@ -91,12 +91,12 @@ class ServerArgs:
     max_prefill_tokens: int = 8192
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
-    # structured output (pdcore.engine.grammar): xgrammar, as SGLang's default, or none
+    # structured output (pdcore.engine.sched.grammar): xgrammar, as SGLang's default, or none
     grammar_backend: str = "xgrammar"
     constrained_json_disable_any_whitespace: bool = False
     tool_call_parser: str | None = None  # server/tool_parsers.py: llama3, qwen25, ...
     reasoning_parser: str | None = None  # server/reasoning.py: deepseek-r1, qwen3
-    # speculative decoding (pdcore/engine/speculative.py), SGLang's flags
+    # speculative decoding (pdcore/engine/sched/speculative.py), SGLang's flags
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -320,7 +320,7 @@ def env_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
-# speculative decoding verifies drafts only when the measured cost pays (engine/speculative.py);
+# speculative decoding verifies drafts only when the measured cost pays (engine/sched/speculative.py);
 # 0 verifies every draft (tests of identity and measurements of the verify pass itself)
 SPEC_GATE_ENV = "PDSERVE_SPEC_GATE"
 

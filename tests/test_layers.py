@@ -26,7 +26,7 @@ PLUGINS = ROOT / "plugins"
 
 
 def _unit(module: str) -> str:
-    """`pdcore.engine.scheduler` -> `engine`; `pdcore.cli` -> `cli`."""
+    """`pdcore.engine.sched.scheduler` -> `engine`; `pdcore.cli` -> `cli`."""
     return module.split(".")[1]
 
 
@@ -162,7 +162,7 @@ QUEUES = {"running", "waiting", "blocks", "cfg", "reqs", "runner", "outbox"}
 
 def test_role_extensions_use_the_scheduler_api_only() -> None:
     """No module of the protocol reaches into the scheduler's queues, pages or config: what a
-    role extension may do is pdcore.engine.scheduler_api.SchedulerAPI."""
+    role extension may do is pdcore.engine.sched.api.SchedulerAPI."""
     bad = []
     for path in sorted((PDCORE / "disagg").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -174,11 +174,11 @@ def test_role_extensions_use_the_scheduler_api_only() -> None:
 
 
 def test_the_scheduler_has_no_role_branches() -> None:
-    src = (PDCORE / "engine" / "scheduler.py").read_text()
+    src = (PDCORE / "engine" / "sched" / "scheduler.py").read_text()
     tree = ast.parse(src)
     bad = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute)
            and n.attr in ("disagg", "bootstrap_room", "bootstrap_host", "fork_of")]
-    assert not bad, f"engine/scheduler.py reads role state at lines {bad}"
+    assert not bad, f"engine/sched/scheduler.py reads role state at lines {bad}"
 
 
 def import_circles() -> list[list[str]]:

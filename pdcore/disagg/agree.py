@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcore.disagg.states import KVPoll
-from pdcore.engine.models.layers import TPInfo
+from pdcore.engine.model.layers import TPInfo
 
 
 @dataclass

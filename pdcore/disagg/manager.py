@@ -27,7 +27,7 @@ from pdcore.disagg.control import ControlPlane
 from pdcore.disagg.staging import open_staging
 from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
 from pdcore.disagg.transfer_stats import TransferStats
-from pdcore.engine.fingerprint import model_fingerprint
+from pdcore.engine.model.fingerprint import model_fingerprint
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
 

@@ -10,10 +10,10 @@ from typing import Any
 from pdcore.disagg.agree import Agreed, poll_all
 from pdcore.disagg.aux import AuxBuffers
 from pdcore.disagg.states import TERMINAL, KVPoll
-from pdcore.engine.extension import Extension
-from pdcore.engine.request import Req
-from pdcore.engine.scheduler import Scheduler
-from pdcore.engine.scheduler_api import SchedulerAPI
+from pdcore.engine.sched.api import SchedulerAPI
+from pdcore.engine.sched.extension import Extension
+from pdcore.engine.sched.request import Req
+from pdcore.engine.sched.scheduler import Scheduler
 
 
 class RoleExtension(Extension):

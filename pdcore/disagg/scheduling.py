@@ -11,9 +11,9 @@ from typing import Any
 
 from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.disagg.aux import AuxBuffers
-from pdcore.engine.extension import Extension
-from pdcore.engine.kv_cache import KVCache
-from pdcore.engine.scheduler import Scheduler
+from pdcore.engine.kv.cache import KVCache
+from pdcore.engine.sched.extension import Extension
+from pdcore.engine.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -29,15 +29,15 @@ from pdcore.config import (
     jump_forward,
     spec_gate,
 )
-from pdcore.engine.block_manager import BlockManager
-from pdcore.engine.grammar import GrammarBackend
-from pdcore.engine.kv_cache import KVCache
-from pdcore.engine.model_loader import load_model, resolve_dtype, weight_bytes
-from pdcore.engine.model_runner import ModelRunner
-from pdcore.engine.models.layers import TPInfo
-from pdcore.engine.radix_cache import RadixCache
-from pdcore.engine.scheduler import Scheduler, SchedulerConfig
-from pdcore.engine.speculative import NgramSpeculator, SpecConfig
+from pdcore.engine.kv.blocks import BlockManager
+from pdcore.engine.kv.cache import KVCache
+from pdcore.engine.kv.radix import RadixCache
+from pdcore.engine.model.layers import TPInfo
+from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
+from pdcore.engine.model.runner import ModelRunner
+from pdcore.engine.sched.grammar import GrammarBackend
+from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
+from pdcore.engine.sched.speculative import NgramSpeculator, SpecConfig
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span
 from pdcore.interfaces.memory import PoolContext
@@ -169,7 +169,7 @@ def kv_spec(model: Any, cfg: Any, tp: TPInfo) -> dict[str, Any]:
 
 def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
     """The structured-output backend; it loads the tokenizer on the first constrained request."""
-    from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.engine.model.tokenizer import load_tokenizer
 
     return GrammarBackend(args.grammar_backend, lambda: load_tokenizer(args), cfg.vocab_size,
                           eos, any_whitespace=not args.constrained_json_disable_any_whitespace)

@@ -17,7 +17,7 @@ message and outputs travel over those sockets.
 
 Failure: node 0 watches each link's TCP connection (zmq's socket monitor, TCP keep-alive probes
 for a silent peer) and fails the server's requests when one drops; the DP ranks' per-iteration
-collectives also break at once when any rank's process dies (pdcore.engine.dp_attention).
+collectives also break at once when any rank's process dies (pdcore.engine.parallel.dp_attention).
 """
 
 from __future__ import annotations

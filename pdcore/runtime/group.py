@@ -12,7 +12,7 @@ from pdcore.config import ServerArgs
 from pdcore.runtime.topology import local_ranks
 
 if TYPE_CHECKING:  # torch is imported only where a rank actually runs (the CLI stays fast)
-    from pdcore.engine.models.layers import TPInfo
+    from pdcore.engine.model.layers import TPInfo
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +24,11 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDCORE_TP_TIMEOUT", "600"))
 
 def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
     """Join the TP group as `rank`; TP 1 needs no group at all."""
-    from pdcore.engine import dp_attention_args
-    from pdcore.engine.models.layers import TPInfo
+    from pdcore.engine.model.layers import TPInfo
+    from pdcore.engine.parallel import dp_attention_args
 
     if dp_attention_args.active(args):  # one group over every DP rank's ranks
-        from pdcore.engine import dp_attention
+        from pdcore.engine.parallel import dp_attention
 
         return dp_attention.join(args, rank, method, COLLECTIVE_TIMEOUT_S)
     if args.tp_size == 1:
@@ -40,7 +40,7 @@ def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
     platform = platforms().create(args.device)
     backend = platform.dist_backend
     if platform.memory_kind.value == "host":
-        from pdcore.engine.models.layers import share_host_threads
+        from pdcore.engine.model.layers import share_host_threads
 
         share_host_threads(len(local_ranks(args)) * args.dp_size)  # the node's ranks share it
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=args.tp_size,

@@ -22,7 +22,7 @@ from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from pdcore.engine.build import Engine
-    from pdcore.engine.models.layers import TPInfo
+    from pdcore.engine.model.layers import TPInfo
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class StepHeader:
     now: float = 0.0  # rank 0's monotonic clock: time-based decisions must agree
     idle: bool = False  # DP attention: another DP rank steps, so this one runs an idle forward
     # speculative decoding's measured verify/decode cost ratio: every rank gates drafts on
-    # rank 0's value (engine/speculative.py)
+    # rank 0's value (engine/sched/speculative.py)
     spec_ratio: float | None = None
 
 
@@ -47,15 +47,15 @@ class Lockstep:
     def __init__(self, engine: Engine) -> None:
         self.sched = engine.scheduler
         self.tp: TPInfo = self.sched.tp
-        from pdcore.engine.dp_attention import sync_for
+        from pdcore.engine.parallel.dp_attention import sync_for
 
-        # --enable-dp-attention: the DP ranks step together (pdcore.engine.dp_attention)
+        # --enable-dp-attention: the DP ranks step together (pdcore.engine.parallel.dp_attention)
         self.dp = sync_for(self.tp, self.sched)
         self.stopped = False  # DP attention: a stop agreed with the other DP ranks
         self.peers_busy = False  # DP attention: some DP rank ran at the last agreement
 
     def _apply(self, msgs: list[Any]) -> None:
-        from pdcore.engine.request import Req
+        from pdcore.engine.sched.request import Req
 
         for m in msgs:
             try:
@@ -121,7 +121,7 @@ class Lockstep:
 
     def _contain(self, e: Exception) -> list[TokenOut]:
         """Fail the requests an unexpected step error concerns; the loop goes on."""
-        from pdcore.engine.request import Phase
+        from pdcore.engine.sched.request import Phase
 
         live = [r for r in self.sched.reqs.values() if r.phase is not Phase.FINISHED]
         named = [r for r in self.sched.ext.implicated(e) if r in live]

@@ -25,7 +25,7 @@ from pdcore.runtime.group import agree_started, join_group, leave_group
 from pdcore.runtime.topology import init_method, local_ranks
 
 if TYPE_CHECKING:
-    from pdcore.engine.models.layers import TPInfo
+    from pdcore.engine.model.layers import TPInfo
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class RankGroup:
     """Node 0's view: rank 0 (this process) plus the rank processes it spawned."""
 
     def __init__(self, args: ServerArgs) -> None:
-        from pdcore.engine.models.layers import TPInfo
+        from pdcore.engine.model.layers import TPInfo
 
         self.args = args
         self.children: list[multiprocessing.process.BaseProcess] = []
@@ -110,7 +110,7 @@ class RankGroup:
         """Spawn ranks 1..k-1 of node 0 and join the group as rank 0."""
         if self.args.tp_size == 1:
             return self.tp
-        from pdcore.engine.dp_attention_args import active, replica_ranks
+        from pdcore.engine.parallel.dp_attention_args import active, replica_ranks
 
         if active(self.args):  # this DP rank's ranks
 

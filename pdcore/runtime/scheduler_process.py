@@ -177,7 +177,7 @@ def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: 
 
         t0 = time.monotonic()
         if args.dp_size > 1 and args.tp_size == 1 and args.device == "cpu":
-            from pdcore.engine.models.layers import share_host_threads
+            from pdcore.engine.model.layers import share_host_threads
 
             share_host_threads(args.dp_size)  # DP replicas on one host share its cores
         tp = ranks.start()

@@ -14,7 +14,7 @@ def check_parallel_args(args: ServerArgs) -> None:
     if args.dp_size > 1:
         _check_dp(args)
     if args.enable_dp_attention or args.enable_dp_lm_head:
-        from pdcore.engine.dp_attention_args import check_args
+        from pdcore.engine.parallel.dp_attention_args import check_args
 
         check_args(args)
     if args.tp_size % args.nnodes:

@@ -9,7 +9,7 @@ with tools: calls found in the output by the server's `--tool-call-parser` are r
 arguments following that tool's JSON schema) or `{"type": "function", "function": {"name":
 ...}}` (forced, that tool). A forced output holds one call; "auto" returns as many as the model
 writes, or only the first with `parallel_tool_calls: false` (the later ones are dropped from
-`tool_calls`, not shown as content). The engine builds the forcing grammar (engine/grammar.py,
+`tool_calls`, not shown as content). The engine builds the forcing grammar (engine/sched/grammar.py,
 kind `tool_call`).
 """
 

@@ -36,9 +36,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.engine.dp_attention_args import active as dp_attention_active
-from pdcore.engine.dp_attention_args import new_init_method, replica_args
 from pdcore.engine.io_struct import GenerateReq, TokenOut
+from pdcore.engine.parallel.dp_attention_args import active as dp_attention_active
+from pdcore.engine.parallel.dp_attention_args import new_init_method, replica_args
 from pdcore.errors import PDError
 from pdcore.server.dp_balance import DPBalancer
 from pdcore.server.engine_client import EngineClient, EngineError, EngineState
@@ -117,7 +117,7 @@ class DPEngineClient:
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         if self.replicas[0].tokenizer is None:  # once, before the replicas start: transformers'
-            from pdcore.engine.tokenizer import load_tokenizer  # lazy imports race in threads
+            from pdcore.engine.model.tokenizer import load_tokenizer  # lazy imports race in threads
 
             try:
                 tok = await asyncio.to_thread(load_tokenizer, self.args)

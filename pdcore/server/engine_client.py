@@ -163,7 +163,7 @@ class EngineClient:
 
         tok_task = None
         if self.tokenizer is None:
-            from pdcore.engine.tokenizer import load_tokenizer
+            from pdcore.engine.model.tokenizer import load_tokenizer
 
             tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.args))
         try:

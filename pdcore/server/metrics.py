@@ -135,7 +135,7 @@ def metrics_model_name(args: Any) -> str:
     path = args.model_path
     if not path:
         try:
-            from pdcore.engine.tokenizer import default_model_file
+            from pdcore.engine.model.tokenizer import default_model_file
 
             path = default_model_file()
         except Exception:  # noqa: BLE001 - the engine reports a missing model itself

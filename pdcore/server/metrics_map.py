@@ -1,7 +1,7 @@
 """Which scheduler stat feeds which exported metric (docs/metrics.md is the table people read).
 
 SGLang's names, types and buckets are facts read from its metrics collector; the values come
-from our scheduler's `stats` answer (pdcore.engine.scheduler.Scheduler.stats and the PD
+from our scheduler's `stats` answer (pdcore.engine.sched.scheduler.Scheduler.stats and the PD
 extensions' queues).
 """
 

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdcore.engine.grammar import spec_from_fields
+from pdcore.engine.sched.grammar import spec_from_fields
 from pdcore.route_auth import RouteGuard
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.engine_client import EngineClient, EngineError, new_rid

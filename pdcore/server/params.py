@@ -48,7 +48,7 @@ class SamplingInput:
     no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI sends it, a string) -> bias
     min_new_tokens: int = 0
-    grammar: GrammarSpec | None = None  # parsed by pdcore.engine.grammar.spec_from_*
+    grammar: GrammarSpec | None = None  # parsed by pdcore.engine.sched.grammar.spec_from_*
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]; the entries are bounded in limits.py

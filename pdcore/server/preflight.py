@@ -78,7 +78,7 @@ def _check_files(args: ServerArgs) -> None:
             raise ConfigError(f"--chat-template {args.chat_template} is not a valid Jinja "
                               f"template: {e}") from None
     if args.load_format in ("safetensors", "gguf", "dummy"):
-        from pdcore.engine.tokenizer import resolve_model
+        from pdcore.engine.model.tokenizer import resolve_model
 
         is_gguf = resolve_model(args.model_path).gguf_file is not None
         if args.load_format == "gguf" and not is_gguf:

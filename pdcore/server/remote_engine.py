@@ -64,7 +64,7 @@ class RemoteEngineClient(EngineClient):
         log.info("%s: waiting for its scheduler at %s / %s", self.where(), to_addr, from_addr)
         tok_task = None
         if self.tokenizer is None:
-            from pdcore.engine.tokenizer import load_tokenizer
+            from pdcore.engine.model.tokenizer import load_tokenizer
 
             tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.args))
         try:

@@ -30,7 +30,7 @@ SMOLLM2_FLAGS = ("--max-total-tokens", "16384", "--page-size", "16",
 def unified_reference() -> tuple[list[list[int]], list[list[int]]]:
     from pdcore.config import ServerArgs
     from pdcore.engine.io_struct import SamplingParams
-    from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.engine.model.tokenizer import load_tokenizer
     from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids
 
@@ -72,7 +72,7 @@ class BackendE2E:
 
     @pytest.fixture(scope="class")
     def tiny_model(self, tmp_path_factory: pytest.TempPathFactory) -> str:
-        from pdcore.engine.tokenizer import default_model_file
+        from pdcore.engine.model.tokenizer import default_model_file
         from pdcore.testing.tiny_models import make_tiny_model
 
         return make_tiny_model(str(tmp_path_factory.mktemp("e2e") / "m"),

@@ -15,7 +15,7 @@ HANG_S = 3600.0
 
 def stuck_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any) -> None:
     """The real scheduler process, with Scheduler.step sleeping once a request arrived."""
-    from pdcore.engine.scheduler import Scheduler
+    from pdcore.engine.sched.scheduler import Scheduler
     from pdcore.runtime.scheduler_process import run_scheduler_process
 
     real = Scheduler.step

@@ -52,7 +52,7 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed:
     cfg_name, model_name, extra = ARCH_CONFIGS[arch]
     tok = None
     if tokenizer_from is not None:
-        from pdcore.engine.tokenizer import resolve_model
+        from pdcore.engine.model.tokenizer import resolve_model
 
         r = resolve_model(tokenizer_from)
         tok = transformers.AutoTokenizer.from_pretrained(r.path, **r.hf_kwargs())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdcore.builtin.planner import DefaultPlanner
-from pdcore.engine.kv_cache import KVCache
+from pdcore.engine.kv.cache import KVCache
 from pdcore.interfaces.geometry import mla_sender, rank_mapping
 from pdcore.interfaces.memory import PoolContext
 from pdcore.plugins.host import memory_pools

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdcore.engine.tokenizer import resolve_model
+from pdcore.engine.model.tokenizer import resolve_model
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +18,6 @@ def smollm2_hf():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from pdcore.config import ServerArgs
-    from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.engine.model.tokenizer import load_tokenizer
 
     return load_tokenizer(ServerArgs())

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdcore.engine.models import layers
-from pdcore.engine.models.batch import ForwardBatch, SeqSpan
-from pdcore.engine.models.llama import LlamaForCausalLM
+from pdcore.engine.model import layers
+from pdcore.engine.model.batch import ForwardBatch, SeqSpan
+from pdcore.engine.model.llama import LlamaForCausalLM
 from pdcore.errors import ConfigError
 
 needs_mkl = pytest.mark.skipif(
@@ -251,7 +251,7 @@ def test_decode_kv_view_matches_gathering(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_decode_kv_view_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdcore.engine.models import decode_view
+    from pdcore.engine.model import decode_view
 
     monkeypatch.setenv(decode_view.VIEW_MB_ENV, "0")
     model = _tiny_model(packed=False, monkeypatch=monkeypatch)

@@ -14,11 +14,11 @@ from pdcore.config import ServerArgs
 from pdcore.disagg.aux import AuxBuffers, AuxRow
 from pdcore.disagg.decode.sched import DecodeExtension
 from pdcore.disagg.states import KVPoll
-from pdcore.engine.block_manager import BlockManager
-from pdcore.engine.fork import fork, shared_pages
 from pdcore.engine.io_struct import AbortReq, GenerateReq, SamplingParams
-from pdcore.engine.request import Phase, Req
-from pdcore.engine.sampler import SampleState
+from pdcore.engine.kv.blocks import BlockManager
+from pdcore.engine.sched.fork import fork, shared_pages
+from pdcore.engine.sched.request import Phase, Req
+from pdcore.engine.sched.sampler import SampleState
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.pages import pages_at_rest
 

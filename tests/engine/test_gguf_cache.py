@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdcore.engine import gguf_cache
-from pdcore.engine.tokenizer import resolve_model
+from pdcore.engine.model import gguf_cache
+from pdcore.engine.model.tokenizer import resolve_model
 from pdcore.testing.prompts import prompt_token_ids
 
 
@@ -68,7 +68,7 @@ def test_half_written_folder_is_never_used(cache_dir: Path, monkeypatch: pytest.
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(gguf_cache, "_convert", failing)
-    with caplog.at_level(logging.WARNING, logger="pdcore.engine.gguf_cache"):
+    with caplog.at_level(logging.WARNING, logger="pdcore.engine.model.gguf_cache"):
         assert gguf_cache.converted(raw) == raw
     assert "No space left on device" in caplog.text and "loading" in caplog.text
 
@@ -79,7 +79,7 @@ def test_unwritable_cache_falls_back_to_the_gguf(tmp_path: Path, monkeypatch: py
     blocker.write_text("x")
     monkeypatch.setenv(gguf_cache.DIR_ENV, str(blocker / "cache"))
     raw = resolve_model(None)
-    with caplog.at_level(logging.WARNING, logger="pdcore.engine.gguf_cache"):
+    with caplog.at_level(logging.WARNING, logger="pdcore.engine.model.gguf_cache"):
         assert gguf_cache.converted(raw) == raw
     assert "GGUF cache unusable" in caplog.text
 

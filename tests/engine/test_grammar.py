@@ -13,14 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdcore.engine.grammar import (
+from pdcore.engine.io_struct import GrammarSpec, SamplingParams
+from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
+from pdcore.engine.sched.grammar import (
     GrammarBackend,
     spec_from_fields,
     spec_from_response_format,
 )
-from pdcore.engine.io_struct import GrammarSpec, SamplingParams
-from pdcore.engine.sampler import SampleState, sample
-from pdcore.engine.tokenizer import default_model_file, load_tokenizer
+from pdcore.engine.sched.sampler import SampleState, sample
 from pdcore.errors import InvalidRequestError
 
 pytest.importorskip("xgrammar", reason="xgrammar is one of pdcore's dependencies")

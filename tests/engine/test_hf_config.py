@@ -10,8 +10,8 @@ import sys
 import pytest
 from transformers import AutoConfig
 
-from pdcore.engine.hf_config import DEFAULTS, read_plain_config
-from pdcore.engine.model_loader import MODEL_CLASSES
+from pdcore.engine.model.hf_config import DEFAULTS, read_plain_config
+from pdcore.engine.model.loader import MODEL_CLASSES
 
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings",
@@ -75,7 +75,7 @@ def test_other_configs_go_to_autoconfig(tmp_path) -> None:
 
 def test_engine_loads_smollm2_without_transformers_models() -> None:
     """The engine's load of the default model imports no transformers config or model class."""
-    code = ("import sys, torch; from pdcore.engine.model_loader import load_model; "
+    code = ("import sys, torch; from pdcore.engine.model.loader import load_model; "
             "load_model(None, torch.float32, torch.device('cpu')); "
             "print(sorted(m for m in sys.modules if m.startswith('transformers.models.')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

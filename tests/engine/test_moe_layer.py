@@ -8,8 +8,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from pdcore.engine.models.layers import TPInfo
-from pdcore.engine.models.moe import MoE, RouterSpec
+from pdcore.engine.model.layers import TPInfo
+from pdcore.engine.model.moe import MoE, RouterSpec
 from pdcore.testing.processes import free_port
 
 H, E, INTER, SHARED = 64, 8, 32, 48
@@ -111,7 +111,7 @@ class _PartialSums(TPInfo):
 @pytest.mark.parametrize("grouped", [True, False])
 def test_moe_matches_transformers_tp1(grouped, monkeypatch):
     """Both expert paths: one grouped GEMM over all experts, and one GEMM per expert."""
-    from pdcore.engine.models import moe
+    from pdcore.engine.model import moe
 
     if grouped and not moe.GROUPED_MM:
         pytest.skip("this torch has no grouped_mm")
@@ -137,7 +137,7 @@ def test_moe_tp_shards_sum_to_transformers():
 
 
 def test_router_grouped_topk_only_picks_allowed_groups():
-    from pdcore.engine.models.moe import select_experts
+    from pdcore.engine.model.moe import select_experts
 
     logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
     spec = RouterSpec(top_k=2, num_groups=4, topk_groups=1)

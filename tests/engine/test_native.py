@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from pdcore.engine import native
 from pdcore.engine.cpu_features import LAYOUT_ENV, bf16_support
-from pdcore.engine.models import layers
-from pdcore.engine.models.batch import ForwardBatch, SeqSpan
-from pdcore.engine.models.llama import LlamaForCausalLM
+from pdcore.engine.model import layers
+from pdcore.engine.model.batch import ForwardBatch, SeqSpan
+from pdcore.engine.model.llama import LlamaForCausalLM
 from pdcore.errors import ConfigError
 
 
@@ -388,7 +388,7 @@ def test_native_decode_loop_appends(monkeypatch: pytest.MonkeyPatch) -> None:
 CHILD = r"""
 import json, torch
 from pdcore.engine import native
-from pdcore.engine.models import layers
+from pdcore.engine.model import layers
 w = torch.nn.Parameter(torch.randn(40, 16), requires_grad=False)
 keep, packed = layers.pack_in_place(w)
 x = torch.randn(3, 16)

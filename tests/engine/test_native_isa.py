@@ -20,7 +20,7 @@ NATIVE_TESTS = Path(__file__).with_name("test_native.py")
 CHILD = r"""
 import json, torch
 from pdcore.engine import native
-from pdcore.engine.models import layers
+from pdcore.engine.model import layers
 w = torch.nn.Parameter(torch.randn(40, 16), requires_grad=False)
 keep, packed = layers.pack_in_place(w)
 x = torch.randn(3, 16)
@@ -76,7 +76,7 @@ def test_an_avx2_cpu_loads_the_avx2_library(tmp_path) -> None:
 SAME_BITS = r"""
 import sys, torch
 from pdcore.engine import native
-from pdcore.engine.models import layers
+from pdcore.engine.model import layers
 o = native.ops()
 assert native.isa() == sys.argv[2], native.status()
 g = torch.Generator().manual_seed(0)

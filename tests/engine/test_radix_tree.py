@@ -1,4 +1,4 @@
-"""The prefix cache's radix tree (pdcore.engine.radix_cache) against a reference model, no model
+"""The prefix cache's radix tree (pdcore.engine.kv.radix) against a reference model, no model
 involved: a dict from page-aligned token prefix to the page holding that prefix's last page.
 
 Every check runs at page sizes 1, 4 and 16. Holders stand in for requests: they take a reference
@@ -23,8 +23,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from pdcore.engine.block_manager import BlockManager
-from pdcore.engine.radix_cache import RadixCache
+from pdcore.engine.kv.blocks import BlockManager
+from pdcore.engine.kv.radix import RadixCache
 
 PAGE_SIZES = [1, 4, 16]
 

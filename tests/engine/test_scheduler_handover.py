@@ -11,8 +11,8 @@ import pytest
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams
-from pdcore.engine.request import Phase, Req
-from pdcore.engine.scheduler import Extension, Scheduler
+from pdcore.engine.sched.request import Phase, Req
+from pdcore.engine.sched.scheduler import Extension, Scheduler
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.pages import pages_at_rest
 

@@ -12,9 +12,9 @@ import torch
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GrammarSpec, SamplingParams
-from pdcore.engine.request import Req
-from pdcore.engine.sampler import SampleState
-from pdcore.engine.speculative import NgramSpeculator, SpecConfig, verify
+from pdcore.engine.sched.request import Req
+from pdcore.engine.sched.sampler import SampleState
+from pdcore.engine.sched.speculative import NgramSpeculator, SpecConfig, verify
 from pdcore.errors import ConfigError
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
@@ -273,9 +273,9 @@ def test_jump_forward_drafts_verified_under_the_grammar_equal_plain_decoding(tem
     from types import SimpleNamespace
 
     pytest.importorskip("xgrammar", reason="xgrammar is one of pdcore's dependencies")
-    from pdcore.engine.grammar import GrammarBackend
-    from pdcore.engine.sampler import sample
-    from pdcore.engine.tokenizer import default_model_file, load_tokenizer
+    from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
+    from pdcore.engine.sched.grammar import GrammarBackend
+    from pdcore.engine.sched.sampler import sample
 
     tok = load_tokenizer(SimpleNamespace(model_path=default_model_file()))
     backend = GrammarBackend("xgrammar", lambda: tok, len(tok), [tok.eos_token_id],
@@ -322,7 +322,7 @@ def test_jump_forward_in_the_engine_equals_one_token_per_step(monkeypatch, tmp_p
     import json
 
     pytest.importorskip("xgrammar", reason="xgrammar is one of pdcore's dependencies")
-    from pdcore.engine.tokenizer import default_model_file, load_tokenizer
+    from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
 
     model = make_tiny_model(str(tmp_path / "jf"), seed=11, tokenizer_from=default_model_file())
     tok = load_tokenizer(ServerArgs(model_path=model))

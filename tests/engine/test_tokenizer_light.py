@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 from transformers import AutoTokenizer
 
-from pdcore.engine.gguf_cache import converted
-from pdcore.engine.tokenizer import _light_tokenizer, load_tokenizer, resolve_model
+from pdcore.engine.model.gguf_cache import converted
+from pdcore.engine.model.tokenizer import _light_tokenizer, load_tokenizer, resolve_model
 
 TEXTS = ["hello world", "The history of the printing press <|im_end|> and more",
          "  spaces\n\nnew lines\tand tabs", "émigré 東京 🙂"]
@@ -33,7 +33,7 @@ def test_light_tokenizer_is_autotokenizers() -> None:
 
 def test_frontend_tokenizer_does_not_import_torch() -> None:
     code = ("import sys; from types import SimpleNamespace as N; "
-            "from pdcore.engine.tokenizer import load_tokenizer; "
+            "from pdcore.engine.model.tokenizer import load_tokenizer; "
             "t = load_tokenizer(N(model_path=None)); assert t.encode('hi'); "
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

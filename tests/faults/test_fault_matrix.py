@@ -74,7 +74,7 @@ DURING = [_body(40 + k, 600, 8) for k in range(4)]  # sent once the fault has be
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("matrix") / "m"), hidden=64, layers=2,
                            tokenizer_from=default_model_file(), max_positions=8192)

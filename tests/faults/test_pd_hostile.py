@@ -33,7 +33,7 @@ RECOVER_S = 15.0  # bounded wait for "serves again" (generous: 2 shared CPU core
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("hostile") / "m"), hidden=64, layers=2,
                            tokenizer_from=default_model_file(), max_positions=8192)

@@ -88,7 +88,7 @@ class Outsider:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("trust") / "m"), hidden=64, layers=2,
                            tokenizer_from=default_model_file())
@@ -265,7 +265,7 @@ def test_secret_never_goes_to_an_address_that_cannot_prove_it(signed_pair) -> No
 def test_a_prefill_with_other_weights_is_refused_on_both_sides(tmp_path) -> None:
     """Same architecture and file sizes, other weights: KV from it would decode as wrong text
     that looks fine. The pairing fails with the reason, counted by P and D."""
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     tok = default_model_file()
     a = make_tiny_model(str(tmp_path / "a"), hidden=64, layers=2, seed=1, tokenizer_from=tok)

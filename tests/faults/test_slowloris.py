@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcore.engine.tokenizer import default_model_file
+from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.testing.processes import ServerProcess
 from pdcore.testing.tiny_models import make_tiny_model
 

@@ -29,7 +29,7 @@ OBS_TIMEOUT_S = 15  # the cluster's PD bootstrap / waiting timeouts
 
 @pytest.fixture(scope="package")
 def obs_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
     from pdcore.testing.tiny_models import make_tiny_model
 
     # SmolLM2-135M's KV layout (30 layers x 3 KV heads x 64, bench/transfer_harness.MODEL):

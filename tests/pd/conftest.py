@@ -6,7 +6,7 @@ import pytest
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
-from pdcore.engine.tokenizer import load_tokenizer
+from pdcore.engine.model.tokenizer import load_tokenizer
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.prompts import prompt_token_ids
 

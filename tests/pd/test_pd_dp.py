@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]  # heavy: DP/TP proce
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("pddp") / "m"),
                            tokenizer_from=default_model_file(), max_positions=8192)
@@ -148,7 +148,7 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str,
             import torch
             import transformers
 
-            from pdcore.engine.tokenizer import default_model_file
+            from pdcore.engine.model.tokenizer import default_model_file
 
             path = make_tiny_model(str(tmp_path_factory.mktemp("pddpa") / arch), arch=arch,
                                    seed=9, tokenizer_from=default_model_file())

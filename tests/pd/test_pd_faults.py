@@ -15,7 +15,7 @@ from pdcore.testing.tiny_models import make_tiny_model
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("pdfault") / "m"), hidden=64, layers=2,
                            tokenizer_from=default_model_file(), max_positions=8192)

@@ -29,7 +29,7 @@ def mla_model(request, tmp_path_factory):
     """(arch, path, prompts, transformers greedy references)."""
     from transformers import AutoModelForCausalLM
 
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     arch = request.param
     path = make_tiny_model(str(tmp_path_factory.mktemp(arch) / "m"), arch=arch, layers=LAYERS,

@@ -43,7 +43,7 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Model
         if arch not in built:
             from transformers import AutoModelForCausalLM
 
-            from pdcore.engine.tokenizer import default_model_file
+            from pdcore.engine.model.tokenizer import default_model_file
 
             path = make_tiny_model(str(tmp_path_factory.mktemp(arch) / "m"), arch=arch,
                                    seed=13, tokenizer_from=default_model_file(),

@@ -16,7 +16,7 @@ import pytest
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
-from pdcore.engine.tokenizer import load_tokenizer
+from pdcore.engine.model.tokenizer import load_tokenizer
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.processes import PDCluster, ServerProcess, free_port
 from pdcore.testing.tiny_models import make_tiny_model
@@ -31,7 +31,7 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("pdn") / "m"),
                            tokenizer_from=default_model_file(), max_positions=8192)

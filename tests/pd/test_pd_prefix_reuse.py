@@ -35,7 +35,7 @@ SAMPLING = {"temperature": 0.0, "max_new_tokens": NEW, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("pd_prefix_reuse") / "m"),
                            tokenizer_from=default_model_file(), max_positions=4096)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdcore.engine.tokenizer import default_model_file
+from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.testing.processes import PDCluster, ServerProcess
 from pdcore.testing.tiny_models import make_tiny_model
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field, create_model
 
-from pdcore.engine.tokenizer import default_model_file
+from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.testing.processes import PDCluster, ServerProcess
 from pdcore.testing.tiny_models import make_tiny_model
 

@@ -20,7 +20,7 @@ SAMPLING = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("prefix_router") / "m"),
                            tokenizer_from=default_model_file(), max_positions=8192)

@@ -19,7 +19,7 @@ def test_serve_uses_third_party_pool(throwaway_pool_plugin, tmp_path):
     assert listed.returncode == 0, listed.stderr
     entries = json.loads(listed.stdout)
     assert throwaway_pool_plugin in json.dumps(entries)
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     model = make_tiny_model(str(tmp_path / "m"), tokenizer_from=default_model_file())
     server = ServerProcess("--model-path", model, "--memory-pool", throwaway_pool_plugin,

@@ -20,7 +20,7 @@ from test_discovery import make_pod
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
-from pdcore.engine.tokenizer import load_tokenizer
+from pdcore.engine.model.tokenizer import load_tokenizer
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.processes import PDCluster, ServerProcess
 from pdcore.testing.tiny_models import make_tiny_model
@@ -35,7 +35,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning", "Kuber
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("k8s") / "m"),
                            tokenizer_from=default_model_file())

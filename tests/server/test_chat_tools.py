@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdcore.engine.grammar import GrammarBackend
 from pdcore.engine.io_struct import SamplingParams
-from pdcore.engine.sampler import SampleState, sample
-from pdcore.engine.tokenizer import default_model_file, load_tokenizer
+from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
+from pdcore.engine.sched.grammar import GrammarBackend
+from pdcore.engine.sched.sampler import SampleState, sample
 from pdcore.errors import InvalidRequestError
 from pdcore.server.chat_tools import ChoiceShaper, plan_tools
 from pdcore.server.reasoning import ReasoningParser

@@ -62,7 +62,7 @@ def served(request: pytest.FixtureRequest,
     from transformers import AutoModelForCausalLM
 
     arch = request.param
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     path = make_tiny_model(str(tmp_path_factory.mktemp("dpa") / arch), arch=arch, seed=9,
                            tokenizer_from=default_model_file())

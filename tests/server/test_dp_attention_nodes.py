@@ -51,7 +51,7 @@ def _prompts() -> list[list[int]]:
 def _model(tmp: Any, arch: str) -> tuple[str, list[Reference]]:
     from transformers import AutoModelForCausalLM
 
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     path = make_tiny_model(str(tmp.mktemp("dpn") / arch), arch=arch, seed=11,
                            tokenizer_from=default_model_file())

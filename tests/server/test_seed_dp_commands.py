@@ -102,7 +102,7 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def tiny_ds(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     return make_tiny_model(str(tmp_path_factory.mktemp("seeddp") / "ds3"), arch="deepseek_v3",
                            seed=5, tokenizer_from=default_model_file())

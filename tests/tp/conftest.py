@@ -17,7 +17,7 @@ from tp_helpers import NEW
 def tiny_tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Llama with the SmolLM2 tokenizer, 6 heads / 3 KV heads (uneven on 2 ranks), 2 layers:
     for server and PD tests that send text."""
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
 
     path = tmp_path_factory.mktemp("tp") / "llama6x3"
     return Path(make_tiny_model(str(path), hidden=96, layers=2, heads=6, kv_heads=3, seed=11,
@@ -30,7 +30,7 @@ def smollm2_hf():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pdcore.engine.tokenizer import resolve_model
+    from pdcore.engine.model.tokenizer import resolve_model
 
     r = resolve_model(None)
     return AutoModelForCausalLM.from_pretrained(r.path, dtype=torch.float32,
@@ -40,7 +40,7 @@ def smollm2_hf():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from pdcore.config import ServerArgs
-    from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.engine.model.tokenizer import load_tokenizer
 
     return load_tokenizer(ServerArgs())
 
@@ -50,7 +50,7 @@ def prompts_and_unified(tiny_tp_model: Path):
     """(the shared prompt set as token ids, unified TP=1 greedy outputs) on tiny_tp_model."""
     from pdcore.config import ServerArgs
     from pdcore.engine.io_struct import SamplingParams
-    from pdcore.engine.tokenizer import load_tokenizer
+    from pdcore.engine.model.tokenizer import load_tokenizer
     from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids
 

@@ -8,7 +8,7 @@ import torch
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
-from pdcore.engine.models.layers import kv_head_span, q_head_span, span
+from pdcore.engine.model.layers import kv_head_span, q_head_span, span
 from pdcore.errors import ConfigError
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy

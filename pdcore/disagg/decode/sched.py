@@ -14,7 +14,7 @@
 Parallel samples (n > 1): the HTTP layer sends sample 0 of a prompt with the room and samples
 1..n-1 with `fork_of` = sample 0's rid. Only sample 0 runs the protocol; the others wait parked
 on it (their pages are part of its reservation) and, when its KV arrives, fork from its prompt
-pages (pdcore.engine.fork) before sample 0's first token is pushed (that token may finish it and
+pages (pdcore.engine.sched.fork) before sample 0's first token is pushed (that token may finish it and
 free its pages). Sample 0 keeps P's first token; each other sample recomputes the last prompt
 position and samples its own. If sample 0 fails or is aborted before its KV arrived, its parked
 samples fail with it; afterwards every sample lives on its own (pages freed by reference count).
@@ -32,8 +32,8 @@ from pdcore.config import ServerArgs
 from pdcore.disagg import wire
 from pdcore.disagg.aux import AuxBuffers
 from pdcore.disagg.role import RoleExtension
-from pdcore.engine.request import Req
-from pdcore.engine.scheduler import Scheduler
+from pdcore.engine.sched.request import Req
+from pdcore.engine.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from pdcore.disagg import wire
 from pdcore.disagg.agree import Agreed
 from pdcore.disagg.aux import MAX_TOP_LOGPROBS, AuxBuffers, AuxRow
 from pdcore.disagg.role import RoleExtension
-from pdcore.engine.model_runner import StepResult
-from pdcore.engine.request import Phase, Req
-from pdcore.engine.scheduler import Scheduler
+from pdcore.engine.model.runner import StepResult
+from pdcore.engine.sched.request import Phase, Req
+from pdcore.engine.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ pytest.importorskip("mooncake.engine", reason="mooncake-transfer-engine(-non-cud
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from pdcore.engine.tokenizer import default_model_file
+    from pdcore.engine.model.tokenizer import default_model_file
     from pdcore.testing.tiny_models import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("default") / "m"),

@@ -39,7 +39,7 @@ def test_ring_allocator_next_fit_moves_forward():
 
 
 def test_head_span_matches_engine_split():
-    from pdcore.engine.models.layers import kv_head_span
+    from pdcore.engine.model.layers import kv_head_span
 
     for total in (1, 2, 3, 4, 8):
         for tp in (1, 2, 3, 4, 8):

@@ -1,0 +1,135 @@
+"""Decode-time K/V kept contiguous per request between steps, so a steady decode step reads
+K/V in place instead of gathering a copy out of the paged pool in every layer.
+
+The pool stays the truth (transfers, prefix sharing and every other path read it); the view is
+a cache of the decode batch's contexts, per layer one K and one V buffer of
+[B, kv_heads, capacity, head_dim] (the layout SDPA reads fastest). A decode-only step whose
+requests are the previous forward's, in the same order, each one token further along the same
+slots, only appends its new K/V ("append"); any other step with decodes gathers their contexts
+from the pool into the buffers once ("fill"); a forward without decodes invalidates the view.
+A step mixing decodes with a prefill chunk uses the view for its decodes (the prefill attends
+as before), so a long chunked prefill does not interrupt appending. Measured
+on SmolLM2 at batch 8 (1 thread): gathering K/V out of the pool took about 40% of attention.
+
+The buffers cost B x capacity tokens of K/V beside the pool; above `budget` bytes
+(PDCORE_DECODE_KV_VIEW_MB, default 128; 0 turns the view off) the step gathers as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdcore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pdcore.engine.model.batch import DecodeGroup, ForwardBatch
+
+VIEW_MB_ENV = "PDCORE_DECODE_KV_VIEW_MB"
+DEFAULT_MB = 128
+GROW = 64  # capacity grows in steps of this many tokens, so appends rarely refill
+
+
+def budget_bytes() -> int:
+    raw = os.environ.get(VIEW_MB_ENV, "").strip()
+    try:
+        mb = float(raw) if raw else DEFAULT_MB
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:  # also NaN
+        raise ConfigError(f"{VIEW_MB_ENV} must be a number of MiB >= 0 (0 turns the decode K/V "
+                          f"view off); got {raw!r}")
+    return int(mb * 2**20)
+
+
+class DecodeKV:
+    """The decode batch's K/V per layer, contiguous per request (see the module docstring)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int,
+                 budget: int | None = None) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.budget = budget_bytes() if budget is None else budget
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.keys: tuple[object, ...] | None = None  # request keys of the rows, in order
+        self.tables: list[torch.Tensor] = []  # the slots each row holds
+        self.valid = False
+        self.mode = ""  # this forward: "append", "fill" or "" (view not used)
+        self.cols = torch.empty(0, dtype=torch.long)  # append: each row's new column
+        self.rows = torch.empty(0, dtype=torch.long)
+
+    def begin(self, batch: ForwardBatch, dtype: torch.dtype) -> str:
+        """Decide how this forward uses the view; call once per forward, before the layers.
+        The view stays invalid until `end` (a forward that fails midway leaves it so)."""
+        was_valid, self.valid, self.mode = self.valid, False, ""
+        group = batch.decode_group()
+        if self.budget <= 0 or group is None:
+            return ""
+        keys = tuple(s.key for s in group.seqs)
+        if any(k is None for k in keys):
+            return ""
+        tables = [s.ctx_slots for s in group.seqs]
+        if was_valid and keys == self.keys and self._continues(tables, group):
+            self.mode = "append"
+            self.cols = torch.tensor([len(t) - 1 for t in tables], dtype=torch.long)
+        elif self._ensure(len(keys), group.width, dtype):
+            self.mode = "fill"
+        else:
+            return ""
+        self.keys, self.tables = keys, tables
+        return self.mode
+
+    def release(self) -> None:
+        """Free the buffers (the server went idle: no decode batch to keep); the next decode
+        step fills them again."""
+        self.k, self.v, self.keys, self.tables, self.valid = [], [], None, [], False
+
+    def end(self) -> None:
+        """The forward completed: the next one may append."""
+        self.valid = bool(self.mode)
+
+    def _continues(self, tables: list[torch.Tensor], group: DecodeGroup) -> bool:
+        if group.width > self.k[0].shape[2] or len(tables) != len(self.tables):
+            return False
+        for new, old in zip(tables, self.tables):
+            n = len(old)
+            if len(new) != n + 1 or not torch.equal(new[:n], old):
+                return False
+        return True
+
+    def _ensure(self, rows: int, width: int, dtype: torch.dtype) -> bool:
+        """Buffers for `rows` x at least `width` tokens of `dtype`; False above the budget."""
+        if self.k and self.k[0].shape[0] == rows and self.k[0].shape[2] >= width \
+                and self.k[0].dtype == dtype:
+            return True
+        cap = -(-(width + 1) // GROW) * GROW
+        elem = torch.empty(0, dtype=dtype).element_size()
+        need = 2 * self.num_layers * rows * self.kv_heads * cap * self.head_dim * elem
+        self.k, self.v = [], []  # drop the old buffers before making new ones
+        if need > self.budget:
+            return False
+        # zeros, not empty: a row's columns past its length are masked (-inf scores), but a
+        # NaN of uninitialised memory there would still turn 0 * NaN into NaN in P @ V
+        shape = (rows, self.kv_heads, cap, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+        self.rows = torch.arange(rows)
+        return True
+
+    def layer(self, i: int, k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor,
+              v_flat: torch.Tensor, g: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's K and V of the decode batch as [B, kv_heads, width, head_dim] views, after
+        adding this step's K/V (k_new, v_new: [B, kv_heads, head_dim]; already in the pool)."""
+        kb, vb = self.k[i], self.v[i]
+        B, W = kb.shape[0], g.width
+        if self.mode == "append":
+            # through the pool's dtype: the same numbers a fill would read back
+            kb[self.rows, :, self.cols] = k_new.to(k_flat.dtype).to(kb.dtype)
+            vb[self.rows, :, self.cols] = v_new.to(v_flat.dtype).to(vb.dtype)
+        else:
+            shape = (B, W, self.kv_heads, self.head_dim)
+            kb[:, :, :W].copy_(k_flat.index_select(0, g.table).view(shape).transpose(1, 2))
+            vb[:, :, :W].copy_(v_flat.index_select(0, g.table).view(shape).transpose(1, 2))
+        return kb[:, :, :W], vb[:, :, :W]

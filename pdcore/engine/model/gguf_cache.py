@@ -1,0 +1,167 @@
+"""A GGUF model converted once into a float32 HF folder, so later starts skip the GGUF parse.
+
+transformers reads a GGUF file slowly: every `from_pretrained` (config, weights, tokenizer) parses
+the whole metadata block again, string by string, and maps tensor names (measured here: ~20 s of
+CPU per server start for SmolLM2-135M, against ~2 s for the same weights as safetensors). A
+server therefore loads a GGUF model through a cached conversion:
+
+    <cache>/gguf/<file stem>-<key>/  config.json, model.safetensors (float32), tokenizer files
+
+- <cache> is $PDCORE_CACHE_DIR, else $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve;
+- <key> hashes the file's real path, size and mtime, the transformers version and FORMAT, so an
+  edited file or another transformers gives a new folder;
+- the first server converts under an exclusive lock (others wait for it, up to LOCK_TIMEOUT_S),
+  in a temporary folder renamed into place when complete: a half-written folder is never used;
+- PDCORE_GGUF_CACHE=0 loads the GGUF directly every time. If the cache cannot be written (read-only
+  home, full disk) the server logs why and loads the GGUF directly.
+
+The weights are the same dequantised float32 tensors either way (a test compares them); only the
+file they are read from changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from pdcore.config import env_bool
+from pdcore.engine.model.source import ResolvedModel
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "PDCORE_GGUF_CACHE"
+DIR_ENV = "PDCORE_CACHE_DIR"
+FORMAT = 1
+DONE = "pdserve-converted.json"
+LOCK_TIMEOUT_S = 900.0
+
+
+def enabled() -> bool:
+    return env_bool(os.environ, CACHE_ENV, True)
+
+
+def cache_root() -> Path:
+    if os.environ.get(DIR_ENV):
+        return Path(os.environ[DIR_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pdserve"
+
+
+def folder_for(gguf: Path) -> Path:
+    # the installed version from its metadata: importing transformers to ask costs the engine
+    # ~25 MiB resident that nothing else there needs
+    from importlib.metadata import version
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|"
+                         f"{version('transformers')}|{FORMAT}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+
+
+@contextlib.contextmanager
+def _locked(path: Path, timeout: float) -> Iterator[None]:
+    with open(path, "a+") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{path} stayed locked for {timeout:.0f}s "
+                                       f"(another server converting?)") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert(resolved: ResolvedModel, dest: Path) -> None:
+    """Convert in a child process and wait for it. Loading the transformers model to convert
+    leaves the converting process holding its freed heap and transformers' model machinery: the
+    HTTP process, which converts when it loads the tokenizer on a machine's first start, stayed
+    at 595 MiB resident against 152 MiB when the folder was already there (SmolLM2), for as long
+    as the server ran. The child takes all of that with it when it exits."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    log.info("converting %s to a float32 HF folder at %s (once; later starts read it)",
+             resolved.display_path, dest)
+    job = json.dumps({"model": [resolved.path, resolved.gguf_file, resolved.name,
+                                resolved.source], "dest": str(dest)})
+    # the child imports this very pdcore (and whatever else the parent found) first
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    r = subprocess.run([sys.executable, "-m", __name__, job], env=env, capture_output=True,
+                       text=True, timeout=LOCK_TIMEOUT_S, check=False)
+    if r.returncode != 0:
+        raise RuntimeError(f"the conversion exited {r.returncode}: {r.stderr.strip()[-800:]}")
+    log.info("converted in %.1fs", time.monotonic() - t0)
+
+
+def _convert_here(resolved: ResolvedModel, dest: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        kw = resolved.hf_kwargs()
+        model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=torch.float32, **kw)
+        # save_pretrained refuses a model loaded from GGUF: write config and tensors ourselves
+        cfg = model.config
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        cfg.save_pretrained(tmp)
+        sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if getattr(cfg, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)  # the same tensor as the embedding
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del model, sd
+        AutoTokenizer.from_pretrained(resolved.path, **kw).save_pretrained(tmp)
+        done = {"source": resolved.display_path, "format": FORMAT}
+        (tmp / DONE).write_text(json.dumps(done) + "\n")
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def converted(resolved: ResolvedModel) -> ResolvedModel:
+    """`resolved` itself unless it is a GGUF file and the cache is on; then the cached HF folder
+    (converting first if needed). Any failure to use the cache falls back to `resolved`."""
+    if not resolved.gguf_file or not enabled():
+        return resolved
+    gguf = Path(resolved.display_path)
+    try:
+        dest = folder_for(gguf)
+        if not (dest / DONE).is_file():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with _locked(dest.parent / f"{dest.name}.lock", LOCK_TIMEOUT_S):
+                if not (dest / DONE).is_file():
+                    _convert(resolved, dest)
+    except Exception as e:  # noqa: BLE001 - the cache is an optimisation, never a failure
+        log.warning("GGUF cache unusable (%s: %s); loading %s directly (set %s=0 to skip the "
+                    "cache)", type(e).__name__, e, gguf, CACHE_ENV)
+        return resolved
+    return ResolvedModel(str(dest), None, resolved.name, source=resolved.display_path)
+
+
+if __name__ == "__main__":  # the child of _convert
+    import sys
+
+    _job = json.loads(sys.argv[1])
+    _convert_here(ResolvedModel(*_job["model"]), Path(_job["dest"]))

@@ -1,0 +1,178 @@
+"""Load a model's config and weights into our model (whose forward pass reads and writes the
+paged KV pool).
+
+Weights come straight from the folder's safetensors files (`weights.py`: mapped, zero-copy; no
+transformers model is built). A GGUF file loads through its cached float32 HF conversion
+(`gguf_cache.py`); only with that cache off does transformers read the GGUF itself.
+`--load-format dummy` draws random weights with transformers' own initialisation.
+The config is read directly for the plain Llama families (`hf_config.py`), else by AutoConfig.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pdcore.engine.model import deepseek, llama, mixtral, qwen_moe
+from pdcore.engine.model.gguf_cache import converted
+from pdcore.engine.model.hf_config import read_plain_config
+from pdcore.engine.model.layers import TPInfo
+from pdcore.engine.model.tokenizer import ResolvedModel, resolve_model
+from pdcore.engine.model.weights import SafetensorsWeights
+from pdcore.errors import ConfigError, ModelLoadError
+from pdcore.runtime_env import hold_heap, trim_heap
+
+log = logging.getLogger(__name__)
+
+# architecture (config.json "architectures") -> our model class; one module per family
+MODEL_CLASSES: dict[str, type] = {
+    **dict.fromkeys(llama.SUPPORTED_ARCHS, llama.LlamaForCausalLM),
+    **dict.fromkeys(deepseek.SUPPORTED_ARCHS, deepseek.DeepseekForCausalLM),
+    **dict.fromkeys(qwen_moe.SUPPORTED_ARCHS, qwen_moe.QwenMoeForCausalLM),
+    **dict.fromkeys(mixtral.SUPPORTED_ARCHS, mixtral.MixtralForCausalLM),
+}
+SUPPORTED_ARCHS = tuple(MODEL_CLASSES)
+
+DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"--dtype must be auto or one of {', '.join(DTYPES)}; got {name!r}") from None
+
+
+def load_config(resolved: ResolvedModel, trust_remote_code: bool = False,
+                plain: bool = True) -> Any:
+    """The model's config: read directly for the plain Llama families (hf_config.py; `plain`
+    False forces AutoConfig, as `--load-format dummy` needs), else by AutoConfig."""
+    if plain and not trust_remote_code and resolved.gguf_file is None:
+        cfg = read_plain_config(resolved.path, tuple(
+            a for a, cls in MODEL_CLASSES.items() if cls is not deepseek.DeepseekForCausalLM))
+        if cfg is not None:
+            return cfg
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code,
+                                         **resolved.hf_kwargs())
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the model config at {resolved.display_path}: {e}") from e
+    arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+    if not getattr(cfg, "architectures", None):
+        cfg.architectures = [arch]
+    return cfg
+
+
+def _progress_bars_on_a_thread_lock() -> None:
+    """tqdm guards its bars with a multiprocessing lock by default. In our spawned engine and
+    rank processes that is a named POSIX semaphore (/dev/shm/sem.mp-*) that only the process's
+    resource tracker removes, so every SIGKILLed server left one behind. Our bars are never
+    shared between processes: a thread lock does."""
+    import threading
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # transformers without tqdm: no bars, no lock
+        return
+    tqdm.set_lock(threading.RLock())
+
+
+def _check_format(resolved: ResolvedModel, load_format: str) -> None:
+    is_gguf = resolved.gguf_file is not None or resolved.source is not None
+    if load_format == "gguf" and not is_gguf:
+        raise ConfigError(f"--load-format gguf: {resolved.display_path} is not a GGUF model")
+    if load_format in ("safetensors", "dummy") and is_gguf:
+        raise ConfigError(f"--load-format {load_format}: {resolved.display_path} is a GGUF model; "
+                          "use --load-format auto or gguf")
+
+
+def _hf_state_dict(resolved: ResolvedModel, cfg: Any, load_format: str,
+                   trust_remote_code: bool) -> Any:
+    """Checkpoint tensors by HF name: mapped from the safetensors files; for `dummy`, random ones
+    of the config's shapes drawn by transformers' initialisation (no weight file is read); for
+    a GGUF file read without the cache, transformers' dequantised model's."""
+    if load_format != "dummy" and resolved.gguf_file is None:
+        return SafetensorsWeights(resolved.path)
+    from transformers import AutoModelForCausalLM
+
+    if load_format == "dummy":
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                trust_remote_code=trust_remote_code).state_dict()
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            resolved.path, dtype=torch.float32, trust_remote_code=trust_remote_code,
+            **resolved.hf_kwargs(),
+        ).state_dict()
+    except Exception as e:
+        raise ModelLoadError(f"cannot load weights from {resolved.display_path}: {e}") from e
+
+
+def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
+               tp: TPInfo | None = None, trust_remote_code: bool = False,
+               load_format: str = "auto") -> tuple[Any, Any, ResolvedModel]:
+    """Our model with weights loaded."""
+    _progress_bars_on_a_thread_lock()
+    raw = resolve_model(model_path)
+    _check_format(raw, load_format)
+    # a GGUF file loads through its cached HF conversion; dummy weights need only the config
+    resolved = raw if load_format == "dummy" else converted(raw)
+    cfg = load_config(resolved, trust_remote_code, plain=load_format != "dummy")
+    log.info("loading %s (%s) as %s%s", resolved.display_path, cfg.architectures[0], dtype,
+             " with random weights (--load-format dummy)" if load_format == "dummy" else "")
+    sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)
+    model = MODEL_CLASSES[cfg.architectures[0]](cfg, tp)
+    try:
+        model.load_hf_state_dict(sd)
+    except KeyError as e:
+        raise ModelLoadError(f"{resolved.display_path} lacks the weight {e} that "
+                             f"{cfg.architectures[0]} needs") from e
+    # in inference mode like the load: the mapped checkpoint tensors the model adopted are
+    # inference tensors, and converting one (bf16) outside it leaves a parameter that fails
+    # "Inference tensors do not track version counter" at its first use
+    with torch.inference_mode():
+        model = model.to(device=device, dtype=dtype).eval()
+        model.prepare_for_inference()
+    if torch.device(device).type == "cpu":
+        from pdcore.engine.model.layers import weight_layouts
+
+        log.info("GEMM weights by layout (PDCORE_GEMM_LAYOUT, chosen by timing at load): %s",
+                 ", ".join(f"{n} {k}" for k, n in weight_layouts(model).items() if n))
+    if isinstance(sd, SafetensorsWeights):
+        sd.release_pages()
+    del sd  # one copy of the weights from here: ours (prepare_for_inference replaces them)
+    trim_heap()
+    hold_heap()  # from here each step reuses the activations' memory the last one freed
+    return model, model.cfg, resolved
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's weights occupy: every parameter, buffer and reordered weight, each
+    storage once (a stand-in's one element counts as what it is)."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for m in model.modules():
+        tensors += [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if t.is_mkldnn:  # opaque storage: its logical size
+            total += t.numel() * t.element_size()
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total

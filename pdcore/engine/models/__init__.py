@@ -1,1 +1,0 @@
-"""Model implementations (llama family) over the paged KV pool."""

@@ -1,0 +1,118 @@
+"""What a role extension (pdcore.engine.sched.extension) may do to the scheduler it is attached to:
+admit and hold a request, resume it into the queue or the running batch, finish or fail it,
+hand it a token computed elsewhere, and read or take pages of the pool. No extension touches
+the scheduler's queues, page manager or config itself, so the scheduler keeps its invariants
+(a request is in at most one queue; its pages are freed once) and knows nothing of the roles.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdcore.engine.sched.fork import follower_pages, fork
+from pdcore.engine.sched.request import Phase, Req
+
+if TYPE_CHECKING:
+    from pdcore.engine.model.layers import TPInfo
+    from pdcore.engine.sched.scheduler import Scheduler
+
+
+class SchedulerAPI:
+    """What a role extension may do to the scheduler it is attached to."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._s = sched
+
+    # ---- requests -------------------------------------------------------------------------
+    def hold(self, req: Req) -> None:
+        """The extension owns `req` (out of every queue, its pages kept) until it resumes,
+        completes or fails it. Its tokens are not sent while it is held."""
+        s = self._s
+        if req in s.running:
+            s.running.remove(req)
+        elif req in s.waiting:
+            s.waiting.remove(req)
+        req.phase = Phase.HELD
+
+    def resume(self, req: Req, front: bool = False) -> None:
+        """A held request joins the waiting queue (to be filled from what it has computed)."""
+        self._s.enqueue(req, front)
+
+    def run(self, req: Req, computed: int) -> None:
+        """A held request joins the running batch as is: the K/V of its first `computed`
+        positions is in its pages already (written by a peer, or forked)."""
+        req.num_computed = computed
+        req.phase = Phase.RUNNING
+        self._s.running.append(req)
+
+    def complete(self, req: Req) -> None:
+        """A held request that already finished is done: its final output goes out, its pages
+        are freed."""
+        self._s.drop(req)
+
+    def fail(self, req: Req, message: str, status: int = 500) -> None:
+        self._s.fail(req, message, status)
+
+    def push_token(self, req: Req, token: int, logprob: Any = None) -> None:
+        """A token computed elsewhere (PD decode: P's first token); finish checks apply."""
+        self._s.push_token(req, token, logprob)
+
+    def find(self, rid: str) -> Req | None:
+        return self._s.reqs.get(rid)
+
+    def live(self) -> list[Req]:
+        return [r for r in self._s.reqs.values() if r.phase is not Phase.FINISHED]
+
+    def occupancy(self) -> int:
+        """Requests in the running batch or the waiting queue."""
+        return len(self._s.running) + len(self._s.waiting)
+
+    @property
+    def max_running(self) -> int:
+        return self._s.cfg.max_running
+
+    @property
+    def tp(self) -> TPInfo:
+        return self._s.tp
+
+    def now(self) -> float:
+        return self._s.now()
+
+    # ---- pages ----------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self._s.blocks.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._s.blocks.num_pages
+
+    def pages_for(self, tokens: int) -> int:
+        return self._s.blocks.pages_for(tokens)
+
+    def can_alloc(self, pages: int) -> bool:
+        """Free pages enough (the prefix cache gives back unlocked pages when needed)."""
+        return self._s.pages.can_alloc(pages)
+
+    def alloc_pages(self, pages: int) -> list[int]:
+        return self._s.pages.alloc(pages)
+
+    def attach_prefix(self, req: Req, limit: int) -> int:
+        """Lock the cached pages of the longest prefix of `req`'s prompt (at most `limit`
+        tokens, whole pages) as the first of its pages; returns the tokens they hold (0: no
+        cache, or no hit). The request must hold no pages yet."""
+        return self._s.pages.attach_prefix(req, limit)
+
+    @property
+    def has_cache(self) -> bool:
+        return self._s.cache is not None
+
+    def free_pages(self, pages: list[int]) -> None:
+        self._s.blocks.free(pages)
+
+    def follower_pages(self, prompt_len: int, extra_tokens: int) -> int:
+        return follower_pages(self._s.blocks, prompt_len, extra_tokens)
+
+    def fork(self, leader: Req, follower: Req) -> bool:
+        """Give a parallel sample its leader's prompt KV (pdcore.engine.sched.fork)."""
+        return fork(self._s.blocks, self._s.runner.kv.layers, leader, follower)

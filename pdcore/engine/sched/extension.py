@@ -1,0 +1,45 @@
+"""The hooks the scheduler calls on a role extension (PD prefill, PD decode, or a test's
+stand-in). What an extension may call back is pdcore.engine.sched.api.SchedulerAPI."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdcore.engine.sched.request import Req
+
+if TYPE_CHECKING:
+    from pdcore.engine.model.runner import StepResult
+
+
+class Extension:
+    """Hooks a role plugs into the scheduler (unified mode: all defaults)."""
+
+    def admit(self, req: Req) -> bool:
+        """Take ownership of a new request (True) or let it go to the waiting queue."""
+        return False
+
+    def poll(self) -> None:
+        """Advance the extension's own queues."""
+
+    def after_step(self, results: list[StepResult]) -> None:
+        """See what the forward pass computed (send finished pages, ...)."""
+
+    def on_finish(self, req: Req) -> bool:
+        """A request reached its end. True: the extension keeps it (pages too) for now."""
+        return False
+
+    def on_abort(self, req: Req) -> None:
+        """Release the extension's per-request state."""
+
+    def implicated(self, error: Exception) -> list[Req]:
+        """The requests an unexpected step error concerns (empty: it names none of them)."""
+        return []
+
+    def busy(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass

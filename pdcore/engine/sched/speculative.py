@@ -1,0 +1,307 @@
+"""Speculative decoding: NGRAM drafts, verified in the target model's ordinary forward pass.
+
+A decoding request whose sampling allows it (no penalties, logit_bias or pending
+min_new_tokens) gets up to k draft tokens each step from the n-gram drafter: the continuation
+that followed the latest earlier occurrence of its context's longest matching suffix
+(`--speculative-ngram-min/max-match-window-size`), in its own prompt and output first, else in
+a bounded cache of n-grams from earlier requests (`--speculative-ngram-capacity` entries). No
+draft model: the drafter costs a dictionary lookup per request.
+
+The step feeds [last token, d1..dk] as one k+1-token extend over the paged pool (the
+scheduler allocates pages for the drafts from free pages only, never evicting or preempting
+for them); the model returns logits for all k+1 rows, and `verify` accepts the longest prefix
+the target agrees with plus one token of its own:
+- greedy: d_j is accepted while it equals the argmax of row j-1, so the output equals
+  non-speculative greedy token for token;
+- sampled: standard rejection sampling for a deterministic draft: d_j is accepted with
+  probability p_j(d_j) (p the request's processed distribution: temperature, top-k/p, min-p);
+  on rejection the token comes from p_j with d_j removed and renormalized. The output follows
+  the target distribution exactly (not the same samples as without speculation).
+K/V of rejected positions stays in the pool beyond the request's length (overwritten by later
+steps, never read); their pages beyond the sequence return to the pool at once.
+
+Constrained requests (structured output) speculate too: with jump-forward on (TP 1) their drafts
+are the tokens the grammar forces next (keys, punctuation: xgrammar's jump-forward tokens, which
+may split the text otherwise than the model would), else n-gram drafts; `verify` masks each row
+by the grammar's state after the tokens accepted before it, so the output is the one decoding a
+token at a time gives.
+
+Adaptive, so that speculation does not cost where it cannot help:
+- each request's draft length follows its acceptance (all accepted: grow by 2 up to k; a
+  rejection: accepted + 1), and its acceptance rate a is tracked (EMA; between verifies it
+  drifts back toward the prior, so a request that stopped drafting tries again later);
+- a step verifies only when it pays: with E_r = 1 + a + ... + a^k the tokens request r is
+  expected to get from a verify, the step drafts when sum(E_r - 1) >= (ratio - 1) * B for its B
+  decoding requests, where `ratio` is the measured time of a verify step over a decode step of
+  the same batch size (EMA, measured on rank 0 and handed to the other TP ranks with each
+  step's header, so every rank decides alike).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdcore.config import NGRAM_DRAFT_TOKENS
+from pdcore.engine.io_struct import LogprobEntry
+from pdcore.engine.sched.sampler import SampleState, logprob_entry, probs_for, row_error
+from pdcore.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pdcore.engine.sched.grammar import GrammarBackend
+    from pdcore.engine.sched.request import Req
+    from pdcore.engine.sched.sampler import RowError
+
+CANDIDATES = 8  # latest occurrences of the last token examined per lookup
+CACHE_KEY = 3  # tokens of context that key the cross-request cache
+PRIOR = 0.6  # acceptance rate assumed for a request that has not verified yet
+DRIFT = 0.03  # per step without a verify, the acceptance estimate's move back toward PRIOR
+EMA = 0.3  # weight of a new observation in the acceptance and step-time averages
+
+
+@dataclass
+class SpecConfig:
+    algorithm: str | None = "NGRAM"  # None: jump-forward drafts only
+    num_draft_tokens: int = NGRAM_DRAFT_TOKENS  # verified positions per request and step
+    min_window: int = 1
+    max_window: int = 12
+    branch_length: int = 18  # continuation tokens kept per cross-request cache entry
+    capacity: int = 100_000  # cross-request cache entries
+    gate: bool = True  # verify only when it pays ($PDSERVE_SPEC_GATE=0: always)
+    # a constrained request drafts the tokens its grammar forces next (xgrammar's jump-forward
+    # tokens); the matcher lives on the sampling rank, so only without TP
+    jump_forward: bool = False
+
+    @property
+    def ngram(self) -> bool:
+        return self.algorithm == "NGRAM"
+
+    @property
+    def max_drafts(self) -> int:
+        return max(0, self.num_draft_tokens - 1)
+
+
+@dataclass(eq=False)
+class ReqSpec:
+    """One request's drafting state."""
+
+    cap: int
+    drafts: list[int] = field(default_factory=list)  # this step's (empty: none)
+    index: dict[int, list[int]] = field(default_factory=dict)  # token -> its positions
+    indexed: int = 0  # positions entered in `index`
+    alpha: float = PRIOR  # estimated chance that a draft token is accepted
+    verify_ct: int = 0  # verify passes this request took part in (meta_info spec_verify_ct)
+
+
+def eligible(req: Req) -> bool:
+    """Sampling that a verify pass reproduces exactly: per-row distributions that do not depend
+    on the tokens accepted before them in the same pass. Read from the request's parameters and
+    tokens only, which every TP rank has (the sampling state advances on rank 0 alone)."""
+    p = req.params
+    return (p.repetition_penalty == 1.0 and not p.frequency_penalty
+            and not p.presence_penalty and not p.logit_bias
+            and len(req.output) >= p.min_new_tokens)
+
+
+class NgramSpeculator:
+    def __init__(self, cfg: SpecConfig) -> None:
+        self.cfg = cfg
+        self.cache: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+        self.steps = self.verifies = self.proposed = self.accepted = self.emitted = 0
+        self.seconds = 0.0  # forward time of decode steps that verified drafts
+        self.ratio = 1.5  # verify step time / decode step time at the same batch (measured)
+        self._decode_s: dict[int, float] = {}  # batch size -> decode step seconds (EMA)
+        self.gated = 0  # steps whose drafts were dropped because they would not pay
+        self.forced = 0  # draft tokens a grammar forced (jump-forward)
+
+    # ---- drafting ----------------------------------------------------------------------------
+    def propose(self, req: Req, budget: int) -> list[int]:
+        """Draft tokens for `req` (at most `budget`); sets req.spec.drafts."""
+        sp = req.spec
+        if sp is None:
+            sp = req.spec = ReqSpec(cap=self.cfg.max_drafts)
+        sp.drafts = []
+        k = min(sp.cap, budget)
+        if k <= 0 or not eligible(req):
+            return sp.drafts
+        st = req.state
+        if self.cfg.jump_forward and st.constraint is not None and not st.grammar_done:
+            forced = st.constraint.jump_tokens()
+            if forced:
+                sp.drafts = forced[:k]
+                self.forced += len(sp.drafts)
+                return sp.drafts
+        if not self.cfg.ngram:
+            return sp.drafts
+        own, matched = self._own(req, sp, k)
+        # the longer match predicts better: a cached continuation (keyed by CACHE_KEY tokens)
+        # beats an own-context match that is not longer than its key
+        sp.drafts = own if matched > CACHE_KEY else (self._cached(req, k) or own)
+        return sp.drafts
+
+    def select(self, reqs: list[Req]) -> None:
+        """Keep this step's drafts only if the verify pays for the whole batch (module doc)."""
+        gain = 0.0
+        for r in reqs:
+            sp = r.spec
+            if sp is not None and sp.drafts:
+                a = min(sp.alpha, 0.999)
+                gain += (a - a ** (len(sp.drafts) + 1)) / (1 - a)  # E_r - 1
+        if self.cfg.gate and gain and gain < (self.ratio - 1) * len(reqs):
+            self.gated += 1
+            for r in reqs:
+                if r.spec is not None:
+                    r.spec.drafts = []
+        for r in reqs:  # not verifying this step: the estimate drifts back toward the prior
+            sp = r.spec
+            if sp is not None and not sp.drafts:
+                sp.alpha += DRIFT * (PRIOR - sp.alpha)
+
+    def timed(self, batch: int, seconds: float, verify: bool) -> None:
+        """One decode-phase step's forward time (rank 0 measures; see `ratio`)."""
+        if not verify:
+            old = self._decode_s.get(batch)
+            self._decode_s[batch] = seconds if old is None else old + EMA * (seconds - old)
+            return
+        base = self._decode_s.get(batch)
+        if base:
+            self.ratio = max(1.0, self.ratio + EMA * (seconds / base - self.ratio))
+
+    def _own(self, req: Req, sp: ReqSpec, k: int) -> tuple[list[int], int]:
+        """The continuation of the latest longest match of the context's suffix in the
+        context itself, and the match's length (0: none)."""
+        n = req.seq_len
+        for p in range(sp.indexed, n - 1):  # every position but the last: a match needs a next
+            sp.index.setdefault(req.token_at(p), []).append(p)
+        sp.indexed = max(sp.indexed, n - 1)
+        cands = sp.index.get(req.token_at(n - 1))
+        if not cands:
+            return [], 0
+        best, best_len = -1, 0
+        for p in reversed(cands[-CANDIDATES:]):
+            m = 1
+            while m < self.cfg.max_window and p - m >= 0 \
+                    and req.token_at(p - m) == req.token_at(n - 1 - m):
+                m += 1
+            if m > best_len:
+                best, best_len = p, m
+                if m >= self.cfg.max_window:
+                    break
+        if best_len < self.cfg.min_window:
+            return [], 0
+        return [req.token_at(q) for q in range(best + 1, min(best + 1 + k, n))], best_len
+
+    def _cached(self, req: Req, k: int) -> list[int]:
+        n = req.seq_len
+        if not self.cache or n < CACHE_KEY:
+            return []
+        key = tuple(req.token_at(p) for p in range(n - CACHE_KEY, n))
+        hit = self.cache.get(key)
+        if hit is None:
+            return []
+        self.cache.move_to_end(key)
+        return hit[:k]
+
+    def remember(self, req: Req) -> None:
+        """A finished request's output enters the cross-request cache."""
+        if not self.cfg.ngram or self.cfg.capacity <= 0 or not req.output:
+            return
+        seq = req.prompt[-CACHE_KEY:] + req.output
+        for i in range(len(seq) - CACHE_KEY):
+            key = tuple(seq[i : i + CACHE_KEY])
+            self.cache[key] = seq[i + CACHE_KEY : i + CACHE_KEY + self.cfg.branch_length]
+            self.cache.move_to_end(key)
+        while len(self.cache) > self.cfg.capacity:
+            self.cache.popitem(last=False)
+
+    # ---- after the verify pass -----------------------------------------------------------------
+    def verified(self, req: Req, drafts: list[int], tokens: list[int]) -> None:
+        """Book one verify of `req`: `tokens` came out of `drafts` (the accepted ones are their
+        agreeing prefix; a grammar that ends on a draft leaves no token of the target's)."""
+        sp = req.spec
+        proposed, emitted = len(drafts), len(tokens)
+        accepted = next((i for i, (t, d) in enumerate(zip(tokens, drafts)) if t != d),
+                        min(proposed, emitted))
+        self.verifies, self.proposed = self.verifies + 1, self.proposed + proposed
+        self.accepted, self.emitted = self.accepted + accepted, self.emitted + emitted
+        sp.verify_ct += 1
+        if proposed:
+            sp.alpha += EMA * (accepted / proposed - sp.alpha)
+        sp.cap = (min(self.cfg.max_drafts, sp.cap + 2) if accepted >= proposed
+                  else max(1, accepted + 1))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "spec_verify_steps_total": self.steps, "spec_verify_seconds_total": self.seconds,
+            "spec_verifies_total": self.verifies,
+            "spec_draft_tokens_total": self.proposed,
+            "spec_accepted_tokens_total": self.accepted,
+            "spec_emitted_tokens_total": self.emitted,
+            "spec_accept_length": self.emitted / self.verifies if self.verifies else 0.0,
+            "spec_accept_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "spec_cache_entries": len(self.cache), "spec_cost_ratio": self.ratio,
+            "spec_gated_steps_total": self.gated, "spec_jump_forward_tokens_total": self.forced,
+        }
+
+
+def verify(rows: torch.Tensor, st: SampleState, drafts: list[int], want: int | None,
+           grammar: GrammarBackend | None = None,
+           ) -> tuple[list[int], list[LogprobEntry], RowError | None]:
+    """rows [k+1, V]: the target's logits after the current token and after each draft.
+    Returns the tokens the request gets (accepted drafts + one of the target's), their logprob
+    entries (when `want` is not None) and an error (then no tokens).
+
+    Row by row, the choice plain decoding would make there (`_choose`), observed into the
+    sampling state as it is made; a constrained request's row is first masked by its grammar's
+    state after the tokens accepted before it. The walk stops at the first token that is not
+    the draft, or where the grammar ends."""
+    try:
+        masked = st.params.grammar is not None
+        if masked:
+            c = st.ensure_constraint(grammar)
+            assert grammar is not None  # ensure_constraint raised otherwise
+            mask = grammar.bitmask(1)
+        out: list[int] = []
+        for j in range(len(drafts) + 1):
+            row = rows[j]
+            if masked:
+                c.fill(mask, 0)
+                row = row.unsqueeze(0).clone()
+                grammar.apply(row, mask)  # type: ignore[union-attr]
+                row = row[0]
+                if not torch.isfinite(row).any():
+                    raise InvalidRequestError("no token satisfies the grammar",
+                                              st.params.grammar.field)  # type: ignore[union-attr]
+            d = drafts[j] if j < len(drafts) else None
+            t = _choose(row, st, d)
+            st.observe(t)
+            out.append(t)
+            if t != d or st.grammar_done:
+                break
+        entries: list[LogprobEntry] = []
+        if want is not None:
+            lp = torch.log_softmax(rows[: len(out)], -1)
+            entries = [logprob_entry(lp[j], t, want) for j, t in enumerate(out)]
+        return out, entries, None
+    except Exception as e:  # noqa: BLE001 - isolated to this request
+        return [], [], row_error(e, "speculative verify")
+
+
+def _choose(row: torch.Tensor, st: SampleState, draft: int | None) -> int:
+    """The token at one row: greedy's argmax, or a sample; given a draft, sampled requests keep
+    it with probability p(draft) and otherwise sample with it removed (rejection sampling for a
+    deterministic draft: the output follows p)."""
+    if st.params.greedy:
+        return int(row.argmax())
+    p = probs_for(row, st)
+    if draft is not None:
+        if float(torch.rand(1, generator=st.generator)) < float(p[draft]):
+            return draft
+        p = p.clone()
+        p[draft] = 0.0
+        if float(p.sum()) <= 0.0:  # p was one-hot on the draft and the draw hit its edge
+            return draft
+    return int(torch.multinomial(p, 1, generator=st.generator))

@@ -1,0 +1,87 @@
+"""The scheduler's counters and its stats report (what /get_load answers and /metrics exports:
+docs/metrics.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Counters:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    preempted: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    steps: int = 0
+    # forward passes and their wall time, by kind: "decode" (every request one token) and
+    # "extend" (at least one prompt chunk; decodes may ride along), so /metrics shows where a
+    # server's time goes (mean decode step = decode seconds / decode steps)
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    extend_steps: int = 0
+    extend_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def scheduler_stats(s: Any) -> dict[str, Any]:
+    """A Scheduler's stats (/get_load, /metrics): queues, pages, counters, and those of its
+    prefix cache, native kernels, role extension, grammars and speculation. `s` is the
+    pdcore.engine.sched.scheduler.Scheduler (not imported: it imports this module)."""
+    c = s.counters
+    return {
+        "num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
+        "num_reqs": len(s.reqs), "num_pages_total": s.blocks.num_pages,
+        "num_pages_free": s.blocks.num_free, "num_pages_used": s.blocks.num_used,
+        "page_size": s.blocks.page_size,
+        "num_tokens": sum(r.seq_len for r in s.reqs.values()),
+        "prompt_tokens_total": c.prompt_tokens, "generation_tokens_total": c.generated_tokens,
+        "finished_total": c.finished, "aborted_total": c.aborted,
+        "preempted_total": c.preempted, "steps_total": c.steps,
+        "forward_decode_steps_total": c.decode_steps,
+        "forward_decode_seconds_total": c.decode_seconds,
+        "forward_extend_steps_total": c.extend_steps,
+        "forward_extend_seconds_total": c.extend_seconds,
+        **_native_stats(s), **_cache_stats(s), **s.ext.stats(),
+        **_grammar_stats(s), **(s.spec.stats() if s.spec is not None else {}),
+    }
+
+
+def _grammar_stats(s: Any) -> dict[str, Any]:
+    g = getattr(s.runner, "grammar", None)  # test runners may have none
+    running = sum(1 for r in s.running if r.params.grammar is not None)
+    return {"grammar_compiled_total": g.compiled if g else 0,
+            "grammar_compile_seconds_total": g.compile_seconds if g else 0.0,
+            "grammar_running_requests": running}
+
+
+def _native_stats(s: Any) -> dict[str, Any]:
+    """Whether the native kernels serve (1/0) and on which ISA (native_isa_*: 1 for the
+    library loaded), how many decode steps took the native layer loop (engine/native; the
+    rest ran the Python loop), and how many GEMM weights sit in each layout
+    (models/layers.py: chosen at load)."""
+    from pdcore.engine import native
+    from pdcore.engine.model.layers import weight_layouts
+
+    if s.gemm_layouts is None:
+        s.gemm_layouts = weight_layouts(s.runner.model)
+    isa = native.isa()
+    return {"native_kernels": int(native.status().startswith("native")),
+            **{f"native_isa_{name}": int(isa == name) for name in native.ISAS},
+            "native_decode_steps_total": int(getattr(s.runner.model, "native_steps", 0)),
+            **{f"gemm_weights_{k}": v for k, v in s.gemm_layouts.items()}}
+
+
+def _cache_stats(s: Any) -> dict[str, Any]:
+    c, cache = s.counters, s.cache
+    return {
+        "radix_cache_enabled": cache is not None,
+        "cache_hit_tokens_total": c.cached_tokens,
+        "cache_hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "radix_cache_pages": cache.num_pages if cache else 0,
+        "radix_cache_evictable_pages": cache.evictable() if cache else 0,
+        "radix_cache_evicted_pages_total": cache.evicted_pages if cache else 0,
+        "radix_cache_inserted_pages_total": cache.inserted_pages if cache else 0,
+    }
