@@ -73,10 +73,8 @@ class Lockstep:
                     log.exception("request %s could not be admitted", m.rid)
                 req = self.sched.reqs.get(m.rid)
                 if req is None:
-                    self.sched.outbox.append(TokenOut(
-                        m.rid, [], finished=True, error=str(e) if bad else f"{type(e).__name__}: {e}",
-                        error_status=400 if bad else 500,
-                        finish_reason={"type": "abort", "message": str(e)}))
+                    self.sched.refuse(m.rid, str(e) if bad else f"{type(e).__name__}: {e}",
+                                      400 if bad else 500, why=str(e))
                 else:
                     self._contain_one(req, e)
 
@@ -121,9 +119,7 @@ class Lockstep:
 
     def _contain(self, e: Exception) -> list[TokenOut]:
         """Fail the requests an unexpected step error concerns; the loop goes on."""
-        from pdcore.engine.sched.request import Phase
-
-        live = [r for r in self.sched.reqs.values() if r.phase is not Phase.FINISHED]
+        live = self.sched.live()
         named = [r for r in self.sched.ext.implicated(e) if r in live]
         victims = named or live
         log.exception("scheduler step failed (%s); failing %d request(s), the engine goes on",
@@ -131,7 +127,7 @@ class Lockstep:
                       else "not attributable to one request", len(victims))
         for req in victims:
             self._contain_one(req, e)
-        return self.sched._collect_all()
+        return self.sched.collect()
 
     def _contain_one(self, req: Any, e: Exception) -> None:
         why = f"internal error while serving this request: {type(e).__name__}: {e}"

@@ -95,8 +95,7 @@ class Scheduler:
         try:
             self.validate(req)
         except InvalidRequestError as e:
-            self.outbox.append(TokenOut(req.rid, [], finished=True, error=str(e), error_status=400,
-                                        finish_reason={"type": "abort", "message": str(e)}))
+            self.refuse(req.rid, str(e), 400)
             return
         self.reqs[req.rid] = req
         self.counters.prompt_tokens += len(req.prompt)
@@ -231,7 +230,7 @@ class Scheduler:
             # decode step to their TTFT; the forward runs on the next call (at once), and every
             # other call at most flushes early, so arrivals cannot starve the running batch
             self.flushed_early = self.last_ran = True
-            return self._collect_all()
+            return self.collect()
         self.flushed_early = False
         items = self.schedule()
         self.last_ran = bool(items)
@@ -253,9 +252,18 @@ class Scheduler:
             for res in results:
                 self._apply(res)
             self.ext.after_step(results)
-        return self._collect_all()
+        return self.collect()
 
-    def _collect_all(self) -> list[TokenOut]:
+    def refuse(self, rid: str, message: str, status: int, why: str | None = None) -> None:
+        """A request that never entered: its one finished output goes out with the next ones."""
+        self.outbox.append(TokenOut(rid, [], finished=True, error=message, error_status=status,
+                                    finish_reason={"type": "abort", "message": why or message}))
+
+    def live(self) -> list[Req]:
+        return [r for r in self.reqs.values() if r.phase is not Phase.FINISHED]
+
+    def collect(self) -> list[TokenOut]:
+        """Every request's new output (and the refusals); finished requests are forgotten."""
         out, self.outbox = self.outbox, []
         self.uncollected = False
         for req in list(self.reqs.values()):
