@@ -177,7 +177,7 @@ def test_the_scheduler_has_no_role_branches() -> None:
     src = (PDCORE / "engine" / "sched" / "scheduler.py").read_text()
     tree = ast.parse(src)
     bad = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-           and n.attr in ("disagg", "bootstrap_room", "bootstrap_host", "fork_of")]
+           and n.attr in ("disagg", "route", "bootstrap_room", "bootstrap_host", "fork_of")]
     assert not bad, f"engine/sched/scheduler.py reads role state at lines {bad}"
 
 

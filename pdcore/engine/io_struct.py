@@ -46,6 +46,21 @@ class SamplingParams:
         return self.temperature <= 1e-6 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class PDRoute:
+    """A PD request's route as the HTTP edge checked it (signed by the router or naming a
+    trusted prefill address): the room its KV fills (P) or comes from (D), where P's bootstrap
+    server is, which prefill DP rank holds it, and for a parallel sample on D the sample whose
+    received prompt pages it forks. The engine carries it unread; only the role extensions
+    (disagg/prefill/sched.py, disagg/decode/sched.py) read it."""
+
+    host: str | None = None
+    port: int | None = None
+    room: int | None = None
+    prefill_dp_rank: int | None = None  # None: room % P's DP size
+    fork_of: str | None = None  # PD decode, n > 1: the rid of sample 0 of the same prompt
+
+
 @dataclass
 class GenerateReq:
     rid: str
@@ -55,17 +70,10 @@ class GenerateReq:
     logprob_start_len: int = -1  # -1: no prompt logprobs; k: prompt logprobs from position k
     top_logprobs_num: int = 0
     stream: bool = False
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    route: PDRoute | None = None  # PD only: opaque to the engine
     arrival_time: float = 0.0
-    # PD decode, parallel sampling (n > 1): the rid of sample 0 of the same prompt. This sample
-    # runs no KV transfer of its own: it forks from sample 0's received prompt pages.
-    fork_of: str | None = None
     # --dp-size > 1: the replica asked for (`data_parallel_rank`); None lets the balancer pick
     routed_dp_rank: int | None = None
-    # PD: the prefill DP rank holding this room's KV (None: bootstrap_room % P's dp size)
-    disagg_prefill_dp_rank: int | None = None
 
 
 @dataclass

@@ -45,7 +45,7 @@ async def health(request: Request) -> Response:
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """One token through the whole engine; 200 when it comes back in time."""
-    from pdcore.engine.io_struct import SamplingParams
+    from pdcore.engine.io_struct import PDRoute, SamplingParams
 
     engine = _engine(request)
     if not engine.ready:
@@ -53,7 +53,7 @@ async def health_generate(request: Request) -> Response:
                             status_code=503)
     pd = PDInfo()
     if engine.args.disaggregation_mode != "null":
-        pd = PDInfo(FAKE_BOOTSTRAP_HOST, engine.args.disaggregation_bootstrap_port, 0)
+        pd = PDInfo(PDRoute(FAKE_BOOTSTRAP_HOST, engine.args.disaggregation_bootstrap_port, 0))
     token = int((engine.info.get("eos_token_ids") or [0])[0])
     req = make_req(f"health-{new_rid()}", [token],
                    SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), pd)

@@ -169,10 +169,11 @@ class DPEngineClient:
             # the replica decode pulls from, which decode computes the same way; a
             # data_parallel_rank here would be decode's rank (both get one body), so it pins
             # prefill only for a request without a room
-            if req.disagg_prefill_dp_rank is not None:
-                field, rank = "disagg_prefill_dp_rank", req.disagg_prefill_dp_rank
-            elif req.bootstrap_room is not None:
-                rank = req.bootstrap_room % len(self.replicas)
+            route = req.route
+            if route is not None and route.prefill_dp_rank is not None:
+                field, rank = "disagg_prefill_dp_rank", route.prefill_dp_rank
+            elif route is not None and route.room is not None:
+                rank = route.room % len(self.replicas)
         if rank is None:
             return self.balancer.pick()
         if not 0 <= rank < len(self.replicas):

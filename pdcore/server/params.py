@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GenerateReq, GrammarSpec, SamplingParams
+from pdcore.engine.io_struct import GenerateReq, GrammarSpec, PDRoute, SamplingParams
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
 from pdcore.route_auth import RouteGuard
 from pdcore.server.generation import Item
 
 MAX_N = 64
-_GENERATE_REQ_FIELDS = {f.name for f in dataclasses.fields(GenerateReq)}
 
 
 def bad(message: str, field: str) -> InvalidRequestError:
@@ -166,11 +165,8 @@ def per_item(value: Any, count: int, field: str) -> list[Any]:
 
 @dataclass
 class PDInfo:
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    route: PDRoute | None = None  # None: the request named no route
     routed_dp_rank: int | None = None
-    disagg_prefill_dp_rank: int | None = None
 
 
 def pd_items(body: Any, samples: list[int], args: ServerArgs,
@@ -219,21 +215,20 @@ def pd_items(body: Any, samples: list[int], args: ServerArgs,
                 raise ForbiddenRouteError(why, "bootstrap_host")
         if p is None and h is not None:
             p = args.disaggregation_bootstrap_port
-        out.append(PDInfo(h, p, r, dp_rank, body.disagg_prefill_dp_rank))
+        route = None
+        if (h, p, r, body.disagg_prefill_dp_rank) != (None, None, None, None):
+            route = PDRoute(h, p, r, body.disagg_prefill_dp_rank)
+        out.append(PDInfo(route, dp_rank))
     return out
 
 
 def make_req(rid: str, ids: list[int], sampling: SamplingParams, pd: PDInfo, *,
              return_logprob: bool = False, logprob_start_len: int = -1,
              top_logprobs_num: int = 0, stream: bool = False) -> GenerateReq:
-    extra = {k: v for k, v in (("routed_dp_rank", pd.routed_dp_rank),
-                               ("disagg_prefill_dp_rank", pd.disagg_prefill_dp_rank))
-             if k in _GENERATE_REQ_FIELDS}
     return GenerateReq(
         rid=rid, input_ids=list(ids), sampling=sampling, return_logprob=return_logprob,
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
-        bootstrap_host=pd.bootstrap_host, bootstrap_port=pd.bootstrap_port,
-        bootstrap_room=pd.bootstrap_room, **extra,
+        route=pd.route, routed_dp_rank=pd.routed_dp_rank,
     )
 
 
@@ -246,5 +241,5 @@ def sample_item(index: int, req: GenerateReq, leader: Item | None, mode: str) ->
         return Item(index, req)
     if mode == "prefill":
         return Item(index, leader.req, copy_of=leader.index)
-    req.fork_of = leader.req.rid
+    req.route = dataclasses.replace(req.route or PDRoute(), fork_of=leader.req.rid)
     return Item(index, req)

@@ -14,7 +14,7 @@ from pdcore.config import ServerArgs
 from pdcore.disagg.aux import AuxBuffers, AuxRow
 from pdcore.disagg.decode.sched import DecodeExtension
 from pdcore.disagg.states import KVPoll
-from pdcore.engine.io_struct import AbortReq, GenerateReq, SamplingParams
+from pdcore.engine.io_struct import AbortReq, GenerateReq, PDRoute, SamplingParams
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.sched.fork import fork, shared_pages
 from pdcore.engine.sched.request import Phase, Req
@@ -113,9 +113,8 @@ def group(prompt: list[int], n: int, room: int = 7, seed: int | None = None
     out = []
     for j in range(n):
         sp = greedy() if seed is None else seeded(seed + j)
-        out.append(GenerateReq(f"s{room}-{j}", list(prompt), sp, bootstrap_host="127.0.0.1",
-                               bootstrap_port=1, bootstrap_room=room,
-                               fork_of=f"s{room}-0" if j else None))
+        route = PDRoute("127.0.0.1", 1, room, fork_of=f"s{room}-0" if j else None)
+        out.append(GenerateReq(f"s{room}-{j}", list(prompt), sp, route=route))
     return out
 
 

@@ -87,7 +87,9 @@ def run_fake_scheduler(args: Any, recv_addr: str, send_addr: str, ready_conn: An
                     if msg.kind == "stats":
                         data.update({"num_running_reqs": len(running), "num_waiting_reqs": 0})
                 elif msg.kind == "last_requests":
-                    data = {"reqs": [vars(r) | {"sampling": vars(r.sampling)} for r in seen]}
+                    data = {"reqs": [vars(r) | {"sampling": vars(r.sampling),
+                                                 "route": r.route and vars(r.route)}
+                                     for r in seen]}
                 elif msg.kind == "flush_cache":  # the real scheduler's answer when idle
                     data = {"flushed": True, "freed_pages": 0}
                 elif msg.kind in ("start_profile", "stop_profile"):

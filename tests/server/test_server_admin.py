@@ -17,7 +17,7 @@ def test_health_and_health_generate(fake_server):
     req = fake_server.last_requests()[-1]
     assert len(fake_server.last_requests()) == min(before + 1, 64)
     assert req["rid"].startswith("health-") and req["sampling"]["max_new_tokens"] == 1
-    assert req["bootstrap_host"] is None  # unified mode: no fake bootstrap host
+    assert req["route"] is None  # unified mode: no route, no fake bootstrap host
 
 
 @pytest.mark.parametrize("path", ["/get_server_info", "/server_info"])

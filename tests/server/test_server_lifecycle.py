@@ -190,7 +190,7 @@ def test_prefill_mode_returns_one_token(tiny_llama_dir):
         assert c.json()["usage"]["completion_tokens"] == 1
         assert server.client.get("/health_generate").status_code == 200
         hg = server.last_requests()[-1]
-        assert (hg["bootstrap_host"], hg["bootstrap_room"]) == ("2.2.2.2", 0)
+        assert (hg["route"]["host"], hg["route"]["room"]) == ("2.2.2.2", 0)
         assert server.client.get("/server_info").json()["disaggregation_mode"] == "prefill"
     finally:
         server.stop()

@@ -164,13 +164,14 @@ def test_router_default_fields_and_bootstrap(fake_server):
     assert r["output_ids"] == (ids + [2])[:4] and r["meta_info"]["id"] == "my-rid-1"
     seen = fake_server.last_requests()[-1]
     assert seen["rid"] == "my-rid-1"
-    assert (seen["bootstrap_host"], seen["bootstrap_port"], seen["bootstrap_room"]) == \
+    route = seen["route"]  # the engine's one PD field (PDRoute), read by the role only
+    assert (route["host"], route["port"], route["room"]) == \
         ("127.0.0.1", 8998, 5372346660857392350)  # null port -> the server's bootstrap port
     # batch: one entry per item (mini-lb style)
     body.update(input_ids=[ids, ids], bootstrap_host=["h1", "h2"], bootstrap_port=[1, 2],
                 bootstrap_room=[11, 12], rid=None)
     gen(fake_server, **body)
-    got = sorted((r["bootstrap_host"], r["bootstrap_port"], r["bootstrap_room"])
+    got = sorted((r["route"]["host"], r["route"]["port"], r["route"]["room"])
                  for r in fake_server.last_requests()[-2:])
     assert got == [("h1", 1, 11), ("h2", 2, 12)]
 

@@ -118,7 +118,7 @@ def test_chat_shape_template_and_max_completion_tokens(fake_server):
     assert r["usage"]["completion_tokens"] == 5
     assert r["choices"][0]["finish_reason"] == "length"
     seen = fake_server.last_requests()[-1]
-    assert seen["bootstrap_room"] == 5372346660857392350
+    assert seen["route"]["room"] == 5372346660857392350
 
 
 def test_chat_content_parts(fake_server):
@@ -146,7 +146,7 @@ def test_chat_stream_n_and_usage(fake_server):
     assert content[0] == content[1] != "" and done == {0: "length", 1: "length"}
     assert events[-1]["usage"]["completion_tokens"] == 16
     # one room per prompt (its first sample's entry): the prompt's KV crosses once, whatever n
-    rooms = sorted(r["bootstrap_room"] for r in fake_server.last_requests()[-2:])
+    rooms = sorted(r["route"]["room"] for r in fake_server.last_requests()[-2:])
     assert rooms == [1, 1]
 
 

@@ -68,26 +68,27 @@ class DecodeExtension(RoleExtension):
         self.quarantine: list[tuple[float, list[int]]] = []
 
     def admit(self, req: Req) -> bool:
-        if req.fork_of is not None:
-            return self._park(req)
-        if req.bootstrap_room is None or not req.bootstrap_host:
+        route = req.route
+        if route is not None and route.fork_of is not None:
+            return self._park(req, route.fork_of)
+        if route is None or route.room is None or not route.host:
             self.sched.fail(req, "a decode server needs bootstrap_host and bootstrap_room "
                                  "(send requests through the router)", 400)
             return True
         req.logprob_start_len = -1  # prompt logprobs come from P (the router merges them)
-        port = req.bootstrap_port or self.args.disaggregation_bootstrap_port
-        self._take(req, DState(int(req.bootstrap_room)))
-        self.mgr.add(req.disagg.room, req.bootstrap_host, int(port), req.prefill_dp_rank)
+        port = route.port or self.args.disaggregation_bootstrap_port
+        self._take(req, DState(int(route.room)))
+        self.mgr.add(req.disagg.room, route.host, int(port), route.prefill_dp_rank)
         self.prealloc.append(req)
         self.counts["requests"] += 1
         self.counts["samples"] += 1
         return True
 
-    def _park(self, req: Req) -> bool:
-        leader = self.sched.find(req.fork_of or "")
+    def _park(self, req: Req, fork_of: str) -> bool:
+        leader = self.sched.find(fork_of)
         st = leader.disagg if leader is not None else None
         if not isinstance(st, DState) or leader.prompt != req.prompt:
-            self.sched.fail(req, f"parallel sample {req.rid} forks from sample {req.fork_of!r}, "
+            self.sched.fail(req, f"parallel sample {req.rid} forks from sample {fork_of!r}, "
                                  "which is not waiting for its KV on this decode server "
                                  "(it finished, failed or was never sent here)")
             return True

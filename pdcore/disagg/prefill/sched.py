@@ -54,13 +54,14 @@ class PrefillExtension(RoleExtension):
         self.inflight: list[Req] = []
 
     def admit(self, req: Req) -> bool:
-        if req.bootstrap_room is None:
+        route = req.route
+        if route is None or route.room is None:
             self.sched.fail(req, "a prefill server needs bootstrap_room (send requests through "
                                  "the router)", 400)
             return True
         req.params.max_new_tokens = 1
-        self._take(req, PState(int(req.bootstrap_room)))
-        self.mgr.add(req.disagg.room, req.bootstrap_host)
+        self._take(req, PState(int(route.room)))
+        self.mgr.add(req.disagg.room, route.host)
         self.bootstrap.append(req)
         self.counts["requests"] += 1
         return True

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pdcore.engine.io_struct import GenerateReq, LogprobEntry
+from pdcore.engine.io_struct import GenerateReq, LogprobEntry, PDRoute
 from pdcore.engine.sched.sampler import SampleState
 
 
@@ -28,9 +28,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    route: PDRoute | None = None  # PD: read by the role extension only
     arrival: float = field(default_factory=time.monotonic)
     output: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
@@ -49,8 +47,6 @@ class Req:
     preempted: bool = False
     ctx_slots: torch.Tensor | None = None  # cached slot table for positions < num_computed
     disagg: Any = None  # the role extension's per-request state
-    fork_of: str | None = None  # rid of the sample whose prompt pages this one shares
-    prefill_dp_rank: int | None = None  # PD decode: P's DP rank named by the request
     spec: Any = None  # speculative decoding: this request's drafting state (ReqSpec)
 
     @classmethod
@@ -59,9 +55,7 @@ class Req:
             rid=g.rid, prompt=list(g.input_ids),
             state=SampleState.create(g.sampling, g.input_ids, eos_ids),
             return_logprob=g.return_logprob, logprob_start_len=g.logprob_start_len,
-            top_logprobs_num=g.top_logprobs_num, bootstrap_host=g.bootstrap_host,
-            bootstrap_port=g.bootstrap_port, bootstrap_room=g.bootstrap_room,
-            fork_of=g.fork_of, prefill_dp_rank=g.disagg_prefill_dp_rank,
+            top_logprobs_num=g.top_logprobs_num, route=g.route,
         )
 
     @property
