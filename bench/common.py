@@ -165,6 +165,16 @@ def bar_groups(ax: Any, groups: Sequence[str], series: dict[str, Sequence[float]
     ax.legend(fontsize=8)
 
 
+def timed_map(fn: Callable[[Any], Any], items: Sequence[Any], concurrency: int) -> tuple[float, list[Any]]:
+    """fn over items on `concurrency` client threads: (wall seconds, results in order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as ex:
+        out = list(ex.map(fn, items))
+    return time.perf_counter() - t0, out
+
+
 def medians_and_speedup(rows: dict[str, dict[str, Any]], base: str, other: str) -> None:
     """Each row's `tok_s` lists (one per round, per system) -> `median_tok_s` and `speedup`
     (other / base), in place."""

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +32,7 @@ from common import (
     medians_and_speedup,
     speedup_bars,
     start_unified,
+    timed_map,
 )
 
 NAME = "jump_forward"
@@ -75,10 +74,7 @@ def _one(url: str, text: str, schema: dict[str, Any]) -> list[int]:
 
 
 def batch(url: str, schema: dict[str, Any], conc: int) -> tuple[float, list[list[int]]]:
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(conc) as ex:
-        outs = list(ex.map(lambda t: _one(url, t, schema), TOPICS))
-    return time.perf_counter() - t0, outs
+    return timed_map(lambda t: _one(url, t, schema), TOPICS, conc)
 
 
 def _jf_tokens(url: str) -> int:

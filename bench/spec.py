@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +41,7 @@ from common import (
     medians_and_speedup,
     speedup_bars,
     start_unified,
+    timed_map,
 )
 
 NAME = "spec"
@@ -88,10 +87,7 @@ def _one(url: str, ids: list[int], new: int, ignore_eos: bool, temp: float) -> l
 
 def batch(url: str, prompts: list[list[int]], new: int, ignore_eos: bool, temp: float,
           conc: int) -> tuple[float, list[list[int]]]:
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(conc) as ex:
-        outs = list(ex.map(lambda p: _one(url, p, new, ignore_eos, temp), prompts))
-    return time.perf_counter() - t0, outs
+    return timed_map(lambda p: _one(url, p, new, ignore_eos, temp), prompts, conc)
 
 
 def _spec_stats(url: str) -> dict[str, float]:

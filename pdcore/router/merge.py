@@ -158,18 +158,22 @@ def merge_json(decode_body: bytes, found: dict[int, list[Any]]) -> bytes | None:
 _LP_KEYS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 
-def prefill_echo_logprobs(body: bytes) -> dict[int, dict[str, Any]]:
-    """P's `choices[i]` by choice index (its logprobs: prompt entries, then the token it
-    sampled)."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return {}
+def _lp_choices(obj: Any) -> dict[int, dict[str, Any]]:
+    """A completions answer's (or chunk's) choices that carry logprobs, by choice index."""
     out: dict[int, dict[str, Any]] = {}
     for ch in obj.get("choices") or [] if isinstance(obj, dict) else []:
         if isinstance(ch, dict) and isinstance(ch.get("index"), int) and _has_lp(ch):
             out[ch["index"]] = ch
     return out
+
+
+def prefill_echo_logprobs(body: bytes) -> dict[int, dict[str, Any]]:
+    """P's `choices[i]` by choice index (its logprobs: prompt entries, then the token it
+    sampled)."""
+    try:
+        return _lp_choices(json.loads(body))
+    except ValueError:
+        return {}
 
 
 def _has_lp(ch: dict[str, Any]) -> bool:
@@ -211,12 +215,8 @@ def prefill_echo_stream(body: bytes) -> dict[int, dict[str, Any]]:
     (the echoed prompt's entries; its sampled token comes in a later chunk)."""
     found: dict[int, dict[str, Any]] = {}
     for chunk in iter_sse_data(body):
-        for ch in chunk.get("choices") or [] if isinstance(chunk, dict) else []:
-            idx = ch.get("index") if isinstance(ch, dict) else None
-            lp = ch.get("logprobs") if isinstance(ch, dict) else None
-            if isinstance(idx, int) and idx not in found and isinstance(lp, dict) and \
-                    all(isinstance(lp.get(k), list) for k in _LP_KEYS):
-                found[idx] = lp
+        for idx, ch in _lp_choices(chunk).items():
+            found.setdefault(idx, ch["logprobs"])
     return found
 
 

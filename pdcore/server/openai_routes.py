@@ -79,8 +79,8 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
     # /v1/completions echo: the prompt comes first; with logprobs its chunk waits for the
     # prompt's logprobs (the item's first event). Offsets run on across chunks, after the echo.
     echo_lp = bool(plan.echo_texts) and plan.want_logprobs and not chat
-    lp_pos = {it.index: _echo_chars(plan, it.index, text_of) for it in plan.items} \
-        if plan.echo_texts and not chat else {it.index: 0 for it in plan.items}
+    lp_pos = {it.index: _echo_chars(plan, it.index, text_of) if echo_lp else 0
+              for it in plan.items}
     echoed: set[int] = set()
 
     def chunk(choices: list[dict[str, Any]], counts: dict[int, int] | None = None) -> bytes:
