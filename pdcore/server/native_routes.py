@@ -30,7 +30,7 @@ from pdcore.server.generation import (
 from pdcore.server.http_errors import engine_error_response, error_response, sse_error
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import (
-    SamplingInput,
+    SAMPLING_FIELDS,
     bad,
     build_sampling,
     check_n,
@@ -45,7 +45,6 @@ from pdcore.server.schemas import GenerateRequest, SamplingParamsIn
 
 router = APIRouter()
 DEFAULT_MAX_NEW_TOKENS = 128
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingInput)} - {"grammar"}
 
 
 @dataclasses.dataclass
@@ -101,11 +100,10 @@ def plan_generate(body: GenerateRequest, engine: EngineClient, guard: RouteGuard
         pf = f"{field}[{p}]" if batch and len(prompts) > 1 else field
         check_prompt(ids, info, pf)
         raw = sp.model_dump()
-        if raw.get("sampling_seed") is not None and raw.get("seed") is None:
-            raw["seed"] = raw["sampling_seed"]
-        sampling = build_sampling(
-            SamplingInput(**{f: raw[f] for f in _SAMPLING_FIELDS if f in raw},
-                          grammar=spec_from_fields(raw, prefix)), prefix)
+        given = {f: raw[f] for f in SAMPLING_FIELDS - {"grammar"} if f in raw}
+        if given.get("seed") is None:
+            given["seed"] = raw.get("sampling_seed")
+        sampling = build_sampling({**given, "grammar": spec_from_fields(raw, prefix)}, prefix)
         if sampling.seed is not None and j:
             sampling.seed += j  # n samples with one seed must still differ
         clamp_max_new_tokens(sampling, len(ids), info, DEFAULT_MAX_NEW_TOKENS,

@@ -14,7 +14,6 @@ from pdcore.server.engine_client import EngineClient, new_rid
 from pdcore.server.generation import Item
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import (
-    SamplingInput,
     bad,
     build_sampling,
     check_n,
@@ -96,16 +95,12 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
     n = check_n(body.n)
     for i, ids in enumerate(prompts):
         check_prompt(ids, info, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field)
-    s = SamplingInput(max_new_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                      ignore_eos=body.ignore_eos, skip_special_tokens=body.skip_special_tokens,
-                      no_stop_trim=body.no_stop_trim, seed=body.seed,
-                      logit_bias=body.logit_bias, min_new_tokens=body.min_tokens,
-                      grammar=_grammar(body, tool_grammar))
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
-        v = getattr(body, name)
-        if v is not None:
-            setattr(s, name, v)
+    given = {"max_new_tokens": max_tokens, "min_new_tokens": body.min_tokens,
+             "grammar": _grammar(body, tool_grammar)}
+    for name in ("stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim",
+                 "seed", "logit_bias", "temperature", "top_p", "top_k", "min_p",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        given[name] = getattr(body, name)
     pds = pd_items(body, [n] * len(prompts), args, guard)
     rid = body.rid if isinstance(body.rid, str) else f"{id_prefix}-{uuid.uuid4().hex}"
     rids = body.rid if isinstance(body.rid, list) else None
@@ -116,7 +111,7 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
         leader: Item | None = None
         for j in range(n):
             k = p * n + j
-            sampling = build_sampling(s, names={"max_new_tokens": max_tokens_field})
+            sampling = build_sampling(given, names={"max_new_tokens": max_tokens_field})
             if sampling.seed is not None and j:
                 sampling.seed += j
             clamp_max_new_tokens(sampling, len(ids), info, default_max, args.disaggregation_mode)

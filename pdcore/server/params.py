@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GenerateReq, GrammarSpec, PDRoute, SamplingParams
+from pdcore.engine.io_struct import GenerateReq, PDRoute, SamplingParams
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
 from pdcore.route_auth import RouteGuard
 from pdcore.server.generation import Item
@@ -25,29 +26,6 @@ MAX_N = 64
 
 def bad(message: str, field: str) -> InvalidRequestError:
     return InvalidRequestError(message, field)
-
-
-@dataclass
-class SamplingInput:
-    """Sampling options common to all routes, before range checks."""
-
-    max_new_tokens: int | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    logit_bias: dict[str, float] | None = None  # token id (as OpenAI sends it, a string) -> bias
-    min_new_tokens: int = 0
-    grammar: GrammarSpec | None = None  # parsed by pdcore.engine.sched.grammar.spec_from_*
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]; the entries are bounded in limits.py
@@ -68,11 +46,21 @@ def _logit_bias(raw: dict[str, float] | None, field: str) -> dict[int, float]:
     return out
 
 
-def build_sampling(s: SamplingInput, prefix: str = "", names: dict[str, str] | None = None
-                   ) -> SamplingParams:
-    """Range-check `s`; errors name `prefix + field` (`names` renames fields, e.g. OpenAI's
-    max_tokens)."""
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def build_sampling(given: Mapping[str, Any], prefix: str = "",
+                   names: dict[str, str] | None = None) -> SamplingParams:
+    """The one place a request's sampling options become the engine's SamplingParams, checked
+    once. `given` maps SamplingParams field names to what the client sent (the wire schemas
+    declare only JSON types: a None or absent field takes the default declared on
+    SamplingParams; `stop` may be one string; `logit_bias` keys are token ids as strings, as
+    OpenAI sends them). An absent `max_new_tokens` is -1 until clamp_max_new_tokens fills it.
+    Errors name `prefix + field` (`names` renames fields, e.g. OpenAI's max_tokens)."""
     names = names or {}
+    vals = {k: v for k, v in given.items() if v is not None}
+    if vals.keys() - SAMPLING_FIELDS:
+        raise TypeError(f"not sampling fields: {sorted(vals.keys() - SAMPLING_FIELDS)}")
 
     def f(name: str) -> str:
         return prefix + names.get(name, name)
@@ -80,10 +68,12 @@ def build_sampling(s: SamplingInput, prefix: str = "", names: dict[str, str] | N
     def finite(name: str, v: float) -> float:
         if not math.isfinite(v):
             raise bad(f"{f(name)} must be a finite number", f(name))
-        return v
+        return float(v)
 
-    if s.max_new_tokens is not None and s.max_new_tokens < 0:
-        raise bad(f"{f('max_new_tokens')} must be >= 0, got {s.max_new_tokens}", f("max_new_tokens"))
+    if vals.get("max_new_tokens", 0) < 0:
+        raise bad(f"{f('max_new_tokens')} must be >= 0, got {vals['max_new_tokens']}",
+                  f("max_new_tokens"))
+    s = SamplingParams(**{**vals, "max_new_tokens": vals.get("max_new_tokens", -1)})
     if finite("temperature", s.temperature) < 0:
         raise bad(f"{f('temperature')} must be >= 0, got {s.temperature}", f("temperature"))
     if not 0 < finite("top_p", s.top_p) <= 1:
@@ -97,25 +87,21 @@ def build_sampling(s: SamplingInput, prefix: str = "", names: dict[str, str] | N
     for name in ("frequency_penalty", "presence_penalty"):
         if not -2 <= finite(name, getattr(s, name)) <= 2:
             raise bad(f"{f(name)} must be in [-2, 2], got {getattr(s, name)}", f(name))
-    stop = [s.stop] if isinstance(s.stop, str) else list(s.stop or [])
-    if any(not x for x in stop):
+    s.stop = [s.stop] if isinstance(s.stop, str) else list(s.stop)
+    if any(not x for x in s.stop):
         raise bad(f"{f('stop')} must not contain empty strings", f("stop"))
-    if any(t < 0 for t in s.stop_token_ids or []):
+    if any(t < 0 for t in s.stop_token_ids):
         raise bad(f"{f('stop_token_ids')} must be token ids >= 0", f("stop_token_ids"))
     if s.min_new_tokens < 0:
         raise bad(f"{f('min_new_tokens')} must be >= 0, got {s.min_new_tokens}",
                   f("min_new_tokens"))
-    return SamplingParams(
-        max_new_tokens=-1 if s.max_new_tokens is None else s.max_new_tokens,  # -1: fill later
-        temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
-        min_p=float(s.min_p), repetition_penalty=float(s.repetition_penalty),
-        frequency_penalty=float(s.frequency_penalty), presence_penalty=float(s.presence_penalty),
-        seed=s.seed, stop=stop, stop_token_ids=list(s.stop_token_ids or []),
-        ignore_eos=bool(s.ignore_eos), skip_special_tokens=bool(s.skip_special_tokens),
-        no_stop_trim=bool(s.no_stop_trim),
-        logit_bias=_logit_bias(s.logit_bias, f("logit_bias")),
-        min_new_tokens=int(s.min_new_tokens), grammar=s.grammar,
-    )
+    s.temperature, s.top_p, s.min_p = float(s.temperature), float(s.top_p), float(s.min_p)
+    s.repetition_penalty = float(s.repetition_penalty)
+    s.frequency_penalty = float(s.frequency_penalty)
+    s.presence_penalty = float(s.presence_penalty)
+    s.stop_token_ids = list(s.stop_token_ids)
+    s.logit_bias = _logit_bias(s.logit_bias, f("logit_bias"))
+    return s
 
 
 def check_n(n: int, field: str = "n") -> int:

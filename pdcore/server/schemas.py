@@ -90,24 +90,26 @@ class SamplingParamsIn(_Open):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
+    # the fields of pdcore.engine.io_struct.SamplingParams as JSON types; None (or absent) takes
+    # the default declared there, once (params.build_sampling checks the ranges)
     max_new_tokens: Int | None = None
-    temperature: Float = 1.0
-    top_k: Int = -1
-    top_p: Float = 1.0
-    min_p: Float = 0.0
-    repetition_penalty: Float = 1.0
-    frequency_penalty: Float = 0.0
-    presence_penalty: Float = 0.0
+    temperature: Float | None = None
+    top_k: Int | None = None
+    top_p: Float | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
     seed: Int | None = None
-    sampling_seed: Int | None = None
+    sampling_seed: Int | None = None  # SGLang's other name for seed
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
     n: Int = 1
     logit_bias: dict[str, Float] | None = None
-    min_new_tokens: Int = 0
+    min_new_tokens: Int | None = None
     # structured output (pdcore.engine.sched.grammar): at most one; a schema may be an object or text
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -147,11 +149,11 @@ class _OpenAIBase(PDFields):
     frequency_penalty: Float | None = None
     repetition_penalty: Float | None = None
     seed: Int | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
     logit_bias: dict[str, Float] | None = None
-    min_tokens: Int = 0  # vLLM's and SGLang's extension (SGLang's min_new_tokens)
+    min_tokens: Int | None = None  # vLLM's and SGLang's extension (SGLang's min_new_tokens)
     user: str | None = None
     timeout: Float | None = None
     # structured output: OpenAI's response_format, or SGLang's regex / ebnf / json_schema

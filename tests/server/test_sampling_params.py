@@ -1,0 +1,66 @@
+"""One sampling-params type (#34 item 2): `SamplingParams` (engine/io_struct.py) declares the
+fields and their defaults once; the wire schemas declare only JSON types of the same names and
+`params.build_sampling` checks the ranges once, at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdcore.engine.io_struct import SamplingParams
+from pdcore.errors import InvalidRequestError
+from pdcore.server.params import SAMPLING_FIELDS, build_sampling
+from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingParamsIn
+
+# OpenAI's names for two engine fields; grammar comes from response_format / json_schema / ...
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def test_wire_schemas_name_every_field_and_declare_no_default() -> None:
+    native = SamplingParamsIn.model_fields
+    for name in SAMPLING_FIELDS - {"grammar"}:
+        assert name in native, f"sampling_params lacks {name}"
+        assert native[name].default is None, f"sampling_params.{name} restates a default"
+        for model in (CompletionRequest, ChatCompletionRequest):
+            wire = OPENAI_NAMES.get(name, name)
+            assert wire in model.model_fields, f"{model.__name__} lacks {wire}"
+            if name != "max_new_tokens":  # max_tokens' default is OpenAI's per route (16 / none)
+                assert model.model_fields[wire].default is None, f"{model.__name__}.{wire}"
+
+
+def test_absent_fields_take_the_engine_defaults() -> None:
+    s = build_sampling({})
+    want = SamplingParams()
+    for f in dataclasses.fields(SamplingParams):
+        if f.name != "max_new_tokens":
+            assert getattr(s, f.name) == getattr(want, f.name), f.name
+    assert s.max_new_tokens == -1  # filled by clamp_max_new_tokens
+    # None is "use the default", as clients serialise unset options
+    assert build_sampling({"temperature": None, "stop": None}).temperature == want.temperature
+
+
+def test_wire_forms_are_normalised() -> None:
+    s = build_sampling({"stop": "END", "logit_bias": {"7": 3}, "temperature": 0})
+    assert s.stop == ["END"] and s.logit_bias == {7: 3.0}
+    assert isinstance(s.temperature, float) and s.greedy
+
+
+@pytest.mark.parametrize("given,field", [
+    ({"temperature": -1.0}, "p.temperature"), ({"top_p": 0.0}, "p.top_p"),
+    ({"top_k": 0}, "p.top_k"), ({"min_p": 2.0}, "p.min_p"),
+    ({"repetition_penalty": 0.0}, "p.repetition_penalty"),
+    ({"presence_penalty": 3.0}, "p.presence_penalty"), ({"stop": ["a", ""]}, "p.stop"),
+    ({"stop_token_ids": [-1]}, "p.stop_token_ids"), ({"min_new_tokens": -2}, "p.min_new_tokens"),
+    ({"logit_bias": {"x": 1.0}}, "p.logit_bias"), ({"temperature": float("nan")}, "p.temperature"),
+    ({"max_new_tokens": -5}, "p.max_tokens"),
+])
+def test_out_of_range_names_the_wire_field(given: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        build_sampling(given, "p.", names={"max_new_tokens": "max_tokens"})
+    assert e.value.field == field
+
+
+def test_unknown_field_is_a_programming_error() -> None:
+    with pytest.raises(TypeError, match="not sampling fields"):
+        build_sampling({"n": 2})
