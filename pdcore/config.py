@@ -134,7 +134,7 @@ class ServerArgs:
     profile_output_dir: str | None = None
     # identity (not a flag): unique per server process, names shm segments, logs
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    # identity (not flags), set per replica by --dp-size > 1 (pdcore.server.dp_client): the
+    # identity (not flags), set per replica by --dp-size > 1 (pdcore.runtime.dp.client): the
     # replica's DP rank, and the PD route secret every replica of one prefill server shares
     dp_rank: int = 0
     pd_route_secret: str = ""

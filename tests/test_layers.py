@@ -7,7 +7,8 @@ TYPE_CHECKING too), so the check needs nothing installed. Two kinds of rules:
   row allows;
 - the rules the architecture issue set (below, fixed here, so relaxing the document cannot
   relax them): the engine imports nothing above it, the protocol no builtin and no plugin, core
-  no plugin distribution, and role extensions go through the scheduler's API.
+  no plugin distribution, role extensions go through the scheduler's API, and the server
+  imports the runtime's package, none of its modules.
 """
 
 from __future__ import annotations
@@ -143,6 +144,14 @@ def _violations(unit: str, forbidden: set[str]) -> list[tuple[str, str, int]]:
 def test_the_engine_imports_nothing_above_it() -> None:
     _check(_violations("engine", {"disagg", "server", "router", "builtin", "runtime"}),
            "the engine imports a layer above it:")
+
+
+def test_the_server_uses_the_runtime_through_its_package_only() -> None:
+    """#34: the server sees the runtime through `pdcore.runtime`'s exports (the engine handle,
+    `make_engine`, the parallel-flag checks, `run_node`), never through one of its modules."""
+    bad = [(m, imp, line) for m in imports() if m != "pdcore" and _unit(m) == "server"
+           for line, imp in imports()[m] if imp.startswith("pdcore.runtime.")]
+    _check(bad, "the server imports a module of pdcore.runtime (import from pdcore.runtime):")
 
 
 def test_the_protocol_imports_no_builtin() -> None:

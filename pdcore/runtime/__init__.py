@@ -1,4 +1,19 @@
 """The process side of a server: the scheduler process, TP rank processes and their group, the
 lockstep that keeps every rank's scheduler identical, `run_node`, the in-process `LLMEngine`,
-and the attaching of a role extension. It composes the engine (pdcore.engine) with the PD
-protocol (pdcore.disagg); neither of those imports it."""
+the attaching of a role extension, the engine handle the HTTP process holds (`handle`), and DP
+replicas (`dp/`). It composes the engine (pdcore.engine) with the PD protocol (pdcore.disagg);
+neither of those imports it.
+
+What the server needs is exported here, and the server imports nothing else of this package
+(tests/test_layers.py checks it): the engine handle and its errors and states, `make_engine`
+(the right handle for the arguments: one scheduler, DP replicas, DP ranks on other nodes), the
+checks of the parallel flags, and `run_node` (a further node of a multi-node server)."""
+
+from pdcore.runtime.dp.client import DPEngineClient
+from pdcore.runtime.engines import make_engine
+from pdcore.runtime.handle import EngineClient, EngineError, EngineState, SchedulerTarget, new_rid
+from pdcore.runtime.node import run_node
+from pdcore.runtime.topology import check_parallel_args
+
+__all__ = ["DPEngineClient", "EngineClient", "EngineError", "EngineState", "SchedulerTarget",
+           "check_parallel_args", "make_engine", "new_rid", "run_node"]

@@ -1,7 +1,7 @@
 """`pdserve serve --nnodes N --node-rank R` (R > 0): this node runs its TP ranks and serves no
 HTTP; rank 0 on node 0 leads them. With `--enable-dp-attention --dp-size D` this node's ranks are
 whole DP ranks: one scheduler process per DP rank, linked to node 0's HTTP process
-(pdcore.runtime.dp_nodes), each spawning its DP rank's other ranks."""
+(pdcore.runtime.dp.nodes), each spawning its DP rank's other ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.runtime.dp_nodes import multi_node, node_dp_ranks, run_remote_scheduler
+from pdcore.runtime.dp.nodes import multi_node, node_dp_ranks, run_remote_scheduler
 from pdcore.runtime.ranks import configure_logging, spawn_ranks, start_spawned, terminate
 from pdcore.runtime.topology import init_method, local_ranks
 

@@ -168,7 +168,7 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
 def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: zmq.Socket,
                     ready_conn: Any) -> bool:
     """Start the engine, report on `ready_conn` (anything with `send(dict)`), serve until
-    stopped (a DP rank on another node comes here too: pdcore.runtime.dp_nodes); False when
+    stopped (a DP rank on another node comes here too: pdcore.runtime.dp.nodes); False when
     the start failed."""
     ranks = RankGroup(args)
     engine = None

@@ -1,5 +1,6 @@
 """Where the TP ranks are: the checks on --tp-size / --nnodes / --node-rank / --dist-init-addr /
---dp-size, which ranks this node runs, and where the ranks meet."""
+--dp-size (those of --dp-size: pdcore.runtime.dp.args), which ranks this node runs, and where the
+ranks meet."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import socket
 
 from pdcore.config import ServerArgs
 from pdcore.errors import ConfigError
+from pdcore.runtime.dp.args import check_dp_args
 
 
 def check_parallel_args(args: ServerArgs) -> None:
     """What --tp-size / --nnodes / --node-rank / --dist-init-addr / --dp-size must satisfy."""
     if args.dp_size > 1:
-        _check_dp(args)
+        check_dp_args(args)
     if args.enable_dp_attention or args.enable_dp_lm_head:
         from pdcore.engine.parallel.dp_attention_args import check_args
 
@@ -25,25 +27,6 @@ def check_parallel_args(args: ServerArgs) -> None:
                           "where the ranks meet); give every node the same value")
     if args.dist_init_addr:
         split_addr(args.dist_init_addr)
-
-
-def _check_dp(args: ServerArgs) -> None:
-    """--dp-size > 1: with DP attention the DP ranks are one rank group spread over the nodes
-    (pdcore.runtime.dp_nodes); without it each replica is its own TP group, which with
-    --nnodes > 1 spans every node as in SGLang (node R runs ranks of every replica; replica r's
-    group meets at the --dist-init-addr port + r; in PD mode each replica is its own endpoint of
-    the PD control plane: pdcore.server.dp_client)."""
-    if args.enable_dp_attention:
-        if args.nnodes > 1 and args.dp_size % args.nnodes:
-            # every DP rank's attention ranks on one node (pdcore.runtime.dp_nodes's layout)
-            raise ConfigError(
-                f"--enable-dp-attention over --nnodes {args.nnodes}: --dp-size {args.dp_size} "
-                "must be a multiple of --nnodes, so that every DP rank's attention ranks are on "
-                "one node")
-        return
-    if args.dist_init_addr and args.nnodes == 1:
-        raise ConfigError("--dp-size > 1 on one node needs no --dist-init-addr (each replica's "
-                          "ranks meet on this node); drop it, or give --nnodes > 1")
 
 
 def split_addr(addr: str) -> tuple[str, int]:

@@ -14,8 +14,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcore.route_auth import WARMUP_HOST as FAKE_BOOTSTRAP_HOST
+from pdcore.runtime import EngineClient, EngineError, new_rid
 from pdcore.server.auth import require_admin
-from pdcore.server.engine_client import EngineClient, EngineError, new_rid
 from pdcore.server.generation import Item, collect
 from pdcore.server.http_errors import error_response
 from pdcore.server.openai_plan import served_model_name

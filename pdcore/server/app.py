@@ -1,6 +1,7 @@
 """FastAPI app factory of one pdserve server.
 
-1. `create_app(args)` builds the app around an EngineClient (not started yet);
+1. `create_app(args)` builds the app around the engine handle (pdcore.runtime.make_engine:
+   not started yet);
 2. the lifespan starts the engine in the background, so /health answers 503 while the model
    loads and 200 once the scheduler is ready; `app.state.on_ready` / `on_start_failed`
    (set by the runner) are called when that settles;
@@ -28,9 +29,9 @@ from fastapi import FastAPI, Request, Response
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams
 from pdcore.route_auth import RouteGuard
+from pdcore.runtime import EngineClient, EngineError, SchedulerTarget, make_engine
 from pdcore.server import admin_routes, native_routes, openai_routes, pd_trust_routes
 from pdcore.server.auth import install_auth, log_admin_policy
-from pdcore.server.engine_client import EngineClient, EngineError, SchedulerTarget
 from pdcore.server.http_errors import install_error_handlers
 from pdcore.server.limits import install_limits
 from pdcore.server.metrics import ServerMetrics, metrics_engine_type, metrics_model_name
@@ -90,13 +91,8 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
                **engine_kwargs: Any) -> FastAPI:
     """The app for one server. `scheduler_target` / `tokenizer` replace the real scheduler
     process function and tokenizer (tests)."""
-    if engine is None and args.dp_size > 1:  # N replicas behind this server
-        from pdcore.server.dp_client import DPEngineClient
-
-        engine = DPEngineClient(args, scheduler_target=scheduler_target,  # type: ignore[assignment]
-                                tokenizer=tokenizer, **engine_kwargs)
-    engine = engine or EngineClient(args, scheduler_target=scheduler_target, tokenizer=tokenizer,
-                                    **engine_kwargs)
+    engine = engine or make_engine(args, scheduler_target=scheduler_target, tokenizer=tokenizer,
+                                   **engine_kwargs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

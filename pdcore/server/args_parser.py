@@ -200,7 +200,7 @@ def build_parser(prog: str = "pdserve serve") -> argparse.ArgumentParser:
 
 def check_supported(args: ServerArgs) -> None:
     """What ServerArgs.validate cannot know: features not built yet and missing plugins."""
-    from pdcore.runtime.topology import check_parallel_args
+    from pdcore.runtime import check_parallel_args
 
     check_parallel_args(args)
     _check_moe_backend(args)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from pdcore.engine.io_struct import GenerateReq
-from pdcore.server.engine_client import EngineClient, EngineError
+from pdcore.runtime import EngineClient, EngineError
 from pdcore.server.metrics import ServerMetrics
 from pdcore.server.output import OutputAssembler
 

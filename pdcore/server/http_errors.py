@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
-from pdcore.server.engine_client import EngineError
+from pdcore.runtime import EngineError
 from pdcore.server.schemas import validation_message
 
 log = logging.getLogger(__name__)

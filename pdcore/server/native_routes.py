@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.engine.sched.grammar import spec_from_fields
 from pdcore.route_auth import RouteGuard
+from pdcore.runtime import EngineClient, EngineError, new_rid
 from pdcore.server import logprobs as lpfmt
-from pdcore.server.engine_client import EngineClient, EngineError, new_rid
 from pdcore.server.generation import (
     SSE_DONE,
     SSE_HEADERS,

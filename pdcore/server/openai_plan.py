@@ -10,7 +10,7 @@ from typing import Any
 from pdcore.engine.io_struct import GrammarSpec
 from pdcore.engine.sched.grammar import spec_from_fields, spec_from_response_format
 from pdcore.route_auth import RouteGuard
-from pdcore.server.engine_client import EngineClient, new_rid
+from pdcore.runtime import EngineClient, new_rid
 from pdcore.server.generation import Item
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import (

@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.chat_tools import ChoiceShaper, plan_tools
-from pdcore.server.engine_client import EngineClient, EngineError
 from pdcore.server.generation import (
     SSE_DONE,
     SSE_HEADERS,

@@ -65,7 +65,7 @@ def _exit_now(_server: Any) -> None:
 def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
     """Serve until stopped; returns the process exit code."""
     if args.node_rank > 0:  # a further node of a multi-node TP server: ranks only, no HTTP
-        from pdcore.runtime.node import run_node
+        from pdcore.runtime import run_node
 
         configure_logging(args.log_level)
         return run_node(args)

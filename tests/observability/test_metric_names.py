@@ -241,10 +241,10 @@ def test_failures_by_phase_and_reason(cluster: PDCluster) -> None:
 def test_transfer_stats_rooms_phases_and_dp_merge() -> None:
     """Without servers: a fake (warm-up) room is not measured, a room failing before its peer is
     ready counts as a bootstrap failure and after as a transfer failure, and a DP server's
-    replicas add up (dp_client.merge_stats)."""
+    replicas add up (pdcore.runtime.stats.merge_stats)."""
     from pdcore.disagg.states import KVPoll, RoomStates
     from pdcore.disagg.transfer_stats import TransferStats
-    from pdcore.server.dp_client import merge_stats
+    from pdcore.runtime.stats import merge_stats
 
     snaps = []
     for rank in range(2):

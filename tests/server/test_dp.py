@@ -1,6 +1,6 @@
 """`--dp-size 2`: two replicas behind one server (real `pdserve serve`, tiny random Llama).
 
-- the balancer (pdcore.server.dp_balance) picks per method; stats merge across replicas;
+- the balancer (pdcore.runtime.dp.balance) picks per method; stats merge across replicas;
 - greedy on either replica equals transformers and `--dp-size 1`;
 - round_robin alternates replicas, shortest_queue avoids the busy one, `data_parallel_rank`
   pins a request (400 when out of range); /get_load has one entry per replica with `dp_rank`;
@@ -24,8 +24,8 @@ import httpx
 import pytest
 from pdserve_testing import ServerProcess
 
-from pdcore.server.dp_balance import DPBalancer
-from pdcore.server.dp_client import merge_stats
+from pdcore.runtime.dp.balance import DPBalancer
+from pdcore.runtime.stats import merge_stats
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import spawned_children

@@ -11,7 +11,7 @@ message:
 - otherwise the one hardware-only flag: DeepEP (`--enable-deepep-moe` / `--moe-a2a-backend
   deepep`), which on CPU exits 2 saying to use `--moe-a2a-backend none`. The multi-node DP
   attention lines (`--nnodes 2 --tp-size 16 --dp-size 8 --enable-dp-attention`) stop only there:
-  DP attention across nodes is built (pdcore.runtime.dp_nodes).
+  DP attention across nodes is built (pdcore.runtime.dp.nodes).
 With DeepEP swapped for `none`, the NPU/RDMA flags for local ones and TP 16 / DP 8 for 2 / 2,
 every line parses into a server configuration, the two-node ones as two nodes (their MoE/EP part
 runs in tests/pd/test_pd_moe.py and tests/tp/test_moe_tp_ep.py, their two-node DP attention in

@@ -1,4 +1,7 @@
-"""Client of the scheduler process, living in the HTTP process.
+"""The engine handle: the client of one scheduler process, living in the HTTP process. The
+server holds one (`pdcore.runtime.make_engine` picks it: this one, or the DP replicas' handle of
+pdcore.runtime.dp.client over several of them) and sees the engine only through it: start,
+generate, abort, control calls (stats, load, cache flush, profiling), shutdown.
 
 Lifecycle:
 1. `start()` binds a PULL socket (scheduler -> us) on an ipc:// path in a private temp dir,
@@ -35,8 +38,9 @@ import zmq.asyncio
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
+from pdcore.runtime.lifeline import describe_exit
+from pdcore.runtime.tokenizer_export import tokenizer_dir
 from pdcore.runtime_env import Placement, choose_placement, spawning_with
-from pdcore.server.tokenizer_export import tokenizer_dir
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +280,6 @@ class EngineClient:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
         if self._stopping:
             return
-        from pdcore.runtime.lifeline import describe_exit
-
         self.state = EngineState.DEAD
         self.error = (f"the engine's scheduler process died ({describe_exit(proc.exitcode)}); "
                       "this server is exiting, retry on another server or after its restart")

@@ -3,10 +3,10 @@ HTTP process reaches the DP ranks of the other nodes.
 
 Layout (SGLang's): the T = `--tp-size` ranks are spread over N nodes, T/N consecutive ranks per
 node; DP rank d owns ranks d*A .. d*A+A-1 (A = T / `--dp-size`). With `--dp-size` a multiple of
-N every DP rank lies on one node (the check in pdcore.runtime.topology), so each node runs whole
+N every DP rank lies on one node (the check in pdcore.runtime.dp.args), so each node runs whole
 DP ranks: node 0 the first D/N of them, next to its HTTP process, node R the next D/N.
 
-Link: node 0 is the only request dispatcher (pdcore.server.remote_engine). For each DP rank d
+Link: node 0 is the only request dispatcher (pdcore.runtime.dp.remote). For each DP rank d
 of another node it binds two zmq sockets on the `--dist-init-addr` host, at that address's port
 + 1 + 2d (requests to the scheduler) and + 2 + 2d (outputs from it). Node R's scheduler process
 of DP rank d (`run_remote_scheduler`) connects both, says hello, and receives the DP rank's
@@ -30,6 +30,7 @@ from typing import Any
 
 from pdcore.config import ServerArgs
 from pdcore.errors import ConfigError
+from pdcore.runtime.topology import split_addr
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,6 @@ def multi_node(args: ServerArgs) -> bool:
 
 def link_addrs(args: ServerArgs, dp_rank: int) -> tuple[str, str]:
     """(to the scheduler, from the scheduler) of a DP rank on another node."""
-    from pdcore.runtime.topology import split_addr
-
     host, port = split_addr(args.dist_init_addr)
     shown = f"[{host}]" if ":" in host else host
     to_port, from_port = port + 1 + 2 * dp_rank, port + 2 + 2 * dp_rank

@@ -1,19 +1,19 @@
 """`--dp-size N` (N > 1): N data-parallel replicas behind one HTTP server.
 
-The controller lives here, in the HTTP process, rather than in a process of its own: every
-request already passes through the engine client, so choosing a replica is one function call
+The controller lives in the HTTP process rather than in a process of its own: every
+request already passes through the engine handle, so choosing a replica is one function call
 (no extra hop, no extra process to supervise), and the per-replica bookkeeping (which replica
-holds a request, what is in flight where) is exactly the engine client's.
+holds a request, what is in flight where) is exactly the engine handle's.
 
 `DPEngineClient` has `EngineClient`'s interface and holds one `EngineClient` per replica; each
 spawns its own scheduler process (its own KV pool, and `--tp-size` ranks: DP attention is off, as
 SGLang means --dp-size without --enable-dp-attention).
 1. `start()` starts every replica at once; one failing fails the start-up (the others stop);
 2. `generate()` sends a request to its `routed_dp_rank` (`data_parallel_rank`) or to the
-   balancer's pick (pdcore.server.dp_balance) and remembers where it went, so an abort reaches
+   balancer's pick (pdcore.runtime.dp.balance) and remembers where it went, so an abort reaches
    the replica that holds it;
-3. `control()` fans out: get_load answers one entry per replica, stats are summed, flush_cache
-   and profiling run on every replica;
+3. `control()` fans out: get_load answers one entry per replica, stats are summed
+   (pdcore.runtime.stats), flush_cache and profiling run on every replica;
 4. a replica's death ends the server, as the death of the only scheduler does.
 
 In PD mode every replica is its own endpoint of the PD control plane: a prefill server's
@@ -40,9 +40,12 @@ from pdcore.engine.io_struct import GenerateReq, TokenOut
 from pdcore.engine.parallel.dp_attention_args import active as dp_attention_active
 from pdcore.engine.parallel.dp_attention_args import new_init_method, replica_args
 from pdcore.errors import PDError
-from pdcore.server.dp_balance import DPBalancer
-from pdcore.server.engine_client import EngineClient, EngineError, EngineState
-from pdcore.server.metrics_map import merge_transfer_stats
+from pdcore.runtime.dp.balance import DPBalancer
+from pdcore.runtime.dp.nodes import leader_node
+from pdcore.runtime.dp.remote import RemoteEngineClient
+from pdcore.runtime.handle import EngineClient, EngineError, EngineState
+from pdcore.runtime.stats import merge_stats
+from pdcore.runtime.topology import init_method
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +65,10 @@ class DPEngineClient:
             pd_route_secret=secret), tokenizer=tokenizer, **kwargs)
             for rank in range(args.dp_size)]
         if dp_attention_active(args):  # one rank group over all DP ranks: a shared meeting point
-            from pdcore.runtime.topology import init_method
-
             init = init_method(args) if args.dist_init_addr else new_init_method()
             for rank, c in enumerate(self.replicas):
                 c.args = replica_args(c.args, rank, init, args.base_gpu_id)
             if args.nnodes > 1:  # DP ranks of the other nodes: reached over their links
-                from pdcore.runtime.dp_nodes import leader_node
-                from pdcore.server.remote_engine import RemoteEngineClient
-
                 self.replicas = [RemoteEngineClient(c.args, tokenizer=tokenizer, **kwargs)
                                  if leader_node(args, rank) else c
                                  for rank, c in enumerate(self.replicas)]
@@ -215,23 +213,4 @@ class DPEngineClient:
         if kind == "flush_cache":
             return {"flushed": all(bool(d.get("flushed")) for d in datas), "dp_ranks": datas}
         return {**datas[0], "dp_ranks": datas}
-
-
-def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """One server's scheduler stats from its replicas': counts add up, the rest (page size,
-    flags, ratios) is taken from replica 0 or recomputed."""
-    out = dict(stats[0])
-    for k, v in stats[0].items():
-        if isinstance(v, int) and not isinstance(v, bool) and k != "page_size":
-            out[k] = sum(int(s.get(k) or 0) for s in stats)
-    prompt = out.get("prompt_tokens_total")
-    if isinstance(prompt, int) and "cache_hit_rate" in out:
-        out["cache_hit_rate"] = out.get("cache_hit_tokens_total", 0) / prompt if prompt else 0.0
-    if "kv_transfer" in out:  # PD: every replica's KV manager measures its own rooms
-        out["kv_transfer"] = merge_transfer_stats([s.get("kv_transfer") for s in stats])
-    for rank, s in enumerate(stats):  # per-replica gauges too: /metrics labels by name suffix
-        for k in ("num_running_reqs", "num_waiting_reqs", "num_pages_used", "num_pages_free"):
-            if isinstance(s.get(k), int):
-                out[f"dp{rank}_{k}"] = s[k]
-    return out
 

@@ -1,4 +1,4 @@
-"""Node 0's client of a DP attention rank that runs on another node (pdcore.runtime.dp_nodes).
+"""Node 0's handle of a DP attention rank that runs on another node (pdcore.runtime.dp.nodes).
 
 `RemoteEngineClient` is an `EngineClient` whose scheduler process is not its child: instead of
 spawning one it binds the DP rank's two link sockets, waits (bounded by the ready timeout) for
@@ -21,9 +21,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdcore.runtime.dp_nodes import leader_node, link_addrs, set_keepalive
-from pdcore.server.engine_client import EngineClient, EngineError, EngineState
-from pdcore.server.tokenizer_export import tokenizer_dir
+from pdcore.runtime.dp.nodes import leader_node, link_addrs, set_keepalive
+from pdcore.runtime.handle import EngineClient, EngineError, EngineState
+from pdcore.runtime.tokenizer_export import tokenizer_dir
 
 log = logging.getLogger(__name__)
 
