@@ -14,6 +14,13 @@ from pdcore.engine.sched.api import SchedulerAPI
 from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.scheduler import Scheduler
+from pdcore.engine.sched.stats import Kind, StatsReport
+
+# the KV manager's metrics() are running totals except these amounts (exported as kv_<name>)
+KV_MANAGER_LOADS = frozenset({
+    "inflight_rooms", "sessions", "queued_chunks", "prefill_instances",
+    "staging_waiting_rooms", "staging_quarantined", "staging_ring_bytes",
+    "staging_ring_used_bytes"})
 
 
 class RoleExtension(Extension):
@@ -79,14 +86,18 @@ class RoleExtension(Extension):
             return []
         return [r for r in self.sched.live() if getattr(r.disagg, "room", None) == room]
 
-    def _stats(self, queues: dict[str, Any]) -> dict[str, Any]:
+    def _stats(self, queues: dict[str, Any]) -> StatsReport:
         c = self.counts
         transfer = getattr(self.mgr, "transfer_stats", None)  # stand-in managers have none
-        return {**queues, **{f"disagg_{k}_total": v for k, v in c.items()},
-                "disagg_transfers_per_request": c["transfers"] / max(1, c["requests"]),
-                "aux_slots_free": self.aux.num_free, "kv_transfer": transfer() if transfer else {},
-                **{f"kv_{k}": v for k, v in self.mgr.metrics().items()
-                   if isinstance(v, (int, float))}}
+        r = StatsReport().add(Kind.LOAD, queues)
+        r.add(Kind.TOTAL, {f"disagg_{k}_total": v for k, v in c.items()})
+        r.add(Kind.INFO, {"disagg_transfers_per_request": c["transfers"] / max(1, c["requests"])})
+        r.add(Kind.LOAD, {"aux_slots_free": self.aux.num_free})
+        r.kv_transfer = transfer() if transfer else {}
+        for k, v in self.mgr.metrics().items():
+            if isinstance(v, (int, float)):
+                r.add(Kind.LOAD if k in KV_MANAGER_LOADS else Kind.TOTAL, {f"kv_{k}": v})
+        return r
 
     def close(self) -> None:
         self.mgr.close()

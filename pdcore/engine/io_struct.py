@@ -94,9 +94,12 @@ class ControlReq:
 
 @dataclass
 class ControlResp:
+    """`data`: the call's answer; for "stats" the scheduler's StatsReport
+    (engine/sched/stats.py), turned into JSON or Prometheus series only at the HTTP edge."""
+
     call_id: str
     ok: bool
-    data: dict[str, Any] = field(default_factory=dict)
+    data: Any = field(default_factory=dict)
     error: str = ""
 
 

@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
+from pdcore.engine.sched.stats import StatsReport
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
 from pdcore.runtime.lifeline import describe_exit
 from pdcore.runtime.tokenizer_export import tokenizer_dir
@@ -86,6 +87,35 @@ def _default_target() -> SchedulerTarget:
     from pdcore.runtime.scheduler_process import run_scheduler_process
 
     return run_scheduler_process
+
+
+def wait_ready(proc: Any, reader: Any, timeout: float,
+               stopping: Callable[[], bool]) -> dict[str, Any]:
+    """The scheduler process's start-up message ({"ok": True, ...}) read from `reader`; an
+    EngineError (503) when it reports a failure, exits, or stays silent past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if stopping():
+            raise EngineError("server is shutting down", 503)
+        alive = proc.is_alive()  # checked before polling: a last message is never missed
+        if reader.poll(0.1):
+            try:
+                msg = reader.recv()
+            except EOFError:
+                msg = None
+            if isinstance(msg, dict) and msg.get("ok"):
+                return msg
+            if isinstance(msg, dict):
+                raise EngineError(f"scheduler failed to start: {msg.get('error')}", 503)
+        if not alive:
+            proc.join(1)
+            raise EngineError(
+                f"scheduler process exited with code {proc.exitcode} during start-up "
+                "(see its log above)", 503)
+        if time.monotonic() > deadline:
+            raise EngineError(
+                f"scheduler not ready after {timeout:.0f}s (model loading too slow or stuck); "
+                "check the log above", 503)
 
 
 class EngineClient:
@@ -171,7 +201,8 @@ class EngineClient:
 
             tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.args))
         try:
-            msg = await asyncio.to_thread(self._wait_ready, reader, self.ready_timeout)
+            msg = await asyncio.to_thread(wait_ready, self._proc, reader, self.ready_timeout,
+                                          lambda: self._stopping)
         except BaseException:
             if tok_task is not None:
                 tok_task.cancel()
@@ -189,33 +220,6 @@ class EngineClient:
         self._tasks = [asyncio.create_task(self._recv_loop(), name="pdserve-recv"),
                        asyncio.create_task(self._watchdog(), name="pdserve-watchdog")]
         self.state = EngineState.READY
-
-    def _wait_ready(self, reader: Any, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        proc = self._proc
-        assert proc is not None
-        while True:
-            if self._stopping:
-                raise EngineError("server is shutting down", 503)
-            alive = proc.is_alive()  # checked before polling: a last message is never missed
-            if reader.poll(0.1):
-                try:
-                    msg = reader.recv()
-                except EOFError:
-                    msg = None
-                if isinstance(msg, dict) and msg.get("ok"):
-                    return msg
-                if isinstance(msg, dict):
-                    raise EngineError(f"scheduler failed to start: {msg.get('error')}", 503)
-            if not alive:
-                proc.join(1)
-                raise EngineError(
-                    f"scheduler process exited with code {proc.exitcode} during start-up "
-                    "(see its log above)", 503)
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"scheduler not ready after {timeout:.0f}s (model loading too slow or stuck); "
-                    "check the log above", 503)
 
     async def shutdown(self) -> None:
         self._stopping = True
@@ -368,7 +372,17 @@ class EngineClient:
 
     async def control(self, kind: str, args: dict[str, Any] | None = None,
                       timeout: float = 10.0) -> dict[str, Any]:
-        """One ControlReq round trip (flush_cache, get_load, stats, start/stop_profile)."""
+        """One ControlReq round trip (flush_cache, get_load, start/stop_profile)."""
+        return dict(await self._call(kind, args, timeout))
+
+    async def stats(self, timeout: float = 10.0) -> StatsReport:
+        """The scheduler's StatsReport (engine/sched/stats.py)."""
+        report = await self._call("stats", None, timeout)
+        if not isinstance(report, StatsReport):
+            raise EngineError(f"scheduler answered stats with {type(report).__name__}", 500)
+        return report
+
+    async def _call(self, kind: str, args: dict[str, Any] | None, timeout: float) -> Any:
         self.require_ready()
         call_id = uuid.uuid4().hex
         fut: asyncio.Future[ControlResp] = asyncio.get_running_loop().create_future()
@@ -384,7 +398,7 @@ class EngineClient:
         resp = fut.result()
         if not resp.ok:
             raise EngineError(resp.error or f"{kind} failed", 500)
-        return dict(resp.data)
+        return resp.data
 
 
 def new_rid() -> str:

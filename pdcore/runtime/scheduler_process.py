@@ -31,6 +31,7 @@ import zmq
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import ControlReq, ControlResp
+from pdcore.engine.sched.stats import StatsReport
 from pdcore.runtime.grammar_gate import GrammarGate
 from pdcore.runtime.group import agree_started
 from pdcore.runtime.lifeline import ParentWatch, StepWatchdog, die_with_parent
@@ -71,11 +72,14 @@ class SchedulerLoop:
                 log.warning("control %s failed: %s", msg.kind, e)
                 self.send.send(pickle.dumps(ControlResp(msg.call_id, False, error=str(e))))
 
-    def control(self, msg: ControlReq) -> dict[str, Any]:
+    def control(self, msg: ControlReq) -> dict[str, Any] | StatsReport:
         s = self.sched
         if msg.kind in ("get_load", "stats"):
+            report = s.stats()
             dp = self.lockstep.dp  # DP attention: forwards run only for the other DP ranks
-            return s.stats() if dp is None else {**s.stats(), **dp.stats()}
+            if dp is not None:
+                report.add_named(dp.stats())
+            return report if msg.kind == "stats" else report.as_dict()
         if msg.kind == "flush_cache":
             return s.flush_cache()
         if msg.kind == "start_profile":

@@ -138,7 +138,7 @@ async def metrics(request: Request) -> Response:
     engine = _engine(request)
     if engine.ready:
         try:
-            m.update_from_stats(await engine.control("stats", timeout=5.0))
+            m.update_from_stats(await engine.stats(timeout=5.0))
         except EngineError as e:  # scrapes must not fail because the scheduler is busy
             log.warning("metrics: scheduler stats unavailable: %s", e)
     from pdcore.server.metrics import CONTENT_TYPE

@@ -40,10 +40,10 @@ from prometheus_client.core import (
     Metric,
 )
 
+from pdcore.engine.sched.stats import StatsReport
 from pdcore.server.metrics_map import (
     E2E_BUCKETS,
     ITL_BUCKETS,
-    KV_GAUGE_KEYS,
     REQUEST_LEVEL,
     SCHED_COUNTERS,
     SCHED_GAUGES,
@@ -120,8 +120,8 @@ class ServerMetrics:
              "pp_rank": "0"}, self.generation_tokens.throughput)
         r.register(self.stats_collector)
 
-    def update_from_stats(self, stats: dict[str, Any]) -> None:
-        self.stats_collector.stats = stats
+    def update_from_stats(self, report: StatsReport) -> None:
+        self.stats_collector.report = report
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -157,14 +157,14 @@ class StatsCollector:
 
     def __init__(self, labels: dict[str, str], gen_throughput: Any) -> None:
         self.labels = labels
-        self.stats: dict[str, Any] = {}
+        self.report = StatsReport()
         self._gen_throughput = gen_throughput
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the stats: nothing is checked at registration
 
     def collect(self) -> Iterator[Metric]:
-        s, names, values = self.stats, list(self.labels), list(self.labels.values())
+        s, names, values = self.report.as_dict(), list(self.labels), list(self.labels.values())
         known: set[str] = {"kv_transfer"}
         for name, doc, fn, keys in SCHED_GAUGES:
             lab = name.startswith("sglang:")  # ours stay unlabelled, as they always were
@@ -182,7 +182,7 @@ class StatsCollector:
             known.add(key)
             yield c
         yield from self._transfer(s.get("kv_transfer"))
-        yield from self._extras(s, known)
+        yield from self._extras(s, known, self.report.counters())
 
     def _transfer(self, x: Any) -> Iterator[Metric]:
         """sglang:kv_transfer_* (last transfer) and pdserve_kv_* (histograms, totals, rooms)."""
@@ -243,14 +243,15 @@ class StatsCollector:
                 fam.add_metric(values, buckets, float(h["sum"]))
             yield fam
 
-    def _extras(self, s: dict[str, Any], known: set[str]) -> Iterator[Metric]:
-        """Every other numeric stat: running totals (`*_total` keys, the KV manager's counts)
-        as counters, the rest as gauges."""
+    def _extras(self, s: dict[str, Any], known: set[str],
+                counters: set[str]) -> Iterator[Metric]:
+        """Every other numeric stat: the report's running totals as counters, the rest as
+        gauges."""
         for k, v in s.items():
             if k in known or not _num(v):
                 continue
             base = _EXTRA_PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", k)
-            if base.endswith("_total") or (k.startswith("kv_") and k not in KV_GAUGE_KEYS):
+            if k in counters:
                 c = CounterMetricFamily(base.removesuffix("_total"), f"scheduler total {k}")
                 c.add_metric([], float(v))
                 yield c

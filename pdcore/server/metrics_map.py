@@ -92,12 +92,6 @@ SCHED_COUNTERS: list[tuple[str, str, str]] = [
 # counters SGLang keeps in its tokenizer collector (label model_name only)
 REQUEST_LEVEL = frozenset({"sglang:num_aborted_requests"})
 
-# kv_* stats (the KV manager's metrics()) are running totals except these
-KV_GAUGE_KEYS = frozenset({
-    "kv_inflight_rooms", "kv_sessions", "kv_queued_chunks", "kv_prefill_instances",
-    "kv_staging_waiting_rooms", "kv_staging_quarantined", "kv_staging_ring_bytes",
-    "kv_staging_ring_used_bytes"})
-
 # (snapshot key, name, help): the KV manager's per-room histograms (pdcore.disagg.transfer_stats)
 XFER_HISTOGRAMS: list[tuple[str, str, str]] = [
     ("latency_seconds", "pdserve_kv_transfer_latency_seconds",

@@ -241,10 +241,11 @@ def test_failures_by_phase_and_reason(cluster: PDCluster) -> None:
 def test_transfer_stats_rooms_phases_and_dp_merge() -> None:
     """Without servers: a fake (warm-up) room is not measured, a room failing before its peer is
     ready counts as a bootstrap failure and after as a transfer failure, and a DP server's
-    replicas add up (pdcore.runtime.stats.merge_stats)."""
+    replicas add up (StatsReport.merge with pdcore.runtime.stats.merge_transfer_stats)."""
     from pdcore.disagg.states import KVPoll, RoomStates
     from pdcore.disagg.transfer_stats import TransferStats
-    from pdcore.runtime.stats import merge_stats
+    from pdcore.engine.sched.stats import StatsReport
+    from pdcore.runtime.stats import merge_transfer_stats
 
     snaps = []
     for rank in range(2):
@@ -268,8 +269,9 @@ def test_transfer_stats_rooms_phases_and_dp_merge() -> None:
         assert sum(snap["hist"]["bootstrap_seconds"]["counts"]) == 2  # rooms 2 and 4
         assert sorted(snap["failures"]) == [["bootstrap", "timeout", 1],
                                             ["transfer", "peer_failed", 1]]
-        snaps.append({"num_running_reqs": rank, "kv_transfer": {**snap, "rooms": {"x": 1}}})
-    merged = merge_stats(snaps)["kv_transfer"]
+        snaps.append(StatsReport({"num_running_reqs": rank}, kv_transfer={**snap,
+                                                                           "rooms": {"x": 1}}))
+    merged = StatsReport.merge(snaps, merge_transfer_stats).as_dict()["kv_transfer"]
     assert merged["totals"] == {"bytes": 3000, "transfers": 2} and merged["rooms"] == {"x": 2}
     assert sum(merged["hist"]["latency_seconds"]["counts"]) == 2
     assert sorted(merged["failures"]) == [["bootstrap", "timeout", 2],

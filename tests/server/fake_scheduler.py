@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 
 from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
+from pdcore.engine.sched.stats import Kind, StatsReport
 
 
 @dataclass
@@ -81,11 +82,12 @@ def run_fake_scheduler(args: Any, recv_addr: str, send_addr: str, ready_conn: An
             elif isinstance(msg, AbortReq):
                 running.pop(msg.rid, None)
             elif isinstance(msg, ControlReq):
-                data: dict[str, Any] = {}
-                if msg.kind in ("get_load", "stats"):
+                data: Any = {}
+                if msg.kind == "get_load":
                     data = load()
-                    if msg.kind == "stats":
-                        data.update({"num_running_reqs": len(running), "num_waiting_reqs": 0})
+                elif msg.kind == "stats":  # a StatsReport, as the real scheduler answers
+                    data = StatsReport().add(Kind.LOAD, {**load(), "num_running_reqs":
+                                                         len(running), "num_waiting_reqs": 0})
                 elif msg.kind == "last_requests":
                     data = {"reqs": [vars(r) | {"sampling": vars(r.sampling),
                                                  "route": r.route and vars(r.route)}

@@ -24,8 +24,8 @@ import httpx
 import pytest
 from pdserve_testing import ServerProcess
 
+from pdcore.engine.sched.stats import Kind, StatsReport
 from pdcore.runtime.dp.balance import DPBalancer
-from pdcore.runtime.stats import merge_stats
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import spawned_children
@@ -80,13 +80,18 @@ def test_ties_alternate_and_bad_method_is_refused() -> None:
 
 
 def test_merge_stats_adds_counts_and_keeps_per_replica_gauges() -> None:
-    a = {"num_running_reqs": 1, "page_size": 4, "prompt_tokens_total": 10,
-         "cache_hit_tokens_total": 5, "cache_hit_rate": 0.5, "radix_cache_enabled": True}
-    b = {"num_running_reqs": 2, "page_size": 4, "prompt_tokens_total": 30,
-         "cache_hit_tokens_total": 5, "cache_hit_rate": 1 / 6, "radix_cache_enabled": True}
-    m = merge_stats([a, b])
+    def report(running: int, prompt: int, seconds: float) -> StatsReport:
+        r = StatsReport().add(Kind.LOAD, {"num_running_reqs": running})
+        r.add(Kind.INFO, {"page_size": 4, "native_kernels": 1, "radix_cache_enabled": True})
+        r.add(Kind.TOTAL, {"prompt_tokens_total": prompt, "cache_hit_tokens_total": 5,
+                           "forward_decode_seconds_total": seconds})
+        return r.add(Kind.INFO, {"cache_hit_rate": 5 / prompt})
+
+    m = StatsReport.merge([report(1, 10, 0.5), report(2, 30, 0.25)]).as_dict()
     assert m["num_running_reqs"] == 3 and m["page_size"] == 4
     assert m["prompt_tokens_total"] == 40 and m["cache_hit_rate"] == 0.25
+    assert m["forward_decode_seconds_total"] == 0.75  # float totals add up too
+    assert m["native_kernels"] == 1  # a property, not a count: replica 0's
     assert m["dp0_num_running_reqs"] == 1 and m["dp1_num_running_reqs"] == 2
     assert m["radix_cache_enabled"] is True
 

@@ -34,6 +34,7 @@ from pdcore.disagg.aux import AuxBuffers
 from pdcore.disagg.role import RoleExtension
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.scheduler import Scheduler
+from pdcore.engine.sched.stats import StatsReport
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class DecodeExtension(RoleExtension):
     def busy(self) -> bool:
         return bool(self.prealloc or self.transfer or self.quarantine)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsReport:
         return self._stats({
             "disagg_prealloc_queue": len(self.prealloc),
             "disagg_transfer_queue": len(self.transfer),

@@ -31,6 +31,7 @@ from pdcore.disagg.role import RoleExtension
 from pdcore.engine.model.runner import StepResult
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.scheduler import Scheduler
+from pdcore.engine.sched.stats import StatsReport
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,6 @@ class PrefillExtension(RoleExtension):
     def busy(self) -> bool:
         return bool(self.bootstrap or self.inflight)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsReport:
         return self._stats({"disagg_bootstrap_queue": len(self.bootstrap),
                             "disagg_inflight_queue": len(self.inflight)})

@@ -3,9 +3,10 @@ stand-in). What an extension may call back is pdcore.engine.sched.api.SchedulerA
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pdcore.engine.sched.request import Req
+from pdcore.engine.sched.stats import StatsReport
 
 if TYPE_CHECKING:
     from pdcore.engine.model.runner import StepResult
@@ -38,8 +39,9 @@ class Extension:
     def busy(self) -> bool:
         return False
 
-    def stats(self) -> dict[str, Any]:
-        return {}
+    def stats(self) -> StatsReport:
+        """The extension's part of the scheduler's report (engine/sched/stats.py)."""
+        return StatsReport()
 
     def close(self) -> None:
         pass

@@ -12,8 +12,8 @@ SGLang means --dp-size without --enable-dp-attention).
 2. `generate()` sends a request to its `routed_dp_rank` (`data_parallel_rank`) or to the
    balancer's pick (pdcore.runtime.dp.balance) and remembers where it went, so an abort reaches
    the replica that holds it;
-3. `control()` fans out: get_load answers one entry per replica, stats are summed
-   (pdcore.runtime.stats), flush_cache and profiling run on every replica;
+3. `control()` fans out: get_load answers one entry per replica, flush_cache and profiling
+   run on every replica; `stats()` merges the replicas' reports (StatsReport.merge);
 4. a replica's death ends the server, as the death of the only scheduler does.
 
 In PD mode every replica is its own endpoint of the PD control plane: a prefill server's
@@ -39,12 +39,13 @@ from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, TokenOut
 from pdcore.engine.parallel.dp_attention_args import active as dp_attention_active
 from pdcore.engine.parallel.dp_attention_args import new_init_method, replica_args
+from pdcore.engine.sched.stats import StatsReport
 from pdcore.errors import PDError
 from pdcore.runtime.dp.balance import DPBalancer
 from pdcore.runtime.dp.nodes import leader_node
 from pdcore.runtime.dp.remote import RemoteEngineClient
 from pdcore.runtime.handle import EngineClient, EngineError, EngineState
-from pdcore.runtime.stats import merge_stats
+from pdcore.runtime.stats import merge_transfer_stats
 from pdcore.runtime.topology import init_method
 
 log = logging.getLogger(__name__)
@@ -195,21 +196,29 @@ class DPEngineClient:
             self._where.pop(req.rid, None)
             self.balancer.finish(rank, tokens)
 
-    async def control(self, kind: str, args: dict[str, Any] | None = None,
-                      timeout: float = 10.0) -> dict[str, Any]:
+    async def stats(self, timeout: float = 10.0) -> StatsReport:
+        """The replicas' reports merged into one server's (StatsReport.merge)."""
         self.require_ready()
-        results = await asyncio.gather(*(c.control(kind, args, timeout) for c in self.replicas),
+        results = await asyncio.gather(*(c.stats(timeout) for c in self.replicas),
                                        return_exceptions=True)
+        return StatsReport.merge(self._answers(results), merge_transfer_stats)
+
+    def _answers(self, results: list[Any]) -> list[Any]:
         for rank, r in enumerate(results):
             if isinstance(r, EngineError):
                 raise EngineError(f"DP rank {rank}: {r}", r.status) from r
             if isinstance(r, BaseException):
                 raise r
-        datas: list[dict[str, Any]] = [dict(r) for r in results]  # type: ignore[arg-type]
+        return results
+
+    async def control(self, kind: str, args: dict[str, Any] | None = None,
+                      timeout: float = 10.0) -> dict[str, Any]:
+        self.require_ready()
+        results = await asyncio.gather(*(c.control(kind, args, timeout) for c in self.replicas),
+                                       return_exceptions=True)
+        datas: list[dict[str, Any]] = [dict(r) for r in self._answers(results)]
         if kind == "get_load":
             return {"loads": [{**d, "dp_rank": rank} for rank, d in enumerate(datas)]}
-        if kind == "stats":
-            return merge_stats(datas)
         if kind == "flush_cache":
             return {"flushed": all(bool(d.get("flushed")) for d in datas), "dp_ranks": datas}
         return {**datas[0], "dp_ranks": datas}
