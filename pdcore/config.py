@@ -22,9 +22,11 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MOE_A2A_BACKENDS = ("none", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
-# SGLang's --speculative-algorithm names; pdserve builds NGRAM (pdcore/engine/sched/speculative.py)
+# SGLang's --speculative-algorithm names; pdserve builds NGRAM (pdcore/engine/sched/drafter.py)
+# and EAGLE chains (pdcore/engine/sched/eagle.py), verified in pdcore/engine/sched/speculative.py
 SPEC_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
-SPEC_BUILT = ("NGRAM",)
+SPEC_BUILT = ("NGRAM", "EAGLE")
+EAGLE_NUM_STEPS = 3  # --speculative-num-steps default for EAGLE: chains of 3 draft tokens
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 NGRAM_DRAFT_TOKENS = 8  # --speculative-num-draft-tokens default: the current token + 7 drafts
 
@@ -205,15 +207,19 @@ class ServerArgs:
                  if getattr(self, f) is not None] + (
             ["enable_multi_layer_eagle"] if self.enable_multi_layer_eagle else [])
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        named = given + (["speculative_num_draft_tokens"]
+                         if self.speculative_num_draft_tokens is not None else [])
+        line = ", ".join("--" + f.replace("_", "-") for f in named)
         if algo not in SPEC_BUILT:
-            named = given + (["speculative_num_draft_tokens"]
-                             if self.speculative_num_draft_tokens is not None else [])
-            line = ", ".join("--" + f.replace("_", "-") for f in named)
             raise ConfigError(
                 f"--speculative-algorithm {algo}{f' (with {line})' if line else ''} is not "
-                "built yet: it needs a draft model or MTP layers run beside the target, which "
-                "pdserve does not load; NGRAM (drafts from the request's own context, no draft "
-                "model) is built. Use --speculative-algorithm NGRAM, or drop the speculative flags")
+                "built yet: it needs a draft model or MTP layers pdserve does not load; built "
+                "are NGRAM (drafts from the request's own context, no draft model) and EAGLE "
+                "(an EAGLE-1 draft head, chain drafts). Use one of those, or drop the "
+                "speculative flags")
+        if algo == "EAGLE":
+            self._validate_eagle(f"--speculative-algorithm EAGLE{f' (with {line})' if line else ''}")
+            return
         if given:
             raise ConfigError(f"{flags}: NGRAM runs no draft model and drafts a chain; drop "
                               "them (the draft length is --speculative-num-draft-tokens)")
@@ -230,6 +236,47 @@ class ServerArgs:
         if self.speculative_ngram_branch_length < 1 or self.speculative_ngram_capacity < 0:
             raise ConfigError("--speculative-ngram-branch-length must be >= 1 and "
                               "--speculative-ngram-capacity >= 0")
+
+    def _validate_eagle(self, line: str) -> None:
+        """EAGLE: an EAGLE-1 head's chain of --speculative-num-steps drafts, unified mode, one
+        TP rank (the head and its K/V run beside rank 0's schedule). `line`: the flags given,
+        named in every refusal."""
+        pd = (f"--disaggregation-mode {self.disaggregation_mode}: EAGLE is built for the "
+              "unified engine only for now (the draft head's K/V do not travel with a PD "
+              "transfer); use NGRAM in PD mode, or --disaggregation-mode null")
+        why = [(self.disaggregation_mode != "null", pd),
+               (self.enable_multi_layer_eagle,
+                "--enable-multi-layer-eagle: multi-layer EAGLE heads are not built"),
+               (self.speculative_draft_model_quantization is not None,
+                "--speculative-draft-model-quantization: the head runs in --dtype"),
+               (self.tp_size > 1 or self.enable_dp_attention,
+                "--tp-size > 1 / --enable-dp-attention: EAGLE runs on one TP rank for now"),
+               (not self.speculative_draft_model_path,
+                ("needs --speculative-draft-model-path: an HF folder of an EAGLE-1 draft head "
+                 "(config.json with architectures [\"LlamaForCausalLMEagle\"], safetensors)"))]
+        for bad, what in why:
+            if bad:
+                raise ConfigError(f"{line}: {what}")
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        if self.speculative_eagle_topk != 1:
+            raise ConfigError(f"--speculative-eagle-topk {self.speculative_eagle_topk}: only 1 "
+                              "(chain drafts) is built; tree drafts (topk > 1) are not")
+        steps = self.speculative_num_steps
+        if steps is None:
+            steps = (self.speculative_num_draft_tokens - 1
+                     if self.speculative_num_draft_tokens is not None else EAGLE_NUM_STEPS)
+        if not 1 <= steps <= 63:
+            raise ConfigError("--speculative-num-steps must be in [1, 63] (draft tokens per "
+                              "chain)")
+        self.speculative_num_steps = steps
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = steps + 1
+        if self.speculative_num_draft_tokens != steps + 1:
+            raise ConfigError(f"--speculative-num-draft-tokens {self.speculative_num_draft_tokens}"
+                              f" with --speculative-num-steps {steps} and topk 1: a chain "
+                              f"verifies the current token + its {steps} drafts, so it must "
+                              f"be {steps + 1} (or left out)")
 
     # set by the server for its engine processes (a DP replica's rank, the route secret, ...),
     # never by a user: no flag

@@ -37,7 +37,7 @@ from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model.runner import ModelRunner
 from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
-from pdcore.engine.sched.speculative import NgramSpeculator, SpecConfig
+from pdcore.engine.sched.speculative import SpecConfig, Speculator
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span
 from pdcore.interfaces.memory import PoolContext
@@ -175,10 +175,11 @@ def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
                           eos, any_whitespace=not args.constrained_json_disable_any_whitespace)
 
 
-def _speculator(args: ServerArgs) -> NgramSpeculator | None:
-    """Drafts for the servers that decode (a prefill server samples one token): NGRAM with
-    --speculative-algorithm, and jump-forward for constrained requests (the grammar's forced
-    tokens; without TP, where the matcher is on the rank that drafts)."""
+def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None = None,
+                ) -> Speculator | None:
+    """Drafts for the servers that decode (a prefill server samples one token): NGRAM or EAGLE
+    with --speculative-algorithm, and jump-forward for constrained requests (the grammar's
+    forced tokens; without TP, where the matcher is on the rank that drafts)."""
     jump = (jump_forward() and args.grammar_backend != "none" and args.tp_size == 1
             and not args.enable_dp_attention)
     if args.speculative_algorithm is None and not jump:
@@ -194,11 +195,30 @@ def _speculator(args: ServerArgs) -> NgramSpeculator | None:
                      args.speculative_ngram_max_match_window_size,
                      args.speculative_ngram_branch_length, args.speculative_ngram_capacity,
                      gate=spec_gate(), jump_forward=jump)
-    if cfg.ngram:
+    drafter = None
+    if cfg.algorithm == "EAGLE":
+        drafter = _eagle_drafter(args, cfg, model, blocks)
+    if cfg.algorithm is not None:
         log.info("speculative decoding: %s, up to %d draft tokens per request and step%s",
                  cfg.algorithm, cfg.max_drafts, "; jump-forward for constrained requests"
                  if jump else "")
-    return NgramSpeculator(cfg)
+    return Speculator(cfg, drafter)
+
+
+def _eagle_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockManager | None):
+    """The EAGLE draft head of --speculative-draft-model-path beside `model`, with its one-layer
+    K/V pool addressed like the target's (engine/sched/eagle.py)."""
+    from pdcore.engine.model.eagle import load_eagle_head
+    from pdcore.engine.sched.eagle import EagleDrafter
+
+    assert model is not None and blocks is not None and args.speculative_draft_model_path
+    p = next(model.parameters())
+    head = load_eagle_head(args.speculative_draft_model_path, model, p.dtype, p.device)
+    drafter = EagleDrafter(head, blocks, args.max_running_requests, cfg.max_drafts)
+    log.info("EAGLE draft head %s: %d-token chains; its K/V pool takes %.1f MiB beside the "
+             "target's", args.speculative_draft_model_path, cfg.max_drafts,
+             drafter.pool_bytes / 2**20)
+    return drafter
 
 
 def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
@@ -237,12 +257,14 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     runner = ModelRunner(model, kv, blocks, tp)
     runner.grammar = _grammar(args, cfg, [e for e in eos if e is not None])
+    speculator = _speculator(args, model, blocks)
+    runner.capture_hidden = speculator is not None and speculator.needs_hidden
     sched = Scheduler(runner, blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
         eos_ids=frozenset(e for e in eos if e is not None),
         schedule_policy=args.schedule_policy), cache=_prefix_cache(args, blocks),
-        spec=_speculator(args))
+        spec=speculator)
     info = {
         "model_path": resolved.display_path, "tokenizer_path": resolved.display_path,
         "served_model_name": args.served_model_name or resolved.name,

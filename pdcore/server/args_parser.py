@@ -99,10 +99,21 @@ HELP: dict[str, str] = {
     "reasoning_parser": "the model's <think> format: /v1/chat/completions returns the "
                         "reasoning as reasoning_content",
     "speculative_algorithm": "speculative decoding: NGRAM (draft tokens from the request's own "
-                             "context and earlier outputs, verified in one pass); EAGLE, EAGLE3, "
-                             "NEXTN and STANDALONE are refused (not built)",
+                             "context and earlier outputs, verified in one pass) or EAGLE (an "
+                             "EAGLE-1 draft head, --speculative-draft-model-path, chain drafts; "
+                             "unified mode, one TP rank); EAGLE3, NEXTN and STANDALONE are "
+                             "refused (not built)",
     "speculative_num_draft_tokens": "positions verified per request and step: the current "
-                                    "token + up to this many - 1 drafts (NGRAM default 8)",
+                                    "token + up to this many - 1 drafts (NGRAM default 8; "
+                                    "EAGLE: --speculative-num-steps + 1)",
+    "speculative_draft_model_path": "EAGLE: HF folder of an EAGLE-1 draft head (config.json "
+                                    "architectures [\"LlamaForCausalLMEagle\"]; fc, one decoder "
+                                    "layer; the target's embedding and lm_head unless it has "
+                                    "its own)",
+    "speculative_num_steps": "EAGLE: draft tokens per chain (default 3)",
+    "speculative_eagle_topk": "EAGLE: candidates per draft step; only 1 (a chain) is built",
+    "enable_multi_layer_eagle": "refused: multi-layer EAGLE heads are not built",
+    "speculative_draft_model_quantization": "refused: the draft head runs in --dtype",
     "speculative_ngram_min_match_window_size": "shortest context suffix an NGRAM draft must "
                                                "match",
     "speculative_ngram_max_match_window_size": "longest context suffix NGRAM matches",

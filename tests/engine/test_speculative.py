@@ -14,7 +14,7 @@ from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GrammarSpec, SamplingParams
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.sampler import SampleState
-from pdcore.engine.sched.speculative import NgramSpeculator, SpecConfig, verify
+from pdcore.engine.sched.speculative import SpecConfig, Speculator, verify
 from pdcore.errors import ConfigError
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
@@ -32,7 +32,7 @@ def _req(tokens: list[int], greedy: bool = True) -> Req:
 # ---- the drafter ------------------------------------------------------------------------------
 
 def test_drafts_continue_the_latest_longest_match_of_the_context():
-    spec = NgramSpeculator(SpecConfig(num_draft_tokens=5, min_window=1, max_window=4))
+    spec = Speculator(SpecConfig(num_draft_tokens=5, min_window=1, max_window=4))
     # "7 8 9" occurs twice; the last token 9 matches both, "8 9" too; the later match wins
     r = _req([1, 7, 8, 9, 10, 11, 12, 2, 7, 8, 9, 20, 21, 3, 7, 8, 9])
     assert spec.propose(r, budget=10) == [20, 21, 3, 7]
@@ -44,13 +44,13 @@ def test_drafts_continue_the_latest_longest_match_of_the_context():
 
 
 def test_min_window_and_no_match_give_no_drafts():
-    spec = NgramSpeculator(SpecConfig(min_window=3))
+    spec = Speculator(SpecConfig(min_window=3))
     assert spec.propose(_req([1, 2, 3, 9, 4, 5, 9]), budget=8) == []  # only "9" matches
-    assert NgramSpeculator(SpecConfig()).propose(_req([1, 2, 3, 4]), budget=8) == []
+    assert Speculator(SpecConfig()).propose(_req([1, 2, 3, 4]), budget=8) == []
 
 
 def test_penalties_are_not_speculated_and_grammars_are():
-    spec = NgramSpeculator(SpecConfig())
+    spec = Speculator(SpecConfig())
     r = _req([1, 2, 3, 1, 2, 3, 1, 2])
     r.state.params.grammar = GrammarSpec("regex", "[0-9]+", "regex")
     assert spec.propose(r, budget=8) == [3, 1, 2]  # verified under the grammar's masks
@@ -67,19 +67,19 @@ def test_penalties_are_not_speculated_and_grammars_are():
 
 
 def test_cross_request_cache_drafts_for_a_new_request():
-    spec = NgramSpeculator(SpecConfig(num_draft_tokens=4))
+    spec = Speculator(SpecConfig(num_draft_tokens=4))
     done = _req([1, 2, 3])
     done.output = [30, 31, 32, 33, 34, 35]
     spec.remember(done)
     fresh = _req([9, 9, 31, 32, 33])  # its own context has no earlier "33"
     assert spec.propose(fresh, budget=8) == [34, 35]
-    small = NgramSpeculator(SpecConfig(capacity=2))
+    small = Speculator(SpecConfig(capacity=2))
     small.remember(done)
     assert len(small.cache) == 2
 
 
 def test_the_gate_drops_drafts_that_would_not_pay_and_tries_again_later():
-    spec = NgramSpeculator(SpecConfig(num_draft_tokens=4))
+    spec = Speculator(SpecConfig(num_draft_tokens=4))
     reqs = [_req([1, 2, 3, 1, 2, 3, 1, 2]) for _ in range(4)]
     spec.ratio = 3.0  # a verify costs three decode steps
     for r in reqs:
@@ -99,7 +99,7 @@ def test_the_gate_drops_drafts_that_would_not_pay_and_tries_again_later():
 
 
 def test_measured_ratio_follows_step_times():
-    spec = NgramSpeculator(SpecConfig())
+    spec = Speculator(SpecConfig())
     for _ in range(20):
         spec.timed(4, 0.010, verify=False)
         spec.timed(4, 0.030, verify=True)
@@ -242,8 +242,8 @@ def test_tp2_speculative_greedy_equals_tp1(tiny, monkeypatch):
 
 
 def test_flags_refuse_what_is_not_built():
-    with pytest.raises(ConfigError, match="EAGLE is not built"):
-        ServerArgs(speculative_algorithm="EAGLE").validate()
+    with pytest.raises(ConfigError, match="EAGLE3 is not built"):
+        ServerArgs(speculative_algorithm="EAGLE3").validate()
     with pytest.raises(ConfigError, match="NGRAM runs no draft model"):
         ServerArgs(speculative_algorithm="NGRAM",
                    speculative_draft_model_path="/x").validate()

@@ -31,7 +31,11 @@ class CausalLM(nn.Module):
     def logits_of(self, residual: torch.Tensor, batch: ForwardBatch,
                   logits: bool) -> torch.Tensor | None:
         """Float32 logits [R, vocab] of batch.logit_rows from the last layer's residual stream;
-        None when `logits` is False (TP ranks other than 0 leave sampling to rank 0)."""
+        None when `logits` is False (TP ranks other than 0 leave sampling to rank 0). With
+        batch.extra["capture_hidden"] set, every row's final-norm output (what the lm_head
+        reads: the hidden state an EAGLE draft head takes) goes to batch.extra["hidden"]."""
+        if batch.extra.get("capture_hidden"):
+            batch.extra["hidden"] = self.norm(residual)
         if not logits:
             return None
         h = self.norm(residual[batch.logit_rows])

@@ -42,6 +42,9 @@ class StepResult:
     # and their logprob entries; `token` stays None then
     spec_tokens: list[int] | None = None
     spec_logprobs: list[LogprobEntry] | None = None
+    # with ModelRunner.capture_hidden: the target's final-norm hidden states of this item's n
+    # positions ([n, hidden]; an EAGLE drafter reads them), None after a failed forward
+    hidden: torch.Tensor | None = None
 
 
 class RankDivergedError(RuntimeError):
@@ -56,6 +59,7 @@ class ModelRunner:
         self.tp = tp or TPInfo()
         self.grammar: GrammarBackend | None = None  # structured output (build_engine sets it)
         self.device = next(model.parameters()).device
+        self.capture_hidden = False  # hand each item its hidden states (an EAGLE drafter's)
 
     def release_caches(self) -> None:
         """Going idle: drop what only a running batch uses (the decode K/V view)."""
@@ -115,6 +119,8 @@ class ModelRunner:
             seqs=seqs,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
         )
+        if self.capture_hidden:
+            batch.extra["capture_hidden"] = True
         results = [StepResult(r, n) for r, n in items]
         leader = self.tp.rank == 0
         failure: RowError | None = None
@@ -122,6 +128,10 @@ class ModelRunner:
             logits = self.model(batch, self.kv.layers, logits=leader)
             if leader:
                 self._sample(items, plan, logits.cpu(), results)
+            hidden = batch.extra.get("hidden")
+            if hidden is not None:
+                for res, s in zip(results, seqs):
+                    res.hidden = hidden[s.q_start : s.q_start + s.q_len]
         except Exception as e:
             # the whole batch fails (no bisection): a forward error is rarely one request's,
             # and re-running sub-batches would write K/V twice and cost more forward passes
@@ -143,7 +153,7 @@ class ModelRunner:
         if failure is not None:
             for res in results:
                 res.token, res.logprob, res.prompt_logprobs, res.error = None, None, None, failure
-                res.spec_tokens = res.spec_logprobs = None
+                res.spec_tokens = res.spec_logprobs = res.hidden = None
         return results
 
     @staticmethod

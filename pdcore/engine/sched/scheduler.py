@@ -31,7 +31,7 @@ from pdcore.engine.model.runner import ModelRunner, StepResult
 from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.outputs import take_output
 from pdcore.engine.sched.request import Phase, Req
-from pdcore.engine.sched.speculative import NgramSpeculator
+from pdcore.engine.sched.speculative import Speculator
 from pdcore.engine.sched.stats import Counters, scheduler_stats
 from pdcore.errors import InvalidRequestError
 
@@ -55,7 +55,7 @@ LPM_MAX_QUEUE = 128
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, blocks: BlockManager, cfg: SchedulerConfig,
-                 cache: RadixCache | None = None, spec: NgramSpeculator | None = None) -> None:
+                 cache: RadixCache | None = None, spec: Speculator | None = None) -> None:
         self.runner, self.blocks, self.cfg = runner, blocks, cfg
         self.spec = spec  # speculative decoding (engine/sched/speculative.py); None: off
         self.cache = cache  # None: --disable-radix-cache (or a decode server without its own)
@@ -211,10 +211,9 @@ class Scheduler:
         """The decode items with this step's draft tokens (engine/sched/speculative.py)."""
         spec = self.spec
         assert spec is not None
-        for req in decodes:
-            p = req.params
-            spec.propose(req, min(p.max_new_tokens - len(req.output),
-                                  self.cfg.context_length - req.seq_len) - 1)
+        spec.propose_all(decodes, [min(r.params.max_new_tokens - len(r.output),
+                                       self.cfg.context_length - r.seq_len) - 1
+                                   for r in decodes])
         spec.select(decodes)
         # a queued request's next chunk keeps its pages
         chunk = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
@@ -239,6 +238,8 @@ class Scheduler:
             c.steps += 1
             t0 = time.perf_counter()
             results = self.runner.run(items)
+            if self.spec is not None:  # a draft model reads the step before it is applied
+                self.spec.observe(items, results)
             took = time.perf_counter() - t0
             if any(n > 1 and not r.drafts for r, n in items):
                 c.extend_steps, c.extend_seconds = c.extend_steps + 1, c.extend_seconds + took

@@ -1,11 +1,10 @@
-"""Speculative decoding: NGRAM drafts, verified in the target model's ordinary forward pass.
+"""Speculative decoding: drafts verified in the target model's ordinary forward pass.
 
 A decoding request whose sampling allows it (no penalties, logit_bias or pending
-min_new_tokens) gets up to k draft tokens each step from the n-gram drafter: the continuation
-that followed the latest earlier occurrence of its context's longest matching suffix
-(`--speculative-ngram-min/max-match-window-size`), in its own prompt and output first, else in
-a bounded cache of n-grams from earlier requests (`--speculative-ngram-capacity` entries). No
-draft model: the drafter costs a dictionary lookup per request.
+min_new_tokens) gets up to k draft tokens each step from the algorithm's drafter
+(engine/sched/drafter.py: the interface and NGRAM, drafts from the request's own context and a
+cross-request n-gram cache; engine/sched/eagle.py: EAGLE, a one-layer draft head over the
+target's hidden states, a chain of k tokens). Whatever drafted them, the verify is the same.
 
 The step feeds [last token, d1..dk] as one k+1-token extend over the paged pool (the
 scheduler allocates pages for the drafts from free pages only, never evicting or preempting
@@ -22,7 +21,7 @@ steps, never read); their pages beyond the sequence return to the pool at once.
 
 Constrained requests (structured output) speculate too: with jump-forward on (TP 1) their drafts
 are the tokens the grammar forces next (keys, punctuation: xgrammar's jump-forward tokens, which
-may split the text otherwise than the model would), else n-gram drafts; `verify` masks each row
+may split the text otherwise than the model would), else the drafter's; `verify` masks each row
 by the grammar's state after the tokens accepted before it, so the output is the one decoding a
 token at a time gives.
 
@@ -39,7 +38,6 @@ Adaptive, so that speculation does not cost where it cannot help:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +45,7 @@ import torch
 
 from pdcore.config import NGRAM_DRAFT_TOKENS
 from pdcore.engine.io_struct import LogprobEntry
+from pdcore.engine.sched.drafter import Drafter, NgramDrafter
 from pdcore.engine.sched.sampler import SampleState, logprob_entry, probs_for, row_error
 from pdcore.errors import InvalidRequestError
 
@@ -55,8 +54,6 @@ if TYPE_CHECKING:
     from pdcore.engine.sched.request import Req
     from pdcore.engine.sched.sampler import RowError
 
-CANDIDATES = 8  # latest occurrences of the last token examined per lookup
-CACHE_KEY = 3  # tokens of context that key the cross-request cache
 PRIOR = 0.6  # acceptance rate assumed for a request that has not verified yet
 DRIFT = 0.03  # per step without a verify, the acceptance estimate's move back toward PRIOR
 EMA = 0.3  # weight of a new observation in the acceptance and step-time averages
@@ -94,6 +91,7 @@ class ReqSpec:
     indexed: int = 0  # positions entered in `index`
     alpha: float = PRIOR  # estimated chance that a draft token is accepted
     verify_ct: int = 0  # verify passes this request took part in (meta_info spec_verify_ct)
+    draft: Any = None  # the drafter's own state for this request (EAGLE: its next draft input)
 
 
 def eligible(req: Req) -> bool:
@@ -106,10 +104,14 @@ def eligible(req: Req) -> bool:
             and len(req.output) >= p.min_new_tokens)
 
 
-class NgramSpeculator:
-    def __init__(self, cfg: SpecConfig) -> None:
+class Speculator:
+    """Drafts for a decode batch (a `Drafter` per algorithm: engine/sched/drafter.py, NGRAM;
+    engine/sched/eagle.py, EAGLE), the cost gate and the verify bookkeeping, shared by all."""
+
+    def __init__(self, cfg: SpecConfig, drafter: Drafter | None = None) -> None:
         self.cfg = cfg
-        self.cache: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+        self.drafter = drafter if drafter is not None else (
+            NgramDrafter(cfg) if cfg.ngram else None)
         self.steps = self.verifies = self.proposed = self.accepted = self.emitted = 0
         self.seconds = 0.0  # forward time of decode steps that verified drafts
         self.ratio = 1.5  # verify step time / decode step time at the same batch (measured)
@@ -117,30 +119,57 @@ class NgramSpeculator:
         self.gated = 0  # steps whose drafts were dropped because they would not pay
         self.forced = 0  # draft tokens a grammar forced (jump-forward)
 
+    @property
+    def cache(self) -> Any:
+        """NGRAM's cross-request n-gram cache (None for other drafters)."""
+        return getattr(self.drafter, "cache", None)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.drafter is not None and self.drafter.needs_hidden
+
     # ---- drafting ----------------------------------------------------------------------------
     def propose(self, req: Req, budget: int) -> list[int]:
         """Draft tokens for `req` (at most `budget`); sets req.spec.drafts."""
-        sp = req.spec
-        if sp is None:
-            sp = req.spec = ReqSpec(cap=self.cfg.max_drafts)
-        sp.drafts = []
-        k = min(sp.cap, budget)
-        if k <= 0 or not eligible(req):
-            return sp.drafts
-        st = req.state
-        if self.cfg.jump_forward and st.constraint is not None and not st.grammar_done:
-            forced = st.constraint.jump_tokens()
-            if forced:
-                sp.drafts = forced[:k]
-                self.forced += len(sp.drafts)
-                return sp.drafts
-        if not self.cfg.ngram:
-            return sp.drafts
-        own, matched = self._own(req, sp, k)
-        # the longer match predicts better: a cached continuation (keyed by CACHE_KEY tokens)
-        # beats an own-context match that is not longer than its key
-        sp.drafts = own if matched > CACHE_KEY else (self._cached(req, k) or own)
-        return sp.drafts
+        self.propose_all([req], [budget])
+        return req.spec.drafts
+
+    def propose_all(self, reqs: list[Req], budgets: list[int]) -> None:
+        """Each request's drafts for this step (at most its budget and its cap) into
+        req.spec.drafts: a constrained request's forced tokens (jump-forward), else the
+        drafter's, asked for the whole batch at once."""
+        ask: list[tuple[Req, int]] = []
+        for req, budget in zip(reqs, budgets):
+            sp = req.spec
+            if sp is None:
+                sp = req.spec = ReqSpec(cap=self.cfg.max_drafts)
+            sp.drafts = []
+            k = min(sp.cap, budget)
+            if k <= 0 or not eligible(req):
+                continue
+            st = req.state
+            if self.cfg.jump_forward and st.constraint is not None and not st.grammar_done:
+                forced = st.constraint.jump_tokens()
+                if forced:
+                    sp.drafts = forced[:k]
+                    self.forced += len(sp.drafts)
+                    continue
+            if self.drafter is not None:
+                ask.append((req, k))
+        if ask:
+            drafts = self.drafter.propose([r for r, _ in ask], [k for _, k in ask])
+            for (req, k), d in zip(ask, drafts):
+                req.spec.drafts = list(d[:k])
+
+    def observe(self, items: list[tuple[Req, int]], results: list[Any]) -> None:
+        """A target forward's results, before the scheduler applies them (the drafter's)."""
+        if self.drafter is not None:
+            self.drafter.observe(items, results)
+
+    def remember(self, req: Req) -> None:
+        """A finished request (NGRAM: its output enters the cross-request cache)."""
+        if self.drafter is not None:
+            self.drafter.remember(req)
 
     def select(self, reqs: list[Req]) -> None:
         """Keep this step's drafts only if the verify pays for the whole batch (module doc)."""
@@ -170,53 +199,6 @@ class NgramSpeculator:
         if base:
             self.ratio = max(1.0, self.ratio + EMA * (seconds / base - self.ratio))
 
-    def _own(self, req: Req, sp: ReqSpec, k: int) -> tuple[list[int], int]:
-        """The continuation of the latest longest match of the context's suffix in the
-        context itself, and the match's length (0: none)."""
-        n = req.seq_len
-        for p in range(sp.indexed, n - 1):  # every position but the last: a match needs a next
-            sp.index.setdefault(req.token_at(p), []).append(p)
-        sp.indexed = max(sp.indexed, n - 1)
-        cands = sp.index.get(req.token_at(n - 1))
-        if not cands:
-            return [], 0
-        best, best_len = -1, 0
-        for p in reversed(cands[-CANDIDATES:]):
-            m = 1
-            while m < self.cfg.max_window and p - m >= 0 \
-                    and req.token_at(p - m) == req.token_at(n - 1 - m):
-                m += 1
-            if m > best_len:
-                best, best_len = p, m
-                if m >= self.cfg.max_window:
-                    break
-        if best_len < self.cfg.min_window:
-            return [], 0
-        return [req.token_at(q) for q in range(best + 1, min(best + 1 + k, n))], best_len
-
-    def _cached(self, req: Req, k: int) -> list[int]:
-        n = req.seq_len
-        if not self.cache or n < CACHE_KEY:
-            return []
-        key = tuple(req.token_at(p) for p in range(n - CACHE_KEY, n))
-        hit = self.cache.get(key)
-        if hit is None:
-            return []
-        self.cache.move_to_end(key)
-        return hit[:k]
-
-    def remember(self, req: Req) -> None:
-        """A finished request's output enters the cross-request cache."""
-        if not self.cfg.ngram or self.cfg.capacity <= 0 or not req.output:
-            return
-        seq = req.prompt[-CACHE_KEY:] + req.output
-        for i in range(len(seq) - CACHE_KEY):
-            key = tuple(seq[i : i + CACHE_KEY])
-            self.cache[key] = seq[i + CACHE_KEY : i + CACHE_KEY + self.cfg.branch_length]
-            self.cache.move_to_end(key)
-        while len(self.cache) > self.cfg.capacity:
-            self.cache.popitem(last=False)
-
     # ---- after the verify pass -----------------------------------------------------------------
     def verified(self, req: Req, drafts: list[int], tokens: list[int]) -> None:
         """Book one verify of `req`: `tokens` came out of `drafts` (the accepted ones are their
@@ -234,7 +216,10 @@ class NgramSpeculator:
                   else max(1, accepted + 1))
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {"spec_cache_entries": 0}
+        if self.drafter is not None:
+            out.update(self.drafter.stats())
+        return {**out,
             "spec_verify_steps_total": self.steps, "spec_verify_seconds_total": self.seconds,
             "spec_verifies_total": self.verifies,
             "spec_draft_tokens_total": self.proposed,
@@ -242,7 +227,7 @@ class NgramSpeculator:
             "spec_emitted_tokens_total": self.emitted,
             "spec_accept_length": self.emitted / self.verifies if self.verifies else 0.0,
             "spec_accept_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "spec_cache_entries": len(self.cache), "spec_cost_ratio": self.ratio,
+            "spec_cost_ratio": self.ratio,
             "spec_gated_steps_total": self.gated, "spec_jump_forward_tokens_total": self.forced,
         }
 

@@ -1,0 +1,193 @@
+"""EAGLE drafts (`--speculative-algorithm EAGLE`, chain: `--speculative-eagle-topk 1`): a
+one-layer draft head (engine/model/eagle.py) that reads the target's hidden states.
+
+The head's input at position p is the pair (f_p, t_{p+1}): the target's hidden state at p (the
+one its lm_head reads there) and the token after p. Its output g_{p+1} stands for f_{p+1}: the
+lm_head of g_{p+1} scores t_{p+2}, and (g_{p+1}, that token) is the pair at p + 1.
+
+- After every target forward (`observe`, before the scheduler applies the step's tokens), the
+  head runs over the pairs of every position the target just computed (prefill chunks,
+  decodes, the accepted part of a verify: the tokens after them are then known: the prompt's,
+  the sampled token, the verify's tokens), batched over the step's requests. Its K/V go into
+  the drafter's one-layer pool at the same slots as the target's K/V of those positions, so
+  the draft context lives in the request's own pages: pages shared through the prefix cache
+  carry their draft K/V, a preempted, finished or aborted request frees its draft K/V with its
+  pages, and rejected drafts' positions are simply written again by the next observe. The
+  output at the request's last computed position gives the first draft token and the hidden
+  state the chain continues from (kept in req.spec.draft, dropped with the request).
+- `propose` (the next step, for the decode batch) extends the chain: k - 1 more passes of one
+  token per request, batched, each attending the request's draft context plus the chain so far.
+  The chain's K/V are scratch (slots past the pool's pages, reused every step): they stand on
+  guessed tokens, and the verify decides which positions become real.
+
+Drafts are the head's argmax (a chain; trees, topk > 1, are not built). Whatever the head
+proposes, the verify pass keeps the output exact (greedy identity, rejection sampling).
+A failed draft pass costs the step its drafts only (logged, counted); decoding goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdcore.engine.model.batch import ForwardBatch, SeqSpan
+from pdcore.engine.sched.drafter import Drafter
+from pdcore.engine.sched.speculative import ReqSpec
+
+if TYPE_CHECKING:
+    from pdcore.engine.kv.blocks import BlockManager
+    from pdcore.engine.model.eagle import EagleHead
+    from pdcore.engine.model.runner import StepResult
+    from pdcore.engine.sched.request import Req
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChainStart:
+    """Where a request's next chain starts: made by `observe` when the target had computed
+    `at` positions (valid while req.num_computed == at)."""
+
+    at: int
+    token: int  # the first draft: the head's argmax at position at - 1
+    hidden: torch.Tensor  # [hidden]: the head's output there, fed with `token` at `at`
+
+
+@dataclass
+class _Pairs:
+    """One request's share of a head pass."""
+
+    req: Req
+    start: int  # its first row in the pass
+    count: int
+    at: int  # the computed positions once these pairs are in (ChainStart.at)
+
+
+class EagleDrafter(Drafter):
+    needs_hidden = True
+
+    def __init__(self, head: EagleHead, blocks: BlockManager, max_running: int,
+                 max_drafts: int) -> None:
+        self.head, self.blocks = head, blocks
+        self.max_drafts = max(1, max_drafts)
+        p = next(head.parameters())
+        self.device, dtype = p.device, p.dtype
+        ps = blocks.page_size
+        self.base = blocks.num_pages * ps  # the first scratch slot
+        self.chain = max(1, self.max_drafts - 1)  # scratch slots per request
+        self.rows = max(1, max_running)  # requests a chain holds scratch for
+        pages = blocks.num_pages + -(-(self.rows * self.chain) // ps)
+        shape = (pages, ps, head.kv_heads, head.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.passes = 0  # head forward passes (observe and chain steps)
+        self.failures = 0  # draft passes that raised (their step drafted nothing)
+
+    @property
+    def pool_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def _run(self, ids: list[int], pos: list[int], out: list[int], seqs: list[SeqSpan],
+             hidden: torch.Tensor) -> torch.Tensor:
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            out_slots=torch.tensor(out, dtype=torch.long, device=dev), seqs=seqs,
+            logit_rows=torch.empty(0, dtype=torch.long, device=dev))
+        self.passes += 1
+        return self.head(batch, hidden.to(dtype=self.k.dtype), self.k, self.v)
+
+    # ---- after the target's forward ------------------------------------------------------------
+    def observe(self, items: list[tuple[Req, int]], results: list[StepResult]) -> None:
+        ids: list[int] = []
+        pos: list[int] = []
+        out: list[int] = []
+        seqs: list[SeqSpan] = []
+        hidden: list[torch.Tensor] = []
+        plan: list[_Pairs] = []
+        for (r, n), res in zip(items, results):
+            if res.error is not None or res.hidden is None or r.ctx_slots is None:
+                continue
+            a = r.num_computed
+            if res.spec_tokens is not None:  # a verify: its accepted positions + the bonus
+                nxt = list(res.spec_tokens)
+            else:
+                nxt = [r.token_at(p + 1) for p in range(a, min(a + n, r.seq_len - 1))]
+                if a + n == r.seq_len and res.token is not None:
+                    nxt.append(res.token)
+            v = min(len(nxt), n)
+            if v <= 0:
+                continue
+            ctx = r.ctx_slots[: a + v]
+            seqs.append(SeqSpan(len(ids), v, ctx.to(self.device)))
+            plan.append(_Pairs(r, len(ids), v, a + v))
+            ids.extend(nxt[:v])
+            pos.extend(range(a, a + v))
+            out.extend(ctx[a:].tolist())
+            hidden.append(res.hidden[:v])
+        if not plan:
+            return
+        try:
+            g = self._run(ids, pos, out, seqs, torch.cat(hidden))
+            last = torch.tensor([p.start + p.count - 1 for p in plan], device=self.device)
+            tokens = self.head.logits(g[last]).argmax(-1).tolist()
+        except Exception:  # the drafts are lost, the step's tokens are not
+            log.exception("EAGLE draft head failed on the target's step (%d pairs)", len(ids))
+            self.failures += 1
+            for p in plan:
+                if p.req.spec is not None:
+                    p.req.spec.draft = None
+            return
+        for p, row, tok in zip(plan, last.tolist(), tokens):
+            sp = p.req.spec
+            if sp is None:
+                sp = p.req.spec = ReqSpec(cap=self.max_drafts)
+            sp.draft = ChainStart(p.at, int(tok), g[row].clone())
+
+    # ---- the chain ---------------------------------------------------------------------------------
+    def propose(self, reqs: list[Req], wants: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in reqs]
+        live: list[tuple[int, ChainStart, torch.Tensor]] = []
+        for i, r in enumerate(reqs):
+            st = r.spec.draft if r.spec is not None else None
+            if not isinstance(st, ChainStart) or st.at != r.num_computed \
+                    or r.seq_len != st.at + 1 or len(live) >= self.rows:
+                continue
+            drafts[i] = [st.token]
+            ctx = r.ctx_slots
+            if ctx is None or len(ctx) != st.at:
+                ctx = self.blocks.slots(r.pages, 0, st.at)
+            live.append((i, st, ctx))
+        steps = max((wants[i] for i, _, _ in live), default=0)
+        if steps <= 1:
+            return drafts
+        g = torch.stack([st.hidden for _, st, _ in live])
+        try:
+            for j in range(1, steps):  # the pair (g, d_j) at position at + j - 1 gives d_j+1
+                act = [b for b, (i, _, _) in enumerate(live) if wants[i] > j]
+                if not act:
+                    break
+                ids, pos, out, seqs = [], [], [], []
+                for q, b in enumerate(act):
+                    i, st, ctx = live[b]
+                    scratch = [self.base + b * self.chain + c for c in range(j)]
+                    seqs.append(SeqSpan(q, 1, torch.cat(
+                        [ctx, torch.tensor(scratch, dtype=torch.long)]).to(self.device)))
+                    ids.append(drafts[i][-1])
+                    pos.append(st.at + j - 1)
+                    out.append(scratch[-1])
+                h = self._run(ids, pos, out, seqs, g[act])
+                toks = self.head.logits(h).argmax(-1).tolist()
+                g = g.clone()
+                g[act] = h.to(g.dtype)
+                for b, t in zip(act, toks):
+                    drafts[live[b][0]].append(int(t))
+        except Exception:  # this step drafts nothing; decoding goes on
+            log.exception("EAGLE draft chain failed (%d requests)", len(live))
+            self.failures += 1
+            return [[] for _ in reqs]
+        return drafts
