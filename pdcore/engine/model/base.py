@@ -1,6 +1,10 @@
-"""What every model family shares around its decoder layers: the token embedding, the final
-norm and the lm_head (packed for small-batch GEMMs), the logits of the wanted rows, and those
-weights from an HF checkpoint. A family supplies its layers, their loop and their weights."""
+"""What every model family shares: the token embedding, the forward pass and its layer loop
+(pre-norm: the residual stream plus attention of its norm, then plus the MLP of its norm), the
+final norm and the lm_head (packed for small-batch GEMMs), the logits of the wanted rows, and
+those weights from an HF checkpoint. A family supplies its layers (`self.layers`, each with
+input_layernorm, self_attn, post_attention_layernorm, mlp), how a layer's attention is called
+(`attend`), what a step prepares for every layer (`begin`: rotary tables, views) and its
+weights; `fast_layers` may run the whole loop another way (the native decode step)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,44 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size),
                                     requires_grad=False)
         self.lm_head_packed: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                logits: bool = True) -> torch.Tensor | None:
+        """Logits [R, vocab] of batch.logit_rows; None when `logits` is False (TP ranks other
+        than 0 run the layers for their shards and leave sampling to rank 0)."""
+        h = self.embed_tokens(batch.input_ids)
+        step = self.begin(h, batch, kv)
+        residual = self.fast_layers(h, step)
+        if residual is None:
+            residual = self.run_layers(h, step)
+        self.end(step)
+        return self.logits_of(residual, batch, logits)
+
+    def run_layers(self, h: torch.Tensor, step: Any) -> torch.Tensor:
+        """The layer loop, once for every family: the residual stream after the last layer."""
+        residual = h
+        for i, layer in enumerate(self.layers):
+            x = self.attend(layer, i, layer.input_layernorm(residual), step)
+            residual = residual + x if i == 0 else residual.add_(x)  # h is the embedding's
+            residual.add_(layer.mlp(layer.post_attention_layernorm(residual)))
+        return residual
+
+    def begin(self, h: torch.Tensor, batch: ForwardBatch,
+              kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """What every layer of this step reads (the family's step state)."""
+        raise NotImplementedError
+
+    def attend(self, layer: nn.Module, i: int, x: torch.Tensor, step: Any) -> torch.Tensor:
+        """Layer i's attention output for its normed input x."""
+        raise NotImplementedError
+
+    def fast_layers(self, h: torch.Tensor, step: Any) -> torch.Tensor | None:
+        """The whole loop another way where it applies (else None: run_layers)."""
+        return None
+
+    def end(self, step: Any) -> None:
+        """After the layers completed (a forward that raised skips it)."""
 
     def pack_lm_head(self) -> None:
         self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head, prefill=False)

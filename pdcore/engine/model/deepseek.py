@@ -17,6 +17,7 @@ o_proj all-reduces. MoE layers are the shared pdcore.engine.model.moe (TP or EP 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -230,17 +231,15 @@ class DeepseekForCausalLM(CausalLM):
         pack_linears(self)
         self.pack_lm_head()
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                all_hidden: bool = False, logits: bool = True) -> torch.Tensor | None:
-        h = self.embed_tokens(batch.input_ids)
+    def begin(self, h: torch.Tensor, batch: ForwardBatch,
+              kv: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, ...]:
         cos, sin = self.rotary(batch.positions)
-        residual = h
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(residual)
-            residual = residual + layer.self_attn(x, cos, sin, self.rotary, kv[i][0], batch)
-            residual = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        return self.logits_of(residual, batch, logits)
+        return cos, sin, kv, batch
+
+    def attend(self, layer: nn.Module, i: int, x: torch.Tensor, step: tuple[Any, ...]
+               ) -> torch.Tensor:
+        cos, sin, kv, batch = step
+        return layer.self_attn(x, cos, sin, self.rotary, kv[i][0], batch)
 
     @torch.inference_mode()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

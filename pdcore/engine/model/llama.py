@@ -14,6 +14,7 @@ to everything cached before it.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +222,19 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, tp)
 
 
+@dataclass
+class LlamaStep:
+    """What every layer of one forward reads: rotary tables, the pool, the batch, and the
+    decode K/V view when this step uses it."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    batch: ForwardBatch
+    view: DecodeKV | None
+    view_dtype: torch.dtype
+
+
 class LlamaForCausalLM(CausalLM):
     ARCHS = SUPPORTED_ARCHS  # subclasses (MoE families) swap in their own table and MLPs
 
@@ -316,15 +330,10 @@ class LlamaForCausalLM(CausalLM):
 
         return make_rotary(cfg)
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                all_hidden: bool = False, logits: bool = True) -> torch.Tensor | None:
-        """Logits [R, vocab] of batch.logit_rows; None when `logits` is False (TP ranks other
-        than 0 run the layers for their shards and leave sampling to rank 0)."""
-        h = self.embed_tokens(batch.input_ids)
+    def begin(self, h: torch.Tensor, batch: ForwardBatch,
+              kv: list[tuple[torch.Tensor, torch.Tensor]]) -> LlamaStep:
         cos, sin = self.rotary(h.unsqueeze(0), batch.positions.unsqueeze(0))
         cos, sin = cos[0].unsqueeze(1).to(h.dtype), sin[0].unsqueeze(1).to(h.dtype)
-        residual = h
         # a half-precision model's decode view holds float32 (exact copies of the pool's
         # values): CPU SDPA over it took 145 us a layer at batch 8 against 180 us in bf16, and
         # attention then rounds once instead of per step
@@ -332,20 +341,25 @@ class LlamaForCausalLM(CausalLM):
         view = None
         if self.decode_kv is not None and self.decode_kv.begin(batch, view_dtype):
             view = batch.extra["kv_view"] = self.decode_kv
-        group = batch.decode_group() if view is not None else None
-        if self.native is not None and group is not None and group.whole:
-            residual = self._native_layers(h, cos, sin, kv, batch, group, view, view_dtype)
-            self.native_steps += 1
-        else:
-            for i, layer in enumerate(self.layers):
-                x = layer.input_layernorm(residual)
-                x = layer.self_attn(x, cos, sin, kv[i][0], kv[i][1], batch)
-                residual = residual + x if i == 0 else residual.add_(x)  # h is the embedding's
-                x = layer.post_attention_layernorm(residual)
-                residual.add_(layer.mlp(x))
+        return LlamaStep(cos, sin, kv, batch, view, view_dtype)
+
+    def attend(self, layer: nn.Module, i: int, x: torch.Tensor, step: LlamaStep
+               ) -> torch.Tensor:
+        return layer.self_attn(x, step.cos, step.sin, step.kv[i][0], step.kv[i][1], step.batch)
+
+    def fast_layers(self, h: torch.Tensor, step: LlamaStep) -> torch.Tensor | None:
+        """The native decode step (engine/native: run_layers fused for the dense layer, equal
+        to it to the bit) for a decode-only step through the decode K/V view."""
+        group = step.batch.decode_group() if step.view is not None else None
+        if self.native is None or group is None or not group.whole:
+            return None
+        self.native_steps += 1
+        return self._native_layers(h, step.cos, step.sin, step.kv, step.batch, group, step.view,
+                                   step.view_dtype)
+
+    def end(self, step: LlamaStep) -> None:
         if self.decode_kv is not None:
             self.decode_kv.end()
-        return self.logits_of(residual, batch, logits)
 
     @torch.inference_mode()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
