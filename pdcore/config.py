@@ -23,10 +23,12 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MOE_A2A_BACKENDS = ("none", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
 # SGLang's --speculative-algorithm names; pdserve builds NGRAM (pdcore/engine/sched/drafter.py)
-# and EAGLE chains (pdcore/engine/sched/eagle.py), verified in pdcore/engine/sched/speculative.py
+# and the draft-head chains of EAGLE and NEXTN (pdcore/engine/sched/eagle.py), verified in
+# pdcore/engine/sched/speculative.py
 SPEC_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
-SPEC_BUILT = ("NGRAM", "EAGLE")
-EAGLE_NUM_STEPS = 3  # --speculative-num-steps default for EAGLE: chains of 3 draft tokens
+SPEC_BUILT = ("NGRAM", "EAGLE", "NEXTN")
+SPEC_HEADS = ("EAGLE", "NEXTN")  # a draft head's chain: --speculative-num-steps, topk 1
+EAGLE_NUM_STEPS = 3  # --speculative-num-steps default for EAGLE / NEXTN: chains of 3 drafts
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 NGRAM_DRAFT_TOKENS = 8  # --speculative-num-draft-tokens default: the current token + 7 drafts
 
@@ -213,12 +215,13 @@ class ServerArgs:
         if algo not in SPEC_BUILT:
             raise ConfigError(
                 f"--speculative-algorithm {algo}{f' (with {line})' if line else ''} is not "
-                "built yet: it needs a draft model or MTP layers pdserve does not load; built "
-                "are NGRAM (drafts from the request's own context, no draft model) and EAGLE "
-                "(an EAGLE-1 draft head, chain drafts). Use one of those, or drop the "
-                "speculative flags")
-        if algo == "EAGLE":
-            self._validate_eagle(f"--speculative-algorithm EAGLE{f' (with {line})' if line else ''}")
+                "built yet: it needs a draft model pdserve does not load; built are NGRAM "
+                "(drafts from the request's own context, no draft model), EAGLE (an EAGLE-1 "
+                "draft head, chain drafts) and NEXTN (a DeepSeek-V3 model's own MTP layer, "
+                "chain drafts). Use one of those, or drop the speculative flags")
+        if algo in SPEC_HEADS:
+            self._validate_head(algo, f"--speculative-algorithm {algo}"
+                                      f"{f' (with {line})' if line else ''}")
             return
         if given:
             raise ConfigError(f"{flags}: NGRAM runs no draft model and drafts a chain; drop "
@@ -237,21 +240,23 @@ class ServerArgs:
             raise ConfigError("--speculative-ngram-branch-length must be >= 1 and "
                               "--speculative-ngram-capacity >= 0")
 
-    def _validate_eagle(self, line: str) -> None:
-        """EAGLE: an EAGLE-1 head's chain of --speculative-num-steps drafts, unified mode, one
-        TP rank (the head and its K/V run beside rank 0's schedule). `line`: the flags given,
-        named in every refusal."""
-        pd = (f"--disaggregation-mode {self.disaggregation_mode}: EAGLE is built for the "
+    def _validate_head(self, algo: str, line: str) -> None:
+        """EAGLE (an EAGLE-1 head) and NEXTN (the model's own MTP layer; its folder unless
+        --speculative-draft-model-path names another): a chain of --speculative-num-steps
+        drafts, unified mode, one TP rank (the head and its K/V run beside rank 0's schedule).
+        `line`: the flags given, named in every refusal. Whether the model has an MTP layer is
+        the preflight's and the engine's to check (they read the model)."""
+        pd = (f"--disaggregation-mode {self.disaggregation_mode}: {algo} is built for the "
               "unified engine only for now (the draft head's K/V do not travel with a PD "
               "transfer); use NGRAM in PD mode, or --disaggregation-mode null")
         why = [(self.disaggregation_mode != "null", pd),
                (self.enable_multi_layer_eagle,
-                "--enable-multi-layer-eagle: multi-layer EAGLE heads are not built"),
+                "--enable-multi-layer-eagle: multi-layer EAGLE / MTP heads are not built"),
                (self.speculative_draft_model_quantization is not None,
                 "--speculative-draft-model-quantization: the head runs in --dtype"),
                (self.tp_size > 1 or self.enable_dp_attention,
-                "--tp-size > 1 / --enable-dp-attention: EAGLE runs on one TP rank for now"),
-               (not self.speculative_draft_model_path,
+                f"--tp-size > 1 / --enable-dp-attention: {algo} runs on one TP rank for now"),
+               (algo == "EAGLE" and not self.speculative_draft_model_path,
                 ("needs --speculative-draft-model-path: an HF folder of an EAGLE-1 draft head "
                  "(config.json with architectures [\"LlamaForCausalLMEagle\"], safetensors)"))]
         for bad, what in why:

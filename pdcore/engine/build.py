@@ -176,9 +176,9 @@ def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
 
 
 def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None = None,
-                ) -> Speculator | None:
-    """Drafts for the servers that decode (a prefill server samples one token): NGRAM or EAGLE
-    with --speculative-algorithm, and jump-forward for constrained requests (the grammar's
+                model_dir: str | None = None) -> Speculator | None:
+    """Drafts for the servers that decode (a prefill server samples one token): NGRAM, EAGLE or
+    NEXTN with --speculative-algorithm, and jump-forward for constrained requests (the grammar's
     forced tokens; without TP, where the matcher is on the rank that drafts)."""
     jump = (jump_forward() and args.grammar_backend != "none" and args.tp_size == 1
             and not args.enable_dp_attention)
@@ -196,8 +196,8 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
                      args.speculative_ngram_branch_length, args.speculative_ngram_capacity,
                      gate=spec_gate(), jump_forward=jump)
     drafter = None
-    if cfg.algorithm == "EAGLE":
-        drafter = _eagle_drafter(args, cfg, model, blocks)
+    if cfg.algorithm in ("EAGLE", "NEXTN"):
+        drafter = _head_drafter(args, cfg, model, blocks, model_dir)
     if cfg.algorithm is not None:
         log.info("speculative decoding: %s, up to %d draft tokens per request and step%s",
                  cfg.algorithm, cfg.max_drafts, "; jump-forward for constrained requests"
@@ -205,19 +205,32 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
     return Speculator(cfg, drafter)
 
 
-def _eagle_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockManager | None):
-    """The EAGLE draft head of --speculative-draft-model-path beside `model`, with its one-layer
-    K/V pool addressed like the target's (engine/sched/eagle.py)."""
-    from pdcore.engine.model.eagle import load_eagle_head
-    from pdcore.engine.sched.eagle import EagleDrafter
+def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockManager | None,
+                  model_dir: str | None):
+    """The draft head beside `model`, with its one-layer K/V pool addressed like the target's
+    (engine/sched/eagle.py): EAGLE's of --speculative-draft-model-path; NEXTN's the MTP layer
+    of the target's own checkpoint (`model_dir`) unless that flag names another folder."""
+    from pdcore.engine.sched.eagle import HeadDrafter
 
-    assert model is not None and blocks is not None and args.speculative_draft_model_path
+    assert model is not None and blocks is not None
     p = next(model.parameters())
-    head = load_eagle_head(args.speculative_draft_model_path, model, p.dtype, p.device)
-    drafter = EagleDrafter(head, blocks, args.max_running_requests, cfg.max_drafts)
-    log.info("EAGLE draft head %s: %d-token chains; its K/V pool takes %.1f MiB beside the "
-             "target's", args.speculative_draft_model_path, cfg.max_drafts,
-             drafter.pool_bytes / 2**20)
+    if cfg.algorithm == "EAGLE":
+        from pdcore.engine.model.eagle import load_eagle_head
+
+        source = args.speculative_draft_model_path
+        head = load_eagle_head(source, model, p.dtype, p.device)
+    else:
+        from pdcore.engine.model.nextn import load_nextn_head
+
+        if args.load_format in ("dummy", "gguf") or not model_dir:
+            raise ConfigError(f"--speculative-algorithm NEXTN reads the MTP layer's weights from "
+                              f"the safetensors checkpoint; --load-format {args.load_format} "
+                              "has none")
+        source = args.speculative_draft_model_path or model_dir
+        head = load_nextn_head(model, source, p.dtype, p.device)
+    drafter = HeadDrafter(head, blocks, args.max_running_requests, cfg.max_drafts)
+    log.info("%s draft head %s: %d-token chains; its K/V pool takes %.1f MiB beside the "
+             "target's", cfg.algorithm, source, cfg.max_drafts, drafter.pool_bytes / 2**20)
     return drafter
 
 
@@ -257,7 +270,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     runner = ModelRunner(model, kv, blocks, tp)
     runner.grammar = _grammar(args, cfg, [e for e in eos if e is not None])
-    speculator = _speculator(args, model, blocks)
+    speculator = _speculator(args, model, blocks,
+                             None if resolved.gguf_file else resolved.path)
     runner.capture_hidden = speculator is not None and speculator.needs_hidden
     sched = Scheduler(runner, blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,

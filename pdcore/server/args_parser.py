@@ -99,19 +99,22 @@ HELP: dict[str, str] = {
     "reasoning_parser": "the model's <think> format: /v1/chat/completions returns the "
                         "reasoning as reasoning_content",
     "speculative_algorithm": "speculative decoding: NGRAM (draft tokens from the request's own "
-                             "context and earlier outputs, verified in one pass) or EAGLE (an "
-                             "EAGLE-1 draft head, --speculative-draft-model-path, chain drafts; "
-                             "unified mode, one TP rank); EAGLE3, NEXTN and STANDALONE are "
-                             "refused (not built)",
+                             "context and earlier outputs, verified in one pass), EAGLE (an "
+                             "EAGLE-1 draft head, --speculative-draft-model-path, chain drafts) "
+                             "or NEXTN (a DeepSeek-V3 model's own MTP layer, chain drafts); "
+                             "EAGLE and NEXTN: unified mode, one TP rank; EAGLE3 and STANDALONE "
+                             "are refused (not built)",
     "speculative_num_draft_tokens": "positions verified per request and step: the current "
                                     "token + up to this many - 1 drafts (NGRAM default 8; "
-                                    "EAGLE: --speculative-num-steps + 1)",
+                                    "EAGLE / NEXTN: --speculative-num-steps + 1)",
     "speculative_draft_model_path": "EAGLE: HF folder of an EAGLE-1 draft head (config.json "
                                     "architectures [\"LlamaForCausalLMEagle\"]; fc, one decoder "
                                     "layer; the target's embedding and lm_head unless it has "
-                                    "its own)",
-    "speculative_num_steps": "EAGLE: draft tokens per chain (default 3)",
-    "speculative_eagle_topk": "EAGLE: candidates per draft step; only 1 (a chain) is built",
+                                    "its own). NEXTN: the checkpoint holding the MTP layer "
+                                    "(default: the model's own folder)",
+    "speculative_num_steps": "EAGLE / NEXTN: draft tokens per chain (default 3)",
+    "speculative_eagle_topk": "EAGLE / NEXTN: candidates per draft step; only 1 (a chain) is "
+                              "built",
     "enable_multi_layer_eagle": "refused: multi-layer EAGLE heads are not built",
     "speculative_draft_model_quantization": "refused: the draft head runs in --dtype",
     "speculative_ngram_min_match_window_size": "shortest context suffix an NGRAM draft must "

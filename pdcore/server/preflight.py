@@ -86,6 +86,27 @@ def _check_files(args: ServerArgs) -> None:
         if args.load_format in ("safetensors", "dummy") and is_gguf:
             raise ConfigError(f"--load-format {args.load_format}: {args.model_path} is a GGUF "
                               "model; use --load-format auto or gguf")
+    if args.speculative_algorithm == "NEXTN":
+        _check_nextn(args)
+
+
+def _check_nextn(args: ServerArgs) -> None:
+    """NEXTN drafts with the model's own MTP layer: a DeepSeek-V3 safetensors checkpoint that
+    has one (its config and the weight files' headers, read before the model loads)."""
+    from pdcore.engine.model.mtp import check_nextn_folder
+    from pdcore.engine.model.tokenizer import resolve_model
+
+    if args.load_format in ("dummy", "gguf"):
+        raise ConfigError(f"--speculative-algorithm NEXTN reads the MTP layer's weights from the "
+                          f"safetensors checkpoint; --load-format {args.load_format} has none")
+    resolved = resolve_model(args.model_path)
+    if resolved.gguf_file is not None:
+        raise ConfigError(f"--speculative-algorithm NEXTN: {args.model_path} is a GGUF model; "
+                          "the MTP layer is read from a DeepSeek-V3 safetensors checkpoint")
+    draft = args.speculative_draft_model_path
+    if draft and not os.path.isdir(os.path.expanduser(draft)):
+        raise ConfigError(f"--speculative-draft-model-path {draft}: no such folder")
+    check_nextn_folder(resolved.path, draft and os.path.expanduser(draft))
 
 
 def _check_disagg(args: ServerArgs, env: Mapping[str, str]) -> str | None:

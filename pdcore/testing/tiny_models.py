@@ -77,3 +77,40 @@ def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed:
     if tok is not None:
         tok.save_pretrained(path)
     return path
+
+
+def add_mtp_layer(path: str, seed: int = 0, own_head: bool = False) -> str:
+    """Give the tiny DeepSeek-V3 at `path` its MTP layer (what `--speculative-algorithm NEXTN`
+    drafts with), which transformers does not create: random weights at index L =
+    num_hidden_layers (`model.layers.{L}.` enorm, hnorm, eh_proj, a decoder layer: the last
+    one's weights perturbed, so a MoE one from 2 layers up, as the MTP layer of a model whose
+    first layer is dense is; shared_head.norm; `own_head`: also shared_head.head and
+    embed_tokens of its own), and num_nextn_predict_layers 1 in config.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    L, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    g = torch.Generator().manual_seed(seed)
+    last, new = f"model.layers.{L - 1}.", f"model.layers.{L}."
+    for k in [k for k in sd if k.startswith(last)]:
+        t = sd[k]
+        noise = torch.randn(t.shape, generator=g) * (0.05 if k.endswith("norm.weight") else 0.2)
+        sd[new + k[len(last):]] = (t + noise).contiguous()
+    sd[new + "enorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+    sd[new + "hnorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+    sd[new + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.15
+    sd[new + "shared_head.norm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+    if own_head:
+        vocab = cfg["vocab_size"]
+        sd[new + "shared_head.head.weight"] = torch.randn(vocab, hidden, generator=g) * 0.2
+        sd[new + "embed_tokens.weight"] = torch.randn(vocab, hidden, generator=g) * 0.2
+    save_file(sd, f, metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2)
+    return path

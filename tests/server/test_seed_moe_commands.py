@@ -254,3 +254,30 @@ def test_seed_line_through_the_cli(tiny_moe):
                        text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
     assert "--moe-a2a-backend deepep" in r.stderr and "--moe-a2a-backend none" in r.stderr
+
+
+_SPEC = ("--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk",
+         "--speculative-num-draft-tokens")
+
+
+def test_the_ascend_deepseek_lines_nextn_flags(tmp_path, capsys):
+    """The Ascend DeepSeek lines' NEXTN settings (steps 1 / 2 draft tokens on prefill, 3 / 4 on
+    decode) parse for a unified server of a DeepSeek-V3 with its MTP layer; in the lines' own PD
+    mode they are refused, naming the unified engine."""
+    from pdcore.testing.tiny_models import add_mtp_layer
+
+    model = add_mtp_layer(make_tiny_model(str(tmp_path / "ds"), arch="deepseek_v3", layers=2))
+    nextn = [line for _, line in SEEDS if "NEXTN" in line]
+    assert len(nextn) == 2
+    for line in nextn:
+        argv = shlex.split(line)
+        flags = [a for i, a in enumerate(argv) if a in _SPEC or (i and argv[i - 1] in _SPEC)]
+        args = parse_server_args(["--model-path", model, *flags])
+        steps = int(flags[flags.index("--speculative-num-steps") + 1])
+        assert (args.speculative_algorithm, args.speculative_num_steps,
+                args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (
+            "NEXTN", steps, 1, steps + 1)
+        mode = argv[argv.index("--disaggregation-mode") + 1]
+        err = _exit_message(["--model-path", model, *flags, "--disaggregation-mode", mode],
+                            capsys)
+        assert "NEXTN is built for the unified engine only" in err, err

@@ -34,6 +34,8 @@ EAGLE_ARCHS = ("LlamaForCausalLMEagle", "LlamaForCausalLM")
 
 
 class EagleHead(nn.Module):
+    name = "EAGLE"
+
     def __init__(self, cfg, target: CausalLM) -> None:
         super().__init__()
         h = cfg.hidden_size
@@ -54,6 +56,11 @@ class EagleHead(nn.Module):
     @property
     def head_dim(self) -> int:
         return self.layer.self_attn.head_dim
+
+    @property
+    def kv_layout(self) -> tuple[int, int, bool]:
+        """(heads, head_dim, latent) of the one-layer pool: separate K and V."""
+        return self.kv_heads, self.head_dim, False
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed or self._target[0].embed_tokens)(ids)

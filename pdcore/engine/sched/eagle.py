@@ -1,9 +1,11 @@
-"""EAGLE drafts (`--speculative-algorithm EAGLE`, chain: `--speculative-eagle-topk 1`): a
-one-layer draft head (engine/model/eagle.py) that reads the target's hidden states.
+"""Draft-head drafts, chains (`--speculative-eagle-topk 1`): a one-layer draft head that reads
+the target's hidden states. Two heads plug in (`DraftHead`): EAGLE (`--speculative-algorithm
+EAGLE`, an EAGLE-1 head, engine/model/eagle.py) and NEXTN (a DeepSeek-V3 checkpoint's own MTP
+layer, engine/model/nextn.py); everything below is the same for both.
 
 The head's input at position p is the pair (f_p, t_{p+1}): the target's hidden state at p (the
 one its lm_head reads there) and the token after p. Its output g_{p+1} stands for f_{p+1}: the
-lm_head of g_{p+1} scores t_{p+2}, and (g_{p+1}, that token) is the pair at p + 1.
+head's logits of g_{p+1} score t_{p+2}, and (g_{p+1}, that token) is the pair at p + 1.
 
 - After every target forward (`observe`, before the scheduler applies the step's tokens), the
   head runs over the pairs of every position the target just computed (prefill chunks,
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -39,11 +41,34 @@ from pdcore.engine.sched.speculative import ReqSpec
 
 if TYPE_CHECKING:
     from pdcore.engine.kv.blocks import BlockManager
-    from pdcore.engine.model.eagle import EagleHead
     from pdcore.engine.model.runner import StepResult
     from pdcore.engine.sched.request import Req
 
 log = logging.getLogger(__name__)
+
+
+class DraftHead(Protocol):
+    """What a draft head supplies (an nn.Module: its parameters give the device and dtype)."""
+
+    name: str  # the algorithm, in logs
+
+    @property
+    def kv_layout(self) -> tuple[int, int, bool]:
+        """(heads, head_dim, latent) of its one attention layer's pool; latent: one buffer
+        serves as K and V (MLA)."""
+        ...
+
+    def __call__(self, batch: ForwardBatch, hidden: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> torch.Tensor:
+        """Outputs [T, hidden] of the pairs (hidden[i], batch.input_ids[i]); K/V written at
+        batch.out_slots."""
+        ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [R, vocab] of outputs h [R, hidden]."""
+        ...
+
+    def parameters(self): ...
 
 
 @dataclass
@@ -66,10 +91,10 @@ class _Pairs:
     at: int  # the computed positions once these pairs are in (ChainStart.at)
 
 
-class EagleDrafter(Drafter):
+class HeadDrafter(Drafter):
     needs_hidden = True
 
-    def __init__(self, head: EagleHead, blocks: BlockManager, max_running: int,
+    def __init__(self, head: DraftHead, blocks: BlockManager, max_running: int,
                  max_drafts: int) -> None:
         self.head, self.blocks = head, blocks
         self.max_drafts = max(1, max_drafts)
@@ -80,15 +105,16 @@ class EagleDrafter(Drafter):
         self.chain = max(1, self.max_drafts - 1)  # scratch slots per request
         self.rows = max(1, max_running)  # requests a chain holds scratch for
         pages = blocks.num_pages + -(-(self.rows * self.chain) // ps)
-        shape = (pages, ps, head.kv_heads, head.head_dim)
+        heads, dim, latent = head.kv_layout
+        shape = (pages, ps, heads, dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = self.k if latent else torch.zeros(shape, dtype=dtype, device=self.device)
         self.passes = 0  # head forward passes (observe and chain steps)
         self.failures = 0  # draft passes that raised (their step drafted nothing)
 
     @property
     def pool_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return (1 if self.v is self.k else 2) * self.k.numel() * self.k.element_size()
 
     def _run(self, ids: list[int], pos: list[int], out: list[int], seqs: list[SeqSpan],
              hidden: torch.Tensor) -> torch.Tensor:
@@ -136,7 +162,8 @@ class EagleDrafter(Drafter):
             last = torch.tensor([p.start + p.count - 1 for p in plan], device=self.device)
             tokens = self.head.logits(g[last]).argmax(-1).tolist()
         except Exception:  # the drafts are lost, the step's tokens are not
-            log.exception("EAGLE draft head failed on the target's step (%d pairs)", len(ids))
+            log.exception("%s draft head failed on the target's step (%d pairs)", self.head.name,
+                          len(ids))
             self.failures += 1
             for p in plan:
                 if p.req.spec is not None:
@@ -187,7 +214,7 @@ class EagleDrafter(Drafter):
                 for b, t in zip(act, toks):
                     drafts[live[b][0]].append(int(t))
         except Exception:  # this step drafts nothing; decoding goes on
-            log.exception("EAGLE draft chain failed (%d requests)", len(live))
+            log.exception("%s draft chain failed (%d requests)", self.head.name, len(live))
             self.failures += 1
             return [[] for _ in reqs]
         return drafts

@@ -3,8 +3,8 @@
 A decoding request whose sampling allows it (no penalties, logit_bias or pending
 min_new_tokens) gets up to k draft tokens each step from the algorithm's drafter
 (engine/sched/drafter.py: the interface and NGRAM, drafts from the request's own context and a
-cross-request n-gram cache; engine/sched/eagle.py: EAGLE, a one-layer draft head over the
-target's hidden states, a chain of k tokens). Whatever drafted them, the verify is the same.
+cross-request n-gram cache; engine/sched/eagle.py: EAGLE and NEXTN, a one-layer draft head
+over the target's hidden states, a chain of k tokens). Whatever drafted them, the verify is the same.
 
 The step feeds [last token, d1..dk] as one k+1-token extend over the paged pool (the
 scheduler allocates pages for the drafts from free pages only, never evicting or preempting
