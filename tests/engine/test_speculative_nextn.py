@@ -143,7 +143,7 @@ def test_own_embedding_and_head_of_the_mtp_layer(models, monkeypatch):
     eng = _engine(models["own_head"], True)
     try:
         head = eng.scheduler.spec.drafter.head
-        assert head.embed is not None and head.head is not None
+        assert head.embed is not None and head.own_head is not None
         outs = eng.generate(prompts, sp)
         assert pages_at_rest(eng.scheduler)
     finally:

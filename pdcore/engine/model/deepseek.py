@@ -243,19 +243,22 @@ class DeepseekForCausalLM(CausalLM):
 
     @torch.inference_mode()
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        def get(name: str) -> torch.Tensor:
-            return sd[name]
-
-        opt = sd.get
         self.load_outer(sd)
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            layer.self_attn.load(get, opt, p + "self_attn.")
-            if layer.is_moe:
-                layer.mlp.load_hf(sd, p + "mlp.")
-            else:
-                layer.mlp.gate_up.load([get(p + "mlp.gate_proj.weight"),
-                                        get(p + "mlp.up_proj.weight")])
-                layer.mlp.down.load(get(p + "mlp.down_proj.weight"))
-            layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+            load_layer(layer, sd, f"model.layers.{i}.")
+
+
+def load_layer(layer: DecoderLayer, sd: dict[str, torch.Tensor], p: str) -> None:
+    """One decoder layer's weights from the checkpoint names under `p` ('model.layers.3.'):
+    the model's layers and its MTP layer's (engine/model/nextn.py)."""
+    def get(name: str) -> torch.Tensor:
+        return sd[name]
+
+    layer.self_attn.load(get, sd.get, p + "self_attn.")
+    if layer.is_moe:
+        layer.mlp.load_hf(sd, p + "mlp.")
+    else:
+        layer.mlp.gate_up.load([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        layer.mlp.down.load(get(p + "mlp.down_proj.weight"))
+    layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
+    layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))

@@ -18,6 +18,8 @@ token to the next draft step. The head's K/V for its one layer live in a pool of
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,7 +35,26 @@ from pdcore.errors import ModelLoadError
 EAGLE_ARCHS = ("LlamaForCausalLMEagle", "LlamaForCausalLM")
 
 
-class EagleHead(nn.Module):
+class TargetShared:
+    """What a draft head borrows from its target model: the token embedding and the lm_head,
+    unless its checkpoint holds its own (`embed`, `own_head`)."""
+
+    _target: tuple[Any, ...]  # (the target,): a tuple, so not a submodule
+    embed: nn.Embedding | None
+    own_head: nn.Parameter | None
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.embed or self._target[0].embed_tokens)(ids)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the head's outputs `h` [R, hidden]."""
+        if self.own_head is not None:
+            return F.linear(h, self.own_head).float()
+        t = self._target[0]
+        return linear(h, t.lm_head, None, t.lm_head_packed).float()
+
+
+class EagleHead(TargetShared, nn.Module):
     name = "EAGLE"
 
     def __init__(self, cfg, target: CausalLM) -> None:
@@ -45,7 +66,7 @@ class EagleHead(nn.Module):
         self.rotary = make_rotary(cfg)
         self._target = (target,)  # shared embedding / lm_head; a tuple: not a submodule
         self.embed: nn.Embedding | None = None  # the head's own, when its checkpoint has one
-        self.lm_head: nn.Parameter | None = None
+        self.own_head: nn.Parameter | None = None
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -62,15 +83,6 @@ class EagleHead(nn.Module):
         """(heads, head_dim, latent) of the one-layer pool: separate K and V."""
         return self.kv_heads, self.head_dim, False
 
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.embed or self._target[0].embed_tokens)(ids)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the head's outputs `h` [R, hidden]."""
-        if self.lm_head is not None:
-            return F.linear(h, self.lm_head).float()
-        t = self._target[0]
-        return linear(h, t.lm_head, None, t.lm_head_packed).float()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, k_cache: torch.Tensor,
@@ -123,7 +135,7 @@ class EagleHead(nn.Module):
             self.embed.weight.copy_(embed)
         lm = get("lm_head.weight")
         if lm is not None:
-            self.lm_head = nn.Parameter(lm.clone(), requires_grad=False)
+            self.own_head = nn.Parameter(lm.clone(), requires_grad=False)
 
 
 def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype,

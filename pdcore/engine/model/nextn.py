@@ -27,18 +27,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdcore.engine.model.base import CausalLM
 from pdcore.engine.model.batch import ForwardBatch
-from pdcore.engine.model.deepseek import DecoderLayer, LatentRotary
-from pdcore.engine.model.layers import RMSNorm, TPInfo, linear
+from pdcore.engine.model.deepseek import DecoderLayer, LatentRotary, load_layer
+from pdcore.engine.model.eagle import TargetShared
+from pdcore.engine.model.layers import RMSNorm, TPInfo
 from pdcore.engine.model.mtp import FLAG, mtp_layer_index, mtp_prefix
 from pdcore.errors import ConfigError
 
 
-class NextNHead(nn.Module):
+class NextNHead(TargetShared, nn.Module):
     name = "NEXTN"
 
     def __init__(self, cfg: Any, target: CausalLM, index: int) -> None:
@@ -52,7 +52,7 @@ class NextNHead(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)  # shared_head.norm
         self._target = (target,)  # embedding, lm_head, rotary; a tuple: not a submodule
         self.embed: nn.Embedding | None = None  # the layer's own, where it differs
-        self.head: nn.Parameter | None = None
+        self.own_head: nn.Parameter | None = None  # shared_head.head, where it differs
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -66,15 +66,6 @@ class NextNHead(nn.Module):
     def rotary(self) -> LatentRotary:
         return self._target[0].rotary
 
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.embed or self._target[0].embed_tokens)(ids)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the head's outputs `h` [R, hidden] (already shared_head-normed)."""
-        if self.head is not None:
-            return F.linear(h, self.head).float()
-        t = self._target[0]
-        return linear(h, t.lm_head, None, t.lm_head_packed).float()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, k_cache: torch.Tensor,
@@ -103,15 +94,7 @@ class NextNHead(nn.Module):
         self.hnorm.weight.copy_(get(p + "hnorm.weight"))
         self.eh_proj.weight.copy_(get(p + "eh_proj.weight"))
         self.norm.weight.copy_(get(p + "shared_head.norm.weight"))
-        layer = self.layer
-        layer.self_attn.load(get, sd.get, p + "self_attn.")
-        if layer.is_moe:
-            layer.mlp.load_hf(sd, p + "mlp.")
-        else:
-            layer.mlp.gate_up.load([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            layer.mlp.down.load(get(p + "mlp.down_proj.weight"))
-        layer.input_layernorm.weight.copy_(get(p + "input_layernorm.weight"))
-        layer.post_attention_layernorm.weight.copy_(get(p + "post_attention_layernorm.weight"))
+        load_layer(self.layer, sd, p)
         # DeepSeek-V3 checkpoints repeat the embedding and lm_head in the MTP layer: kept only
         # where they differ from the target's (one copy of each otherwise)
         embed, lm = sd.get("model.embed_tokens.weight"), sd.get("lm_head.weight")
@@ -123,7 +106,7 @@ class NextNHead(nn.Module):
             self.embed.weight.copy_(own)
         own = sd.get(p + "shared_head.head.weight")
         if own is not None and (lm is None or not torch.equal(own, lm)):
-            self.head = nn.Parameter(own.clone(), requires_grad=False)
+            self.own_head = nn.Parameter(own.clone(), requires_grad=False)
 
 
 def load_nextn_head(target: CausalLM, folder: str, dtype: torch.dtype,
