@@ -32,7 +32,7 @@ from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.outputs import take_output
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.speculative import Speculator
-from pdcore.engine.sched.stats import Counters, scheduler_stats
+from pdcore.engine.sched.stats import Counters, StatsReport, scheduler_stats
 from pdcore.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -349,5 +349,5 @@ class Scheduler:
         return bool(self.running or self.waiting or self.outbox or self.uncollected
                     or self.ext.busy())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StatsReport:
         return scheduler_stats(self)
