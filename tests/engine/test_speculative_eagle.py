@@ -152,6 +152,7 @@ def test_greedy_with_eagle_equals_without_and_transformers(models, monkeypatch, 
     base, _ = _generate(models["target"], None, prompts, sp, page_size=page_size)
     got, st = _generate(models["target"], models["head"], prompts, sp, page_size=page_size)
     assert st["spec_verifies_total"] > 0 and st["spec_draft_tokens_total"] > 0, st
+    assert st["spec_draft_passes_total"] > 0 and st["spec_draft_failures_total"] == 0, st
     assert len(st["verify_ct"]) == len(got) and min(st["verify_ct"].values()) > 0
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in base]
     for a, b in zip(got, base):

@@ -30,6 +30,7 @@ A failed draft pass costs the step its drafts only (logged, counted); decoding g
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -95,7 +96,9 @@ class HeadDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, head: DraftHead, blocks: BlockManager, max_running: int,
-                 max_drafts: int) -> None:
+                 max_drafts: int, alloc: Callable[..., torch.Tensor] | None = None) -> None:
+        """`alloc(label, shape, dtype, latent)`: where the K/V pool lives (PD: the KV cache's
+        memory, so it travels with the target's pages: KVCache.draft_buffer); zeros by default."""
         self.head, self.blocks = head, blocks
         self.max_drafts = max(1, max_drafts)
         p = next(head.parameters())
@@ -107,10 +110,18 @@ class HeadDrafter(Drafter):
         pages = blocks.num_pages + -(-(self.rows * self.chain) // ps)
         heads, dim, latent = head.kv_layout
         shape = (pages, ps, heads, dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = self.k if latent else torch.zeros(shape, dtype=dtype, device=self.device)
+        if alloc is None:
+            self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.v = self.k if latent else torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            self.k = alloc("draft_k", shape, dtype, latent)
+            self.v = self.k if latent else alloc("draft_v", shape, dtype, latent)
         self.passes = 0  # head forward passes (observe and chain steps)
         self.failures = 0  # draft passes that raised (their step drafted nothing)
+
+    def stats(self) -> dict[str, int]:
+        """The head's forward passes and the draft passes that raised (/metrics: counters)."""
+        return {"spec_draft_passes_total": self.passes, "spec_draft_failures_total": self.failures}
 
     @property
     def pool_bytes(self) -> int:
