@@ -243,13 +243,15 @@ class ServerArgs:
     def _validate_head(self, algo: str, line: str) -> None:
         """EAGLE (an EAGLE-1 head) and NEXTN (the model's own MTP layer; its folder unless
         --speculative-draft-model-path names another): a chain of --speculative-num-steps
-        drafts, unified mode, one TP rank (the head and its K/V run beside rank 0's schedule).
+        drafts, one TP rank (the head and its K/V run beside rank 0's schedule); EAGLE also in
+        PD mode (prefill runs the head over the prompt, its K/V travel with the target's),
+        NEXTN in unified mode only.
         `line`: the flags given, named in every refusal. Whether the model has an MTP layer is
         the preflight's and the engine's to check (they read the model)."""
         pd = (f"--disaggregation-mode {self.disaggregation_mode}: {algo} is built for the "
               "unified engine only for now (the draft head's K/V do not travel with a PD "
-              "transfer); use NGRAM in PD mode, or --disaggregation-mode null")
-        why = [(self.disaggregation_mode != "null", pd),
+              "transfer); use NGRAM or EAGLE in PD mode, or --disaggregation-mode null")
+        why = [(algo != "EAGLE" and self.disaggregation_mode != "null", pd),
                (self.enable_multi_layer_eagle,
                 "--enable-multi-layer-eagle: multi-layer EAGLE / MTP heads are not built"),
                (self.speculative_draft_model_quantization is not None,

@@ -31,7 +31,9 @@ def _host_pool(args: ServerArgs, kv: KVCache) -> Any:
 
 def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
                    ) -> tuple[Extension, dict[str, Any]]:
-    """The started extension of `args.disaggregation_mode` and what it adds to the server info."""
+    """The started extension of `args.disaggregation_mode` and what it adds to the server info.
+    The KV the manager moves is the target's and, with a draft head (EAGLE), the head's one
+    layer after it (KVCache.transfer_layers; the layout's `draft_layers`)."""
     env = DisaggEnv.from_env()
     aux = AuxBuffers(_host_pool(args, kv), num_slots=max(64, 4 * args.max_running_requests))
     layout, regions = kv.layout(), kv.regions()
@@ -48,14 +50,14 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
         # (a replica's ranks on another node never saw the HTTP process's arguments)
         secret = tp.broadcast_object(args.pd_route_secret or secrets.token_hex(16))
         mgr = PrefillKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
-                               kv.layers, kv.pool, route_secret=secret)
+                               kv.transfer_layers, kv.pool, route_secret=secret)
         ext: Extension = PrefillExtension(sched, mgr, aux)
     else:
         from pdcore.disagg.decode import DecodeKVManager
         from pdcore.disagg.decode.sched import DecodeExtension
 
         mgr = DecodeKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
-                              kv.layers, kv.pool)
+                              kv.transfer_layers, kv.pool)
         ext = DecodeExtension(sched, mgr, aux, args)
     mgr.start()
     log.info("%s mode with transfer backend %r", args.disaggregation_mode, backend)

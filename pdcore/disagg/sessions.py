@@ -126,7 +126,8 @@ def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes:
     wire.check_pairing("decode", {
         "page_size": msg.page_size, "kv_cache_dtype": msg.dtype,
         "model_fingerprint": msg.model_fingerprint, "num_layers": layout.num_layers,
-        "head_dim": layout.head_dim, "is_mla": layout.is_mla}, local, fingerprint)
+        "head_dim": layout.head_dim, "is_mla": layout.is_mla,
+        "draft_layers": layout.draft_layers}, local, fingerprint)
     if layout.num_pages < 1 or layout.num_layers < 1 or layout.item_len < 1:
         raise ProtocolError("decode registration: empty KV layout")
     if len(layout.k_bases) != layout.num_layers or len(layout.v_bases) != layout.num_layers:

@@ -257,11 +257,31 @@ def check_pairing(role: str, peer: dict[str, Any], local: KVLayout, fingerprint:
             f"{role} serves another model (fingerprint {theirs}, this server's {fingerprint}: "
             "config.json or weight files differ); start prefill and decode with the same "
             "--model-path (and --load-format / --random-seed)")
+    check_draft(role, peer, local)
     for key, mine in (("num_layers", local.num_layers), ("head_dim", local.head_dim),
                       ("total_kv_heads", local.model_kv_heads), ("is_mla", local.is_mla)):
         if peer.get(key) is not None and peer[key] != mine:
             raise ProtocolError(f"{role} KV layout has {key}={peer[key]}, this server's "
                                 f"{mine}: the two servers run different models")
+
+
+def check_draft(role: str, peer: dict[str, Any], local: KVLayout) -> None:
+    """Both servers run a draft head whose K/V travel with the target's (EAGLE: one more KV
+    layer, `KVLayout.draft_layers`), or neither does: a decode server with a head needs the
+    draft context prefill computes, and a prefill server with one sends a layer decode has no
+    room for. A peer that sends a layer count but no draft count runs no head (an older peer)."""
+    theirs = peer.get("draft_layers", 0 if peer.get("num_layers") is not None else None)
+    if theirs is None or int(theirs) == local.draft_layers:
+        return
+
+    def runs(n: int) -> str:
+        return (f"runs a speculative draft head whose KV travels with the target's ({n} draft "
+                "layer)" if n else "runs no draft head (no KV of one to send or receive)")
+
+    raise ProtocolError(
+        f"{role} {runs(int(theirs))}, this server {runs(local.draft_layers)}: start prefill and "
+        "decode with the same --speculative-algorithm EAGLE and --speculative-draft-model-path, "
+        "or neither with EAGLE (NGRAM on decode alone needs nothing from prefill)")
 
 
 def check_compatible(role: str, peer_page_size: int, peer_dtype: str, local: KVLayout) -> None:

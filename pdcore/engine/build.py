@@ -176,19 +176,23 @@ def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
 
 
 def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None = None,
-                model_dir: str | None = None) -> Speculator | None:
-    """Drafts for the servers that decode (a prefill server samples one token): NGRAM, EAGLE or
-    NEXTN with --speculative-algorithm, and jump-forward for constrained requests (the grammar's
-    forced tokens; without TP, where the matcher is on the rank that drafts)."""
+                model_dir: str | None = None, kv: KVCache | None = None) -> Speculator | None:
+    """Drafts for the servers that decode: NGRAM, EAGLE or NEXTN with --speculative-algorithm,
+    and jump-forward for constrained requests (the grammar's forced tokens; without TP, where
+    the matcher is on the rank that drafts). A prefill server samples one token and drafts
+    nothing, but with EAGLE it runs the draft head over the prompt (`observe`), whose K/V then
+    travel to decode with the target's (`kv`: in PD mode the head's pool is the KV cache's)."""
     jump = (jump_forward() and args.grammar_backend != "none" and args.tp_size == 1
             and not args.enable_dp_attention)
     if args.speculative_algorithm is None and not jump:
         return None
-    if args.disaggregation_mode == "prefill":
+    prefill = args.disaggregation_mode == "prefill"
+    if prefill and args.speculative_algorithm != "EAGLE":
         if args.speculative_algorithm is not None:
             log.info("--speculative-algorithm %s: a prefill server computes only the first "
                      "token; the decode server speculates", args.speculative_algorithm)
         return None
+    jump = jump and not prefill
     cfg = SpecConfig(args.speculative_algorithm,
                      args.speculative_num_draft_tokens or NGRAM_DRAFT_TOKENS,
                      args.speculative_ngram_min_match_window_size,
@@ -197,8 +201,12 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
                      gate=spec_gate(), jump_forward=jump)
     drafter = None
     if cfg.algorithm in ("EAGLE", "NEXTN"):
-        drafter = _head_drafter(args, cfg, model, blocks, model_dir)
-    if cfg.algorithm is not None:
+        drafter = _head_drafter(args, cfg, model, blocks, model_dir,
+                                kv if args.disaggregation_mode != "null" else None)
+    if prefill:
+        log.info("EAGLE on a prefill server: the draft head runs over every prompt and its K/V "
+                 "travel to decode with the target's")
+    elif cfg.algorithm is not None:
         log.info("speculative decoding: %s, up to %d draft tokens per request and step%s",
                  cfg.algorithm, cfg.max_drafts, "; jump-forward for constrained requests"
                  if jump else "")
@@ -206,10 +214,11 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
 
 
 def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockManager | None,
-                  model_dir: str | None):
+                  model_dir: str | None, kv: KVCache | None = None):
     """The draft head beside `model`, with its one-layer K/V pool addressed like the target's
     (engine/sched/eagle.py): EAGLE's of --speculative-draft-model-path; NEXTN's the MTP layer
-    of the target's own checkpoint (`model_dir`) unless that flag names another folder."""
+    of the target's own checkpoint (`model_dir`) unless that flag names another folder. With
+    `kv` (PD mode) the pool is allocated in the KV cache's memory, one more transfer layer."""
     from pdcore.engine.sched.eagle import HeadDrafter
 
     assert model is not None and blocks is not None
@@ -228,7 +237,8 @@ def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockMa
                               "has none")
         source = args.speculative_draft_model_path or model_dir
         head = load_nextn_head(model, source, p.dtype, p.device)
-    drafter = HeadDrafter(head, blocks, args.max_running_requests, cfg.max_drafts)
+    drafter = HeadDrafter(head, blocks, args.max_running_requests, cfg.max_drafts,
+                          kv.draft_buffer if kv is not None else None)
     log.info("%s draft head %s: %d-token chains; its K/V pool takes %.1f MiB beside the "
              "target's", cfg.algorithm, source, cfg.max_drafts, drafter.pool_bytes / 2**20)
     return drafter
@@ -271,7 +281,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     runner = ModelRunner(model, kv, blocks, tp)
     runner.grammar = _grammar(args, cfg, [e for e in eos if e is not None])
     speculator = _speculator(args, model, blocks,
-                             None if resolved.gguf_file else resolved.path)
+                             None if resolved.gguf_file else resolved.path, kv)
     runner.capture_hidden = speculator is not None and speculator.needs_hidden
     sched = Scheduler(runner, blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,

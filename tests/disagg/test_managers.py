@@ -332,6 +332,38 @@ def test_registration_rejected_by_prefill_fails_the_room(pd):
         d.close()
 
 
+def test_draft_head_on_one_side_only_fails_the_pairing(pd):
+    """EAGLE on decode, none on prefill (#33): the draft layer counts differ, so the pairing is
+    refused at resolution on D with words naming the flag, and P's room fails the same way;
+    a D that skips its own check is refused by P at registration."""
+    s = pd()
+    dkv, d = _decode_with({"draft_layers": 1})
+    try:
+        s.p.add(53)
+        d.add(53, "127.0.0.1", s.port)
+        wait_for(lambda: d.poll(53) == KVPoll.Failed)
+        why = d.failure_reason(53)
+        assert "--speculative-algorithm" in why and "runs no draft head" in why, why
+        wait_for(lambda: s.p.poll(53) == KVPoll.Failed)
+        assert "--speculative-algorithm" in s.p.failure_reason(53)
+        assert s.p.metrics()["pairing_refused"] == 1 and s.p.metrics()["sessions"] == 0
+    finally:
+        d.close()
+    dkv, d = _decode_with({})
+    d._register = msgspec.structs.replace(
+        d._register, layout={**d._register.layout, "draft_layers": 1})
+    try:
+        s.p.add(54)
+        d.add(54, "127.0.0.1", s.port)
+        wait_for(lambda: d.poll(54) == KVPoll.WaitingForInput)
+        d.send_transfer_info(54, np.array([1]), dkv.aux.alloc())
+        wait_for(lambda: d.poll(54) == KVPoll.Failed)
+        assert "--speculative-algorithm" in d.failure_reason(54)
+        assert s.p.poll(54) == KVPoll.Failed
+    finally:
+        d.close()
+
+
 def test_shm_backend_transfer():
     """Same flow over the `shm` backend: D's KV and aux rows live in named shared memory."""
     import uuid

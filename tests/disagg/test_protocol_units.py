@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -133,6 +134,15 @@ def test_compatibility_checks() -> None:
         wire.check_pairing("prefill", same, layout, "bb")
     with pytest.raises(ProtocolError, match="num_layers"):
         wire.check_pairing("prefill", {**same, "num_layers": layout.num_layers + 1}, layout, "aa")
+    # a draft head's layer on one side only (EAGLE on decode, not on prefill, or the reverse)
+    drafted = dataclasses.replace(layout, num_layers=layout.num_layers + 1, draft_layers=1)
+    with pytest.raises(ProtocolError, match="runs no draft head.*--speculative-algorithm"):
+        wire.check_pairing("prefill", same, drafted, "aa")
+    with pytest.raises(ProtocolError, match="prefill runs a speculative draft head"):
+        wire.check_pairing("prefill", {**same, "num_layers": layout.num_layers + 1,
+                                       "draft_layers": 1}, layout, "aa")
+    wire.check_pairing("prefill", {**same, "num_layers": layout.num_layers + 1,
+                                   "draft_layers": 1}, drafted, "aa")
 
 
 # -- bootstrap ---------------------------------------------------------------------------------

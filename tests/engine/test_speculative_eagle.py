@@ -9,7 +9,7 @@
 - a head built to agree with its target (a target whose next token depends on the current one
   alone, and a head that reads the token only): nearly every draft is accepted, and the
   counters (spec_verify_ct, accepted tokens, accept length) show it;
-- flags: EAGLE needs a head folder, refuses topk > 1, PD mode and TP > 1.
+- flags: EAGLE needs a head folder, refuses topk > 1 and TP > 1 (PD mode is accepted).
 """
 
 from __future__ import annotations
@@ -277,9 +277,8 @@ def test_flags():
     with pytest.raises(ConfigError, match="topk 2: only 1"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    speculative_eagle_topk=2).validate()
-    with pytest.raises(ConfigError, match="unified engine only"):
-        ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-                   disaggregation_mode="decode").validate()
+    ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+               disaggregation_mode="decode").validate()  # PD: tests/pd/test_pd_eagle.py
     with pytest.raises(ConfigError, match="one TP rank"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    tp_size=2).validate()

@@ -105,7 +105,8 @@ class PrefillKVManager(ChunkWriter, KVManager):
             "page_size": self.kv.page_size,
             "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
             "total_kv_heads": self.kv.model_kv_heads, "num_layers": self.kv.num_layers,
-            "head_dim": self.kv.head_dim, "model_fingerprint": self.fingerprint,
+            "head_dim": self.kv.head_dim, "draft_layers": self.kv.draft_layers,
+            "model_fingerprint": self.fingerprint,
             "backend": self.backend_name, "protocol_version": wire.PROTOCOL_VERSION},
             # another replica's rank waits for replica 0's model load too
             attempts=30 if self.args.dp_rank == 0 else 240, interval=0.5)

@@ -1,0 +1,320 @@
+"""EAGLE speculative decoding through PD (#33 item 3).
+
+P runs the target's prefill and the draft head over the prompt (its K/V at the target's own
+slots); the head's one-layer pool travels as one more KV layer with the target's pages, through
+the same backend, counted in the transfer metrics; D continues speculating from the first token
+(its first decode step runs without drafts, its chains start from the step after).
+
+- 1P1D over tcp and over shm (segment mode), EAGLE on both: greedy output equals a unified
+  engine's without speculation, token for token, and D verified drafts; over shm the draft K
+  rows P computed for a prompt (one per position, the last paired with the first token) are
+  read back from both servers' segments: D holds every one of them;
+- P's transfer bytes with EAGLE exceed a plain P's for the same prompts by exactly the draft
+  layer's share (one more layer of K and V per page);
+- a mixed fleet (EAGLE on D only, or on P only) is refused at pairing with words naming
+  --speculative-algorithm, and neither side keeps a page;
+- units: the draft layer's pages move at the target's page indices (KVCache.transfer layout
+  through the default planner), and a draft pool of another geometry is refused at start.
+
+Servers are paired by hand (the router's fan-out: P's call in a thread, D's in the test), so one
+set of servers covers every pairing. PDSERVE_SPEC_GATE=0 verifies every draft.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from pdcore.builtin.planner import DefaultPlanner
+from pdcore.config import ServerArgs
+from pdcore.engine.io_struct import SamplingParams
+from pdcore.engine.kv.cache import KVCache
+from pdcore.engine.model.tokenizer import default_model_file
+from pdcore.errors import ConfigError
+from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.testing.pages import load_at_rest
+from pdcore.testing.ports import free_port
+from pdcore.testing.processes import ServerProcess, spawned_children, trust_prefill
+from pdcore.testing.tiny_models import make_tiny_model
+
+HIDDEN, HEADS, KV_HEADS, LAYERS, PAGE = 64, 4, 2, 2, 4
+FLAGS = ("--max-total-tokens", "2048", "--page-size", str(PAGE), "--chunked-prefill-size", "16")
+ENV = {"PDSERVE_SPEC_GATE": "0", "OMP_NUM_THREADS": "1"}
+NEW = 24
+
+
+def make_head(path: str, vocab: int, seed: int = 1) -> str:
+    """A random EAGLE-1 head folder of the tiny target's attention shape."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    hd = HIDDEN // HEADS
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    p = "layers.0."
+    sd = {"fc.weight": rnd(HIDDEN, 2 * HIDDEN), "fc.bias": rnd(HIDDEN),
+          p + "self_attn.q_proj.weight": rnd(HEADS * hd, HIDDEN),
+          p + "self_attn.k_proj.weight": rnd(KV_HEADS * hd, HIDDEN),
+          p + "self_attn.v_proj.weight": rnd(KV_HEADS * hd, HIDDEN),
+          p + "self_attn.o_proj.weight": rnd(HIDDEN, HEADS * hd),
+          p + "mlp.gate_proj.weight": rnd(2 * HIDDEN, HIDDEN),
+          p + "mlp.up_proj.weight": rnd(2 * HIDDEN, HIDDEN),
+          p + "mlp.down_proj.weight": rnd(HIDDEN, 2 * HIDDEN),
+          p + "post_attention_layernorm.weight": 1 + rnd(HIDDEN)}
+    os.makedirs(path, exist_ok=True)
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama",
+           "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": 1,
+           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": vocab,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+           "bos_token_id": 1, "eos_token_id": 2}
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (23, 9, 41, 30)]
+
+
+def _env(backend: str) -> dict[str, str]:
+    # shm in segment mode: the KV pools are named segments, which the test reads back
+    return {**ENV, "PDCORE_SHM_MODE": "segment"} if backend == "shm" else ENV
+
+
+class Prefill:
+    def __init__(self, backend: str, *flags: str) -> None:
+        self.port = free_port()
+        self.server = ServerProcess(*FLAGS, "--disaggregation-mode", "prefill",
+                                    "--disaggregation-transfer-backend", backend,
+                                    "--disaggregation-bootstrap-port", str(self.port), *flags,
+                                    env=_env(backend))
+
+
+def _load(s: ServerProcess) -> dict[str, Any]:
+    return httpx.get(s.url + "/get_load", timeout=10).json()[0]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Any:
+    root = tmp_path_factory.mktemp("pd_eagle")
+    model = make_tiny_model(str(root / "m"), seed=13, layers=LAYERS, hidden=HIDDEN, heads=HEADS,
+                            kv_heads=KV_HEADS, tokenizer_from=default_model_file())
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        vocab = json.load(f)["vocab_size"]
+    head = make_head(str(root / "h"), vocab)
+    eagle = ("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", head,
+             "--speculative-num-steps", "3")
+    common = ("--model-path", model)
+    made: dict[str, Any] = {}
+    try:
+        for backend in ("tcp", "shm"):
+            made[f"p-eagle-{backend}"] = Prefill(backend, *common, *eagle)
+            made[f"d-eagle-{backend}"] = ServerProcess(
+                *FLAGS, *common, *eagle, "--disaggregation-mode", "decode",
+                "--disaggregation-transfer-backend", backend, env=_env(backend))
+        made["p-plain-tcp"] = Prefill("tcp", *common)
+        made["d-plain-tcp"] = ServerProcess(*FLAGS, *common, "--disaggregation-mode", "decode",
+                                            "--disaggregation-transfer-backend", "tcp", env=ENV)
+        for s in made.values():
+            (s.server if isinstance(s, Prefill) else s).wait_healthy(300)
+        ports = [p.port for p in made.values() if isinstance(p, Prefill)]
+        for s in made.values():
+            if isinstance(s, ServerProcess):
+                trust_prefill(s.url, *ports)
+        eng = LLMEngine(ServerArgs(model_path=model, max_total_tokens=2048, page_size=PAGE))
+        try:
+            prompts = _prompts(vocab)
+            ref = eng.generate(prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0,
+                                                       ignore_eos=True))
+        finally:
+            eng.close()
+        yield {**made, "prompts": prompts, "ref": [r["output_ids"] for r in ref]}
+    finally:
+        for s in made.values():
+            (s.server if isinstance(s, Prefill) else s).stop()
+
+
+_rooms = iter(range(1000, 1 << 30, 7))
+
+
+def _pair(p: Prefill, d: ServerProcess, ids: list[int]) -> tuple[httpx.Response, Any]:
+    """The router's fan-out by hand: (D's response, P's status code or error)."""
+    body = {"input_ids": ids, "bootstrap_host": "127.0.0.1", "bootstrap_port": p.port,
+            "bootstrap_room": next(_rooms),
+            "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}}
+    got: list[Any] = []
+
+    def prefill() -> None:
+        try:
+            got.append(httpx.post(p.server.url + "/generate", json=body, timeout=120))
+        except httpx.HTTPError as e:
+            got.append(e)
+
+    t = threading.Thread(target=prefill, daemon=True)
+    t.start()
+    r = httpx.post(d.url + "/generate", json=body, timeout=120)
+    t.join(120)
+    assert got, "prefill did not answer in 120 s"
+    return r, got[0]
+
+
+def _at_rest(*servers: ServerProcess, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not all(load_at_rest(_load(s)) for s in servers):
+        assert time.monotonic() < deadline, [_load(s) for s in servers]
+        time.sleep(0.2)
+
+
+def _draft_rows(server: ServerProcess) -> set[bytes]:
+    """The token rows (K of every KV head) of a shm server's draft-K pool that are not zero,
+    read from its scheduler's segment /dev/shm/pdserve_<id>_<pid>_draft-k."""
+    pids = spawned_children(server.proc.pid)
+    names = [n for n in os.listdir("/dev/shm") if n.endswith("_draft-k")
+             and any(f"_{pid}_" in n for pid in pids)]
+    assert len(names) == 1, (names, pids)
+    raw = np.fromfile(os.path.join("/dev/shm", names[0]), dtype=np.float32)
+    width = KV_HEADS * (HIDDEN // HEADS)
+    rows = raw[: len(raw) // width * width].reshape(-1, width)
+    return {r.tobytes() for r in rows[np.abs(rows).sum(1) > 0]}
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_greedy_with_eagle_through_pd_equals_unified(fleet, backend) -> None:
+    p, d = fleet[f"p-eagle-{backend}"], fleet[f"d-eagle-{backend}"]
+    before = _load(d)
+    for i, (ids, want) in enumerate(zip(fleet["prompts"], fleet["ref"])):
+        if backend == "shm" and i == 0:  # the draft K/V that P computed are the ones D holds
+            p_before = _draft_rows(p.server)
+            r, pr = _pair(p, d, ids)
+            new = _draft_rows(p.server) - p_before
+            assert len(new) == len(ids), (len(new), len(ids))  # every prompt position
+            assert new <= _draft_rows(d)
+        else:
+            r, pr = _pair(p, d, ids)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == want
+        assert isinstance(pr, httpx.Response) and pr.status_code == 200, pr
+    after, p_load = _load(d), _load(p.server)
+    # D drafted from the step after the first (its chains read the draft K/V P sent)
+    assert after["spec_verifies_total"] > before.get("spec_verifies_total", 0), after
+    assert after["spec_draft_failures_total"] == 0, after
+    # P ran the draft head over every prompt and drafted nothing itself
+    assert p_load["spec_draft_passes_total"] > 0 and p_load["spec_verifies_total"] == 0, p_load
+    _at_rest(p.server, d)
+
+
+def test_transfer_bytes_count_the_draft_layer(fleet) -> None:
+    """The same prompts through an EAGLE pair and a plain pair: P's KV bytes differ by one
+    layer of K and V per page sent, exactly: (layers + 1) / layers of the plain bytes."""
+    pe, de = fleet["p-eagle-tcp"], fleet["d-eagle-tcp"]
+    pn, dn = fleet["p-plain-tcp"], fleet["d-plain-tcp"]
+    moved = {}
+    for name, p, d in (("eagle", pe, de), ("plain", pn, dn)):
+        before = _load(p.server).get("kv_bytes", 0)
+        for ids, want in zip(fleet["prompts"], fleet["ref"]):
+            r, _ = _pair(p, d, ids)
+            assert r.status_code == 200 and r.json()["output_ids"] == want, (name, r.text)
+        _at_rest(p.server, d)
+        moved[name] = _load(p.server)["kv_bytes"] - before
+    pages = sum(-(-len(ids) // PAGE) for ids in fleet["prompts"])
+    layer = pages * PAGE * KV_HEADS * (HIDDEN // HEADS) * 4 * 2  # one layer's K and V, float32
+    assert moved["plain"] == layer * LAYERS, moved
+    assert moved["eagle"] == layer * (LAYERS + 1), moved
+
+
+@pytest.mark.parametrize("p_name,d_name,words", [
+    ("p-plain-tcp", "d-eagle-tcp", "prefill 127.0.0.1:{port} runs no draft head"),
+    ("p-eagle-tcp", "d-plain-tcp", "prefill 127.0.0.1:{port} runs a speculative draft head")])
+def test_mixed_fleet_is_refused_at_pairing(fleet, p_name, d_name, words) -> None:
+    p, d = fleet[p_name], fleet[d_name]
+    ids = fleet["prompts"][0]
+    r, pr = _pair(p, d, ids)
+    assert r.status_code >= 400, r.text
+    assert words.format(port=p.port) in r.text and "--speculative-algorithm" in r.text, r.text
+    assert isinstance(pr, httpx.Response) and pr.status_code >= 400, pr
+    assert "--speculative-algorithm" in pr.text, pr.text
+    _at_rest(p.server, d)
+    assert _load(d)["kv_pairing_refused"] >= 1
+    # both still serve their own kind of peer
+    p_ok = fleet["p-eagle-tcp" if d_name == "d-eagle-tcp" else "p-plain-tcp"]
+    r, _ = _pair(p_ok, d, ids)
+    assert r.status_code == 200 and r.json()["output_ids"] == fleet["ref"][0], r.text
+    _at_rest(p_ok.server, d)
+
+
+# -- units --------------------------------------------------------------------------------------
+class _Pool:
+    name = "test"
+
+    def __init__(self) -> None:
+        self.bufs: list[Any] = []
+
+    def allocate(self, label, shape, dtype):
+        from pdcore.interfaces.memory import Buffer
+        from pdcore.interfaces.transfer import MemoryRegion
+
+        t = torch.zeros(shape, dtype=dtype)
+        self.bufs.append(t)
+        return Buffer(t, MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), name=label))
+
+    def close(self) -> None:
+        self.bufs.clear()
+
+
+def _kv(pages: int = 8) -> KVCache:
+    return KVCache(_Pool(), LAYERS, pages, PAGE, KV_HEADS, 16, torch.float32)
+
+
+def test_draft_layer_moves_at_the_target_page_indices() -> None:
+    src, dst = _kv(), _kv()
+    for kv in (src, dst):  # pools one scratch page longer than the target's, as the head's
+        for label in ("draft_k", "draft_v"):
+            kv.draft_buffer(label, (9, PAGE, KV_HEADS, 16), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for k, v in src.transfer_layers:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    a, b = src.layout(), dst.layout()
+    assert (a.num_layers, a.draft_layers, len(src.regions())) == (LAYERS + 1, 1, 2 * LAYERS + 2)
+    s_pages, d_pages = np.array([1, 2, 5]), np.array([6, 7, 0])
+    batch = DefaultPlanner().plan(a, b, s_pages, d_pages)
+    for s, d, n in zip(batch.src, batch.dst, batch.length):
+        ctypes.memmove(int(d), int(s), int(n))
+    for (sk, sv), (dk, dv) in zip(src.transfer_layers, dst.transfer_layers):
+        assert torch.equal(dk[d_pages], sk[s_pages]) and torch.equal(dv[d_pages], sv[s_pages])
+    assert batch.nbytes == 3 * a.page_bytes
+
+
+def test_draft_pool_of_another_geometry_is_refused() -> None:
+    kv = _kv()
+    with pytest.raises(ConfigError, match="same page geometry"):
+        kv.draft_buffer("draft_k", (9, PAGE, KV_HEADS, 32), torch.float32)
+    with pytest.raises(ConfigError, match="same page geometry"):
+        kv.draft_buffer("draft_k", (9, PAGE, KV_HEADS, 16), torch.bfloat16)
+    assert kv.layout().draft_layers == 0
+
+
+def test_eagle_in_pd_mode_validates() -> None:
+    for mode in ("prefill", "decode"):
+        ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+                   disaggregation_mode=mode).validate()
+    with pytest.raises(ConfigError, match="one TP rank"):
+        ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+                   disaggregation_mode="decode", tp_size=2).validate()
+    with pytest.raises(ConfigError, match="topk 2"):
+        ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+                   disaggregation_mode="prefill", speculative_eagle_topk=2).validate()
