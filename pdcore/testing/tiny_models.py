@@ -114,3 +114,50 @@ def add_mtp_layer(path: str, seed: int = 0, own_head: bool = False) -> str:
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(cfg, fh, indent=2)
     return path
+
+
+def make_eagle_head(path: str, *, vocab: int, hidden: int = 64, heads: int = 4,
+                    kv_heads: int = 2, seed: int = 0, own_embed: bool = False,
+                    perfect: bool = False) -> str:
+    """A random EAGLE-1 draft head folder (config.json + safetensors, SGLang's layout: fc on
+    concat(embedding, hidden) with a bias, one Llama layer without its input norm) for a tiny
+    target of that attention shape. `perfect`: fc passes the token embedding through and the
+    layer adds nothing, so the head scores lm_head(embedding(token)), what a target whose
+    layers add nothing predicts."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    hd = hidden // heads
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    p = "layers.0."
+    sd = {"fc.weight": rnd(hidden, 2 * hidden), "fc.bias": rnd(hidden),
+          p + "self_attn.q_proj.weight": rnd(heads * hd, hidden),
+          p + "self_attn.k_proj.weight": rnd(kv_heads * hd, hidden),
+          p + "self_attn.v_proj.weight": rnd(kv_heads * hd, hidden),
+          p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
+          p + "mlp.gate_proj.weight": rnd(2 * hidden, hidden),
+          p + "mlp.up_proj.weight": rnd(2 * hidden, hidden),
+          p + "mlp.down_proj.weight": rnd(hidden, 2 * hidden),
+          p + "post_attention_layernorm.weight": 1 + rnd(hidden)}
+    if perfect:
+        sd["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
+        sd["fc.bias"] = torch.zeros(hidden)
+        sd[p + "self_attn.o_proj.weight"] = torch.zeros(hidden, heads * hd)
+        sd[p + "mlp.down_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+    if own_embed:
+        sd["embed_tokens.weight"] = rnd(vocab, hidden)
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama",
+           "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": 1,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
+           "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+           "bos_token_id": 1, "eos_token_id": 2}
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    return path

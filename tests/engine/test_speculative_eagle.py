@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -26,6 +25,7 @@ from pdcore.errors import ConfigError
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import pages_at_rest
+from pdcore.testing.tiny_models import make_eagle_head as make_head
 from pdcore.testing.tiny_models import make_tiny_model
 
 VOCAB, HIDDEN, HEADS, KV_HEADS = 512, 64, 4, 2
@@ -33,46 +33,8 @@ VOCAB, HIDDEN, HEADS, KV_HEADS = 512, 64, 4, 2
 
 def make_eagle_head(path: str, seed: int = 0, own_embed: bool = False,
                     perfect: bool = False) -> str:
-    """An EAGLE-1 head folder (config.json + safetensors) for the tiny target. `perfect`: fc
-    passes the token embedding through and the layer adds nothing, so the head scores
-    lm_head(embedding(token)): what a target whose layers add nothing predicts."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    hd = HIDDEN // HEADS
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.2
-
-    p = "layers.0."
-    sd = {
-        "fc.weight": rnd(HIDDEN, 2 * HIDDEN), "fc.bias": rnd(HIDDEN),
-        p + "self_attn.q_proj.weight": rnd(HEADS * hd, HIDDEN),
-        p + "self_attn.k_proj.weight": rnd(KV_HEADS * hd, HIDDEN),
-        p + "self_attn.v_proj.weight": rnd(KV_HEADS * hd, HIDDEN),
-        p + "self_attn.o_proj.weight": rnd(HIDDEN, HEADS * hd),
-        p + "mlp.gate_proj.weight": rnd(2 * HIDDEN, HIDDEN),
-        p + "mlp.up_proj.weight": rnd(2 * HIDDEN, HIDDEN),
-        p + "mlp.down_proj.weight": rnd(HIDDEN, 2 * HIDDEN),
-        p + "post_attention_layernorm.weight": 1 + rnd(HIDDEN),
-    }
-    if perfect:
-        sd["fc.weight"] = torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], 1)
-        sd["fc.bias"] = torch.zeros(HIDDEN)
-        sd[p + "self_attn.o_proj.weight"] = torch.zeros(HIDDEN, HEADS * hd)
-        sd[p + "mlp.down_proj.weight"] = torch.zeros(HIDDEN, 2 * HIDDEN)
-    if own_embed:
-        sd["embed_tokens.weight"] = rnd(VOCAB, HIDDEN)
-    os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"))
-    cfg = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama",
-           "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": 1,
-           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
-           "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
-           "bos_token_id": 1, "eos_token_id": 2}
-    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f)
-    return path
+    return make_head(path, vocab=VOCAB, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
+                     seed=seed, own_embed=own_embed, perfect=perfect)
 
 
 def make_bigram_target(path: str) -> str:

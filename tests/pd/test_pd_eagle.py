@@ -43,7 +43,7 @@ from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.ports import free_port
 from pdcore.testing.processes import ServerProcess, spawned_children, trust_prefill
-from pdcore.testing.tiny_models import make_tiny_model
+from pdcore.testing.tiny_models import make_eagle_head, make_tiny_model
 
 HIDDEN, HEADS, KV_HEADS, LAYERS, PAGE = 64, 4, 2, 2, 4
 FLAGS = ("--max-total-tokens", "2048", "--page-size", str(PAGE), "--chunked-prefill-size", "16")
@@ -53,34 +53,8 @@ NEW = 24
 
 def make_head(path: str, vocab: int, seed: int = 1) -> str:
     """A random EAGLE-1 head folder of the tiny target's attention shape."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    hd = HIDDEN // HEADS
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.2
-
-    p = "layers.0."
-    sd = {"fc.weight": rnd(HIDDEN, 2 * HIDDEN), "fc.bias": rnd(HIDDEN),
-          p + "self_attn.q_proj.weight": rnd(HEADS * hd, HIDDEN),
-          p + "self_attn.k_proj.weight": rnd(KV_HEADS * hd, HIDDEN),
-          p + "self_attn.v_proj.weight": rnd(KV_HEADS * hd, HIDDEN),
-          p + "self_attn.o_proj.weight": rnd(HIDDEN, HEADS * hd),
-          p + "mlp.gate_proj.weight": rnd(2 * HIDDEN, HIDDEN),
-          p + "mlp.up_proj.weight": rnd(2 * HIDDEN, HIDDEN),
-          p + "mlp.down_proj.weight": rnd(HIDDEN, 2 * HIDDEN),
-          p + "post_attention_layernorm.weight": 1 + rnd(HIDDEN)}
-    os.makedirs(path, exist_ok=True)
-    save_file(sd, os.path.join(path, "model.safetensors"))
-    cfg = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama",
-           "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN, "num_hidden_layers": 1,
-           "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "vocab_size": vocab,
-           "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 10000.0,
-           "bos_token_id": 1, "eos_token_id": 2}
-    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f)
-    return path
+    return make_eagle_head(path, vocab=vocab, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
+                           seed=seed)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
