@@ -243,16 +243,12 @@ class ServerArgs:
     def _validate_head(self, algo: str, line: str) -> None:
         """EAGLE (an EAGLE-1 head) and NEXTN (the model's own MTP layer; its folder unless
         --speculative-draft-model-path names another): a chain of --speculative-num-steps
-        drafts, one TP rank (the head and its K/V run beside rank 0's schedule); EAGLE also in
-        PD mode (prefill runs the head over the prompt, its K/V travel with the target's),
-        NEXTN in unified mode only.
+        drafts, one TP rank (the head and its K/V run beside rank 0's schedule), unified or PD
+        mode (prefill runs the head over the prompt, its K/V travel with the target's as one
+        more KV layer; NEXTN's one more MLA latent layer).
         `line`: the flags given, named in every refusal. Whether the model has an MTP layer is
         the preflight's and the engine's to check (they read the model)."""
-        pd = (f"--disaggregation-mode {self.disaggregation_mode}: {algo} is built for the "
-              "unified engine only for now (the draft head's K/V do not travel with a PD "
-              "transfer); use NGRAM or EAGLE in PD mode, or --disaggregation-mode null")
-        why = [(algo != "EAGLE" and self.disaggregation_mode != "null", pd),
-               (self.enable_multi_layer_eagle,
+        why = [(self.enable_multi_layer_eagle,
                 "--enable-multi-layer-eagle: multi-layer EAGLE / MTP heads are not built"),
                (self.speculative_draft_model_quantization is not None,
                 "--speculative-draft-model-quantization: the head runs in --dtype"),

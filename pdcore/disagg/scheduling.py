@@ -32,7 +32,7 @@ def _host_pool(args: ServerArgs, kv: KVCache) -> Any:
 def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
                    ) -> tuple[Extension, dict[str, Any]]:
     """The started extension of `args.disaggregation_mode` and what it adds to the server info.
-    The KV the manager moves is the target's and, with a draft head (EAGLE), the head's one
+    The KV the manager moves is the target's and, with a draft head (EAGLE, NEXTN), the head's one
     layer after it (KVCache.transfer_layers; the layout's `draft_layers`)."""
     env = DisaggEnv.from_env()
     aux = AuxBuffers(_host_pool(args, kv), num_slots=max(64, 4 * args.max_running_requests))

@@ -266,10 +266,10 @@ def check_pairing(role: str, peer: dict[str, Any], local: KVLayout, fingerprint:
 
 
 def check_draft(role: str, peer: dict[str, Any], local: KVLayout) -> None:
-    """Both servers run a draft head whose K/V travel with the target's (EAGLE: one more KV
-    layer, `KVLayout.draft_layers`), or neither does: a decode server with a head needs the
-    draft context prefill computes, and a prefill server with one sends a layer decode has no
-    room for. A peer that sends a layer count but no draft count runs no head (an older peer)."""
+    """Both servers run a draft head whose K/V travel with the target's (EAGLE or NEXTN: one
+    more KV layer, `KVLayout.draft_layers`; NEXTN's one more MLA latent layer), or neither
+    does: a decode server with a head needs the draft context prefill computes, and a prefill
+    server with one sends a layer decode has no room for. A peer that sends a layer count but no draft count runs no head (an older peer)."""
     theirs = peer.get("draft_layers", 0 if peer.get("num_layers") is not None else None)
     if theirs is None or int(theirs) == local.draft_layers:
         return
@@ -280,8 +280,9 @@ def check_draft(role: str, peer: dict[str, Any], local: KVLayout) -> None:
 
     raise ProtocolError(
         f"{role} {runs(int(theirs))}, this server {runs(local.draft_layers)}: start prefill and "
-        "decode with the same --speculative-algorithm EAGLE and --speculative-draft-model-path, "
-        "or neither with EAGLE (NGRAM on decode alone needs nothing from prefill)")
+        "decode with the same --speculative-algorithm (EAGLE with the same "
+        "--speculative-draft-model-path, or NEXTN), or neither with a draft head (NGRAM on "
+        "decode alone needs nothing from prefill)")
 
 
 def check_compatible(role: str, peer_page_size: int, peer_dtype: str, local: KVLayout) -> None:

@@ -24,6 +24,7 @@ import torch
 from pdcore.config import (
     HOST_SERVERS_ENV,
     NGRAM_DRAFT_TOKENS,
+    SPEC_HEADS,
     ServerArgs,
     host_servers,
     jump_forward,
@@ -180,14 +181,15 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
     """Drafts for the servers that decode: NGRAM, EAGLE or NEXTN with --speculative-algorithm,
     and jump-forward for constrained requests (the grammar's forced tokens; without TP, where
     the matcher is on the rank that drafts). A prefill server samples one token and drafts
-    nothing, but with EAGLE it runs the draft head over the prompt (`observe`), whose K/V then
-    travel to decode with the target's (`kv`: in PD mode the head's pool is the KV cache's)."""
+    nothing, but with a draft head (EAGLE, NEXTN) it runs the head over the prompt
+    (`observe`), whose K/V then travel to decode with the target's (`kv`: in PD mode the
+    head's pool is the KV cache's; NEXTN's one latent buffer, as the target's MLA layers)."""
     jump = (jump_forward() and args.grammar_backend != "none" and args.tp_size == 1
             and not args.enable_dp_attention)
     if args.speculative_algorithm is None and not jump:
         return None
     prefill = args.disaggregation_mode == "prefill"
-    if prefill and args.speculative_algorithm != "EAGLE":
+    if prefill and args.speculative_algorithm not in SPEC_HEADS:
         if args.speculative_algorithm is not None:
             log.info("--speculative-algorithm %s: a prefill server computes only the first "
                      "token; the decode server speculates", args.speculative_algorithm)
@@ -200,12 +202,12 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
                      args.speculative_ngram_branch_length, args.speculative_ngram_capacity,
                      gate=spec_gate(), jump_forward=jump)
     drafter = None
-    if cfg.algorithm in ("EAGLE", "NEXTN"):
+    if cfg.algorithm in SPEC_HEADS:
         drafter = _head_drafter(args, cfg, model, blocks, model_dir,
                                 kv if args.disaggregation_mode != "null" else None)
     if prefill:
-        log.info("EAGLE on a prefill server: the draft head runs over every prompt and its K/V "
-                 "travel to decode with the target's")
+        log.info("%s on a prefill server: the draft head runs over every prompt and its K/V "
+                 "travel to decode with the target's", cfg.algorithm)
     elif cfg.algorithm is not None:
         log.info("speculative decoding: %s, up to %d draft tokens per request and step%s",
                  cfg.algorithm, cfg.max_drafts, "; jump-forward for constrained requests"

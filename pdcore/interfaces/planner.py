@@ -35,8 +35,9 @@ class KVLayout:
     total_kv_heads: int = 0  # model's KV heads (0 = kv_heads * tp_size)
     dtype: str = "float32"
     is_mla: bool = False
-    # of num_layers, the last ones a speculative draft head's (EAGLE: its one layer's K/V at
-    # the target's own slots, so its pages travel with the target's); 0: none
+    # of num_layers, the last ones a speculative draft head's (EAGLE / NEXTN: its one layer's
+    # K/V, NEXTN's a latent as the target's MLA layers, at the target's own slots, so its pages
+    # travel with the target's); 0: none
     draft_layers: int = 0
 
     @property

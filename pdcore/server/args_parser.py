@@ -102,8 +102,8 @@ HELP: dict[str, str] = {
                              "context and earlier outputs, verified in one pass), EAGLE (an "
                              "EAGLE-1 draft head, --speculative-draft-model-path, chain drafts) "
                              "or NEXTN (a DeepSeek-V3 model's own MTP layer, chain drafts); "
-                             "EAGLE and NEXTN: one TP rank; NEXTN unified mode only, EAGLE "
-                             "also PD (on prefill and decode both); EAGLE3 and STANDALONE "
+                             "EAGLE and NEXTN: one TP rank, unified or PD mode (the same flags "
+                             "on prefill and decode); EAGLE3 and STANDALONE "
                              "are refused (not built)",
     "speculative_num_draft_tokens": "positions verified per request and step: the current "
                                     "token + up to this many - 1 drafts (NGRAM default 8; "

@@ -9,8 +9,8 @@
 - an MTP layer built to agree with its target (a target whose next token depends on the
   current one alone, a layer that passes the token's normed embedding through): nearly every
   draft is accepted and the counters show it;
-- flags and models: NEXTN takes topk 1, steps k and k + 1 draft tokens, refuses PD and TP > 1
-  as EAGLE does, and exits 2 for a model that is not a DeepSeek-V3 or has no MTP layer.
+- flags and models: NEXTN takes topk 1, steps k and k + 1 draft tokens, validates in PD mode
+  (tests/pd/test_pd_nextn.py) and refuses TP > 1 as EAGLE does, and exits 2 for a model that is not a DeepSeek-V3 or has no MTP layer.
 """
 
 from __future__ import annotations
@@ -246,9 +246,8 @@ def test_flags():
                    speculative_num_draft_tokens=3).validate()
     with pytest.raises(ConfigError, match="topk 2: only 1"):
         ServerArgs(speculative_algorithm="NEXTN", speculative_eagle_topk=2).validate()
-    for mode in ("prefill", "decode"):
-        with pytest.raises(ConfigError, match="NEXTN is built for the unified engine only"):
-            ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode).validate()
+    for mode in ("prefill", "decode"):  # PD: its latent K/V travel as one more MLA layer
+        ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode).validate()
     with pytest.raises(ConfigError, match="NEXTN runs on one TP rank"):
         ServerArgs(speculative_algorithm="NEXTN", tp_size=2).validate()
 

@@ -262,8 +262,9 @@ _SPEC = ("--speculative-algorithm", "--speculative-num-steps", "--speculative-ea
 
 def test_the_ascend_deepseek_lines_nextn_flags(tmp_path, capsys):
     """The Ascend DeepSeek lines' NEXTN settings (steps 1 / 2 draft tokens on prefill, 3 / 4 on
-    decode) parse for a unified server of a DeepSeek-V3 with its MTP layer; in the lines' own PD
-    mode they are refused, naming the unified engine."""
+    decode) parse for a DeepSeek-V3 with its MTP layer, unified and in the lines' own PD mode
+    (the MTP layer's latent K/V travel as one more MLA layer: tests/pd/test_pd_nextn.py); with
+    the lines' TP 16 / DP attention they are still refused, naming one TP rank."""
     from pdcore.testing.tiny_models import add_mtp_layer
 
     model = add_mtp_layer(make_tiny_model(str(tmp_path / "ds"), arch="deepseek_v3", layers=2))
@@ -272,12 +273,17 @@ def test_the_ascend_deepseek_lines_nextn_flags(tmp_path, capsys):
     for line in nextn:
         argv = shlex.split(line)
         flags = [a for i, a in enumerate(argv) if a in _SPEC or (i and argv[i - 1] in _SPEC)]
-        args = parse_server_args(["--model-path", model, *flags])
         steps = int(flags[flags.index("--speculative-num-steps") + 1])
-        assert (args.speculative_algorithm, args.speculative_num_steps,
-                args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (
-            "NEXTN", steps, 1, steps + 1)
         mode = argv[argv.index("--disaggregation-mode") + 1]
-        err = _exit_message(["--model-path", model, *flags, "--disaggregation-mode", mode],
-                            capsys)
-        assert "NEXTN is built for the unified engine only" in err, err
+        for extra in ([], ["--disaggregation-mode", mode,
+                           "--disaggregation-transfer-backend", "tcp"]):
+            args = parse_server_args(["--model-path", model, *flags, *extra])
+            assert (args.speculative_algorithm, args.speculative_num_steps,
+                    args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (
+                "NEXTN", steps, 1, steps + 1)
+            assert args.disaggregation_mode == (mode if extra else "null")
+        assert "--enable-dp-attention" in argv and "--tp-size" in argv
+        err = _exit_message(["--model-path", model, *flags, "--disaggregation-mode", mode,
+                             "--disaggregation-transfer-backend", "tcp", "--tp-size", "2",
+                             "--dp-size", "2", "--enable-dp-attention"], capsys)
+        assert "NEXTN runs on one TP rank" in err, err

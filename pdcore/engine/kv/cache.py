@@ -6,11 +6,12 @@ kv_lora_rank + rope dim), the same on every TP rank. The latent is both the key 
 source, so there is no V buffer: a layer's V entry is its K buffer (`layers[i] == (k, k)`,
 `v_bases == k_bases`); planners that know MLA copy it once, others copy it twice, harmlessly.
 
-A PD server with a draft head (EAGLE) allocates the head's one-layer K/V pool here too
+A PD server with a draft head (EAGLE, NEXTN) allocates the head's one-layer K/V pool here too
 (`draft_buffer`): addressed by the target's slots, it is one more layer of the same page
 geometry (plus the head's scratch pages past the pool's), so `layout()` / `regions()` /
 `transfer_layers` list it after the target's layers (`KVLayout.draft_layers`) and a PD
-transfer moves a request's draft K/V with its pages. The model's `layers` never include it."""
+transfer moves a request's draft K/V with its pages. NEXTN's head is MLA (`latent`): one latent
+buffer, one more MLA layer (its V entry its K buffer). The model's `layers` never include it."""
 
 from __future__ import annotations
 
