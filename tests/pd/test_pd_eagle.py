@@ -25,13 +25,22 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import threading
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from draft_pd import (
+    PAGE,
+    Prefill,
+    at_rest,
+    decode,
+    draft_rows,
+    load,
+    pair,
+    server,
+)
 
 from pdcore.builtin.planner import DefaultPlanner
 from pdcore.config import ServerArgs
@@ -40,15 +49,12 @@ from pdcore.engine.kv.cache import KVCache
 from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.errors import ConfigError
 from pdcore.runtime.llm_engine import LLMEngine
-from pdcore.testing.pages import load_at_rest
-from pdcore.testing.ports import free_port
-from pdcore.testing.processes import ServerProcess, spawned_children, trust_prefill
+from pdcore.testing.processes import ServerProcess, trust_prefill
 from pdcore.testing.tiny_models import make_eagle_head, make_tiny_model
 
-HIDDEN, HEADS, KV_HEADS, LAYERS, PAGE = 64, 4, 2, 2, 4
-FLAGS = ("--max-total-tokens", "2048", "--page-size", str(PAGE), "--chunked-prefill-size", "16")
-ENV = {"PDSERVE_SPEC_GATE": "0", "OMP_NUM_THREADS": "1"}
+HIDDEN, HEADS, KV_HEADS, LAYERS = 64, 4, 2, 2
 NEW = 24
+ROW = KV_HEADS * (HIDDEN // HEADS)  # a token's K in the draft pool, float32 values
 
 
 def make_head(path: str, vocab: int, seed: int = 1) -> str:
@@ -60,24 +66,6 @@ def make_head(path: str, vocab: int, seed: int = 1) -> str:
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (23, 9, 41, 30)]
-
-
-def _env(backend: str) -> dict[str, str]:
-    # shm in segment mode: the KV pools are named segments, which the test reads back
-    return {**ENV, "PDCORE_SHM_MODE": "segment"} if backend == "shm" else ENV
-
-
-class Prefill:
-    def __init__(self, backend: str, *flags: str) -> None:
-        self.port = free_port()
-        self.server = ServerProcess(*FLAGS, "--disaggregation-mode", "prefill",
-                                    "--disaggregation-transfer-backend", backend,
-                                    "--disaggregation-bootstrap-port", str(self.port), *flags,
-                                    env=_env(backend))
-
-
-def _load(s: ServerProcess) -> dict[str, Any]:
-    return httpx.get(s.url + "/get_load", timeout=10).json()[0]
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +83,11 @@ def fleet(tmp_path_factory) -> Any:
     try:
         for backend in ("tcp", "shm"):
             made[f"p-eagle-{backend}"] = Prefill(backend, *common, *eagle)
-            made[f"d-eagle-{backend}"] = ServerProcess(
-                *FLAGS, *common, *eagle, "--disaggregation-mode", "decode",
-                "--disaggregation-transfer-backend", backend, env=_env(backend))
+            made[f"d-eagle-{backend}"] = decode(backend, *common, *eagle)
         made["p-plain-tcp"] = Prefill("tcp", *common)
-        made["d-plain-tcp"] = ServerProcess(*FLAGS, *common, "--disaggregation-mode", "decode",
-                                            "--disaggregation-transfer-backend", "tcp", env=ENV)
+        made["d-plain-tcp"] = decode("tcp", *common)
         for s in made.values():
-            (s.server if isinstance(s, Prefill) else s).wait_healthy(300)
+            server(s).wait_healthy(300)
         ports = [p.port for p in made.values() if isinstance(p, Prefill)]
         for s in made.values():
             if isinstance(s, ServerProcess):
@@ -117,78 +102,32 @@ def fleet(tmp_path_factory) -> Any:
         yield {**made, "prompts": prompts, "ref": [r["output_ids"] for r in ref]}
     finally:
         for s in made.values():
-            (s.server if isinstance(s, Prefill) else s).stop()
-
-
-_rooms = iter(range(1000, 1 << 30, 7))
-
-
-def _pair(p: Prefill, d: ServerProcess, ids: list[int]) -> tuple[httpx.Response, Any]:
-    """The router's fan-out by hand: (D's response, P's status code or error)."""
-    body = {"input_ids": ids, "bootstrap_host": "127.0.0.1", "bootstrap_port": p.port,
-            "bootstrap_room": next(_rooms),
-            "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}}
-    got: list[Any] = []
-
-    def prefill() -> None:
-        try:
-            got.append(httpx.post(p.server.url + "/generate", json=body, timeout=120))
-        except httpx.HTTPError as e:
-            got.append(e)
-
-    t = threading.Thread(target=prefill, daemon=True)
-    t.start()
-    r = httpx.post(d.url + "/generate", json=body, timeout=120)
-    t.join(120)
-    assert got, "prefill did not answer in 120 s"
-    return r, got[0]
-
-
-def _at_rest(*servers: ServerProcess, timeout: float = 30.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not all(load_at_rest(_load(s)) for s in servers):
-        assert time.monotonic() < deadline, [_load(s) for s in servers]
-        time.sleep(0.2)
-
-
-def _draft_rows(server: ServerProcess) -> set[bytes]:
-    """The token rows (K of every KV head) of a shm server's draft-K pool that are not zero,
-    read from its scheduler's segment /dev/shm/pdserve_<id>_<pid>_draft-k."""
-    pids = spawned_children(server.proc.pid)
-    names = [n for n in os.listdir("/dev/shm") if n.endswith("_draft-k")
-             and any(f"_{pid}_" in n for pid in pids)]
-    assert len(names) == 1, (names, pids)
-    raw = np.fromfile(os.path.join("/dev/shm", names[0]), dtype=np.float32)
-    width = KV_HEADS * (HIDDEN // HEADS)
-    rows = raw[: len(raw) // width * width].reshape(-1, width)
-    return {r.tobytes() for r in rows[np.abs(rows).sum(1) > 0]}
+            server(s).stop()
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_greedy_with_eagle_through_pd_equals_unified(fleet, backend) -> None:
     p, d = fleet[f"p-eagle-{backend}"], fleet[f"d-eagle-{backend}"]
-    before = _load(d)
+    before = load(d)
     for i, (ids, want) in enumerate(zip(fleet["prompts"], fleet["ref"])):
         if backend == "shm" and i == 0:  # the draft K/V that P computed are the ones D holds
-            p_before = _draft_rows(p.server)
-            r, pr = _pair(p, d, ids)
-            new = _draft_rows(p.server) - p_before
+            p_before = draft_rows(p.server, ROW)
+            r, pr = pair(p, d, ids, NEW)
+            new = draft_rows(p.server, ROW) - p_before
             assert len(new) == len(ids), (len(new), len(ids))  # every prompt position
-            assert new <= _draft_rows(d)
+            assert new <= draft_rows(d, ROW)
         else:
-            r, pr = _pair(p, d, ids)
+            r, pr = pair(p, d, ids, NEW)
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == want
         assert isinstance(pr, httpx.Response) and pr.status_code == 200, pr
-    after, p_load = _load(d), _load(p.server)
+    after, p_load = load(d), load(p.server)
     # D drafted from the step after the first (its chains read the draft K/V P sent)
     assert after["spec_verifies_total"] > before.get("spec_verifies_total", 0), after
     assert after["spec_draft_failures_total"] == 0, after
     # P ran the draft head over every prompt and drafted nothing itself
     assert p_load["spec_draft_passes_total"] > 0 and p_load["spec_verifies_total"] == 0, p_load
-    _at_rest(p.server, d)
+    at_rest(p.server, d)
 
 
 def test_transfer_bytes_count_the_draft_layer(fleet) -> None:
@@ -198,12 +137,12 @@ def test_transfer_bytes_count_the_draft_layer(fleet) -> None:
     pn, dn = fleet["p-plain-tcp"], fleet["d-plain-tcp"]
     moved = {}
     for name, p, d in (("eagle", pe, de), ("plain", pn, dn)):
-        before = _load(p.server).get("kv_bytes", 0)
+        before = load(p.server).get("kv_bytes", 0)
         for ids, want in zip(fleet["prompts"], fleet["ref"]):
-            r, _ = _pair(p, d, ids)
+            r, _ = pair(p, d, ids, NEW)
             assert r.status_code == 200 and r.json()["output_ids"] == want, (name, r.text)
-        _at_rest(p.server, d)
-        moved[name] = _load(p.server)["kv_bytes"] - before
+        at_rest(p.server, d)
+        moved[name] = load(p.server)["kv_bytes"] - before
     pages = sum(-(-len(ids) // PAGE) for ids in fleet["prompts"])
     layer = pages * PAGE * KV_HEADS * (HIDDEN // HEADS) * 4 * 2  # one layer's K and V, float32
     assert moved["plain"] == layer * LAYERS, moved
@@ -216,18 +155,18 @@ def test_transfer_bytes_count_the_draft_layer(fleet) -> None:
 def test_mixed_fleet_is_refused_at_pairing(fleet, p_name, d_name, words) -> None:
     p, d = fleet[p_name], fleet[d_name]
     ids = fleet["prompts"][0]
-    r, pr = _pair(p, d, ids)
+    r, pr = pair(p, d, ids, NEW)
     assert r.status_code >= 400, r.text
     assert words.format(port=p.port) in r.text and "--speculative-algorithm" in r.text, r.text
     assert isinstance(pr, httpx.Response) and pr.status_code >= 400, pr
     assert "--speculative-algorithm" in pr.text, pr.text
-    _at_rest(p.server, d)
-    assert _load(d)["kv_pairing_refused"] >= 1
+    at_rest(p.server, d)
+    assert load(d)["kv_pairing_refused"] >= 1
     # both still serve their own kind of peer
     p_ok = fleet["p-eagle-tcp" if d_name == "d-eagle-tcp" else "p-plain-tcp"]
-    r, _ = _pair(p_ok, d, ids)
+    r, _ = pair(p_ok, d, ids, NEW)
     assert r.status_code == 200 and r.json()["output_ids"] == fleet["ref"][0], r.text
-    _at_rest(p_ok.server, d)
+    at_rest(p_ok.server, d)
 
 
 # -- units --------------------------------------------------------------------------------------

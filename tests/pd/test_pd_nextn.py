@@ -24,15 +24,23 @@ verifies every draft.
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
-import time
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from draft_pd import (
+    PAGE,
+    Prefill,
+    at_rest,
+    decode,
+    draft_rows,
+    load,
+    pair,
+    segments,
+    server,
+)
 
 from pdcore.builtin.planner import DefaultPlanner
 from pdcore.config import ServerArgs
@@ -43,43 +51,13 @@ from pdcore.errors import ConfigError
 from pdcore.interfaces.memory import PoolContext
 from pdcore.plugins.host import memory_pools
 from pdcore.runtime.llm_engine import LLMEngine
-from pdcore.testing.pages import load_at_rest
-from pdcore.testing.ports import free_port
-from pdcore.testing.processes import ServerProcess, spawned_children, trust_prefill
+from pdcore.testing.processes import ServerProcess, trust_prefill
 from pdcore.testing.tiny_models import add_mtp_layer, make_tiny_model
 
-LAYERS, PAGE, NEW = 2, 4, 16
+LAYERS, NEW = 2, 16
 LATENT = 32 + 8  # tiny DeepSeek: kv_lora_rank + rope dim
-FLAGS = ("--max-total-tokens", "2048", "--page-size", str(PAGE), "--chunked-prefill-size", "16")
-ENV = {"PDSERVE_SPEC_GATE": "0", "OMP_NUM_THREADS": "1"}
 NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
-
-
-def _env(backend: str) -> dict[str, str]:
-    return {**ENV, "PDCORE_SHM_MODE": "segment"} if backend == "shm" else ENV
-
-
-class Prefill:
-    def __init__(self, backend: str, *flags: str) -> None:
-        self.port = free_port()
-        self.server = ServerProcess(*FLAGS, "--disaggregation-mode", "prefill",
-                                    "--disaggregation-transfer-backend", backend,
-                                    "--disaggregation-bootstrap-port", str(self.port), *flags,
-                                    env=_env(backend))
-
-
-def _decode(backend: str, *flags: str) -> ServerProcess:
-    return ServerProcess(*FLAGS, *flags, "--disaggregation-mode", "decode",
-                         "--disaggregation-transfer-backend", backend, env=_env(backend))
-
-
-def _load(s: ServerProcess) -> dict[str, Any]:
-    return httpx.get(s.url + "/get_load", timeout=10).json()[0]
-
-
-def _server(s: Prefill | ServerProcess) -> ServerProcess:
-    return s.server if isinstance(s, Prefill) else s
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +70,11 @@ def fleet(tmp_path_factory) -> Any:
     try:
         for backend in ("tcp", "shm"):
             made[f"p-nextn-{backend}"] = Prefill(backend, *common, *NEXTN)
-            made[f"d-nextn-{backend}"] = _decode(backend, *common, *NEXTN)
+            made[f"d-nextn-{backend}"] = decode(backend, *common, *NEXTN)
         made["p-plain-tcp"] = Prefill("tcp", *common)
-        made["d-plain-tcp"] = _decode("tcp", *common)
+        made["d-plain-tcp"] = decode("tcp", *common)
         for s in made.values():
-            _server(s).wait_healthy(300)
+            server(s).wait_healthy(300)
         ports = [p.port for p in made.values() if isinstance(p, Prefill)]
         for s in made.values():
             if isinstance(s, ServerProcess):
@@ -112,86 +90,49 @@ def fleet(tmp_path_factory) -> Any:
         yield {**made, "prompts": prompts, "ref": [r["output_ids"] for r in ref]}
     finally:
         for s in made.values():
-            _server(s).stop()
+            server(s).stop()
 
 
-_rooms = iter(range(5000, 1 << 30, 11))
-
-
-def _pair(p: Prefill, d: ServerProcess, ids: list[int]) -> tuple[httpx.Response, Any]:
-    """The router's fan-out by hand: (D's response, P's response or error)."""
-    body = {"input_ids": ids, "bootstrap_host": "127.0.0.1", "bootstrap_port": p.port,
-            "bootstrap_room": next(_rooms),
-            "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}}
-    got: list[Any] = []
-
-    def prefill() -> None:
-        try:
-            got.append(httpx.post(p.server.url + "/generate", json=body, timeout=120))
-        except httpx.HTTPError as e:
-            got.append(e)
-
-    t = threading.Thread(target=prefill, daemon=True)
-    t.start()
-    r = httpx.post(d.url + "/generate", json=body, timeout=120)
-    t.join(120)
-    assert got, "prefill did not answer in 120 s"
-    return r, got[0]
-
-
-def _at_rest(*servers: ServerProcess, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(load_at_rest(_load(s)) for s in servers):
-        assert time.monotonic() < deadline, [_load(s) for s in servers]
-        time.sleep(0.2)
-
-
-def _latent_rows(server: ServerProcess) -> set[bytes]:
+def _latent_rows(s: ServerProcess) -> set[bytes]:
     """The non-zero latent rows of a shm server's draft pool (segment ..._draft-k: NEXTN's one
     latent buffer, no ..._draft-v)."""
-    pids = spawned_children(server.proc.pid)
-    mine = [n for n in os.listdir("/dev/shm") if any(f"_{pid}_" in n for pid in pids)]
-    assert not [n for n in mine if n.endswith("_draft-v")], mine
-    names = [n for n in mine if n.endswith("_draft-k")]
-    assert len(names) == 1, (names, pids)
-    raw = np.fromfile(os.path.join("/dev/shm", names[0]), dtype=np.float32)
-    rows = raw[: len(raw) // LATENT * LATENT].reshape(-1, LATENT)
-    return {r.tobytes() for r in rows[np.abs(rows).sum(1) > 0]}
+    assert not [n for n in segments(s) if n.endswith("_draft-v")], segments(s)
+    return draft_rows(s, LATENT)
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_greedy_with_nextn_through_pd_equals_unified(fleet, backend) -> None:
     p, d = fleet[f"p-nextn-{backend}"], fleet[f"d-nextn-{backend}"]
-    before = _load(d)
+    before = load(d)
     for i, (ids, want) in enumerate(zip(fleet["prompts"], fleet["ref"])):
         if backend == "shm" and i == 0:  # the latent rows P's MTP layer wrote are D's
             p_before = _latent_rows(p.server)
-            r, pr = _pair(p, d, ids)
+            r, pr = pair(p, d, ids, NEW)
             new = _latent_rows(p.server) - p_before
             assert len(new) == len(ids), (len(new), len(ids))
             assert new <= _latent_rows(d)
         else:
-            r, pr = _pair(p, d, ids)
+            r, pr = pair(p, d, ids, NEW)
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == want, (i, r.json()["output_ids"], want)
         assert isinstance(pr, httpx.Response) and pr.status_code == 200, pr
-    after, p_load = _load(d), _load(p.server)
+    after, p_load = load(d), load(p.server)
     assert after["spec_verifies_total"] > before.get("spec_verifies_total", 0), after
     assert after["spec_draft_failures_total"] == 0, after
     assert p_load["spec_draft_passes_total"] > 0 and p_load["spec_verifies_total"] == 0, p_load
-    _at_rest(p.server, d)
+    at_rest(p.server, d)
 
 
 def test_transfer_bytes_count_the_latent_draft_layer(fleet) -> None:
     moved = {}
     for name in ("nextn", "plain"):
         p, d = fleet[f"p-{name}-tcp"], fleet[f"d-{name}-tcp"]
-        before = _load(p.server).get("kv_bytes", 0)
+        before = load(p.server).get("kv_bytes", 0)
         for ids, want in zip(fleet["prompts"], fleet["ref"]):
-            r, _ = _pair(p, d, ids)
+            r, _ = pair(p, d, ids, NEW)
             assert r.status_code == 200 and r.json()["output_ids"] == want, (name, r.text)
-        _at_rest(p.server, d)
-        moved[name] = _load(p.server)["kv_bytes"] - before
+        at_rest(p.server, d)
+        moved[name] = load(p.server)["kv_bytes"] - before
     pages = sum(-(-len(ids) // PAGE) for ids in fleet["prompts"])
     layer = pages * PAGE * LATENT * 4  # one MLA layer: one float32 latent per token
     assert moved["plain"] == layer * LAYERS, moved
@@ -204,17 +145,17 @@ def test_transfer_bytes_count_the_latent_draft_layer(fleet) -> None:
 def test_mixed_fleet_is_refused_at_pairing(fleet, p_name, d_name, words) -> None:
     p, d = fleet[p_name], fleet[d_name]
     ids = fleet["prompts"][1]
-    r, pr = _pair(p, d, ids)
+    r, pr = pair(p, d, ids, NEW)
     assert r.status_code >= 400, r.text
     assert words.format(port=p.port) in r.text and "--speculative-algorithm" in r.text, r.text
     assert isinstance(pr, httpx.Response) and pr.status_code >= 400, pr
     assert "--speculative-algorithm" in pr.text, pr.text
-    _at_rest(p.server, d)
-    assert _load(d)["kv_pairing_refused"] >= 1
+    at_rest(p.server, d)
+    assert load(d)["kv_pairing_refused"] >= 1
     p_ok = fleet["p-nextn-tcp" if d_name == "d-nextn-tcp" else "p-plain-tcp"]
-    r, _ = _pair(p_ok, d, ids)
+    r, _ = pair(p_ok, d, ids, NEW)
     assert r.status_code == 200 and r.json()["output_ids"] == fleet["ref"][1], r.text
-    _at_rest(p_ok.server, d)
+    at_rest(p_ok.server, d)
 
 
 # -- units --------------------------------------------------------------------------------------
