@@ -243,18 +243,27 @@ class ServerArgs:
     def _validate_head(self, algo: str, line: str) -> None:
         """EAGLE (an EAGLE-1 head) and NEXTN (the model's own MTP layer; its folder unless
         --speculative-draft-model-path names another): a chain of --speculative-num-steps
-        drafts, one TP rank (the head and its K/V run beside rank 0's schedule), unified or PD
-        mode (prefill runs the head over the prompt, its K/V travel with the target's as one
-        more KV layer; NEXTN's one more MLA latent layer).
-        `line`: the flags given, named in every refusal. Whether the model has an MTP layer is
-        the preflight's and the engine's to check (they read the model)."""
-        why = [(self.enable_multi_layer_eagle,
-                "--enable-multi-layer-eagle: multi-layer EAGLE / MTP heads are not built"),
+        drafts, unified or PD mode (prefill runs the head over the prompt, its K/V travel with
+        the target's as one more KV layer; NEXTN's one more MLA latent layer), with any
+        --tp-size (the head's layer sharded as the target's, every rank runs its passes, rank
+        0's draft tokens agreed: engine/sched/draft_tp.py); not with DP attention.
+        --enable-multi-layer-eagle (EAGLE or NEXTN, one TP rank): the N >= 2 MTP layers of a
+        MiMo checkpoint (the model's own folder unless --speculative-draft-model-path names
+        another) draft, chain step j with layer min(j, N - 1), each layer its own KV layer.
+        `line`: the flags given, named in every refusal. Whether the model has the MTP layers
+        is the preflight's and the engine's to check (they read the model)."""
+        why = [(self.enable_multi_layer_eagle and self.tp_size > 1,
+                ("--enable-multi-layer-eagle with --tp-size > 1: a MiMo's MTP layers run on "
+                 "one TP rank (they are not sharded); use --tp-size 1")),
                (self.speculative_draft_model_quantization is not None,
                 "--speculative-draft-model-quantization: the head runs in --dtype"),
-               (self.tp_size > 1 or self.enable_dp_attention,
-                f"--tp-size > 1 / --enable-dp-attention: {algo} runs on one TP rank for now"),
-               (algo == "EAGLE" and not self.speculative_draft_model_path,
+               (self.enable_dp_attention,
+                (f"--enable-dp-attention: {algo}'s draft head runs in lockstep over the whole "
+                 "TP group, but DP attention gives each DP rank its own batch (and idle "
+                 "forwards where it has none), which the head's passes do not follow yet; use "
+                 "--tp-size without --enable-dp-attention, or NGRAM")),
+               (algo == "EAGLE" and not self.speculative_draft_model_path
+                and not self.enable_multi_layer_eagle,
                 ("needs --speculative-draft-model-path: an HF folder of an EAGLE-1 draft head "
                  "(config.json with architectures [\"LlamaForCausalLMEagle\"], safetensors)"))]
         for bad, what in why:

@@ -10,8 +10,9 @@ import secrets
 from typing import Any
 
 from pdcore.config import DisaggEnv, ServerArgs
-from pdcore.disagg.aux import AuxBuffers
+from pdcore.disagg.aux import AuxBuffers, ChainGeometry
 from pdcore.engine.kv.cache import KVCache
+from pdcore.engine.sched.api import SchedulerAPI
 from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.scheduler import Scheduler
 
@@ -33,9 +34,12 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
                    ) -> tuple[Extension, dict[str, Any]]:
     """The started extension of `args.disaggregation_mode` and what it adds to the server info.
     The KV the manager moves is the target's and, with a draft head (EAGLE, NEXTN), the head's one
-    layer after it (KVCache.transfer_layers; the layout's `draft_layers`)."""
+    layer after it (KVCache.transfer_layers; the layout's `draft_layers`), and the aux rows carry
+    the head's chain start, D's first drafts (disagg/aux.py)."""
     env = DisaggEnv.from_env()
-    aux = AuxBuffers(_host_pool(args, kv), num_slots=max(64, 4 * args.max_running_requests))
+    geo = SchedulerAPI(sched).chain_geometry()  # a draft head's chain start rides in the row
+    aux = AuxBuffers(_host_pool(args, kv), num_slots=max(64, 4 * args.max_running_requests),
+                     chain=ChainGeometry(*geo) if geo is not None else None)
     layout, regions = kv.layout(), kv.regions()
     from pdcore.plugins.default_backend import resolve_transfer_backend
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -107,8 +108,10 @@ class DecodeSession:
 
 
 def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes: int,
-                   planner: TransferPlanner, fingerprint: str = "") -> DecodeSession:
-    """Validate a Register; ProtocolError says what is wrong."""
+                   planner: TransferPlanner, fingerprint: str = "",
+                   chain: dict[str, Any] | None = None) -> DecodeSession:
+    """Validate a Register; ProtocolError says what is wrong. `chain`: this server's chain
+    start geometry (AuxBuffers.chain_info()), compared before the aux row size it sets."""
     wire.check_compatible("decode", msg.page_size, msg.dtype, local)
     if msg.backend != backend:
         raise ProtocolError(f"decode uses transfer backend {msg.backend!r}, prefill uses "
@@ -127,7 +130,8 @@ def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes:
         "page_size": msg.page_size, "kv_cache_dtype": msg.dtype,
         "model_fingerprint": msg.model_fingerprint, "num_layers": layout.num_layers,
         "head_dim": layout.head_dim, "is_mla": layout.is_mla,
-        "draft_layers": layout.draft_layers}, local, fingerprint)
+        "draft_layers": layout.draft_layers, "chain_hidden": msg.chain_hidden,
+        "chain_dtype": msg.chain_dtype}, local, fingerprint, chain)
     if layout.num_pages < 1 or layout.num_layers < 1 or layout.item_len < 1:
         raise ProtocolError("decode registration: empty KV layout")
     if len(layout.k_bases) != layout.num_layers or len(layout.v_bases) != layout.num_layers:

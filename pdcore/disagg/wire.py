@@ -73,6 +73,10 @@ class Register(_Msg, tag="register"):
     dtype: str
     staging_region: dict[str, Any] | None = None  # D's staging ring (MemoryRegion.to_dict())
     model_fingerprint: str = ""  # engine.fingerprint of D's model; P refuses another model
+    # the draft head's chain start in D's aux rows (aux.py): its vector's size and dtype;
+    # 0 / "": no draft head, no chain start part
+    chain_hidden: int = 0
+    chain_dtype: str = ""
 
 
 class TransferInfo(_Msg, tag="transfer_info"):
@@ -245,9 +249,11 @@ def refusal(err: VersionMismatch, rank: int, token: str | None = None) -> list[b
     return [payload, _mac(token, payload)] if token and not legacy else [payload]
 
 
-def check_pairing(role: str, peer: dict[str, Any], local: KVLayout, fingerprint: str) -> None:
+def check_pairing(role: str, peer: dict[str, Any], local: KVLayout, fingerprint: str,
+                  chain: dict[str, Any] | None = None) -> None:
     """What must match before KV crosses, from the peer's bootstrap info or registration: the
-    model (fingerprint: config and weight files), page size, KV dtype and KV layout.
+    model (fingerprint: config and weight files), page size, KV dtype and KV layout, and the
+    draft head's chain start in the aux rows (`chain`: this server's AuxBuffers.chain_info()).
     ProtocolError names the first mismatch and what to fix; fields the peer does not send
     (an older peer, a unit test) are not compared."""
     check_compatible(role, int(peer["page_size"]), str(peer["kv_cache_dtype"]), local)
@@ -258,6 +264,8 @@ def check_pairing(role: str, peer: dict[str, Any], local: KVLayout, fingerprint:
             "config.json or weight files differ); start prefill and decode with the same "
             "--model-path (and --load-format / --random-seed)")
     check_draft(role, peer, local)
+    if chain is not None:
+        check_chain(role, peer, chain)
     for key, mine in (("num_layers", local.num_layers), ("head_dim", local.head_dim),
                       ("total_kv_heads", local.model_kv_heads), ("is_mla", local.is_mla)):
         if peer.get(key) is not None and peer[key] != mine:
@@ -283,6 +291,28 @@ def check_draft(role: str, peer: dict[str, Any], local: KVLayout) -> None:
         "decode with the same --speculative-algorithm (EAGLE with the same "
         "--speculative-draft-model-path, or NEXTN), or neither with a draft head (NGRAM on "
         "decode alone needs nothing from prefill)")
+
+
+def check_chain(role: str, peer: dict[str, Any], local: dict[str, Any]) -> None:
+    """A draft head's chain start (the first draft token and the head's output vector, D's
+    first drafts) rides in the aux rows: both sides' must have the same vector size and dtype,
+    or both none. A peer that sends no chain geometry (an older peer) is not compared: the aux
+    row size check refuses one whose rows differ."""
+    if peer.get("chain_hidden") is None:
+        return
+    theirs = (int(peer["chain_hidden"]), str(peer.get("chain_dtype") or ""))
+    mine = (int(local["chain_hidden"]), str(local["chain_dtype"]))
+    if theirs == mine:
+        return
+
+    def says(h: int, dtype: str) -> str:
+        return (f"a speculative chain start of {h} x {dtype}" if h else
+                "no speculative chain start (no draft head)")
+
+    raise ProtocolError(
+        f"{role} carries {says(*theirs)} in its aux rows, this server {says(*mine)}: start "
+        "prefill and decode with the same --speculative-algorithm, --model-path and --dtype "
+        "(the draft head's output vector crosses beside the first token)")
 
 
 def check_compatible(role: str, peer_page_size: int, peer_dtype: str, local: KVLayout) -> None:

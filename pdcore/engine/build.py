@@ -219,13 +219,31 @@ def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockMa
                   model_dir: str | None, kv: KVCache | None = None):
     """The draft head beside `model`, with its one-layer K/V pool addressed like the target's
     (engine/sched/eagle.py): EAGLE's of --speculative-draft-model-path; NEXTN's the MTP layer
-    of the target's own checkpoint (`model_dir`) unless that flag names another folder. With
+    of the target's own checkpoint (`model_dir`) unless that flag names another folder (a
+    MiMo's first MTP layer, engine/model/mimo.py); --enable-multi-layer-eagle: a MiMo's N MTP
+    layers, one pool each (engine/sched/mtp_chain.py). With
     `kv` (PD mode) the pool is allocated in the KV cache's memory, one more transfer layer."""
     from pdcore.engine.sched.eagle import HeadDrafter
 
     assert model is not None and blocks is not None
+    from pdcore.engine.model.mtp import is_mimo
+
     p = next(model.parameters())
-    if cfg.algorithm == "EAGLE":
+    drafter_class = HeadDrafter
+    if args.enable_multi_layer_eagle or (cfg.algorithm == "NEXTN" and is_mimo(model.cfg)):
+        from pdcore.engine.model.mimo import load_mimo_head
+        from pdcore.engine.sched.mtp_chain import MultiLayerDrafter
+
+        if args.load_format in ("dummy", "gguf") or not model_dir:
+            raise ConfigError(f"the MTP layers' weights are read from the safetensors "
+                              f"checkpoint; --load-format {args.load_format} has none")
+        if model.tp.size > 1:
+            raise ConfigError("a MiMo model's MTP layers draft on one TP rank (--tp-size 1)")
+        source = args.speculative_draft_model_path or model_dir
+        head = load_mimo_head(model, source, args.enable_multi_layer_eagle, p.dtype, p.device)
+        if head.num_layers > 1:
+            drafter_class = MultiLayerDrafter
+    elif cfg.algorithm == "EAGLE":
         from pdcore.engine.model.eagle import load_eagle_head
 
         source = args.speculative_draft_model_path
@@ -239,8 +257,9 @@ def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockMa
                               "has none")
         source = args.speculative_draft_model_path or model_dir
         head = load_nextn_head(model, source, p.dtype, p.device)
-    drafter = HeadDrafter(head, blocks, args.max_running_requests, cfg.max_drafts,
-                          kv.draft_buffer if kv is not None else None)
+    # TP: every rank holds the head's layer sharded as the target's and runs every pass
+    drafter = drafter_class(head, blocks, args.max_running_requests, cfg.max_drafts,
+                            kv.draft_buffer if kv is not None else None, tp=model.tp)
     log.info("%s draft head %s: %d-token chains; its K/V pool takes %.1f MiB beside the "
              "target's", cfg.algorithm, source, cfg.max_drafts, drafter.pool_bytes / 2**20)
     return drafter

@@ -101,9 +101,11 @@ HELP: dict[str, str] = {
     "speculative_algorithm": "speculative decoding: NGRAM (draft tokens from the request's own "
                              "context and earlier outputs, verified in one pass), EAGLE (an "
                              "EAGLE-1 draft head, --speculative-draft-model-path, chain drafts) "
-                             "or NEXTN (a DeepSeek-V3 model's own MTP layer, chain drafts); "
-                             "EAGLE and NEXTN: one TP rank, unified or PD mode (the same flags "
-                             "on prefill and decode); EAGLE3 and STANDALONE "
+                             "or NEXTN (a DeepSeek-V3's or MiMo's own MTP layer, chain "
+                             "drafts; a MiMo's N layers with --enable-multi-layer-eagle); "
+                             "EAGLE and NEXTN: unified or PD mode (the same flags on prefill "
+                             "and decode), any --tp-size (the head's layer sharded as the "
+                             "target's), not with --enable-dp-attention; EAGLE3 and STANDALONE "
                              "are refused (not built)",
     "speculative_num_draft_tokens": "positions verified per request and step: the current "
                                     "token + up to this many - 1 drafts (NGRAM default 8; "
@@ -111,12 +113,17 @@ HELP: dict[str, str] = {
     "speculative_draft_model_path": "EAGLE: HF folder of an EAGLE-1 draft head (config.json "
                                     "architectures [\"LlamaForCausalLMEagle\"]; fc, one decoder "
                                     "layer; the target's embedding and lm_head unless it has "
-                                    "its own). NEXTN: the checkpoint holding the MTP layer "
-                                    "(default: the model's own folder)",
+                                    "its own). NEXTN and --enable-multi-layer-eagle: the "
+                                    "checkpoint holding the MTP layer(s) (default: the "
+                                    "model's own folder)",
     "speculative_num_steps": "EAGLE / NEXTN: draft tokens per chain (default 3)",
     "speculative_eagle_topk": "EAGLE / NEXTN: candidates per draft step; only 1 (a chain) is "
                               "built",
-    "enable_multi_layer_eagle": "refused: multi-layer EAGLE heads are not built",
+    "enable_multi_layer_eagle": "EAGLE / NEXTN on a MiMo model (MiMoForCausalLM) whose "
+                                "checkpoint holds N >= 2 MTP layers: they draft one chain, "
+                                "step j with layer min(j, N - 1), each with its own KV "
+                                "(--speculative-draft-model-path optional: the model's own "
+                                "folder); one TP rank; refused (exit 2) for other models",
     "speculative_draft_model_quantization": "refused: the draft head runs in --dtype",
     "speculative_ngram_min_match_window_size": "shortest context suffix an NGRAM draft must "
                                                "match",

@@ -86,14 +86,16 @@ def _check_files(args: ServerArgs) -> None:
         if args.load_format in ("safetensors", "dummy") and is_gguf:
             raise ConfigError(f"--load-format {args.load_format}: {args.model_path} is a GGUF "
                               "model; use --load-format auto or gguf")
-    if args.speculative_algorithm == "NEXTN":
+    if args.speculative_algorithm == "NEXTN" or (args.speculative_algorithm == "EAGLE"
+                                                 and args.enable_multi_layer_eagle):
         _check_nextn(args)
 
 
 def _check_nextn(args: ServerArgs) -> None:
-    """NEXTN drafts with the model's own MTP layer: a DeepSeek-V3 safetensors checkpoint that
-    has one (its config and the weight files' headers, read before the model loads)."""
-    from pdcore.engine.model.mtp import check_nextn_folder
+    """NEXTN drafts with the model's own MTP layer (a DeepSeek-V3's, or a MiMo's first) and
+    --enable-multi-layer-eagle with a MiMo's N >= 2 MTP layers: a safetensors checkpoint that
+    has them (its config and the weight files' headers, read before the model loads)."""
+    from pdcore.engine.model.mtp import check_mtp_folder
     from pdcore.engine.model.tokenizer import resolve_model
 
     if args.load_format in ("dummy", "gguf"):
@@ -106,7 +108,8 @@ def _check_nextn(args: ServerArgs) -> None:
     draft = args.speculative_draft_model_path
     if draft and not os.path.isdir(os.path.expanduser(draft)):
         raise ConfigError(f"--speculative-draft-model-path {draft}: no such folder")
-    check_nextn_folder(resolved.path, draft and os.path.expanduser(draft))
+    check_mtp_folder(resolved.path, draft and os.path.expanduser(draft),
+                     args.enable_multi_layer_eagle, args.speculative_algorithm)
 
 
 def _check_disagg(args: ServerArgs, env: Mapping[str, str]) -> str | None:

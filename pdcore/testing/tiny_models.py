@@ -161,3 +161,74 @@ def make_eagle_head(path: str, *, vocab: int, hidden: int = 64, heads: int = 4,
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f)
     return path
+
+
+def make_tiny_mimo(path: str, mtp_layers: int = 2, seed: int = 0, agree: bool = False,
+                   **kw) -> str:
+    """A tiny random MiMo (a Qwen2 body, config architectures ["MiMoForCausalLM"], model_type
+    "mimo", num_nextn_predict_layers `mtp_layers`, an `auto_map` to remote code as the real
+    checkpoint has) with its MTP layers `model.mtp_layers.{i}.` (token_layernorm,
+    hidden_layernorm, input_proj, a Qwen2 decoder layer, final_layernorm), which transformers
+    does not create. `agree`: a target whose layers add nothing (o_proj and down_proj zero: its
+    next token is argmax lm_head(norm(embedding(token)))) and MTP layers that predict just that
+    from their token: input_proj passes token_layernorm(embedding) through (the SECOND half of
+    its input), the decoder layer adds nothing, final_layernorm has the final norm's weight."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model(path, arch="qwen2", seed=seed, **kw)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    g = torch.Generator().manual_seed(seed + 1000)
+    last = f"model.layers.{L - 1}."
+    for i in range(mtp_layers):
+        p = f"model.mtp_layers.{i}."
+        for k in [k for k in sd if k.startswith(last)]:  # the last layer's weights, perturbed
+            t = sd[k]
+            noise = torch.randn(t.shape, generator=g) * (0.05 if k.endswith("norm.weight")
+                                                         else 0.2)
+            sd[p + k[len(last):]] = (t + noise).contiguous()
+        sd[p + "token_layernorm.weight"] = 1 + torch.randn(h, generator=g) * 0.1
+        sd[p + "hidden_layernorm.weight"] = 1 + torch.randn(h, generator=g) * 0.1
+        sd[p + "input_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.15
+        sd[p + "final_layernorm.weight"] = 1 + torch.randn(h, generator=g) * 0.1
+        if agree:
+            sd[p + "input_proj.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], 1)
+            sd[p + "token_layernorm.weight"] = torch.ones(h)
+            sd[p + "final_layernorm.weight"] = sd["model.norm.weight"].clone()
+    if agree:
+        for k in sd:
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                sd[k] = torch.zeros_like(sd[k])
+    save_file({k: v.contiguous() for k, v in sd.items()}, f, metadata={"format": "pt"})
+    cfg.update(architectures=["MiMoForCausalLM"], model_type="mimo",
+               num_nextn_predict_layers=mtp_layers,
+               auto_map={"AutoConfig": "configuration_mimo.MiMoConfig",
+                         "AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"})
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2)
+    return path
+
+
+def mimo_reference(path: str):
+    """transformers' Qwen2ForCausalLM holding a tiny MiMo's body (its MTP weights left out):
+    the reference for the target's greedy output."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    for k in ("architectures", "model_type", "auto_map", "num_nextn_predict_layers"):
+        raw.pop(k, None)
+    model = Qwen2ForCausalLM(Qwen2Config(**raw)).to(torch.float32).eval()
+    sd = {k: v for k, v in load_file(os.path.join(path, "model.safetensors")).items()
+          if not k.startswith("model.mtp_layers.")}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return model

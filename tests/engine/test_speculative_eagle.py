@@ -9,7 +9,8 @@
 - a head built to agree with its target (a target whose next token depends on the current one
   alone, and a head that reads the token only): nearly every draft is accepted, and the
   counters (spec_verify_ct, accepted tokens, accept length) show it;
-- flags: EAGLE needs a head folder, refuses topk > 1 and TP > 1 (PD mode is accepted).
+- flags: EAGLE needs a head folder, refuses topk > 1 and DP attention (PD mode and TP > 1
+  are accepted: tests/engine/test_speculative_tp.py).
 """
 
 from __future__ import annotations
@@ -241,9 +242,11 @@ def test_flags():
                    speculative_eagle_topk=2).validate()
     ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                disaggregation_mode="decode").validate()  # PD: tests/pd/test_pd_eagle.py
-    with pytest.raises(ConfigError, match="one TP rank"):
+    ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+               tp_size=2).validate()  # TP: tests/engine/test_speculative_tp.py
+    with pytest.raises(ConfigError, match="--enable-dp-attention: EAGLE's draft head"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-                   tp_size=2).validate()
+                   tp_size=2, dp_size=2, enable_dp_attention=True).validate()
     with pytest.raises(ConfigError, match="must be 5"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    speculative_num_steps=4, speculative_num_draft_tokens=3).validate()

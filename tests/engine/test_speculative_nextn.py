@@ -10,7 +10,7 @@
   current one alone, a layer that passes the token's normed embedding through): nearly every
   draft is accepted and the counters show it;
 - flags and models: NEXTN takes topk 1, steps k and k + 1 draft tokens, validates in PD mode
-  (tests/pd/test_pd_nextn.py) and refuses TP > 1 as EAGLE does, and exits 2 for a model that is not a DeepSeek-V3 or has no MTP layer.
+  (tests/pd/test_pd_nextn.py), takes TP > 1 and refuses DP attention as EAGLE does, and exits 2 for a model that is not a DeepSeek-V3 or has no MTP layer.
 """
 
 from __future__ import annotations
@@ -248,8 +248,10 @@ def test_flags():
         ServerArgs(speculative_algorithm="NEXTN", speculative_eagle_topk=2).validate()
     for mode in ("prefill", "decode"):  # PD: its latent K/V travel as one more MLA layer
         ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode).validate()
-    with pytest.raises(ConfigError, match="NEXTN runs on one TP rank"):
-        ServerArgs(speculative_algorithm="NEXTN", tp_size=2).validate()
+    ServerArgs(speculative_algorithm="NEXTN", tp_size=2).validate()  # test_speculative_tp.py
+    with pytest.raises(ConfigError, match="--enable-dp-attention: NEXTN's draft head"):
+        ServerArgs(speculative_algorithm="NEXTN", tp_size=2, dp_size=2,
+                   enable_dp_attention=True).validate()
 
 
 @pytest.mark.parametrize("model,says", [

@@ -2,15 +2,20 @@
 
 P runs the target's prefill and the draft head over the prompt (its K/V at the target's own
 slots); the head's one-layer pool travels as one more KV layer with the target's pages, through
-the same backend, counted in the transfer metrics; D continues speculating from the first token
-(its first decode step runs without drafts, its chains start from the step after).
+the same backend, counted in the transfer metrics; D continues speculating from the first token:
+the chain start P's head made (the first draft token and the head's output vector) crosses in
+the aux row, so D's very first decode step drafts.
 
 - 1P1D over tcp and over shm (segment mode), EAGLE on both: greedy output equals a unified
   engine's without speculation, token for token, and D verified drafts; over shm the draft K
   rows P computed for a prompt (one per position, the last paired with the first token) are
-  read back from both servers' segments: D holds every one of them;
+  read back from both servers' segments: D holds every one of them; every request's chain
+  start was sent by P and adopted by D (none dropped);
+- with max_new_tokens=3 a request verifies drafts on D's first decode step (spec_verify_ct 1:
+  without the chain start that step has no drafts and the next has no room for one);
 - P's transfer bytes with EAGLE exceed a plain P's for the same prompts by exactly the draft
-  layer's share (one more layer of K and V per page);
+  layer's share (one more layer of K and V per page) plus one chain start vector per request
+  (hidden x 4 bytes); a plain P moves nothing extra;
 - a mixed fleet (EAGLE on D only, or on P only) is refused at pairing with words naming
   --speculative-algorithm, and neither side keeps a page;
 - units: the draft layer's pages move at the target's page indices (KVCache.transfer layout
@@ -122,17 +127,38 @@ def test_greedy_with_eagle_through_pd_equals_unified(fleet, backend) -> None:
         assert r.json()["output_ids"] == want
         assert isinstance(pr, httpx.Response) and pr.status_code == 200, pr
     after, p_load = load(d), load(p.server)
-    # D drafted from the step after the first (its chains read the draft K/V P sent)
+    # D drafted (its chains read the draft K/V P sent, from the chain start P sent)
     assert after["spec_verifies_total"] > before.get("spec_verifies_total", 0), after
     assert after["spec_draft_failures_total"] == 0, after
+    n = len(fleet["prompts"])
+    assert after["disagg_chain_starts_received_total"] - before.get(
+        "disagg_chain_starts_received_total", 0) == n, after
+    assert after["disagg_chain_starts_dropped_total"] == 0, after
     # P ran the draft head over every prompt and drafted nothing itself
     assert p_load["spec_draft_passes_total"] > 0 and p_load["spec_verifies_total"] == 0, p_load
+    assert p_load["disagg_chain_starts_sent_total"] >= n, p_load
+    assert p_load["disagg_chain_starts_missing_total"] == 0, p_load
+    at_rest(p.server, d)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_first_decode_step_drafts_from_the_chain_start(fleet, backend) -> None:
+    """Three tokens: P's, then D's first decode step verifies [first token, one draft]; without
+    P's chain start it could not draft, and the step after has no room left for a draft."""
+    p, d = fleet[f"p-eagle-{backend}"], fleet[f"d-eagle-{backend}"]
+    for ids, want in zip(fleet["prompts"], fleet["ref"]):
+        r, pr = pair(p, d, ids, 3)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["output_ids"] == want[:3]
+        assert body["meta_info"]["spec_verify_ct"] >= 1, body["meta_info"]
+        assert isinstance(pr, httpx.Response) and pr.status_code == 200, pr
     at_rest(p.server, d)
 
 
 def test_transfer_bytes_count_the_draft_layer(fleet) -> None:
     """The same prompts through an EAGLE pair and a plain pair: P's KV bytes differ by one
-    layer of K and V per page sent, exactly: (layers + 1) / layers of the plain bytes."""
+    layer of K and V per page sent and one chain start vector per request, exactly."""
     pe, de = fleet["p-eagle-tcp"], fleet["d-eagle-tcp"]
     pn, dn = fleet["p-plain-tcp"], fleet["d-plain-tcp"]
     moved = {}
@@ -146,7 +172,8 @@ def test_transfer_bytes_count_the_draft_layer(fleet) -> None:
     pages = sum(-(-len(ids) // PAGE) for ids in fleet["prompts"])
     layer = pages * PAGE * KV_HEADS * (HIDDEN // HEADS) * 4 * 2  # one layer's K and V, float32
     assert moved["plain"] == layer * LAYERS, moved
-    assert moved["eagle"] == layer * (LAYERS + 1), moved
+    chain = len(fleet["prompts"]) * HIDDEN * 4  # the head's output vector, float32
+    assert moved["eagle"] == layer * (LAYERS + 1) + chain, moved
 
 
 @pytest.mark.parametrize("p_name,d_name,words", [
@@ -225,9 +252,12 @@ def test_eagle_in_pd_mode_validates() -> None:
     for mode in ("prefill", "decode"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    disaggregation_mode=mode).validate()
-    with pytest.raises(ConfigError, match="one TP rank"):
+    ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+               disaggregation_mode="decode", tp_size=2).validate()  # test_pd_spec_tp.py
+    with pytest.raises(ConfigError, match="--enable-dp-attention"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-                   disaggregation_mode="decode", tp_size=2).validate()
+                   disaggregation_mode="decode", tp_size=2, dp_size=2,
+                   enable_dp_attention=True).validate()
     with pytest.raises(ConfigError, match="topk 2"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    disaggregation_mode="prefill", speculative_eagle_topk=2).validate()

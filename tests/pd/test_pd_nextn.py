@@ -3,19 +3,22 @@
 The MTP layer is an MLA layer: its pool is one latent buffer shaped like the target's MLA
 pool, so in PD mode it is allocated in the KV pool's memory and travels as one more MLA layer
 (`KVLayout.draft_layers`, its V base its K base) at the target's page indices. P runs the MTP
-layer over the prompt; D chains from its second decode step.
+layer over the prompt; its chain start (the first draft token and the layer's output vector)
+crosses in the aux row, so D drafts from its first decode step.
 
 - 1P1D over tcp and over shm (segment mode), NEXTN on both: greedy output equals a unified
   engine's without speculation, token for token, and D verified drafts; over shm the latent
   rows P's MTP layer computed for a prompt (one per position) are read back from both servers'
-  segments: D holds every one of them;
+  segments: D holds every one of them; D adopted every request's chain start; with
+  max_new_tokens=3 D's first decode step verifies a draft;
 - P's transfer bytes with NEXTN are those of a plain P times (layers + 1) / layers: one more
-  latent per token, once (not as K and V);
+  latent per token, once (not as K and V), plus one chain start vector per request;
 - a mixed fleet (NEXTN on D only, or on P only) is refused at pairing naming
   --speculative-algorithm, and neither side keeps a page;
 - units: the latent draft layer moves at the target's page indices through the default
   planner, copied once; a K/V (non-latent) draft pool beside an MLA pool is refused; NEXTN
-  validates in PD mode and still refuses TP > 1 and topk > 1 there.
+  validates in PD mode with TP 1 and 2 (TP 2 pairs: test_pd_spec_tp.py), refuses DP attention
+  and topk > 1 there.
 
 Servers are paired by hand (the router's fan-out), as in test_pd_eagle.py. PDSERVE_SPEC_GATE=0
 verifies every draft.
@@ -55,6 +58,7 @@ from pdcore.testing.processes import ServerProcess, trust_prefill
 from pdcore.testing.tiny_models import add_mtp_layer, make_tiny_model
 
 LAYERS, NEW = 2, 16
+HIDDEN = 64  # the tiny DeepSeek's hidden size (make_tiny_model's default)
 LATENT = 32 + 8  # tiny DeepSeek: kv_lora_rank + rope dim
 NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
          "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4")
@@ -119,7 +123,15 @@ def test_greedy_with_nextn_through_pd_equals_unified(fleet, backend) -> None:
     after, p_load = load(d), load(p.server)
     assert after["spec_verifies_total"] > before.get("spec_verifies_total", 0), after
     assert after["spec_draft_failures_total"] == 0, after
+    assert after["disagg_chain_starts_received_total"] - before.get(
+        "disagg_chain_starts_received_total", 0) == len(fleet["prompts"]), after
+    assert after["disagg_chain_starts_dropped_total"] == 0, after
     assert p_load["spec_draft_passes_total"] > 0 and p_load["spec_verifies_total"] == 0, p_load
+    at_rest(p.server, d)
+    for ids, want in zip(fleet["prompts"], fleet["ref"]):  # D's first decode step drafts
+        r, _ = pair(p, d, ids, 3)
+        assert r.status_code == 200 and r.json()["output_ids"] == want[:3], r.text
+        assert r.json()["meta_info"]["spec_verify_ct"] >= 1, r.json()["meta_info"]
     at_rest(p.server, d)
 
 
@@ -136,7 +148,8 @@ def test_transfer_bytes_count_the_latent_draft_layer(fleet) -> None:
     pages = sum(-(-len(ids) // PAGE) for ids in fleet["prompts"])
     layer = pages * PAGE * LATENT * 4  # one MLA layer: one float32 latent per token
     assert moved["plain"] == layer * LAYERS, moved
-    assert moved["nextn"] == layer * (LAYERS + 1), moved
+    chain = len(fleet["prompts"]) * HIDDEN * 4  # the MTP layer's output vector, float32
+    assert moved["nextn"] == layer * (LAYERS + 1) + chain, moved
 
 
 @pytest.mark.parametrize("p_name,d_name,words", [
@@ -198,9 +211,11 @@ def test_nextn_in_pd_mode_validates() -> None:
         args = ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode)
         args.validate()
         assert (args.speculative_num_steps, args.speculative_num_draft_tokens) == (3, 4)
-        with pytest.raises(ConfigError, match="NEXTN runs on one TP rank"):
-            ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode,
-                       tp_size=2).validate()
+        ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode,
+                   tp_size=2).validate()
+        with pytest.raises(ConfigError, match="--enable-dp-attention: NEXTN's draft head"):
+            ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode, tp_size=2,
+                       dp_size=2, enable_dp_attention=True).validate()
         with pytest.raises(ConfigError, match="topk 2"):
             ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode,
                        speculative_eagle_topk=2).validate()

@@ -81,7 +81,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
             aux_row_bytes=self.aux.row_bytes, aux_slots=self.aux.num_slots, rank=self.tp_rank,
             tp_size=self.tp_size, page_size=self.kv.page_size, dtype=str(self.kv.dtype),
             staging_region=self.grants.staging.region.to_dict() if self.grants else None,
-            model_fingerprint=self.fingerprint)
+            model_fingerprint=self.fingerprint, **self.aux.chain_info())
         self.heartbeat.start()
         log.info("decode KV manager rank %d/%d: control %s, session %s, backend %s",
                  self.tp_rank, self.tp_size, addr, self.session, self.backend_name)
@@ -257,7 +257,8 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
                                f"{r.room} (not written or corrupted)")
             return
         if r.pages is not None:  # what P wrote into this rank: its pages past the prefix
-            self.xfer.add_bytes(r.room, (len(r.pages) - r.prefix_pages) * self.kv.page_bytes)
+            self.xfer.add_bytes(r.room, (len(r.pages) - r.prefix_pages) * self.kv.page_bytes
+                                + self.aux.chain_bytes)  # and a draft head's chain start
         if self.states.advance(r.room, KVPoll.Success):
             self.counters.add("transfers")
             log.debug("room %d: KV received", r.room)

@@ -5,7 +5,8 @@ Lifecycle of one prefill address (resolver threads, one fetch per address at a t
    the rooms queued behind it fail at once with the same error;
 2. `_fetch`: P's instance info from its bootstrap server (protocol version, backend), the
    control addresses of the P ranks this D rank needs, then what must match before KV crosses
-   (`wire.check_pairing`: model fingerprint, page size, KV dtype, layout) - a mismatch fails the
+   (`wire.check_pairing`: model fingerprint, page size, KV dtype, layout, the draft head's chain
+   start in the aux rows) - a mismatch fails the
    pairing (PairingRefused: P's rooms are aborted with the reason, counted on both sides);
 3. `_challenge` per P rank when a cluster secret is set: P answers a fresh nonce with a MACed
    HelloAck before D sends Register (its data-plane endpoint and KV addresses);
@@ -122,7 +123,8 @@ class BootstrapResolution:
                 ip, port = self.client.get_rank(addr, dp, t, attempts, interval, deadline, inst_id)
                 ctrl[(dp, t)] = f"tcp://{ip}:{port}"
         try:
-            wire.check_pairing(f"prefill {addr}", info, self.kv, self.fingerprint)
+            wire.check_pairing(f"prefill {addr}", info, self.kv, self.fingerprint,
+                               self.aux.chain_info())
         except ProtocolError as e:
             self.counters.add("pairing_refused")
             raise PairingRefused(str(e), list(ctrl.values())) from None

@@ -8,7 +8,8 @@
 3. on Success: check the aux row carries this room, take the first token (and its logprobs)
    from it, free the aux slot, and put the request into the running batch with the prompt's
    K/V already in place; the first token goes to the client at once (Scheduler.step sends the
-   tokens poll() produced before it runs a forward pass);
+   tokens poll() produced before it runs a forward pass); with a draft head, the row's chain
+   start (checked: vocabulary, position, finite values) makes its first decode step draft;
 4. on Failed (P died, timeout, abort): free pages and aux slot; the client gets the reason.
 
 Parallel samples (n > 1): the HTTP layer sends sample 0 of a prompt with the room and samples
@@ -30,7 +31,7 @@ import numpy as np
 
 from pdcore.config import ServerArgs
 from pdcore.disagg import wire
-from pdcore.disagg.aux import AuxBuffers
+from pdcore.disagg.aux import AuxBuffers, ChainRow
 from pdcore.disagg.role import RoleExtension
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.scheduler import Scheduler
@@ -62,7 +63,8 @@ class DecodeExtension(RoleExtension):
     def __init__(self, sched: Scheduler, mgr: Any, aux: AuxBuffers, args: ServerArgs) -> None:
         super().__init__(sched, mgr, aux, ["requests", "samples", "transfers", "forks",
                                            "fork_recomputes", "prefix_reused_tokens",
-                                           "prefix_reused_bytes"])
+                                           "prefix_reused_bytes", "chain_starts_received",
+                                           "chain_starts_dropped"])
         self.args = args
         self.prealloc: list[Req] = []
         self.transfer: list[Req] = []
@@ -163,6 +165,7 @@ class DecodeExtension(RoleExtension):
                                  f"not written)")
             return
         followers = st.followers
+        chain = self._chain_start(req, st)  # before the slot is freed (and cleared)
         self._release(req)
         req.disagg = None
         self.sched.run(req, computed=len(req.prompt))
@@ -177,8 +180,22 @@ class DecodeExtension(RoleExtension):
             top = list(zip(row.top_logprobs, row.top_ids))[: req.top_logprobs_num] or None
             lp = (row.logprob, row.first_token_id, top if req.top_logprobs_num else None)
         req.cached_tokens = row.cached_tokens  # P's prefix-cache hit: what it did not compute
+        if chain is not None and self.sched.adopt_chain_start(req, chain.token, chain.hidden):
+            self.counts["chain_starts_received"] += 1
         req.state.observe(row.first_token_id)
         self.sched.push_token(req, row.first_token_id, lp)
+
+    def _chain_start(self, req: Req, st: DState) -> ChainRow | None:
+        """With a draft head, P's chain start in the aux row, which makes the request's first
+        decode step draft. Read as hostile: one that fails a check is dropped (logged,
+        counted); the verify keeps the output exact whatever the drafts are."""
+        if self.aux.chain is None:
+            return None
+        start, why = self.aux.read_chain(st.aux_slot, len(req.prompt))
+        if why:
+            log.warning("room %d: chain start from prefill dropped: %s", st.room, why)
+            self.counts["chain_starts_dropped"] += 1
+        return start
 
     def _fork(self, leader: Req, f: Req) -> None:
         f.disagg = None

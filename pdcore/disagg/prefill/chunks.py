@@ -7,7 +7,7 @@ rank of its room, then, after the room's last chunk, the aux row and Status(Succ
 - `_chunk_done`: progress resets the room's deadline; the abort acks held while chunks were in
   flight go out; the last chunk of a room `_finish`es it;
 - `_finish`: the aux row to each D rank (on the Status itself when the backend moves no data),
-  then Status(Success);
+  then Status(Success); a draft head's chain start in the row counts its vector's bytes;
 - `_write` / `_fail_session`: a failed write drops the D session at once and fails its rooms
   with SESSION_FAILED (D registers again on its next room).
 """
@@ -97,12 +97,13 @@ class ChunkWriter:
                     continue
                 if not moves:  # the backend moves nothing: the row rides on the Status
                     payloads[d.session] = self.aux.raw(aux_slot)
-                    continue
-                sess = self.sessions.get(d.session)
-                n = np.array([self.aux.row_bytes], dtype=np.uint64)
-                batch = CopyBatch(np.array([self.aux.slot_addr(aux_slot)], dtype=np.uint64),
-                                  np.array([sess.aux_addr(d.aux_slot)], dtype=np.uint64), n)
-                self._write(sess, batch, room)
+                else:
+                    sess = self.sessions.get(d.session)
+                    n = np.array([self.aux.row_bytes], dtype=np.uint64)
+                    batch = CopyBatch(np.array([self.aux.slot_addr(aux_slot)], dtype=np.uint64),
+                                      np.array([sess.aux_addr(d.aux_slot)], dtype=np.uint64), n)
+                    self._write(sess, batch, room)
+                self._count_chain(room)
         except TransferError as e:
             self._fail(room, str(e))
             return
@@ -119,6 +120,15 @@ class ChunkWriter:
         if self.states.advance(room, KVPoll.Success):
             self.counters.add("transfers")
             log.debug("room %d: transferred", room)
+
+    def _count_chain(self, room: int) -> None:
+        """A draft head's chain start crossed with the aux row (its vector's bytes count as
+        transferred; rows without one move what they always did, uncounted)."""
+        n = self.aux.chain_bytes
+        if n:
+            self.counters.add("bytes", n)
+            self.counters.add("chain_start_bytes", n)
+            self.xfer.add_bytes(room, n)
 
     def _write(self, sess: DecodeSession, batch: CopyBatch, room: int) -> None:
         try:

@@ -106,7 +106,7 @@ class PrefillKVManager(ChunkWriter, KVManager):
             "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
             "total_kv_heads": self.kv.model_kv_heads, "num_layers": self.kv.num_layers,
             "head_dim": self.kv.head_dim, "draft_layers": self.kv.draft_layers,
-            "model_fingerprint": self.fingerprint,
+            "model_fingerprint": self.fingerprint, **self.aux.chain_info(),
             "backend": self.backend_name, "protocol_version": wire.PROTOCOL_VERSION},
             # another replica's rank waits for replica 0's model load too
             attempts=30 if self.args.dp_rank == 0 else 240, interval=0.5)
@@ -241,7 +241,7 @@ class PrefillKVManager(ChunkWriter, KVManager):
     def _on_register(self, msg: wire.Register) -> None:
         try:
             sess = parse_register(msg, self.kv, self.backend_name, self.aux.row_bytes,
-                                  self.planner, self.fingerprint)
+                                  self.planner, self.fingerprint, self.aux.chain_info())
         except ProtocolError as e:
             self.sessions.refuse(msg.session, str(e))
             self.counters.add("rejected_registrations")

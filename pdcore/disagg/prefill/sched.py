@@ -5,7 +5,8 @@
 2. when D's destination pages arrived (WaitingForInput) and an aux slot is free, the request
    joins the normal waiting queue and is prefilled in chunks;
 3. after every forward pass, the pages a chunk completed are sent at once; the last chunk
-   carries the aux row (first token and its logprobs);
+   carries the aux row (first token and its logprobs; with a draft head, its chain start: the
+   first draft token and the head's output vector, D's first drafts);
 4. the request then waits in the inflight queue, its pages held, until the manager reports
    Success (pages and aux slot freed, HTTP response sent) or Failed (error to the client).
 
@@ -50,7 +51,8 @@ _RANKS_DISAGREE, _DIGEST_MISMATCH = -1, -2
 
 class PrefillExtension(RoleExtension):
     def __init__(self, sched: Scheduler, mgr: Any, aux: AuxBuffers) -> None:
-        super().__init__(sched, mgr, aux, ["requests", "transfers", "prefix_skipped_pages"])
+        super().__init__(sched, mgr, aux, ["requests", "transfers", "prefix_skipped_pages",
+                                           "chain_starts_sent", "chain_starts_missing"])
         self.bootstrap: list[Req] = []
         self.inflight: list[Req] = []
 
@@ -150,10 +152,29 @@ class PrefillExtension(RoleExtension):
                     room=st.room, first_token_id=res.token, logprob=lp[0] if lp else 0.0,
                     top_ids=tuple(t for _, t in top), top_logprobs=tuple(v for v, _ in top),
                     prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens))
+                self._put_chain_start(req, st.aux_slot)
             if done_pages > st.sent_pages or last:
                 pages = np.asarray(req.pages[st.sent_pages:done_pages], dtype=np.int64)
                 self.mgr.send(st.room, pages, st.sent_pages, last, st.aux_slot if last else None)
                 st.sent_pages = done_pages
+
+    def _put_chain_start(self, req: Req, slot: int) -> None:
+        """A draft head's chain start (the first draft token, the head's output vector) goes
+        into the aux row: D's first decode step drafts from it. Without one (the head failed
+        on this step) D's first step runs without drafts, as it would have anyway."""
+        if self.aux.chain is None:
+            return
+        start = self.sched.chain_start(req)
+        if start is None:
+            self.counts["chain_starts_missing"] += 1
+            return
+        try:
+            self.aux.write_chain(slot, start[0], len(req.prompt), start[1])
+        except (ValueError, RuntimeError) as e:  # costs D its first drafts, nothing else
+            log.warning("room %d: chain start not handed over: %s", req.disagg.room, e)
+            self.counts["chain_starts_missing"] += 1
+            return
+        self.counts["chain_starts_sent"] += 1
 
     def on_finish(self, req: Req) -> bool:
         if not isinstance(req.disagg, PState) or req.error:

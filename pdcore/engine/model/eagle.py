@@ -27,7 +27,7 @@ from torch import nn
 from pdcore.engine.model.base import CausalLM
 from pdcore.engine.model.batch import ForwardBatch
 from pdcore.engine.model.hf_config import read_plain_config
-from pdcore.engine.model.layers import TPInfo, linear
+from pdcore.engine.model.layers import linear
 from pdcore.engine.model.llama import DecoderLayer
 from pdcore.engine.model.rope import make_rotary
 from pdcore.errors import ModelLoadError
@@ -62,7 +62,9 @@ class EagleHead(TargetShared, nn.Module):
         h = cfg.hidden_size
         self.cfg = cfg
         self.fc = nn.Linear(2 * h, h, bias=True)
-        self.layer = DecoderLayer(cfg, TPInfo(), "llama")
+        # TP: the layer is sharded as the target's are (its K/V heads split alike, so in PD mode
+        # its pool travels as one more layer of the target's per-rank geometry); fc is whole
+        self.layer = DecoderLayer(cfg, target.tp, "llama")
         self.rotary = make_rotary(cfg)
         self._target = (target,)  # shared embedding / lm_head; a tuple: not a submodule
         self.embed: nn.Embedding | None = None  # the head's own, when its checkpoint has one
@@ -151,7 +153,8 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype,
     tcfg = target.cfg
     if cfg.num_hidden_layers != 1:
         raise ModelLoadError(f"{path}: the EAGLE head has {cfg.num_hidden_layers} layers; only "
-                             "one-layer EAGLE-1 heads are built (multi-layer EAGLE is not)")
+                             "one-layer EAGLE-1 heads load from a draft folder (multi-layer "
+                             "drafting: a MiMo's own MTP layers, --enable-multi-layer-eagle)")
     if cfg.hidden_size != tcfg.hidden_size or cfg.vocab_size != tcfg.vocab_size:
         raise ModelLoadError(f"{path}: the EAGLE head's hidden size / vocabulary "
                              f"({cfg.hidden_size}, {cfg.vocab_size}) differ from the target's "

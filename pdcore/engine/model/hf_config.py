@@ -47,6 +47,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # transformers' attribute_map: `num_experts` names `num_local_experts` in these families
 _EXPERT_ALIAS = ("mixtral", "qwen3_moe")
+# families transformers does not ship (their checkpoints name remote code in `auto_map`) whose
+# forward pass is ours: read over the defaults of the family they are built on
+_NATIVE_REMOTE = {"mimo": "qwen2"}  # Xiaomi MiMo: a Qwen2 body + MTP layers (mimo.py)
 
 
 def read_plain_config(folder: str, archs: tuple[str, ...]) -> SimpleNamespace | None:
@@ -58,9 +61,10 @@ def read_plain_config(folder: str, archs: tuple[str, ...]) -> SimpleNamespace | 
         return None  # AutoConfig says what is wrong with it
     model_type = raw.get("model_type")
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-    if model_type not in DEFAULTS or arch not in archs or "auto_map" in raw:
+    base = _NATIVE_REMOTE.get(model_type, model_type)
+    if base not in DEFAULTS or arch not in archs or ("auto_map" in raw and base == model_type):
         return None
-    d = {**DEFAULTS[model_type], **raw, "architectures": [arch]}
+    d = {**DEFAULTS[base], **raw, "architectures": [arch]}
     if d["num_key_value_heads"] is None:
         d["num_key_value_heads"] = d["num_attention_heads"]
     if "use_sliding_window" in d and not d["use_sliding_window"]:  # Qwen: the window is off

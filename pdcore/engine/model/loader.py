@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdcore.engine.model import deepseek, llama, mixtral, qwen_moe
+from pdcore.engine.model import deepseek, llama, mimo, mixtral, qwen_moe
 from pdcore.engine.model.gguf_cache import converted
 from pdcore.engine.model.hf_config import read_plain_config
 from pdcore.engine.model.layers import TPInfo
@@ -32,6 +32,7 @@ MODEL_CLASSES: dict[str, type] = {
     **dict.fromkeys(deepseek.SUPPORTED_ARCHS, deepseek.DeepseekForCausalLM),
     **dict.fromkeys(qwen_moe.SUPPORTED_ARCHS, qwen_moe.QwenMoeForCausalLM),
     **dict.fromkeys(mixtral.SUPPORTED_ARCHS, mixtral.MixtralForCausalLM),
+    **dict.fromkeys(mimo.SUPPORTED_ARCHS, mimo.MiMoForCausalLM),
 }
 SUPPORTED_ARCHS = tuple(MODEL_CLASSES)
 

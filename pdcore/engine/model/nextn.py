@@ -33,7 +33,7 @@ from pdcore.engine.model.base import CausalLM
 from pdcore.engine.model.batch import ForwardBatch
 from pdcore.engine.model.deepseek import DecoderLayer, LatentRotary, load_layer
 from pdcore.engine.model.eagle import TargetShared
-from pdcore.engine.model.layers import RMSNorm, TPInfo
+from pdcore.engine.model.layers import RMSNorm
 from pdcore.engine.model.mtp import FLAG, mtp_layer_index, mtp_prefix
 from pdcore.errors import ConfigError
 
@@ -48,7 +48,8 @@ class NextNHead(TargetShared, nn.Module):
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(cfg, TPInfo(), index, target.arch)
+        # TP: sharded as the target's layers (query heads, MoE experts; the latent is whole)
+        self.layer = DecoderLayer(cfg, target.tp, index, target.arch)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)  # shared_head.norm
         self._target = (target,)  # embedding, lm_head, rotary; a tuple: not a submodule
         self.embed: nn.Embedding | None = None  # the layer's own, where it differs

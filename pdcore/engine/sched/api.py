@@ -1,6 +1,7 @@
 """What a role extension (pdcore.engine.sched.extension) may do to the scheduler it is attached to:
 admit and hold a request, resume it into the queue or the running batch, finish or fail it,
-hand it a token computed elsewhere, and read or take pages of the pool. No extension touches
+hand it a token computed elsewhere, read or take pages of the pool, and hand over or adopt a
+draft head's chain start (PD: P's is D's first drafts). No extension touches
 the scheduler's queues, page manager or config itself, so the scheduler keeps its invariants
 (a request is in at most one queue; its pages are freed once) and knows nothing of the roles.
 """
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pdcore.engine.sched.eagle import ChainStart, HeadDrafter
 from pdcore.engine.sched.fork import follower_pages, fork
 from pdcore.engine.sched.request import Phase, Req
+from pdcore.engine.sched.speculative import ReqSpec
 
 if TYPE_CHECKING:
+    import torch
+
     from pdcore.engine.model.layers import TPInfo
     from pdcore.engine.sched.scheduler import Scheduler
 
@@ -116,3 +121,40 @@ class SchedulerAPI:
     def fork(self, leader: Req, follower: Req) -> bool:
         """Give a parallel sample its leader's prompt KV (pdcore.engine.sched.fork)."""
         return fork(self._s.blocks, self._s.runner.kv.layers, leader, follower)
+
+    # ---- a draft head's chain start (engine/sched/eagle.py: ChainStart) ---------------------
+    def _head(self) -> HeadDrafter | None:
+        spec = self._s.spec
+        d = spec.drafter if spec is not None else None
+        return d if isinstance(d, HeadDrafter) else None
+
+    def chain_geometry(self) -> tuple[int, torch.dtype, int] | None:
+        """(hidden size, dtype, vocabulary) of the chain starts this server's draft head makes
+        and continues from; None without a head (no speculation, NGRAM)."""
+        d = self._head()
+        if d is None:
+            return None
+        cfg = self._s.runner.model.cfg
+        return int(cfg.hidden_size), next(d.head.parameters()).dtype, int(cfg.vocab_size)
+
+    def chain_start(self, req: Req) -> tuple[int, torch.Tensor] | None:
+        """(first draft token, the head's output vector) the draft head made for `req` once
+        its whole prompt was computed, with the first output token (P's last chunk), or None."""
+        st = req.spec.draft if req.spec is not None else None
+        if isinstance(st, ChainStart) and st.at == len(req.prompt) == req.num_computed:
+            return st.token, st.hidden
+        return None
+
+    def adopt_chain_start(self, req: Req, token: int, hidden: torch.Tensor) -> bool:
+        """`req` runs from its prompt's K/V (and its draft head's) written elsewhere: its next
+        step drafts from this chain start (the token after the first output token, and the
+        head's output vector it is fed with). False without a head."""
+        d = self._head()
+        if d is None:
+            return False
+        if req.spec is None:
+            req.spec = ReqSpec(cap=self._s.spec.cfg.max_drafts)  # type: ignore[union-attr]
+        dtype = next(d.head.parameters()).dtype
+        req.spec.draft = ChainStart(len(req.prompt), int(token),
+                                    hidden.to(device=d.device, dtype=dtype, copy=True))
+        return True

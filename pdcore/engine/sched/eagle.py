@@ -1,7 +1,9 @@
 """Draft-head drafts, chains (`--speculative-eagle-topk 1`): a one-layer draft head that reads
 the target's hidden states. Two heads plug in (`DraftHead`): EAGLE (`--speculative-algorithm
 EAGLE`, an EAGLE-1 head, engine/model/eagle.py) and NEXTN (a DeepSeek-V3 checkpoint's own MTP
-layer, engine/model/nextn.py); everything below is the same for both.
+layer, engine/model/nextn.py, or a MiMo's first, engine/model/mimo.py); everything below is
+the same for both. A head of N >= 2 layers (`--enable-multi-layer-eagle`: a MiMo's own MTP
+layers) is driven by the subclass MultiLayerDrafter (engine/sched/mtp_chain.py).
 
 The head's input at position p is the pair (f_p, t_{p+1}): the target's hidden state at p (the
 one its lm_head reads there) and the token after p. Its output g_{p+1} stands for f_{p+1}: the
@@ -16,7 +18,11 @@ head's logits of g_{p+1} score t_{p+2}, and (g_{p+1}, that token) is the pair at
   carry their draft K/V, a preempted, finished or aborted request frees its draft K/V with its
   pages, and rejected drafts' positions are simply written again by the next observe. The
   output at the request's last computed position gives the first draft token and the hidden
-  state the chain continues from (kept in req.spec.draft, dropped with the request).
+  state the chain continues from (kept in req.spec.draft, dropped with the request). In PD
+  mode P's chain start (made with the first token, on its last prompt chunk) crosses to D in
+  the aux row (disagg/aux.py; SchedulerAPI.chain_start / adopt_chain_start), so D drafts
+  from its first decode step on; one that fails D's checks is dropped, and that step runs
+  without drafts.
 - `propose` (the next step, for the decode batch) extends the chain: k - 1 more passes of one
   token per request, batched, each attending the request's draft context plus the chain so far.
   The chain's K/V are scratch (slots past the pool's pages, reused every step): they stand on
@@ -25,6 +31,8 @@ head's logits of g_{p+1} score t_{p+2}, and (g_{p+1}, that token) is the pair at
 Drafts are the head's argmax (a chain; trees, topk > 1, are not built). Whatever the head
 proposes, the verify pass keeps the output exact (greedy identity, rejection sampling).
 A failed draft pass costs the step its drafts only (logged, counted); decoding goes on.
+With TP the head's layer is sharded as the target's and every rank runs every pass; rank 0's
+draft tokens and the failures are agreed over the group (engine/sched/draft_tp.py).
 """
 
 from __future__ import annotations
@@ -37,11 +45,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
+from pdcore.engine.sched.draft_tp import DraftsDropped, TokenAgreement
 from pdcore.engine.sched.drafter import Drafter
 from pdcore.engine.sched.speculative import ReqSpec
 
 if TYPE_CHECKING:
     from pdcore.engine.kv.blocks import BlockManager
+    from pdcore.engine.model.layers import TPInfo
     from pdcore.engine.model.runner import StepResult
     from pdcore.engine.sched.request import Req
 
@@ -96,13 +106,17 @@ class HeadDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, head: DraftHead, blocks: BlockManager, max_running: int,
-                 max_drafts: int, alloc: Callable[..., torch.Tensor] | None = None) -> None:
+                 max_drafts: int, alloc: Callable[..., torch.Tensor] | None = None,
+                 tp: TPInfo | None = None) -> None:
         """`alloc(label, shape, dtype, latent)`: where the K/V pool lives (PD: the KV cache's
-        memory, so it travels with the target's pages: KVCache.draft_buffer); zeros by default."""
+        memory, so it travels with the target's pages: KVCache.draft_buffer); zeros by default.
+        `tp`: the target's TP group; every rank runs every head pass and rank 0's draft tokens
+        reach them all (engine/sched/draft_tp.py)."""
         self.head, self.blocks = head, blocks
         self.max_drafts = max(1, max_drafts)
         p = next(head.parameters())
         self.device, dtype = p.device, p.dtype
+        self.agree = TokenAgreement(tp, self.device)
         ps = blocks.page_size
         self.base = blocks.num_pages * ps  # the first scratch slot
         self.chain = max(1, self.max_drafts - 1)  # scratch slots per request
@@ -171,10 +185,13 @@ class HeadDrafter(Drafter):
         try:
             g = self._run(ids, pos, out, seqs, torch.cat(hidden))
             last = torch.tensor([p.start + p.count - 1 for p in plan], device=self.device)
-            tokens = self.head.logits(g[last]).argmax(-1).tolist()
-        except Exception:  # the drafts are lost, the step's tokens are not
-            log.exception("%s draft head failed on the target's step (%d pairs)", self.head.name,
-                          len(ids))
+            tokens = self.agree.argmax(self.head.logits, g[last])
+        except Exception as e:  # the drafts are lost, the step's tokens are not
+            dropped = isinstance(e, DraftsDropped)  # another TP rank's pass raised
+            if not dropped:
+                log.exception("%s draft head failed on the target's step (%d pairs)",
+                              self.head.name, len(ids))
+            self.agree.failed(None if dropped else len(plan))
             self.failures += 1
             for p in plan:
                 if p.req.spec is not None:
@@ -187,13 +204,23 @@ class HeadDrafter(Drafter):
             sp.draft = ChainStart(p.at, int(tok), g[row].clone())
 
     # ---- the chain ---------------------------------------------------------------------------------
+    def starts(self, reqs: list[Req]) -> list[ChainStart | None]:
+        """Each request's chain start where it starts this step's chain, held alike on every
+        TP rank: one that some rank lacks (a PD aux row one rank dropped) is dropped on all,
+        since every rank runs the chain's passes (engine/sched/draft_tp.py)."""
+        out: list[ChainStart | None] = []
+        for r in reqs:
+            st = r.spec.draft if r.spec is not None else None
+            ok = isinstance(st, ChainStart) and st.at == r.num_computed and r.seq_len == st.at + 1
+            out.append(st if ok else None)
+        agreed = self.agree.common([st.token if st is not None else -1 for st in out])
+        return [st if t >= 0 else None for st, t in zip(out, agreed)]
+
     def propose(self, reqs: list[Req], wants: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in reqs]
         live: list[tuple[int, ChainStart, torch.Tensor]] = []
-        for i, r in enumerate(reqs):
-            st = r.spec.draft if r.spec is not None else None
-            if not isinstance(st, ChainStart) or st.at != r.num_computed \
-                    or r.seq_len != st.at + 1 or len(live) >= self.rows:
+        for i, (r, st) in enumerate(zip(reqs, self.starts(reqs))):
+            if st is None or len(live) >= self.rows:
                 continue
             drafts[i] = [st.token]
             ctx = r.ctx_slots
@@ -204,6 +231,7 @@ class HeadDrafter(Drafter):
         if steps <= 1:
             return drafts
         g = torch.stack([st.hidden for _, st, _ in live])
+        act: list[int] = []
         try:
             for j in range(1, steps):  # the pair (g, d_j) at position at + j - 1 gives d_j+1
                 act = [b for b, (i, _, _) in enumerate(live) if wants[i] > j]
@@ -219,13 +247,16 @@ class HeadDrafter(Drafter):
                     pos.append(st.at + j - 1)
                     out.append(scratch[-1])
                 h = self._run(ids, pos, out, seqs, g[act])
-                toks = self.head.logits(h).argmax(-1).tolist()
+                toks = self.agree.argmax(self.head.logits, h)
                 g = g.clone()
                 g[act] = h.to(g.dtype)
                 for b, t in zip(act, toks):
                     drafts[live[b][0]].append(int(t))
-        except Exception:  # this step drafts nothing; decoding goes on
-            log.exception("%s draft chain failed (%d requests)", self.head.name, len(live))
+        except Exception as e:  # this step drafts nothing; decoding goes on
+            dropped = isinstance(e, DraftsDropped)  # another TP rank's pass raised
+            if not dropped:
+                log.exception("%s draft chain failed (%d requests)", self.head.name, len(live))
+            self.agree.failed(None if dropped else len(act))
             self.failures += 1
             return [[] for _ in reqs]
         return drafts
