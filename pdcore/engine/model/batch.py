@@ -107,7 +107,8 @@ class DecodeGroup:
         per layer)."""
         if dtype not in self._bias:
             self._bias[dtype] = None if bool(self.mask.all()) else torch.zeros(
-                self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))
+                self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
         return self._bias[dtype]
 
     @classmethod

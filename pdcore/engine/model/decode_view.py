@@ -73,8 +73,9 @@ class DecodeKV:
         tables = [s.ctx_slots for s in group.seqs]
         if was_valid and keys == self.keys and self._continues(tables, group):
             self.mode = "append"
-            self.cols = torch.tensor([len(t) - 1 for t in tables], dtype=torch.long)
-        elif self._ensure(len(keys), group.width, dtype):
+            self.cols = torch.tensor([len(t) - 1 for t in tables], dtype=torch.long,
+                                     device=self.k[0].device)
+        elif self._ensure(len(keys), group.width, dtype, group.table.device):
             self.mode = "fill"
         else:
             return ""
@@ -99,10 +100,12 @@ class DecodeKV:
                 return False
         return True
 
-    def _ensure(self, rows: int, width: int, dtype: torch.dtype) -> bool:
-        """Buffers for `rows` x at least `width` tokens of `dtype`; False above the budget."""
+    def _ensure(self, rows: int, width: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> bool:
+        """Buffers for `rows` x at least `width` tokens of `dtype` on `device` (the pool's);
+        False above the budget."""
         if self.k and self.k[0].shape[0] == rows and self.k[0].shape[2] >= width \
-                and self.k[0].dtype == dtype:
+                and self.k[0].dtype == dtype and self.k[0].device == torch.device(device):
             return True
         cap = -(-(width + 1) // GROW) * GROW
         elem = torch.empty(0, dtype=dtype).element_size()
@@ -113,9 +116,9 @@ class DecodeKV:
         # zeros, not empty: a row's columns past its length are masked (-inf scores), but a
         # NaN of uninitialised memory there would still turn 0 * NaN into NaN in P @ V
         shape = (rows, self.kv_heads, cap, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
-        self.rows = torch.arange(rows)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self.rows = torch.arange(rows, device=device)
         return True
 
     def layer(self, i: int, k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor,

@@ -51,6 +51,13 @@ def _native_op(name: str):
     return native.op(name)
 
 
+def _native_for(name: str, x: torch.Tensor):
+    """_native_op(name) for a step whose tensors are on the CPU; None elsewhere: the kernels are
+    host code (registered for every backend), so given CUDA tensors they would dereference
+    device pointers on the CPU."""
+    return _native_op(name) if x.device.type == "cpu" else None
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
@@ -93,7 +100,7 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         else:  # q and k are neighbours in qkv: one rotary over both
-            rope = _native_op("rope_store")
+            rope = _native_for("rope_store", qkv)
             if rope is not None:  # fused with the pool store, equal to the bit (engine/native)
                 qk = rope(qkv, cos, sin, k_cache, v_cache, batch.out_slots, self.num_heads,
                           self.num_kv_heads, self.head_dim)
@@ -111,7 +118,7 @@ class Attention(nn.Module):
         group = batch.decode_group()
         if group is not None and group.whole:  # a decode-only step: its rows are the pack
             return self.o_proj(self._decode(q, k, v, k_flat, v_flat, group, batch).view(T, -1))
-        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype)
+        out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if group is not None:
             out[group.rows] = self._decode(q, k, v, k_flat, v_flat, group, batch)
         vg = batch.verify_group()
@@ -133,8 +140,8 @@ class Attention(nn.Module):
                 vi = v_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)
                 if n > 1:
                     # query i sits at position ctx-n+i and may see keys 0..ctx-n+i
-                    qpos = torch.arange(ctx - n, ctx).unsqueeze(1)
-                    mask = torch.arange(ctx).unsqueeze(0) <= qpos
+                    qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+                    mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
             o = F.scaled_dot_product_attention(
                 qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask,
                 is_causal=mask is None and n > 1, scale=self.scale,
@@ -188,7 +195,7 @@ class Attention(nn.Module):
         B, kvh, d = len(g.seqs), self.num_kv_heads, self.head_dim
         # in the buffers' dtype: a bf16 model's decode K/V view is float32 (see LlamaForCausalLM)
         qb = q.reshape(B, kvh, self.num_heads // kvh, d).to(kb.dtype)
-        attend = _native_op("decode_attention")
+        attend = _native_for("decode_attention", qb)
         if attend is not None:  # the native kernel (SDPA itself where it does not apply)
             o = attend(qb, kb, vb, g.bias(qb.dtype), self.scale)
         else:
@@ -207,7 +214,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
-        fused = _native_op("silu_mul")
+        fused = _native_for("silu_mul", gu)
         if fused is not None:  # one pass (engine/native; the native decode loop calls it too)
             return self.down(fused(gu, self.inter))
         return self.down(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
