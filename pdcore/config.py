@@ -23,11 +23,11 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MOE_A2A_BACKENDS = ("none", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")
 # SGLang's --speculative-algorithm names; pdserve builds NGRAM (pdcore/engine/sched/drafter.py)
-# and the draft-head chains of EAGLE and NEXTN (pdcore/engine/sched/eagle.py), verified in
-# pdcore/engine/sched/speculative.py
+# and the draft-head chains of EAGLE, EAGLE3 and NEXTN (pdcore/engine/sched/eagle.py), verified
+# in pdcore/engine/sched/speculative.py
 SPEC_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
-SPEC_BUILT = ("NGRAM", "EAGLE", "NEXTN")
-SPEC_HEADS = ("EAGLE", "NEXTN")  # a draft head's chain: --speculative-num-steps, topk 1
+SPEC_BUILT = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN")
+SPEC_HEADS = ("EAGLE", "EAGLE3", "NEXTN")  # a draft head's chain: --speculative-num-steps, topk 1
 EAGLE_NUM_STEPS = 3  # --speculative-num-steps default for EAGLE / NEXTN: chains of 3 drafts
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 NGRAM_DRAFT_TOKENS = 8  # --speculative-num-draft-tokens default: the current token + 7 drafts
@@ -217,8 +217,9 @@ class ServerArgs:
                 f"--speculative-algorithm {algo}{f' (with {line})' if line else ''} is not "
                 "built yet: it needs a draft model pdserve does not load; built are NGRAM "
                 "(drafts from the request's own context, no draft model), EAGLE (an EAGLE-1 "
-                "draft head, chain drafts) and NEXTN (a DeepSeek-V3 model's own MTP layer, "
-                "chain drafts). Use one of those, or drop the speculative flags")
+                "draft head, chain drafts), EAGLE3 (an EAGLE-3 draft head, chain drafts) and NEXTN "
+                "(a DeepSeek-V3 model's own MTP layer, chain drafts). Use one of those, or drop "
+                "the speculative flags")
         if algo in SPEC_HEADS:
             self._validate_head(algo, f"--speculative-algorithm {algo}"
                                       f"{f' (with {line})' if line else ''}")
@@ -241,7 +242,8 @@ class ServerArgs:
                               "--speculative-ngram-capacity >= 0")
 
     def _validate_head(self, algo: str, line: str) -> None:
-        """EAGLE (an EAGLE-1 head) and NEXTN (the model's own MTP layer; its folder unless
+        """EAGLE (an EAGLE-1 head), EAGLE3 (an EAGLE-3 head over three of the target's layers,
+        engine/model/eagle3.py) and NEXTN (the model's own MTP layer; its folder unless
         --speculative-draft-model-path names another): a chain of --speculative-num-steps
         drafts, unified or PD mode (prefill runs the head over the prompt, its K/V travel with
         the target's as one more KV layer; NEXTN's one more MLA latent layer), with any
@@ -265,7 +267,14 @@ class ServerArgs:
                (algo == "EAGLE" and not self.speculative_draft_model_path
                 and not self.enable_multi_layer_eagle,
                 ("needs --speculative-draft-model-path: an HF folder of an EAGLE-1 draft head "
-                 "(config.json with architectures [\"LlamaForCausalLMEagle\"], safetensors)"))]
+                 "(config.json with architectures [\"LlamaForCausalLMEagle\"], safetensors)")),
+               (algo == "EAGLE3" and self.enable_multi_layer_eagle,
+                ("--enable-multi-layer-eagle: a MiMo's own MTP layers draft with EAGLE or "
+                 "NEXTN; EAGLE3 drafts with a one-layer EAGLE-3 head")),
+               (algo == "EAGLE3" and not self.speculative_draft_model_path,
+                ("needs --speculative-draft-model-path: an HF folder of an EAGLE-3 draft head "
+                 "(config.json with architectures [\"LlamaForCausalLMEagle3\"], "
+                 "safetensors)"))]
         for bad, what in why:
             if bad:
                 raise ConfigError(f"{line}: {what}")

@@ -178,10 +178,10 @@ def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
 
 def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None = None,
                 model_dir: str | None = None, kv: KVCache | None = None) -> Speculator | None:
-    """Drafts for the servers that decode: NGRAM, EAGLE or NEXTN with --speculative-algorithm,
+    """Drafts for the servers that decode: NGRAM, EAGLE, EAGLE3 or NEXTN (--speculative-algorithm),
     and jump-forward for constrained requests (the grammar's forced tokens; without TP, where
     the matcher is on the rank that drafts). A prefill server samples one token and drafts
-    nothing, but with a draft head (EAGLE, NEXTN) it runs the head over the prompt
+    nothing, but with a draft head (EAGLE, EAGLE3, NEXTN) it runs the head over the prompt
     (`observe`), whose K/V then travel to decode with the target's (`kv`: in PD mode the
     head's pool is the KV cache's; NEXTN's one latent buffer, as the target's MLA layers)."""
     jump = (jump_forward() and args.grammar_backend != "none" and args.tp_size == 1
@@ -218,7 +218,8 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
 def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockManager | None,
                   model_dir: str | None, kv: KVCache | None = None):
     """The draft head beside `model`, with its one-layer K/V pool addressed like the target's
-    (engine/sched/eagle.py): EAGLE's of --speculative-draft-model-path; NEXTN's the MTP layer
+    (engine/sched/eagle.py): EAGLE's and EAGLE3's of --speculative-draft-model-path (EAGLE3:
+    engine/model/eagle3.py, over three of the target's layers); NEXTN's the MTP layer
     of the target's own checkpoint (`model_dir`) unless that flag names another folder (a
     MiMo's first MTP layer, engine/model/mimo.py); --enable-multi-layer-eagle: a MiMo's N MTP
     layers, one pool each (engine/sched/mtp_chain.py). With
@@ -248,6 +249,11 @@ def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockMa
 
         source = args.speculative_draft_model_path
         head = load_eagle_head(source, model, p.dtype, p.device)
+    elif cfg.algorithm == "EAGLE3":  # reads three target layers: build_engine sets the capture
+        from pdcore.engine.model.eagle3 import load_eagle3_head
+
+        source = args.speculative_draft_model_path
+        head = load_eagle3_head(source, model, p.dtype, p.device)
     else:
         from pdcore.engine.model.nextn import load_nextn_head
 
@@ -304,6 +310,10 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     speculator = _speculator(args, model, blocks,
                              None if resolved.gguf_file else resolved.path, kv)
     runner.capture_hidden = speculator is not None and speculator.needs_hidden
+    # EAGLE3: the residual streams entering its three target layers instead (such steps run
+    # the Python layer loop; every other server keeps the native decode loop)
+    head = getattr(speculator.drafter, "head", None) if speculator is not None else None
+    runner.capture_layers = getattr(head, "aux_layers", None)
     sched = Scheduler(runner, blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,

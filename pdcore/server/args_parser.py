@@ -100,24 +100,30 @@ HELP: dict[str, str] = {
                         "reasoning as reasoning_content",
     "speculative_algorithm": "speculative decoding: NGRAM (draft tokens from the request's own "
                              "context and earlier outputs, verified in one pass), EAGLE (an "
-                             "EAGLE-1 draft head, --speculative-draft-model-path, chain drafts) "
-                             "or NEXTN (a DeepSeek-V3's or MiMo's own MTP layer, chain "
-                             "drafts; a MiMo's N layers with --enable-multi-layer-eagle); "
-                             "EAGLE and NEXTN: unified or PD mode (the same flags on prefill "
-                             "and decode), any --tp-size (the head's layer sharded as the "
-                             "target's), not with --enable-dp-attention; EAGLE3 and STANDALONE "
-                             "are refused (not built)",
+                             "EAGLE-1 draft head, --speculative-draft-model-path, chain drafts), "
+                             "EAGLE3 (an EAGLE-3 draft head over three of the target's layers, "
+                             "--speculative-draft-model-path, chain drafts) or NEXTN (a "
+                             "DeepSeek-V3's or MiMo's own MTP layer, chain drafts; a MiMo's N "
+                             "layers with --enable-multi-layer-eagle); EAGLE, EAGLE3 and NEXTN: "
+                             "unified or PD mode (the same flags on prefill and decode), any "
+                             "--tp-size (the head's layer sharded as the target's), not with "
+                             "--enable-dp-attention; STANDALONE is refused (not built)",
     "speculative_num_draft_tokens": "positions verified per request and step: the current "
                                     "token + up to this many - 1 drafts (NGRAM default 8; "
-                                    "EAGLE / NEXTN: --speculative-num-steps + 1)",
+                                    "EAGLE / EAGLE3 / NEXTN: --speculative-num-steps + 1)",
     "speculative_draft_model_path": "EAGLE: HF folder of an EAGLE-1 draft head (config.json "
                                     "architectures [\"LlamaForCausalLMEagle\"]; fc, one decoder "
                                     "layer; the target's embedding and lm_head unless it has "
-                                    "its own). NEXTN and --enable-multi-layer-eagle: the "
+                                    "its own). EAGLE3: HF folder of an EAGLE-3 draft head "
+                                    "(architectures [\"LlamaForCausalLMEagle3\"]; fc over "
+                                    "three target layers, `midlayer`, its own norm and lm_head "
+                                    "over draft_vocab_size ids with d2t; safetensors). NEXTN "
+                                    "and --enable-multi-layer-eagle: the "
                                     "checkpoint holding the MTP layer(s) (default: the "
                                     "model's own folder)",
-    "speculative_num_steps": "EAGLE / NEXTN: draft tokens per chain (default 3)",
-    "speculative_eagle_topk": "EAGLE / NEXTN: candidates per draft step; only 1 (a chain) is "
+    "speculative_num_steps": "EAGLE / EAGLE3 / NEXTN: draft tokens per chain (default 3)",
+    "speculative_eagle_topk": "EAGLE / EAGLE3 / NEXTN: candidates per draft step; only 1 (a "
+                              "chain) is "
                               "built",
     "enable_multi_layer_eagle": "EAGLE / NEXTN on a MiMo model (MiMoForCausalLM) whose "
                                 "checkpoint holds N >= 2 MTP layers: they draft one chain, "

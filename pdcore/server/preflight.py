@@ -89,6 +89,34 @@ def _check_files(args: ServerArgs) -> None:
     if args.speculative_algorithm == "NEXTN" or (args.speculative_algorithm == "EAGLE"
                                                  and args.enable_multi_layer_eagle):
         _check_nextn(args)
+    if args.speculative_algorithm == "EAGLE3":
+        _check_eagle3(args.speculative_draft_model_path)
+
+
+def _check_eagle3(draft: str) -> None:
+    """The EAGLE3 head's folder: a config.json naming LlamaForCausalLMEagle3 with one layer
+    (its weights, d2t and layer ids are checked against the target when the engine loads it:
+    engine/model/eagle3.py)."""
+    import json
+
+    where = f"--speculative-algorithm EAGLE3: --speculative-draft-model-path {draft}"
+    folder = os.path.expanduser(draft)
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: no readable config.json ({type(e).__name__}); expected "
+                          "an HF folder of an EAGLE-3 draft head") from None
+    arch = (raw.get("architectures") or [None])[0] if isinstance(raw, dict) else None
+    if arch != "LlamaForCausalLMEagle3":
+        raise ConfigError(f"{where}: config.json names {arch!r}, not LlamaForCausalLMEagle3 "
+                          "(an EAGLE-1 head is --speculative-algorithm EAGLE)")
+    if raw.get("num_hidden_layers", 1) != 1:
+        raise ConfigError(f"{where}: the head has {raw.get('num_hidden_layers')} layers; only "
+                          "one-layer EAGLE-3 heads are built")
+    if not any(n.endswith(".safetensors") for n in os.listdir(folder)):
+        raise ConfigError(f"{where}: no .safetensors weights (a pytorch_model.bin head: "
+                          "convert it to safetensors)")
 
 
 def _check_nextn(args: ServerArgs) -> None:

@@ -163,6 +163,80 @@ def make_eagle_head(path: str, *, vocab: int, hidden: int = 64, heads: int = 4,
     return path
 
 
+def make_eagle3_head(path: str, *, vocab: int, hidden: int = 64, heads: int = 4,
+                     kv_heads: int = 2, draft_vocab: int | None = None,
+                     layer_ids: list[int] | None = None, seed: int = 0, fc_bias: bool = False,
+                     agree_token: int | None = None) -> str:
+    """A random EAGLE-3 draft head folder (engine/model/eagle3.py: SGLang's layout, `fc` over
+    three target hidden states, `midlayer.*` with q/k/v over 2 * hidden, its own `norm` and
+    `lm_head`) for a tiny target of that attention shape. `draft_vocab`: an lm_head over that
+    many target ids (a random sorted subset) with `d2t` / `t2d`; None: no draft vocabulary
+    (the target's lm_head scores). `layer_ids`: config eagle_config.eagle_aux_hidden_state_
+    layer_ids (None: SGLang's default layers). `agree_token`: a head whose output is the same
+    vector whatever it reads (fc's weight zero, its bias large on feature 0; o_proj and
+    down_proj zero) and whose lm_head scores `agree_token` highest there (it must be in the
+    draft vocabulary): it drafts that token always, what a target that always predicts it
+    agrees with."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    hd, inter = hidden // heads, 2 * hidden
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    p = "midlayer."
+    sd = {"fc.weight": rnd(hidden, 3 * hidden),
+          p + "self_attn.q_proj.weight": rnd(heads * hd, 2 * hidden),
+          p + "self_attn.k_proj.weight": rnd(kv_heads * hd, 2 * hidden),
+          p + "self_attn.v_proj.weight": rnd(kv_heads * hd, 2 * hidden),
+          p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
+          p + "mlp.gate_proj.weight": rnd(inter, hidden),
+          p + "mlp.up_proj.weight": rnd(inter, hidden),
+          p + "mlp.down_proj.weight": rnd(hidden, inter),
+          "norm.weight": 1 + rnd(hidden) * 0.5}
+    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        sd[p + n + ".weight"] = 1 + rnd(hidden) * 0.5
+    if fc_bias or agree_token is not None:
+        sd["fc.bias"] = rnd(hidden)
+    hot = list(range(vocab))
+    if draft_vocab is not None:
+        rest = [t for t in torch.randperm(vocab, generator=g).tolist() if t != agree_token]
+        hot = sorted(rest[: draft_vocab - (agree_token is not None)]
+                     + ([agree_token] if agree_token is not None else []))
+        sd["lm_head.weight"] = rnd(draft_vocab, hidden)
+        sd["d2t"] = torch.tensor(hot) - torch.arange(draft_vocab)
+        sd["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+        sd["t2d"][hot] = True
+    if agree_token is not None:
+        assert draft_vocab is not None, "an agreeing head scores with its own lm_head"
+        sd["fc.weight"] = torch.zeros(hidden, 3 * hidden)
+        sd["fc.bias"] = torch.zeros(hidden)
+        sd["fc.bias"][0] = 10.0
+        sd[p + "self_attn.o_proj.weight"] = torch.zeros(hidden, heads * hd)
+        sd[p + "mlp.down_proj.weight"] = torch.zeros(hidden, inter)
+        sd["norm.weight"] = torch.ones(hidden)
+        sd["lm_head.weight"][:, 0] = torch.rand(draft_vocab, generator=g) - 0.5
+        sd["lm_head.weight"][hot.index(agree_token), 0] = 5.0
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(path, "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
+           "draft_vocab_size": draft_vocab, "target_hidden_size": hidden,
+           "bias": "fc.bias" in sd, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+           "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
+           "eos_token_id": 2}
+    if layer_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layer_ids,
+                               "use_aux_hidden_state": True}
+    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    return path
+
+
 def make_tiny_mimo(path: str, mtp_layers: int = 2, seed: int = 0, agree: bool = False,
                    **kw) -> str:
     """A tiny random MiMo (a Qwen2 body, config architectures ["MiMoForCausalLM"], model_type

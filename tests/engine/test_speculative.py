@@ -242,8 +242,10 @@ def test_tp2_speculative_greedy_equals_tp1(tiny, monkeypatch):
 
 
 def test_flags_refuse_what_is_not_built():
-    with pytest.raises(ConfigError, match="EAGLE3 is not built"):
-        ServerArgs(speculative_algorithm="EAGLE3").validate()
+    with pytest.raises(ConfigError, match="STANDALONE is not built"):
+        ServerArgs(speculative_algorithm="STANDALONE").validate()
+    with pytest.raises(ConfigError, match="EAGLE3: needs --speculative-draft-model-path"):
+        ServerArgs(speculative_algorithm="EAGLE3").validate()  # built: test_speculative_eagle3
     with pytest.raises(ConfigError, match="NGRAM runs no draft model"):
         ServerArgs(speculative_algorithm="NGRAM",
                    speculative_draft_model_path="/x").validate()

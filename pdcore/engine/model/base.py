@@ -36,19 +36,33 @@ class CausalLM(nn.Module):
         than 0 run the layers for their shards and leave sampling to rank 0)."""
         h = self.embed_tokens(batch.input_ids)
         step = self.begin(h, batch, kv)
-        residual = self.fast_layers(h, step)
+        # EAGLE3: the residual streams entering these layers, concatenated (their rows go to
+        # batch.extra["hidden"]); only the Python loop stops there, so such a step skips
+        # fast_layers (the native decode loop), which every other step still takes
+        aux = batch.extra.get("capture_layers")
+        taps: dict[int, torch.Tensor | None] | None = dict.fromkeys(aux) if aux else None
+        residual = self.fast_layers(h, step) if taps is None else None
         if residual is None:
-            residual = self.run_layers(h, step)
+            residual = self.run_layers(h, step, taps)
         self.end(step)
+        if taps is not None:
+            batch.extra["hidden"] = torch.cat([taps[i] for i in aux], dim=-1)
         return self.logits_of(residual, batch, logits)
 
-    def run_layers(self, h: torch.Tensor, step: Any) -> torch.Tensor:
-        """The layer loop, once for every family: the residual stream after the last layer."""
+    def run_layers(self, h: torch.Tensor, step: Any,
+                   taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """The layer loop, once for every family: the residual stream after the last layer.
+        `taps` (EAGLE3): its keys i get a copy of the residual stream entering layer i (i = 0:
+        the embedding; i = the layer count: the stream after the last layer)."""
         residual = h
         for i, layer in enumerate(self.layers):
+            if taps is not None and i in taps:
+                taps[i] = residual.clone()  # the loop adds into it in place
             x = self.attend(layer, i, layer.input_layernorm(residual), step)
             residual = residual + x if i == 0 else residual.add_(x)  # h is the embedding's
             residual.add_(layer.mlp(layer.post_attention_layernorm(residual)))
+        if taps is not None and len(self.layers) in taps:
+            taps[len(self.layers)] = residual
         return residual
 
     def begin(self, h: torch.Tensor, batch: ForwardBatch,

@@ -43,7 +43,8 @@ class StepResult:
     spec_tokens: list[int] | None = None
     spec_logprobs: list[LogprobEntry] | None = None
     # with ModelRunner.capture_hidden: the target's final-norm hidden states of this item's n
-    # positions ([n, hidden]; an EAGLE drafter reads them), None after a failed forward
+    # positions ([n, hidden]; an EAGLE drafter reads them; with capture_layers, EAGLE3's
+    # [n, 3 * hidden]), None after a failed forward
     hidden: torch.Tensor | None = None
 
 
@@ -60,6 +61,9 @@ class ModelRunner:
         self.grammar: GrammarBackend | None = None  # structured output (build_engine sets it)
         self.device = next(model.parameters()).device
         self.capture_hidden = False  # hand each item its hidden states (an EAGLE drafter's)
+        # EAGLE3: hand each item instead the residual streams entering these target layers,
+        # concatenated ([n, len * hidden]; CausalLM.forward, engine/model/eagle3.py)
+        self.capture_layers: tuple[int, ...] | None = None
 
     def release_caches(self) -> None:
         """Going idle: drop what only a running batch uses (the decode K/V view)."""
@@ -119,7 +123,9 @@ class ModelRunner:
             seqs=seqs,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
         )
-        if self.capture_hidden:
+        if self.capture_layers:
+            batch.extra["capture_layers"] = self.capture_layers
+        elif self.capture_hidden:
             batch.extra["capture_hidden"] = True
         results = [StepResult(r, n) for r, n in items]
         leader = self.tp.rank == 0
