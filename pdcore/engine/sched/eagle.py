@@ -82,6 +82,19 @@ class DraftHead(Protocol):
     def parameters(self): ...
 
 
+def known_next(r: Req, n: int, res: StepResult) -> list[int]:
+    """The tokens after the n positions a target step computed for `r` (from r.num_computed),
+    as far as they are known: a verify's accepted drafts + its bonus token, else the prompt's
+    next tokens and, where the step reached the sequence's end, the token it sampled."""
+    if res.spec_tokens is not None:
+        return list(res.spec_tokens)[:n]
+    a = r.num_computed
+    nxt = [r.token_at(p + 1) for p in range(a, min(a + n, r.seq_len - 1))]
+    if a + n == r.seq_len and res.token is not None:
+        nxt.append(res.token)
+    return nxt[:n]
+
+
 @dataclass
 class ChainStart:
     """Where a request's next chain starts: made by `observe` when the target had computed
@@ -164,13 +177,8 @@ class HeadDrafter(Drafter):
             if res.error is not None or res.hidden is None or r.ctx_slots is None:
                 continue
             a = r.num_computed
-            if res.spec_tokens is not None:  # a verify: its accepted positions + the bonus
-                nxt = list(res.spec_tokens)
-            else:
-                nxt = [r.token_at(p + 1) for p in range(a, min(a + n, r.seq_len - 1))]
-                if a + n == r.seq_len and res.token is not None:
-                    nxt.append(res.token)
-            v = min(len(nxt), n)
+            nxt = known_next(r, n, res)
+            v = len(nxt)
             if v <= 0:
                 continue
             ctx = r.ctx_slots[: a + v]

@@ -38,7 +38,7 @@ import torch
 
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.sched.draft_tp import DraftsDropped
-from pdcore.engine.sched.eagle import ChainStart, DraftHead, HeadDrafter
+from pdcore.engine.sched.eagle import ChainStart, DraftHead, HeadDrafter, known_next
 from pdcore.engine.sched.speculative import ReqSpec
 
 if TYPE_CHECKING:
@@ -113,13 +113,8 @@ class MultiLayerDrafter(HeadDrafter):
             if res.error is not None or res.hidden is None or r.ctx_slots is None:
                 continue
             a = r.num_computed
-            if res.spec_tokens is not None:  # a verify: its accepted positions + the bonus
-                nxt = list(res.spec_tokens)
-            else:
-                nxt = [r.token_at(p + 1) for p in range(a, min(a + n, r.seq_len - 1))]
-                if a + n == r.seq_len and res.token is not None:
-                    nxt.append(res.token)
-            v = min(len(nxt), n)
+            nxt = known_next(r, n, res)
+            v = len(nxt)
             if v <= 0:
                 continue
             ctx = r.ctx_slots[: a + v]
