@@ -1,8 +1,9 @@
 """Draft-head drafts, chains (`--speculative-eagle-topk 1`): a one-layer draft head that reads
-the target's hidden states. Two heads plug in (`DraftHead`): EAGLE (`--speculative-algorithm
-EAGLE`, an EAGLE-1 head, engine/model/eagle.py) and NEXTN (a DeepSeek-V3 checkpoint's own MTP
-layer, engine/model/nextn.py, or a MiMo's first, engine/model/mimo.py); everything below is
-the same for both. A head of N >= 2 layers (`--enable-multi-layer-eagle`: a MiMo's own MTP
+the target's hidden states. Three heads plug in (`DraftHead`): EAGLE (`--speculative-algorithm
+EAGLE`, an EAGLE-1 head, engine/model/eagle.py), EAGLE3 (a head over three captured target
+layers and a draft vocabulary mapped to target ids, engine/model/eagle3.py) and NEXTN (a
+DeepSeek-V3 checkpoint's own MTP layer, engine/model/nextn.py, or a MiMo's first,
+engine/model/mimo.py); everything below is the same for all. A head of N >= 2 layers (`--enable-multi-layer-eagle`: a MiMo's own MTP
 layers) is driven by the subclass MultiLayerDrafter (engine/sched/mtp_chain.py).
 
 The head's input at position p is the pair (f_p, t_{p+1}): the target's hidden state at p (the
