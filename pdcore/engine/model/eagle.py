@@ -54,7 +54,27 @@ class TargetShared:
         return linear(h, t.lm_head, None, t.lm_head_packed).float()
 
 
-class EagleHead(TargetShared, nn.Module):
+class LlamaLayerPool:
+    """The K/V pool geometry of a head whose one layer is a Llama-family decoder layer
+    (`self.layer`): separate K and V with the layer's (per-rank) KV heads."""
+
+    layer: Any
+
+    @property
+    def kv_heads(self) -> int:
+        return self.layer.self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layer.self_attn.head_dim
+
+    @property
+    def kv_layout(self) -> tuple[int, int, bool]:
+        """(heads, head_dim, latent) of the one-layer pool: separate K and V."""
+        return self.kv_heads, self.head_dim, False
+
+
+class EagleHead(TargetShared, LlamaLayerPool, nn.Module):
     name = "EAGLE"
 
     def __init__(self, cfg, target: CausalLM) -> None:
@@ -71,20 +91,6 @@ class EagleHead(TargetShared, nn.Module):
         self.own_head: nn.Parameter | None = None
         for p in self.parameters():
             p.requires_grad_(False)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.layer.self_attn.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.layer.self_attn.head_dim
-
-    @property
-    def kv_layout(self) -> tuple[int, int, bool]:
-        """(heads, head_dim, latent) of the one-layer pool: separate K and V."""
-        return self.kv_heads, self.head_dim, False
-
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, k_cache: torch.Tensor,

@@ -58,7 +58,7 @@ from torch import nn
 
 from pdcore.engine.model.base import CausalLM
 from pdcore.engine.model.batch import ForwardBatch
-from pdcore.engine.model.eagle import TargetShared
+from pdcore.engine.model.eagle import LlamaLayerPool, TargetShared
 from pdcore.engine.model.hf_config import read_plain_config
 from pdcore.engine.model.layers import ColumnLinear, RMSNorm, linear
 from pdcore.engine.model.llama import DecoderLayer
@@ -98,7 +98,7 @@ def aux_layers(cfg: Any, target_layers: int, where: str) -> tuple[int, ...]:
     return tuple(sorted(taps))
 
 
-class Eagle3Head(TargetShared, nn.Module):
+class Eagle3Head(TargetShared, LlamaLayerPool, nn.Module):
     name = "EAGLE3"
 
     def __init__(self, cfg: Any, target: CausalLM, taps: tuple[int, ...],
@@ -122,19 +122,6 @@ class Eagle3Head(TargetShared, nn.Module):
         self.hot: torch.Tensor | None = None  # draft id -> target id (d + d2t[d])
         for p in self.parameters():
             p.requires_grad_(False)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.layer.self_attn.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.layer.self_attn.head_dim
-
-    @property
-    def kv_layout(self) -> tuple[int, int, bool]:
-        """(heads, head_dim, latent) of the one-layer pool: separate K and V."""
-        return self.kv_heads, self.head_dim, False
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor, k_cache: torch.Tensor,
