@@ -116,11 +116,30 @@ def test_killed_peer_fails_fast(sender, remote) -> None:
     assert "127.0.0.1" in res.reason and "timed out" not in res.reason
 
 
+def freeze(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: kill() only queues the
+    signal, and on a loaded machine a receiver thread can still finish a batch meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout}s of SIGSTOP")
+
+
 def test_frozen_peer_times_out(sender, remote) -> None:
     eng, src = sender  # PDCORE_TCP_TIMEOUT=2
     peer = eng.connect(remote.endpoint, remote.regions)
     r0, r1 = remote.regions
-    os.kill(remote.proc.pid, signal.SIGSTOP)
+    freeze(remote.proc.pid)
     try:
         t0 = time.monotonic()
         b = batch([src.ctypes.data, src.ctypes.data], [r0.addr, r1.addr], [REGION, REGION])
