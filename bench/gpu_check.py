@@ -48,6 +48,10 @@ VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS = 512, 64, 4, 2, 2
 NEW = 30  # tokens per greedy request in the engine checks
 PD_NEW = 24
 SPEC_ENV = {"PDSERVE_SPEC_GATE": "0"}  # verify every draft
+# bf16 keeps 8 significant bits: logits in [8, 16) come in steps of 1/16, so two candidates a
+# step or two apart are a tie that the accumulation order (a verify's GEMM shape is not a
+# decode step's) decides; seen on an H200: gaps of exactly 0, 1/32 and 1/16
+BF16_TIE = 0.125
 
 
 def _now() -> float:
@@ -277,7 +281,7 @@ def engine_section(rep: Report, models: dict[str, str], device: str, dtypes: lis
                 c = compare(runs[algo]["outs"], base["outs"])
                 cell[f"{algo}_vs_none"] = c
                 if not c["equal"]:
-                    near = all(p["ref_top2_gap"] is not None and p["ref_top2_gap"] < 1e-2
+                    near = all(p["ref_top2_gap"] is not None and p["ref_top2_gap"] <= BF16_TIE
                                for p in c["parted"])
                     msg = (f"engine {key}: {algo} output differs from the plain engine's at "
                            f"{[(p['request'], p['step']) for p in c['parted']]}")

@@ -151,7 +151,7 @@ class MLAttention(nn.Module):
         # absorbed query: [T, heads, lora] in the latent space, then the RoPE part
         q_lat = torch.einsum("thn,hnl->thl", q[..., : self.nope], self.w_uk)
         qq = torch.cat((q_lat, q_pe), dim=-1)
-        out = torch.empty(T, self.num_heads, self.latent_dim, dtype=qq.dtype)
+        out = torch.empty(T, self.num_heads, self.latent_dim, dtype=qq.dtype, device=qq.device)
         group = batch.decode_group()
         if group is not None:
             self._decode_attention(qq, flat, group, out)
@@ -163,7 +163,8 @@ class MLAttention(nn.Module):
             n, ctx = s.q_len, ki.shape[1]
             mask = None
             if n > 1:
-                mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(ctx - n, ctx).unsqueeze(1)
+                pos = torch.arange(ctx, device=qq.device)
+                mask = pos.unsqueeze(0) <= pos[ctx - n :].unsqueeze(1)
             o = F.scaled_dot_product_attention(qi[None], ki[None], ki[None], attn_mask=mask,
                                                scale=self.scale, enable_gqa=True)
             out[s.q_start : s.q_start + n] = o[0].transpose(0, 1)

@@ -163,7 +163,7 @@ class Attention(nn.Module):
         vb = v_flat.index_select(0, g.table).view(shape).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.grouped_bias(q.dtype, grp),
                                            scale=self.scale)
-        o = o.view(B, kvh, grp, g.qmax, d).permute(0, 3, 1, 2, 4)  # [B, qmax, KVH, grp, D]
+        o = o.reshape(B, kvh, grp, g.qmax, d).permute(0, 3, 1, 2, 4)  # [B, qmax, KVH, grp, D]
         return o.reshape(B * g.qmax, hq, d)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
@@ -201,7 +201,7 @@ class Attention(nn.Module):
         else:
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.bias(qb.dtype),
                                                scale=self.scale)
-        return o.view(B, self.num_heads, d).to(q.dtype)
+        return o.reshape(B, self.num_heads, d).to(q.dtype)
 
 
 class MLP(nn.Module):
