@@ -51,12 +51,15 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ChainGeometry:
-    """The chain start a draft head hands over: its output vector's size and dtype, and the
-    vocabulary its draft token must lie in."""
+    """The chain start a draft head hands over: its output vector's size and dtype, the
+    vocabulary its draft token must lie in, and which head made it (`head`:
+    fingerprint.draft_identity, the algorithm and the draft weights' fingerprint): a vector of
+    the right size from another head is the wrong input to this one."""
 
     hidden: int
     dtype: torch.dtype
     vocab: int
+    head: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -186,7 +189,8 @@ class AuxBuffers:
         """What P and D compare at pairing (wire.check_chain): hidden 0 without a part."""
         c = self.chain
         return {"chain_hidden": c.hidden if c else 0,
-                "chain_dtype": str(c.dtype).replace("torch.", "") if c else ""}
+                "chain_dtype": str(c.dtype).replace("torch.", "") if c else "",
+                "chain_head": c.head if c else ""}
 
     def write_chain(self, slot: int, token: int, at: int, hidden: torch.Tensor) -> None:
         """Put a chain start into the row at `slot` (after write(): it clears the marker)."""

@@ -44,7 +44,7 @@ MAX_BODY = 1 << 16  # a rank's registration is a few hundred bytes
 _REQUIRED = ("rank_ip", "rank_port", "tp_rank", "tp_size", "page_size", "kv_cache_dtype")
 _INSTANCE_FIELDS = ("tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla",
                     "total_kv_heads", "num_layers", "head_dim", "draft_layers",
-                    "chain_hidden", "chain_dtype", "model_fingerprint", "backend",
+                    "chain_hidden", "chain_dtype", "chain_head", "model_fingerprint", "backend",
                     "protocol_version")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.disagg.aux import AuxBuffers, ChainGeometry
 from pdcore.engine.kv.cache import KVCache
+from pdcore.engine.model.fingerprint import draft_identity
 from pdcore.engine.sched.api import SchedulerAPI
 from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.scheduler import Scheduler
@@ -39,7 +40,8 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
     env = DisaggEnv.from_env()
     geo = SchedulerAPI(sched).chain_geometry()  # a draft head's chain start rides in the row
     aux = AuxBuffers(_host_pool(args, kv), num_slots=max(64, 4 * args.max_running_requests),
-                     chain=ChainGeometry(*geo) if geo is not None else None)
+                     chain=(ChainGeometry(*geo, head=draft_identity(args)) if geo is not None
+                            else None))
     layout, regions = kv.layout(), kv.regions()
     from pdcore.plugins.default_backend import resolve_transfer_backend
 

@@ -131,7 +131,7 @@ def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes:
         "model_fingerprint": msg.model_fingerprint, "num_layers": layout.num_layers,
         "head_dim": layout.head_dim, "is_mla": layout.is_mla,
         "draft_layers": layout.draft_layers, "chain_hidden": msg.chain_hidden,
-        "chain_dtype": msg.chain_dtype}, local, fingerprint, chain)
+        "chain_dtype": msg.chain_dtype, "chain_head": msg.chain_head}, local, fingerprint, chain)
     if layout.num_pages < 1 or layout.num_layers < 1 or layout.item_len < 1:
         raise ProtocolError("decode registration: empty KV layout")
     if len(layout.k_bases) != layout.num_layers or len(layout.v_bases) != layout.num_layers:

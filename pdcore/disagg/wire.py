@@ -77,6 +77,7 @@ class Register(_Msg, tag="register"):
     # 0 / "": no draft head, no chain start part
     chain_hidden: int = 0
     chain_dtype: str = ""
+    chain_head: str = ""  # which draft head (fingerprint.draft_identity); "": none or unsaid
 
 
 class TransferInfo(_Msg, tag="transfer_info"):
@@ -303,6 +304,8 @@ def check_chain(role: str, peer: dict[str, Any], local: dict[str, Any]) -> None:
     theirs = (int(peer["chain_hidden"]), str(peer.get("chain_dtype") or ""))
     mine = (int(local["chain_hidden"]), str(local["chain_dtype"]))
     if theirs == mine:
+        check_chain_head(role, str(peer.get("chain_head") or ""), str(local.get("chain_head")
+                                                                        or ""))
         return
 
     def says(h: int, dtype: str) -> str:
@@ -313,6 +316,19 @@ def check_chain(role: str, peer: dict[str, Any], local: dict[str, Any]) -> None:
         f"{role} carries {says(*theirs)} in its aux rows, this server {says(*mine)}: start "
         "prefill and decode with the same --speculative-algorithm, --model-path and --dtype "
         "(the draft head's output vector crosses beside the first token)")
+
+
+def check_chain_head(role: str, theirs: str, mine: str) -> None:
+    """Same vector geometry, another head (EAGLE on one side, EAGLE3 on the other, or two
+    EAGLE heads with other weights): D's head would draft from a vector it never learned from.
+    A peer that names no head (an older peer) is not compared; the name is the peer's, so it
+    is shown cut short."""
+    if not theirs or not mine or theirs == mine:
+        return
+    raise ProtocolError(
+        f"{role} runs the draft head {theirs[:64]!r}, this server {mine!r}: the chain start "
+        "it hands over is that head's output vector; start prefill and decode with the same "
+        "--speculative-algorithm and --speculative-draft-model-path")
 
 
 def check_compatible(role: str, peer_page_size: int, peer_dtype: str, local: KVLayout) -> None:

@@ -55,7 +55,7 @@ def _put(aux: AuxBuffers, slot: int, token: int = 7, at: int = 11,
 def test_rows_without_a_head_are_unchanged() -> None:
     aux = AuxBuffers(HostPool(), 2)
     assert aux.row_bytes == ROW_BYTES == 192 and aux.chain is None and aux.chain_bytes == 0
-    assert aux.chain_info() == {"chain_hidden": 0, "chain_dtype": ""}
+    assert aux.chain_info() == {"chain_hidden": 0, "chain_dtype": "", "chain_head": ""}
     aux.write(0, AuxRow(room=1, first_token_id=2))
     assert aux.read_chain(0, 5) == (None, "")
     with pytest.raises(ValueError, match="no chain start"):
@@ -68,7 +68,8 @@ def test_chain_start_crosses_with_the_row(dtype) -> None:
     size = torch.empty(0, dtype=dtype).element_size()
     assert src.row_bytes % 64 == 0 and src.row_bytes == ROW_BYTES + 64 + HIDDEN * size
     assert src.chain_bytes == HIDDEN * size
-    assert src.chain_info() == {"chain_hidden": HIDDEN, "chain_dtype": str(dtype)[6:]}
+    assert src.chain_info() == {"chain_hidden": HIDDEN, "chain_dtype": str(dtype)[6:],
+                              "chain_head": ""}
     want = _put(src, 2)
     dst.write_raw(1, src.raw(2))  # what the backend (or the Status payload) does
     start, why = dst.read_chain(1, 11)
@@ -139,6 +140,49 @@ def test_pairing_refuses_another_chain_start() -> None:
     with pytest.raises(ProtocolError, match="no speculative chain start"):
         parse_register(reg, local.layout, "tcp", local.aux.row_bytes, DefaultPlanner(), "",
                        local.aux.chain_info())
+
+
+def test_pairing_refuses_another_draft_head() -> None:
+    """Same vector size and dtype, another head (EAGLE on P, EAGLE3 on D; or EAGLE heads with
+    other weights): refused on both sides, naming the flags; an older peer naming no head is
+    not compared, and a hostile long name is cut short in the reason."""
+    local, remote = TestKV(seed=1), TestKV()
+    geo = {"chain_hidden": HIDDEN, "chain_dtype": "float32"}
+    mine = {**geo, "chain_head": "EAGLE:00112233aabbccdd"}
+    peer = {"page_size": local.layout.page_size, "kv_cache_dtype": "float32"}
+    wire.check_pairing("prefill", {**peer, **mine}, local.layout, "", mine)
+    wire.check_pairing("prefill", {**peer, **geo}, local.layout, "", mine)  # an older peer
+    for theirs in ("EAGLE3:00112233aabbccdd", "EAGLE:ffffffffffffffff", "X" * 5000):
+        with pytest.raises(ProtocolError, match="--speculative-draft-model-path") as e:
+            wire.check_pairing("prefill", {**peer, **geo, "chain_head": theirs}, local.layout,
+                               "", mine)
+        assert len(str(e.value)) < 400 and "EAGLE:00112233aabbccdd" in str(e.value)
+    reg = wire.Register(
+        session="d1", ctrl_addr="tcp://127.0.0.1:1", backend="tcp", endpoint=b"{}",
+        layout=remote.layout.to_dict(), regions=[r.to_dict() for r in remote.regions],
+        aux_region=remote.aux.region.to_dict(), aux_row_bytes=remote.aux.row_bytes,
+        aux_slots=remote.aux.num_slots, rank=0, tp_size=1, page_size=remote.layout.page_size,
+        dtype="float32", chain_hidden=HIDDEN, chain_dtype="float32",
+        chain_head="EAGLE3:00112233aabbccdd")
+    with pytest.raises(ProtocolError, match="runs the draft head 'EAGLE3:"):
+        parse_register(reg, local.layout, "tcp", local.aux.row_bytes, DefaultPlanner(), "",
+                       mine)
+
+
+def test_draft_identity_names_algorithm_and_weights(tmp_path) -> None:
+    from pdcore.engine.model.fingerprint import draft_identity
+
+    def args(algo, path=None):
+        return SimpleNamespace(speculative_algorithm=algo, speculative_draft_model_path=path)
+
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    (tmp_path / "model.safetensors").write_bytes(b"1" * 100)
+    one = draft_identity(args("EAGLE", str(tmp_path)))
+    assert one.startswith("EAGLE:") and len(one) == len("EAGLE:") + 16
+    assert draft_identity(args("EAGLE3", str(tmp_path))) == "EAGLE3:" + one[6:]
+    (tmp_path / "model.safetensors").write_bytes(b"2" * 100)  # other weights, same names
+    assert draft_identity(args("EAGLE", str(tmp_path))) != one
+    assert draft_identity(args("NEXTN")) == "NEXTN" and draft_identity(args(None)) == ""
 
 
 # -- D's scheduling extension with a real EAGLE engine -----------------------------------------

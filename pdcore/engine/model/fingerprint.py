@@ -45,3 +45,13 @@ def model_fingerprint(model_path: str | None, load_format: str = "auto",
                 f.seek(at)
                 h.update(f.read(_SAMPLE))
     return h.hexdigest()
+
+
+def draft_identity(args) -> str:
+    """Which draft head a server runs, for the pairing (wire.check_chain_head): the algorithm,
+    and for a head with weights of its own (EAGLE, EAGLE3) their fingerprint. '' without one."""
+    algo = getattr(args, "speculative_algorithm", None)
+    if not algo:
+        return ""
+    path = getattr(args, "speculative_draft_model_path", None)
+    return f"{algo}:{model_fingerprint(path)}" if path else str(algo)
