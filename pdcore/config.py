@@ -257,8 +257,10 @@ class ServerArgs:
         why = [(self.enable_multi_layer_eagle and self.tp_size > 1,
                 ("--enable-multi-layer-eagle with --tp-size > 1: a MiMo's MTP layers run on "
                  "one TP rank (they are not sharded); use --tp-size 1")),
-               (self.speculative_draft_model_quantization is not None,
-                "--speculative-draft-model-quantization: the head runs in --dtype"),
+               (self.speculative_draft_model_quantization not in (None, "unquant"),
+                (f"--speculative-draft-model-quantization "
+                 f"{self.speculative_draft_model_quantization}: the head runs unquantized in "
+                 "--dtype; only 'unquant' (SGLang's value for that) is accepted")),
                (self.enable_dp_attention,
                 (f"--enable-dp-attention: {algo}'s draft head runs in lockstep over the whole "
                  "TP group, but DP attention gives each DP rank its own batch (and idle "

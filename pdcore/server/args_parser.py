@@ -130,7 +130,7 @@ HELP: dict[str, str] = {
                                 "step j with layer min(j, N - 1), each with its own KV "
                                 "(--speculative-draft-model-path optional: the model's own "
                                 "folder); one TP rank; refused (exit 2) for other models",
-    "speculative_draft_model_quantization": "refused: the draft head runs in --dtype",
+    "speculative_draft_model_quantization": "unquant (the default here: the draft head runs unquantized in --dtype); other values are refused",
     "speculative_ngram_min_match_window_size": "shortest context suffix an NGRAM draft must "
                                                "match",
     "speculative_ngram_max_match_window_size": "longest context suffix NGRAM matches",

@@ -247,6 +247,11 @@ def test_flags():
     with pytest.raises(ConfigError, match="--enable-dp-attention: EAGLE's draft head"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    tp_size=2, dp_size=2, enable_dp_attention=True).validate()
+    ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+               speculative_draft_model_quantization="unquant").validate()  # the head's way
+    with pytest.raises(ConfigError, match="quantization fp8: the head runs unquantized"):
+        ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+                   speculative_draft_model_quantization="fp8").validate()
     with pytest.raises(ConfigError, match="must be 5"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    speculative_num_steps=4, speculative_num_draft_tokens=3).validate()
