@@ -248,11 +248,10 @@ class ServerArgs:
         drafts, unified or PD mode (prefill runs the head over the prompt, its K/V travel with
         the target's as one more KV layer; NEXTN's one more MLA latent layer), with any
         --tp-size (the head's layer sharded as the target's, every rank runs its passes, rank
-        0's draft tokens agreed: engine/sched/draft_tp.py). With --enable-dp-attention EAGLE
-        and EAGLE3 (dense heads: no MoE collective) run in each DP rank's attention group, on
-        that DP rank's batch, unified servers only; NEXTN is refused there (its MTP layer's
-        MoE collectives span the DP ranks, which would have to run the same number of head
-        passes each step).
+        0's draft tokens agreed: engine/sched/draft_tp.py). With --enable-dp-attention (unified
+        servers only) the head runs in each DP rank's attention group on that DP rank's batch;
+        NEXTN's MTP layer holds a MoE layer whose collectives span the DP ranks, so every DP
+        rank pads its head passes to the same count per step (engine/parallel/dp_heads.py).
         --enable-multi-layer-eagle (EAGLE or NEXTN, one TP rank): the N >= 2 MTP layers of a
         MiMo checkpoint (the model's own folder unless --speculative-draft-model-path names
         another) draft, chain step j with layer min(j, N - 1), each layer its own KV layer.
@@ -265,13 +264,6 @@ class ServerArgs:
                 (f"--speculative-draft-model-quantization "
                  f"{self.speculative_draft_model_quantization}: the head runs unquantized in "
                  "--dtype; only 'unquant' (SGLang's value for that) is accepted")),
-               (self.enable_dp_attention and algo == "NEXTN",
-                ("--enable-dp-attention: NEXTN's draft head (the MTP layer) holds a MoE layer, "
-                 "whose collectives span every DP rank, so every DP rank would have to run "
-                 "the same number of head passes each step (idle passes padding the ranks "
-                 "that draft less), which is not built; use EAGLE or EAGLE3 (dense heads: "
-                 "they run in each DP rank's attention group), --tp-size without "
-                 "--enable-dp-attention, or NGRAM")),
                (self.enable_dp_attention and self.disaggregation_mode != "null",
                 (f"--enable-dp-attention with --disaggregation-mode "
                  f"{self.disaggregation_mode}: {algo}'s draft head runs with DP attention on "

@@ -8,8 +8,10 @@ verify is one forward, as a decode step is). Checked on a tiny Qwen2-MoE with ra
 every draft verified (PDSERVE_SPEC_GATE=0): greedy output equals the same server without
 speculation, token for token, for requests on both DP ranks and for an odd number pinned to
 DP rank 0 while rank 1 idles; drafts were verified on both ranks, none failed, every wait is
-bounded. Refused: NEXTN (its MTP layer's MoE collectives span the DP ranks) and a head with DP
-attention in PD mode.
+bounded. NEXTN on a tiny DeepSeek-V3 with its MTP layer, whose MoE layer's collectives span
+the DP ranks: every DP rank pads its head passes to the same count each step
+(engine/parallel/dp_heads.py), with the same checks. A head with DP attention in PD mode is
+refused.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ from pdserve_testing import ServerProcess
 
 from pdcore.config import ServerArgs
 from pdcore.errors import ConfigError
-from pdcore.testing.tiny_models import make_eagle3_head, make_eagle_head, make_tiny_model
+from pdcore.testing.tiny_models import (
+    add_mtp_layer,
+    make_eagle3_head,
+    make_eagle_head,
+    make_tiny_model,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.heavy]  # DP/TP process trees
 
@@ -99,16 +106,31 @@ def test_head_with_dp_attention_equals_plain(plain, algo) -> None:
     assert loads[1]["dp_idle_forwards_total"] > 0, loads[1]  # rank 1 idled for rank 0's steps
 
 
+def test_nextn_with_dp_attention_equals_plain(tmp_path) -> None:
+    """NEXTN's MTP layer holds a MoE layer: every DP rank pads its head passes to the same count
+    each step (engine/parallel/dp_heads.py); rank 1 idles through rank 0's steps, its idle
+    forwards padded with idle head passes."""
+    from pdcore.engine.model.tokenizer import default_model_file
+
+    path = add_mtp_layer(make_tiny_model(str(tmp_path / "d"), arch="deepseek_v3", seed=5,
+                                         tokenizer_from=default_model_file()), seed=1)
+    plain, _ = _serve(path)
+    got, loads = _serve(path, "--speculative-algorithm", "NEXTN", *SPEC)
+    assert got == plain
+    for d in loads:
+        assert d["spec_verifies_total"] > 0 and d["spec_draft_passes_total"] > 0, d
+        assert d["spec_draft_failures_total"] == 0, d
+        assert d["dp_head_idle_passes_total"] > 0, d
+    assert loads[1]["dp_idle_forwards_total"] > 0, loads[1]
+
+
 def test_flags() -> None:
     for algo, extra in (("EAGLE", {"speculative_draft_model_path": "/x"}),
-                        ("EAGLE3", {"speculative_draft_model_path": "/x"})):
+                        ("EAGLE3", {"speculative_draft_model_path": "/x"}), ("NEXTN", {})):
         ServerArgs(speculative_algorithm=algo, tp_size=2, dp_size=2, enable_dp_attention=True,
                    **extra).validate()
-    with pytest.raises(ConfigError, match="--enable-dp-attention: NEXTN's draft head .*MoE"):
-        ServerArgs(speculative_algorithm="NEXTN", tp_size=2, dp_size=2,
-                   enable_dp_attention=True).validate()
-    with pytest.raises(ConfigError, match="--disaggregation-mode decode: EAGLE's draft head "
-                                          "runs with DP attention on unified servers only"):
-        ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-                   disaggregation_mode="decode", tp_size=2, dp_size=2,
-                   enable_dp_attention=True).validate()
+        with pytest.raises(ConfigError, match=f"--disaggregation-mode decode: {algo}'s draft "
+                                              "head runs with DP attention on unified servers "
+                                              "only"):
+            ServerArgs(speculative_algorithm=algo, disaggregation_mode="decode", tp_size=2,
+                       dp_size=2, enable_dp_attention=True, **extra).validate()

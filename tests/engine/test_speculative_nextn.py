@@ -10,7 +10,7 @@
   current one alone, a layer that passes the token's normed embedding through): nearly every
   draft is accepted and the counters show it;
 - flags and models: NEXTN takes topk 1, steps k and k + 1 draft tokens, validates in PD mode
-  (tests/pd/test_pd_nextn.py), takes TP > 1 and refuses DP attention (its MTP layer's MoE collectives span the DP ranks), and exits 2 for a model that is not a DeepSeek-V3 or has no MTP layer.
+  (tests/pd/test_pd_nextn.py), takes TP > 1 and DP attention on a unified server (tests/engine/test_speculative_dp.py; refused in PD mode), and exits 2 for a model that is not a DeepSeek-V3 or has no MTP layer.
 """
 
 from __future__ import annotations
@@ -249,10 +249,12 @@ def test_flags():
     for mode in ("prefill", "decode"):  # PD: its latent K/V travel as one more MLA layer
         ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode).validate()
     ServerArgs(speculative_algorithm="NEXTN", tp_size=2).validate()  # test_speculative_tp.py
-    with pytest.raises(ConfigError, match="--enable-dp-attention: NEXTN's draft head \\(the "
-                                          "MTP layer\\) holds a MoE layer"):
-        ServerArgs(speculative_algorithm="NEXTN", tp_size=2, dp_size=2,
-                   enable_dp_attention=True).validate()
+    ServerArgs(speculative_algorithm="NEXTN", tp_size=2, dp_size=2,
+               enable_dp_attention=True).validate()  # test_speculative_dp.py
+    with pytest.raises(ConfigError, match="NEXTN's draft head runs with DP attention on "
+                                          "unified servers only"):
+        ServerArgs(speculative_algorithm="NEXTN", tp_size=2, dp_size=2, enable_dp_attention=True,
+                   disaggregation_mode="decode").validate()
 
 
 @pytest.mark.parametrize("model,says", [

@@ -13,8 +13,8 @@ page free at the end, and no draft pass lost:
   TP 2, as at TP 1.
 The agreement itself on a two-rank gloo group: rank 0's argmax reaches rank 1, a pass that
 raised on one rank drops the drafts on both, a chain start not held alike is dropped on both.
-Flags: EAGLE / NEXTN take --tp-size 2; with DP attention EAGLE is accepted (unified:
-tests/engine/test_speculative_dp.py), NEXTN and PD mode refused, saying why.
+Flags: EAGLE / NEXTN take --tp-size 2, and DP attention on a unified server
+(tests/engine/test_speculative_dp.py); a head with DP attention in PD mode is refused.
 PD with TP 2 on both sides: tests/pd/test_pd_spec_tp.py.
 """
 
@@ -216,20 +216,17 @@ def test_token_agreement_on_two_ranks():
 
 
 def test_flags_take_tp_and_dp_attention_for_dense_heads():
-    """DP attention: EAGLE's dense head runs (tests/engine/test_speculative_dp.py); NEXTN's MTP
-    layer, whose MoE collectives span the DP ranks, and a head in PD mode exit 2."""
+    """DP attention: EAGLE and NEXTN run on unified servers (tests/engine/test_speculative_dp.py);
+    a head with DP attention in PD mode exits 2."""
     for algo, extra in (("EAGLE", {"speculative_draft_model_path": "/x"}), ("NEXTN", {})):
         for mode in ("null", "prefill", "decode"):
             ServerArgs(speculative_algorithm=algo, tp_size=2, disaggregation_mode=mode,
                        **extra).validate()
     dpa = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
-    ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-               **dpa).validate()
-    with pytest.raises(ConfigError, match="--enable-dp-attention: NEXTN's draft head .*MoE "
-                                          "layer, whose collectives span every DP rank"):
-        ServerArgs(speculative_algorithm="NEXTN", **dpa).validate()
-    for mode in ("prefill", "decode"):
-        with pytest.raises(ConfigError, match=f"--disaggregation-mode {mode}: EAGLE's draft "
-                                              "head runs with DP attention on unified"):
-            ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-                       disaggregation_mode=mode, **dpa).validate()
+    for algo, extra in (("EAGLE", {"speculative_draft_model_path": "/x"}), ("NEXTN", {})):
+        ServerArgs(speculative_algorithm=algo, **dpa, **extra).validate()
+        for mode in ("prefill", "decode"):
+            with pytest.raises(ConfigError, match=f"--disaggregation-mode {mode}: {algo}'s "
+                                                  "draft head runs with DP attention on unified"):
+                ServerArgs(speculative_algorithm=algo, disaggregation_mode=mode, **dpa,
+                           **extra).validate()

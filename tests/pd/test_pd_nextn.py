@@ -213,7 +213,8 @@ def test_nextn_in_pd_mode_validates() -> None:
         assert (args.speculative_num_steps, args.speculative_num_draft_tokens) == (3, 4)
         ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode,
                    tp_size=2).validate()
-        with pytest.raises(ConfigError, match="--enable-dp-attention: NEXTN's draft head"):
+        with pytest.raises(ConfigError, match="--enable-dp-attention with --disaggregation-"
+                                              f"mode {mode}: NEXTN's draft head"):
             ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode, tp_size=2,
                        dp_size=2, enable_dp_attention=True).validate()
         with pytest.raises(ConfigError, match="topk 2"):

@@ -23,6 +23,8 @@ leaders agree (one all-reduce over the leaders) whether any of them has work and
 is stopping; a DP rank with nothing to run then takes an idle step, a forward of zero tokens
 that only joins the MoE collectives; a step that ran no forward pass (a PD poll, an early
 flush) is topped up with an idle forward so the counts match. A stop anywhere stops everyone.
+A draft head with MoE layers (NEXTN's MTP layer) adds its passes, padded to the same count on
+every DP rank: pdcore.engine.parallel.dp_heads.
 
 `--enable-dp-lm-head`: SGLang shards the vocabulary over the attention group so the logits never
 cross DP ranks. Here the lm head never spans DP ranks in the first place (each DP rank's first
@@ -84,8 +86,9 @@ def join(args: ServerArgs, rank: int, method: str, timeout_s: float) -> DPAttnTP
 class DPSync:
     """What the Lockstep needs: the leaders' agreement and idle forwards."""
 
-    def __init__(self, tp: DPAttnTPInfo, model: torch.nn.Module) -> None:
-        self.tp = tp
+    def __init__(self, tp: DPAttnTPInfo, model: torch.nn.Module, pads: Any = None) -> None:
+        """`pads`: a draft head's MoE passes (NEXTN: pdcore.engine.parallel.dp_heads)."""
+        self.tp, self.pads = tp, pads
         from pdcore.engine.model.moe import MoE
 
         self.moes = [m for m in model.modules() if isinstance(m, MoE) and m.dp is not None]
@@ -97,7 +100,10 @@ class DPSync:
         tp.marked[0] = True  # from now on every forward starts at begin() or idle_forward()
 
     def stats(self) -> dict[str, int]:
-        return {"dp_idle_forwards_total": self.idle_forwards}
+        out = {"dp_idle_forwards_total": self.idle_forwards}
+        if self.pads is not None:
+            out["dp_head_idle_passes_total"] = self.pads.idle_passes
+        return out
 
     def agree(self, run: bool, stop: bool) -> tuple[bool, bool]:
         """(any DP rank runs, any DP rank stops): leaders only."""
@@ -110,25 +116,43 @@ class DPSync:
     def begin(self) -> None:
         self._mark = self.tp.forwards[0]
         self.tp.counts[0] = None
+        if self.pads is not None:
+            self.pads.begin()
 
     @torch.inference_mode()
-    def idle_forward(self) -> None:
-        """Zero tokens through every MoE layer, in model order: only the collectives run."""
+    def idle_forward(self, fresh: bool = True) -> None:
+        """Zero tokens through every MoE layer, in model order: only the collectives run (with
+        a MoE draft head: its passes around it, padded; `fresh`: a step of its own)."""
+        pads = self.pads
+        if pads is not None:
+            if fresh:
+                pads.begin()
+            pads.before_forward()
         self.idle_forwards += 1
         self.tp.counts[0] = None
         for m in self.moes:
             m(torch.empty(0, m.gate.shape[1], dtype=m.w13.dtype, device=m.w13.device))
+        if pads is not None:
+            pads.after_forward_begin()
+            pads.after_forward_end()
 
     def end(self) -> None:
         """After a step: one forward pass, real or idle, whatever the step did."""
-        ran = self.tp.forwards[0] - self._mark
-        if ran == 0:
+        pads = self.pads
+        if pads is None and self.tp.forwards[0] == self._mark:
             self.idle_forward()
-        elif ran != len(self.moes):
+        elif pads is not None and not pads.forwarded:
+            self.idle_forward(fresh=False)  # after the chain passes the step may have run
+        ran = self.tp.forwards[0] - self._mark
+        want = len(self.moes) + (pads.per_step if pads is not None else 0)
+        if ran != want:
             raise RuntimeError(f"DP attention: a step ran {ran} MoE layers, expected "
-                               f"{len(self.moes)}; the DP ranks' collectives no longer match")
+                               f"{want}; the DP ranks' collectives no longer match")
 
 
 def sync_for(tp: TPInfo, sched: Any) -> DPSync | None:
     """The DP lockstep of a scheduler whose group is a DP attention group, else None."""
-    return DPSync(tp, sched.runner.model) if isinstance(tp, DPAttnTPInfo) else None
+    if not isinstance(tp, DPAttnTPInfo):
+        return None
+    drafter = getattr(sched.spec, "drafter", None)
+    return DPSync(tp, sched.runner.model, getattr(drafter, "dp_pads", None))

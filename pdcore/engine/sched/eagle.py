@@ -33,7 +33,10 @@ Drafts are the head's argmax (a chain; trees, topk > 1, are not built). Whatever
 proposes, the verify pass keeps the output exact (greedy identity, rejection sampling).
 A failed draft pass costs the step its drafts only (logged, counted); decoding goes on.
 With TP the head's layer is sharded as the target's and every rank runs every pass; rank 0's
-draft tokens and the failures are agreed over the group (engine/sched/draft_tp.py).
+draft tokens and the failures are agreed over the group (engine/sched/draft_tp.py). With
+--enable-dp-attention the head runs in its DP rank's attention group; a head with MoE layers
+(NEXTN) joins collectives over every DP rank, so each DP rank pads its passes to the same count
+per step (`dp_pads`, engine/parallel/dp_heads.py).
 """
 
 from __future__ import annotations
@@ -145,6 +148,10 @@ class HeadDrafter(Drafter):
             self.k = alloc("draft_k", shape, dtype, latent)
             self.v = self.k if latent else alloc("draft_v", shape, dtype, latent)
         self.passes = 0  # head forward passes (observe and chain steps)
+        from pdcore.engine.parallel.dp_heads import head_pads
+
+        # DP attention and a head with MoE layers (NEXTN): bound + 1 passes on every DP rank
+        self.dp_pads = head_pads(tp, head, max(0, self.max_drafts - 1))
         self.failures = 0  # draft passes that raised (their step drafted nothing)
 
     def stats(self) -> dict[str, int]:
@@ -164,10 +171,31 @@ class HeadDrafter(Drafter):
             out_slots=torch.tensor(out, dtype=torch.long, device=dev), seqs=seqs,
             logit_rows=torch.empty(0, dtype=torch.long, device=dev))
         self.passes += 1
-        return self.head(batch, hidden.to(dtype=self.k.dtype), self.k, self.v)
+        if self.dp_pads is None:
+            return self.head(batch, hidden.to(dtype=self.k.dtype), self.k, self.v)
+        self.dp_pads.fresh()
+        try:
+            return self.head(batch, hidden.to(dtype=self.k.dtype), self.k, self.v)
+        finally:
+            self.dp_pads.fresh()
+
+    def before_forward(self) -> None:
+        """Right before the target's forward (DP attention: the chain's passes padded)."""
+        if self.dp_pads is not None:
+            self.dp_pads.before_forward()
 
     # ---- after the target's forward ------------------------------------------------------------
     def observe(self, items: list[tuple[Req, int]], results: list[StepResult]) -> None:
+        if self.dp_pads is None:
+            self._observe(items, results)
+            return
+        self.dp_pads.after_forward_begin()
+        try:
+            self._observe(items, results)
+        finally:
+            self.dp_pads.after_forward_end()
+
+    def _observe(self, items: list[tuple[Req, int]], results: list[StepResult]) -> None:
         ids: list[int] = []
         pos: list[int] = []
         out: list[int] = []

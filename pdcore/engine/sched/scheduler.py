@@ -237,6 +237,8 @@ class Scheduler:
             c = self.counters
             c.steps += 1
             t0 = time.perf_counter()
+            if self.spec is not None:
+                self.spec.before_forward()
             results = self.runner.run(items)
             if self.spec is not None:  # a draft model reads the step before it is applied
                 self.spec.observe(items, results)

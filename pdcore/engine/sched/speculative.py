@@ -161,6 +161,12 @@ class Speculator:
             for (req, k), d in zip(ask, drafts):
                 req.spec.drafts = list(d[:k])
 
+    def before_forward(self) -> None:
+        """Right before the target's forward (DP attention: a MoE head's padded passes)."""
+        hook = getattr(self.drafter, "before_forward", None)
+        if hook is not None:
+            hook()
+
     def observe(self, items: list[tuple[Req, int]], results: list[Any]) -> None:
         """A target forward's results, before the scheduler applies them (the drafter's)."""
         if self.drafter is not None:
