@@ -264,7 +264,7 @@ def test_the_ascend_deepseek_lines_nextn_flags(tmp_path, capsys):
     """The Ascend DeepSeek lines' NEXTN settings (steps 1 / 2 draft tokens on prefill, 3 / 4 on
     decode) parse for a DeepSeek-V3 with its MTP layer, unified and in the lines' own PD mode
     (the MTP layer's latent K/V travel as one more MLA layer: tests/pd/test_pd_nextn.py); with
-    the lines' TP 16 / DP attention they are still refused, naming DP attention."""
+    the lines' DP attention they run unified but are still refused in PD mode, naming it."""
     from pdcore.testing.tiny_models import add_mtp_layer
 
     model = add_mtp_layer(make_tiny_model(str(tmp_path / "ds"), arch="deepseek_v3", layers=2))
@@ -286,4 +286,8 @@ def test_the_ascend_deepseek_lines_nextn_flags(tmp_path, capsys):
         err = _exit_message(["--model-path", model, *flags, "--disaggregation-mode", mode,
                              "--disaggregation-transfer-backend", "tcp", "--tp-size", "2",
                              "--dp-size", "2", "--enable-dp-attention"], capsys)
-        assert "--enable-dp-attention: NEXTN's draft head" in err, err
+        assert ("--enable-dp-attention with --disaggregation-mode " + mode in err
+                and "unified servers only" in err), err
+        # unified, the lines' NEXTN flags take DP attention (tests/engine/test_speculative_dp.py)
+        parse_server_args(["--model-path", model, *flags, "--tp-size", "2", "--dp-size", "2",
+                           "--enable-dp-attention"])
