@@ -9,7 +9,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
-from gpu_check import PD_NEW, SPEC_ENV, Report, _now, _tb, engine_args, prompts, run_engine
+from gpu_check_engine import PD_NEW, SPEC_ENV, Report, _now, _tb, engine_args, prompts, run_engine
 
 _rooms = count(4000, 7)
 
