@@ -304,8 +304,8 @@ def check_chain(role: str, peer: dict[str, Any], local: dict[str, Any]) -> None:
     theirs = (int(peer["chain_hidden"]), str(peer.get("chain_dtype") or ""))
     mine = (int(local["chain_hidden"]), str(local["chain_dtype"]))
     if theirs == mine:
-        check_chain_head(role, str(peer.get("chain_head") or ""), str(local.get("chain_head")
-                                                                        or ""))
+        theirs_head = str(peer.get("chain_head") or "")
+        check_chain_head(role, theirs_head, str(local.get("chain_head") or ""))
         return
 
     def says(h: int, dtype: str) -> str:

@@ -50,8 +50,7 @@ def model_fingerprint(model_path: str | None, load_format: str = "auto",
 def draft_identity(args) -> str:
     """Which draft head a server runs, for the pairing (wire.check_chain_head): the algorithm,
     and for a head with weights of its own (EAGLE, EAGLE3) their fingerprint. '' without one."""
-    algo = getattr(args, "speculative_algorithm", None)
+    algo, path = args.speculative_algorithm, args.speculative_draft_model_path
     if not algo:
         return ""
-    path = getattr(args, "speculative_draft_model_path", None)
     return f"{algo}:{model_fingerprint(path)}" if path else str(algo)

@@ -37,6 +37,9 @@ class Drafter:
     def propose(self, reqs: list[Req], wants: list[int]) -> list[list[int]]:
         raise NotImplementedError
 
+    def before_forward(self) -> None:
+        """Right before the target's forward (a MoE head under DP attention pads its passes)."""
+
     def observe(self, items: list[tuple[Req, int]], results: list[Any]) -> None:
         """A target forward ran `items`; `results` are their StepResults (engine/model/runner.py),
         not applied yet."""

@@ -171,13 +171,14 @@ class HeadDrafter(Drafter):
             out_slots=torch.tensor(out, dtype=torch.long, device=dev), seqs=seqs,
             logit_rows=torch.empty(0, dtype=torch.long, device=dev))
         self.passes += 1
-        if self.dp_pads is None:
-            return self.head(batch, hidden.to(dtype=self.k.dtype), self.k, self.v)
-        self.dp_pads.fresh()
+        pads = self.dp_pads
+        if pads is not None:
+            pads.fresh()  # a head pass gathers its own row counts (DP attention, MoE head)
         try:
             return self.head(batch, hidden.to(dtype=self.k.dtype), self.k, self.v)
         finally:
-            self.dp_pads.fresh()
+            if pads is not None:
+                pads.fresh()
 
     def before_forward(self) -> None:
         """Right before the target's forward (DP attention: the chain's passes padded)."""

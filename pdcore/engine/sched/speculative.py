@@ -163,9 +163,8 @@ class Speculator:
 
     def before_forward(self) -> None:
         """Right before the target's forward (DP attention: a MoE head's padded passes)."""
-        hook = getattr(self.drafter, "before_forward", None)
-        if hook is not None:
-            hook()
+        if self.drafter is not None:
+            self.drafter.before_forward()
 
     def observe(self, items: list[tuple[Req, int]], results: list[Any]) -> None:
         """A target forward's results, before the scheduler applies them (the drafter's)."""
