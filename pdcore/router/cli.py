@@ -183,6 +183,7 @@ def run_router(config: RouterConfig) -> None:
     uvicorn.run(
         app, host=config.host, port=config.port, log_level=config.log_level,
         access_log=config.log_level == "debug", http=protocol,
+        timeout_keep_alive=connections.keepalive_s(),
     )
 
 

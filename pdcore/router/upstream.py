@@ -97,7 +97,11 @@ class UpstreamClients:
         client = self._clients.get(worker.url)
         if client is None:
             client = httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                # idle connections expire well before the workers' keep-alive (120 s,
+                # pdcore/server/connections.py): httpx's default 5 s equals uvicorn's default,
+                # so a request could go out on a connection the worker was just closing
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                    keepalive_expiry=30.0),
                 timeout=httpx.Timeout(None, connect=self._connect_timeout),
                 headers=self._headers,
             )

@@ -11,10 +11,18 @@ process has file descriptors: 20,000 sockets that never finished their headers k
 2. **Body deadline** (PDSERVE_HTTP_BODY_TIMEOUT_S, 30 s): a request body that stalls that long
    between two reads is closed (the route sees the client gone and frees what it holds).
 3. **Connection limit** (PDSERVE_HTTP_MAX_CONNECTIONS; default 4096, and at most the file
-   descriptor limit less 512 for the engine's own): when full, a new connection evicts the one
-   that has waited longest for its headers, so a real request (a probe's `/health`) always gets
-   in; only when every connection is serving a request is the new one closed at once.
-4. **No log line per connection**: closes are counted in `/metrics`
+   descriptor limit less 512 for the engine's own): when full, a new connection evicts the
+   kept-alive connection idle longest, else the one that has waited longest for its headers, so
+   a real request (a probe's `/health`) always gets in; only when every connection is serving a
+   request is the new one closed at once.
+4. **Keep-alive** (PDSERVE_HTTP_KEEPALIVE_S, 120 s): how long an idle kept-alive connection stays
+   open (uvicorn's `timeout_keep_alive`, whose default is 5 s). Routers and load balancers keep
+   idle upstream connections far longer (sglang-router's HTTP pool 90 s, ours 30 s, nginx and
+   cloud balancers 60 s); a server that closes first races the client's next request on that
+   connection, which then fails and is retried: behind sglang-router a prefill server counted two
+   requests for one prompt. Idle connections are evictable (item 3), so the longer hold costs
+   no capacity under a flood.
+5. **No log line per connection**: closes are counted in `/metrics`
    (`pdserve_http_connections_closed_total{reason}`, `pdserve_http_connections{state}`) and
    summarised in one line at most every 10 s; the accept loop's descriptor-exhaustion errors and
    uvicorn's per-connection warnings are folded into that summary (`QuietFilter`).
@@ -46,7 +54,9 @@ log = logging.getLogger("pdcore.connections")
 HEADER_TIMEOUT_ENV = "PDSERVE_HTTP_HEADER_TIMEOUT_S"
 BODY_TIMEOUT_ENV = "PDSERVE_HTTP_BODY_TIMEOUT_S"
 MAX_CONNECTIONS_ENV = "PDSERVE_HTTP_MAX_CONNECTIONS"
+KEEPALIVE_ENV = "PDSERVE_HTTP_KEEPALIVE_S"
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_KEEPALIVE_S = 120.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 4096
 RESERVED_FDS = 512  # the engine's own sockets, files and pipes
@@ -102,6 +112,7 @@ class PortGate:
                                                            DEFAULT_BODY_TIMEOUT_S)
         self.limit = limit or max_connections(raise_nofile_limit())
         self.pending: dict[Any, float] = {}  # waiting for headers, oldest first -> since
+        self.idle: dict[Any, None] = {}  # kept alive between requests, longest idle first
         self.open: set[Any] = set()
         self.closed = dict.fromkeys(REASONS, 0)
         self.quieted = 0  # log lines QuietFilter folded into the summary
@@ -114,8 +125,8 @@ class PortGate:
         """A new connection; False when it must be closed at once (full of busy connections)."""
         if self._sweeper is None:
             self._schedule()
-        while len(self.open) >= self.limit and self.pending:
-            oldest = next(iter(self.pending))
+        while len(self.open) >= self.limit and (self.idle or self.pending):
+            oldest = next(iter(self.idle or self.pending))
             self._close(oldest, "evicted")
         if len(self.open) >= self.limit:
             self.closed["refused"] += 1
@@ -126,9 +137,15 @@ class PortGate:
 
     def waiting(self, proto: Any) -> None:
         """A new request began on a kept-alive connection: its header deadline starts now."""
+        self.idle.pop(proto, None)
         if proto in self.open:
             self.pending.pop(proto, None)
             self.pending[proto] = time.monotonic()
+
+    def kept_alive(self, proto: Any) -> None:
+        """A response is complete and the connection stays open for the next request."""
+        if proto in self.open and proto not in self.pending:
+            self.idle[proto] = None
 
     def headers_done(self, proto: Any) -> None:
         self.pending.pop(proto, None)
@@ -136,6 +153,7 @@ class PortGate:
     def lost(self, proto: Any) -> None:
         self.open.discard(proto)
         self.pending.pop(proto, None)
+        self.idle.pop(proto, None)
 
     # -- the sweep ------------------------------------------------------------------------------
     def _schedule(self) -> None:
@@ -241,11 +259,21 @@ def guarded_protocol(gate: PortGate) -> type:
             if self.cycle is not before:
                 gate.headers_done(self)
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                gate.kept_alive(self)
+
         def connection_lost(self, exc: Exception | None) -> None:
             gate.lost(self)
             super().connection_lost(exc)
 
     return GuardedH11Protocol
+
+
+def keepalive_s() -> float:
+    """uvicorn's timeout_keep_alive for the servers' and the router's ports (item 4)."""
+    return _env_float(KEEPALIVE_ENV, DEFAULT_KEEPALIVE_S)
 
 
 def install(app: Any, registry: Any | None = None) -> tuple[PortGate, type]:

@@ -81,7 +81,8 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
     # header / body deadlines, a connection limit that evicts the slowest first, quiet logs
     _, protocol = connections.install(app, app.state.metrics.registry)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on", http=protocol)
+                            timeout_graceful_shutdown=5, lifespan="on", http=protocol,
+                            timeout_keep_alive=connections.keepalive_s())
     server = uvicorn.Server(config)
     outcome = {"rc": 0}
 

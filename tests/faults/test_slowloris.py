@@ -142,3 +142,60 @@ def test_a_stalled_body_is_closed(ports) -> None:
     after = _metrics(proc.url)[("pdserve_http_connections_closed_total", "body_timeout")]
     assert after == before + 1
     assert _health_s(proc.url) < 3.0
+
+
+def _kept_alive(port: int) -> socket.socket:
+    """A connection that made one GET /health and keeps the connection open (HTTP/1.1)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    _get_health(s)
+    return s
+
+
+def _get_health(s: socket.socket) -> None:
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    got = b""
+
+    def complete() -> bool:  # the headers and the content-length bytes of body after them
+        head, sep, body = got.partition(b"\r\n\r\n")
+        lengths = [ln.split(b":", 1)[1] for ln in head.lower().split(b"\r\n")
+                   if ln.startswith(b"content-length:")]
+        return bool(sep) and (not lengths or len(body) >= int(lengths[0]))
+
+    while not complete():
+        chunk = s.recv(4096)
+        assert chunk, f"closed by the server after {got!r}"
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got
+
+
+@pytest.mark.parametrize("who", ["router", "server"])
+def test_an_idle_kept_alive_connection_outlives_uvicorns_5_s(ports, who) -> None:
+    """A router's pooled connection idle for 7 s still carries the next request: uvicorn's
+    default keep-alive (5 s) closed it first, racing the router's reuse (a failed attempt and a
+    retry: behind sglang-router, two prefill requests for one prompt)."""
+    s = _kept_alive(int(ports[who].url.rsplit(":", 1)[1]))
+    try:
+        time.sleep(7)
+        _get_health(s)  # the same socket
+    finally:
+        s.close()
+
+
+def test_idle_kept_alive_connections_are_evicted_at_the_limit(ports) -> None:
+    """LIMIT connections that each made a request and then idle (kept alive, 120 s) do not lock
+    the port: new connections evict the longest idle, and /health answers."""
+    proc = ports["server"]
+    port = int(proc.url.rsplit(":", 1)[1])
+    before = _metrics(proc.url)[("pdserve_http_connections_closed_total", "evicted")]
+    held = [_kept_alive(port) for _ in range(LIMIT)]
+    try:
+        for _ in range(5):
+            _health_s(proc.url)
+        m = _metrics(proc.url)
+        assert m[("pdserve_http_connections", "open")] <= LIMIT + 1, m
+        assert m[("pdserve_http_connections_closed_total", "evicted")] > before, m
+        with pytest.raises(AssertionError, match="closed by the server"):
+            _get_health(held[0])  # the longest idle went first
+    finally:
+        for s in held:
+            s.close()
