@@ -2,12 +2,17 @@
 
 The conversion must change nothing the engine sees: same tensors (compared against transformers
 reading the GGUF itself), same tokenizer (ids, chat template, special tokens). It must be reused,
-never half-used, and must fall back to the GGUF when it cannot be written.
+never half-used, and must fall back to the GGUF when it cannot be written. Its folder is keyed by
+the file's content: the same GGUF installed in another virtual environment reuses it; an
+edited one converts anew; folders of the older path-keyed scheme whose GGUF is gone are removed.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,9 +30,9 @@ def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-def test_conversion_keeps_weights_and_tokenizer(cache_dir: Path, smollm2_hf) -> None:
+def test_conversion_keeps_weights_and_tokenizer(cache_dir: Path) -> None:
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     raw = resolve_model(None)
     conv = gguf_cache.converted(raw)
@@ -36,7 +41,8 @@ def test_conversion_keeps_weights_and_tokenizer(cache_dir: Path, smollm2_hf) -> 
     assert (Path(conv.path) / "config.json").is_file()
 
     saved = load_file(str(Path(conv.path) / "model.safetensors"))
-    ref = smollm2_hf.state_dict()  # transformers reading the GGUF itself
+    ref = AutoModelForCausalLM.from_pretrained(  # transformers reading the GGUF itself
+        raw.path, dtype=torch.float32, **raw.hf_kwargs()).state_dict()
     if "lm_head.weight" not in saved:  # tied: stored once
         saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
     assert set(saved) == set(ref)
@@ -96,3 +102,44 @@ def test_cache_off_and_hf_folders_pass_through(cache_dir: Path, monkeypatch: pyt
     hf = resolve_model(str(folder))
     assert gguf_cache.converted(hf) == hf
     assert not cache_dir.exists()
+
+
+def test_the_same_gguf_elsewhere_reuses_its_folder(cache_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two copies (two virtual environments, other mtimes) share one conversion; a copy with one
+    byte changed in the middle gets its own; legacy path-keyed folders of deleted files go."""
+    src = Path(resolve_model(None).display_path)
+    copies = []
+    for i, name in enumerate(("venv_a", "venv_b")):
+        (tmp_path / name).mkdir()
+        copies.append(tmp_path / name / src.name)
+        shutil.copyfile(src, copies[-1])
+        os.utime(copies[-1], ns=(10**18 + i, 10**18 + i))
+    made: list[Path] = []
+
+    def fake_convert(resolved, dest: Path) -> None:  # the marker a conversion writes
+        dest.mkdir(parents=True)
+        (dest / gguf_cache.DONE).write_text(json.dumps({
+            "source": resolved.display_path, "format": gguf_cache.FORMAT,
+            "content": gguf_cache.content_digest(Path(resolved.display_path))}))
+        made.append(dest)
+
+    monkeypatch.setattr(gguf_cache, "_convert", fake_convert)
+    root = cache_dir / "gguf"
+    legacy = {}
+    for name, source in (("gone", tmp_path / "deleted.gguf"), ("kept", copies[0])):
+        legacy[name] = root / f"Legacy-{name}"
+        legacy[name].mkdir(parents=True)
+        (legacy[name] / gguf_cache.DONE).write_text(json.dumps({"source": str(source),
+                                                                 "format": 1}))
+    a, b = (gguf_cache.converted(resolve_model(str(c))) for c in copies)
+    assert a.path == b.path and len(made) == 1
+    assert not legacy["gone"].exists() and legacy["kept"].exists()
+    with open(copies[1], "r+b") as f:  # the same size and name, other weights
+        f.seek(src.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    edited = gguf_cache.converted(resolve_model(str(copies[1])))
+    assert edited.path != a.path and len(made) == 2
+    assert gguf_cache.converted(resolve_model(str(copies[0]))).path == a.path  # still there

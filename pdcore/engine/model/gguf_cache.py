@@ -8,8 +8,13 @@ server therefore loads a GGUF model through a cached conversion:
     <cache>/gguf/<file stem>-<key>/  config.json, model.safetensors (float32), tokenizer files
 
 - <cache> is $PDCORE_CACHE_DIR, else $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve;
-- <key> hashes the file's real path, size and mtime, the transformers version and FORMAT, so an
-  edited file or another transformers gives a new folder;
+- <key> hashes the file's CONTENT (sha256), the transformers version and FORMAT, so an edited
+  file or another transformers gives a new folder, while the same file at another path (each
+  virtual environment installs its own copy of a packaged model) reuses the folder: keyed by
+  path and mtime, every new environment converted again (~22 s) and left another 540 MiB folder
+  behind. Hashing the file (~0.3 s per 100 MB) happens once per path, size and mtime: the digest
+  is kept in <cache>/gguf/.digests/;
+- after a conversion, folders of the older path-keyed scheme whose GGUF is gone are removed;
 - the first server converts under an exclusive lock (others wait for it, up to LOCK_TIMEOUT_S),
   in a temporary folder renamed into place when complete: a half-written folder is never used;
 - PDCORE_GGUF_CACHE=0 loads the GGUF directly every time. If the cache cannot be written (read-only
@@ -57,15 +62,58 @@ def cache_root() -> Path:
     return Path(base) / "pdserve"
 
 
+def content_digest(gguf: Path) -> str:
+    """sha256 of the file's bytes, computed once per (real path, size, mtime) and remembered
+    under <cache>/gguf/.digests/ (an unwritable cache only means hashing again next time)."""
+    st = gguf.stat()
+    stat_key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    memo = cache_root() / "gguf" / ".digests" / stat_key.hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    h = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, memo)
+    return digest
+
+
 def folder_for(gguf: Path) -> Path:
     # the installed version from its metadata: importing transformers to ask costs the engine
     # ~25 MiB resident that nothing else there needs
     from importlib.metadata import version
 
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|"
-                         f"{version('transformers')}|{FORMAT}".encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    key = hashlib.sha256(f"{content_digest(gguf)}|{version('transformers')}|{FORMAT}".encode())
+    return cache_root() / "gguf" / f"{gguf.stem}-{key.hexdigest()[:16]}"
+
+
+def prune_stale(root: Path) -> list[Path]:
+    """Remove the folders of the older path-keyed scheme (their marker names no content digest)
+    whose GGUF file is gone: nothing can key them again. Returns what was removed."""
+    gone = []
+    for marker in root.glob(f"*/{DONE}"):
+        try:
+            done = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        source = done.get("source")
+        if "content" in done or not isinstance(source, str) or os.path.exists(source):
+            continue
+        shutil.rmtree(marker.parent, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            marker.parent.with_name(marker.parent.name + ".lock").unlink()
+        gone.append(marker.parent)
+    if gone:
+        log.info("GGUF cache: removed %d folder(s) of GGUF files that no longer exist: %s",
+                 len(gone), ", ".join(p.name for p in gone))
+    return gone
 
 
 @contextlib.contextmanager
@@ -132,7 +180,8 @@ def _convert_here(resolved: ResolvedModel, dest: Path) -> None:
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del model, sd
         AutoTokenizer.from_pretrained(resolved.path, **kw).save_pretrained(tmp)
-        done = {"source": resolved.display_path, "format": FORMAT}
+        done = {"source": resolved.display_path, "format": FORMAT,
+                "content": content_digest(Path(resolved.display_path))}
         (tmp / DONE).write_text(json.dumps(done) + "\n")
         os.rename(tmp, dest)
     except BaseException:
@@ -153,6 +202,7 @@ def converted(resolved: ResolvedModel) -> ResolvedModel:
             with _locked(dest.parent / f"{dest.name}.lock", LOCK_TIMEOUT_S):
                 if not (dest / DONE).is_file():
                     _convert(resolved, dest)
+                    prune_stale(dest.parent)
     except Exception as e:  # noqa: BLE001 - the cache is an optimisation, never a failure
         log.warning("GGUF cache unusable (%s: %s); loading %s directly (set %s=0 to skip the "
                     "cache)", type(e).__name__, e, gguf, CACHE_ENV)
