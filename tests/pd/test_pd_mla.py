@@ -1,5 +1,6 @@
-"""PD with MLA models (real servers on loopback): DeepSeek-V2/V3 tiny models, P TP2 -> D TP1,
-P TP1 -> D TP2 and equal TP over tcp and shm, P TP2 -> D TP1 also over mooncake and nixl;
+"""PD with MLA models (real servers on loopback): a tiny DeepSeek-V3 P TP2 -> D TP1 over tcp and
+shm (also over mooncake and nixl), P TP1 -> D TP2 over tcp, and equal TP over shm, which a tiny
+DeepSeek-V2 crosses too (its latent cache has the same layout; its model: tests/engine);
 greedy output equals transformers, and the KV bytes P sends per token are one latent per layer
 (its transfer counters show it, on /get_load and on /metrics)."""
 
@@ -24,20 +25,33 @@ LATENT_BYTES = (32 + 8) * 4  # kv_lora_rank + rope dim, float32: one layer of on
 KV_BYTES_METRIC = "pdserve_kv_transfer_bytes_total"  # rank 0's KV bytes: P wrote, D received
 
 
-@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
-def mla_model(request, tmp_path_factory):
-    """(arch, path, prompts, transformers greedy references)."""
-    from transformers import AutoModelForCausalLM
+@pytest.fixture(scope="module")
+def mla_models(tmp_path_factory) -> dict[str, tuple]:
+    """arch -> (arch, path, prompts, transformers greedy references), each built on first use."""
+    class Lazy(dict):  # type: ignore[type-arg]
+        def __missing__(self, arch: str) -> tuple:
+            from transformers import AutoModelForCausalLM
 
-    from pdcore.engine.model.tokenizer import default_model_file
+            from pdcore.engine.model.tokenizer import default_model_file
 
-    arch = request.param
-    path = make_tiny_model(str(tmp_path_factory.mktemp(arch) / "m"), arch=arch, layers=LAYERS,
-                           seed=13, tokenizer_from=default_model_file(), max_positions=8192)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (7, 45, 130)]
-    return arch, path, prompts, [hf_greedy(hf, p, NEW) for p in prompts]
+            path = make_tiny_model(str(tmp_path_factory.mktemp(arch) / "m"), arch=arch,
+                                   layers=LAYERS, seed=13, tokenizer_from=default_model_file(),
+                                   max_positions=8192)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            g = torch.Generator().manual_seed(4)
+            prompts = [torch.randint(100, 40000, (n,), generator=g).tolist()
+                       for n in (7, 45, 130)]
+            self[arch] = (arch, path, prompts, [hf_greedy(hf, p, NEW) for p in prompts])
+            return self[arch]
+
+    return Lazy()
+
+
+@pytest.fixture(scope="module")
+def mla_model(mla_models) -> tuple:
+    """DeepSeek-V3, the model of every TP shape and backend (V2's latent cache is the same
+    layout: it crosses once, equal TP over shm)."""
+    return mla_models["deepseek_v3"]
 
 
 def _kv_bytes(fleet: Fleet, name: str) -> int:
@@ -97,8 +111,9 @@ def test_mla_prefill_tp1_to_decode_tp2_tcp(mla_model):
     _run_pair("tcp", mla_model, 1, 2)
 
 
-def test_mla_equal_tp_shm(mla_model):
-    _run_pair("shm", mla_model, 1, 1)
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_mla_equal_tp_shm(mla_models, arch):
+    _run_pair("shm", mla_models[arch], 1, 1)
 
 
 @pytest.mark.slow

@@ -25,27 +25,6 @@ def tiny_tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf():
-    """transformers' SmolLM2 (the reference), loaded once per session."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pdcore.engine.model.tokenizer import resolve_model
-
-    r = resolve_model(None)
-    return AutoModelForCausalLM.from_pretrained(r.path, dtype=torch.float32,
-                                                **r.hf_kwargs()).eval()
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    from pdcore.config import ServerArgs
-    from pdcore.engine.model.tokenizer import load_tokenizer
-
-    return load_tokenizer(ServerArgs())
-
-
-@pytest.fixture(scope="session")
 def prompts_and_unified(tiny_tp_model: Path):
     """(the shared prompt set as token ids, unified TP=1 greedy outputs) on tiny_tp_model."""
     from pdcore.config import ServerArgs
