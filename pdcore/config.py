@@ -248,27 +248,21 @@ class ServerArgs:
         drafts, unified or PD mode (prefill runs the head over the prompt, its K/V travel with
         the target's as one more KV layer; NEXTN's one more MLA latent layer), with any
         --tp-size (the head's layer sharded as the target's, every rank runs its passes, rank
-        0's draft tokens agreed: engine/sched/draft_tp.py). With --enable-dp-attention (unified
-        servers only) the head runs in each DP rank's attention group on that DP rank's batch;
+        0's draft tokens agreed: engine/sched/draft_tp.py). With --enable-dp-attention (unified or
+        PD: each DP rank's pool holds its head layer, which moves with that rank's pages) the
+        head runs in each DP rank's attention group on that DP rank's batch;
         NEXTN's MTP layer holds a MoE layer whose collectives span the DP ranks, so every DP
         rank pads its head passes to the same count per step (engine/parallel/dp_heads.py).
-        --enable-multi-layer-eagle (EAGLE or NEXTN, one TP rank): the N >= 2 MTP layers of a
-        MiMo checkpoint (the model's own folder unless --speculative-draft-model-path names
-        another) draft, chain step j with layer min(j, N - 1), each layer its own KV layer.
+        --enable-multi-layer-eagle (EAGLE or NEXTN, any --tp-size, each layer sharded as the
+        target's): the N >= 2 MTP layers of a MiMo checkpoint (the model's own folder unless
+        --speculative-draft-model-path names another) draft, chain step j with layer
+        min(j, N - 1), each layer its own KV layer.
         `line`: the flags given, named in every refusal. Whether the model has the MTP layers
         is the preflight's and the engine's to check (they read the model)."""
-        why = [(self.enable_multi_layer_eagle and self.tp_size > 1,
-                ("--enable-multi-layer-eagle with --tp-size > 1: a MiMo's MTP layers run on "
-                 "one TP rank (they are not sharded); use --tp-size 1")),
-               (self.speculative_draft_model_quantization not in (None, "unquant"),
+        why = [(self.speculative_draft_model_quantization not in (None, "unquant"),
                 (f"--speculative-draft-model-quantization "
                  f"{self.speculative_draft_model_quantization}: the head runs unquantized in "
                  "--dtype; only 'unquant' (SGLang's value for that) is accepted")),
-               (self.enable_dp_attention and self.disaggregation_mode != "null",
-                (f"--enable-dp-attention with --disaggregation-mode "
-                 f"{self.disaggregation_mode}: {algo}'s draft head runs with DP attention on "
-                 "unified servers only (moving its K/V per DP rank in PD is untested); drop "
-                 "--enable-dp-attention, or the draft head (NGRAM)")),
                (algo == "EAGLE" and not self.speculative_draft_model_path
                 and not self.enable_multi_layer_eagle,
                 ("needs --speculative-draft-model-path: an HF folder of an EAGLE-1 draft head "

@@ -238,8 +238,6 @@ def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockMa
         if args.load_format in ("dummy", "gguf") or not model_dir:
             raise ConfigError(f"the MTP layers' weights are read from the safetensors "
                               f"checkpoint; --load-format {args.load_format} has none")
-        if model.tp.size > 1:
-            raise ConfigError("a MiMo model's MTP layers draft on one TP rank (--tp-size 1)")
         source = args.speculative_draft_model_path or model_dir
         head = load_mimo_head(model, source, args.enable_multi_layer_eagle, p.dtype, p.device)
         if head.num_layers > 1:

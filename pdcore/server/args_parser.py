@@ -129,7 +129,8 @@ HELP: dict[str, str] = {
                                 "checkpoint holds N >= 2 MTP layers: they draft one chain, "
                                 "step j with layer min(j, N - 1), each with its own KV "
                                 "(--speculative-draft-model-path optional: the model's own "
-                                "folder); one TP rank; refused (exit 2) for other models",
+                                "folder); any --tp-size (each layer sharded as the target's); "
+                                "refused (exit 2) for other models",
     "speculative_draft_model_quantization": "unquant (the default here: the draft head runs unquantized in --dtype); other values are refused",
     "speculative_ngram_min_match_window_size": "shortest context suffix an NGRAM draft must "
                                                "match",

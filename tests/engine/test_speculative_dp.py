@@ -10,8 +10,8 @@ speculation, token for token, for requests on both DP ranks and for an odd numbe
 DP rank 0 while rank 1 idles; drafts were verified on both ranks, none failed, every wait is
 bounded. NEXTN on a tiny DeepSeek-V3 with its MTP layer, whose MoE layer's collectives span
 the DP ranks: every DP rank pads its head passes to the same count each step
-(engine/parallel/dp_heads.py), with the same checks. A head with DP attention in PD mode is
-refused.
+(engine/parallel/dp_heads.py), with the same checks. A head with DP attention in PD mode:
+tests/pd/test_pd_spec_dp.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 from pdserve_testing import ServerProcess
 
 from pdcore.config import ServerArgs
-from pdcore.errors import ConfigError
 from pdcore.testing.tiny_models import (
     add_mtp_layer,
     make_eagle3_head,
@@ -127,10 +126,6 @@ def test_nextn_with_dp_attention_equals_plain(tmp_path) -> None:
 def test_flags() -> None:
     for algo, extra in (("EAGLE", {"speculative_draft_model_path": "/x"}),
                         ("EAGLE3", {"speculative_draft_model_path": "/x"}), ("NEXTN", {})):
-        ServerArgs(speculative_algorithm=algo, tp_size=2, dp_size=2, enable_dp_attention=True,
-                   **extra).validate()
-        with pytest.raises(ConfigError, match=f"--disaggregation-mode decode: {algo}'s draft "
-                                              "head runs with DP attention on unified servers "
-                                              "only"):
-            ServerArgs(speculative_algorithm=algo, disaggregation_mode="decode", tp_size=2,
+        for mode in ("null", "prefill", "decode"):  # PD: tests/pd/test_pd_spec_dp.py
+            ServerArgs(speculative_algorithm=algo, disaggregation_mode=mode, tp_size=2,
                        dp_size=2, enable_dp_attention=True, **extra).validate()

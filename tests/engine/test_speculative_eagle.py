@@ -9,9 +9,9 @@
 - a head built to agree with its target (a target whose next token depends on the current one
   alone, and a head that reads the token only): nearly every draft is accepted, and the
   counters (spec_verify_ct, accepted tokens, accept length) show it;
-- flags: EAGLE needs a head folder, refuses topk > 1 and DP attention in PD mode (PD mode and
-  TP > 1 are accepted: tests/engine/test_speculative_tp.py; DP attention on a unified server:
-  tests/engine/test_speculative_dp.py).
+- flags: EAGLE needs a head folder and refuses topk > 1 (PD mode and TP > 1 are accepted:
+  tests/engine/test_speculative_tp.py; DP attention: tests/engine/test_speculative_dp.py, in PD
+  mode tests/pd/test_pd_spec_dp.py).
 """
 
 from __future__ import annotations
@@ -247,11 +247,9 @@ def test_flags():
                tp_size=2).validate()  # TP: tests/engine/test_speculative_tp.py
     ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", tp_size=2,
                dp_size=2, enable_dp_attention=True).validate()  # test_speculative_dp.py
-    with pytest.raises(ConfigError, match="EAGLE's draft head runs with DP attention on "
-                                          "unified servers only"):
-        ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-                   tp_size=2, dp_size=2, enable_dp_attention=True,
-                   disaggregation_mode="prefill").validate()
+    ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+               tp_size=2, dp_size=2, enable_dp_attention=True,
+               disaggregation_mode="prefill").validate()  # tests/pd/test_pd_spec_dp.py
     ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                speculative_draft_model_quantization="unquant").validate()  # the head's way
     with pytest.raises(ConfigError, match="quantization fp8: the head runs unquantized"):

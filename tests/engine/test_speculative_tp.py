@@ -9,12 +9,14 @@ page free at the end, and no draft pass lost:
   heads too), every rank runs its passes, rank 0's draft tokens agreed (engine/sched/draft_tp.py);
 - NEXTN: a tiny DeepSeek-V3 (MLA, MoE experts sharded over the two ranks, or whole experts
   per rank with --ep-size 2) with its MTP layer;
-- a head built to agree with its target (EAGLE and NEXTN): accept length well above 1 under
-  TP 2, as at TP 1.
+- multi-layer MTP (`--enable-multi-layer-eagle`): a tiny MiMo of that shape with 3 MTP layers,
+  each sharded as the target's layers;
+- a head built to agree with its target (EAGLE, NEXTN and a MiMo's 3 MTP layers): accept length
+  well above 1 under TP 2, as at TP 1.
 The agreement itself on a two-rank gloo group: rank 0's argmax reaches rank 1, a pass that
 raised on one rank drops the drafts on both, a chain start not held alike is dropped on both.
 Flags: EAGLE / NEXTN take --tp-size 2, and DP attention on a unified server
-(tests/engine/test_speculative_dp.py); a head with DP attention in PD mode is refused.
+(tests/engine/test_speculative_dp.py; in PD mode tests/pd/test_pd_spec_dp.py).
 PD with TP 2 on both sides: tests/pd/test_pd_spec_tp.py.
 """
 
@@ -29,12 +31,17 @@ from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import SamplingParams
 from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.sched.draft_tp import DraftsDropped, TokenAgreement
-from pdcore.errors import ConfigError
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.ports import free_port
-from pdcore.testing.tiny_models import add_mtp_layer, make_eagle_head, make_tiny_model
+from pdcore.testing.tiny_models import (
+    add_mtp_layer,
+    make_eagle_head,
+    make_tiny_mimo,
+    make_tiny_model,
+    mimo_reference,
+)
 
 pytestmark = pytest.mark.heavy  # TP process trees
 
@@ -88,6 +95,10 @@ def models(tmp_path_factory):
         "deepseek": add_mtp_layer(make_tiny_model(str(root / "d"), arch="deepseek_v3",
                                                   layers=2, seed=5), seed=1),
         "bigram_ds": _bigram_deepseek(str(root / "bd")),
+        "mimo": make_tiny_mimo(str(root / "mm"), mtp_layers=3, seed=1, vocab_size=VOCAB,
+                               **shape),
+        "bigram_mimo": make_tiny_mimo(str(root / "ma"), mtp_layers=3, seed=2, agree=True,
+                                      vocab_size=VOCAB, **shape),
     }
 
 
@@ -99,6 +110,9 @@ def _prompts(n: int = 3) -> list[list[int]]:
 def _spec(algo: str, head: str | None = None) -> dict:
     if algo == "NGRAM":
         return {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
+    if algo == "MIMO":  # the MiMo's own 3 MTP layers, a 4-step chain (the last layer twice)
+        return {"speculative_algorithm": "EAGLE", "enable_multi_layer_eagle": True,
+                "speculative_num_steps": 4, "speculative_eagle_topk": 1}
     return {"speculative_algorithm": algo, "speculative_draft_model_path": head,
             "speculative_num_steps": 3, "speculative_eagle_topk": 1}
 
@@ -129,13 +143,12 @@ def _ids(outs) -> list[list[int]]:
     return [o["output_ids"] for o in outs]
 
 
-@pytest.mark.parametrize("algo,ep", [("NGRAM", 1), ("EAGLE", 1), ("NEXTN", 1), ("NEXTN", 2)])
+@pytest.mark.parametrize("algo,ep", [("NGRAM", 1), ("EAGLE", 1), ("NEXTN", 1), ("NEXTN", 2),
+                                    ("MIMO", 1)])
 def test_tp2_speculative_greedy_equals_tp1_plain_and_transformers(models, monkeypatch, algo,
                                                                    ep):
-    from transformers import AutoModelForCausalLM
-
     monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")  # verify every draft
-    path = models["deepseek" if algo == "NEXTN" else "llama"]
+    path = models[{"NEXTN": "deepseek", "MIMO": "mimo"}.get(algo, "llama")]
     prompts = _prompts()
     twice = algo == "NGRAM"
     plain, _ = _run(path, 1, prompts, twice=twice)
@@ -147,26 +160,34 @@ def test_tp2_speculative_greedy_equals_tp1_plain_and_transformers(models, monkey
         assert st["spec_accepted_tokens_total"] > 0, st
     else:
         assert st["spec_draft_passes_total"] > 0 and st["spec_draft_failures_total"] == 0, st
-        # the head's layer is sharded: rank 0 holds 1 of EAGLE's 3 KV heads; MLA's latent whole
+        # the head's layer is sharded: rank 0 holds 1 of the 3 KV heads; MLA's latent whole
         assert st["draft_pool_heads"] == 1, st
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if algo == "MIMO":  # its Qwen2 body (MiMo's own class is remote code)
+        hf = mimo_reference(path)
+        hf.generation_config.eos_token_id = None  # as ignore_eos
+    else:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for o, p in zip(got, prompts + prompts[:2]):
         check_greedy(o["output_ids"], hf_greedy(hf, p, NEW),
                      [lp[0] for lp in o["output_logprobs"]])
 
 
-@pytest.mark.parametrize("algo", ["EAGLE", "NEXTN"])
+@pytest.mark.parametrize("algo", ["EAGLE", "NEXTN", "MIMO"])
 def test_tp2_agreeing_head_is_accepted(models, monkeypatch, algo):
     """A head that predicts its bigram target exactly: under TP 2 nearly every draft is
-    accepted (accept length > 3 of at most 4), and the output is TP 1's."""
+    accepted (accept length > 3 of at most 4; the MiMo's 4-step chains: > 4 of at most 5),
+    and the output is TP 1's."""
     monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
-    path = models["bigram_ds" if algo == "NEXTN" else "bigram"]
+    path = models[{"NEXTN": "bigram_ds", "MIMO": "bigram_mimo"}.get(algo, "bigram")]
     prompts = _prompts(2)
     plain, _ = _run(path, 1, prompts)
     got, st = _run(path, 2, prompts, _spec(algo, models["perfect"] if algo == "EAGLE" else None))
     assert _ids(got) == _ids(plain)
-    assert st["spec_accept_length"] > 3.0, st
-    assert st["spec_verifies_total"] <= 2 * (NEW // 3), st
+    steps = 4 if algo == "MIMO" else 3
+    assert st["spec_accept_length"] > steps, st
+    assert st["spec_verifies_total"] <= 2 * (NEW // steps), st
 
 
 def _agreement_rank(rank: int, port: int, q) -> None:
@@ -216,17 +237,14 @@ def test_token_agreement_on_two_ranks():
 
 
 def test_flags_take_tp_and_dp_attention_for_dense_heads():
-    """DP attention: EAGLE and NEXTN run on unified servers (tests/engine/test_speculative_dp.py);
-    a head with DP attention in PD mode exits 2."""
+    """DP attention: EAGLE and NEXTN run on unified servers (tests/engine/test_speculative_dp.py)
+    and in PD mode (tests/pd/test_pd_spec_dp.py)."""
     for algo, extra in (("EAGLE", {"speculative_draft_model_path": "/x"}), ("NEXTN", {})):
         for mode in ("null", "prefill", "decode"):
             ServerArgs(speculative_algorithm=algo, tp_size=2, disaggregation_mode=mode,
                        **extra).validate()
     dpa = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}
     for algo, extra in (("EAGLE", {"speculative_draft_model_path": "/x"}), ("NEXTN", {})):
-        ServerArgs(speculative_algorithm=algo, **dpa, **extra).validate()
-        for mode in ("prefill", "decode"):
-            with pytest.raises(ConfigError, match=f"--disaggregation-mode {mode}: {algo}'s "
-                                                  "draft head runs with DP attention on unified"):
-                ServerArgs(speculative_algorithm=algo, disaggregation_mode=mode, **dpa,
-                           **extra).validate()
+        for mode in ("null", "prefill", "decode"):
+            ServerArgs(speculative_algorithm=algo, disaggregation_mode=mode, **dpa,
+                       **extra).validate()

@@ -82,14 +82,18 @@ def at_rest(*servers: ServerProcess, timeout: float = 30.0) -> None:
 
 def draft_rows(s: ServerProcess, width: int) -> set[bytes]:
     """The non-zero rows (`width` floats each) of a shm server's draft-K pool, read from its
-    scheduler's segment /dev/shm/pdserve_<id>_<pid>_draft-k."""
+    scheduler's segment /dev/shm/pdserve_<id>_<pid>_draft-k (with DP attention one per DP
+    rank's scheduler: all of them)."""
     pids = spawned_children(s.proc.pid)
     names = [n for n in os.listdir("/dev/shm") if n.endswith("_draft-k")
              and any(f"_{pid}_" in n for pid in pids)]
-    assert len(names) == 1, (names, pids)
-    raw = np.fromfile(os.path.join("/dev/shm", names[0]), dtype=np.float32)
-    rows = raw[: len(raw) // width * width].reshape(-1, width)
-    return {r.tobytes() for r in rows[np.abs(rows).sum(1) > 0]}
+    assert names, pids
+    out: set[bytes] = set()
+    for name in names:
+        raw = np.fromfile(os.path.join("/dev/shm", name), dtype=np.float32)
+        rows = raw[: len(raw) // width * width].reshape(-1, width)
+        out |= {r.tobytes() for r in rows[np.abs(rows).sum(1) > 0]}
+    return out
 
 
 def segments(s: ServerProcess) -> list[str]:

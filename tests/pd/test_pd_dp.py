@@ -2,8 +2,8 @@
 
 - P dp2 -> D dp1, P dp1 -> D dp2, P dp2 -> D dp2: greedy output equals transformers (near-tie
   rule) through `pdserve router` and the real `sglang-router`; every replica of a dp2 side
-  serves; every KV pool is at rest afterwards; the same for a tiny MoE with DP attention
-  (dp2 x tp2) on both roles (pdserve router);
+  serves; every KV pool is at rest afterwards; the same for a tiny MoE and an MLA model with
+  DP attention (dp2 x tp2) on P or on D (on both: tests/pd/test_pd_spec_dp.py);
 - `pdserve router --dp-aware`: a dp2 server becomes two workers URL@rank; requests carry the
   rank, and every P and D rank serves; `--prefill-round-robin-balance`: P's replicas take turns;
 - a request in flight on one D replica survives the abort of one on the other replica;
@@ -136,7 +136,9 @@ def test_pd_dp_shapes_match_transformers(model_dir: str, refs: list[Any], p_dp: 
 
 
 _DPA = ("--dp-size", "2", "--tp-size", "2", "--enable-dp-attention")
-_DPA_SHAPES = {"p2d1": (_DPA, ()), "p1d2": ((), _DPA), "p2d2": (_DPA, _DPA)}
+# DP attention on both sides: tests/pd/test_pd_spec_dp.py (both MoE families, with draft heads;
+# the tokens equal a plain engine's, itself checked against transformers in tests/engine)
+_DPA_SHAPES = {"p2d1": (_DPA, ()), "p1d2": ((), _DPA)}
 
 
 @pytest.fixture(scope="module")

@@ -254,10 +254,9 @@ def test_eagle_in_pd_mode_validates() -> None:
                    disaggregation_mode=mode).validate()
     ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                disaggregation_mode="decode", tp_size=2).validate()  # test_pd_spec_tp.py
-    with pytest.raises(ConfigError, match="--enable-dp-attention"):
-        ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-                   disaggregation_mode="decode", tp_size=2, dp_size=2,
-                   enable_dp_attention=True).validate()
+    ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+               disaggregation_mode="decode", tp_size=2, dp_size=2,
+               enable_dp_attention=True).validate()  # test_pd_spec_dp.py
     with pytest.raises(ConfigError, match="topk 2"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    disaggregation_mode="prefill", speculative_eagle_topk=2).validate()

@@ -17,8 +17,8 @@ crosses in the aux row, so D drafts from its first decode step.
   --speculative-algorithm, and neither side keeps a page;
 - units: the latent draft layer moves at the target's page indices through the default
   planner, copied once; a K/V (non-latent) draft pool beside an MLA pool is refused; NEXTN
-  validates in PD mode with TP 1 and 2 (TP 2 pairs: test_pd_spec_tp.py), refuses DP attention
-  and topk > 1 there.
+  validates in PD mode with TP 1 and 2 (TP 2 pairs: test_pd_spec_tp.py) and DP attention
+  (test_pd_spec_dp.py), refuses topk > 1 there.
 
 Servers are paired by hand (the router's fan-out), as in test_pd_eagle.py. PDSERVE_SPEC_GATE=0
 verifies every draft.
@@ -213,10 +213,8 @@ def test_nextn_in_pd_mode_validates() -> None:
         assert (args.speculative_num_steps, args.speculative_num_draft_tokens) == (3, 4)
         ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode,
                    tp_size=2).validate()
-        with pytest.raises(ConfigError, match="--enable-dp-attention with --disaggregation-"
-                                              f"mode {mode}: NEXTN's draft head"):
-            ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode, tp_size=2,
-                       dp_size=2, enable_dp_attention=True).validate()
+        ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode, tp_size=2,
+                   dp_size=2, enable_dp_attention=True).validate()  # test_pd_spec_dp.py
         with pytest.raises(ConfigError, match="topk 2"):
             ServerArgs(speculative_algorithm="NEXTN", disaggregation_mode=mode,
                        speculative_eagle_topk=2).validate()

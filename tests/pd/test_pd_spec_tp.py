@@ -1,4 +1,5 @@
-"""Draft heads through PD with tensor parallelism (#33: EAGLE and NEXTN with --tp-size 2).
+"""Draft heads through PD with tensor parallelism (#33: EAGLE, NEXTN and a MiMo's multi-layer MTP
+with --tp-size 2).
 
 The head's layer is sharded as the target's (engine/sched/draft_tp.py), so each rank's draft
 pool has the target's per-rank geometry and travels as one more KV layer of it: rank to rank
@@ -10,6 +11,9 @@ DeepSeek-V3 with its MTP layer, MoE experts sharded), over tcp:
   both D ranks alike, or no rank would have drafted from it); P ran the head and drafted
   nothing; with max_new_tokens=3 D's first decode step verifies a draft; every page comes back;
 - P TP 1 -> D TP 2 (the draft layer split by heads as the target's layers): the same identity;
+- multi-layer MTP (`--enable-multi-layer-eagle`, a tiny MiMo of that shape with 3 MTP layers,
+  each sharded as the target's, N more KV layers crossing) over shm: the same identities, and
+  the first MTP layer's K rows checked as EAGLE's below;
 - EAGLE over shm (segment mode): the draft K rows each P rank computed for a prompt are read
   back from the segments and D's ranks hold them, rank for rank at TP 2, and P TP 1's rows
   split by KV head (head 0 on D rank 0, heads 1-2 on rank 1);
@@ -37,7 +41,12 @@ from pdcore.engine.io_struct import SamplingParams
 from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.processes import ServerProcess, trust_prefill
-from pdcore.testing.tiny_models import add_mtp_layer, make_eagle_head, make_tiny_model
+from pdcore.testing.tiny_models import (
+    add_mtp_layer,
+    make_eagle_head,
+    make_tiny_mimo,
+    make_tiny_model,
+)
 
 pytestmark = pytest.mark.heavy  # TP process trees
 
@@ -50,6 +59,11 @@ DIM = HIDDEN // HEADS  # one KV head's K values in a draft pool row (float32)
 def _models(root: Any, algo: str) -> tuple[str, tuple[str, ...]]:
     """(model folder, speculative flags) of a tiny model with the tokenizer servers need."""
     tok = default_model_file()
+    if algo == "MIMO":  # its own 3 MTP layers, each sharded as the target's layers
+        model = make_tiny_mimo(str(root / "mm"), mtp_layers=3, seed=13, hidden=HIDDEN,
+                               heads=HEADS, kv_heads=KV_HEADS, tokenizer_from=tok)
+        return model, ("--speculative-algorithm", "EAGLE", "--enable-multi-layer-eagle",
+                       "--speculative-num-steps", "4")
     if algo == "NEXTN":
         model = add_mtp_layer(make_tiny_model(str(root / "ds"), arch="deepseek_v3", layers=2,
                                               seed=13, tokenizer_from=tok), seed=1)
@@ -65,8 +79,8 @@ def _models(root: Any, algo: str) -> tuple[str, tuple[str, ...]]:
 
 
 @pytest.fixture(scope="module", params=[("EAGLE", "tcp"), ("NEXTN", "tcp"), ("EAGLE", "shm"),
-                                        ("EAGLE", "staging")],
-                ids=["eagle-tcp", "nextn-tcp", "eagle-shm", "eagle-staging"])
+                                        ("MIMO", "shm"), ("EAGLE", "staging")],
+                ids=["eagle-tcp", "nextn-tcp", "eagle-shm", "mimo-shm", "eagle-staging"])
 def fleet(request, tmp_path_factory) -> Any:
     algo, backend = request.param
     if backend == "staging" and importlib.util.find_spec("pd_staging") is None:
@@ -159,7 +173,8 @@ def _descendants(pid: int) -> set[int]:
 
 def _rank_rows(s: ServerProcess) -> list[set[bytes]]:
     """Per TP rank (rank 0 first: 3 KV heads split 1 + 2, so its segment is the smaller) the
-    non-zero rows of the server's draft-K segment (/dev/shm/pdserve_<id>_<pid>_draft-k)."""
+    non-zero rows of the server's draft-K segment (/dev/shm/pdserve_<id>_<pid>_draft-k: the
+    head's, or a MiMo's first MTP layer's)."""
     pids = _descendants(s.proc.pid)
     names = sorted((n for n in os.listdir("/dev/shm") if n.endswith("_draft-k")
                     and any(f"_{pid}_" in n for pid in pids)),

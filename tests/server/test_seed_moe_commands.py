@@ -6,8 +6,9 @@ multi-node GPU/NPU deployments. Each stops at exit 2 for one of three reasons, e
 message:
 - a typo in the older page (`---disaggregation-transfer-backend`, three dashes);
 - an NPU line (`--device npu`, the Ascend DeepSeek and MiMo decode lines): the NPU, named first,
-  with the flags of features pdserve does not build listed after it (speculative decoding,
-  `--quantization modelslim`, CUDA graph batch sizes, several tokenizer workers);
+  with the flags of features pdserve does not build listed after it (`--quantization modelslim`,
+  CUDA graph batch sizes, several tokenizer workers); the speculative flags (built) are never
+  named among them;
 - otherwise the one hardware-only flag: DeepEP (`--enable-deepep-moe` / `--moe-a2a-backend
   deepep`), which on CPU exits 2 saying to use `--moe-a2a-backend none`. The multi-node DP
   attention lines (`--nnodes 2 --tp-size 16 --dp-size 8 --enable-dp-attention`) stop only there:
@@ -21,95 +22,24 @@ tests/server/test_dp_attention_nodes.py and test_seed_dp_commands.py).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import shlex
 import subprocess
 import sys
 
 import pytest
 from pdserve_testing import parse_or_bf16_refusal
+from seed_moe_lines import SEEDS
+from seed_moe_lines import loopback_argv as _argv
+from seed_moe_lines import strip_flags as _strip
+from seed_moe_lines import swap_values as _swap
 
 from pdcore.server.args_parser import parse_server_args
 from pdcore.testing.tiny_models import make_tiny_model
 
-_DS = "--model-path deepseek-ai/DeepSeek-V3-0324"
-_P0 = ("--host ${local_ip} --port 30000 --trust-remote-code --dist-init-addr "
-       "${prefill_master_ip}:5000 --nnodes 2 --node-rank 0 --tp-size 16 --dp-size 8 "
-       "--enable-dp-attention")
-_D0 = ("--host ${local_ip} --port 30001 --trust-remote-code --dist-init-addr "
-       "${decode_master_ip}:5000 --nnodes 2 --node-rank 0 --tp-size 16 --dp-size 8 "
-       "--enable-dp-attention")
-
-
-def _both_nodes(line: str) -> list[str]:
-    return [line, line.replace("--node-rank 0", "--node-rank 1")]
-
-
-_OLD_TAIL_P = "--enable-deepep-moe --deepep-mode normal --mem-fraction-static 0.8"
-_OLD_TAIL_D = ("--enable-deepep-moe --deepep-mode low_latency --mem-fraction-static 0.8 "
-               "--max-running-requests 128")
-_NEW_TAIL_P = "--moe-a2a-backend deepep --mem-fraction-static 0.8"
-_NEW_TAIL_D = "--moe-a2a-backend deepep --mem-fraction-static 0.8 --max-running-requests 128"
-_IB = "--disaggregation-ib-device ${device_name}"
-_MIMO = ("--model-path /path/to/MiMo-V2-Flash-w8a8-all-0512 --attention-backend ascend "
-         "--device npu --tp-size 8 --nnodes 1 --node-rank 0")
-_ASCEND_DS = ("--model-path ${MODEL_PATH} --trust-remote-code --nnodes 1 --node-rank 0 "
-              "--tp-size 16")
-
-SEEDS: list[tuple[str, str]] = [
-    *[("000", s) for s in _both_nodes(f"{_DS} {_IB} --disaggregation-mode prefill {_P0} "
-                                      f"{_OLD_TAIL_P}")],
-    *[("000", s) for s in _both_nodes(f"{_DS} {_IB} --disaggregation-mode decode {_D0} "
-                                      f"{_OLD_TAIL_D}")],
-    *[("000", s) for s in _both_nodes(f"{_DS} ---disaggregation-transfer-backend nixl "
-                                      f"--disaggregation-mode prefill {_P0} {_OLD_TAIL_P}")],
-    *[("000", s) for s in _both_nodes(f"{_DS} ---disaggregation-transfer-backend nixl "
-                                      f"--disaggregation-mode decode {_D0} {_OLD_TAIL_D}")],
-    *[("003", s) for s in _both_nodes(f"{_DS} {_IB} --disaggregation-mode prefill {_P0} "
-                                      f"{_NEW_TAIL_P}")],
-    *[("003", s) for s in _both_nodes(f"{_DS} {_IB} --disaggregation-mode decode {_D0} "
-                                      f"{_NEW_TAIL_D}")],
-    *[("003", s) for s in _both_nodes(f"{_DS} --disaggregation-transfer-backend nixl "
-                                      f"--disaggregation-mode prefill {_P0} {_NEW_TAIL_P}")],
-    *[("003", s) for s in _both_nodes(f"{_DS} --disaggregation-transfer-backend nixl "
-                                      f"--disaggregation-mode decode {_D0} {_NEW_TAIL_D}")],
-    ("003", (f"{_MIMO} --chunked-prefill-size -1 --trust-remote-code --port 10000 --host "
-            "127.0.0.1 --max-running-requests 16 --mem-fraction-static 0.8 "
-            "--disaggregation-mode prefill --disaggregation-transfer-backend ascend "
-            "--disaggregation-bootstrap-port 8996 --base-gpu-id 0 --disable-radix-cache "
-            "--disable-cuda-graph --moe-a2a-backend deepep --deepep-mode normal")),
-    ("003", (f"{_MIMO} --trust-remote-code --port 10001 --host 127.0.0.1 "
-            "--max-running-requests 16 --mem-fraction-static 0.8 --disaggregation-mode decode "
-            "--disaggregation-transfer-backend ascend --disaggregation-bootstrap-port 8996 "
-            "--base-gpu-id 8 --disable-radix-cache --cuda-graph-bs 1 2 4 8 10 12 14 16 "
-            "--quantization modelslim --speculative-draft-model-quantization unquant "
-            "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
-            "--speculative-num-draft-tokens 4 --enable-multi-layer-eagle "
-            "--moe-a2a-backend deepep --deepep-mode low_latency")),
-    ("003", ("--model-path ${MODEL_PATH} --disaggregation-mode prefill --host ${P_IP[$i]} "
-            "--port 8000 --disaggregation-bootstrap-port $((8998+$i)) --trust-remote-code "
-            "--nnodes 1 --node-rank 0 --tp-size 16 --mem-fraction-static 0.7 "
-            "--attention-backend ascend --device npu --quantization modelslim "
-            "--disaggregation-transfer-backend ascend --max-running-requests 32 "
-            "--context-length 8192 --disable-radix-cache --chunked-prefill-size -1 "
-            "--max-prefill-tokens 10240 --moe-a2a-backend deepep --deepep-mode normal "
-            "--speculative-algorithm NEXTN --speculative-num-steps 1 --speculative-eagle-topk 1 "
-            "--speculative-num-draft-tokens 2 --dp-size 8 --enable-dp-attention "
-            "--disable-shared-experts-fusion --dtype bfloat16")),
-    ("003", ("--model-path ${MODEL_PATH} --disaggregation-mode decode --host ${D_IP[$i]} "
-            "--port 8001 --trust-remote-code --nnodes 1 --node-rank 0 --tp-size 16 "
-            "--dp-size 16 --mem-fraction-static 0.8 --max-running-requests 448 "
-            "--attention-backend ascend --device npu --quantization modelslim "
-            "--moe-a2a-backend deepep --enable-dp-attention --deepep-mode low_latency "
-            "--enable-dp-lm-head --cuda-graph-bs 2 4 6 8 10 12 14 16 18 20 22 24 26 28 "
-            "--disaggregation-transfer-backend ascend --watchdog-timeout 9000 "
-            "--context-length 8192 --speculative-algorithm NEXTN --speculative-num-steps 3 "
-            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "
-            "--prefill-round-robin-balance --disable-shared-experts-fusion --dtype bfloat16 "
-            "--tokenizer-worker-num 4 --load-balance-method round_robin")),
-]
-assert len(SEEDS) == 20
-
-# flags of features pdserve does not build, with how many values each takes (-1: a list)
+# flags swapped out to parse on CPU, with how many values each takes (-1: a list): the
+# speculative ones (built, served in tests/pd/test_pd_spec_dp.py) and those of unbuilt features
+UNBUILT = ("--quantization", "--cuda-graph-bs", "--tokenizer-worker-num")
 LATER: dict[str, int] = {
     "--speculative-algorithm": 1, "--speculative-num-steps": 1, "--speculative-eagle-topk": 1,
     "--speculative-num-draft-tokens": 1, "--enable-multi-layer-eagle": 0,
@@ -124,36 +54,6 @@ DEEPEP = ("--enable-deepep-moe", "--moe-a2a-backend deepep")
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("seed") / "m"), arch="qwen2_moe",
                            layers=1)
-
-
-def _argv(line: str, model: str) -> list[str]:
-    """The seed line for this machine: loopback for every address, the tiny model, shell
-    expressions evaluated as the page's loops would for the first node."""
-    for var in ("${local_ip}", "${prefill_master_ip}", "${decode_master_ip}", "${P_IP[$i]}",
-                "${D_IP[$i]}"):
-        line = line.replace(var, "127.0.0.1")
-    line = line.replace("${device_name}", "mlx5_0").replace("$((8998+$i))", "8998")
-    argv = shlex.split(line)
-    i = argv.index("--model-path")
-    argv[i + 1] = model
-    return argv
-
-
-def _strip(argv: list[str], flags: dict[str, int]) -> list[str]:
-    out, i = [], 0
-    while i < len(argv):
-        n = flags.get(argv[i])
-        if n is None:
-            out.append(argv[i])
-            i += 1
-            continue
-        i += 1
-        if n < 0:
-            while i < len(argv) and not argv[i].startswith("--"):
-                i += 1
-        else:
-            i += n
-    return out
 
 
 def _exit_message(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -175,7 +75,9 @@ def test_seed_line_exits_2_naming_what_stops_it(i, tiny_moe, capsys):
     later = [f for f in LATER if f in argv]
     if "npu" in argv and later:  # the NPU first, then every unbuilt flag of the line
         assert err.count("--device npu needs that hardware") == 1, err
-        assert all(f in err for f in later), (later, err)
+        assert all(f in err for f in UNBUILT if f in argv), err
+        unbuilt = err.split("features not built here): ", 1)[1].split(" (drop them", 1)[0]
+        assert "--speculative" not in unbuilt, err
         return
     assert not later, later
     # what remains stops only at DeepEP, naming the spelling the line used
@@ -209,10 +111,6 @@ def test_lines_of_built_features_stop_only_at_hardware(tiny_moe, capsys):
         args = parse_server_args(argv)
         assert (args.nnodes, args.tp_size, args.dp_size, args.enable_dp_attention) == (
             2, 2, 2, True)
-
-
-def _swap(argv: list[str], values: dict[str, str]) -> list[str]:
-    return [values.get(argv[k - 1], a) if k else a for k, a in enumerate(argv)]
 
 
 def _cpu_version(argv: list[str]) -> list[str]:
@@ -263,8 +161,9 @@ _SPEC = ("--speculative-algorithm", "--speculative-num-steps", "--speculative-ea
 def test_the_ascend_deepseek_lines_nextn_flags(tmp_path, capsys):
     """The Ascend DeepSeek lines' NEXTN settings (steps 1 / 2 draft tokens on prefill, 3 / 4 on
     decode) parse for a DeepSeek-V3 with its MTP layer, unified and in the lines' own PD mode
-    (the MTP layer's latent K/V travel as one more MLA layer: tests/pd/test_pd_nextn.py); with
-    the lines' DP attention they run unified but are still refused in PD mode, naming it."""
+    (the MTP layer's latent K/V travel as one more MLA layer: tests/pd/test_pd_nextn.py), with
+    and without the lines' DP attention (served in tests/engine/test_speculative_dp.py and
+    tests/pd/test_pd_spec_dp.py)."""
     from pdcore.testing.tiny_models import add_mtp_layer
 
     model = add_mtp_layer(make_tiny_model(str(tmp_path / "ds"), arch="deepseek_v3", layers=2))
@@ -275,19 +174,13 @@ def test_the_ascend_deepseek_lines_nextn_flags(tmp_path, capsys):
         flags = [a for i, a in enumerate(argv) if a in _SPEC or (i and argv[i - 1] in _SPEC)]
         steps = int(flags[flags.index("--speculative-num-steps") + 1])
         mode = argv[argv.index("--disaggregation-mode") + 1]
-        for extra in ([], ["--disaggregation-mode", mode,
-                           "--disaggregation-transfer-backend", "tcp"]):
-            args = parse_server_args(["--model-path", model, *flags, *extra])
+        assert "--enable-dp-attention" in argv and "--tp-size" in argv
+        for extra, dpa in itertools.product(
+                ([], ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", "tcp"]),
+                ([], ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"])):
+            args = parse_server_args(["--model-path", model, *flags, *extra, *dpa])
             assert (args.speculative_algorithm, args.speculative_num_steps,
                     args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (
                 "NEXTN", steps, 1, steps + 1)
             assert args.disaggregation_mode == (mode if extra else "null")
-        assert "--enable-dp-attention" in argv and "--tp-size" in argv
-        err = _exit_message(["--model-path", model, *flags, "--disaggregation-mode", mode,
-                             "--disaggregation-transfer-backend", "tcp", "--tp-size", "2",
-                             "--dp-size", "2", "--enable-dp-attention"], capsys)
-        assert ("--enable-dp-attention with --disaggregation-mode " + mode in err
-                and "unified servers only" in err), err
-        # unified, the lines' NEXTN flags take DP attention (tests/engine/test_speculative_dp.py)
-        parse_server_args(["--model-path", model, *flags, "--tp-size", "2", "--dp-size", "2",
-                           "--enable-dp-attention"])
+            assert args.enable_dp_attention == bool(dpa)

@@ -53,13 +53,17 @@ class MiMoForCausalLM(LlamaForCausalLM):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    """One MTP layer; with TP its decoder layer is sharded as the target's (its K/V heads split
+    alike, so each rank's pool has the target's per-rank geometry and, in PD mode, travels as
+    one more layer of it); the norms and input_proj are whole on every rank."""
+
+    def __init__(self, cfg: Any, tp: TPInfo) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.token_layernorm = RMSNorm(h, eps)
         self.hidden_layernorm = RMSNorm(h, eps)
         self.input_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = DecoderLayer(cfg, TPInfo(), "qwen2")
+        self.block = DecoderLayer(cfg, tp, "qwen2")
         self.final_layernorm = RMSNorm(h, eps)
 
     @torch.inference_mode()
@@ -94,7 +98,7 @@ class MiMoMTPHead(TargetShared, nn.Module):
     def __init__(self, cfg: Any, target: CausalLM, layers: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(layers))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, target.tp) for _ in range(layers))
         self._target = (target,)  # embedding, lm_head, rotary; a tuple: not a submodule
         self.embed: nn.Embedding | None = None  # MiMo's MTP layers share the target's
         self.own_head: nn.Parameter | None = None
