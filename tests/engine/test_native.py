@@ -58,7 +58,7 @@ def test_the_chosen_isa_serves() -> None:
     assert native.ops().isa() == want  # the library's own word
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 12, 13, 25, 200])
+@pytest.mark.parametrize("m", [1, 2, 7, 12, 13, 25, 200, 401])
 @pytest.mark.parametrize("n,k", [(1, 1), (31, 15), (33, 64), (960, 576), (70, 577)])
 def test_panel_linear_matches_float64(m: int, n: int, k: int) -> None:
     o = _panels()
@@ -79,6 +79,21 @@ def test_panel_linear_matches_float64(m: int, n: int, k: int) -> None:
     y3 = o.linear(x3, panels, n, b)
     assert y3.shape == (2, m, n)
     torch.testing.assert_close(y3, F.linear(x3, w, b), rtol=1e-4, atol=tol)
+
+
+@pytest.mark.parametrize("m", [13, 200, 401])
+def test_panel_linear_rows_equal_one_row_gemms(m: int) -> None:
+    """A GEMM of many rows (x copied tile by tile into k-major order, rows in balanced blocks)
+    gives each row the same bits as that row's GEMM alone (x read as it is): every output sums
+    over k in the same order, so a prompt's prefill and a decode step agree exactly."""
+    o = _panels()
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(100, 1024, generator=g)  # K a multiple of 1024: x's rows alias in L1
+    x = torch.randn(m, 1024, generator=g)
+    panels = layers.pack_panels(w)
+    whole = o.linear(x, panels, 100, None)
+    rows = torch.cat([o.linear(x[i:i + 1], panels, 100, None) for i in range(m)])
+    assert torch.equal(whole, rows)
 
 
 def test_linear_routes_float32_through_panels(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,7 +116,8 @@ class TPInfo:
 # (`choose_layout`; PDCORE_GEMM_LAYOUT=panels|onednn fixes it). Seen on two machines of this
 # project, 2 threads, SmolLM2's matrices: on AMD Zen 4 (AVX-512 BF16, no AMX) panels read the
 # weights at 24-30 GB/s against oneDNN's 15-22 (float32 decode step 3.2 against 5.6 ms a layer;
-# bf16 0.40 against 0.55), within 0-8% at prefill sizes; on an Intel Xeon with AMX, oneDNN wins:
+# bf16 0.40 against 0.55), within 0-3% at prefill sizes (Llama-1B's matrices, 128-1024 rows:
+# 210-223 against 214-226 GFLOP/s; 136-182 before the panel GEMM packed x's tiles); on an Intel Xeon with AMX, oneDNN wins:
 # bf16 1.4 against 3.2 ms at 8 rows (all layers' shapes once + lm_head), 3.6 against 37 ms at
 # 1024 rows (AMX), float32 4.5 against 5.6 at 8 rows.
 # Results differ from F.linear only in float32 rounding (another summation order; greedy outputs

@@ -25,10 +25,13 @@ Tensor linear(const c10::OperatorHandle& op, const Tensor& x, const Tensor& pack
 // panel: per k, two vector loads of the panel, one broadcast of x[m, k] per row, two FMAs per
 // row into 24 accumulators; the panel streams from memory once per tile group (a decode step:
 // one tile, so every weight byte is read once, memory-bound) and stays in L2 across the tiles
-// of a prefill (compute-bound). Measured here against oneDNN's reordered weights (SmolLM2's
-// matrices): at 8 rows 21 against 16-18 GB/s on one thread; at 1024 rows 110 against 92
-// GFLOP/s. Each output sums over k in order with fused multiply-adds: float32 rounding differs
-// from oneDNN's and F.linear's (which differ from each other).
+// of a prefill (compute-bound). A GEMM of more than one tile first copies x tile by tile into
+// k-major order ([K][rows] per tile, `pack_tiles`): the tile's broadcasts then read one stream
+// in order, where x's rows lie K floats apart, which for K a multiple of 1024 puts every row of
+// the tile in the same L1 set (measured on a Zen 4 at 1024 rows, 2 threads: 155 GFLOP/s with
+// K = 2048 against 203 with K = 2064 before the copy). Each output sums over k in order with
+// fused multiply-adds whichever way x is laid out: float32 rounding differs from oneDNN's and
+// F.linear's (which differ from each other), not between decode and prefill.
 constexpr int64_t PANEL = 32;
 constexpr int TILE = 12;
 #ifndef PD_AVX2_ROWS
@@ -37,16 +40,18 @@ constexpr int TILE = 12;
 
 
 // MB rows down one panel: per k, the panel's two 16-lane halves (one 128-byte stretch, read in
-// order) and one broadcast of x[m, k] per row, two FMAs per row into 2 x MB accumulators
-template <int MB>
-void panel_rows(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
-                const float* b) {
+// order) and one broadcast of x[m, k] per row, two FMAs per row into 2 x MB accumulators. x is
+// row-major (x[m * K + k]) or, PK, k-major with `ld` rows per k (x[k * ld + m]).
+template <int MB, bool PK>
+void panel_rows(const float* x, int64_t K, int64_t ld, const float* w, float* y, int64_t N,
+                int64_t n0, const float* b) {
   V16 acc[MB][2];
   PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const V16 w0 = vload(w + k * PANEL), w1 = vload(w + k * PANEL + 16);
+    const float* xk = PK ? x + k * ld : x + k;
     PD_UNROLL for (int m = 0; m < MB; ++m) {
-      const V16 xv = vset1(x[m * K + k]);
+      const V16 xv = vset1(PK ? xk[m] : xk[m * K]);
       acc[m][0] = vfmadd(w0, xv, acc[m][0]);
       acc[m][1] = vfmadd(w1, xv, acc[m][1]);
     }
@@ -65,10 +70,10 @@ void panel_rows(const float* x, int64_t K, const float* w, float* y, int64_t N, 
 
 #if defined(PD_ISA_AVX512)
 // AVX-512: the whole tile at once, 2 x MB accumulators (24 at 12 rows) of the 32 registers
-template <int MB>
+template <int MB, bool PK>
 void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
                 const float* b) {
-  panel_rows<MB>(x, K, w, y, N, n0, b);
+  panel_rows<MB, PK>(x, K, MB, w, y, N, n0, b);
 }
 #else
 // AVX2 has 16 registers, and a V16 is two of them: the tile runs as passes of up to ROWS2 rows
@@ -78,45 +83,95 @@ void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, 
 // and measured 2.4x slower than AVX-512 on a Zen 4, whose FMA units are 256 bits wide either
 // way.) Every output sums as the AVX-512 tile sums it.
 constexpr int ROWS2 = PD_AVX2_ROWS;
-using RowsFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t,
+using RowsFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t,
                         const float*);
-const RowsFn ROWS[3] = {panel_rows<1>, panel_rows<2>, panel_rows<3>};
+template <bool PK>
+struct Passes {
+  static constexpr RowsFn ROWS[3] = {panel_rows<1, PK>, panel_rows<2, PK>, panel_rows<3, PK>};
+};
 
-template <int MB>
+template <int MB, bool PK>
 void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
                 const float* b) {
   for (int m = 0; m < MB; m += ROWS2)
-    ROWS[(MB - m < ROWS2 ? MB - m : ROWS2) - 1](x + m * K, K, w, y + m * N, N, n0, b);
+    Passes<PK>::ROWS[(MB - m < ROWS2 ? MB - m : ROWS2) - 1](PK ? x + m : x + m * K, K, MB, w,
+                                                            y + m * N, N, n0, b);
 }
 #endif
 
 using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t,
                         const float*);
-const TileFn TILES[TILE] = {panel_tile<1>, panel_tile<2>, panel_tile<3>, panel_tile<4>,
-                            panel_tile<5>, panel_tile<6>, panel_tile<7>, panel_tile<8>,
-                            panel_tile<9>, panel_tile<10>, panel_tile<11>, panel_tile<12>};
+template <bool PK>
+struct Tiles {
+  static constexpr TileFn FN[TILE] = {
+      panel_tile<1, PK>, panel_tile<2, PK>, panel_tile<3, PK>,   panel_tile<4, PK>,
+      panel_tile<5, PK>, panel_tile<6, PK>, panel_tile<7, PK>,   panel_tile<8, PK>,
+      panel_tile<9, PK>, panel_tile<10, PK>, panel_tile<11, PK>, panel_tile<12, PK>};
+};
+
+// How an M-row GEMM's rows split: blocks of at most 16 tiles, equal in size (256 rows run as
+// 128 + 128, not 192 + 64, so two threads sharing out (block, panel) items get equal work: the
+// unequal split measured 136 against 204 GFLOP/s), and within a block balanced tiles (13 rows
+// run as 7 + 6, not 12 + 1). tiles[i] = (first row, rows); block b holds tiles
+// [first[b], first[b + 1]).
+struct Tiling {
+  std::vector<std::pair<int64_t, int>> tiles;
+  std::vector<int64_t> first;
+
+  explicit Tiling(int64_t M) {
+    const int64_t most = TILE * 16;
+    const int64_t blocks = (M + most - 1) / most;
+    first.push_back(0);
+    for (int64_t bi = 0; bi < blocks; ++bi) {
+      const int64_t m0 = M * bi / blocks, m1 = M * (bi + 1) / blocks;
+      const int64_t n = (m1 - m0 + TILE - 1) / TILE;
+      for (int64_t t = 0, m = m0; t < n; ++t) {
+        const int64_t rows = (m1 - m + (n - t) - 1) / (n - t);
+        tiles.emplace_back(m, static_cast<int>(rows));
+        m += rows;
+      }
+      first.push_back(static_cast<int64_t>(tiles.size()));
+    }
+  }
+  int64_t blocks() const { return static_cast<int64_t>(first.size()) - 1; }
+};
 
 // Runs tile(m, rows, p) over every (tile of rows, panel) of an M-row GEMM with P panels, in
 // parallel. Work items are (block of rows, panel): a decode step has one block, so its panels
-// are shared out; a prefill's rows come in blocks of 16 tiles, each block's rows (in L2) run
-// down one panel after another. Tiles are balanced: 13 rows run as 7 + 6, not 12 + 1.
+// are shared out; a prefill's rows come in blocks (Tiling), each block's rows (in L2) run down
+// one panel after another.
 template <typename Tile>
-void for_tiles(int64_t M, int64_t P, const Tile& tile) {
-  if (M <= 0) return;
-  const int64_t block = TILE * 16;
-  const int64_t blocks = (M + block - 1) / block;
-  at::parallel_for(0, P * blocks, 1, [&](int64_t i0, int64_t i1) {
+void for_tiles(const Tiling& tiling, int64_t P, const Tile& tile) {
+  if (tiling.tiles.empty()) return;
+  at::parallel_for(0, P * tiling.blocks(), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t mb = i / P, p = i % P;
-      const int64_t m0 = mb * block, m1 = std::min(M, (mb + 1) * block);
-      const int64_t tiles = (m1 - m0 + TILE - 1) / TILE;
-      for (int64_t t = 0, m = m0; t < tiles; ++t) {
-        const int64_t rows = (m1 - m + (tiles - t) - 1) / (tiles - t);
-        tile(m, rows, p);
-        m += rows;
+      for (int64_t t = tiling.first[mb]; t < tiling.first[mb + 1]; ++t)
+        tile(tiling.tiles[t].first, tiling.tiles[t].second, p);
+    }
+  });
+}
+
+// x [M, K] copied tile by tile into k-major order: tile (m, rows) at offset m * K holds
+// x[m + r, k] at k * rows + r
+Tensor pack_tiles(const Tensor& x, const Tiling& tiling) {
+  const int64_t K = x.size(1);
+  Tensor out = at::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(tiling.tiles.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto [m, rows] = tiling.tiles[t];
+      const float* s = src + m * K;
+      float* d = dst + m * K;
+      for (int64_t k0 = 0; k0 < K; k0 += 64) {  // 64 k at a time: rows x 256 bytes in L1
+        const int64_t k1 = std::min(K, k0 + 64);
+        for (int r = 0; r < rows; ++r)
+          for (int64_t k = k0; k < k1; ++k) d[k * rows + r] = s[r * K + k];
       }
     }
   });
+  return out;
 }
 
 // y viewed with x's leading dimensions
@@ -146,11 +201,15 @@ Tensor panel_linear(const Tensor& x_in, const Tensor& panels, int64_t N,
     bc = b->contiguous();
     bp = bc.data_ptr<float>();
   }
+  const Tiling tiling(M);
+  const bool pk = tiling.tiles.size() > 1;  // one tile (a decode step) reads x as it is
+  if (pk) x = pack_tiles(x, tiling);
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_tiles(M, P, [&](int64_t m, int64_t rows, int64_t p) {
-    TILES[rows - 1](xp + m * K, K, wp + p * K * PANEL, yp + m * N, N, p * PANEL, bp);
+  const TileFn* fn = pk ? Tiles<true>::FN : Tiles<false>::FN;
+  for_tiles(tiling, P, [&](int64_t m, int64_t rows, int64_t p) {
+    fn[rows - 1](xp + m * K, K, wp + p * K * PANEL, yp + m * N, N, p * PANEL, bp);
   });
   return with_lead(y, x_in);
 }
@@ -240,7 +299,7 @@ Tensor panel_linear_bf16(const Tensor& x_in, const Tensor& panels, int64_t N,
   const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
 #if defined(PD_ISA_AVX512)
-  for_tiles(M, P, [&](int64_t m, int64_t rows, int64_t p) {
+  for_tiles(Tiling(M), P, [&](int64_t m, int64_t rows, int64_t p) {
     TILES_BF16[rows - 1](xp + m * K, K, wp + p * K * PANEL, yp + m * N, N, p * PANEL, bp);
   });
 #endif
