@@ -93,19 +93,76 @@ void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, 
 // and measured 2.4x slower than AVX-512 on a Zen 4, whose FMA units are 256 bits wide either
 // way.) Every output sums as the AVX-512 tile sums it.
 constexpr int ROWS2 = PD_AVX2_ROWS;
-using RowsFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t,
-                        const float*);
-template <bool PK>
+constexpr int64_t KBLOCK = 64;  // k per block of a many-pass tile: 8 KB of the panel, in L1
+
+// MB rows down k in [k0, k1) of one panel, the 2 x MB accumulators carried in acc (MB x 32
+// floats) from one block to the next; PF: this pass prefetches the panel (the first pass of a
+// block reads it from memory, the others find it in L1)
+template <int MB, bool PK, bool PF>
+void panel_rows_block(const float* x, int64_t K, int64_t ld, const float* w, int64_t k0,
+                      int64_t k1, float* acc) {
+  V16 a[MB][2];
+  PD_UNROLL for (int m = 0; m < MB; ++m) {
+    a[m][0] = vload(acc + m * PANEL);
+    a[m][1] = vload(acc + m * PANEL + 16);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    if (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL + 16), _MM_HINT_T0);
+    }
+    const V16 w0 = vload(w + k * PANEL), w1 = vload(w + k * PANEL + 16);
+    const float* xk = PK ? x + k * ld : x + k;
+    PD_UNROLL for (int m = 0; m < MB; ++m) {
+      const V16 xv = vset1(PK ? xk[m] : xk[m * K]);
+      a[m][0] = vfmadd(w0, xv, a[m][0]);
+      a[m][1] = vfmadd(w1, xv, a[m][1]);
+    }
+  }
+  PD_UNROLL for (int m = 0; m < MB; ++m) {
+    vstore(acc + m * PANEL, a[m][0]);
+    vstore(acc + m * PANEL + 16, a[m][1]);
+  }
+}
+using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
+template <bool PK, bool PF>
 struct Passes {
-  static constexpr RowsFn ROWS[3] = {panel_rows<1, PK>, panel_rows<2, PK>, panel_rows<3, PK>};
+  static constexpr BlockFn ROWS[3] = {panel_rows_block<1, PK, PF>, panel_rows_block<2, PK, PF>,
+                                      panel_rows_block<3, PK, PF>};
 };
 
+// A tile of more than ROWS2 rows runs its passes block by block of KBLOCK k: each block of the
+// panel is read from memory by the first pass and from L1 by the others, so the later passes'
+// FMAs overlap the stream instead of following it (whole-K passes: a decode step's 8 rows read
+// memory in one pass, then computed two more from L2 with no read in flight). The accumulators
+// go through memory between blocks unrounded: every output sums as the AVX-512 tile sums it.
 template <int MB, bool PK>
 void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
                 const float* b) {
-  for (int m = 0; m < MB; m += ROWS2)
-    Passes<PK>::ROWS[(MB - m < ROWS2 ? MB - m : ROWS2) - 1](PK ? x + m : x + m * K, K, MB, w,
-                                                            y + m * N, N, n0, b);
+  if constexpr (MB <= ROWS2) {
+    panel_rows<MB, PK>(x, K, MB, w, y, N, n0, b);
+  } else {
+    alignas(64) float acc[MB * PANEL] = {};
+    for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+      const int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+      for (int m = 0; m < MB; m += ROWS2) {
+        const int rows = MB - m < ROWS2 ? MB - m : ROWS2;
+        const float* xm = PK ? x + m : x + m * K;
+        (m == 0 ? Passes<PK, true>::ROWS : Passes<PK, false>::ROWS)[rows - 1](
+            xm, K, MB, w, k0, k1, acc + m * PANEL);
+      }
+    }
+    const M16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
+    V16 b0 = vzero(), b1 = vzero();
+    if (b) {
+      b0 = vmaskz_load(m0, b + n0);
+      b1 = vmaskz_load(m1, b + n0 + 16);
+    }
+    for (int m = 0; m < MB; ++m) {
+      vmask_store(y + m * N + n0, m0, vadd(vload(acc + m * PANEL), b0));
+      vmask_store(y + m * N + n0 + 16, m1, vadd(vload(acc + m * PANEL + 16), b1));
+    }
+  }
 }
 #endif
 
