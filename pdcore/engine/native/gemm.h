@@ -47,17 +47,18 @@ constexpr int TILE = 12;
 #endif
 
 
-// MB rows down one panel: per k, the panel's two 16-lane halves (one 128-byte stretch, read in
-// order) and one broadcast of x[m, k] per row, two FMAs per row into 2 x MB accumulators. x is
-// row-major (x[m * K + k]) or, PK, k-major with `ld` rows per k (x[k * ld + m]).
-template <int MB, bool PK>
-void panel_rows(const float* x, int64_t K, int64_t ld, const float* w, float* y, int64_t N,
-                int64_t n0, const float* b) {
-  V16 acc[MB][2];
-  PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL + 16), _MM_HINT_T0);
+// MB rows down k in [k0, k1) of one panel: per k, the panel's two 16-lane halves (one 128-byte
+// stretch, read in order) and one broadcast of x[m, k] per row, two FMAs per row into the 2 x MB
+// accumulators `acc`. x is row-major (x[m * K + k]) or, PK, k-major with `ld` rows per k
+// (x[k * ld + m]). PF: prefetch the panel PD_PF k ahead.
+template <int MB, bool PK, bool PF>
+inline void rows_fma(V16 (&acc)[MB][2], const float* x, int64_t K, int64_t ld, const float* w,
+                     int64_t k0, int64_t k1) {
+  for (int64_t k = k0; k < k1; ++k) {
+    if (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL + 16), _MM_HINT_T0);
+    }
     const V16 w0 = vload(w + k * PANEL), w1 = vload(w + k * PANEL + 16);
     const float* xk = PK ? x + k * ld : x + k;
     PD_UNROLL for (int m = 0; m < MB; ++m) {
@@ -66,6 +67,15 @@ void panel_rows(const float* x, int64_t K, int64_t ld, const float* w, float* y,
       acc[m][1] = vfmadd(w1, xv, acc[m][1]);
     }
   }
+}
+
+// MB rows down a whole panel into y (+ b)
+template <int MB, bool PK>
+void panel_rows(const float* x, int64_t K, int64_t ld, const float* w, float* y, int64_t N,
+                int64_t n0, const float* b) {
+  V16 acc[MB][2];
+  PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vzero();
+  rows_fma<MB, PK, true>(acc, x, K, ld, w, 0, K);
   const M16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
   V16 b0 = vzero(), b1 = vzero();
   if (b) {
@@ -106,19 +116,7 @@ void panel_rows_block(const float* x, int64_t K, int64_t ld, const float* w, int
     a[m][0] = vload(acc + m * PANEL);
     a[m][1] = vload(acc + m * PANEL + 16);
   }
-  for (int64_t k = k0; k < k1; ++k) {
-    if (PF) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL + 16), _MM_HINT_T0);
-    }
-    const V16 w0 = vload(w + k * PANEL), w1 = vload(w + k * PANEL + 16);
-    const float* xk = PK ? x + k * ld : x + k;
-    PD_UNROLL for (int m = 0; m < MB; ++m) {
-      const V16 xv = vset1(PK ? xk[m] : xk[m * K]);
-      a[m][0] = vfmadd(w0, xv, a[m][0]);
-      a[m][1] = vfmadd(w1, xv, a[m][1]);
-    }
-  }
+  rows_fma<MB, PK, PF>(a, x, K, ld, w, k0, k1);
   PD_UNROLL for (int m = 0; m < MB; ++m) {
     vstore(acc + m * PANEL, a[m][0]);
     vstore(acc + m * PANEL + 16, a[m][1]);
