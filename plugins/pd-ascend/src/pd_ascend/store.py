@@ -17,7 +17,7 @@ import argparse
 import os
 import signal
 import sys
-import threading
+import time
 
 from pd_ascend.settings import parse_store_url, store_url_from_env
 from pdcore.errors import ConfigError
@@ -36,12 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
-    stop = threading.Event()
+    # the handler only flips a flag: an Event.set() from a signal handler can deadlock when the
+    # signal lands while the main thread holds that Event's lock inside Event.wait (seen once
+    # in CI: SIGTERM ignored for 20 s, then SIGKILL)
+    stop: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
     print(f"memfabric config store listening on {url}", flush=True)
-    while not stop.wait(1.0):
-        pass
+    while not stop:
+        time.sleep(0.2)
     try:
         print(f"memfabric config store on {url} stopped", flush=True)
     except OSError:  # whoever read our stdout is gone; nothing left to report
