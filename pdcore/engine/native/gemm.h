@@ -69,6 +69,25 @@ inline void rows_fma(V16 (&acc)[MB][2], const float* x, int64_t K, int64_t ld, c
   }
 }
 
+// One panel's 32 outputs of a row written to y[n0 : n0 + 32] (the lanes past N masked off), the
+// bias added to each (b null: none)
+struct PanelOut {
+  int64_t n0;
+  M16 m0, m1;
+  V16 b0 = vzero(), b1 = vzero();
+  PanelOut(int64_t N, int64_t n0, const float* b)
+      : n0(n0), m0(lane_mask(N - n0)), m1(lane_mask(N - n0 - 16)) {
+    if (b) {
+      b0 = vmaskz_load(m0, b + n0);
+      b1 = vmaskz_load(m1, b + n0 + 16);
+    }
+  }
+  void store(float* y_row, const V16& a0, const V16& a1) const {
+    vmask_store(y_row + n0, m0, vadd(a0, b0));
+    vmask_store(y_row + n0 + 16, m1, vadd(a1, b1));
+  }
+};
+
 // MB rows down a whole panel into y (+ b)
 template <int MB, bool PK>
 void panel_rows(const float* x, int64_t K, int64_t ld, const float* w, float* y, int64_t N,
@@ -76,16 +95,8 @@ void panel_rows(const float* x, int64_t K, int64_t ld, const float* w, float* y,
   V16 acc[MB][2];
   PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vzero();
   rows_fma<MB, PK, true>(acc, x, K, ld, w, 0, K);
-  const M16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
-  V16 b0 = vzero(), b1 = vzero();
-  if (b) {
-    b0 = vmaskz_load(m0, b + n0);
-    b1 = vmaskz_load(m1, b + n0 + 16);
-  }
-  PD_UNROLL for (int m = 0; m < MB; ++m) {
-    vmask_store(y + m * N + n0, m0, vadd(acc[m][0], b0));
-    vmask_store(y + m * N + n0 + 16, m1, vadd(acc[m][1], b1));
-  }
+  const PanelOut out(N, n0, b);
+  PD_UNROLL for (int m = 0; m < MB; ++m) out.store(y + m * N, acc[m][0], acc[m][1]);
 }
 
 #if defined(PD_ISA_AVX512)
@@ -150,16 +161,9 @@ void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, 
             xm, K, MB, w, k0, k1, acc + m * PANEL);
       }
     }
-    const M16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
-    V16 b0 = vzero(), b1 = vzero();
-    if (b) {
-      b0 = vmaskz_load(m0, b + n0);
-      b1 = vmaskz_load(m1, b + n0 + 16);
-    }
-    for (int m = 0; m < MB; ++m) {
-      vmask_store(y + m * N + n0, m0, vadd(vload(acc + m * PANEL), b0));
-      vmask_store(y + m * N + n0 + 16, m1, vadd(vload(acc + m * PANEL + 16), b1));
-    }
+    const PanelOut out(N, n0, b);
+    for (int m = 0; m < MB; ++m)
+      out.store(y + m * N, vload(acc + m * PANEL), vload(acc + m * PANEL + 16));
   }
 }
 #endif
