@@ -71,7 +71,16 @@ def cpu_model() -> tuple[str, list[str]]:
                     flags = set(val.split())
     except OSError:
         pass
-    return name, [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return name, [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+
+
+ISA_CAP_ENVS = ("PDCORE_CPU_ISA", "PDCORE_NATIVE_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def isa_caps() -> dict[str, str]:
+    """The variables that run this CPU as a lesser one (set in this process, children inherit
+    them): a capped result names its cap, an uncapped one has {}."""
+    return {k: os.environ[k] for k in ISA_CAP_ENVS if os.environ.get(k)}
 
 
 def machine_info() -> dict[str, Any]:
@@ -79,7 +88,7 @@ def machine_info() -> dict[str, Any]:
 
     model, flags = cpu_model()
     return {
-        "cpu": model, "cpu_flags": flags,
+        "cpu": model, "cpu_flags": flags, "isa_caps": isa_caps(),
         "nproc": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
         "loadavg": list(os.getloadavg()), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
