@@ -22,7 +22,7 @@ CHILD = textwrap.dedent("""
     server = ServerProcess("--model-path", sys.argv[1], "--max-total-tokens", "1024",
                            "--log-level", "warning")
     server.wait_healthy(180)
-    print(server.proc.pid, server.url, flush=True)
+    print(server.proc.pid, server.url, server.log_path, flush=True)
     time.sleep(600)
 """)
 
@@ -54,11 +54,11 @@ def _wait_gone(pgid: int, timeout: float) -> list[int]:
 def test_server_dies_with_killed_test_process(tiny_llama_dir: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_llama_dir)],
                              stdout=subprocess.PIPE, text=True)
-    pgid = None
+    pgid, log = None, None
     try:
         line = child.stdout.readline()  # the child exits (EOF) if the server fails to start
         assert line, f"the child failed to start its server (exit {child.wait(30)})"
-        pid_text, url = line.split()
+        pid_text, url, log = line.split()
         pgid = int(pid_text)
         assert os.getpgid(pgid) == pgid, "the server must lead its own process group"
         assert httpx.get(url + "/health", timeout=10).status_code == 200
@@ -75,6 +75,8 @@ def test_server_dies_with_killed_test_process(tiny_llama_dir: Path) -> None:
             child.wait(10)
         if pgid is not None and _group(pgid):
             os.killpg(pgid, signal.SIGKILL)  # clean up after a failed assertion
+        if log is not None:  # the killed child could not remove its server's log
+            Path(log).unlink(missing_ok=True)
 
 
 def test_stop_kills_the_whole_group(tiny_llama_dir: Path) -> None:
@@ -87,3 +89,25 @@ def test_stop_kills_the_whole_group(tiny_llama_dir: Path) -> None:
     finally:
         server.stop()
     assert not _wait_gone(pgid, timeout=10)
+
+
+def test_a_stopped_servers_log_is_read_back_and_its_file_removed(monkeypatch) -> None:
+    """A test run leaves no server logs in the temp dir: stop() keeps the text (log() still
+    answers, across a restart too) and removes the file; PDCORE_KEEP_TEST_LOGS=1 keeps it."""
+    say = ("-c", "import sys; print('run', sys.argv[1:3], flush=True)")
+    server = ServerProcess(command=say)
+    server.proc.wait(60)
+    server.stop()
+    assert not server.log_path.exists()
+    assert "run ['--host', '127.0.0.1']" in server.log()
+    server.start().proc.wait(60)
+    server.stop()
+    assert server.log().count("run ['--host', '127.0.0.1']") == 2 and not server.log_path.exists()
+    monkeypatch.setenv("PDCORE_KEEP_TEST_LOGS", "1")
+    kept = ServerProcess(command=say)
+    kept.proc.wait(60)
+    kept.stop()
+    try:
+        assert "run ['--host', '127.0.0.1']" in kept.log_path.read_text()
+    finally:
+        kept.log_path.unlink()

@@ -21,6 +21,7 @@ from pdcore.testing.pages import load_at_rest
 from pdcore.testing.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+KEEP_LOGS_ENV = "PDCORE_KEEP_TEST_LOGS"  # 1: a stopped server's log file stays in the temp dir
 
 
 def spawned_children(pid: int) -> list[int]:
@@ -53,7 +54,8 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProcess:
     """`python -m pdcore serve <flags>` (or another module) on 127.0.0.1:<port>, log in a
-    temp file, in its own session (so its process group is the server's whole tree, killed as
+    temp file (read into memory and removed at stop, so a test run leaves no logs behind;
+    PDCORE_KEEP_TEST_LOGS=1 keeps them), in its own session (so its process group is the server's whole tree, killed as
     one on stop) and killed by the kernel when the test process dies. The death signal follows
     the thread that started the server: start servers from the main thread or a thread that
     outlives them."""
@@ -64,6 +66,7 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="pdserve-", suffix=".log")[1])
+        self._earlier_log = ""  # what stopped runs logged (their file is gone)
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -89,7 +92,17 @@ class ServerProcess:
         return self
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        try:
+            return self._earlier_log + self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return self._earlier_log
+
+    def _close_log(self) -> None:
+        self._log.close()
+        if os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0"):
+            return
+        self._earlier_log = self.log()
+        self.log_path.unlink(missing_ok=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -114,7 +127,7 @@ class ServerProcess:
         if self.alive():
             self._kill_group()
             self.proc.wait(10)
-        self._log.close()
+        self._close_log()
 
     def _kill_group(self) -> None:
         try:
@@ -132,7 +145,7 @@ class ServerProcess:
                 self.proc.wait(10)
         if self.proc is not None:
             self._kill_group()  # stragglers of the group
-        self._log.close()
+        self._close_log()
         return None if self.proc is None else self.proc.returncode
 
 

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,10 +52,11 @@ def _ok(url: str) -> bool:
         return False
 
 
-def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: Path) -> None:
+def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: Path,
+                                                                tmp_path: Path) -> None:
     router_port, base, boot = free_port(), _port_pair(), free_port()
     url = f"http://127.0.0.1:{router_port}"
-    log = Path(tempfile.mkstemp(prefix="pdserve-up-", suffix=".log")[1])
+    log = tmp_path / "up.log"
     cmd = [sys.executable, "-m", "pdcore", "up", "--prefill", "1", "--decode", "1",
            "--backend", "tcp", "--model-path", str(tiny_llama_dir), "--port", str(router_port),
            "--server-port-base", str(base), "--bootstrap-port-base", str(boot),
