@@ -5,9 +5,11 @@ whole process group (HTTP process and scheduler) within seconds."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -89,6 +91,34 @@ def test_stop_kills_the_whole_group(tiny_llama_dir: Path) -> None:
     finally:
         server.stop()
     assert not _wait_gone(pgid, timeout=10)
+
+
+def test_no_socket_folder_outlives_its_server(tiny_llama_dir: Path) -> None:
+    """The HTTP process's private IPC folder goes when the server stops, and when it is
+    SIGKILLed alone (the OOM killer's way): then its scheduler, stopped by die_with_parent's
+    SIGTERM, removes it."""
+    tmp = Path(tempfile.mkdtemp(prefix="pdt-"))  # short: a unix socket path holds 107 bytes
+    flags = ("--model-path", str(tiny_llama_dir), "--max-total-tokens", "1024",
+             "--log-level", "warning", "--skip-server-warmup")
+    try:
+        for kill in (False, True):
+            server = ServerProcess(*flags, env={"TMPDIR": str(tmp)})
+            try:
+                server.wait_healthy(180)
+                [ipc] = tmp.glob("pdserve-ipc-*")
+                assert sorted(p.name for p in ipc.iterdir()) == ["from_scheduler", "to_scheduler"]
+                pgid = server.proc.pid
+                if kill:
+                    os.kill(pgid, signal.SIGKILL)  # the HTTP process only
+                    server.proc.wait(10)
+                else:
+                    server.stop()
+                assert not _wait_gone(pgid, timeout=20), "the scheduler outlived its server"
+                assert not ipc.exists(), f"left behind: {list(ipc.iterdir())}"
+            finally:
+                server.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_a_stopped_servers_log_is_read_back_and_its_file_removed(monkeypatch) -> None:

@@ -39,7 +39,7 @@ from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
 from pdcore.engine.sched.stats import StatsReport
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
-from pdcore.runtime.lifeline import describe_exit
+from pdcore.runtime.lifeline import IPC_DIR_PREFIX, describe_exit
 from pdcore.runtime.tokenizer_export import tokenizer_dir
 from pdcore.runtime_env import Placement, choose_placement, spawning_with
 
@@ -167,7 +167,7 @@ class EngineClient:
             raise
 
     async def _start(self) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-ipc-")
+        self._ipc_dir = tempfile.mkdtemp(prefix=IPC_DIR_PREFIX)
         recv_addr = f"ipc://{self._ipc_dir}/to_scheduler"
         send_addr = f"ipc://{self._ipc_dir}/from_scheduler"
         self._zctx = zmq.asyncio.Context()

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -55,6 +56,25 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
         os.kill(os.getpid(), sig)
     return True
 
+
+IPC_DIR_PREFIX = "pdserve-ipc-"  # the HTTP process's private (0700) socket folder: runtime/handle
+
+
+def remove_orphaned_ipc(*addrs: str) -> None:
+    """The HTTP process removes its socket folder when it stops; killed (SIGKILL, the OOM
+    killer) it cannot, so its scheduler, which outlives it by the SIGTERM of die_with_parent,
+    removes the sockets and the folder instead. Nothing while the HTTP process lives, and only
+    inside a folder named IPC_DIR_PREFIX..."""
+    if os.getppid() == parent_pid():
+        return
+    for addr in addrs:
+        path = addr.removeprefix("ipc://")
+        folder = os.path.dirname(path)
+        if addr.startswith("ipc://") and os.path.basename(folder).startswith(IPC_DIR_PREFIX):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # once both sockets are gone
 
 
 _libc: ctypes.CDLL | None = None

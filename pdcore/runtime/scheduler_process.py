@@ -34,7 +34,12 @@ from pdcore.engine.io_struct import ControlReq, ControlResp
 from pdcore.engine.sched.stats import StatsReport
 from pdcore.runtime.grammar_gate import GrammarGate
 from pdcore.runtime.group import agree_started
-from pdcore.runtime.lifeline import ParentWatch, StepWatchdog, die_with_parent
+from pdcore.runtime.lifeline import (
+    ParentWatch,
+    StepWatchdog,
+    die_with_parent,
+    remove_orphaned_ipc,
+)
 from pdcore.runtime.lockstep import Lockstep
 from pdcore.runtime.ranks import RankGroup
 from pdcore.runtime.roles import attach_role
@@ -166,7 +171,10 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
     send = ctx.socket(zmq.PUSH)
     send.setsockopt(zmq.LINGER, 1000)
     send.connect(send_addr)
-    serve_scheduler(args, ctx, recv, send, ready_conn)
+    try:
+        serve_scheduler(args, ctx, recv, send, ready_conn)
+    finally:
+        remove_orphaned_ipc(recv_addr, send_addr)
 
 
 def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: zmq.Socket,
