@@ -4,7 +4,8 @@
 # while pyproject.toml and pdcore/ are unchanged.
 #   scripts/setup.sh             the environment: torch (CPU, pinned), pdcore, the default model
 #   scripts/setup.sh --apt       also the system packages: the libraries Mooncake's transfer engine
-#                                links against, chromium + chromedriver and prometheus (tests)
+#                                links against, chromium + chromedriver, prometheus and
+#                                qemu-user (tests)
 #   scripts/setup.sh --apt-only  only those (scripts/test.sh builds its own environments)
 # Environment: PDSERVE_VENV (default ~/.cache/pdserve/venv), PYTHON (the interpreter that
 # creates it, default python3). Its python is then $PDSERVE_VENV/bin/python.
@@ -22,8 +23,10 @@ esac
 if [ "$want_apt" = 1 ] && command -v apt-get >/dev/null 2>&1; then
   # Mooncake's transfer engine links against the verbs/rdmacm/numa libraries even over TCP;
   # the observability tests drive headless Chromium and run their own Prometheus and promtool
-  # (a prometheus system service the package may start is not used: tests pick free ports)
-  apt_pkgs="libibverbs1 librdmacm1 libnuma1 ibverbs-providers chromium chromium-driver prometheus g++"
+  # (a prometheus system service the package may start is not used: tests pick free ports);
+  # qemu-user runs the native kernels' test on an emulated AVX2-only CPU (test_native_isa.py)
+  apt_pkgs="libibverbs1 librdmacm1 libnuma1 ibverbs-providers chromium chromium-driver prometheus g++
+            qemu-user"
   # shellcheck disable=SC2086 - the list is meant to split
   if ! dpkg -s $apt_pkgs >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo

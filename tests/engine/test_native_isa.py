@@ -1,11 +1,15 @@
 """The native kernels' ISAs (pdcore/engine/native: one library per ISA, PDCORE_NATIVE_ISA):
-test_native.py on every ISA this CPU has, the libraries computing the same bits, and the choice
-(forced off, unknown, an ISA the CPU lacks) reported."""
+test_native.py on every ISA this CPU has, the libraries computing the same bits, the choice
+(forced off, unknown, an ISA the CPU lacks) reported, and an emulated AMD Zen 2 (qemu-x86_64
+-cpu EPYC-Rome: its CPUID has AVX2 and FMA but no AVX-512, and QEMU executes no AVX-512
+instruction) choosing the avx2 library by itself and computing what it computes here."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +112,33 @@ def test_every_isa_computes_the_same_bits(tmp_path) -> None:
     for name, want in outs[0].items():
         for isa, out in zip(isas[1:], outs[1:]):
             assert torch.equal(out[name], want), (name, isa)
+
+
+ZEN2_FLAGS = "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2\n"
+EMULATED = "import torch; assert torch.backends.cpu.get_cpu_capability() == 'AVX2'\n"
+
+
+def test_an_emulated_zen2_picks_avx2_and_computes_the_same_bits(tmp_path) -> None:
+    """What a forced PDCORE_NATIVE_ISA=avx2 cannot show on this host: on a CPU whose CPUID
+    lacks AVX-512 (torch and oneDNN dispatch by CPUID), nothing this process runs executes an
+    AVX-512 instruction (QEMU has none: it would die of SIGILL) and the automatic choice is the
+    avx2 library, equal to the bit to it run natively. /proc/cpuinfo under qemu-user is still
+    this host's, so PDCORE_CPUINFO gives the emulated CPU's flags."""
+    if platform.machine() != "x86_64" or shutil.which("qemu-x86_64") is None:
+        pytest.skip("needs qemu-x86_64 on an x86_64 host (apt-get install qemu-user)")
+    if not native._cpu_has("avx2"):
+        pytest.skip("this CPU lacks avx2: nothing native to compare with")
+    env = {**os.environ, "PDCORE_NATIVE": "1"}
+    subprocess.run([sys.executable, "-c", SAME_BITS, str(tmp_path / "native"), "avx2"],
+                   env={**env, native.ISA_ENV: "avx2"}, timeout=300, check=True)
+    info = tmp_path / "cpuinfo"
+    info.write_text(ZEN2_FLAGS)
+    env = {k: v for k, v in env.items() if k not in (native.ISA_ENV, "PDCORE_CPU_ISA")}
+    r = subprocess.run(["qemu-x86_64", "-cpu", "EPYC-Rome", sys.executable, "-c",
+                        EMULATED + SAME_BITS, str(tmp_path / "zen2"), "avx2"],
+                       env={**env, "PDCORE_CPUINFO": str(info)}, capture_output=True, text=True,
+                       timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    want, got = torch.load(tmp_path / "native"), torch.load(tmp_path / "zen2")
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
