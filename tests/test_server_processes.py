@@ -24,7 +24,7 @@ CHILD = textwrap.dedent("""
     server = ServerProcess("--model-path", sys.argv[1], "--max-total-tokens", "1024",
                            "--log-level", "warning")
     server.wait_healthy(180)
-    print(server.proc.pid, server.url, server.log_path, flush=True)
+    print(server.proc.pid, server.url, server.tmp_dir, flush=True)
     time.sleep(600)
 """)
 
@@ -56,11 +56,11 @@ def _wait_gone(pgid: int, timeout: float) -> list[int]:
 def test_server_dies_with_killed_test_process(tiny_llama_dir: Path) -> None:
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_llama_dir)],
                              stdout=subprocess.PIPE, text=True)
-    pgid, log = None, None
+    pgid, tmp = None, None
     try:
         line = child.stdout.readline()  # the child exits (EOF) if the server fails to start
         assert line, f"the child failed to start its server (exit {child.wait(30)})"
-        pid_text, url, log = line.split()
+        pid_text, url, tmp = line.split()
         pgid = int(pid_text)
         assert os.getpgid(pgid) == pgid, "the server must lead its own process group"
         assert httpx.get(url + "/health", timeout=10).status_code == 200
@@ -77,8 +77,8 @@ def test_server_dies_with_killed_test_process(tiny_llama_dir: Path) -> None:
             child.wait(10)
         if pgid is not None and _group(pgid):
             os.killpg(pgid, signal.SIGKILL)  # clean up after a failed assertion
-        if log is not None:  # the killed child could not remove its server's log
-            Path(log).unlink(missing_ok=True)
+        if tmp is not None:  # the killed child could not remove its server's folder
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_stop_kills_the_whole_group(tiny_llama_dir: Path) -> None:
@@ -88,9 +88,11 @@ def test_stop_kills_the_whole_group(tiny_llama_dir: Path) -> None:
         server.wait_healthy(180)
         pgid = server.proc.pid
         assert len(_group(pgid)) >= 2
+        assert list(server.tmp_dir.glob("pdserve-ipc-*")), "the server's TMPDIR is its folder"
     finally:
         server.stop()
     assert not _wait_gone(pgid, timeout=10)
+    assert not server.tmp_dir.exists()
 
 
 def test_no_socket_folder_outlives_its_server(tiny_llama_dir: Path) -> None:
@@ -123,16 +125,17 @@ def test_no_socket_folder_outlives_its_server(tiny_llama_dir: Path) -> None:
 
 def test_a_stopped_servers_log_is_read_back_and_its_file_removed(monkeypatch) -> None:
     """A test run leaves no server logs in the temp dir: stop() keeps the text (log() still
-    answers, across a restart too) and removes the file; PDCORE_KEEP_TEST_LOGS=1 keeps it."""
+    answers, across a restart too) and removes the server's folder; PDCORE_KEEP_TEST_LOGS=1
+    keeps it."""
     say = ("-c", "import sys; print('run', sys.argv[1:3], flush=True)")
     server = ServerProcess(command=say)
     server.proc.wait(60)
     server.stop()
-    assert not server.log_path.exists()
+    assert not server.tmp_dir.exists()
     assert "run ['--host', '127.0.0.1']" in server.log()
     server.start().proc.wait(60)
     server.stop()
-    assert server.log().count("run ['--host', '127.0.0.1']") == 2 and not server.log_path.exists()
+    assert server.log().count("run ['--host', '127.0.0.1']") == 2 and not server.tmp_dir.exists()
     monkeypatch.setenv("PDCORE_KEEP_TEST_LOGS", "1")
     kept = ServerProcess(command=say)
     kept.proc.wait(60)
@@ -140,4 +143,4 @@ def test_a_stopped_servers_log_is_read_back_and_its_file_removed(monkeypatch) ->
     try:
         assert "run ['--host', '127.0.0.1']" in kept.log_path.read_text()
     finally:
-        kept.log_path.unlink()
+        shutil.rmtree(kept.tmp_dir)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pdcore.testing.pages import load_at_rest
 from pdcore.testing.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-KEEP_LOGS_ENV = "PDCORE_KEEP_TEST_LOGS"  # 1: a stopped server's log file stays in the temp dir
+KEEP_LOGS_ENV = "PDCORE_KEEP_TEST_LOGS"  # 1: a stopped server's temp folder and log stay
 
 
 def spawned_children(pid: int) -> list[int]:
@@ -54,8 +55,10 @@ def pid_alive(pid: int) -> bool:
 
 class ServerProcess:
     """`python -m pdcore serve <flags>` (or another module) on 127.0.0.1:<port>, log in a
-    temp file (read into memory and removed at stop, so a test run leaves no logs behind;
-    PDCORE_KEEP_TEST_LOGS=1 keeps them), in its own session (so its process group is the server's whole tree, killed as
+    temp folder of its own that is also the server's TMPDIR (its IPC sockets, exported
+    tokenizer): at stop the log is read into memory and the folder removed, so a test run
+    leaves nothing behind even when the server was SIGKILLed (PDCORE_KEEP_TEST_LOGS=1 keeps
+    it; an env TMPDIR of the test's own wins), in its own session (so its process group is the server's whole tree, killed as
     one on stop) and killed by the kernel when the test process dies. The death signal follows
     the thread that started the server: start servers from the main thread or a thread that
     outlives them."""
@@ -65,7 +68,8 @@ class ServerProcess:
         self.flags, self.command, self.extra_env = flags, command, env or {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(tempfile.mkstemp(prefix="pdserve-", suffix=".log")[1])
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
+        self.log_path = self.tmp_dir / "server.log"
         self._earlier_log = ""  # what stopped runs logged (their file is gone)
         self.proc: subprocess.Popen | None = None
         self.start()
@@ -77,7 +81,8 @@ class ServerProcess:
         return r.json()
 
     def start(self) -> ServerProcess:
-        env = {**os.environ, **self.extra_env}
+        env = {**os.environ, "TMPDIR": str(self.tmp_dir), **self.extra_env}
+        self.tmp_dir.mkdir(exist_ok=True)  # again after a stop
         cwd = None
         if (REPO_ROOT / "pyproject.toml").is_file():  # a checkout, not an installed package
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT),
@@ -102,7 +107,7 @@ class ServerProcess:
         if os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0"):
             return
         self._earlier_log = self.log()
-        self.log_path.unlink(missing_ok=True)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
