@@ -179,10 +179,12 @@ def main() -> None:
               f"{m['measure']}")
     out_dir = args.out_dir or RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{NAME}.json").write_text(json.dumps(data, indent=1) + "\n")
+    out = out_dir / f"{NAME}.json"
+    out.write_text(json.dumps(data, indent=1) + "\n")
     if data["rows"]:
-        plot(data, args.out_dir)
-    print(f"every measured row met: {data['all_met']}; {len(data['not_measured'])} expected rows not measured -> {out_dir / (NAME + '.json')}")
+        plot(data, out_dir)
+    print(f"every measured row met: {data['all_met']}; "
+          f"{len(data['not_measured'])} expected rows not measured -> {out}")
 
 
 if __name__ == "__main__":

@@ -54,14 +54,15 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServerProcess:
-    """`python -m pdcore serve <flags>` (or another module) on 127.0.0.1:<port>, log in a
-    temp folder of its own that is also the server's TMPDIR (its IPC sockets, exported
-    tokenizer): at stop the log is read into memory and the folder removed, so a test run
-    leaves nothing behind even when the server was SIGKILLed (PDCORE_KEEP_TEST_LOGS=1 keeps
-    it; an env TMPDIR of the test's own wins), in its own session (so its process group is the server's whole tree, killed as
-    one on stop) and killed by the kernel when the test process dies. The death signal follows
-    the thread that started the server: start servers from the main thread or a thread that
-    outlives them."""
+    """`python -m pdcore serve <flags>` (or another module) on 127.0.0.1:<port>, in its own
+    session (so its process group is the server's whole tree, killed as one on stop) and
+    killed by the kernel when the test process dies. The death signal follows the thread that
+    started the server: start servers from the main thread or a thread that outlives them.
+
+    Its log lies in a temp folder of its own that is also the server's TMPDIR (IPC sockets,
+    exported tokenizer; an env TMPDIR of the test's own wins): at stop the log is read into
+    memory and the folder removed, so a test run leaves nothing behind even when the server
+    was SIGKILLed (PDCORE_KEEP_TEST_LOGS=1 keeps it)."""
 
     def __init__(self, *flags: str, port: int | None = None, env: dict[str, str] | None = None,
                  command: tuple[str, ...] = ("-m", "pdcore", "serve")) -> None:

@@ -20,6 +20,8 @@ import torch
 from pdcore.engine import native
 
 NATIVE_TESTS = Path(__file__).with_name("test_native.py")
+# /proc/cpuinfo's flags line of an AMD Zen 2 (AVX2 and FMA, no AVX-512)
+ZEN2_FLAGS = "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2\n"
 
 CHILD = r"""
 import json, torch
@@ -69,7 +71,7 @@ def test_an_avx2_cpu_loads_the_avx2_library(tmp_path) -> None:
     if not native._cpu_has("avx2"):
         pytest.skip("this CPU lacks avx2")
     info = tmp_path / "cpuinfo"
-    info.write_text("flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2\n")
+    info.write_text(ZEN2_FLAGS)
     r = _child(PDCORE_NATIVE="1", PDCORE_NATIVE_ISA="", PDCORE_CPUINFO=str(info))
     assert r["status"] == "native (avx2)" and r["ops"] and r["ok"], r
     r = _child(PDCORE_NATIVE="1", PDCORE_NATIVE_ISA="avx512", PDCORE_CPUINFO=str(info))
@@ -114,7 +116,6 @@ def test_every_isa_computes_the_same_bits(tmp_path) -> None:
             assert torch.equal(out[name], want), (name, isa)
 
 
-ZEN2_FLAGS = "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2\n"
 EMULATED = "import torch; assert torch.backends.cpu.get_cpu_capability() == 'AVX2'\n"
 
 
