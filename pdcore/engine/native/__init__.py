@@ -23,7 +23,8 @@ without native kernels and says so), `off` none (as PDCORE_NATIVE=0). Both compu
 Built with the host's C++ compiler (g++ with OpenMP; no ninja, no Python headers: the library
 registers torch operators and nothing else) into ~/.cache/pdserve/native (PDSERVE_NATIVE_DIR),
 keyed by the sources, the torch version and the flags (the ISA and the ABI among them), in ~15 s
-once per machine and ISA; concurrent builders each write a temporary file and rename it. Where it
+(minutes on a busy machine) once per machine and ISA: one process builds under a file lock
+(`<library>.lock`), the others log that they wait and load its library. Where it
 cannot be built (no compiler), the CPU has not even AVX2, or with PDCORE_NATIVE=0, the engine
 runs as before and `status()` says why (logged once; the engine's stats carry it to /metrics).
 The CPU's flags are cpu_features.cpu_flags(): PDCORE_CPU_ISA=avx2 (runtime_env) hides AVX-512 from
@@ -32,6 +33,8 @@ the choice too, PDCORE_CPUINFO describes another CPU.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -104,21 +107,72 @@ def _build(isa: str) -> Path:
     if shutil.which(cmd[0]) is None:
         raise RuntimeError(f"no C++ compiler ({cmd[0]!r} is not on PATH; apt-get install g++)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    _sweep(target.parent)
-    fd, tmp = tempfile.mkstemp(prefix="building-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd[-1] = tmp
-        log.info("building the native kernels for %s (once per machine, ~15 s): %s", isa, target)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
-                           check=False)
-        if r.returncode != 0:
-            raise RuntimeError(f"{cmd[0]} failed (exit {r.returncode}): {r.stderr.strip()[-800:]}")
-        os.replace(tmp, target)  # atomic: a concurrent builder's copy is the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _build_lock(target):
+        if target.exists():  # built by the process that held the lock before us
+            log.info("native kernels for %s: built by another process meanwhile", isa)
+            return target
+        _sweep(target.parent)
+        fd, tmp = tempfile.mkstemp(prefix="building-", suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            cmd[-1] = tmp
+            log.info("building the native kernels for %s (once per machine, 15 s to a few "
+                        "minutes on a busy machine): %s", isa, target)
+            t0 = time.monotonic()
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+                               check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cmd[0]} failed (exit {r.returncode}): "
+                                   f"{r.stderr.strip()[-800:]}")
+            os.replace(tmp, target)  # atomic: a reader never sees half a library
+            log.info("native kernels for %s built in %.0f s", isa, time.monotonic() - t0)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    """One builder per library on this machine: an exclusive flock on `<target>.lock`. A
+    process that finds it held logs that it waits, then waits (at most the build timeout plus a
+    minute; then it builds anyway, as before the lock). The kernel drops the lock of a builder
+    that dies, so nobody waits on a dead one."""
+    lock_path = target.with_name(target.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process that is building the native kernels "
+                        "(%s; pid %s)", target.name, _holder(fd) or "?")
+            deadline = time.monotonic() + BUILD_TIMEOUT_S + 60
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning("gave up waiting for the other builder; building too")
+                        os.close(fd)
+                        fd = -1
+                        break
+                    time.sleep(0.2)
+        if fd >= 0:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the flock
+
+
+def _holder(fd: int) -> str:
+    """The pid the current lock holder wrote into the lock file ('' if none yet)."""
+    try:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _cpu_has(isa: str) -> bool:

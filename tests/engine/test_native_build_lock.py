@@ -1,0 +1,62 @@
+"""The native library is built once per machine: two processes that need it at the same moment
+(two servers starting together) run the compiler once; the second logs that it waits for the
+first and loads the library the first built. The compiler here is a stand-in script (CXX) that
+counts its runs and takes a second, so the two processes really overlap."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import stat
+from pathlib import Path
+
+from pdcore.engine import native
+
+FAKE_CXX = """#!/bin/sh
+echo "$$" >> "{runs}"
+sleep 1.5
+for last; do :; done
+echo built > "$last"
+"""
+
+
+def _build_in_child(isa: str, log_file: str, start: multiprocessing.synchronize.Event) -> None:
+    handler = logging.FileHandler(log_file)
+    native.log.addHandler(handler)
+    native.log.setLevel(logging.INFO)
+    start.wait(10)
+    try:
+        print(native._build(isa), file=open(log_file + ".out", "w"))
+    finally:
+        handler.close()
+
+
+def test_two_processes_build_once_and_the_second_waits(tmp_path: Path, monkeypatch) -> None:
+    runs = tmp_path / "runs"
+    cxx = tmp_path / "fake-g++"
+    cxx.write_text(FAKE_CXX.format(runs=runs))
+    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path / "native"))
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Event()
+    logs = [str(tmp_path / f"p{i}.log") for i in range(2)]
+    procs = [ctx.Process(target=_build_in_child, args=("avx2", f, start)) for f in logs]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(runs.read_text().split()) == 1, "the compiler ran more than once"
+    texts = [Path(f).read_text() for f in logs]
+    waited = [t for t in texts if "waiting for another process that is building" in t]
+    assert len(waited) == 1, texts
+    assert "built by another process meanwhile" in waited[0]
+    outs = {Path(f + ".out").read_text().strip() for f in logs}
+    assert len(outs) == 1 and Path(outs.pop()).read_text() == "built\n"
+    # a third start finds the library: no compiler run, no lock wait
+    native._build("avx2")
+    assert len(runs.read_text().split()) == 1
+    assert not [f for f in os.listdir(tmp_path / "native") if f.startswith("building-")]
