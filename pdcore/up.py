@@ -1,7 +1,8 @@
 """`pdserve up`: a whole PD deployment on this machine, as child processes.
 
 1. pick ports (prefill i: port_base+i with bootstrap port bootstrap_base+i; decode j:
-   port_base+100+j; router: --port) and the backend (`shm` when every server is local and the
+   port_base+100+j; router: --port), check every one is free (a busy one exits 2 naming up's
+   flag for it, before any model loads) and pick the backend (`shm` when every server is local and the
    backend was not given, else `tcp`);
 2. start N prefill and M decode `pdserve serve` processes, then wait until each answers
    /health (a child that exits first stops everything, naming it); unless the user sized the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -262,7 +264,37 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def check_ports(cfg: UpConfig) -> None:
+    """Every port `up` will listen on (servers, bootstraps, router) is free on --host, before
+    anything loads; a busy one is a ConfigError naming `up`'s own flag for it."""
+    wanted: list[tuple[int, str, str]] = [(cfg.port, "--port", "the router")]
+    for i in range(cfg.prefill):
+        wanted.append((cfg.server_port_base + i, "--server-port-base", f"prefill-{i}"))
+        wanted.append((cfg.bootstrap_port_base + i, "--bootstrap-port-base",
+                       f"prefill-{i}'s bootstrap server"))
+    for j in range(cfg.decode):
+        wanted.append((cfg.server_port_base + 100 + j, "--server-port-base",
+                       f"decode-{j} (--server-port-base + 100 + {j})"))
+    seen: dict[int, str] = {}
+    for port, flag, who in wanted:
+        if not 0 < port < 65536:
+            raise ConfigError(f"{flag}: port {port} for {who} is out of range 1..65535")
+        if port in seen:
+            raise ConfigError(f"{flag}: port {port} for {who} is also {seen[port]}'s; pick "
+                              "ports that do not overlap")
+        seen[port] = who
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((cfg.host, port))
+            except OSError as e:
+                raise ConfigError(f"port {port} for {who} on {cfg.host}: {e.strerror}; pick "
+                                  f"another {flag}") from None
+
+
 def run_up(cfg: UpConfig) -> int:
+    check_ports(cfg)  # before anything loads: a busy router port used to cost two model loads
     dep = Deployment(cfg)
 
     def _term(*_: object) -> None:
@@ -272,8 +304,9 @@ def run_up(cfg: UpConfig) -> int:
     try:
         dep.start()
         url = dep.router.url
-        print(f"\npdserve up: ready at {url}\n  live cluster page: {url}/dashboard\n"
-              f"  curl {url}/v1/chat/completions -H "
+        print(f"\npdserve up: ready at {url} (send requests here; the servers' own ports "
+              f"answer only the router)\n  live cluster page: {url}/dashboard\n"
+              f"  try: curl {url}/v1/chat/completions -H "
               "'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
               "\"content\": \"Hello\"}], \"max_tokens\": 32}'\n  (Ctrl-C stops everything)",
               flush=True)

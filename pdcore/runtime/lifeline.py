@@ -2,7 +2,10 @@
 
 1. `die_with_parent()`: on Linux the kernel sends SIGTERM to this process when its parent dies
    (PR_SET_PDEATHSIG); it also checks the parent did not die before that was set
-   (`preexec_die_with_parent()` does the same for a child started with subprocess);
+   (`preexec_die_with_parent()` does the same for a child started with subprocess); and it
+   leaves Ctrl-C to the parent (SIGINT ignored: a terminal sends it to the whole process group,
+   and the parent's shutdown stops this child; before, each engine process printed a
+   KeyboardInterrupt traceback);
 2. `ParentWatch`: a thread that compares the parent pid every half second, so the check runs
    while the main thread is busy in a long step or blocked in C code; when the parent is gone
    it asks the loop to stop and, if that has not ended the process after a grace period, exits
@@ -43,7 +46,9 @@ def parent_pid() -> int:
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:
-    """Ask the kernel for `sig` when the parent dies; True when that is set up (Linux)."""
+    """Ask the kernel for `sig` when the parent dies; True when that is set up (Linux). Ctrl-C
+    (SIGINT) is the parent's to handle: ignored here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -47,6 +47,19 @@ def url_of(host: str, port: int) -> str:
     return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
 
 
+def try_line(url: str, mode: str) -> str:
+    """What to try first: a chat request on a unified server; on a prefill or decode server,
+    which answers generate requests only with a route from a router (400 without one), the
+    router that pairs it."""
+    if mode in ("prefill", "decode"):
+        return (f"a {mode} server answers requests through a router: pdserve router "
+                "--pd-disaggregation --prefill PREFILL_URL BOOTSTRAP_PORT --decode DECODE_URL "
+                f"(this one: {url}; curl {url}/health)")
+    return (f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
+            "\"max_tokens\": 32}'")
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -89,9 +102,7 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
     def on_ready(engine: Any) -> None:
         name = engine.info.get("served_model_name") or engine.info.get("model_path")
         print(f"pdserve ready at {url} (model {name}, mode {args.disaggregation_mode})\n"
-              f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-              "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
-              "\"max_tokens\": 32}'", flush=True)
+              f"  {try_line(url, args.disaggregation_mode)}", flush=True)
 
     def on_start_failed(err: Exception) -> None:
         print(f"pdserve: engine failed to start: {err}", file=sys.stderr, flush=True)
@@ -117,6 +128,8 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
           flush=True)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it stopped on: stopped, no trace
+        outcome["rc"] = outcome["rc"] or 130
     finally:
         sock.close()
     if outcome.get("engine_dead"):
