@@ -78,6 +78,29 @@ def test_regex_ebnf_json_schema_followed_from_random_logits(backend, tok) -> Non
         assert obj["level"] in ("low", "high") and 0 <= obj["n"] <= 99
 
 
+def test_json_object_is_an_object_even_where_the_model_wants_a_list(backend, tok) -> None:
+    """#45 item 8: response_format json_object is a JSON *object*, as OpenAI and SGLang force it
+    (the builtin JSON grammar let `[1]` through, which langchain's json_mode got)."""
+    spec = GrammarSpec("json_object", "")
+    opener = tok.encode("[", add_special_tokens=False)[0]
+    for seed in range(3):
+        st = SampleState.create(SamplingParams(temperature=0.0, seed=seed, grammar=spec), [1])
+        out: list[int] = []
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(64):
+            logits = torch.randn(1, len(tok), generator=g) * 5
+            logits[0, opener] = 100.0  # a model that opens a list if it may
+            [t], _, errs = sample(logits, [st], [None], backend)
+            assert errs == [None], errs
+            if t == tok.eos_token_id or st.grammar_done:
+                break
+            out.append(t)
+        text = tok.decode(out).strip()
+        assert text.startswith("{"), text
+        if st.grammar_done:
+            assert isinstance(json.loads(text), dict), text
+
+
 def test_sampled_rows_follow_the_grammar_too(backend, tok) -> None:
     [out] = _run(backend, tok, [GrammarSpec("regex", r"(cat|dog)s? [0-9]")], temperature=1.0)
     assert re.fullmatch(r"(cat|dog)s? [0-9]", out), out

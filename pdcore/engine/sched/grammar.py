@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the HTTP process parses specs here without importing torch
 log = logging.getLogger(__name__)
 
 BACKENDS = ("xgrammar", "none")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag", "tool_call")
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused (400)
 COMPILED_KEPT = 128  # compiled grammars kept for reuse (LRU), per scheduler process
@@ -120,8 +121,9 @@ class GrammarBackend:
 
     def _compile(self, spec: GrammarSpec) -> Any:
         comp = self.compiler()
-        if spec.kind == "json_object":
-            return comp.compile_builtin_json_grammar()
+        if spec.kind == "json_object":  # a JSON object, as OpenAI and SGLang force it (the
+            # builtin JSON grammar let any value through: langchain's json_mode got `[1]`)
+            return comp.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=self.any_whitespace)
         if spec.kind == "json_schema":
             return comp.compile_json_schema(spec.source, any_whitespace=self.any_whitespace)
         if spec.kind == "regex":
