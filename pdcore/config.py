@@ -30,6 +30,7 @@ SPEC_BUILT = ("NGRAM", "EAGLE", "EAGLE3", "NEXTN")
 SPEC_HEADS = ("EAGLE", "EAGLE3", "NEXTN")  # a draft head's chain: --speculative-num-steps, topk 1
 EAGLE_NUM_STEPS = 3  # --speculative-num-steps default for EAGLE / NEXTN: chains of 3 drafts
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
+SAMPLING_DEFAULTS = ("model", "openai")
 NGRAM_DRAFT_TOKENS = 8  # --speculative-num-draft-tokens default: the current token + 7 drafts
 
 
@@ -100,6 +101,9 @@ class ServerArgs:
     constrained_json_disable_any_whitespace: bool = False
     tool_call_parser: str | None = None  # server/tool_parsers.py: llama3, qwen25, ...
     reasoning_parser: str | None = None  # server/reasoning.py: deepseek-r1, qwen3
+    # the OpenAI routes' sampling values when a request names none: the model's
+    # generation_config (SGLang's default) or OpenAI's (engine/model/source.sampling_defaults)
+    sampling_defaults: str = "model"
     # speculative decoding (pdcore/engine/sched/speculative.py), SGLang's flags
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None

@@ -36,6 +36,7 @@ from pdcore.engine.kv.radix import RadixCache
 from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model.runner import ModelRunner
+from pdcore.engine.model.source import sampling_defaults
 from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
 from pdcore.engine.sched.speculative import SpecConfig, Speculator
@@ -332,6 +333,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         "bootstrap_port": args.disaggregation_bootstrap_port, "memory_pool": pool_name,
         "is_mla": spec["is_mla"], "kv_bytes_per_token": per_token,
         "weight_bytes": weight_bytes(model),
+        "sampling_defaults": sampling_defaults(resolved, args.sampling_defaults),
     }
     log.info("KV pool: %d pages x %d tokens (%.1f MiB, %s) in pool %r; max context %d",
              num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,

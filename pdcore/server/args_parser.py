@@ -24,6 +24,7 @@ from pdcore.config import (
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
     NGRAM_MATCH_TYPES,
+    SAMPLING_DEFAULTS,
     ServerArgs,
     cluster_secret,
 )
@@ -44,6 +45,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grammar_backend": ("xgrammar", "none"),
     "tool_call_parser": tool_parsers.NAMES,
     "reasoning_parser": reasoning.NAMES,
+    "sampling_defaults": SAMPLING_DEFAULTS,
     "speculative_ngram_match_type": NGRAM_MATCH_TYPES,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "load_format": LOAD_FORMATS,
@@ -98,6 +100,10 @@ HELP: dict[str, str] = {
                         "the calls it finds as tool_calls (tools need it)",
     "reasoning_parser": "the model's <think> format: /v1/chat/completions returns the "
                         "reasoning as reasoning_content",
+    "sampling_defaults": "sampling values of /v1/chat/completions, /v1/completions and "
+                         "/v1/responses when a request names none: model (the model's "
+                         "generation_config.json: temperature, top_p, top_k, min_p, "
+                         "repetition_penalty) or openai (temperature 1, top_p 1, no top_k)",
     "speculative_algorithm": "speculative decoding: NGRAM (draft tokens from the request's own "
                              "context and earlier outputs, verified in one pass), EAGLE (an "
                              "EAGLE-1 draft head, --speculative-draft-model-path, chain drafts), "

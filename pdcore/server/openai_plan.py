@@ -101,6 +101,9 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
                  "seed", "logit_bias", "temperature", "top_p", "top_k", "min_p",
                  "presence_penalty", "frequency_penalty", "repetition_penalty"):
         given[name] = getattr(body, name)
+    for name, value in (info.get("sampling_defaults") or {}).items():
+        if given.get(name) is None:  # --sampling-defaults model: the model's own values
+            given[name] = value
     pds = pd_items(body, [n] * len(prompts), args, guard)
     rid = body.rid if isinstance(body.rid, str) else f"{id_prefix}-{uuid.uuid4().hex}"
     rids = body.rid if isinstance(body.rid, list) else None

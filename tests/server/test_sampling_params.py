@@ -64,3 +64,40 @@ def test_out_of_range_names_the_wire_field(given: dict, field: str) -> None:
 def test_unknown_field_is_a_programming_error() -> None:
     with pytest.raises(TypeError, match="not sampling fields"):
         build_sampling({"n": 2})
+
+
+# ---- --sampling-defaults (#45 item 5) ---------------------------------------------------------
+def test_sampling_defaults_model_reads_generation_config(tmp_path) -> None:
+    import json
+
+    from pdcore.engine.model.source import ResolvedModel, resolve_model, sampling_defaults
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0,
+        "repetition_penalty": 1.05, "max_new_tokens": 99, "eos_token_id": 2}))
+    folder = resolve_model(str(tmp_path))
+    assert sampling_defaults(folder, "model") == {
+        "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+        "repetition_penalty": 1.05}
+    assert sampling_defaults(folder, "openai") == {}
+    (tmp_path / "generation_config.json").write_text('{"top_k": 0, "temperature": "hot"}')
+    assert sampling_defaults(folder, "model") == {"top_k": -1}  # transformers' "off" is 0
+    (tmp_path / "generation_config.json").unlink()
+    assert sampling_defaults(folder, "model") == {}
+    # the default model's GGUF carries none: its model card's values; a converted copy of it too
+    default = ResolvedModel("/x", "SmolLM2-135M-Instruct.Q4_1.gguf", "smol")
+    assert sampling_defaults(default, "model") == {"temperature": 0.2, "top_p": 0.9}
+    copy = ResolvedModel(str(tmp_path), None, "smol", source="/y/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert sampling_defaults(copy, "model") == {"temperature": 0.2, "top_p": 0.9}
+    assert sampling_defaults(default, "openai") == {}
+
+
+def test_sampling_defaults_flag_takes_sglangs_choices() -> None:
+    from pdcore.server.args_parser import parse_server_args
+
+    assert parse_server_args([]).sampling_defaults == "model"  # SGLang's default
+    assert parse_server_args(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
+    with pytest.raises(SystemExit) as e:
+        parse_server_args(["--sampling-defaults", "vllm"])
+    assert e.value.code == 2

@@ -66,3 +66,48 @@ def resolve_model(model_path: str | None) -> ResolvedModel:
     if len(ggufs) > 1:
         raise ModelLoadError(f"{path} holds several .gguf files ({', '.join(ggufs)}); name one")
     raise ModelLoadError(f"{path} has neither config.json nor a .gguf file")
+
+
+# --sampling-defaults model: the generation_config.json values SGLang takes as a request's
+# sampling defaults (a request's own value always wins)
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The default model's GGUF carries no sampling values (nor does its HF generation_config.json):
+# these are its model card's (HuggingFaceTB/SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9).
+# At temperature 1 this 135M model rambles.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
+def sampling_defaults(resolved: ResolvedModel, mode: str) -> dict[str, float | int]:
+    """The sampling values a request that names none takes (SGLang's --sampling-defaults):
+    `openai` -> {} (the engine's own defaults: temperature 1, top_p 1, no top_k / min_p /
+    repetition penalty); `model` -> the model folder's generation_config.json values of
+    GENERATION_SAMPLING_KEYS (a GGUF: a generation_config.json beside it, else for the default
+    model DEFAULT_MODEL_SAMPLING). Values of the wrong type are skipped; the edge checks ranges."""
+    if mode != "model":
+        return {}
+    folder, gguf = resolved.path, resolved.gguf_file
+    if resolved.source and resolved.source.endswith(".gguf"):  # a GGUF's converted copy
+        folder, gguf = os.path.split(resolved.source)
+    path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(path):
+        import json
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            return {}
+        out: dict[str, float | int] = {}
+        for key in GENERATION_SAMPLING_KEYS:
+            v = raw.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            out[key] = int(v) if key == "top_k" else float(v)
+        if out.get("top_k") == 0:  # transformers' "off" is 0; the engine's is -1
+            out["top_k"] = -1
+        return out
+    if gguf == DEFAULT_MODEL_FILE:
+        return dict(DEFAULT_MODEL_SAMPLING)
+    return {}
