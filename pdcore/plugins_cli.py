@@ -62,7 +62,7 @@ def collect(host: PluginHost) -> dict[str, Any]:
         "not_installed": [
             {"distribution": p.distribution,
              "provides": [f"{kind} {name}" for kind, name in p.provides],
-             "install": p.install_command(), "install_from_index": p.index_command(),
+             "install": p.install_command(), "how_to_install": p.how_to_install(),
              "note": p.note}
             for p in missing()
         ],
@@ -100,11 +100,12 @@ def render_text(data: dict[str, Any]) -> str:
         out.append("\nSkipped plugins:")
         out.extend(f"  {s['plugin']}: {s['reason']}" for s in data["skipped"])
     if data["not_installed"]:
-        out.append("\nNot installed (first-party plugins; install with the command shown):")
+        out.append("\nNot installed (first-party plugins, not on any package index; install "
+                   "from a checkout's plugins/ folder):")
         for m in data["not_installed"]:
             note = f"  ({m['note']})" if m["note"] else ""
             out.append(f"  {m['distribution']}: {', '.join(m['provides'])}\n"
-                       f"    {m['install']}{note}")
+                       f"    {m['how_to_install']}{note}")
     return "\n".join(out)
 
 

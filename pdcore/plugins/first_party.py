@@ -1,11 +1,13 @@
 """The plugins this project ships under plugins/, what each provides and how to install it, so
 `pdserve plugins` and an unknown-name error can say which one is missing and the command that
-adds it. Only metadata is read: nothing here imports a plugin."""
+adds it: from a checkout's plugins/ folder (they are on no package index), with the pip of this
+environment. Only metadata is read: nothing here imports a plugin."""
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,24 +27,59 @@ class FirstParty:
         return True
 
     def checkout_dir(self) -> Path | None:
-        """plugins/<distribution> of the checkout this pdcore runs from, if it is one."""
-        path = Path(__file__).resolve().parents[2] / "plugins" / self.distribution
-        return path if (path / "pyproject.toml").is_file() else None
+        """plugins/<distribution> of a pdserve checkout: the one this pdcore runs from (an
+        editable install), else the one scripts/setup.sh installed this environment from (it
+        records it in CHECKOUT_FILE), else the current folder if it is one."""
+        for root in checkout_roots():
+            path = root / "plugins" / self.distribution
+            if (path / "pyproject.toml").is_file():
+                return path
+        return None
 
     def install_command(self) -> str:
-        """From the checkout when pdcore runs from one, else from the package index."""
-        extra = f"[{self.extra}]" if self.extra else ""
-        target = f"{self.distribution}{extra}"
+        """The command that installs this plugin into this environment, from a checkout's
+        plugins/ folder; '' when no checkout is known (the plugins are on no package index)."""
         where = self.checkout_dir()
-        if where is not None:
-            rel = os.path.relpath(where)
-            target = f"{where if rel.startswith('..') else './' + rel}{extra}"
-        return f"pip install '{target}'" if extra else f"pip install {target}"
-
-    def index_command(self) -> str:
+        if where is None:
+            return ""
         extra = f"[{self.extra}]" if self.extra else ""
-        return f"pip install '{self.distribution}{extra}'" if extra else \
-            f"pip install {self.distribution}"
+        rel = os.path.relpath(where)
+        target = f"{where if rel.startswith('..') else './' + rel}{extra}"
+        return f"{pip_command()} install '{target}'" if extra else \
+            f"{pip_command()} install {target}"
+
+    def how_to_install(self) -> str:
+        """install_command(), or how to get the plugin where no checkout is known."""
+        return self.install_command() or (
+            f"{self.distribution} is not published on any package index: get a pdserve "
+            f"checkout (git clone) and run {pip_command()} install "
+            f"CHECKOUT/plugins/{self.distribution}"
+            + (f"[{self.extra}]" if self.extra else "")
+            + f" (or write its path into {Path(sys.prefix) / CHECKOUT_FILE})")
+
+
+# scripts/setup.sh writes the checkout's absolute path into this file of the environment it
+# builds (it installs pdcore from a temporary copy, so the package cannot find its checkout)
+CHECKOUT_FILE = "pdserve-checkout"
+
+
+def checkout_roots() -> list[Path]:
+    """Candidate checkout roots, best first (see FirstParty.checkout_dir)."""
+    roots = [Path(__file__).resolve().parents[2]]
+    try:
+        recorded = (Path(sys.prefix) / CHECKOUT_FILE).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        recorded = ""
+    if recorded:
+        roots.append(Path(recorded))
+    roots.append(Path.cwd())
+    return roots
+
+
+def pip_command() -> str:
+    """pip of the environment pdserve runs in: `pip` alone may be another Python's."""
+    in_venv = sys.prefix != getattr(sys, "base_prefix", sys.prefix)
+    return f"{sys.executable} -m pip" if in_venv else "pip"
 
 
 MOONCAKE_POOLS = ("mooncake-nvlink", "mooncake-barex", "mooncake-intra-node-nvlink")
@@ -70,5 +107,5 @@ def provider_hint(kind: str, name: str) -> str:
         if (kind, name) in plugin.provides and not plugin.installed():
             note = f" ({plugin.note})" if plugin.note else ""
             return (f"{kind} {name!r} comes from the {plugin.distribution} plugin, which is not "
-                    f"installed: {plugin.install_command()}{note}")
+                    f"installed: {plugin.how_to_install()}{note}")
     return ""

@@ -21,7 +21,7 @@ from pdcore.plugins import first_party
 from pdcore.plugins.host import PluginHost
 from pdcore.plugins.registry import Kind
 from pdcore.plugins_cli import plugins_command
-from pdcore.testing.processes import free_port
+from pdcore.testing.processes import REPO_ROOT, free_port
 
 MISSING = [p for p in first_party.FIRST_PARTY if not p.installed()]
 needs_missing = pytest.mark.skipif(
@@ -44,23 +44,61 @@ def hide_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(first_party.md, "distribution", distribution)
 
 
-def test_install_command_from_checkout_or_index() -> None:
+def test_install_command_from_checkout_or_none() -> None:
     staging = next(p for p in first_party.FIRST_PARTY if p.distribution == "pd-staging")
-    assert staging.index_command() == "pip install pd-staging"
     checkout = staging.checkout_dir()
-    if checkout is None:  # pdcore installed from a wheel: only the index can provide it
-        assert staging.install_command() == "pip install pd-staging"
+    if checkout is None:  # pdcore installed from a wheel, no checkout recorded or here
+        assert staging.install_command() == ""
+        assert "not published on any package index" in staging.how_to_install()
     else:
         assert checkout.name == "pd-staging" and (checkout / "src" / "pd_staging").is_dir()
         cmd = staging.install_command()
-        assert cmd.startswith("pip install ") and cmd.endswith("plugins/pd-staging")
+        assert cmd.startswith(first_party.pip_command() + " install ")
+        assert cmd.endswith("plugins/pd-staging") and staging.how_to_install() == cmd
         assert Path(cmd.split()[-1]).resolve() == checkout.resolve()
 
 
-def test_mooncake_command_picks_an_sdk_extra() -> None:
+@pytest.fixture
+def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """pdcore as if installed from a wheel into a fresh environment (sys.prefix), run from an
+    empty folder: no checkout known."""
+    monkeypatch.setattr(first_party, "__file__", str(tmp_path / "site" / "pdcore" / "plugins"
+                                                     / "first_party.py"))
+    monkeypatch.setattr(first_party.sys, "prefix", str(tmp_path / "venv"))
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    return tmp_path
+
+
+def test_no_checkout_no_package_name_to_install(elsewhere: Path) -> None:
+    """The plugins are on no index: without a checkout the hint says so and how to get one,
+    never `pip install pd-X` (a name no index has)."""
+    for plugin in first_party.FIRST_PARTY:
+        assert plugin.checkout_dir() is None and plugin.install_command() == ""
+        hint = plugin.how_to_install()
+        assert "not published on any package index" in hint
+        assert f"install {plugin.distribution}" not in hint, hint
+        assert f"CHECKOUT/plugins/{plugin.distribution}" in hint
+
+
+def test_the_checkout_setup_sh_recorded_is_used(elsewhere: Path) -> None:
+    """setup.sh installs from a temporary copy and writes the checkout's path into the
+    environment; the hint then installs from that checkout's plugins/ folder with the
+    environment's own pip."""
+    (elsewhere / "venv" / first_party.CHECKOUT_FILE).write_text(str(REPO_ROOT) + "\n")
     mooncake = next(p for p in first_party.FIRST_PARTY if p.distribution == "pd-mooncake")
-    assert mooncake.index_command() == "pip install 'pd-mooncake[cuda]'"
+    cmd = mooncake.install_command()
+    assert cmd == (f"{first_party.pip_command()} install "
+                   f"'{REPO_ROOT / 'plugins' / 'pd-mooncake'}[cuda]'")
     assert "[cpu]" in mooncake.note
+
+
+def test_the_current_folder_when_it_is_a_checkout(elsewhere: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO_ROOT)
+    staging = next(p for p in first_party.FIRST_PARTY if p.distribution == "pd-staging")
+    assert staging.install_command() == f"{first_party.pip_command()} install ./plugins/pd-staging"
 
 
 def test_listing_names_missing_plugin(hide_mooncake: None) -> None:
@@ -68,8 +106,8 @@ def test_listing_names_missing_plugin(hide_mooncake: None) -> None:
     assert plugins_command(json_out=True, host=builtin_only(), stream=out) == 0
     missing = {m["distribution"]: m for m in json.loads(out.getvalue())["not_installed"]}
     assert "transfer_backend mooncake" in missing["pd-mooncake"]["provides"]
-    assert missing["pd-mooncake"]["install_from_index"] == "pip install 'pd-mooncake[cuda]'"
-    assert missing["pd-mooncake"]["install"].startswith("pip install '")
+    assert missing["pd-mooncake"]["how_to_install"] == missing["pd-mooncake"]["install"]
+    assert missing["pd-mooncake"]["install"].startswith(first_party.pip_command() + " install '")
     text = io.StringIO()
     plugins_command(host=builtin_only(), stream=text)
     body = text.getvalue().split("Not installed (first-party plugins")[1]
@@ -89,7 +127,8 @@ def test_unknown_backend_names_the_plugin(hide_mooncake: None) -> None:
     with pytest.raises(UnknownNameError) as err:
         registry.get("mooncake")
     msg = str(err.value)
-    assert "comes from the pd-mooncake plugin, which is not installed: pip install '" in msg
+    assert ("comes from the pd-mooncake plugin, which is not installed: "
+            f"{first_party.pip_command()} install '") in msg
     assert "[cuda]" in msg and "tcp" in msg  # the install command and what is installed
 
 
@@ -109,7 +148,7 @@ def test_cli_lists_really_missing_plugins() -> None:
     text = subprocess.run([sys.executable, "-m", "pdcore", "plugins"], capture_output=True,
                           text=True, timeout=120, check=True).stdout
     for plugin in MISSING:
-        assert plugin.install_command() in text
+        assert plugin.how_to_install() in text
 
 
 @needs_missing
@@ -125,4 +164,4 @@ def test_serve_with_missing_backend_says_what_to_install(tiny_llama_dir: Path) -
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert f"comes from the {plugin.distribution} plugin, which is not installed" in out, out
-    assert plugin.install_command() in out, out
+    assert plugin.how_to_install() in out, out

@@ -20,7 +20,8 @@ from pdcore.plugins.host import PluginHost, memory_pools, platforms, transfer_ba
 from pdcore.plugins.registry import Kind
 
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
-NO_TORCH_NPU = "torch_npu is not installed (pip install 'pd-ascend[npu]'; needs Ascend CANN)"
+NO_TORCH_NPU = ("torch_npu is not installed (pip install torch-npu (pd-ascend's [npu] extra); "
+                "needs Ascend CANN)")
 
 
 def test_entry_point_is_installed() -> None:

@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-INSTALL_HINT = "pip install 'pd-ascend[npu]'; needs Ascend CANN"
+INSTALL_HINT = "pip install torch-npu (pd-ascend's [npu] extra); needs Ascend CANN"
 CANN_HINT = ("torch-npu needs the Ascend CANN runtime: source "
              "/usr/local/Ascend/ascend-toolkit/set_env.sh before starting pdserve")
 AUTOLOAD_HINT = ("on a machine without CANN, uninstall torch-npu (or set "

@@ -50,7 +50,7 @@ def cuda_pool_support(kind: str) -> tuple[bool, str]:
         return False, "it needs a CUDA GPU and torch.cuda.is_available() is False here"
     if not SUPPORTS_CUDA:
         return False, ("the installed mooncake wheel was built without CUDA "
-                       "(mooncake-transfer-engine-non-cuda?); install pd-mooncake[cuda]")
+                       "(mooncake-transfer-engine-non-cuda?); pip install mooncake-transfer-engine")
     if kind == "NVLINK" and not getattr(mc, "SUPPORT_MNNVL", False):
         return False, "the installed mooncake wheel was built without the NVLink transport (USE_MNNVL)"
     if kind == "INTRA_NODE_NVLINK" and not getattr(mc, "SUPPORT_INTRA_NVLINK", False):

@@ -11,8 +11,8 @@ from typing import Any
 from pdcore.plugins import hookimpl
 from pdcore.plugins.lazy import guarded, sdk_probe
 
-INSTALL_HINT = ("pip install 'pd-mooncake[cuda]' on GPU machines (mooncake-transfer-engine) or "
-                "'pd-mooncake[cpu]' on CPU-only machines (mooncake-transfer-engine-non-cuda)")
+INSTALL_HINT = ("pip install mooncake-transfer-engine on GPU machines (pd-mooncake's [cuda] "
+                "extra) or mooncake-transfer-engine-non-cuda on CPU-only machines ([cpu])")
 SYSTEM_LIBS_HINT = "apt-get install -y libibverbs1 librdmacm1 libnuma1 ibverbs-providers"
 
 # memory-pool name -> SGLANG_MOONCAKE_CUSTOM_MEM_POOL value it serves
