@@ -2,7 +2,7 @@
 greedy output with speculation equals greedy output without it, token for token, and equals
 transformers, with chunked prefill, the prefix cache, page sizes 1 and 16, logprobs, stop ids,
 n > 1 and TP 2 (grammar-constrained requests beside speculated ones: tests/pd/test_pd_spec.py); sampled output keeps the target
-distribution (rejection sampling). Every identity test checks that drafts were verified and
+distribution (rejection sampling's acceptance) and repeats with a seed. Every identity test checks that drafts were verified and
 accepted, so it cannot pass by never speculating."""
 
 from __future__ import annotations
@@ -135,6 +135,42 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert torch.allclose(counts / n, p, atol=0.025), counts / n
 
 
+def test_seeded_sampling_gives_the_same_tokens_whatever_is_drafted():
+    """#45 item 9: a seeded sampled request repeats with NGRAM. The verify draws row j's token
+    as plain decoding does (one draw from the request's generator per emitted token), so
+    drafts that are right, wrong or absent change how many tokens a step emits, never which."""
+    model = _model(64)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    plain_state = SampleState.create(params, [1])
+    plain: list[int] = []
+    for _ in range(40):
+        plain.append(_choose_plain(model([1, *plain]), plain_state))
+    g = torch.Generator().manual_seed(0)
+    for mode in ("right", "wrong", "mixed"):
+        st = SampleState.create(params, [1])
+        out: list[int] = []
+        while len(out) < 40:
+            k = int(torch.randint(0, 5, (1,), generator=g))
+            truth = plain[len(out):len(out) + k]
+            wrong = [(t + 1) % 64 for t in truth]
+            drafts = {"right": truth, "wrong": wrong,
+                      "mixed": truth[:k // 2] + wrong[k // 2:]}[mode]
+            rows = torch.stack([model([1, *out, *drafts[:j]]) for j in range(len(drafts) + 1)])
+            got, _, err = verify(rows, st, drafts, None)
+            assert err is None and got
+            out += got
+        assert out[:40] == plain, mode
+
+
+def _choose_plain(logits: torch.Tensor, st: SampleState) -> int:
+    from pdcore.engine.sched.sampler import sample
+
+    [t], _, [err] = sample(logits[None].clone(), [st], [None], None)
+    assert err is None
+    st.observe(t)
+    return t
+
+
 # ---- identity on real engines -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -229,6 +265,32 @@ def test_sampled_requests_verify_by_rejection_sampling(tiny, monkeypatch):
         assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()
+
+
+def test_seeded_sampled_request_repeats_with_ngram(tiny, monkeypatch):
+    """#45 item 9, on an engine: the same seeded request alone, again once its output is in the
+    cross-request n-gram cache (different drafts), and inside a batch, gives the same tokens;
+    equal to an engine without speculation too. Drafts were verified, so it cannot pass by
+    never speculating."""
+    monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
+    prompts = _prompts()
+    sp = SamplingParams(max_new_tokens=30, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    plain = _engine(tiny, False)
+    try:
+        want = [o["output_ids"] for o in plain.generate(prompts[:2], sp)]
+    finally:
+        plain.close()
+    eng = _engine(tiny, True)
+    try:
+        alone = [eng.generate([p], sp)[0]["output_ids"] for p in prompts[:2]]
+        again = [eng.generate([p], sp)[0]["output_ids"] for p in prompts[:2]]
+        batched = [o["output_ids"] for o in eng.generate(prompts, sp)][:2]
+        st = eng.scheduler.stats()
+        assert pages_at_rest(eng.scheduler)
+    finally:
+        eng.close()
+    assert st["spec_verifies_total"] > 0 and st["spec_accepted_tokens_total"] > 0, st
+    assert alone == again == batched == want
 
 
 def test_tp2_speculative_greedy_equals_tp1(tiny, monkeypatch):

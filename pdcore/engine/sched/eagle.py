@@ -30,7 +30,8 @@ head's logits of g_{p+1} score t_{p+2}, and (g_{p+1}, that token) is the pair at
   guessed tokens, and the verify decides which positions become real.
 
 Drafts are the head's argmax (a chain; trees, topk > 1, are not built). Whatever the head
-proposes, the verify pass keeps the output exact (greedy identity, rejection sampling).
+proposes, the verify pass keeps the output exact (greedy identity; sampled: plain decoding's
+draw per row, the draft kept when it is that token).
 A failed draft pass costs the step its drafts only (logged, counted); decoding goes on.
 With TP the head's layer is sharded as the target's and every rank runs every pass; rank 0's
 draft tokens and the failures are agreed over the group (engine/sched/draft_tp.py). With

@@ -12,10 +12,11 @@ for them); the model returns logits for all k+1 rows, and `verify` accepts the l
 the target agrees with plus one token of its own:
 - greedy: d_j is accepted while it equals the argmax of row j-1, so the output equals
   non-speculative greedy token for token;
-- sampled: standard rejection sampling for a deterministic draft: d_j is accepted with
-  probability p_j(d_j) (p the request's processed distribution: temperature, top-k/p, min-p);
-  on rejection the token comes from p_j with d_j removed and renormalized. The output follows
-  the target distribution exactly (not the same samples as without speculation).
+- sampled: row j draws the token plain decoding would draw there (one draw from p_j, the
+  request's processed distribution: temperature, top-k/p, min-p, with its generator) and d_j is
+  accepted when it is that token. For a deterministic draft that is rejection sampling's
+  acceptance, p_j(d_j), and the output follows the target distribution exactly; it is also the
+  same samples as without speculation: a seeded request repeats whatever was drafted.
 K/V of rejected positions stays in the pool beyond the request's length (overwritten by later
 steps, never read); their pages beyond the sequence return to the pool at once.
 
@@ -281,17 +282,14 @@ def verify(rows: torch.Tensor, st: SampleState, drafts: list[int], want: int | N
 
 
 def _choose(row: torch.Tensor, st: SampleState, draft: int | None) -> int:
-    """The token at one row: greedy's argmax, or a sample; given a draft, sampled requests keep
-    it with probability p(draft) and otherwise sample with it removed (rejection sampling for a
-    deterministic draft: the output follows p)."""
+    """The token at one row: exactly the choice plain decoding makes there (greedy's argmax, or
+    one draw from the request's generator), whatever the draft; the caller keeps the draft when
+    it is that token. For a deterministic draft (NGRAM's, a head's argmax chain, a grammar's
+    forced tokens) this accepts with probability p(draft), as rejection sampling does, and the
+    output follows p; and it consumes the generator one draw per emitted token, as plain
+    decoding does, so a seeded request repeats whatever was drafted (the cross-request n-gram
+    cache, the cost gate and the batch change the drafts, never the tokens; #45 item 9)."""
+    del draft
     if st.params.greedy:
         return int(row.argmax())
-    p = probs_for(row, st)
-    if draft is not None:
-        if float(torch.rand(1, generator=st.generator)) < float(p[draft]):
-            return draft
-        p = p.clone()
-        p[draft] = 0.0
-        if float(p.sum()) <= 0.0:  # p was one-hot on the draft and the draw hit its edge
-            return draft
-    return int(torch.multinomial(p, 1, generator=st.generator))
+    return int(torch.multinomial(probs_for(row, st), 1, generator=st.generator))
