@@ -90,7 +90,8 @@ def flags_md() -> str:
     return (
         "# Flags\n\n" + HEADER
         + "SGLang's flag names; a flag that is not listed exits 2 naming it. Where a flag is "
-          "SGLang's but does nothing here, the server prints one warning line about it at start.\n\n"
+          "SGLang's but does nothing here, the server prints one warning line about it at "
+          "start.\n\n"
         + "## `pdserve serve` (also `python -m pdcore.launch_server`)\n\n"
         + _table(head, serve_rows())
         + "\n## `pdserve router` (also `python -m pdcore.router`)\n\n"

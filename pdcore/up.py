@@ -2,8 +2,8 @@
 
 1. pick ports (prefill i: port_base+i with bootstrap port bootstrap_base+i; decode j:
    port_base+100+j; router: --port), check every one is free (a busy one exits 2 naming up's
-   flag for it, before any model loads) and pick the backend (`shm` when every server is local and the
-   backend was not given, else `tcp`);
+   flag for it, before any model loads) and pick the backend (`shm` when every server is
+   local and the backend was not given, else `tcp`);
 2. start N prefill and M decode `pdserve serve` processes, then wait until each answers
    /health (a child that exits first stops everything, naming it); unless the user sized the
    KV pools, the N + M servers split the KV budget one server would take (share_kv_budget);
