@@ -134,9 +134,20 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
+def mark_engine_reached(request: Request) -> None:
+    """From here on an error of this request may be the engine's (http_errors: a 5xx raised
+    before this is marked as the client's doing)."""
+    request.state.engine_reached = True
+
+
+def engine_reached(request: Request) -> bool:
+    return bool(getattr(request.state, "engine_reached", False))
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work`, cancelling it (and so aborting its scheduler requests) if the client
-    goes away first."""
+    goes away first. `work` is the engine's: the request has reached it."""
+    mark_engine_reached(request)
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_until_disconnected(request))
     try:

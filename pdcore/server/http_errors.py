@@ -1,7 +1,10 @@
 """Error bodies and exception handlers: every error is JSON
 `{"error": {"message", "type", "param", "code"}}` (the OpenAI shape, used on every route).
 FastAPI's 422 validation errors become 400 naming the offending field. An EngineError the client
-caused (`client_caused`) carries its origin header (`engine_error_response`)."""
+caused (`client_caused`) carries its origin header (`engine_error_response`), and so does any
+unexpected error (500) raised before the request reached the engine
+(`generation.mark_engine_reached`): whatever fails while the server reads a client's request is
+that request's doing, and the router neither retries it nor counts it against the server."""
 
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from pdcore.errors import ForbiddenRouteError, InvalidRequestError
+from pdcore.errors import ERROR_ORIGIN_HEADER, ForbiddenRouteError, InvalidRequestError
 from pdcore.runtime import EngineError
+from pdcore.server.generation import engine_reached
 from pdcore.server.schemas import validation_message
 
 log = logging.getLogger(__name__)
@@ -93,5 +97,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+        response = error_response(f"internal error: {type(exc).__name__}: {exc}", 500)
+        if engine_reached(request):
+            log.exception("unhandled error on %s", request.url.path)
+        else:  # the client's content made the server fail before the engine saw it
+            log.exception("unhandled error on %s before the engine (answered as the client's "
+                          "doing: %s)", request.url.path, ERROR_ORIGIN_HEADER)
+            response.headers[ERROR_ORIGIN_HEADER] = "client"
+        return response

@@ -8,7 +8,6 @@ the tokenizer's chat template with the generation prompt added.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.engine.sched.grammar import load_client_json
 from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.chat_tools import ChoiceShaper, plan_tools
@@ -215,28 +215,27 @@ def _message_text(content: Any) -> str:
     return "".join(parts)
 
 
-def _message(m: Any) -> dict[str, Any]:
+def _message(m: Any, i: int = 0) -> dict[str, Any]:
     """A chat message as chat templates read it (tool-call arguments as objects)."""
     out: dict[str, Any] = {"role": m.role, "content": _message_text(m.content)}
     for key in ("name", "tool_call_id", "reasoning_content"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
     if m.tool_calls:
-        out["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        out["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]")
+                             for j, c in enumerate(m.tool_calls)]
     return out
 
 
-def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+def _template_call(call: dict[str, Any], where: str = "messages") -> dict[str, Any]:
     fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise bad("messages: a tool call must be {\"id\", \"type\": \"function\", "
                   "\"function\": {\"name\", \"arguments\"}}", "messages")
     fn = dict(fn)
-    if isinstance(fn.get("arguments"), str):
-        try:
-            fn["arguments"] = json.loads(fn["arguments"])
-        except ValueError:
-            pass  # the template gets the text as sent
+    if isinstance(fn.get("arguments"), str):  # not JSON: the template gets the text as sent
+        fn["arguments"] = load_client_json(fn["arguments"], where + ".function.arguments",
+                                           keep_text=True)
     return {**call, "function": fn}
 
 
@@ -244,7 +243,7 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Any,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     if not body.messages:
         raise bad("messages must not be empty", "messages")
-    msgs = [_message(m) for m in body.messages]
+    msgs = [_message(m, i) for i, m in enumerate(body.messages)]
     cont = bool(body.continue_final_message)
     try:
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not cont,

@@ -36,6 +36,8 @@ BACKENDS = ("xgrammar", "none")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag", "tool_call")
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused (400)
+MAX_JSON_TEXT_DEPTH = 32  # JSON a client sends as text (a schema, a structural tag, tool-call
+# arguments) nested deeper than this is refused (400), as the same JSON sent as an object is
 COMPILED_KEPT = 128  # compiled grammars kept for reuse (LRU), per scheduler process
 COMPILE_THREADS = 2  # one slow grammar leaves a thread for the others
 
@@ -222,6 +224,53 @@ class GrammarBackend:
         self._xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
 
 
+def load_client_json(text: str, field: str, max_depth: int = MAX_JSON_TEXT_DEPTH,
+                     keep_text: bool = False) -> Any:
+    """JSON a client sent inside a string, parsed with its nesting bounded: 400 naming `field`
+    when it is nested deeper than `max_depth` levels, or when it is not JSON (unless
+    `keep_text`: then the text itself is returned). json.loads recurses once per
+    level: 2 KB of brackets raised RecursionError, which became a 500 that the router counted
+    against the worker. The parse is C speed; the depth walk is iterative."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise InvalidRequestError(f"{field} is nested too deeply; send JSON nested at most "
+                                  f"{max_depth} levels", field) from None
+    except ValueError as e:
+        if keep_text:
+            return text
+        raise InvalidRequestError(f"{field} is not valid JSON: {e}", field) from None
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > max_depth:
+            raise InvalidRequestError(f"{field} is nested deeper than {max_depth} levels; send "
+                                      f"JSON nested at most {max_depth} levels", field)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return value
+
+
+def _check_structures(tag: Any, field: str) -> None:
+    """SGLang's structural tag {"structures": [{begin, schema, end}], "triggers": [...]}: its
+    shape, and each schema given as text bounded as the tag itself is."""
+    if not isinstance(tag, dict) or "structures" not in tag or "format" in tag:
+        return  # xgrammar's own form: a JSON document it checks itself
+    structures, triggers = tag.get("structures"), tag.get("triggers", [])
+    if not isinstance(structures, list) or not isinstance(triggers, list) or \
+            not all(isinstance(t, str) for t in triggers):
+        raise InvalidRequestError(f"{field}: structures and triggers must be lists (triggers "
+                                  "of strings)", field)
+    for i, s in enumerate(structures):
+        where = f"{field}.structures[{i}]"
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or \
+                not isinstance(s.get("end"), str) or not isinstance(s.get("schema"), (str, dict)):
+            raise InvalidRequestError(f"{where} must be {{\"begin\": str, \"schema\": object, "
+                                      "\"end\": str}", where)
+        if isinstance(s["schema"], str):
+            load_client_json(s["schema"], where + ".schema")
+
+
 def _checked_text(kind: str, value: Any, field: str) -> str:
     if isinstance(value, dict) and kind in ("json_schema", "structural_tag"):
         value = json.dumps(value)
@@ -233,10 +282,9 @@ def _checked_text(kind: str, value: Any, field: str) -> str:
         raise InvalidRequestError(f"{field} has {len(value)} characters; at most "
                                   f"{MAX_GRAMMAR_CHARS}", field)
     if kind in ("json_schema", "structural_tag"):
-        try:
-            json.loads(value)
-        except ValueError as e:
-            raise InvalidRequestError(f"{field} is not valid JSON: {e}", field) from None
+        parsed = load_client_json(value, field)
+        if kind == "structural_tag":
+            _check_structures(parsed, field)
     return value
 
 

@@ -1,0 +1,131 @@
+"""Request content is bounded and is the client's (issue #44, items 4 and 8).
+
+- JSON a client sends inside a string (a schema given as text, a structural tag, a tool call's
+  arguments) is parsed with its nesting bounded: 2 KB of brackets raised RecursionError, a 500
+  the router retried and counted until decode's circuit opened; now it is a 400 naming the field.
+- A 5xx raised before the request reached the engine carries the client-origin mark
+  (x-pd-error-origin: client), so no router counts it against the server; one raised after
+  does not.
+The server is the real app around the echo stand-in scheduler (fake_server.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from fake_server import FakeServer
+
+from pdcore.engine.sched.grammar import (
+    MAX_JSON_TEXT_DEPTH,
+    load_client_json,
+    spec_from_fields,
+    spec_from_response_format,
+)
+from pdcore.errors import InvalidRequestError
+
+DEEP = "[" * 2000 + "]" * 2000  # 4 KB: json.loads raises RecursionError on it
+JUST_TOO_DEEP = "[" * (MAX_JSON_TEXT_DEPTH + 1) + "]" * (MAX_JSON_TEXT_DEPTH + 1)
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 700 + "{}" + "}}" * 700
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _deep_bodies() -> list[tuple[str, dict[str, Any], str]]:
+    """(route, body, the field the 400 names) for every place a client's JSON text is parsed."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    out: list[tuple[str, dict[str, Any], str]] = []
+    for text in (DEEP, JUST_TOO_DEEP, DEEP_SCHEMA):
+        out += [
+            ("/v1/chat/completions", {**CHAT, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": text}}},
+             "response_format.json_schema.schema"),
+            ("/v1/chat/completions", {**CHAT, "json_schema": text}, "json_schema"),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "json_schema": text},
+             "json_schema"),
+            ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2,
+                                                               "json_schema": text}},
+             "sampling_params.json_schema"),
+            ("/generate", {"text": "hi", "sampling_params": {"structural_tag": text}},
+             "sampling_params.structural_tag"),
+            ("/v1/chat/completions", {**CHAT, "response_format": {
+                "type": "structural_tag", "triggers": ["<f>"],
+                "structures": [{"begin": "<f>", "schema": text, "end": "</f>"}]}},
+             "response_format.structures[0].schema"),
+        ]
+    out.append(("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                           "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+        "messages[1].tool_calls[0].function.arguments"))
+    return out
+
+
+@pytest.mark.parametrize("route, body, field", _deep_bodies(),
+                         ids=lambda v: v if isinstance(v, str) and len(v) < 60 else "")
+def test_deep_json_text_is_a_400_naming_the_field(fake_server: FakeServer, pages_back: None,
+                                                  route: str, body: dict[str, Any],
+                                                  field: str) -> None:
+    resp = fake_server.client.post(route, json=body)
+    assert resp.status_code == 400, resp.text[:500]
+    assert resp.json()["error"]["param"] == field, resp.text[:500]
+    assert "nested" in resp.json()["error"]["message"]
+    assert "x-pd-error-origin" not in resp.headers  # a 4xx is the client's by its status
+
+
+def test_json_text_within_the_bound_still_works(fake_server: FakeServer) -> None:
+    ok_depth = "[" * MAX_JSON_TEXT_DEPTH + "]" * MAX_JSON_TEXT_DEPTH
+    assert load_client_json(ok_depth, "x") is not None
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    spec = spec_from_response_format({"type": "json_schema",
+                                      "json_schema": {"name": "x", "schema": json.dumps(schema)}})
+    assert spec is not None and json.loads(spec.source) == schema
+    # a tool call's arguments that are not JSON reach the template as the text they are
+    args = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "not json {"}}]}
+    resp = fake_server.client.post("/v1/chat/completions", json={
+        "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}, args,
+                                      {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})
+    assert resp.status_code == 200, resp.text[:500]
+
+
+def test_structural_tag_shape_is_checked_at_the_edge() -> None:
+    bad = [{"structures": "x"}, {"structures": [{"begin": "<a>", "end": "</a>"}]},
+           {"structures": [{"begin": 1, "schema": {}, "end": "</a>"}]},
+           {"structures": [], "triggers": [1]}]
+    for tag in bad:
+        with pytest.raises(InvalidRequestError) as e:
+            spec_from_fields({"structural_tag": json.dumps(tag)}, "sampling_params.")
+        assert e.value.field.startswith("sampling_params.structural_tag")
+    good = {"structures": [{"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}],
+            "triggers": ["<a>"]}
+    assert spec_from_fields({"structural_tag": good}) is not None
+
+
+def test_pre_engine_500_carries_the_client_mark(fake_server: FakeServer,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected error while the server reads a request (before the engine) is the client's
+    doing: marked. The same error once the request reached the engine is the server's: not."""
+    import pdcore.server.openai_routes as routes
+
+    def broken_plan(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("boom while planning")
+
+    monkeypatch.setattr(routes, "plan_request", broken_plan)
+    resp = fake_server.client.post("/v1/chat/completions", json=CHAT)
+    assert resp.status_code == 500 and "boom while planning" in resp.text
+    assert resp.headers["x-pd-error-origin"] == "client"
+    monkeypatch.undo()
+
+    async def broken_collect(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("boom in the engine")
+
+    monkeypatch.setattr(routes, "collect", broken_collect)
+    resp = httpx.post(fake_server.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert resp.status_code == 500 and "boom in the engine" in resp.text
+    assert "x-pd-error-origin" not in resp.headers
+    monkeypatch.undo()
+    # a new connection: uvicorn closes the one an unhandled error went over
+    resp = httpx.post(fake_server.url + "/v1/chat/completions", json=CHAT, timeout=30)
+    assert resp.status_code == 200, resp.text
