@@ -145,6 +145,11 @@ class KVManager(ABC):
     def _on_tick(self) -> None:
         """Timeouts and deferred work, on the control-plane thread."""
 
+    def holds(self, room: int) -> bool:
+        """A request holds `room` here (live, or ended and not released yet)."""
+        with self._lock:
+            return room in self._rooms
+
     # -- shared machinery ----------------------------------------------------------------------
     def _claim(self, room: int) -> bool:
         """Under the lock: False when a room with this number is still held by a request, live

@@ -36,6 +36,17 @@ class RoleExtension(Extension):
         req.disagg = state
         self.sched.hold(req)
 
+    def _duplicate(self, req: Req, room: int) -> bool:
+        """True (the request failed with 409) when `room` is held by another request here: the
+        newcomer is refused and the room it names goes on untouched (a client repeating
+        another's room cannot fail it)."""
+        holds = getattr(self.mgr, "holds", None)  # stand-in managers in unit tests have none
+        if holds is None or not holds(room):
+            return False
+        self.sched.fail(req, f"bootstrap room {room} is already in use by another request on "
+                             f"this {self.mgr.role} server; use a unique bootstrap_room", 409)
+        return True
+
     def _agree(self, reqs: list[Req], **kw: Any) -> Agreed:
         """Poll states (and counts) of these requests' rooms, agreed by every TP rank."""
         return poll_all(self.mgr, [r.disagg.room for r in reqs], self.sched.tp, **kw)

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import json
-import random
+import secrets
 from typing import Any
 
 from pdcore.errors import InvalidRequestError
@@ -58,23 +58,23 @@ def wants_logprobs(route: str, body: dict[str, Any]) -> bool:
 
 
 def inject_bootstrap(
-    body: dict[str, Any], prefill: Worker, n: int | None, rng: random.Random,
-    key: bytes | None = None,
+    body: dict[str, Any], prefill: Worker, n: int | None, key: bytes | None = None,
 ) -> dict[str, Any]:
     """The body with the route to `prefill` (one room per prompt), signed with `key` (the
     cluster secret's route key) when the router has one. A client's own route fields,
-    signature included, are replaced: the route is never the client's to choose."""
+    signature included, are replaced: the route is never the client's to choose. Rooms come
+    from `secrets` (a room is a capability: nobody may predict the next one)."""
     out = dict(body)
     out.pop("bootstrap_sig", None)
     host, port = prefill.bootstrap_host, prefill.bootstrap_port
     if n is None:
         out["bootstrap_host"], out["bootstrap_port"] = host, port
-        out["bootstrap_room"] = rng.getrandbits(ROOM_BITS)
+        out["bootstrap_room"] = secrets.randbits(ROOM_BITS)
         if key is not None:
             out["bootstrap_sig"] = sign_route(key, out["bootstrap_room"], host, port)
     else:
         out["bootstrap_host"], out["bootstrap_port"] = [host] * n, [port] * n
-        out["bootstrap_room"] = [rng.getrandbits(ROOM_BITS) for _ in range(n)]
+        out["bootstrap_room"] = [secrets.randbits(ROOM_BITS) for _ in range(n)]
         if key is not None:
             out["bootstrap_sig"] = [sign_route(key, r, host, port) for r in out["bootstrap_room"]]
     return out

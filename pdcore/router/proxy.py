@@ -244,7 +244,7 @@ class Proxy:
             p, d = pair
             if self.before_decode is not None:
                 await self.before_decode(d)
-            content = json.dumps({**inject_bootstrap(body, p, n, self._rng, self._cfg.route_key),
+            content = json.dumps({**inject_bootstrap(body, p, n, self._cfg.route_key),
                                   **self._dp.fields(p, d)}).encode()
             outcome = await self._attempt(
                 route, p, d, content, headers, stream, logprobs, deadline, request_id, gone,

@@ -1,6 +1,7 @@
-"""PD mode: a protocol violation on one room (two requests on one bootstrap room, sent to P
-and D directly) fails that room on both sides; both engines stay up, pages return to their
-baseline, and a later request through the router succeeds. Real P + D + router, tiny model."""
+"""PD mode: two requests on one bootstrap room, sent to P and D directly: the second on each
+server is refused with 409 (issue 44 item 8: a client error, not a 500) and the room it names
+goes on; both engines stay up, pages return to their baseline, and a later request through the
+router succeeds. Real P + D + router, tiny model."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def test_duplicate_room_fails_alone(tiny_llama_dir: Path) -> None:
         assert all(isinstance(a, httpx.Response) for a in answers), answers
         failed = [a for a in answers if a.status_code != 200]
         assert failed and all(a.status_code >= 400 and a.text for a in failed)
-        assert any("already in use" in a.text for a in failed), [a.text for a in failed]
+        dup = [a for a in failed if "already in use" in a.text]
+        assert dup and all(a.status_code == 409 for a in dup), [(a.status_code, a.text)
+                                                                for a in failed]
         assert p.alive() and d.alive()
         cluster.wait_pages_free()
         ok = httpx.post(cluster.url + "/generate", json={

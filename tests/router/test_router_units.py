@@ -171,10 +171,9 @@ def test_bootstrap_fields_from_prefill_url():
     host = reg.add("https://Prefill-0.example:443", "prefill", None)
     assert v6.url == "http://[::1]:30000" and v6.bootstrap_host == "::1"
     assert host.bootstrap_host == "prefill-0.example"
-    rng = random.Random(5)
-    rooms = {inject_bootstrap({"text": "x"}, v6, None, rng)["bootstrap_room"] for _ in range(50)}
+    rooms = {inject_bootstrap({"text": "x"}, v6, None)["bootstrap_room"] for _ in range(50)}
     assert len(rooms) == 50 and all(0 <= r < 2**63 for r in rooms)
-    out = inject_bootstrap({"text": ["a", "b"]}, v6, 2, random.Random(6))
+    out = inject_bootstrap({"text": ["a", "b"]}, v6, 2)
     assert out["bootstrap_host"] == ["::1", "::1"] and out["bootstrap_port"] == [8998, 8998]
 
 

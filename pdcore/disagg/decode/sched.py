@@ -78,6 +78,8 @@ class DecodeExtension(RoleExtension):
             self.sched.fail(req, "a decode server needs bootstrap_host and bootstrap_room "
                                  "(send requests through the router)", 400)
             return True
+        if self._duplicate(req, int(route.room)):
+            return True
         req.logprob_start_len = -1  # prompt logprobs come from P (the router merges them)
         port = route.port or self.args.disaggregation_bootstrap_port
         self._take(req, DState(int(route.room)))

@@ -62,6 +62,8 @@ class PrefillExtension(RoleExtension):
             self.sched.fail(req, "a prefill server needs bootstrap_room (send requests through "
                                  "the router)", 400)
             return True
+        if self._duplicate(req, int(route.room)):
+            return True
         req.params.max_new_tokens = 1
         self._take(req, PState(int(route.room)))
         self.mgr.add(req.disagg.room, route.host)
