@@ -59,6 +59,7 @@ class KVManager(ABC):
         self._closed = False
         self._rooms: dict[int, Any] = {}
         self._peer_faults: set[int] = set()  # failed rooms whose cause is the peer role
+        self._client_faults: set[int] = set()  # failed rooms whose request is at fault (409)
         self._handlers: Mapping[type, Callable[[Any], None]] = {}  # message type -> handler
         self.ctrl = ControlPlane(args.host, self.token, f"{self.role}{tp_rank}", self._on_message,
                                  self._on_tick, on_foreign=self._on_foreign)
@@ -90,10 +91,16 @@ class KVManager(ABC):
         with self._lock:
             return room in self._peer_faults
 
+    def client_fault(self, room: int) -> bool:
+        """True when `room` failed because of its request (a copied route, another prompt)."""
+        with self._lock:
+            return room in self._client_faults
+
     def release(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(room, None)
             self._peer_faults.discard(room)
+            self._client_faults.discard(room)
             self.states.remove(room)
         self.xfer.forget(room)
 
@@ -165,6 +172,8 @@ class KVManager(ABC):
             return
         if code in self.peer_fault_codes:  # set.add is atomic; release() discards under the lock
             self._peer_faults.add(room)
+        if code in wire.CLIENT_FAULTS:
+            self._client_faults.add(room)
         self.counters.add("failures")
         self.xfer.failed(room, code, reason)
         self._log.warning("room %d: failed: %s", room, reason)

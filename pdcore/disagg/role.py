@@ -78,6 +78,14 @@ class RoleExtension(Extension):
     def _fail(self, req: Req, reason: str) -> None:
         self.sched.fail(req, reason)
 
+    def _fail_status(self, room: int) -> int:
+        """409 when the room failed because of its request (a copied route, another prompt);
+        502 when the peer role failed it (the router blames that role), else 500."""
+        client = getattr(self.mgr, "client_fault", None)
+        if client is not None and client(room):
+            return 409
+        return 502 if self.mgr.peer_fault(room) else 500
+
     def _end_room(self, req: Req) -> None:
         """The request ends before its room did: abort the room (tells the peer), release it."""
         if self.mgr.poll(req.disagg.room) not in TERMINAL:

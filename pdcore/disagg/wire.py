@@ -32,7 +32,9 @@ from pdcore.route_auth import control_key
 
 # 2: TransferInfo carries the prompt prefix decode already holds (prefix_pages, prefix_digest)
 # 3: messages are MACed (never the secret itself); Hello/HelloAck; the model fingerprint
-PROTOCOL_VERSION = 3
+# 4: TransferInfo names the decode server (decode_id) and digests its whole prompt: P binds a
+#    room to the first decode server that claims it and sends nothing unless the prompts match
+PROTOCOL_VERSION = 4
 NO_AUX_SLOT = -1
 
 
@@ -96,6 +98,11 @@ class TransferInfo(_Msg, tag="transfer_info"):
     # tokens (prefix_digest()); P writes none of them, and only if the digest is its prompt's
     prefix_pages: int = 0
     prefix_digest: str = ""
+    # the decode server (all its ranks: its server id) and the digest of its whole prompt
+    # (prefix_digest() of every prompt token id): a room is bound to one decode server, and P
+    # refuses to prefill for a decode server whose prompt is not its own
+    decode_id: str = ""
+    prompt_digest: str = ""
 
     def pages(self) -> np.ndarray:
         if len(self.dst_pages) % 4:
@@ -139,6 +146,12 @@ PREFILL_FAULT = "prefill_fault"  # not sent: D's record that its prefill peer fa
 VERSION_MISMATCH = "version_mismatch"  # Status.code: the peer speaks another protocol version
 # Status.code / Abort.code: one side refused to pair with the other (model, page size, layout)
 PAIRING_REFUSED = "pairing_refused"
+# Status.code: the room is bound to another decode server (a copied route): nothing moves
+ROOM_CLAIMED = "room_claimed"
+# Status.code: decode's prompt is not the prompt prefill has for the room: nothing moves
+PROMPT_MISMATCH = "prompt_mismatch"
+# the codes that mean the request (its copied route or its prompt) is at fault: 409, not 5xx
+CLIENT_FAULTS = frozenset({ROOM_CLAIMED, PROMPT_MISMATCH})
 
 
 class _Header(msgspec.Struct):

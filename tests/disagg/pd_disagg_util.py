@@ -102,10 +102,12 @@ def make_env(**extra: str) -> DisaggEnv:
     return DisaggEnv.from_env({**FAST_ENV, **extra})
 
 
-def make_args(role: str, bootstrap_port: int, token: str | None = None) -> ServerArgs:
+def make_args(role: str, bootstrap_port: int, token: str | None = None,
+              server_id: str | None = None) -> ServerArgs:
+    extra = {"server_id": server_id} if server_id else {}
     return ServerArgs(host="127.0.0.1", disaggregation_mode=role,
                       disaggregation_bootstrap_port=bootstrap_port,
-                      disaggregation_auth_token=token)
+                      disaggregation_auth_token=token, **extra)
 
 
 def prefill(kv: TestKV, port: int, env: DisaggEnv, backend: str = "tcp",
@@ -118,8 +120,9 @@ def prefill(kv: TestKV, port: int, env: DisaggEnv, backend: str = "tcp",
 
 
 def decode(kv: TestKV, env: DisaggEnv, backend: str = "tcp", token: str | None = None,
-           tp_rank: int = 0, tp_size: int = 1) -> DecodeKVManager:
-    m = DecodeKVManager(make_args("decode", 1, token), env, kv.layout, kv.regions, kv.aux,
+           tp_rank: int = 0, tp_size: int = 1, server_id: str = "test-decode") -> DecodeKVManager:
+    # the ranks of one D server share its server id (P binds a room to one decode server)
+    m = DecodeKVManager(make_args("decode", 1, token, server_id), env, kv.layout, kv.regions, kv.aux,
                         backend, tp_rank, tp_size)
     m.start()
     return m

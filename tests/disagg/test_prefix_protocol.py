@@ -191,7 +191,8 @@ def _manager(role: str, kv: TestKV, port: int, env, rank: int, tp: int):
         m = PrefillKVManager(make_args("prefill", port), env, kv.layout, kv.regions, kv.aux,
                              "tcp", rank, tp, tensors, kv.pool, route_secret=f"test-{port}")
     else:
-        m = DecodeKVManager(make_args("decode", 1), env, kv.layout, kv.regions, kv.aux, "tcp",
+        m = DecodeKVManager(make_args("decode", 1, server_id="test-decode"), env, kv.layout,
+                            kv.regions, kv.aux, "tcp",
                             rank, tp, tensors, kv.pool)
     m.start()
     return m

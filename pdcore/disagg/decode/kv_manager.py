@@ -57,6 +57,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
         args, env, tp_rank = self.args, self.env, self.tp_rank
         self.session = (f"{advertised_host(args.host)}/{args.server_id}/{tp_rank}/"
                         f"{uuid.uuid4().hex[:8]}")
+        self.decode_id = args.server_id  # every rank of this server: P binds a room to it
         self._rooms: dict[int, Room] = {}
         self._instances: dict[str, Instance] = {}
         self._addr_locks: dict[str, threading.Lock] = {}
@@ -119,9 +120,11 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
         self._resolver.submit(self._resolve, room, addr, now)
 
     def send_transfer_info(self, room: int, dst_pages: np.ndarray, aux_slot: int,
-                           prefix_pages: int = 0, prefix_digest: str = "") -> None:
+                           prefix_pages: int = 0, prefix_digest: str = "",
+                           prompt_digest: str = "") -> None:
         """Tell P where the room's KV goes: all of the prompt's pages, of which the first
-        `prefix_pages` hold D's cached prefix already (tokens digested in `prefix_digest`)."""
+        `prefix_pages` hold D's cached prefix already (tokens digested in `prefix_digest`);
+        `prompt_digest` digests the whole prompt (P refuses to prefill for another one)."""
         pages = np.asarray(dst_pages, dtype=np.int64).ravel()
         # a protocol violation by our scheduler fails the room (P is told), not the engine
         why = f"aux slot {aux_slot} out of range" if not 0 <= aux_slot < self.aux.num_slots else (
@@ -148,6 +151,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
             self.aux.clear(aux_slot)  # a stale row in a reused slot must never pass the check
             r.aux_slot, r.pages = aux_slot, pages
             r.prefix_pages, r.prefix_digest = prefix_pages, prefix_digest
+            r.prompt_digest = prompt_digest
             r.deadline = time.monotonic() + self.env.waiting_timeout
             self.states.advance(room, KVPoll.Transferring)
             nbytes = (self.grants.staging.grant_bytes(len(pages) - prefix_pages, r.inst.tp_size)
@@ -174,7 +178,8 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
                                 rank=self.tp_rank, dst_pages=wire.encode_pages(pages),
                                 aux_slot=r.aux_slot, required=inst.required_dst,
                                 staging_offset=off, staging_len=nbytes,
-                                prefix_pages=r.prefix_pages, prefix_digest=r.prefix_digest)
+                                prefix_pages=r.prefix_pages, prefix_digest=r.prefix_digest,
+                                decode_id=self.decode_id, prompt_digest=r.prompt_digest)
         dp = r.prefill_dp_of(inst)
         r.sent_at = time.monotonic()  # before sending: a restart seen later may blame it
         for a in [inst.ctrl_addrs[(dp, t)] for t in inst.targets]:
@@ -230,7 +235,8 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
                 r.aux_payload = msg.aux or r.aux_payload
                 done = len(r.responders) >= inst.responses
         if msg.state == KVPoll.Failed:
-            code = "" if msg.code in wire.DECODE_FAULTS else wire.PREFILL_FAULT
+            code = (msg.code if msg.code in wire.CLIENT_FAULTS else
+                    "" if msg.code in wire.DECODE_FAULTS else wire.PREFILL_FAULT)
             self._fail(msg.room, f"prefill rank {msg.rank} failed: {msg.reason}", code=code,
                        notify=False)
             if msg.code in (wire.UNKNOWN_SESSION, wire.SESSION_FAILED) and inst is not None:

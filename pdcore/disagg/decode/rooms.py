@@ -40,6 +40,7 @@ class Room:
     grant: tuple[int, int] | None = None  # (offset, bytes) in the staging ring
     prefix_pages: int = 0  # leading pages D's prefix cache holds: P writes none of them
     prefix_digest: str = ""
+    prompt_digest: str = ""  # of the whole prompt: P prefills only for its own prompt
     prefill_dp: int | None = None  # P's DP rank the request named; None: room % P's dp size
     sent_at: float | None = None  # monotonic time TransferInfo last went to `inst`
     rebinding: bool = False  # `inst` restarted before serving the room: re-resolving its address

@@ -156,7 +156,8 @@ class DecodeExtension(RoleExtension):
         self.transfer.append(req)
         prefix = ({"prefix_pages": held, "prefix_digest": wire.prefix_digest(req.prompt[:cached])}
                   if held else {})
-        self.mgr.send_transfer_info(st.room, np.asarray(req.pages, np.int64), slot, **prefix)
+        self.mgr.send_transfer_info(st.room, np.asarray(req.pages, np.int64), slot,
+                                    prompt_digest=wire.prefix_digest(req.prompt), **prefix)
         return True
 
     def _start_decoding(self, req: Req) -> None:
@@ -210,7 +211,7 @@ class DecodeExtension(RoleExtension):
 
     def _fail(self, req: Req, reason: str) -> None:
         # 502: this server is fine, its prefill peer failed the pair (the router blames prefill)
-        self.sched.fail(req, reason, 502 if self.mgr.peer_fault(req.disagg.room) else 500)
+        self.sched.fail(req, reason, self._fail_status(req.disagg.room))
 
     def on_abort(self, req: Req) -> None:
         if isinstance(req.disagg, Parked):  # it holds no pages yet: just leave the leader

@@ -30,14 +30,17 @@ from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.disagg import wire
 from pdcore.disagg.aux import AuxBuffers
 from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
-from pdcore.disagg.common import (
-    FAKE_BOOTSTRAP_HOST,
-    UNBOUNDED_PAGES,
-    advertised_host,
-)
+from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
 from pdcore.disagg.manager import KVManager
 from pdcore.disagg.prefill.chunks import ChunkWriter
-from pdcore.disagg.prefill.rooms import Chunk, Dest, Pending, RoomState, send_violation
+from pdcore.disagg.prefill.rooms import (
+    Chunk,
+    Dest,
+    DestViews,
+    Pending,
+    RoomState,
+    send_violation,
+)
 from pdcore.disagg.prefill.sessions import SessionTable
 from pdcore.disagg.sessions import parse_register
 from pdcore.disagg.states import KVPoll
@@ -49,7 +52,7 @@ from pdcore.interfaces.transfer import MemoryRegion
 log = logging.getLogger("pdcore.disagg.prefill")
 
 
-class PrefillKVManager(ChunkWriter, KVManager):
+class PrefillKVManager(DestViews, ChunkWriter, KVManager):
     """The sender: P's rooms, D sessions, the bootstrap server (rank 0), transfer workers."""
 
     role = "prefill"
@@ -141,30 +144,16 @@ class PrefillKVManager(ChunkWriter, KVManager):
             pending = self._pending.pop(room, None)
             if pending is not None:
                 r.dests, r.required = pending.dests, pending.required
+                r.decode_id = pending.decode_id
                 if pending.failure:
                     self._fail(room, pending.failure)
                 else:
                     self._maybe_ready(r)
         log.debug("room %d: added", room)
 
-    def dest_page_count(self, room: int) -> int:
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is None:
-                return 0
-            if r.fake:
-                return UNBOUNDED_PAGES
-            return min((len(d.pages) for d in r.dests.values()), default=0)
-
-    def dest_prefix(self, room: int) -> tuple[int, str]:
-        """(pages, digest) of the prompt prefix every D rank of the room holds already; (0, '')
-        when none or the room is unknown; (-1, '') when D's ranks disagree."""
-        with self._lock:
-            r = self._rooms.get(room)
-            if r is None or r.fake or not r.dests:
-                return 0, ""
-            seen = {(d.prefix_pages, d.prefix_digest) for d in r.dests.values()}
-        return next(iter(seen)) if len(seen) == 1 else (-1, "")
+    def refuse(self, room: int, reason: str, code: str) -> None:
+        """Fail the room on both sides with a machine-readable code, before any page left."""
+        self._fail(room, reason, code)
 
     def send(self, room: int, src_pages: np.ndarray, page_start: int, is_last: bool,
              aux_slot: int | None) -> None:
@@ -257,8 +246,12 @@ class PrefillKVManager(ChunkWriter, KVManager):
             code, why, pages = self.sessions.check(msg)
             dest = Dest(msg.session, msg.ctrl_addr, msg.rank, pages, msg.aux_slot,
                         msg.staging_offset, msg.staging_len, prefix_pages=msg.prefix_pages,
-                        prefix_digest=msg.prefix_digest)
+                        prefix_digest=msg.prefix_digest, prompt_digest=msg.prompt_digest)
             r = self._rooms.get(msg.room)
+            holder = r if r is not None else self._pending.get(msg.room)
+            if holder is not None and holder.decode_id and holder.decode_id != msg.decode_id:
+                self._refuse_claim(msg)  # the room stays its first decode server's
+                return
             if r is None:
                 tomb = self._tombstones.get(msg.room)
                 if tomb is not None:
@@ -266,6 +259,7 @@ class PrefillKVManager(ChunkWriter, KVManager):
                 else:
                     p = self._pending.setdefault(msg.room, Pending(time.monotonic()))
                     p.required = msg.required
+                    p.decode_id = p.decode_id or msg.decode_id
                     if why:
                         p.failure = p.failure or why
                     else:
@@ -275,6 +269,7 @@ class PrefillKVManager(ChunkWriter, KVManager):
                 return
             r.dests[msg.session] = dest
             r.required = msg.required
+            r.decode_id = r.decode_id or msg.decode_id
             if self.states.get(msg.room) is KVPoll.Failed:
                 self._reply_failed(msg.ctrl_addr, msg.room, self.states.reason(msg.room))
                 return
@@ -283,6 +278,16 @@ class PrefillKVManager(ChunkWriter, KVManager):
             self._fail(msg.room, why, code)
             return
         self._maybe_ready(r)
+
+    def _refuse_claim(self, msg: wire.TransferInfo) -> None:
+        """Under the lock: a second decode server names a room that is bound to another one (a
+        copied route): only it is told, nothing moves, the room goes on."""
+        self.counters.add("room_claims_refused")
+        why = (f"bootstrap room {msg.room} is bound to another decode server (one decode "
+               "server per room): this request's route was copied from another request")
+        log.warning("room %d: TransferInfo from decode %s refused: bound to another decode "
+                    "server", msg.room, msg.decode_id or msg.session)
+        self._reply_failed(msg.ctrl_addr, msg.room, why, wire.ROOM_CLAIMED)
 
     def _on_abort(self, msg: wire.Abort) -> None:
         reason = f"aborted by decode: {msg.reason or 'no reason given'}"

@@ -1,12 +1,15 @@
-"""P's per-room bookkeeping: destinations (one per D rank), pending messages, chunk jobs, and
-which send() calls break the protocol."""
+"""P's per-room bookkeeping: destinations (one per D rank), pending messages, chunk jobs,
+which send() calls break the protocol, and what the scheduler reads of the destinations
+(DestViews)."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdcore.disagg.common import UNBOUNDED_PAGES
 from pdcore.disagg.states import KVPoll
 
 
@@ -24,6 +27,7 @@ class Dest:
     staged: bool = False  # some chunk went through the grant (D must scatter)
     prefix_pages: int = 0  # leading pages D holds already (its prefix cache): never written
     prefix_digest: str = ""  # wire.prefix_digest of their tokens
+    prompt_digest: str = ""  # wire.prefix_digest of D's whole prompt (must be P's)
 
 
 @dataclass(eq=False)
@@ -33,6 +37,7 @@ class RoomState:
     dests: dict[str, Dest] = field(default_factory=dict)
     required: int = 1
     fake: bool = False
+    decode_id: str = ""  # the decode server the room is bound to (the first that claimed it)
     inflight: int = 0  # chunk jobs queued or running
     last_queued: bool = False
     final_aux: int | None = None
@@ -47,6 +52,7 @@ class Pending:
     dests: dict[str, Dest] = field(default_factory=dict)
     required: int = 1
     failure: str = ""
+    decode_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +82,39 @@ def send_violation(r: RoomState, state: KVPoll | None, pages: np.ndarray, page_s
     if aux_slot is not None and not 0 <= aux_slot < num_aux:
         return f"prefill aux slot {aux_slot} out of range"
     return ""
+
+
+class DestViews:
+    """What P's scheduler reads about a room's destinations (mixed into PrefillKVManager)."""
+
+    _lock: threading.RLock
+    _rooms: dict[int, RoomState]
+
+    def dest_page_count(self, room: int) -> int:
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                return 0
+            if r.fake:
+                return UNBOUNDED_PAGES
+            return min((len(d.pages) for d in r.dests.values()), default=0)
+
+    def dest_prefix(self, room: int) -> tuple[int, str]:
+        """(pages, digest) of the prompt prefix every D rank of the room holds already; (0, '')
+        when none or the room is unknown; (-1, '') when D's ranks disagree."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.fake or not r.dests:
+                return 0, ""
+            seen = {(d.prefix_pages, d.prefix_digest) for d in r.dests.values()}
+        return next(iter(seen)) if len(seen) == 1 else (-1, "")
+
+    def dest_prompt(self, room: int) -> str | None:
+        """The digest of the whole prompt the room's decode ranks hold ('' when they disagree);
+        None when there is nothing to compare (unknown or warm-up room, no destination yet)."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.fake or not r.dests:
+                return None
+            seen = {d.prompt_digest for d in r.dests.values()}
+        return next(iter(seen)) if len(seen) == 1 else ""

@@ -43,10 +43,11 @@ class PState:
     sent_pages: int = 0  # pages D has: its cached prefix, then every chunk sent
     aux_slot: int | None = None
     prefix_pages: int = 0  # of those, the prefix D held already (never sent)
+    prompt_digest: str = ""  # wire.prefix_digest of the whole prompt: D's must be the same
 
 
 # votes on D's cached prefix that fail the request (a real vote is a page count >= 0)
-_RANKS_DISAGREE, _DIGEST_MISMATCH = -1, -2
+_RANKS_DISAGREE, _DIGEST_MISMATCH, _PROMPT_MISMATCH = -1, -2, -3
 
 
 class PrefillExtension(RoleExtension):
@@ -65,7 +66,7 @@ class PrefillExtension(RoleExtension):
         if self._duplicate(req, int(route.room)):
             return True
         req.params.max_new_tokens = 1
-        self._take(req, PState(int(route.room)))
+        self._take(req, PState(int(route.room), prompt_digest=wire.prefix_digest(req.prompt)))
         self.mgr.add(req.disagg.room, route.host)
         self.bootstrap.append(req)
         self.counts["requests"] += 1
@@ -91,7 +92,12 @@ class PrefillExtension(RoleExtension):
     def _prefix_vote(self, req: Req) -> int:
         """The pages of D's cached prefix this rank may skip: D's count when its digest is
         this prompt's (the bytes D holds are then the KV of the same token ids), else a
-        negative vote that fails the request."""
+        negative vote that fails the request; first of all, D's whole prompt must be this one
+        (a decode request that copied another's route carries another prompt)."""
+        prompt = getattr(self.mgr, "dest_prompt", None)  # stand-in managers have none
+        theirs = prompt(req.disagg.room) if prompt is not None else None
+        if theirs is not None and theirs != req.disagg.prompt_digest:
+            return _PROMPT_MISMATCH
         pages, digest = self.mgr.dest_prefix(req.disagg.room)
         if pages <= 0:
             return _RANKS_DISAGREE if pages < 0 else 0
@@ -106,6 +112,14 @@ class PrefillExtension(RoleExtension):
         have = agreed.counts[req.disagg.room]
         low, neg_high = agreed.extra[req.disagg.room]
         why = ""
+        if low == _PROMPT_MISMATCH:
+            why = ("the decode server's prompt for this bootstrap room is not this prompt (its "
+                   "digest differs): refused before any KV left; a decode request must carry "
+                   "the same prompt as its prefill request")
+            self.mgr.refuse(req.disagg.room, why, wire.PROMPT_MISMATCH)
+            self.bootstrap.remove(req)
+            self.sched.fail(req, why, 409)
+            return True
         if have < need:
             why = f"decode reserved {have} KV pages; the prompt needs {need}"
         elif low == _DIGEST_MISMATCH:
@@ -136,7 +150,7 @@ class PrefillExtension(RoleExtension):
 
     def _fail(self, req: Req, reason: str) -> None:
         # 502: this server is fine, its decode peer failed the pair (the router blames decode)
-        self.sched.fail(req, reason, 502 if self.mgr.peer_fault(req.disagg.room) else 500)
+        self.sched.fail(req, reason, self._fail_status(req.disagg.room))
 
     def after_step(self, results: list[StepResult]) -> None:
         for res in results:
