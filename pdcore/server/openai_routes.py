@@ -7,6 +7,7 @@ the tokenizer's chat template with the generation prompt added.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,15 @@ from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
 MAX_TOP_LOGPROBS = 20
+OFF_LOOP_CHARS = 8 * 1024  # a longer output is split into reasoning / content / tool calls on a
+# worker thread: the parsers are linear and capped, but the event loop serves everyone else
+
+
+async def _shaped(fn: Any, text: str, *args: Any) -> Any:
+    """fn(text, *args), on a worker thread when `text` is long."""
+    if len(text) > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, text, *args)
+    return fn(text, *args)
 
 
 def _stream_usage_requested(body: Any) -> bool:
@@ -120,7 +130,9 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
                 if chat:
                     fields: dict[str, Any] = {"content": delta} if delta else {}
                     if shapers is not None:  # reasoning / tool calls: the shaper splits them
-                        fields, reason = shapers[i].delta(text, ev.done, reason)
+                        shape = shapers[i].delta  # the last one parses the calls: maybe long
+                        fields, reason = (await _shaped(shape, text, True, reason) if ev.done
+                                          else shape(text, False, reason))
                         if not fields and not new_lps and not ev.done:
                             continue  # held back: it may open a tool call or a marker
                     c: dict[str, Any] = {"index": i, "delta": fields, "logprobs": None,
@@ -293,7 +305,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                     if body.logprobs else None)
         message: dict[str, Any] = {"role": "assistant", "content": a.out.text}
         if shapers is not None:
-            message, reason = shapers[i].message(a.out.text, reason)
+            message, reason = await _shaped(shapers[i].message, a.out.text, reason)
         choices.append({"index": i, "message": message, "logprobs": logprobs,
                         "finish_reason": reason, "matched_stop": matched})
     return JSONResponse({"id": plan.rid, "object": "chat.completion", "created": int(time.time()),

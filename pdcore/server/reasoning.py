@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pdcore.server.tool_parsers import partial_tail
 
-NAMES = ("deepseek-r1", "qwen3")
+NAMES = ("deepseek-r1", "qwen3")  # --reasoning-parser's choices
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -37,3 +37,6 @@ class ReasoningParser:
             return reasoning, content.lstrip()
         held = 0 if done else partial_tail(body, CLOSE)
         return body[:len(body) - held], ""
+
+
+PARSERS = {name: (lambda n=name: ReasoningParser(n)) for name in NAMES}  # fuzz suites list it

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 
+MAX_PARSE_CHARS = 1 << 20  # a longer output is content: no tool calls are looked for in it
+MAX_JSON_DEPTH = 64  # arguments nested deeper are no call (content)
+
+
 def partial_tail(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper start of `marker`."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -48,8 +52,43 @@ def _obj_calls(objs: list[Any], args_key: str, known: set[str]) -> list[ToolCall
     return calls
 
 
+_JSON_SYNTAX = re.compile(r'["\\\[\]{}]')  # one character: no backtracking
+
+
+def json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep brackets nest in `text` outside JSON strings, counted up to `limit` + 1 (one
+    linear pass over the brackets, quotes and backslashes only)."""
+    depth = deepest = 0
+    in_str, escaped_at = False, -2
+    for m in _JSON_SYNTAX.finditer(text):
+        ch, at = m.group(), m.start()
+        if in_str:
+            if escaped_at == at - 1:  # this character is escaped
+                escaped_at = -2
+            elif ch == "\\":
+                escaped_at = at
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    return deepest
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def _json_values(text: str) -> list[Any] | None:
-    """Every JSON value in `text`, back to back (whitespace and `;` between them)."""
+    """Every JSON value in `text`, back to back (whitespace and `;` between them); None when
+    it holds anything else or nests deeper than MAX_JSON_DEPTH (json's own recursion would
+    raise)."""
+    if json_depth(text) > MAX_JSON_DEPTH:
+        return None
     dec, out, i = json.JSONDecoder(), [], 0
     while True:
         while i < len(text) and text[i] in " \t\r\n;":
@@ -58,9 +97,24 @@ def _json_values(text: str) -> list[Any] | None:
             return out
         try:
             value, i = dec.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         out.append(value)
+
+
+def _blocks(text: str, begin: str, end: str) -> list[tuple[int, int, int, int]]:
+    """Each closed `begin`...`end` block of `text`, left to right, with str.find (linear): (where
+    begin starts, where its inside starts, where end starts, where end stops). A block that never
+    closes ends the list."""
+    out, pos = [], 0
+    while (lo := text.find(begin, pos)) >= 0:
+        a = lo + len(begin)
+        b = text.find(end, a)
+        if b < 0:
+            break
+        pos = b + len(end)
+        out.append((lo, a, b, pos))
+    return out
 
 
 class ToolParser:
@@ -88,19 +142,26 @@ class ToolParser:
 
 class Qwen25(ToolParser):
     name, start = "qwen25", "<tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    end = "</tool_call>"
 
     def parse(self, text: str, known: set[str]) -> tuple[str, list[ToolCall]]:
-        blocks = list(self._block.finditer(text))
+        if len(text) > MAX_PARSE_CHARS:
+            return text, []
+        blocks = _blocks(text, self.start, self.end)
         if not blocks:
             return text, []
-        objs = [_json_values(m.group(1)) for m in blocks]
+        objs = [_json_values(text[a:b]) for _, a, b, _ in blocks]
         if any(o is None or len(o) != 1 for o in objs):
             return text, []
         calls = _obj_calls([o[0] for o in objs], "arguments", known)  # type: ignore[index]
         if calls is None:
             return text, []
-        return self._block.sub("", text).strip(), calls
+        kept, pos = [], 0
+        for lo, _, _, hi in blocks:
+            kept.append(text[pos:lo])
+            pos = hi
+        kept.append(text[pos:])
+        return "".join(kept).strip(), calls
 
     def forced(self, name: str, schema: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
         _, obj, _ = super().forced(name, schema)
@@ -111,6 +172,8 @@ class Llama3(ToolParser):
     name, start, args_key = "llama3", "{", "parameters"
 
     def parse(self, text: str, known: set[str]) -> tuple[str, list[ToolCall]]:
+        if len(text) > MAX_PARSE_CHARS:
+            return text, []
         body = text.strip()
         head = ""
         if "<|python_tag|>" in body:
@@ -138,7 +201,7 @@ class Mistral(ToolParser):
     name, start = "mistral", "[TOOL_CALLS]"
 
     def parse(self, text: str, known: set[str]) -> tuple[str, list[ToolCall]]:
-        if self.start not in text:
+        if self.start not in text or len(text) > MAX_PARSE_CHARS:
             return text, []
         head, body = text.split(self.start, 1)
         objs = _json_values(body.strip())
@@ -155,15 +218,22 @@ class Mistral(ToolParser):
 class DeepSeekV3(ToolParser):
     name = "deepseekv3"
     start = "<｜tool▁calls▁begin｜>"
-    _call = re.compile(r"<｜tool▁call▁begin｜>function<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```"
-                       r"<｜tool▁call▁end｜>", re.DOTALL)
+    _begin, _sep, _end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    _open_args, _close_args = "\n```json\n", "\n```"
 
     def parse(self, text: str, known: set[str]) -> tuple[str, list[ToolCall]]:
-        if self.start not in text:
+        if self.start not in text or len(text) > MAX_PARSE_CHARS:
             return text, []
         head, body = text.split(self.start, 1)
-        found = self._call.findall(body)
-        objs = [{"name": n.strip(), "arguments": _json_values(a)} for n, a in found]
+        objs = []
+        for _, a, b, _ in _blocks(body, self._begin, self._end):
+            kind, sep, rest = body[a:b].partition(self._sep)
+            name, opened, args = rest.partition(self._open_args)
+            if kind != "function" or not sep or not opened or \
+                    not args.endswith(self._close_args):
+                continue  # what the old pattern did not match: not a call
+            values = _json_values(args[:-len(self._close_args)])
+            objs.append({"name": name.strip(), "arguments": values})
         if not objs or any(o["arguments"] is None or len(o["arguments"]) != 1 for o in objs):
             return text, []
         calls = _obj_calls([{**o, "arguments": o["arguments"][0]} for o in objs], "arguments",
@@ -175,12 +245,12 @@ class DeepSeekV3(ToolParser):
                 "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 
 
-_PARSERS: dict[str, type[ToolParser]] = {
+PARSERS: dict[str, type[ToolParser]] = {  # every --tool-call-parser name (fuzz suites list it)
     "qwen25": Qwen25, "qwen": Qwen25, "hermes": Qwen25, "llama3": Llama3, "mistral": Mistral,
     "deepseekv3": DeepSeekV3,
 }
-NAMES = tuple(_PARSERS)  # --tool-call-parser's choices
+NAMES = tuple(PARSERS)  # --tool-call-parser's choices
 
 
 def get_parser(name: str) -> ToolParser:
-    return _PARSERS[name]()
+    return PARSERS[name]()
