@@ -251,18 +251,62 @@ def _template_call(call: dict[str, Any], where: str = "messages") -> dict[str, A
     return {**call, "function": fn}
 
 
+# OpenAI's reasoning_effort values; a template that reads the variable gets one of them
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, effort: str | None, tokenizer: Any,
+                    field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """The chat template's extra variables: `chat_template_kwargs` as sent (Qwen3's
+    enable_thinking, ...) and `reasoning_effort` (as vLLM passes it: templates that read it,
+    gpt-oss's among them, use it; the others render as without it). A key that is one of
+    apply_chat_template's own parameters (tools, tokenize, ...) is a 400: it is not a template
+    variable and would change how the prompt is made."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+                  f"{effort!r}", "reasoning_effort")
+    out: dict[str, Any] = {} if effort is None else {"reasoning_effort": effort}
+    reserved = _template_parameters(type(tokenizer))
+    for key, value in (kwargs or {}).items():
+        if key in reserved:
+            raise bad(f"{field}.{key} is a parameter of the chat template call, not a "
+                      "template variable; use the request field instead", f"{field}.{key}")
+        out[key] = value
+    return out
+
+
+def _template_parameters(cls: type) -> frozenset[str]:
+    import inspect
+
+    try:
+        params = inspect.signature(cls.apply_chat_template).parameters.values()
+    except (AttributeError, TypeError, ValueError):
+        params = ()  # type: ignore[assignment]
+    names = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(names | {"messages", "conversation", "self"})
+
+
+def render_chat(tokenizer: Any, msgs: list[dict[str, Any]], *, cont: bool = False,
+                tools: list[dict[str, Any]] | None = None,
+                variables: dict[str, Any] | None = None, field: str = "messages") -> list[int]:
+    """Token ids of `msgs` rendered by the model's chat template (the generation prompt added
+    unless the last message is continued)."""
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not cont,
+                                             continue_final_message=cont, tools=tools or None,
+                                             **(variables or {}))
+    except Exception as e:
+        raise bad(f"{field} do not fit the model's chat template: {e}", field) from e
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def chat_prompt(body: ChatCompletionRequest, tokenizer: Any,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     if not body.messages:
         raise bad("messages must not be empty", "messages")
-    msgs = [_message(m, i) for i, m in enumerate(body.messages)]
-    cont = bool(body.continue_final_message)
-    try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not cont,
-                                             continue_final_message=cont, tools=tools or None)
-    except Exception as e:
-        raise bad(f"messages do not fit the model's chat template: {e}", "messages") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    variables = template_kwargs(body.chat_template_kwargs, body.reasoning_effort, tokenizer)
+    return render_chat(tokenizer, [_message(m, i) for i, m in enumerate(body.messages)],
+                       cont=bool(body.continue_final_message), tools=tools, variables=variables)
 
 
 @router.post("/v1/chat/completions")

@@ -201,3 +201,7 @@ class ChatCompletionRequest(_OpenAIBase):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # false: the first call only (chat_tools)
     separate_reasoning: bool = True  # with --reasoning-parser: reasoning_content apart
+    # variables for the chat template (Qwen3's enable_thinking, ...); reasoning_effort is one
+    # too, for templates that read it (openai_routes.render_chat)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None

@@ -34,8 +34,7 @@ _MISPLACED: dict[str, dict[str, str]] = {
                "structural_tag": 'response_format {"type": "structural_tag", ...}'},
 }
 _OPENAI: dict[str, tuple[Any, ...]] = {
-    "functions": ([],), "function_call": ("none",), "chat_template_kwargs": ({},),
-    "reasoning_effort": (), "audio": (), "prediction": (), "modalities": (["text"],),
+    "functions": ([],), "function_call": ("none",), "audio": (), "prediction": (), "modalities": (["text"],),
     "store": (False,), "suffix": ("",),
 }
 _SAMPLING: dict[str, tuple[Any, ...]] = {
@@ -82,8 +81,9 @@ def check_unsupported(route: str, body: dict[str, Any]) -> None:
         return
     _check(body, _OPENAI, "")
     if route == "/v1/completions":  # chat-only fields: refused rather than ignored here
-        for key in ("tools", "tool_choice", "parallel_tool_calls"):
-            if body.get(key) not in (None, [], "none"):
+        for key in ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                    "reasoning_effort"):
+            if body.get(key) not in (None, [], {}, "none"):
                 raise InvalidRequestError(f"{key} is served on /v1/chat/completions, not on "
                                           f"{route}", key)
     _check(body, _SAMPLING, "")  # OpenAI routes take SGLang's sampling extras at top level

@@ -80,8 +80,18 @@ CASES = [
     ("unsupported", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi", "function_call": {"name": "f"}}]}, 400,
      "messages[0].function_call"),
-    ("unsupported", "/v1/chat/completions", _chat(chat_template_kwargs={"x": 1}), 400,
+    # chat template variables (#45 item 7): not apply_chat_template's own parameters
+    ("template", "/v1/chat/completions", _chat(chat_template_kwargs={"tokenize": True}), 400,
+     "chat_template_kwargs.tokenize"),
+    ("template", "/v1/chat/completions", _chat(chat_template_kwargs={"tools": []}), 400,
+     "chat_template_kwargs.tools"),
+    ("template", "/v1/chat/completions", _chat(chat_template_kwargs=["x"]), 400,
      "chat_template_kwargs"),
+    ("template", "/v1/chat/completions", _chat(reasoning_effort="extreme"), 400,
+     "reasoning_effort"),
+    ("chat-only", "/v1/completions", _cmpl(chat_template_kwargs={"enable_thinking": False}),
+     400, "chat_template_kwargs"),
+    ("chat-only", "/v1/completions", _cmpl(reasoning_effort="low"), 400, "reasoning_effort"),
     # chat roles: system, user, assistant, developer (= system), tool; not the legacy function
     ("role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
      "messages[0].role"),
@@ -146,6 +156,10 @@ ACCEPTED = [
     ("/v1/completions", _cmpl(logprobs=20, seed=-5, stop=["\U0001f600"])),
     ("/generate", _sp(regex="[a-z]+")),
     ("/v1/chat/completions", _chat(response_format={"type": "json_object"})),
+    # template variables a template does not read render as without them (#45 item 7)
+    ("/v1/chat/completions", _chat(chat_template_kwargs={"enable_thinking": False},
+                                   reasoning_effort="low")),
+    ("/v1/completions", _cmpl(chat_template_kwargs={}, reasoning_effort=None)),
 ]
 
 
