@@ -181,7 +181,7 @@ def flush(*servers: ServerProcess, timeout: float = 30.0) -> None:
     for s in servers:
         deadline = time.monotonic() + timeout
         while True:
-            r = httpx.post(s.url + "/flush_cache", timeout=30)
+            r = httpx.post(s.url + "/flush_cache", timeout=30, headers=s.admin_headers)
             if r.status_code == 200:
                 break
             if time.monotonic() > deadline:

@@ -51,6 +51,8 @@ class ServerArgs:
     port: int = 30000
     log_level: str = "info"
     api_key: str | None = None  # bearer token required on every route but /health
+    # the admin routes' own key (pdcore.server.auth); unset: admin routes are off
+    admin_api_key: str | None = None
     log_requests: bool = False
     enable_metrics: bool = False  # /metrics is always on; accepted for SGLang parity
     disable_cuda_graph: bool = False  # no CUDA graphs are ever captured; accepted for parity
@@ -172,8 +174,7 @@ class ServerArgs:
             raise ConfigError(
                 f"--tokenizer-worker-num {self.tokenizer_worker_num}: only 1 is supported (the "
                 "HTTP process tokenizes; run more servers behind the router to scale out)")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ConfigError("--api-key must not be empty")
+        check_keys(self.api_key, self.admin_api_key)
         if self.disaggregation_auth_token is not None and not self.disaggregation_auth_token:
             raise ConfigError("--disaggregation-auth-token must not be empty")
         try:
@@ -324,25 +325,54 @@ def cluster_secret(flag_value: str | None, env: Mapping[str, str] | None = None)
     hands it over: a process's environment is not world-readable as its argv is), else the
     contents of the file $PDSERVE_DISAGGREGATION_AUTH_TOKEN_FILE names (surrounding whitespace
     stripped). ConfigError when that file cannot be read or holds nothing."""
+    return _secret(flag_value, env, CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV,
+                   "the cluster secret")
+
+
+# the admin key (--admin-api-key): the only credential of the admin routes, on servers and
+# router; handed over like the cluster secret (`pdserve up` draws one per cluster)
+ADMIN_KEY_ENV = "PDSERVE_ADMIN_API_KEY"
+ADMIN_KEY_FILE_ENV = "PDSERVE_ADMIN_API_KEY_FILE"
+
+
+def admin_api_key(flag_value: str | None, env: Mapping[str, str] | None = None) -> str | None:
+    """--admin-api-key, else $PDSERVE_ADMIN_API_KEY, else the contents of the file
+    $PDSERVE_ADMIN_API_KEY_FILE names; None: the admin routes are off."""
+    return _secret(flag_value, env, ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, "the admin key")
+
+
+def check_keys(api_key: str | None, admin_key: str | None) -> None:
+    """Both keys non-empty when given, and different: the inference key must never open the
+    admin routes."""
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key must not be empty")
+    if admin_key is not None and not admin_key.strip():
+        raise ConfigError("--admin-api-key must not be empty")
+    if api_key and admin_key and api_key.strip() == admin_key.strip():
+        raise ConfigError("--admin-api-key must differ from --api-key: every API user holds the "
+                          "API key, and it must not open the admin routes")
+
+
+def _secret(flag_value: str | None, env: Mapping[str, str] | None, env_name: str,
+            file_env: str, what: str) -> str | None:
     if flag_value:
         return flag_value
     env = os.environ if env is None else env
-    raw = env.get(CLUSTER_SECRET_ENV, "")
+    raw = env.get(env_name, "")
     if raw:
         return raw
-    path = env.get(CLUSTER_SECRET_FILE_ENV, "").strip()
+    path = env.get(file_env, "").strip()
     if not path:
         return None
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_SECRET_FILE_BYTES + 1)
     except OSError as e:
-        raise ConfigError(f"{CLUSTER_SECRET_FILE_ENV}={path}: cannot read the cluster secret "
-                          f"({e.strerror})") from None
+        raise ConfigError(f"{file_env}={path}: cannot read {what} ({e.strerror})") from None
     secret = data.decode("utf-8", "replace").strip()
     if not secret or len(data) > MAX_SECRET_FILE_BYTES:
-        raise ConfigError(f"{CLUSTER_SECRET_FILE_ENV}={path}: the file must hold the cluster "
-                          f"secret (1 to {MAX_SECRET_FILE_BYTES} bytes)")
+        raise ConfigError(f"{file_env}={path}: the file must hold {what} "
+                          f"(1 to {MAX_SECRET_FILE_BYTES} bytes)")
     return secret
 
 

@@ -11,7 +11,12 @@ from typing import Any
 
 import pytest
 
-from pdcore.testing.processes import ServerProcess, free_port  # noqa: F401 - re-exported
+from pdcore.testing.processes import (  # noqa: F401 - re-exported
+    ADMIN_HEADERS,
+    TEST_ADMIN_KEY,
+    ServerProcess,
+    free_port,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

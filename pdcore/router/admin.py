@@ -8,9 +8,11 @@ Info: `/get_server_info` (= `/server_info`), `/get_model_info` (= `/model_info`)
 `/flush_cache`, `/get_loads`, `/health_generate`.
 
 Every route that changes state (adding or removing workers, flushing the workers' caches) is an
-admin route (`pdcore.server.auth.require_admin`): it needs --api-key's bearer token or, when no
-key is set, a client on loopback; anyone else gets 403. An open `POST /workers` let anyone who
-could reach the router add a worker and receive user prompts. The read-only routes stay open.
+admin route (`pdcore.server.auth.require_admin`): it needs --admin-api-key's bearer token (the
+API key does not open it; no admin key: off, 403), whatever address the call comes from. An
+open `POST /workers` let anyone who could reach the router (or any API user) add a worker and
+receive other users' prompts. The read-only routes stay behind --api-key alone. The flush
+fan-out to the workers carries the router's admin key (the workers' admin routes want it).
 """
 
 from __future__ import annotations
@@ -216,7 +218,8 @@ def build_admin_router(state: RouterState) -> APIRouter:
 
         async def flush(w: Worker) -> dict[str, Any]:
             try:
-                resp = await client().post(w.url + "/flush_cache", timeout=info_timeout)
+                resp = await client().post(w.url + "/flush_cache", timeout=info_timeout,
+                                           headers=cfg.admin_headers())
                 return {"url": w.url, "status": resp.status_code, "ok": resp.status_code < 300}
             except httpx.HTTPError as exc:
                 return {"url": w.url, "ok": False, "error": f"{type(exc).__name__}: {exc}"}

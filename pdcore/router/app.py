@@ -8,7 +8,7 @@
    every worker is healthy. `--mini-lb` skips all of this: workers count as healthy from the start.
 3. Requests: generation routes go through `proxy.Proxy`; admin and info routes live in `admin.py`.
    `--api-key` and the admin-route guard are the servers' (`pdcore.server.auth`): the routes
-   that change the router's state need the key or, without one, a loopback client.
+   that change the router's state need `--admin-api-key`, and are off without one.
 4. Lifespan end: background prefill drains and monitor tasks are cancelled, the client closed.
 """
 
@@ -97,6 +97,12 @@ def create_app(config: RouterConfig) -> FastAPI:
             log.warning("no cluster secret (--disaggregation-auth-token): routes go unsigned; "
                         "the router registers its prefill workers' bootstrap addresses with its "
                         "decode workers, which accept only those")
+            if not config.admin_api_key:
+                log.warning("no cluster secret and no --admin-api-key: the router cannot "
+                            "register its prefill workers with its decode workers (an admin "
+                            "call), so they will refuse its routes with 403 unless each lists "
+                            "them with --disaggregation-trusted-prefill. Give router and "
+                            "servers the same cluster secret (best) or the same admin key")
             state.peering = TrustSync(config, state.registry, client)
             state.peering.start()
             state.proxy.on_route_refused = state.peering.sync
@@ -121,7 +127,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                        paths=GENERATION_ROUTES, counter=state.metrics.client_refused)
     # The router's own calls to workers carry the same key (RouterConfig.worker_headers), and a
     # client's header, forwarded with a generate request, is that key once it passed here.
-    install_auth(app, config.api_key, OPEN_PATHS)
+    install_auth(app, config.api_key, config.admin_api_key, OPEN_PATHS)
 
     def _make_route(route: str):  # type: ignore[no-untyped-def]
         async def generate(request: Request) -> Response:

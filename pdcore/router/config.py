@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from urllib.parse import urlsplit
 
-from pdcore.config import cluster_secret
+from pdcore.config import admin_api_key, check_keys, cluster_secret
 from pdcore.errors import ConfigError
 from pdcore.route_auth import route_key
 
@@ -91,12 +91,19 @@ class RouterConfig:
     log_level: str = field(default="info", metadata=_opt("log level", choices=LOG_LEVELS))
     api_key: str | None = field(default=None, metadata=_opt(
         "bearer token clients must send on every route but /health (401 otherwise); the router "
-        "sends the same key to its workers, so start them with the same --api-key"))
+        "sends the same key to its workers, so start them with the same --api-key; it never "
+        "opens the admin routes"))
+    admin_api_key: str | None = field(default=None, metadata=_opt(
+        "the admin routes' own bearer token (POST/DELETE /workers, /add_worker, /remove_worker, "
+        "/flush_cache); must differ from --api-key; unset: those routes answer 403. The router "
+        "sends it on its own admin calls to the workers (cache flush fan-out, trusted prefill "
+        "registration), so give the servers the same one (or $PDSERVE_ADMIN_API_KEY, or the "
+        "file $PDSERVE_ADMIN_API_KEY_FILE names)"))
     disaggregation_auth_token: str | None = field(default=None, metadata=_opt(
         "the cluster secret (same as the servers'; or $PDSERVE_DISAGGREGATION_AUTH_TOKEN): the "
         "router signs every route it adds with it, so prefill and decode servers accept them; "
         "without it the router registers its prefill workers with its decode workers instead "
-        "(POST /disaggregation/trusted_prefill, which needs --api-key off loopback)"))
+        "(POST /disaggregation/trusted_prefill, an admin route: it needs --admin-api-key)"))
     # Kubernetes service discovery (sglang-router's flags; pdcore/router/discovery.py)
     service_discovery: bool = field(default=False, metadata=_opt(
         "find prefill/decode workers as Ready pods matching --prefill/--decode-selector"))
@@ -122,6 +129,11 @@ class RouterConfig:
     def worker_headers(self) -> dict[str, str]:
         """Headers on every router -> worker call (health, loads, info, generation)."""
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def admin_headers(self) -> dict[str, str]:
+        """Headers on the router's admin calls to its workers (cache flush, trusted prefill
+        registration): the admin key, never the API key."""
+        return {"authorization": f"Bearer {self.admin_api_key}"} if self.admin_api_key else {}
 
     @property
     def effective_prefill_policy(self) -> str:
@@ -161,6 +173,8 @@ class RouterConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the flag to fix."""
         _ = self.route_key  # an unreadable cluster-secret file: exit 2 now, not at a request
+        self.admin_api_key = admin_api_key(self.admin_api_key)
+        check_keys(self.api_key, self.admin_api_key)
         if self.max_concurrent_requests_per_client < 0:
             raise ConfigError("--max-concurrent-requests-per-client must be >= 0 (0: no limit)")
         if self.service_discovery:
@@ -211,8 +225,6 @@ class RouterConfig:
             raise ConfigError("--retry-jitter-factor must be in [0, 1)")
         if self.retry_initial_backoff_ms < 0 or self.retry_max_backoff_ms < 0:
             raise ConfigError("--retry-*-backoff-ms must be >= 0")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ConfigError("--api-key must not be empty")
 
 
 def normalize_url(url: str, flag: str = "url") -> str:

@@ -4,7 +4,8 @@ has no cluster secret to sign its routes with (pdcore.route_auth).
 A decode server acts only on a route that is signed or names a trusted prefill address. Without
 `--disaggregation-auth-token` the router cannot sign, so it registers its prefill workers'
 bootstrap addresses with every decode worker (`POST /disaggregation/trusted_prefill`, an admin
-route: loopback, or the router's --api-key), and drops those of prefill workers it removed.
+route: the call carries the router's --admin-api-key, which the decode servers must share), and
+drops those of prefill workers it removed.
 
 1. `start()`: a task that, every `period()` seconds, reads each healthy decode worker's trusted
    set and posts what is missing or stale (a restarted decode server starts empty: it is
@@ -86,7 +87,8 @@ class TrustSync:
                 self._told[worker.url] = want
                 return True
             resp = await self._client.post(url, timeout=timeout, json={
-                "add": sorted(want), "remove": sorted(stale)})
+                "add": sorted(want), "remove": sorted(stale)},
+                headers=self._config.admin_headers())
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.debug("trust sync with %s failed: %s", worker.url, exc)
             return False
@@ -107,4 +109,4 @@ class TrustSync:
         log.warning("decode %s refused the router's prefill addresses (%s): it will refuse this "
                     "router's routes with 403. Give router and servers the same "
                     "--disaggregation-auth-token (the router then signs its routes), or the "
-                    "same --api-key", url, why)
+                    "same --admin-api-key", url, why)

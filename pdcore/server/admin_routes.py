@@ -1,7 +1,7 @@
 """Operational routes: health, server/model info, load, cache flush, metrics, profiling.
 
 The routes that change state (cache flush, profiling) are admin routes: `require_admin`
-(pdcore.server.auth) lets through the --api-key holder or, without a key, loopback clients."""
+(pdcore.server.auth) lets through only the --admin-api-key holder (off without one)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-_SECRET_FIELDS = {"disaggregation_auth_token", "api_key", "pd_route_secret"}
+_SECRET_FIELDS = {"disaggregation_auth_token", "api_key", "admin_api_key", "pd_route_secret"}
 
 
 def _engine(request: Request) -> EngineClient:

@@ -10,8 +10,8 @@
 Before /health turns 200 a unified server runs a one-token warm-up generate (the first forward
 pass pays for lazy initialisation; `--skip-server-warmup` skips it). PD servers skip it: a
 generate there needs a peer. With `--api-key` every route but /health answers 401 without
-`Authorization: Bearer <key>`; the admin routes (cache flush, profiling) need that key, or
-without one a loopback client (`pdcore.server.auth`).
+`Authorization: Bearer <key>`; the admin routes (cache flush, profiling, trusted prefill
+changes) answer only `--admin-api-key`, and are off without one (`pdcore.server.auth`).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     install_error_handlers(app)
     install_limits(app)
 
-    install_auth(app, args.api_key, OPEN_PATHS)
+    install_auth(app, args.api_key, args.admin_api_key, OPEN_PATHS)
 
     @app.middleware("http")
     async def count_requests(request: Request,

@@ -26,6 +26,7 @@ from pdcore.config import (
     NGRAM_MATCH_TYPES,
     SAMPLING_DEFAULTS,
     ServerArgs,
+    admin_api_key,
     cluster_secret,
 )
 from pdcore.errors import ConfigError
@@ -168,7 +169,12 @@ HELP: dict[str, str] = {
                    "model's shapes from its config.json (no weight files needed)",
     "chat_template": "Jinja file used by /v1/chat/completions instead of the tokenizer's template",
     "random_seed": "seeds torch, random and numpy at start: unseeded sampling is reproducible",
-    "api_key": "bearer token required on every route but /health (401 otherwise)",
+    "api_key": "bearer token required on every route but /health (401 otherwise); it never "
+               "opens the admin routes",
+    "admin_api_key": "the admin routes' own bearer token (cache flush, profiling, trusted "
+                     "prefill changes); must differ from --api-key; unset: those routes answer "
+                     "403 (or $PDSERVE_ADMIN_API_KEY, or the file $PDSERVE_ADMIN_API_KEY_FILE "
+                     "names: argv is visible to every local user)",
     "log_requests": "one log line per request: rid, prompt and output tokens, latency",
     "enable_metrics": "accepted for SGLang compatibility: /metrics is always on",
     "disable_cuda_graph": "accepted for SGLang compatibility: pdserve captures no CUDA graphs",
@@ -315,6 +321,7 @@ def parse_server_args(argv: list[str], prog: str = "pdserve serve") -> ServerArg
     try:
         args = ServerArgs(**vars(ns))
         args.disaggregation_auth_token = cluster_secret(args.disaggregation_auth_token)
+        args.admin_api_key = admin_api_key(args.admin_api_key)
         args.validate()
         check_supported(args)
         if args.disaggregation_mode != "null" and not args.disaggregation_transfer_backend:

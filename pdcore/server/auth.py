@@ -1,17 +1,23 @@
 """Who may call what, on the servers and on the router (one mechanism for both).
 
-1. `--api-key K` (`install_auth(app, key, open_paths)`): every route but `open_paths` (/health;
-   the router's /dashboard page) answers 401 without `Authorization: Bearer K`. The router
-   sends the same key on its own calls to the workers.
-2. Admin routes, those that change state (the router's worker registration and removal, cache
-   flushes, profiling, registrations of trusted peers), take `Depends(require_admin)`: with a
-   key they need it like every route; without one they answer only clients whose TCP peer
-   address is loopback (127.0.0.0/8, ::1) and refuse everyone else with 403 saying to set
-   --api-key. The peer address is the socket's (`request.client`): X-Forwarded-For and the
-   like are client-controlled and never read. A rogue worker added through an open
-   `POST /workers` received every user prompt; this makes that need the key or a shell on
-   the router's host.
-3. `log_admin_policy(app, log)` says at start which routes are admin-only and how.
+Two credentials, each a bearer token (`Authorization: Bearer <key>`):
+
+1. `--api-key K` (`install_auth(app, K, A, open_paths)`): every route but `open_paths`
+   (/health; the router's /dashboard page) answers 401 without K or the admin key A. The
+   router sends K on its own data-path calls to the workers.
+2. `--admin-api-key A`: the admin routes, those that change state for everyone (the router's
+   worker registration and removal, cache flushes, profiling, registrations of trusted prefill
+   addresses), take `Depends(require_admin)` and answer only A:
+   - no admin key configured: every admin route is off (403 saying how to turn it on);
+   - the API key K: 403 (an API user is not an admin; an API key equal to the admin key is
+     refused at start, config.check_keys);
+   - no or another token: 401.
+   Nothing else counts: not the peer's address (loopback included: every client behind nginx,
+   a sidecar, `kubectl port-forward` or an SSH tunnel arrives from loopback), not
+   X-Forwarded-For. The admin key also opens the ordinary routes (an admin may do what an API
+   user may).
+3. `log_admin_policy(app, log)` says at start which routes are admin routes and whether they
+   are on, and how to turn them on.
 
 Layering: the router imports this module (docs/architecture.md), so it imports nothing of the
 server's engine side; only FastAPI and the standard library.
@@ -20,7 +26,6 @@ server's engine side; only FastAPI and the standard library.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -29,29 +34,18 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-HOW_TO_ADMIN = ("set --api-key K on this process and send 'Authorization: Bearer K', or call "
-                "it from this host (loopback)")
+HOW_TO_ADMIN = ("start this process with --admin-api-key A (or $PDSERVE_ADMIN_API_KEY, or "
+                "$PDSERVE_ADMIN_API_KEY_FILE naming a file that holds it) and send "
+                "'Authorization: Bearer A'")
 
 
-def bearer_ok(header: str | None, key: str) -> bool:
+def bearer_ok(header: str | None, key: str | None) -> bool:
+    if not key:
+        return False
     scheme, _, token = (header or "").partition(" ")
     # constant-time: the comparison must not tell how much of a guess was right
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
                                                               key.encode())
-
-
-def is_loopback_peer(host: str | None) -> bool:
-    """True when `host` (a socket's peer address) is this machine's loopback. Names are not
-    addresses: 'localhost' or 'testclient' never pass, nor does an unknown peer (None)."""
-    if not host:
-        return False
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped  # a dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d
-    return addr.is_loopback
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
@@ -61,7 +55,8 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
 
 
 class AdminRefused(HTTPException):
-    """An admin route refused its caller (401 wrong key, 403 not allowed without a key)."""
+    """An admin route refused its caller (401 no or a wrong key, 403 not an admin key or admin
+    routes off)."""
 
 
 async def _refused(_: Request, exc: Exception) -> Response:
@@ -73,9 +68,11 @@ async def _refused(_: Request, exc: Exception) -> Response:
     return response
 
 
-def install_auth(app: FastAPI, key: str | None, open_paths: Iterable[str]) -> None:
+def install_auth(app: FastAPI, key: str | None, admin_key: str | None,
+                 open_paths: Iterable[str]) -> None:
     """The API key check (when `key` is set) and the 401/403 answers of `require_admin`."""
     app.state.api_key = key
+    app.state.admin_api_key = admin_key
     app.add_exception_handler(AdminRefused, _refused)
     if not key:
         return
@@ -84,7 +81,9 @@ def install_auth(app: FastAPI, key: str | None, open_paths: Iterable[str]) -> No
     @app.middleware("http")
     async def require_api_key(request: Request,
                               call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if request.url.path in open_set or bearer_ok(request.headers.get("authorization"), key):
+        header = request.headers.get("authorization")
+        if (request.url.path in open_set or bearer_ok(header, key)
+                or bearer_ok(header, admin_key)):
             return await call_next(request)
         response = _error(401, "unauthorized",
                           "missing or wrong API key: send 'Authorization: Bearer <--api-key>'")
@@ -93,19 +92,21 @@ def install_auth(app: FastAPI, key: str | None, open_paths: Iterable[str]) -> No
 
 
 def require_admin(request: Request) -> None:
-    """FastAPI dependency of every route that changes state (see the module doc)."""
-    key = getattr(request.app.state, "api_key", None)
-    if key:
-        if not bearer_ok(request.headers.get("authorization"), key):
-            raise AdminRefused(401, "missing or wrong API key: send 'Authorization: Bearer "
-                                    "<--api-key>'")
+    """FastAPI dependency of every admin route (see the module doc)."""
+    state = request.app.state
+    admin_key = getattr(state, "admin_api_key", None)
+    where = f"{request.method} {request.url.path}"
+    if not admin_key:
+        raise AdminRefused(403, f"{where} is an admin route and admin routes are off on this "
+                                f"process (no admin key); {HOW_TO_ADMIN}")
+    header = request.headers.get("authorization")
+    if bearer_ok(header, admin_key):
         return
-    peer = request.client.host if request.client else None
-    if not is_loopback_peer(peer):
-        raise AdminRefused(403, f"{request.method} {request.url.path} is an admin route: "
-                                f"without --api-key it answers only loopback clients, and "
-                                f"this call came from {peer or 'an unknown address'}; "
-                                f"{HOW_TO_ADMIN}")
+    if bearer_ok(header, getattr(state, "api_key", None)):
+        raise AdminRefused(403, f"{where} is an admin route: the API key does not open it; "
+                                "send 'Authorization: Bearer <--admin-api-key>'")
+    raise AdminRefused(401, f"{where} is an admin route: missing or wrong admin key; send "
+                            "'Authorization: Bearer <--admin-api-key>'")
 
 
 def admin_routes(app: FastAPI) -> list[str]:
@@ -129,7 +130,10 @@ def admin_routes(app: FastAPI) -> list[str]:
 
 
 def log_admin_policy(app: FastAPI, log: logging.Logger) -> None:
-    how = ("need 'Authorization: Bearer <--api-key>'" if getattr(app.state, "api_key", None)
-           else "answer only loopback clients (no --api-key set; set it to call them from "
-                "other hosts)")
-    log.info("admin routes %s %s", ", ".join(admin_routes(app)), how)
+    routes = ", ".join(admin_routes(app))
+    if getattr(app.state, "admin_api_key", None):
+        log.info("admin routes %s need 'Authorization: Bearer <--admin-api-key>' (the API key "
+                 "does not open them)", routes)
+    else:
+        log.warning("admin routes %s are off (403): no admin key; to turn them on, %s",
+                    routes, HOW_TO_ADMIN)

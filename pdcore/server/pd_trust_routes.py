@@ -4,8 +4,8 @@ addresses it accepts unsigned routes to.
 `GET /disaggregation/trusted_prefill` -> {"trusted": [...], "signed_routes": bool, "refused": N};
 `POST /disaggregation/trusted_prefill` {"add": ["HOST:PORT", ...], "remove": [...]} registers or
 drops addresses (the router does this for its prefill workers when it has no cluster secret to
-sign with). Changing trust is an admin act (`server.auth.require_admin`): with --api-key the
-key is required, without one only loopback clients may do it.
+sign with). Changing trust is an admin act (`server.auth.require_admin`): it needs
+--admin-api-key, and is off without one (the address a call comes from never counts).
 """
 
 from __future__ import annotations

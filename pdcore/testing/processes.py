@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from pdcore.config import CLUSTER_SECRET_ENV, HOST_SERVERS_ENV
+from pdcore.config import ADMIN_KEY_ENV, CLUSTER_SECRET_ENV, HOST_SERVERS_ENV
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import server_threads
 from pdcore.testing.pages import load_at_rest
@@ -23,6 +23,10 @@ from pdcore.testing.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 KEEP_LOGS_ENV = "PDCORE_KEEP_TEST_LOGS"  # 1: a stopped server's temp folder and log stay
+# the admin key every test server and router gets unless a test says otherwise (admin routes
+# are off without one): tests that flush caches or start profiles send ADMIN_HEADERS
+TEST_ADMIN_KEY = "pdserve-test-admin-key"
+ADMIN_HEADERS = {"authorization": f"Bearer {TEST_ADMIN_KEY}"}
 
 
 def spawned_children(pid: int) -> list[int]:
@@ -62,11 +66,17 @@ class ServerProcess:
     Its log lies in a temp folder of its own that is also the server's TMPDIR (IPC sockets,
     exported tokenizer; an env TMPDIR of the test's own wins): at stop the log is read into
     memory and the folder removed, so a test run leaves nothing behind even when the server
-    was SIGKILLed (PDCORE_KEEP_TEST_LOGS=1 keeps it)."""
+    was SIGKILLed (PDCORE_KEEP_TEST_LOGS=1 keeps it).
+
+    It gets `admin_key` as $PDSERVE_ADMIN_API_KEY (default TEST_ADMIN_KEY; None: no admin key,
+    the admin routes are off); `admin_headers` carries it."""
 
     def __init__(self, *flags: str, port: int | None = None, env: dict[str, str] | None = None,
-                 command: tuple[str, ...] = ("-m", "pdcore", "serve")) -> None:
+                 command: tuple[str, ...] = ("-m", "pdcore", "serve"),
+                 admin_key: str | None = TEST_ADMIN_KEY) -> None:
         self.flags, self.command, self.extra_env = flags, command, env or {}
+        self.admin_key = admin_key
+        self.admin_headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmp_dir = Path(tempfile.mkdtemp(prefix="pdserve-test-"))
@@ -83,6 +93,9 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         env = {**os.environ, "TMPDIR": str(self.tmp_dir), **self.extra_env}
+        env.pop(ADMIN_KEY_ENV, None)
+        if self.admin_key:
+            env[ADMIN_KEY_ENV] = self.admin_key
         self.tmp_dir.mkdir(exist_ok=True)  # again after a stop
         cwd = None
         if (REPO_ROOT / "pyproject.toml").is_file():  # a checkout, not an installed package
@@ -159,7 +172,8 @@ def trust_prefill(decode_url: str, *bootstrap_ports: int, host: str = "127.0.0.1
     """Tell a decode server (started by hand, no router in front) to accept routes to these
     prefill bootstrap ports, as `pdserve router` does for its workers."""
     r = httpx.post(decode_url + "/disaggregation/trusted_prefill", timeout=10,
-                   json={"add": [f"{host}:{p}" for p in bootstrap_ports]})
+                   json={"add": [f"{host}:{p}" for p in bootstrap_ports]},
+                   headers=ADMIN_HEADERS)
     assert r.status_code == 200, r.text
 
 

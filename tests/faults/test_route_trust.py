@@ -22,7 +22,7 @@ import zmq
 
 from pdcore.disagg.control import MAX_PEERS, ControlPlane
 from pdcore.route_auth import route_key, sign_route
-from pdcore.testing.processes import PDCluster, ServerProcess
+from pdcore.testing.processes import ADMIN_HEADERS, PDCluster, ServerProcess
 from pdcore.testing.tiny_models import make_tiny_model
 
 FLAGS = ("--max-total-tokens", "2048", "--page-size", "4")
@@ -148,11 +148,12 @@ def test_warmup_host_is_not_the_clients(open_pair) -> None:
 def test_trust_registration_is_validated(open_pair) -> None:
     url = open_pair.decodes[0].url + "/disaggregation/trusted_prefill"
     for bad in ({"add": ["no-port"]}, {"add": "127.0.0.1:1"}, {"add": ["x:1"] * 300}, [1]):
-        r = httpx.post(url, json=bad, timeout=10)
+        r = httpx.post(url, json=bad, timeout=10, headers=ADMIN_HEADERS)
         assert r.status_code == 400, (bad, r.text)
-    r = httpx.post(url, json={"add": ["10.9.8.7:8998"], "remove": []}, timeout=10)
+    r = httpx.post(url, json={"add": ["10.9.8.7:8998"], "remove": []}, timeout=10,
+                   headers=ADMIN_HEADERS)
     assert r.status_code == 200 and "10.9.8.7:8998" in r.json()["trusted"]
-    r = httpx.post(url, json={"remove": ["10.9.8.7:8998"]}, timeout=10)
+    r = httpx.post(url, json={"remove": ["10.9.8.7:8998"]}, timeout=10, headers=ADMIN_HEADERS)
     assert "10.9.8.7:8998" not in r.json()["trusted"]
 
 
@@ -173,7 +174,7 @@ def test_a_decode_that_forgot_the_prefill_is_told_again(open_pair) -> None:
     before, refused = _refused_count(d.url), False
     for _ in range(3):  # the router's periodic pass may re-register first: try again then
         r = httpx.post(d.url + "/disaggregation/trusted_prefill", json={"remove": [addr]},
-                       timeout=10)
+                       timeout=10, headers=ADMIN_HEADERS)
         assert addr not in r.json()["trusted"]
         r = httpx.post(c.url + "/generate", json=ROUTES["/generate"], timeout=120)
         assert r.status_code == 200, r.text
@@ -193,7 +194,7 @@ def test_a_new_router_tells_decode_before_its_first_route(open_pair) -> None:
     c = open_pair
     addr = f"127.0.0.1:{c.bootstrap_ports[0]}"
     r = httpx.post(c.decodes[0].url + "/disaggregation/trusted_prefill",
-                   json={"remove": [addr]}, timeout=10)
+                   json={"remove": [addr]}, timeout=10, headers=ADMIN_HEADERS)
     assert addr not in r.json()["trusted"]
     router = ServerProcess(  # a 60 s health interval: its periodic pass comes 5 s late
         "--pd-disaggregation", "--prefill", c.prefills[0].url, str(c.bootstrap_ports[0]),

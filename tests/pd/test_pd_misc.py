@@ -48,14 +48,16 @@ def test_profile_prefill_and_decode_separately(tiny_dir, tmp_path):
         for name, server in (("prefill", c.prefills[0]), ("decode", c.decodes[0])):
             dirs[name] = str(tmp_path / name)
             r = httpx.post(server.url + "/start_profile", json={"output_dir": dirs[name]},
-                           timeout=60)
+                           timeout=60, headers=server.admin_headers)
             assert r.status_code == 200, r.text
-            again = httpx.post(server.url + "/start_profile", json={}, timeout=60)
+            again = httpx.post(server.url + "/start_profile", json={}, timeout=60,
+                               headers=server.admin_headers)
             assert again.status_code >= 400  # already profiling: a clear error, no crash
         body = {"text": "profile me", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
         assert httpx.post(c.url + "/generate", json=body, timeout=120).status_code == 200
         for name, server in (("prefill", c.prefills[0]), ("decode", c.decodes[0])):
-            r = httpx.post(server.url + "/stop_profile", timeout=120)
+            r = httpx.post(server.url + "/stop_profile", timeout=120,
+                           headers=server.admin_headers)
             assert r.status_code == 200, r.text
             assert os.listdir(dirs[name]), f"no trace written for {name}"
     finally:

@@ -42,7 +42,7 @@ def run_policy(c: PDCluster, policy: str, prompts: list[list[int]]) -> list[dict
     """The prompts one at a time through a fresh router with `policy` over c's workers (whose
     caches are flushed first); the router is stopped after."""
     for s in c.prefills + c.decodes:
-        r = httpx.post(s.url + "/flush_cache", timeout=30)
+        r = httpx.post(s.url + "/flush_cache", timeout=30, headers=s.admin_headers)
         assert r.status_code == 200, r.text
     view = PDCluster("tcp", prefill=0, decode=0, env=c.env, policy=policy)
     view.prefills, view.decodes, view.bootstrap_ports = c.prefills, c.decodes, c.bootstrap_ports
@@ -78,7 +78,8 @@ def test_cache_aware_beats_round_robin_with_identical_answers(tiny_dir: str) -> 
             assert len(a["output_ids"]) == SAMPLING["max_new_tokens"]
         # flushed, every pool is back to all pages free: nothing was left referenced
         for s in c.prefills + c.decodes:
-            assert httpx.post(s.url + "/flush_cache", timeout=30).status_code == 200
+            assert httpx.post(s.url + "/flush_cache", timeout=30,
+                              headers=s.admin_headers).status_code == 200
         c.wait_pages_free()
     finally:
         c.stop()

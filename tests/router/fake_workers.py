@@ -81,6 +81,7 @@ class FakeWorker:
     received: list[Received] = field(default_factory=list)
     disconnects: int = 0
     flushes: int = 0
+    flush_auth: list[str | None] = field(default_factory=list)  # Authorization of each flush
     health_calls: int = 0
     server: ServerThread | None = None
 
@@ -201,8 +202,9 @@ class FakeWorker:
                                  "worker": self.name})
 
         @app.post("/flush_cache")
-        async def flush_cache() -> Response:
+        async def flush_cache(request: Request) -> Response:
             self.flushes += 1
+            self.flush_auth.append(request.headers.get("authorization"))
             return Response("Cache flushed.", 200)
 
         return app

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from pdserve_testing import ADMIN_HEADERS, TEST_ADMIN_KEY
+
 
 def _served_by(worker_list, before):
     """Names of the workers that got a request since `before` (list of per-worker counts);
@@ -66,8 +68,9 @@ def test_cache_aware_keeps_prefix_affinity(fake_worker, router):
 def test_add_and_remove_workers_at_runtime(fake_worker, router):
     p, d1 = fake_worker("prefill"), fake_worker("decode", name="d1")
     d2 = fake_worker("decode", name="d2")
-    r = router([(p, None)], [d1])
-    resp = r.client.post("/workers", json={"url": d2.url, "worker_type": "decode"})
+    r = router([(p, None)], [d1], admin_api_key=TEST_ADMIN_KEY)
+    resp = r.client.post("/workers", json={"url": d2.url, "worker_type": "decode"},
+                         headers=ADMIN_HEADERS)
     assert resp.status_code == 200 and resp.json()["status"] == "added"
     listed = r.client.get("/workers").json()
     assert listed["total"] == 3 and listed["stats"] == {"prefill": 1, "decode": 2}
@@ -75,23 +78,30 @@ def test_add_and_remove_workers_at_runtime(fake_worker, router):
         r.client.post("/generate", json={"text": "x"})
     assert len(d2.received) == 2 and len(d1.received) == 2
     # errors say what is wrong
-    dup = r.client.post("/workers", json={"url": d2.url, "worker_type": "decode"})
+    dup = r.client.post("/workers", json={"url": d2.url, "worker_type": "decode"},
+                        headers=ADMIN_HEADERS)
     assert dup.status_code == 409
-    bad = r.client.post("/workers", json={"url": "http://127.0.0.1:1", "worker_type": "mixed"})
+    bad = r.client.post("/workers", json={"url": "http://127.0.0.1:1", "worker_type": "mixed"},
+                        headers=ADMIN_HEADERS)
     assert bad.status_code == 400 and "worker_type" in bad.json()["error"]["message"]
-    bad = r.client.post("/workers", json={"url": "not a url", "worker_type": "decode"})
+    bad = r.client.post("/workers", json={"url": "not a url", "worker_type": "decode"},
+                        headers=ADMIN_HEADERS)
     assert bad.status_code == 400
-    assert r.client.request("DELETE", "/workers", json={"url": d2.url}).status_code == 200
-    assert r.client.delete("/workers", params={"url": d2.url}).status_code == 404
+    assert r.client.request("DELETE", "/workers", json={"url": d2.url},
+                            headers=ADMIN_HEADERS).status_code == 200
+    assert r.client.delete("/workers", params={"url": d2.url},
+                           headers=ADMIN_HEADERS).status_code == 404
     for _ in range(3):
         r.client.post("/generate", json={"text": "x"})
     assert len(d2.received) == 2 and len(d1.received) == 5
     # legacy endpoints, with a bootstrap port that reaches the request
     p2 = fake_worker("prefill", name="p2")
     add = r.client.post("/add_worker", params={"url": p2.url, "worker_type": "prefill",
-                                               "bootstrap_port": "9100"})
+                                               "bootstrap_port": "9100"},
+                         headers=ADMIN_HEADERS)
     assert add.status_code == 200
-    assert r.client.post("/remove_worker", params={"url": p.url}).status_code == 200
+    assert r.client.post("/remove_worker", params={"url": p.url},
+                         headers=ADMIN_HEADERS).status_code == 200
     assert r.client.post("/generate", json={"text": "x"}).status_code == 200
     assert p2.wait_received(1)[-1]["bootstrap_port"] == 9100
 
@@ -99,8 +109,9 @@ def test_add_and_remove_workers_at_runtime(fake_worker, router):
 def test_added_worker_waits_for_health(fake_worker, router):
     p, d1 = fake_worker("prefill"), fake_worker("decode")
     d2 = fake_worker("decode", health_status=503)
-    r = router([(p, None)], [d1])
-    resp = r.client.post("/workers", json={"url": d2.url, "worker_type": "decode"})
+    r = router([(p, None)], [d1], admin_api_key=TEST_ADMIN_KEY)
+    resp = r.client.post("/workers", json={"url": d2.url, "worker_type": "decode"},
+                         headers=ADMIN_HEADERS)
     assert resp.status_code == 202 and resp.json()["worker"]["available"] is False
     for _ in range(2):
         r.client.post("/generate", json={"text": "x"})
@@ -117,7 +128,7 @@ def test_added_worker_waits_for_health(fake_worker, router):
 
 def test_info_and_admin_routes(fake_worker, router):
     p, d = fake_worker("prefill", name="pp"), fake_worker("decode", name="dd")
-    r = router([(p, 8998)], [d])
+    r = router([(p, 8998)], [d], admin_api_key=TEST_ADMIN_KEY)
     info = r.client.get("/get_server_info").json()
     assert [i["worker"] for i in info["prefill"]] == ["pp"]
     assert [i["worker"] for i in info["decode"]] == ["dd"]
@@ -127,8 +138,10 @@ def test_info_and_admin_routes(fake_worker, router):
     assert r.client.get("/model_info").status_code == 200
     models = r.client.get("/v1/models").json()  # fakes lack /v1/models: built from server info
     assert models["data"][0]["id"] == "tiny"
-    flush = r.client.post("/flush_cache")
+    flush = r.client.post("/flush_cache", headers=ADMIN_HEADERS)
     assert flush.status_code == 200 and p.flushes == 1 and d.flushes == 1
+    # the fan-out carries the router's admin key (the workers' flush is an admin route)
+    assert p.flush_auth == d.flush_auth == [ADMIN_HEADERS["authorization"]]
     assert r.client.get("/health_generate").status_code == 200
     d.health_status = 500
     assert r.client.get("/health_generate").status_code == 503

@@ -16,11 +16,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fake_server, fake_scheduler
 
 from fake_server import FakeServer, wait_pages
+from pdserve_testing import TEST_ADMIN_KEY
 
 
 @pytest.fixture(scope="module")
 def fake_server(tiny_llama_dir: Path) -> Iterator[FakeServer]:
-    server = FakeServer(tiny_llama_dir, context_length=256)
+    server = FakeServer(tiny_llama_dir, context_length=256, admin_api_key=TEST_ADMIN_KEY)
     yield server
     server.stop()
 

@@ -253,7 +253,7 @@ def test_leaving_a_request_on_one_replica_keeps_the_other(dp2: ServerProcess) ->
 
 def test_flush_cache_reaches_every_replica_and_pools_rest(dp2: ServerProcess) -> None:
     wait_at_rest(dp2)
-    r = httpx.post(dp2.url + "/flush_cache", timeout=10)
+    r = httpx.post(dp2.url + "/flush_cache", timeout=10, headers=dp2.admin_headers)
     assert r.status_code == 200 and r.json()["flushed"] is True, r.text
     assert len(r.json()["dp_ranks"]) == 2
     for d in dp2.loads():

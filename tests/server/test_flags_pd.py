@@ -52,6 +52,15 @@ def test_api_key_through_the_router_with_bfloat16_kv(tiny_llama_dir):
         # the router's own calls to the workers carry the key too (loads, server info)
         loads = httpx.get(url + "/get_loads", headers=headers, timeout=30)
         assert loads.status_code == 200, loads.text
+        # #44: the API key is no admin key: an API user adds no worker, trusts no address
+        rogue = {"url": "http://127.0.0.1:9", "worker_type": "decode"}
+        r = httpx.post(url + "/workers", json=rogue, headers=headers, timeout=10)
+        assert r.status_code == 403 and "--admin-api-key" in r.text, r.text
+        assert "http://127.0.0.1:9" not in httpx.get(url + "/workers", headers=headers).text
+        d = cluster.decodes[0].url + "/disaggregation/trusted_prefill"
+        r = httpx.post(d, json={"add": ["127.0.0.1:9"]}, headers=headers, timeout=10)
+        assert r.status_code == 403, r.text
+        assert "127.0.0.1:9" not in httpx.get(d, headers=headers, timeout=10).json()["trusted"]
         # the workers themselves refuse a keyless caller
         for s in cluster.prefills + cluster.decodes:
             assert httpx.get(s.url + "/get_load").status_code == 401

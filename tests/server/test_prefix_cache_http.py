@@ -143,14 +143,15 @@ def test_flush_cache_refused_while_a_stream_runs(on):
     answers = []
 
     def flush() -> None:
-        answers.append(httpx.post(on.url + "/flush_cache", timeout=30))
+        answers.append(httpx.post(on.url + "/flush_cache", timeout=30,
+                                  headers=on.admin_headers))
 
     assert _stream_until(on, STORY, 3, flush) == 3
     refused = answers[0]
     assert refused.status_code == 400, refused.text
     assert "cannot flush" in refused.text and "retry when it is idle" in refused.text
     assert load_at_rest(wait_at_rest(on))
-    ok = httpx.post(on.url + "/flush_cache", timeout=30)
+    ok = httpx.post(on.url + "/flush_cache", timeout=30, headers=on.admin_headers)
     assert ok.status_code == 200, ok.text
     assert ok.json()["flushed"] is True and ok.json()["freed_pages"] > 0
     now = load(on)
@@ -158,7 +159,7 @@ def test_flush_cache_refused_while_a_stream_runs(on):
 
 
 def test_flush_cache_with_the_cache_disabled_says_so(off):
-    resp = httpx.post(off.url + "/flush_cache", timeout=30)
+    resp = httpx.post(off.url + "/flush_cache", timeout=30, headers=off.admin_headers)
     assert resp.status_code == 200, resp.text
     assert resp.json()["flushed"] is False and "disabled" in resp.json()["message"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from pdserve_testing import ADMIN_HEADERS
 
 pytestmark = pytest.mark.usefixtures("pages_back")
 
@@ -49,16 +50,18 @@ def test_get_load_is_a_list_of_dp_dicts(fake_server):
 
 def test_flush_cache_post_and_get(fake_server):
     for method in ("POST", "GET"):
-        r = fake_server.client.request(method, "/flush_cache")
+        r = fake_server.client.request(method, "/flush_cache", headers=ADMIN_HEADERS)
         assert r.status_code == 200 and r.json()["success"] is True
 
 
 def test_profile_routes(fake_server, tmp_path):
-    r = fake_server.client.post("/start_profile", json={"output_dir": str(tmp_path)})
+    r = fake_server.client.post("/start_profile", json={"output_dir": str(tmp_path)},
+                                headers=ADMIN_HEADERS)
     assert r.status_code == 200 and r.json()["args"]["output_dir"] == str(tmp_path)
-    r = fake_server.client.post("/stop_profile")
+    r = fake_server.client.post("/stop_profile", headers=ADMIN_HEADERS)
     assert r.status_code == 200
-    assert fake_server.client.post("/start_profile", content=b"{x").status_code == 400
+    bad = fake_server.client.post("/start_profile", content=b"{x", headers=ADMIN_HEADERS)
+    assert bad.status_code == 400
 
 
 def _sample(text: str, name: str) -> float:

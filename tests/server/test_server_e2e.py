@@ -253,7 +253,8 @@ def test_admin_routes_on_real_engine(real_server, client, pages):
     info = client.get("/server_info").json()
     assert info["max_total_tokens"] == POOL_TOKENS and info["context_length"] == 8192
     assert Path(info["tokenizer_path"]).is_dir()
-    assert client.post("/flush_cache").status_code == 200
+    assert client.post("/flush_cache",
+                       headers=real_server.admin_headers).status_code == 200
     m = client.get("/metrics").text
     assert "pdserve_kv_pages_free " in m and "pdserve_scheduler_steps_total" in m
 
