@@ -8,10 +8,13 @@
    /health (a child that exits first stops everything, naming it); unless the user sized the
    KV pools, the N + M servers split the KV budget one server would take (share_kv_budget);
 3. start the router in front of them and wait for its /health;
-4. print the URL and an example; then supervise: a child that exits is restarted (its
-   process group killed first) after a back-off of 1 s, 2 s, 4 s ... capped at
-   RESTART_MAX_S, reset once it stayed up RESTART_RESET_S; meanwhile the router probes it
-   and keeps it out of rotation until its /health answers again (pdcore.router.health);
+4. print the URL, an example and where the cluster's admin key is (drawn per cluster unless
+   given, handed to every child in its environment, written 0600 to
+   `<state dir>/admin_api_key`, never printed; removed at stop); then supervise: a child
+   that exits is restarted (its process group killed first) after a back-off of 1 s, 2 s,
+   4 s ... capped at RESTART_MAX_S, reset once it stayed up RESTART_RESET_S; meanwhile the
+   router probes it and keeps it out of rotation until its /health answers again
+   (pdcore.router.health);
 5. Ctrl-C / SIGTERM stops all children (SIGTERM, then SIGKILL after a grace period).
 """
 
@@ -29,7 +32,13 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdcore.config import CLUSTER_SECRET_ENV, HOST_SERVERS_ENV, cluster_secret
+from pdcore.config import (
+    ADMIN_KEY_ENV,
+    CLUSTER_SECRET_ENV,
+    HOST_SERVERS_ENV,
+    admin_api_key,
+    cluster_secret,
+)
 from pdcore.errors import ConfigError
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import disjoint_cpus, server_threads
@@ -66,6 +75,43 @@ class UpConfig:
     startup_timeout: float = 600.0
     serve_args: list[str] = field(default_factory=list)
     cpus: list[str] = field(default_factory=list)  # optional taskset cpu lists per server
+    state_dir: str | None = None  # where the drawn admin key is written (default: state_dir())
+
+
+ADMIN_KEY_FILE = "admin_api_key"
+
+
+def state_dir(cfg: UpConfig) -> str:
+    """This run's folder: --state-dir, else $XDG_RUNTIME_DIR/pdserve/up-<router port> (a
+    per-user tmpfs), else $XDG_STATE_HOME (~/.local/state)/pdserve/up-<router port>."""
+    if cfg.state_dir:
+        return cfg.state_dir
+    base = os.environ.get("XDG_RUNTIME_DIR", "").strip()
+    if not base or not os.path.isdir(base):
+        base = (os.environ.get("XDG_STATE_HOME", "").strip()
+                or os.path.join(os.path.expanduser("~"), ".local", "state"))
+    return os.path.join(base, "pdserve", f"up-{cfg.port}")
+
+
+def given_admin_key(cfg: UpConfig) -> str | None:
+    """The user's admin key (--admin-api-key among the serve flags, $PDSERVE_ADMIN_API_KEY or
+    its _FILE), or None: `up` draws one."""
+    return admin_api_key(_flag_value(cfg.serve_args, "--admin-api-key"))
+
+
+def write_admin_key(folder: str, key: str) -> str:
+    """`key` into `folder`/admin_api_key, readable by this user only (folder 0700, file 0600,
+    created so: never world-readable for a moment); its path."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    path = os.path.join(folder, ADMIN_KEY_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, key.encode() + b"\n")
+    finally:
+        os.close(fd)
+    return path
 
 
 def choose_backend(cfg: UpConfig) -> tuple[str, str]:
@@ -102,7 +148,10 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     # (the user's, from the flag, the environment or its file, else a new one)
     secret = (cluster_secret(_flag_value(cfg.serve_args, "--disaggregation-auth-token"))
               or secrets.token_hex(16))
-    secret_env = {CLUSTER_SECRET_ENV: secret}
+    # and its admin key (the admin routes of every server and of the router; the router's
+    # own admin calls to the servers carry it): the user's, else a new one
+    secret_env = {CLUSTER_SECRET_ENV: secret,
+                  ADMIN_KEY_ENV: given_admin_key(cfg) or secrets.token_hex(32)}
     if cfg.model_path:
         common += ["--model-path", cfg.model_path]
     servers = []
@@ -173,6 +222,16 @@ class Deployment:
         self.backend, self.why = choose_backend(cfg)
         self.servers, self.router = plan(cfg, self.backend)
         self.children: list[Child] = []
+        self.admin_key_file: str | None = None  # set when `up` drew the key and wrote it
+
+    def admin_key_note(self) -> str:
+        """Where the admin key is, for the operator (never the key itself)."""
+        if self.admin_key_file is None:
+            return ("admin key: the one you gave (--admin-api-key / $PDSERVE_ADMIN_API_KEY); "
+                    "admin routes: POST /workers, /flush_cache, profiling")
+        return (f"admin key (POST /workers, /flush_cache, profiling): in {self.admin_key_file} "
+                f"(mode 0600, removed at stop); send -H \"Authorization: Bearer "
+                f"$(cat {self.admin_key_file})\"")
 
     def _spawn(self, child: Child) -> None:
         env = {**os.environ, **child.env} if child.env else None
@@ -206,6 +265,9 @@ class Deployment:
                  f"backend {self.backend} ({self.why})")
         for s in self.servers:
             self.log(f"  {s.name}: {s.placement}")
+        if given_admin_key(self.cfg) is None:
+            self.admin_key_file = write_admin_key(state_dir(self.cfg),
+                                                  self.router.env[ADMIN_KEY_ENV])
         deadline = time.monotonic() + self.cfg.startup_timeout
         for s in self.servers:
             self._spawn(s)
@@ -237,6 +299,11 @@ class Deployment:
                          f"{c.restarts}); the router takes it back once /health answers")
 
     def stop(self) -> None:
+        if self.admin_key_file is not None:
+            try:
+                os.unlink(self.admin_key_file)
+            except FileNotFoundError:
+                pass
         for c in reversed(self.children):
             if c.proc and c.proc.poll() is None:
                 try:
@@ -308,7 +375,8 @@ def run_up(cfg: UpConfig) -> int:
               f"answer only the router)\n  live cluster page: {url}/dashboard\n"
               f"  try: curl {url}/v1/chat/completions -H "
               "'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
-              "\"content\": \"Hello\"}], \"max_tokens\": 32}'\n  (Ctrl-C stops everything)",
+              "\"content\": \"Hello\"}], \"max_tokens\": 32}'\n"
+              f"  {dep.admin_key_note()}\n  (Ctrl-C stops everything)",
               flush=True)
         dep.supervise()
         return 0

@@ -22,13 +22,17 @@ def register_up_command(app: typer.Typer) -> None:
         bootstrap_port_base: int = typer.Option(8998, help="first prefill bootstrap port"),
         policy: str = typer.Option("round_robin", help="router policy"),
         startup_timeout: float = typer.Option(600.0, help="seconds to wait for readiness"),
+        state_dir: str = typer.Option(None, help="where the drawn admin key is written, 0600 "
+                                      "(default $XDG_RUNTIME_DIR/pdserve/up-PORT, else "
+                                      "~/.local/state/pdserve/up-PORT)"),
     ) -> None:
         """Start N prefill + M decode servers and the router on this machine; extra flags go
         to every `pdserve serve`."""
         from pdcore.up import UpConfig, run_up
 
         cfg = UpConfig(prefill, decode, backend, model_path, host, port, server_port_base,
-                       bootstrap_port_base, policy, startup_timeout, list(ctx.args))
+                       bootstrap_port_base, policy, startup_timeout, list(ctx.args),
+                       state_dir=state_dir)
         try:
             rc = run_up(cfg)
         except ConfigError as e:

@@ -209,3 +209,24 @@ def test_xpyd_counts() -> None:
     rendered = render("xpyd")
     replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in by_kind(rendered, "Deployment")}
     assert replicas == {"pdserve-prefill": 2, "pdserve-decode": 4, "pdserve-router": 1}
+
+
+def test_every_process_reads_both_secrets_from_a_mounted_secret(docs) -> None:
+    """#44: the cluster secret and the admin key reach the router and every server as files of
+    the Secret pdserve-cluster mounted read-only (never as environment values: checkov's
+    CKV_K8S_35), so the admin routes are on and the router's admin calls are accepted."""
+    _name, rendered = docs
+    for owner, tmpl in pod_templates(rendered):
+        (c,) = tmpl["spec"]["containers"]
+        env = {e["name"]: e for e in c.get("env", [])}
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        volumes = {v["name"]: v for v in tmpl["spec"].get("volumes", [])}
+        for var, key in (("PDSERVE_DISAGGREGATION_AUTH_TOKEN_FILE", "token"),
+                         ("PDSERVE_ADMIN_API_KEY_FILE", "admin-key")):
+            assert var in env, (owner, var)
+            path = env[var]["value"]
+            (mount,) = [m for m in mounts.values() if path == f"{m['mountPath']}/{key}"]
+            assert mount["readOnly"] is True
+            assert volumes[mount["name"]]["secret"]["secretName"] == "pdserve-cluster"
+        assert not any("valueFrom" in e and "secretKeyRef" in e["valueFrom"]
+                       for e in env.values()), owner

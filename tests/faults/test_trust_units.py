@@ -4,14 +4,20 @@ cluster a token, an open control plane says so, and D refuses a route from anoth
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
-from pdcore.config import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV, cluster_secret
+from pdcore.config import (
+    ADMIN_KEY_ENV,
+    CLUSTER_SECRET_ENV,
+    CLUSTER_SECRET_FILE_ENV,
+    cluster_secret,
+)
 from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdcore.disagg.control import ControlPlane
 from pdcore.errors import ConfigError, TransferError
-from pdcore.up import UpConfig, plan
+from pdcore.up import Deployment, UpConfig, plan, state_dir, write_admin_key
 
 RANK = {"rank_ip": "127.0.0.1", "rank_port": 5000, "tp_rank": 0, "tp_size": 1,
         "page_size": 4, "kv_cache_dtype": "float32"}
@@ -31,6 +37,33 @@ def test_up_gives_its_cluster_one_secret_and_keeps_a_given_one() -> None:
     assert _secret(again[0]) != _secret(servers[0])  # drawn per cluster
     mine, router = plan(UpConfig(serve_args=["--disaggregation-auth-token", "t0k"]), "tcp")
     assert all(_secret(c) == "t0k" for c in [*mine, router])
+
+
+def test_up_gives_its_cluster_one_admin_key_and_keeps_a_given_one(tmp_path, monkeypatch) -> None:
+    """#44: every process of `up` gets the same admin key, drawn per cluster, in its
+    environment (never argv); a key the user gave is kept; the drawn one is written to a file
+    only its user can read, and the operator is told the path, never the key."""
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
+    servers, router = plan(UpConfig(prefill=1, decode=2), "tcp")
+    keys = {c.env[ADMIN_KEY_ENV] for c in [*servers, router]}
+    assert len(keys) == 1 and len(next(iter(keys))) == 64
+    assert keys.isdisjoint({c.env[CLUSTER_SECRET_ENV] for c in servers})
+    assert not any("--admin-api-key" in c.argv for c in [*servers, router])
+    again, _ = plan(UpConfig(prefill=1, decode=1), "tcp")
+    assert again[0].env[ADMIN_KEY_ENV] not in keys
+    mine, router = plan(UpConfig(serve_args=["--admin-api-key", "adm1n"]), "tcp")
+    assert all(c.env[ADMIN_KEY_ENV] == "adm1n" for c in [*mine, router])
+    folder = tmp_path / "run"
+    path = Path(write_admin_key(str(folder), "k" * 64))
+    assert path.read_text().strip() == "k" * 64
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    dep = Deployment(UpConfig(state_dir=str(folder)))
+    dep.admin_key_file = str(path)
+    note = dep.admin_key_note()
+    assert str(path) in note and "k" * 64 not in note
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert state_dir(UpConfig(port=8123)) == str(tmp_path / "pdserve" / "up-8123")
 
 
 def test_cluster_secret_from_a_file_as_kubernetes_mounts_it(tmp_path, monkeypatch) -> None:

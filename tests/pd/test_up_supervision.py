@@ -61,7 +61,8 @@ def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: 
            "--backend", "tcp", "--model-path", str(tiny_llama_dir), "--port", str(router_port),
            "--server-port-base", str(base), "--bootstrap-port-base", str(boot),
            "--startup-timeout", "300", "--max-total-tokens", "4096", "--page-size", "4",
-           "--skip-server-warmup"]
+           "--skip-server-warmup", "--state-dir", str(tmp_path / "state")]
+    key_file = tmp_path / "state" / "admin_api_key"
     with open(log, "ab") as out:
         up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
                               start_new_session=True)
@@ -76,6 +77,15 @@ def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: 
             assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
         assert httpx.get(url + "/dashboard", timeout=30).status_code == 200
+        # the cluster's admin key: drawn, in a 0600 file whose path (not the key) is printed,
+        # and it opens the admin routes the router fans out to its servers
+        key = key_file.read_text().strip()
+        assert oct(key_file.stat().st_mode & 0o777) == "0o600" and len(key) == 64
+        assert f"in {key_file}" in log.read_text() and key not in log.read_text()
+        assert httpx.post(url + "/flush_cache", timeout=30).status_code == 401
+        r = httpx.post(url + "/flush_cache", headers={"authorization": f"Bearer {key}"},
+                       timeout=30)
+        assert r.status_code == 200 and all(x["ok"] for x in r.json()["results"]), r.text
         decode_port = str(base + 100)
         [decode_http] = [p for p in _pids_with(decode_port) if spawned_children(p)]
         [scheduler] = spawned_children(decode_http)
@@ -142,3 +152,4 @@ def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: 
             except subprocess.TimeoutExpired:
                 os.killpg(up.pid, signal.SIGKILL)
                 up.wait(10)
+    assert not key_file.exists(), "up left its admin key behind"
