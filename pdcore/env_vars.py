@@ -51,6 +51,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "the cluster secret (`--disaggregation-auth-token`; docs/security.md)", SEC),
     EnvVar("PDSERVE_DISAGGREGATION_AUTH_TOKEN_FILE", "unset",
            "a file holding the cluster secret (Kubernetes mounts it so)", SEC),
+    EnvVar("PDSERVE_ADMIN_API_KEY", "unset",
+           "the admin key (`--admin-api-key`): the only key of the admin routes, which are off "
+           "without it (docs/security.md)", SEC),
+    EnvVar("PDSERVE_ADMIN_API_KEY_FILE", "unset",
+           "a file holding the admin key (Kubernetes mounts it so)", SEC),
     EnvVar("PDCORE_PLUGINS", "all", "plugins to load (comma-separated names)", BACKENDS),
     EnvVar("PDCORE_DISABLE_PLUGINS", "none", "plugins not to load", BACKENDS),
     EnvVar("PDCORE_TCP_TIMEOUT", "30", "tcp backend: seconds a transfer may wait on its peer",
