@@ -45,6 +45,8 @@ class ServerArgs:
     context_length: int | None = None
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights, real shapes)
     chat_template: str | None = None  # Jinja file replacing the tokenizer's chat template
+    # special-token spellings inside chat messages become special tokens (off: text)
+    allow_special_tokens_in_messages: bool = False
     random_seed: int | None = None
     # server
     host: str = "127.0.0.1"

@@ -168,6 +168,11 @@ HELP: dict[str, str] = {
     "load_format": "auto (by --model-path), safetensors, gguf, or dummy: random weights of the "
                    "model's shapes from its config.json (no weight files needed)",
     "chat_template": "Jinja file used by /v1/chat/completions instead of the tokenizer's template",
+    "allow_special_tokens_in_messages": "encode special-token spellings inside chat messages "
+                                        "(<|im_end|>, ...) as the special tokens, as SGLang "
+                                        "does; without it they are plain text and only the "
+                                        "chat template's own are special. Only for trusted "
+                                        "clients: such a message can open a system turn",
     "random_seed": "seeds torch, random and numpy at start: unseeded sampling is reproducible",
     "api_key": "bearer token required on every route but /health (401 otherwise); it never "
                "opens the admin routes",

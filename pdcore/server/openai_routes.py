@@ -17,8 +17,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.engine.sched.grammar import load_client_json
+from pdcore.errors import InvalidRequestError
 from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt
+from pdcore.server.chat_encode import encode_chat
 from pdcore.server.chat_tools import ChoiceShaper, plan_tools
 from pdcore.server.generation import (
     SSE_DONE,
@@ -288,25 +290,32 @@ def _template_parameters(cls: type) -> frozenset[str]:
 
 def render_chat(tokenizer: Any, msgs: list[dict[str, Any]], *, cont: bool = False,
                 tools: list[dict[str, Any]] | None = None,
-                variables: dict[str, Any] | None = None, field: str = "messages") -> list[int]:
+                variables: dict[str, Any] | None = None, field: str = "messages",
+                special_in_content: bool = False) -> list[int]:
     """Token ids of `msgs` rendered by the model's chat template (the generation prompt added
-    unless the last message is continued)."""
+    unless the last message is continued); special-token spellings in the client's strings are
+    text (chat_encode.py) unless `special_in_content` (--allow-special-tokens-in-messages)."""
     try:
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=not cont,
-                                             continue_final_message=cont, tools=tools or None,
-                                             **(variables or {}))
+        return encode_chat(tokenizer, msgs, add_generation_prompt=not cont,
+                           continue_final_message=cont, tools=tools, variables=variables,
+                           special_in_content=special_in_content)
+    except InvalidRequestError:
+        raise
     except Exception as e:
         raise bad(f"{field} do not fit the model's chat template: {e}", field) from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer: Any,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None,
+                special_in_content: bool = False) -> list[int]:
+    """The prompt ids; special-token spellings in the messages are text (chat_encode.py)
+    unless `special_in_content` (--allow-special-tokens-in-messages)."""
     if not body.messages:
         raise bad("messages must not be empty", "messages")
     variables = template_kwargs(body.chat_template_kwargs, body.reasoning_effort, tokenizer)
     return render_chat(tokenizer, [_message(m, i) for i, m in enumerate(body.messages)],
-                       cont=bool(body.continue_final_message), tools=tools, variables=variables)
+                       cont=bool(body.continue_final_message), tools=tools, variables=variables,
+                       special_in_content=special_in_content)
 
 
 @router.post("/v1/chat/completions")
@@ -328,8 +337,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                        body.parallel_tool_calls)
     reasoning = (ReasoningParser(engine.args.reasoning_parser)
                  if engine.args.reasoning_parser and body.separate_reasoning else None)
-    plan = plan_request(body, engine, [chat_prompt(body, engine.tokenizer,
-                                                   tools.template_tools if tools else None)],
+    plan = plan_request(body, engine, [chat_prompt(
+                            body, engine.tokenizer, tools.template_tools if tools else None,
+                            engine.args.allow_special_tokens_in_messages)],
                         "messages", max_tokens, name, None, bool(body.logprobs), top, False,
                         "chatcmpl", request.app.state.route_guard,
                         tools.grammar if tools else None)
