@@ -12,7 +12,7 @@ on a route only when
    before it forwards the request; or
 2. its `host:port` is a prefill bootstrap address the server has been told about: the
    `--disaggregation-trusted-prefill` flag, registrations through the admin route
-   `POST /disaggregation/trusted_prefill` (API key or loopback), and, on P, its own bootstrap
+   `POST /disaggregation/trusted_prefill` (the admin key only), and, on P, its own bootstrap
    port (P cannot know every name it is reached by, and the route does not steer P: P sends
    KV only to decode ranks that authenticated on its control plane).
 

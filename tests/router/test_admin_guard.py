@@ -327,3 +327,22 @@ def test_server_info_hides_the_admin_key(tiny_llama_dir: Path) -> None:
     assert info["admin_api_key"] == "***" and info["api_key"] == "***"
     client = TestClient(app)
     assert ADMIN not in client.get("/get_server_info", headers=AS_USER).text
+
+
+def test_the_cluster_secret_opens_no_admin_route(tiny_llama_dir: Path) -> None:
+    """With the cluster secret (and no admin key) the admin routes stay off, whatever the
+    caller sends, the secret itself included; the secret does not replace the admin key."""
+    secret = "the-cluster-secret"
+    as_member = {"authorization": f"Bearer {secret}"}
+    server = TestClient(server_app(tiny_llama_dir, disaggregation_auth_token=secret),
+                        client=("127.0.0.1", 5000))
+    r = server.post("/disaggregation/trusted_prefill", json={"add": ["127.0.0.1:9"]},
+                    headers=as_member)
+    assert r.status_code == 403 and "admin routes are off" in r.text, r.text
+    assert server.get("/disaggregation/trusted_prefill").json()["trusted"] == []
+    router = TestClient(create_app(router_config("http://127.0.0.1:8", "http://127.0.0.1:7",
+                                                 disaggregation_auth_token=secret)),
+                        client=("127.0.0.1", 5000))
+    r = router.post("/workers", json={"url": ROGUE, "worker_type": "decode"}, headers=as_member)
+    assert r.status_code == 403, r.text
+    assert ROGUE not in {w["url"] for w in router.get("/workers").json()["workers"]}
