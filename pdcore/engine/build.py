@@ -14,6 +14,8 @@ The in-process API over an engine is pdcore.runtime.llm_engine.LLMEngine.
 
 from __future__ import annotations
 
+import json
+
 import logging
 import os
 from dataclasses import dataclass
@@ -278,7 +280,9 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     if args.random_seed is not None:
         seed_everything(args.random_seed)
     model, cfg, resolved = load_model(args.model_path, dtype, device, tp, args.trust_remote_code,
-                                      args.load_format)
+                                      args.load_format,
+                                      # --json-model-override-args, checked at start-up
+                                      json.loads(args.json_model_override_args or "{}"))
     cache_dtype = kv_dtype(args, dtype)
     spec = kv_spec(model, cfg, tp)
     kv_heads, head_dim = spec["kv_heads"], spec["head_dim"]
@@ -317,7 +321,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
         eos_ids=frozenset(e for e in eos if e is not None),
-        schedule_policy=args.schedule_policy), cache=_prefix_cache(args, blocks),
+        schedule_policy=args.schedule_policy,
+        conservativeness=args.schedule_conservativeness), cache=_prefix_cache(args, blocks),
         spec=speculator)
     info = {
         "model_path": resolved.display_path, "tokenizer_path": resolved.display_path,

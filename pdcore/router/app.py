@@ -70,13 +70,14 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # This client serves health checks and admin calls; the data path has per-worker ones.
         client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_secs, connect=10.0),
-                                   headers=config.worker_headers())
+                                   headers=config.worker_headers(), verify=config.upstream_ssl())
         needs_loads = any(p.needs_loads for p in state.policies.values())
         monitor = HealthMonitor(config, state.registry, client, poll_loads=needs_loads)
         state.client, state.monitor = client, monitor
         state.proxy = Proxy(
             config, state.registry, state.policies["prefill"], state.policies["decode"],
-            UpstreamClients(headers=config.worker_headers()), state.metrics,
+            UpstreamClients(headers=config.worker_headers(), verify=config.upstream_ssl()),
+            state.metrics,
         )
         if config.prometheus_port is not None:
             from prometheus_client import start_http_server

@@ -22,6 +22,7 @@ from pdcore.router.config import RouterConfig
 from pdcore.router.discovery import SELECTOR_FLAGS, load_cluster_config, parse_selector
 
 _NONE_WORDS = ("none", "null")
+LIST_FLAGS = ("ca-cert-paths", "worker-urls")  # PATH ... / URL ...
 
 
 def _field_kinds() -> dict[str, tuple[type, bool]]:
@@ -79,6 +80,7 @@ def parse_router_args(argv: Sequence[str]) -> RouterConfig:
     prefill: list[tuple[str, int | None]] = []
     decode: list[str] = []
     selectors: dict[str, dict[str, str]] = {}
+    lists: dict[str, list[str]] = {}
     args = list(argv)
     i = 0
 
@@ -110,6 +112,14 @@ def parse_router_args(argv: Sequence[str]) -> RouterConfig:
             else:
                 decode.append(url)
             continue
+        if flag in LIST_FLAGS:  # one or more values, as sglang-router's nargs
+            tokens = [inline] if has_inline else []
+            while is_value(i):
+                tokens, i = [*tokens, args[i]], i + 1
+            if not tokens:
+                raise ConfigError(f"--{flag} needs at least one value")
+            lists.setdefault(flag.replace("-", "_"), []).extend(tokens)
+            continue
         if flag in SELECTOR_FLAGS:  # one or more k=v tokens, as sglang-router's nargs="+"
             tokens = [inline] if has_inline else []
             while is_value(i):
@@ -132,7 +142,7 @@ def parse_router_args(argv: Sequence[str]) -> RouterConfig:
             raise ConfigError(f"--{flag} needs a value")
         values[flag] = _convert(flag, raw, kind, nullable)
     config = RouterConfig(
-        prefill=prefill, decode=decode, **selectors,
+        prefill=prefill, decode=decode, **selectors, **lists,
         **{k.replace("-", "_"): v for k, v in values.items()},
     )
     config.validate()
@@ -157,6 +167,8 @@ def router_help() -> str:
             flag += " URL"
         elif flag[2:] in SELECTOR_FLAGS:
             flag += " K=V ..."
+        elif flag[2:] in LIST_FLAGS:
+            flag += " VALUE ..."
         default = f.default if f.default is not MISSING else None
         shown = "" if f.metadata.get("special") or default in (None, False) else f" [{default}]"
         choices = f.metadata.get("choices")
@@ -177,13 +189,15 @@ def run_router(config: RouterConfig) -> None:
     )
     from pdcore.server import connections
 
+    tls = connections.tls_settings(config.tls_cert_path, config.tls_key_path,
+                                   "--tls-cert-path", "--tls-key-path")
     app = create_app(config)
     # header / body deadlines, a connection limit that evicts the slowest first, quiet logs
     _, protocol = connections.install(app, app.state.router.metrics.registry)
     uvicorn.run(
         app, host=config.host, port=config.port, log_level=config.log_level,
         access_log=config.log_level == "debug", http=protocol,
-        timeout_keep_alive=connections.keepalive_s(),
+        timeout_keep_alive=connections.keepalive_s(), **tls,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from functools import cached_property
 from urllib.parse import urlsplit
@@ -120,6 +121,46 @@ class RouterConfig:
     bootstrap_port_annotation: str = field(default="sglang.ai/bootstrap-port", metadata=_opt(
         "prefill pod annotation holding its bootstrap port"))
 
+    # TLS (sglang-router's flags): HTTPS on the router's port; its calls to workers verify
+    # their certificates against these CAs (the system's when none is given)
+    tls_cert_path: str | None = field(default=None, metadata=_opt(
+        "serve HTTPS with this PEM certificate chain (with --tls-key-path)"))
+    tls_key_path: str | None = field(default=None, metadata=_opt(
+        "serve HTTPS with this PEM private key (with --tls-cert-path)"))
+    ca_cert_paths: list[str] = field(default_factory=list, metadata=_opt(
+        "PEM CA file(s) that https:// workers' certificates must chain to (default: the "
+        "system's CAs): PATH ...", special=True))
+    client_cert_path: str | None = field(default=None, metadata=_opt(
+        "PEM client certificate the router shows https:// workers (mTLS)"))
+    client_key_path: str | None = field(default=None, metadata=_opt(
+        "PEM private key of --client-cert-path"))
+    # OpenTelemetry (sglang-router's flags; pdcore/tracing.py)
+    enable_trace: bool = field(default=False, metadata=_opt(
+        "export a span per request and pass its trace context to the workers (needs the "
+        "`trace` extra)"))
+    otlp_traces_endpoint: str = field(default="localhost:4318", metadata=_opt(
+        "OTLP/HTTP collector HOST:PORT (spans go to http://HOST:PORT/v1/traces) or a URL"))
+    worker_urls: list[str] = field(default_factory=list, metadata=_opt(
+        "sglang-router's regular (non-PD) mode: refused, this router routes PD pairs only; "
+        "give --prefill URL [BOOTSTRAP_PORT] and --decode URL", special=True))
+
+    def upstream_ssl(self) -> ssl.SSLContext | bool:
+        """httpx's `verify` for calls to https:// workers: a context trusting
+        --ca-cert-paths (with --client-cert-path's pair for mTLS), or True (the system's
+        CAs)."""
+        if not self.ca_cert_paths and not self.client_cert_path:
+            return True
+        ctx = ssl.create_default_context()
+        try:
+            for path in self.ca_cert_paths:
+                ctx.load_verify_locations(cafile=path)
+            if self.client_cert_path:
+                ctx.load_cert_chain(self.client_cert_path, self.client_key_path)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"--ca-cert-paths / --client-cert-path: cannot load ({e})") \
+                from None
+        return ctx
+
     @cached_property
     def route_key(self) -> bytes | None:
         """The key that signs routes, from the cluster secret (None: routes go unsigned)."""
@@ -175,6 +216,7 @@ class RouterConfig:
         _ = self.route_key  # an unreadable cluster-secret file: exit 2 now, not at a request
         self.admin_api_key = admin_api_key(self.admin_api_key)
         check_keys(self.api_key, self.admin_api_key)
+        check_tls_and_modes(self)
         if self.max_concurrent_requests_per_client < 0:
             raise ConfigError("--max-concurrent-requests-per-client must be >= 0 (0: no limit)")
         if self.service_discovery:
@@ -249,3 +291,22 @@ def check_port(port: int | None, flag: str, allow_none: bool = False) -> None:
         return
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise ConfigError(f"{flag} must be an integer in 1..65535, got {port!r}")
+
+
+def check_tls_and_modes(config: RouterConfig) -> None:
+    """--worker-urls (refused), --enable-trace, the TLS files: ConfigError naming the flag."""
+    if config.worker_urls:
+        raise ConfigError(
+            "--worker-urls is sglang-router's regular (non-PD) mode, which this router does "
+            "not serve: it routes prefill/decode pairs only. Give --prefill URL "
+            "[BOOTSTRAP_PORT] and --decode URL, or put unified servers behind sglang-router "
+            "itself (pdserve serve answers its calls)")
+    if config.enable_trace:
+        raise ConfigError("--enable-trace is refused for now: OpenTelemetry export is not "
+                          "wired into the router yet; drop the flag")
+    if bool(config.client_cert_path) != bool(config.client_key_path):
+        raise ConfigError("mTLS needs both --client-cert-path and --client-key-path")
+    from pdcore.server.connections import tls_settings
+
+    tls_settings(config.tls_cert_path, config.tls_key_path, "--tls-cert-path", "--tls-key-path")
+    config.upstream_ssl()

@@ -21,6 +21,7 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -88,8 +89,9 @@ class UpstreamClients:
     """
 
     def __init__(self, connect_timeout: float = 10.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, verify: Any = True) -> None:
         self._clients: dict[str, httpx.AsyncClient] = {}
+        self._verify = verify  # https:// workers: RouterConfig.upstream_ssl()
         self._connect_timeout = connect_timeout
         self._headers = headers or {}  # the router's --api-key for its workers
 
@@ -103,7 +105,7 @@ class UpstreamClients:
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                     keepalive_expiry=30.0),
                 timeout=httpx.Timeout(None, connect=self._connect_timeout),
-                headers=self._headers,
+                headers=self._headers, verify=self._verify,
             )
             self._clients[worker.url] = client
         return client

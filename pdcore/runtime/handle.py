@@ -39,6 +39,7 @@ from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
 from pdcore.engine.sched.stats import StatsReport
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
+from pdcore.runtime.journal import RequestJournal
 from pdcore.runtime.lifeline import IPC_DIR_PREFIX, describe_exit
 from pdcore.runtime.tokenizer_export import tokenizer_dir
 from pdcore.runtime_env import Placement, choose_placement, spawning_with
@@ -137,6 +138,7 @@ class EngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._push: zmq.Socket | None = None
         self._reqs: dict[str, asyncio.Queue[TokenOut | None]] = {}
+        self.journal = RequestJournal(args)  # --log-requests, --show-time-cost, crash dumps
         self._calls: dict[str, asyncio.Future[ControlResp]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -288,6 +290,7 @@ class EngineClient:
         self.error = (f"the engine's scheduler process died ({describe_exit(proc.exitcode)}); "
                       "this server is exiting, retry on another server or after its restart")
         log.error("%s; failing %d pending requests", self.error, len(self._reqs))
+        self.journal.dump(self.error)
         self._fail_pending(self.error, 503)
         if self.on_dead is not None:
             self.on_dead(self.error)
@@ -336,8 +339,9 @@ class EngineClient:
         # client's request would keep running.
         timer = asyncio.get_running_loop().call_later(
             timeout or self.request_timeout, q.put_nowait, None)
-        done = False
-        started, n_out, outcome = time.monotonic(), 0, "aborted"
+        done, out_ids, first_at = False, [], None
+        started, outcome = time.monotonic(), "aborted"
+        self.journal.start(req)
         try:
             if not req.arrival_time:
                 req.arrival_time = time.time()
@@ -354,7 +358,8 @@ class EngineClient:
                     done, outcome = out.finished, f"error: {out.error}"
                     raise EngineError(out.error, out.error_status or 500)
                 done = out.finished
-                n_out += len(out.new_token_ids)
+                out_ids += out.new_token_ids
+                first_at = first_at or (time.monotonic() if out.new_token_ids else None)
                 if done:
                     outcome = f"finished ({(out.finish_reason or {}).get('type')})"
                 yield out
@@ -362,9 +367,7 @@ class EngineClient:
                     return
         finally:
             timer.cancel()
-            if getattr(self.args, "log_requests", False):  # --log-requests
-                log.info("request %s: %d prompt tokens, %d output tokens, %.1f ms, %s", req.rid,
-                         len(req.input_ids), n_out, (time.monotonic() - started) * 1000, outcome)
+            self.journal.end(req, out_ids, started, first_at, outcome)
             if done:
                 self._reqs.pop(req.rid, None)
             else:

@@ -31,6 +31,7 @@ import zmq
 
 from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import ControlReq, ControlResp
+from pdcore.engine.sched.scheduler import DecodeLog
 from pdcore.engine.sched.stats import StatsReport
 from pdcore.runtime.grammar_gate import GrammarGate
 from pdcore.runtime.group import agree_started
@@ -54,7 +55,7 @@ PD_WAIT_MS, PD_WAIT_TP_MS = 1, 4
 
 class SchedulerLoop:
     def __init__(self, engine: Any, recv: zmq.Socket, send: zmq.Socket,
-                 watchdog_timeout: float = 0.0) -> None:
+                 watchdog_timeout: float = 0.0, decode_log_interval: int = 40) -> None:
         self.engine, self.sched = engine, engine.scheduler
         self.recv, self.send = recv, send
         self.profiler: Any = None
@@ -65,6 +66,7 @@ class SchedulerLoop:
         # constrained requests wait for their grammar off the scheduler's thread
         self.grammar = GrammarGate(getattr(self.sched.runner, "grammar", None))
         self.watchdog = StepWatchdog(watchdog_timeout)
+        self.decode_log = DecodeLog(decode_log_interval)  # --decode-log-interval
 
     def handle(self, msg: Any) -> None:
         if not isinstance(msg, ControlReq):
@@ -154,6 +156,7 @@ class SchedulerLoop:
             outs = self.lockstep.lead(msgs)
             self.stop = self.stop or self.lockstep.stopped  # DP attention: a DP rank stopped
             self.watchdog.end()
+            self.decode_log.after_step(self.sched)
             for out in outs:
                 self.send.send(pickle.dumps(out))
             if self.profiler is not None:
@@ -215,7 +218,7 @@ def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: 
         ctx.term()
         return False
     ready_conn.send({"ok": True, "info": engine.info})
-    loop = SchedulerLoop(engine, recv, send, args.watchdog_timeout)
+    loop = SchedulerLoop(engine, recv, send, args.watchdog_timeout, args.decode_log_interval)
 
     def _term(*_: Any) -> None:
         loop.stop = True

@@ -31,6 +31,12 @@ from pdcore.config import (
 )
 from pdcore.errors import ConfigError
 from pdcore.server import reasoning, tool_parsers
+from pdcore.server.sglang_flags import (
+    COMMON_HELP,
+    TOKENIZER_MODES,
+    config_file_argv,
+    validate_common_flags,
+)
 
 ALIASES: dict[str, list[str]] = {
     "model_path": ["--model"],
@@ -53,6 +59,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "moe_a2a_backend": MOE_A2A_BACKENDS,
     "deepep_mode": DEEPEP_MODES,
     "load_balance_method": LOAD_BALANCE_METHODS,
+    "tokenizer_mode": TOKENIZER_MODES,
 }
 HELP: dict[str, str] = {
     "model_path": "local HF folder or .gguf file (default: SmolLM2-135M-Instruct from the "
@@ -201,6 +208,7 @@ HELP: dict[str, str] = {
     "disable_shared_experts_fusion": "run shared experts apart from the routed ones; accepted: "
                                      "pdserve never fuses them",
     "ep_num_redundant_experts": "replicated experts for EP load balance (only 0 here)",
+    **COMMON_HELP,
 }
 
 
@@ -221,6 +229,9 @@ def _base_type(tp: Any) -> Any:
 def build_parser(prog: str = "pdserve serve") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, allow_abbrev=False,
                      description="Start one pdserve server (unified, prefill or decode).")
+    parser.add_argument("--config", metavar="FILE", dest="config", default=None,
+                        help="YAML file of flags (`model-path: ...`, `tp-size: 2`, `log-requests: "
+                             "true`); flags on the command line win")
     hints = typing.get_type_hints(ServerArgs)
     defaults = ServerArgs()
     for f in dataclasses.fields(ServerArgs):
@@ -317,17 +328,23 @@ def parse_server_args(argv: list[str], prog: str = "pdserve serve") -> ServerArg
     from pdcore.server.preflight import preflight
 
     parser = build_parser(prog)
+    try:
+        argv = config_file_argv(list(argv))
+    except ConfigError as e:
+        parser.exit(2, f"{prog}: error: {e}\n")
     from pdcore.server.hardware_first import hardware_refusal
 
     refusal = hardware_refusal(parser, argv)  # missing hardware before unbuilt flags
     if refusal:
         parser.exit(2, f"{prog}: error: {refusal}\n")
     ns = parser.parse_args(argv)
+    vars(ns).pop("config", None)  # read by config_file_argv
     try:
         args = ServerArgs(**vars(ns))
         args.disaggregation_auth_token = cluster_secret(args.disaggregation_auth_token)
         args.admin_api_key = admin_api_key(args.admin_api_key)
         args.validate()
+        validate_common_flags(args)
         check_supported(args)
         if args.disaggregation_mode != "null" and not args.disaggregation_transfer_backend:
             name, why = default_transfer_backend()

@@ -287,3 +287,27 @@ def install(app: Any, registry: Any | None = None) -> tuple[PortGate, type]:
     for name in ("asyncio", "uvicorn.error"):
         logging.getLogger(name).addFilter(quiet)
     return gate, guarded_protocol(gate)
+
+
+def tls_settings(certfile: str | None, keyfile: str | None, cert_flag: str,
+                 key_flag: str) -> dict[str, str]:
+    """uvicorn's HTTPS settings for a port (servers: --ssl-certfile/--ssl-keyfile; router:
+    --tls-cert-path/--tls-key-path), checked now: the pair loads as a certificate chain and
+    its key, else ConfigError naming the flags. {} without them (plain HTTP)."""
+    import ssl
+
+    if not certfile and not keyfile:
+        return {}
+    if not certfile or not keyfile:
+        raise ConfigError(f"HTTPS needs both {cert_flag} and {key_flag} (PEM files)")
+    for path, flag in ((certfile, cert_flag), (keyfile, key_flag)):
+        if not os.path.isfile(os.path.expanduser(path)):
+            raise ConfigError(f"{flag} {path}: no such file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            os.path.expanduser(certfile), os.path.expanduser(keyfile))
+    except (ssl.SSLError, OSError) as e:
+        raise ConfigError(f"{cert_flag} {certfile} with {key_flag} {keyfile}: not a PEM "
+                          f"certificate chain and its private key ({e})") from None
+    return {"ssl_certfile": os.path.expanduser(certfile),
+            "ssl_keyfile": os.path.expanduser(keyfile)}

@@ -58,6 +58,8 @@ async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | in
     asm = OutputAssembler(engine.tokenizer, req.rid, req.input_ids, req.sampling, discard)
     start = time.monotonic()
     last: float | None = None
+    # --stream-interval N: an event (a streamed chunk) for the first token, then every N
+    interval, sent = max(1, int(getattr(engine.args, "stream_interval", 1) or 1)), 0
     try:
         async with contextlib.aclosing(engine.generate(req, timeout)) as gen:
             async for msg in gen:
@@ -73,7 +75,10 @@ async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | in
                             metrics.itl.observe((now - last) / new)
                     last = now
                     metrics.generation_tokens.inc(new)
-                q.put_nowait(Event(item.index, asm, done=done))
+                count = len(asm.out.output_ids)
+                if done or not sent or count - sent >= interval:
+                    sent = max(count, 1)
+                    q.put_nowait(Event(item.index, asm, done=done))
                 if done:
                     break
         metrics.prompt_tokens.inc(asm.out.prompt_tokens)

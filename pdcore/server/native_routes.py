@@ -37,7 +37,9 @@ from pdcore.server.params import (
     check_prompt,
     clamp_max_new_tokens,
     make_req,
+    needs_text,
     pd_items,
+    preferred_sampling,
     per_item,
     sample_item,
 )
@@ -65,6 +67,7 @@ def _prompts(body: GenerateRequest, engine: EngineClient) -> tuple[list[list[int
         return [list(ids)], False, "input_ids"  # type: ignore[arg-type]
     if body.text is None:
         raise bad("text or input_ids is required", "text")
+    needs_text(engine.args, "a text prompt", "text")
     texts = body.text if isinstance(body.text, list) else [body.text]
     if not texts:
         raise bad("text is an empty list", "text")
@@ -98,12 +101,13 @@ def plan_generate(body: GenerateRequest, engine: EngineClient, guard: RouteGuard
     for k, (p, j, sp) in enumerate(expanded):
         ids = prompts[p]
         pf = f"{field}[{p}]" if batch and len(prompts) > 1 else field
-        check_prompt(ids, info, pf)
+        check_prompt(ids, info, pf, args.allow_auto_truncate)
         raw = sp.model_dump()
         given = {f: raw[f] for f in SAMPLING_FIELDS - {"grammar"} if f in raw}
         if given.get("seed") is None:
             given["seed"] = raw.get("sampling_seed")
-        sampling = build_sampling({**given, "grammar": spec_from_fields(raw, prefix)}, prefix)
+        sampling = build_sampling({**given, "grammar": spec_from_fields(raw, prefix)}, prefix,
+                                  defaults=preferred_sampling(args.preferred_sampling_params))
         if sampling.seed is not None and j:
             sampling.seed += j  # n samples with one seed must still differ
         clamp_max_new_tokens(sampling, len(ids), info, DEFAULT_MAX_NEW_TOKENS,
@@ -152,7 +156,9 @@ def _meta(asm: OutputAssembler, plan: _Plan, idx: int, engine: EngineClient,
 
 def _result(asm: OutputAssembler, plan: _Plan, idx: int, engine: EngineClient,
             body: GenerateRequest, start: float, finished: bool) -> dict[str, Any]:
-    text = asm.out.text if finished else asm.visible_text()
+    # --skip-tokenizer-init: the answer is its token ids (output_ids), no text
+    text = "" if engine.args.skip_tokenizer_init else \
+        asm.out.text if finished else asm.visible_text()
     out: dict[str, Any] = {"text": text, "output_ids": list(asm.out.output_ids),
                            "meta_info": _meta(asm, plan, idx, engine,
                                               body.return_text_in_logprobs, start, finished)}

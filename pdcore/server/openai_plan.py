@@ -21,6 +21,7 @@ from pdcore.server.params import (
     clamp_max_new_tokens,
     make_req,
     pd_items,
+    preferred_sampling,
     sample_item,
 )
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -94,7 +95,8 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
     model = check_model(body.model, engine)
     n = check_n(body.n)
     for i, ids in enumerate(prompts):
-        check_prompt(ids, info, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field)
+        check_prompt(ids, info, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field,
+                     args.allow_auto_truncate)
     given = {"max_new_tokens": max_tokens, "min_new_tokens": body.min_tokens,
              "grammar": _grammar(body, tool_grammar)}
     for name in ("stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim",
@@ -114,7 +116,8 @@ def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: Engine
         leader: Item | None = None
         for j in range(n):
             k = p * n + j
-            sampling = build_sampling(given, names={"max_new_tokens": max_tokens_field})
+            sampling = build_sampling(given, names={"max_new_tokens": max_tokens_field},
+                                      defaults=preferred_sampling(args.preferred_sampling_params))
             if sampling.seed is not None and j:
                 sampling.seed += j
             clamp_max_new_tokens(sampling, len(ids), info, default_max, args.disaggregation_mode)

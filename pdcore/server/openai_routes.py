@@ -34,7 +34,7 @@ from pdcore.server.generation import (
 from pdcore.server.http_errors import engine_error_response, error_response, sse_error
 from pdcore.server.openai_plan import Plan, finish_of, plan_request, served_model_name, usage
 from pdcore.server.output import OutputAssembler
-from pdcore.server.params import bad
+from pdcore.server.params import bad, needs_text
 from pdcore.server.reasoning import ReasoningParser
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -184,6 +184,7 @@ def _completion_prompts(body: CompletionRequest, engine: EngineClient) -> list[l
 async def completions(body: CompletionRequest, request: Request) -> Response:
     engine: EngineClient = request.app.state.engine
     engine.require_ready()
+    needs_text(engine.args, "/v1/completions", "prompt")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
     if body.max_tokens is not None and body.max_tokens < 0:
@@ -322,6 +323,7 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Any,
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     engine: EngineClient = request.app.state.engine
     engine.require_ready()
+    needs_text(engine.args, "/v1/chat/completions", "messages")
     name, max_tokens = "max_tokens", body.max_tokens
     if body.max_completion_tokens is not None:
         name, max_tokens = "max_completion_tokens", body.max_completion_tokens

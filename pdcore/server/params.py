@@ -10,6 +10,8 @@ A prompt that does not fit the KV pool at all is rejected too: it could never be
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,8 +22,10 @@ from pdcore.engine.io_struct import GenerateReq, PDRoute, SamplingParams
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
 from pdcore.route_auth import RouteGuard
 from pdcore.server.generation import Item
+from pdcore.server.sglang_flags import json_object_flag
 
 MAX_N = 64
+log = logging.getLogger(__name__)
 
 
 def bad(message: str, field: str) -> InvalidRequestError:
@@ -49,8 +53,15 @@ def _logit_bias(raw: dict[str, float] | None, field: str) -> dict[int, float]:
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+@functools.lru_cache(maxsize=4)
+def preferred_sampling(raw: str | None) -> dict[str, Any]:
+    """--preferred-sampling-params as a dict (checked at start-up by ServerArgs.validate)."""
+    return json_object_flag(raw, "--preferred-sampling-params")
+
+
 def build_sampling(given: Mapping[str, Any], prefix: str = "",
-                   names: dict[str, str] | None = None) -> SamplingParams:
+                   names: dict[str, str] | None = None,
+                   defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The one place a request's sampling options become the engine's SamplingParams, checked
     once. `given` maps SamplingParams field names to what the client sent (the wire schemas
     declare only JSON types: a None or absent field takes the default declared on
@@ -58,7 +69,8 @@ def build_sampling(given: Mapping[str, Any], prefix: str = "",
     OpenAI sends them). An absent `max_new_tokens` is -1 until clamp_max_new_tokens fills it.
     Errors name `prefix + field` (`names` renames fields, e.g. OpenAI's max_tokens)."""
     names = names or {}
-    vals = {k: v for k, v in given.items() if v is not None}
+    # `defaults` (--preferred-sampling-params) fill what the request left out
+    vals = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     if vals.keys() - SAMPLING_FIELDS:
         raise TypeError(f"not sampling fields: {sorted(vals.keys() - SAMPLING_FIELDS)}")
 
@@ -104,19 +116,35 @@ def build_sampling(given: Mapping[str, Any], prefix: str = "",
     return s
 
 
+def needs_text(args: ServerArgs, what: str, field: str) -> None:
+    """--skip-tokenizer-init: token ids in and out; text prompts and the OpenAI routes (which
+    take and answer text) are refused with what to send instead."""
+    if args.skip_tokenizer_init:
+        raise bad(f"{what} needs the tokenizer, and this server runs with "
+                  "--skip-tokenizer-init: send input_ids to /generate (the answer carries "
+                  "output_ids), or restart the server without the flag", field)
+
+
 def check_n(n: int, field: str = "n") -> int:
     if not 1 <= n <= MAX_N:
         raise bad(f"{field} must be in [1, {MAX_N}], got {n}", field)
     return n
 
 
-def check_prompt(ids: list[int], info: dict[str, Any], field: str) -> None:
+def check_prompt(ids: list[int], info: dict[str, Any], field: str,
+                 truncate: bool = False) -> None:
+    """`truncate` (--allow-auto-truncate): a prompt of context-length tokens or more is cut, in
+    place, to its first context-length - 1 tokens instead of refused."""
     if not ids:
         raise bad(f"{field} is empty: give at least one token", field)
     vocab = int(info.get("vocab_size") or 0)
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise bad(f"{field} holds token ids outside [0, {vocab})", field)
     ctx = int(info.get("context_length") or 0)
+    if ctx and len(ids) >= ctx and truncate:
+        log.warning("%s: %d tokens cut to %d to fit the context length %d "
+                    "(--allow-auto-truncate)", field, len(ids), ctx - 1, ctx)
+        del ids[ctx - 1:]
     if ctx and len(ids) >= ctx:
         raise bad(f"{field} is too long: {len(ids)} tokens, the context length is {ctx} "
                   "(prompt and output must fit); shorten it", field)

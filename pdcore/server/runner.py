@@ -42,9 +42,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(host: str, port: int) -> str:
+def url_of(host: str, port: int, scheme: str = "http") -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    return f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    return f"{scheme}://[{shown}]:{port}" if ":" in shown else f"{scheme}://{shown}:{port}"
 
 
 def try_line(url: str, mode: str) -> str:
@@ -88,14 +88,16 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
     from pdcore.server.app import create_app
 
     configure_logging(args.log_level)
+    tls = connections.tls_settings(args.ssl_certfile, args.ssl_keyfile, "--ssl-certfile",
+                                   "--ssl-keyfile")
     sock = bind_socket(args.host, args.port)
-    url = url_of(args.host, args.port)
+    url = url_of(args.host, args.port, "https" if tls else "http")
     app = create_app(args, **app_kwargs)
     # header / body deadlines, a connection limit that evicts the slowest first, quiet logs
     _, protocol = connections.install(app, app.state.metrics.registry)
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on", http=protocol,
-                            timeout_keep_alive=connections.keepalive_s())
+                            timeout_keep_alive=connections.keepalive_s(), **tls)
     server = uvicorn.Server(config)
     outcome = {"rc": 0}
 

@@ -79,8 +79,11 @@ def port_free(port: int) -> bool:
     return True
 
 
-def test_scheduler_kill_fails_requests_and_exits_server(tiny_llama_dir: Path) -> None:
-    server = ServerProcess("--model-path", str(tiny_llama_dir), *FLAGS)
+def test_scheduler_kill_fails_requests_and_exits_server(tiny_llama_dir: Path,
+                                                       tmp_path: Path) -> None:
+    dumps = tmp_path / "dumps"  # --crash-dump-folder: the requests of the last 5 minutes
+    server = ServerProcess("--model-path", str(tiny_llama_dir), *FLAGS,
+                           "--crash-dump-folder", str(dumps))
     try:
         server.wait_healthy(180)
         results, threads = in_flight(server)
@@ -103,6 +106,12 @@ def test_scheduler_kill_fails_requests_and_exits_server(tiny_llama_dir: Path) ->
         assert events[-1] == "data: [DONE]"
         assert "scheduler process died" in json.loads(events[-2][len("data: "):])["error"][
             "message"]
+        [dump] = list(dumps.glob("crash_dump_*.json"))
+        data = json.loads(dump.read_text())
+        assert "scheduler process died" in data["reason"]
+        assert len(data["requests"]) == 2, data["requests"]  # the two in flight, unfinished
+        assert all(r["finished"] is None and r["input_ids"] and
+                   r["sampling"]["max_new_tokens"] == 4000 for r in data["requests"])
         print(f"server exited {exit_s:.2f}s after its scheduler was killed")
     finally:
         server.stop()

@@ -124,14 +124,20 @@ def _hf_state_dict(resolved: ResolvedModel, cfg: Any, load_format: str,
 
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                tp: TPInfo | None = None, trust_remote_code: bool = False,
-               load_format: str = "auto") -> tuple[Any, Any, ResolvedModel]:
-    """Our model with weights loaded."""
+               load_format: str = "auto", overrides: dict[str, Any] | None = None
+               ) -> tuple[Any, Any, ResolvedModel]:
+    """Our model with weights loaded; `overrides` (--json-model-override-args) are laid over
+    its config.json's values first."""
     _progress_bars_on_a_thread_lock()
     raw = resolve_model(model_path)
     _check_format(raw, load_format)
     # a GGUF file loads through its cached HF conversion; dummy weights need only the config
     resolved = raw if load_format == "dummy" else converted(raw)
     cfg = load_config(resolved, trust_remote_code, plain=load_format != "dummy")
+    for key, value in (overrides or {}).items():
+        log.info("config.json %s: %r -> %r (--json-model-override-args)", key,
+                 getattr(cfg, key, None), value)
+        setattr(cfg, key, value)
     log.info("loading %s (%s) as %s%s", resolved.display_path, cfg.architectures[0], dtype,
              " with random weights (--load-format dummy)" if load_format == "dummy" else "")
     sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)

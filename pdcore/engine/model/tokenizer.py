@@ -48,13 +48,16 @@ def load_tokenizer(args: Any) -> Any:
 
     resolved = converted(resolve_model(getattr(args, "tokenizer_path", None) or args.model_path))
     remote = bool(getattr(args, "trust_remote_code", False))
+    slow = getattr(args, "tokenizer_mode", "auto") == "slow"  # --tokenizer-mode slow
     try:
-        tokenizer = None if remote or resolved.gguf_file else _light_tokenizer(resolved.path)
+        tokenizer = None if remote or slow or resolved.gguf_file else \
+            _light_tokenizer(resolved.path)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
+            kw = {"use_fast": False} if slow else {}
             tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=remote,
-                                                      **resolved.hf_kwargs())
+                                                      **resolved.hf_kwargs(), **kw)
     except Exception as e:
         raise ModelLoadError(f"cannot load tokenizer from {resolved.display_path}: {e}") from e
     template = getattr(args, "chat_template", None)

@@ -46,6 +46,9 @@ class SchedulerConfig:
     context_length: int = 8192
     eos_ids: frozenset[int] = frozenset()
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
+    # --schedule-conservativeness C: above 1, a new prompt is admitted only while (C - 1) x
+    # (at most all of) the pages the running requests' remaining outputs need stay free
+    conservativeness: float = 1.0
 
 
 # lpm sorts the queue by prefix match each step; past this length it costs more than it saves
@@ -197,7 +200,7 @@ class Scheduler:
         self._order_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
-            n = self._admit(req, budget)
+            n = self._admit(req, budget) if room_for_running(self, req, budget) else 0
             if not n:
                 break
             self.waiting.popleft()
@@ -353,3 +356,38 @@ class Scheduler:
 
     def stats(self) -> StatsReport:
         return scheduler_stats(self)
+
+
+def room_for_running(sched: Scheduler, req: Req, budget: int) -> bool:
+    """--schedule-conservativeness: whether admitting `req`'s next chunk still leaves the share
+    of free pages kept back for the running requests' remaining outputs."""
+    share = min(1.0, sched.cfg.conservativeness - 1.0)
+    if share <= 0 or not sched.running:
+        return True
+    blocks = sched.blocks
+    need = sum(blocks.pages_for(max(0, r.params.max_new_tokens - len(r.output)))
+               for r in sched.running)
+    return blocks.num_free - blocks.pages_for(min(req.remaining, budget)) >= share * need
+
+
+class DecodeLog:
+    """--decode-log-interval: one line every N decode steps (SGLang's decode batch line); the
+    scheduler process calls `after_step` after each step."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval, self.logged = interval, 0
+        self.mark: tuple[float, int] | None = None
+
+    def after_step(self, sched: Scheduler) -> None:
+        c = sched.counters
+        if c.decode_steps // self.interval == self.logged:
+            return
+        self.logged = c.decode_steps // self.interval
+        now = time.perf_counter()
+        rate = (c.generated_tokens / max(c.decode_seconds + c.extend_seconds, 1e-9)
+                if self.mark is None
+                else (c.generated_tokens - self.mark[1]) / max(now - self.mark[0], 1e-9))
+        self.mark = (now, c.generated_tokens)
+        log.info("decode batch: %d running, %d queued, KV pages %d/%d used, %.1f tokens/s",
+                 len(sched.running), len(sched.waiting), sched.blocks.num_used,
+                 sched.blocks.num_pages, rate)
