@@ -83,8 +83,8 @@ COMMON_HELP: dict[str, str] = {
     "ssl_keyfile": "serve HTTPS with this PEM private key (with --ssl-certfile)",
     "ssl_certfile": "serve HTTPS with this PEM certificate chain (with --ssl-keyfile)",
     "log_requests_level": "with --log-requests: 0 counts and latency, 1 + sampling "
-                          "parameters, 2 + the first 512 characters of prompt and output, 3 "
-                          "+ all of them",
+                          "parameters, 2 + the first 512 prompt and output token ids, 3 + all "
+                          "of them",
     "decode_log_interval": "log one decode-batch line (running, queued, KV use, tokens/s) "
                            "every N decode steps",
     "enable_trace": "export an OpenTelemetry span tree per request to "
@@ -94,7 +94,7 @@ COMMON_HELP: dict[str, str] = {
                             "http://HOST:PORT/v1/traces) or a full URL",
     "crash_dump_folder": "when the engine dies, write the requests of its last 5 minutes "
                          "there as JSON (crash_dump_<time>.json)",
-    "show_time_cost": "log each request's stage times (tokenize, queue, first token, decode)",
+    "show_time_cost": "log each request's time to first token, decode time and tokens/s",
     "schedule_conservativeness": "1 (SGLang's default): admit new prompts while pages are "
                                  "free; C > 1 keeps (C - 1) x the running requests' remaining "
                                  "output pages back when admitting (capped at all of them)",
