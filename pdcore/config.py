@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from pdcore.common_flags import CommonFlags
 from pdcore.errors import ConfigError
 from pdcore.route_auth import parse_addrs
 
@@ -35,7 +36,7 @@ NGRAM_DRAFT_TOKENS = 8  # --speculative-num-draft-tokens default: the current to
 
 
 @dataclass
-class ServerArgs:
+class ServerArgs(CommonFlags):
     # model
     model_path: str | None = None
     tokenizer_path: str | None = None
@@ -144,26 +145,6 @@ class ServerArgs:
     watchdog_timeout: float = 300.0
     # profiling
     profile_output_dir: str | None = None
-    # SGLang's common server flags (issue #45 item 12; pdcore/server/sglang_flags.py says
-    # what each does here)
-    tokenizer_mode: str = "auto"  # auto: the fast tokenizer when the model has one; slow
-    skip_tokenizer_init: bool = False  # input_ids in, output_ids out, no text
-    json_model_override_args: str = "{}"  # JSON object laid over the model's config.json
-    enable_mixed_chunk: bool = False  # prefill chunks always share a step with decodes here
-    stream_interval: int = 1  # tokens per streamed chunk (the first token goes at once)
-    allow_auto_truncate: bool = False  # a prompt too long is cut to fit instead of a 400
-    enable_cache_report: bool = False  # usage.prompt_tokens_details.cached_tokens: always sent
-    preferred_sampling_params: str | None = None  # JSON object: defaults for absent fields
-    ssl_keyfile: str | None = None  # HTTPS: the server's private key (PEM)
-    ssl_certfile: str | None = None  # HTTPS: its certificate chain (PEM)
-    log_requests_level: int = 0  # with --log-requests: 0 counts, 1 + sampling, 2/3 + text
-    decode_log_interval: int = 40  # a decode-batch log line every N decode steps
-    enable_trace: bool = False  # OpenTelemetry spans per request (the `trace` extra)
-    otlp_traces_endpoint: str = "localhost:4318"  # OTLP/HTTP collector HOST:PORT or URL
-    crash_dump_folder: str | None = None  # the requests of the last 5 min, written at a crash
-    show_time_cost: bool = False  # log each request's stage times (queue, prefill, decode)
-    schedule_conservativeness: float = 1.0  # > 1: keep pages back for running decodes
-    enable_torch_compile: bool = False  # refused: the CPU path runs native kernels
     # identity (not a flag): unique per server process, names shm segments, logs
     server_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # identity (not flags), set per replica by --dp-size > 1 (pdcore.runtime.dp.client): the

@@ -17,6 +17,7 @@ import typing
 from typing import Any, NoReturn
 
 from pdcore.config import (
+    CommonFlags,
     DEEPEP_MODES,
     DISAGG_MODES,
     KV_CACHE_DTYPES,
@@ -234,7 +235,9 @@ def build_parser(prog: str = "pdserve serve") -> argparse.ArgumentParser:
                              "true`); flags on the command line win")
     hints = typing.get_type_hints(ServerArgs)
     defaults = ServerArgs()
-    for f in dataclasses.fields(ServerArgs):
+    common = {f.name for f in dataclasses.fields(CommonFlags)}
+    # SGLang's common flags (a base class's fields, so first in the dataclass) after the rest
+    for f in sorted(dataclasses.fields(ServerArgs), key=lambda f: f.name in common):
         if f.name not in ServerArgs.field_names():
             continue
         names = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
