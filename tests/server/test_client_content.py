@@ -77,6 +77,11 @@ def test_deep_json_text_is_a_400_naming_the_field(fake_server: FakeServer, pages
 def test_json_text_within_the_bound_still_works(fake_server: FakeServer) -> None:
     ok_depth = "[" * MAX_JSON_TEXT_DEPTH + "]" * MAX_JSON_TEXT_DEPTH
     assert load_client_json(ok_depth, "x") is not None
+    for scalar in ("null", "1", '"s"', "true"):  # JSON, not nested at all (was a TypeError)
+        assert load_client_json(scalar, "x") == json.loads(scalar)
+    resp = fake_server.client.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 1, "json_schema": "1"}})
+    assert resp.status_code in (200, 400), resp.text[:300]
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     spec = spec_from_response_format({"type": "json_schema",
                                       "json_schema": {"name": "x", "schema": json.dumps(schema)}})

@@ -240,7 +240,7 @@ def load_client_json(text: str, field: str, max_depth: int = MAX_JSON_TEXT_DEPTH
         if keep_text:
             return text
         raise InvalidRequestError(f"{field} is not valid JSON: {e}", field) from None
-    stack = [(value, 1)]
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
     while stack:
         node, depth = stack.pop()
         if depth > max_depth:
