@@ -31,8 +31,18 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    5.0, 10.0, 30.0, 60.0)
 SPEED_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0)  # GB/s
 BOOTSTRAP_BUCKETS = LATENCY_BUCKETS
+# SGLang's histograms of the same measurements, in its units and with its buckets (its
+# scheduler metrics collector): exported as sglang:kv_transfer_{latency_ms,speed_gb_s,
+# bootstrap_ms,total_mb}
+SGLANG_MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+SGLANG_BOOTSTRAP_MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+SGLANG_SPEED_BUCKETS = (0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)  # GB/s
+SGLANG_MB_BUCKETS = (1, 5, 10, 50, 100, 500, 1000, 5000, 10000)  # MB (1e6 bytes)
 HISTOGRAMS = {"latency_seconds": LATENCY_BUCKETS, "speed_gb_s": SPEED_BUCKETS,
-              "bootstrap_seconds": BOOTSTRAP_BUCKETS}
+              "bootstrap_seconds": BOOTSTRAP_BUCKETS,
+              "sglang_latency_ms": SGLANG_MS_BUCKETS, "sglang_speed_gb_s": SGLANG_SPEED_BUCKETS,
+              "sglang_bootstrap_ms": SGLANG_BOOTSTRAP_MS_BUCKETS,
+              "sglang_total_mb": SGLANG_MB_BUCKETS}
 
 # the failure reasons a label can carry: wire codes, then what a reason's text says
 REASONS = ("timeout", "aborted", "shutdown", "peer_unreachable", "peer_failed",
@@ -116,6 +126,7 @@ class TransferStats:
                 r.phase = "waiting"
                 took = now - r.created
                 self.hist["bootstrap_seconds"].observe(took)
+                self.hist["sglang_bootstrap_ms"].observe(took * 1e3)
                 self.last["bootstrap_ms"] = took * 1e3
             elif state is KVPoll.Transferring:
                 r.phase, r.transferring = "transfer", now
@@ -128,6 +139,9 @@ class TransferStats:
         speed = r.bytes / took / 1e9
         self.hist["latency_seconds"].observe(took)
         self.hist["speed_gb_s"].observe(speed)
+        self.hist["sglang_latency_ms"].observe(took * 1e3)
+        self.hist["sglang_speed_gb_s"].observe(speed)
+        self.hist["sglang_total_mb"].observe(r.bytes / 1e6)
         self.totals["transfers"] += 1
         self.last.update(latency_ms=took * 1e3, speed_gb_s=speed, total_mb=r.bytes / 1e6)
 

@@ -47,6 +47,7 @@ from pdcore.server.metrics_map import (
     REQUEST_LEVEL,
     SCHED_COUNTERS,
     SCHED_GAUGES,
+    SGLANG_XFER_HISTOGRAMS,
     TTFT_BUCKETS,
     XFER_HISTOGRAMS,
 )
@@ -152,6 +153,22 @@ def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _histograms(hist: dict[str, Any], table: list[tuple[str, str, str]], names: list[str],
+                values: list[str]) -> Iterator[Metric]:
+    """Histogram families from TransferStats bucket counts (one family per table row)."""
+    for key, name, doc in table:
+        h = hist.get(key)
+        fam = HistogramMetricFamily(name, doc, labels=names)
+        if h:
+            cum, buckets = 0, []
+            for bound, n in zip([*h["bounds"], float("inf")], h["counts"]):
+                cum += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)),
+                                float(cum)))
+            fam.add_metric(values, buckets, float(h["sum"]))
+        yield fam
+
+
 class StatsCollector:
     """Scheduler series from the last `stats` answer, built at scrape time."""
 
@@ -185,22 +202,12 @@ class StatsCollector:
         yield from self._extras(s, known, self.report.counters())
 
     def _transfer(self, x: Any) -> Iterator[Metric]:
-        """sglang:kv_transfer_* (last transfer) and pdserve_kv_* (histograms, totals, rooms)."""
+        """sglang:kv_transfer_* (histograms, SGLang's units and buckets) and pdserve_kv_*
+        (histograms in seconds, totals, rooms; + backend)."""
         names, values = list(self.labels), list(self.labels.values())
         x = x if isinstance(x, dict) else {}
-        last = x.get("last", {})
-        for key, name, doc in (
-                ("speed_gb_s", "sglang:kv_transfer_speed_gb_s",
-                 "The transfer speed of the KV cache in GB/s (last transfer)."),
-                ("latency_ms", "sglang:kv_transfer_latency_ms",
-                 "The transfer latency of the KV cache in ms (last transfer)."),
-                ("bootstrap_ms", "sglang:kv_transfer_bootstrap_ms",
-                 "The bootstrap time of the KV transfer in ms (last room)."),
-                ("total_mb", "sglang:kv_transfer_total_mb",
-                 "The KV bytes of the last transfer in MB (1e6 bytes).")):
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, float(last.get(key, 0.0)))
-            yield g
+        hist = x.get("hist", {})
+        yield from _histograms(hist, SGLANG_XFER_HISTOGRAMS, names, values)
         fails = x.get("failures", [])
         for phase, name, doc in (
                 ("bootstrap", "sglang:num_bootstrap_failed_reqs",
@@ -230,18 +237,7 @@ class StatsCollector:
         for state, n in x.get("rooms", {}).items():
             g.add_metric(values + [state], float(n))
         yield g
-        hist = x.get("hist", {})
-        for key, name, doc in XFER_HISTOGRAMS:
-            h = hist.get(key)
-            fam = HistogramMetricFamily(name, doc, labels=names)
-            if h:
-                cum, buckets = 0, []
-                for bound, n in zip([*h["bounds"], float("inf")], h["counts"]):
-                    cum += n
-                    buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)),
-                                    float(cum)))
-                fam.add_metric(values, buckets, float(h["sum"]))
-            yield fam
+        yield from _histograms(hist, XFER_HISTOGRAMS, names, values)
 
     def _extras(self, s: dict[str, Any], known: set[str],
                 counters: set[str]) -> Iterator[Metric]:

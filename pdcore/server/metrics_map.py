@@ -48,8 +48,8 @@ SCHED_GAUGES: list[tuple[str, str, Callable[[Stats, Any], float], tuple[str, ...
      lambda s, gen: gen(), ()),
     ("sglang:cache_hit_rate", "The prefix cache hit rate (cached / prompt tokens, since start).",
      _get("cache_hit_rate"), ("cache_hit_rate",)),
-    ("sglang:num_prefill_prealloc_queue_reqs",
-     "The number of requests in the prefill prealloc (bootstrap) queue.",
+    ("sglang:num_prefill_bootstrap_queue_reqs",
+     "The number of requests in the prefill bootstrap queue.",
      _get("disagg_bootstrap_queue"), ("disagg_bootstrap_queue",)),
     ("sglang:num_prefill_inflight_queue_reqs",
      "The number of requests in the prefill inflight (transfer) queue.",
@@ -92,7 +92,19 @@ SCHED_COUNTERS: list[tuple[str, str, str]] = [
 # counters SGLang keeps in its tokenizer collector (label model_name only)
 REQUEST_LEVEL = frozenset({"sglang:num_aborted_requests"})
 
-# (snapshot key, name, help): the KV manager's per-room histograms (pdcore.disagg.transfer_stats)
+# (snapshot key, name, help): the KV manager's per-room histograms (pdcore.disagg.transfer_stats);
+# SGLang's four in its units and buckets (model_name, engine_type, tp_rank, pp_rank), then ours
+# (+ backend, seconds)
+SGLANG_XFER_HISTOGRAMS: list[tuple[str, str, str]] = [
+    ("sglang_latency_ms", "sglang:kv_transfer_latency_ms",
+     "Histogram of KV cache transfer latency in ms."),
+    ("sglang_speed_gb_s", "sglang:kv_transfer_speed_gb_s",
+     "Histogram of KV cache transfer speed in GB/s."),
+    ("sglang_bootstrap_ms", "sglang:kv_transfer_bootstrap_ms",
+     "Histogram of KV transfer bootstrap time in ms."),
+    ("sglang_total_mb", "sglang:kv_transfer_total_mb",
+     "Histogram of KV cache transfer size in MB."),
+]
 XFER_HISTOGRAMS: list[tuple[str, str, str]] = [
     ("latency_seconds", "pdserve_kv_transfer_latency_seconds",
      ("Per-room KV transfer time (P: first chunk queued to last landed; D: destination sent to "

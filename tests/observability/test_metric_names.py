@@ -160,8 +160,13 @@ def test_transfer_bytes_agree_with_bench(cluster: PDCluster, harness: ModuleType
         for h in ("pdserve_kv_transfer_latency_seconds", "pdserve_kv_transfer_speed_gb_s",
                   "pdserve_kv_bootstrap_seconds"):
             assert delta(url, h + "_count") == len(prompts), (url, h)
-        assert value(after[url], "sglang:kv_transfer_total_mb") > 0
-        assert value(after[url], "sglang:kv_transfer_speed_gb_s") > 0
+        # SGLang's histograms of the same rooms, in its units
+        for h in ("sglang:kv_transfer_latency_ms", "sglang:kv_transfer_speed_gb_s",
+                  "sglang:kv_transfer_bootstrap_ms", "sglang:kv_transfer_total_mb"):
+            assert delta(url, h + "_count") == len(prompts), (url, h)
+        assert delta(url, "sglang:kv_transfer_total_mb_sum") == pytest.approx(moved[url] / 1e6)
+        assert delta(url, "sglang:kv_transfer_latency_ms_sum") == pytest.approx(
+            1e3 * delta(url, "pdserve_kv_transfer_latency_seconds_sum"))
     assert delta(p, "pdserve_scheduler_kv_bytes_total") == moved[p]  # the manager's own count
     # what was asked is what the request counters count (D serves the answers)
     assert delta(d, "sglang:num_requests_total") == len(prompts)

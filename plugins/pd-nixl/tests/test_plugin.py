@@ -73,3 +73,20 @@ def test_blocked_sdk_is_reported_and_other_backends_still_work() -> None:
     assert not ok and reason.startswith("nixl is not installed: pip install nixl")
     assert reason in out["create"]
     assert out["tcp_endpoint"] is True
+
+
+def test_preflight_does_not_call_the_nixl_variables_ignored(tmp_path) -> None:
+    """#45 item 13: `pdserve serve --disaggregation-transfer-backend nixl` with
+    SGLANG_DISAGGREGATION_NIXL_BACKEND set warned that the variable was ignored, while the
+    backend reads it (pd_nixl.settings): the backend now declares what it reads."""
+    from pdcore.config import ServerArgs
+    from pdcore.server.preflight import _warnings
+
+    args = ServerArgs(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl")
+    env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX",
+           "SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS": "{}",
+           "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "NVLINK"}
+    lines = _warnings(args, env)
+    assert not [ln for ln in lines if "NIXL" in ln], lines
+    # a variable nixl does not read is still named
+    assert any("SGLANG_MOONCAKE_CUSTOM_MEM_POOL is set but ignored" in ln for ln in lines), lines

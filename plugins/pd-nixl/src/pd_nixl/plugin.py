@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pd_nixl.settings import BACKEND_ENV, PARAMS_ENV
 from pdcore.plugins import hookimpl
 from pdcore.plugins.lazy import guarded, sdk_probe
 
@@ -28,4 +29,6 @@ def pd_register_transfer_backends(register: Callable[..., None]) -> None:
         description=("NVIDIA NIXL; plugin from SGLANG_DISAGGREGATION_NIXL_BACKEND (UCX default, "
                      "LIBFABRIC, ...), params from SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS"),
         availability=sdk_availability,
+        # what pd_nixl.settings and the engine read: the preflight must not call them ignored
+        reads=(BACKEND_ENV, PARAMS_ENV, "NIXL_PLUGIN_DIR"),
     )
