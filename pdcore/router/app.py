@@ -40,7 +40,7 @@ from pdcore.server.limits import install_limits
 
 log = logging.getLogger("pdcore.router")
 
-GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
 # answered without --api-key: supervisors probe /health; the dashboard page holds no data (it
 # asks for the key and sends it on each poll)
 OPEN_PATHS = ("/health", "/dashboard")

@@ -25,6 +25,8 @@ ROOM_BITS = 63  # bootstrap_room is uniform in [0, 2**63 - 1]
 
 def batch_size(route: str, body: dict[str, Any]) -> int | None:
     """Number of items of a batch request, or None for a single request."""
+    if route == "/v1/responses":
+        return None  # one input, one output
     if route == "/v1/chat/completions":
         n = body.get("n")
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None

@@ -33,7 +33,7 @@ _BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 
 # constant labels of a PD router speaking HTTP to its workers, as sglang-router sets them
 ROUTER = {"router_type": "http", "backend_type": "pd", "connection_mode": "http"}
 _ENDPOINTS = {"/generate": "generate", "/v1/chat/completions": "chat",
-              "/v1/completions": "completions"}
+              "/v1/completions": "completions", "/v1/responses": "responses"}
 
 
 def endpoint(route: str) -> str:

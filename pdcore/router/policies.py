@@ -165,6 +165,11 @@ def routing_text(route: str, body: dict[str, Any]) -> str:
                 _content_text(m.get("content")) for m in messages if isinstance(m, dict)
             )
         return ""
+    if route == "/v1/responses":
+        items = body.get("input")
+        if isinstance(items, list):
+            return "".join(_content_text(m.get("content")) for m in items if isinstance(m, dict))
+        return items if isinstance(items, str) else ""
     key = "prompt" if route == "/v1/completions" else "text"
     value = body.get(key)
     if isinstance(value, list) and value and isinstance(value[0], str):

@@ -30,7 +30,13 @@ from pdcore.config import ServerArgs
 from pdcore.engine.io_struct import GenerateReq, SamplingParams
 from pdcore.route_auth import RouteGuard
 from pdcore.runtime import EngineClient, EngineError, SchedulerTarget, make_engine
-from pdcore.server import admin_routes, native_routes, openai_routes, pd_trust_routes
+from pdcore.server import (
+    admin_routes,
+    native_routes,
+    openai_routes,
+    pd_trust_routes,
+    responses_routes,
+)
 from pdcore.server.auth import install_auth, log_admin_policy
 from pdcore.server.http_errors import install_error_handlers
 from pdcore.server.limits import install_limits
@@ -38,7 +44,7 @@ from pdcore.server.metrics import ServerMetrics, metrics_engine_type, metrics_mo
 
 log = logging.getLogger(__name__)
 
-GENERATE_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions"}
+GENERATE_ROUTES = {"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"}
 OPEN_PATHS = frozenset({"/health"})  # answered without --api-key: supervisors probe it
 WARMUP_TIMEOUT_S = 120.0
 
@@ -132,6 +138,7 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
 
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(admin_routes.router)
     if args.disaggregation_mode != "null":
         app.include_router(pd_trust_routes.router)

@@ -33,6 +33,7 @@ from pdcore.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    ResponsesRequest,
     validation_message,
 )
 from pdcore.server.unsupported import check_unsupported
@@ -58,10 +59,11 @@ MAX_DEPTH = 32  # JSON nesting of a generate request's fields
 MAX_JSON_DEPTH = 64  # JSON nesting of any request body (BodySizeLimit)
 INT64 = 1 << 63
 
-GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
 SCHEMAS: dict[str, type[BaseModel]] = {"/generate": GenerateRequest,
                                        "/v1/completions": CompletionRequest,
-                                       "/v1/chat/completions": ChatCompletionRequest}
+                                       "/v1/chat/completions": ChatCompletionRequest,
+                                       "/v1/responses": ResponsesRequest}
 
 
 def max_request_bytes() -> int:
@@ -335,6 +337,13 @@ def check_body(route: str, body: dict[str, Any], info: dict[str, Any],
         _check_text(body.get("prompt"), "prompt", max_chars)
         for key in ("logprobs", "top_logprobs"):
             _check_top(body.get(key), 20, vocab, key)
+        items = body.get("input") if route == "/v1/responses" else None  # a text or items
+        _count(items, MAX_MESSAGES, "input", "items")
+        _check_text(items if isinstance(items, str) else None, "input", max_chars)
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            content = item.get("content") if isinstance(item, dict) else None
+            _count(content, MAX_MESSAGES, f"input[{i}].content", "parts")
+            _check_text(content, f"input[{i}].content", max_chars)
         messages = body.get("messages")
         _count(messages, MAX_MESSAGES, "messages", "messages")
         for i, m in enumerate(messages if isinstance(messages, list) else []):

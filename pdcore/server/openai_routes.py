@@ -68,7 +68,7 @@ def _running_usage(plan: Plan, counts: dict[int, int]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-async def _run(request: Request, engine: EngineClient, plan: Plan, timeout: float | None
+async def run_plan(request: Request, engine: EngineClient, plan: Plan, timeout: float | None
                ) -> list[OutputAssembler] | Response:
     try:
         return await unless_disconnected(
@@ -196,7 +196,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if body.stream:
         return StreamingResponse(_stream(request, engine, plan, body, chat=False),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    outs = await _run(request, engine, plan, body.timeout)
+    outs = await run_plan(request, engine, plan, body.timeout)
     if isinstance(outs, Response):
         return outs
     text_of = lpfmt.TokenText(engine.tokenizer)
@@ -350,7 +350,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     if body.stream:
         return StreamingResponse(_stream(request, engine, plan, body, chat=True, shapers=shapers),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    outs = await _run(request, engine, plan, body.timeout)
+    outs = await run_plan(request, engine, plan, body.timeout)
     if isinstance(outs, Response):
         return outs
     text_of = lpfmt.TokenText(engine.tokenizer)

@@ -205,3 +205,20 @@ class ChatCompletionRequest(_OpenAIBase):
     # too, for templates that read it (openai_routes.render_chat)
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+
+
+class ResponsesRequest(_OpenAIBase):
+    """OpenAI's Responses API (`/v1/responses`, server/responses_api.py): `input` is a text or
+    a list of items (messages, function calls and their outputs); the sampling fields are the
+    chat route's, declared once in _OpenAIBase."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | ...}}
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: the template's reasoning_effort
+    chat_template_kwargs: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None

@@ -32,10 +32,19 @@ _MISPLACED: dict[str, dict[str, str]] = {
                   "response_format": "sampling_params.json_schema"},
     "openai": {"min_new_tokens": "min_tokens",
                "structural_tag": 'response_format {"type": "structural_tag", ...}'},
+    "/v1/responses": {"messages": "input", "max_tokens": "max_output_tokens",
+                      "max_completion_tokens": "max_output_tokens",
+                      "response_format": 'text {"format": ...}'},
 }
 _OPENAI: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none",), "audio": (), "prediction": (), "modalities": (["text"],),
     "store": (False,), "suffix": ("",),
+}
+# /v1/responses (responses_routes.py): responses are not stored, nothing is truncated (listed
+# in docs/openai-api.md)
+_RESPONSES: dict[str, tuple[Any, ...]] = {
+    "previous_response_id": (), "conversation": (), "prompt": (), "include": ([],),
+    "truncation": ("disabled",), "top_logprobs": (0,), "max_tool_calls": (),
 }
 _SAMPLING: dict[str, tuple[Any, ...]] = {
     "stop_regex": (),
@@ -80,6 +89,11 @@ def check_unsupported(route: str, body: dict[str, Any]) -> None:
                        else "sampling_params.")
         return
     _check(body, _OPENAI, "")
+    if route == "/v1/responses":
+        _check(body, _RESPONSES, "")
+        for key, there in _MISPLACED[route].items():
+            if body.get(key) is not None:
+                raise InvalidRequestError(f"{key} is {there} on {route}", key)
     if route == "/v1/completions":  # chat-only fields: refused rather than ignored here
         for key in ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                     "reasoning_effort"):

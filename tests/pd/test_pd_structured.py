@@ -302,3 +302,131 @@ def test_reasoning_content_is_separated(servers) -> None:
                 parts["reasoning_content"] += (c.delta.model_extra or {}).get(
                     "reasoning_content") or ""
         assert parts == {"reasoning_content": reasoning, "content": msg.content}, (name, parts)
+
+
+def test_json_object_is_an_object(servers, smollm2_tokenizer) -> None:
+    """#45 item 8: response_format json_object forces an object (langchain's json_mode got
+    `[1]` from the builtin JSON grammar); steered toward a list by logit_bias on '['."""
+    bias = {str(t): 30 for t in smollm2_tokenizer.encode("[", add_special_tokens=False)}
+    for name, url in _urls(servers).items():
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+            "max_tokens": 48, "response_format": {"type": "json_object"}, "logit_bias": bias})
+        assert r.status_code == 200, (name, r.text)
+        text = r.json()["choices"][0]["message"]["content"]
+        assert text.lstrip().startswith("{"), (name, text)
+
+
+# ---- /v1/responses (#45 item 7): the official client's responses.create, unified and 1P1D -----
+R_TOOLS = [{"type": "function", "name": t["function"]["name"],
+            "description": t["function"].get("description", ""),
+            "parameters": t["function"]["parameters"]} for t in TOOLS]
+
+
+def _responses_urls(servers: dict[str, Any]) -> dict[str, str]:
+    """Unified and pdserve's router over a tcp 1P1D."""
+    return {k: servers[k] for k in ("unified", "pd-tcp")}
+
+
+def test_responses_plain_and_streamed_equal_chat(servers) -> None:
+    got = {}
+    for name, url in _responses_urls(servers).items():
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
+        kw = {"model": _model(url), "instructions": "Be brief.", "temperature": 0,
+              "max_output_tokens": 12}
+        whole = client.responses.create(input="Say hello.", **kw)
+        assert whole.object == "response" and whole.id.startswith("resp_"), (name, whole)
+        assert whole.status == "incomplete", (name, whole)  # random model: runs to the cap
+        assert whole.incomplete_details.reason == "max_output_tokens"
+        assert whole.usage.output_tokens == 12 and whole.usage.input_tokens > 0
+        [item] = whole.output
+        assert item.type == "message" and item.role == "assistant"
+        chat = client.chat.completions.create(
+            model=_model(url), temperature=0, max_tokens=12,
+            messages=[{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Say hello."}])
+        assert whole.output_text == chat.choices[0].message.content, name
+        # a message list as input is the same conversation
+        listed = client.responses.create(input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "Say hello."}]}], **kw)
+        assert listed.output_text == whole.output_text, name
+        events = list(client.responses.create(input="Say hello.", stream=True, **kw))
+        kinds = [e.type for e in events]
+        assert kinds[:4] == ["response.created", "response.in_progress",
+                             "response.output_item.added", "response.content_part.added"], kinds
+        assert kinds[-1] == "response.incomplete", kinds
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == whole.output_text == events[-1].response.output_text, name
+        got[name] = whole.output_text
+    assert len(set(got.values())) == 1, got
+
+
+def test_responses_tool_call_plain_and_streamed(servers) -> None:
+    got = {}
+    for name, url in _responses_urls(servers).items():
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
+        kw = {"model": _model(url), "input": ASK[0]["content"], "tools": R_TOOLS,
+              "tool_choice": "required", "temperature": 0, "max_output_tokens": 96}
+        whole = client.responses.create(**kw)
+        assert whole.status == "completed", (name, whole)
+        calls = [o for o in whole.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].call_id.startswith("call_"), (name, whole.output)
+        args = json.loads(calls[0].arguments)
+        if calls[0].name == "get_weather":
+            assert args["city"] in ("Paris", "Oslo", "Lima"), args
+        events = list(client.responses.create(**kw, stream=True))
+        added = [e.item for e in events if e.type == "response.output_item.added"]
+        assert [i.type for i in added] == ["function_call"], (name, events)
+        pieces = "".join(e.delta for e in events
+                         if e.type == "response.function_call_arguments.delta")
+        done = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert pieces == done[0].arguments == calls[0].arguments, name
+        assert events[-1].type == "response.completed"
+        # the call and its output go back as input items: the next turn renders and serves
+        nxt = client.responses.create(model=_model(url), tools=R_TOOLS, temperature=0,
+                                      max_output_tokens=6, input=[
+            {"role": "user", "content": ASK[0]["content"]},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+             "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id,
+             "output": "sunny, 12 C"}])
+        assert nxt.output[0].type == "message", (name, nxt.output)
+        got[name] = (calls[0].name, args)
+    assert len({json.dumps(v) for v in got.values()}) == 1, got
+
+
+def test_responses_json_schema_output(servers) -> None:
+    for name, url in _responses_urls(servers).items():
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
+        fmt = {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}
+        kw = {"model": _model(url), "input": PROMPT, "text": {"format": fmt},
+              "temperature": 0, "max_output_tokens": 96}
+        whole = client.responses.create(**kw)
+        assert whole.status == "completed", (name, whole)
+        assert set(json.loads(whole.output_text)) == {"ok", "level", "n", "name"}, name
+        streamed = client.responses.create(**kw, stream=True)
+        final = [e for e in streamed if e.type == "response.completed"][0].response
+        assert final.output_text == whole.output_text, name
+        parsed = client.responses.parse(model=_model(url), input=PROMPT, text_format=Level,
+                                        temperature=0, max_output_tokens=96)
+        assert isinstance(parsed.output_parsed, Level), (name, parsed.output_text)
+
+
+def test_responses_bad_input_says_what_to_fix(servers) -> None:
+    url = servers["unified"]
+    cases = [({"input": []}, "input"), ({"input": [{"role": "wizard", "content": "x"}]},
+                                        "input[0].role"),
+             ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+             ({"input": "x", "messages": []}, "messages"),
+             ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+             ({"input": [{"role": "user", "content": [{"type": "input_image",
+                                                      "image_url": "x"}]}]},
+              "input[0].content[0].type")]
+    for body, param in cases:
+        for target in (url, servers["pd-tcp"]):
+            r = httpx.post(target + "/v1/responses", json=body, timeout=60)
+            assert r.status_code == 400, (target, body, r.text)
+            assert r.json()["error"]["param"] == param, (target, r.text)
+    for c in servers["_clusters"]:
+        c.wait_pages_free(30)

@@ -153,6 +153,13 @@ def test_routing_text():
     assert routing_text("/v1/completions", {"prompt": ["p1", "p2"]}) == "p1"
     assert routing_text("/generate", {"text": "t"}) == "t"
     assert routing_text("/generate", {"input_ids": [[1, 2], [3]]}) == "1 2"
+    # /v1/responses: its input text, or its items' contents (#45 item 7)
+    assert routing_text("/v1/responses", {"input": "hi"}) == "hi"
+    assert routing_text("/v1/responses", {"input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "A"}]},
+        {"type": "function_call_output", "call_id": "c", "output": "B"},
+        {"role": "user", "content": "C"}]}) == "AC"
+    assert batch_size("/v1/responses", {"input": ["x", "y"], "n": 3}) is None
 
 
 def test_backoff_grows_with_jitter_and_cap():

@@ -1,0 +1,92 @@
+"""`/v1/responses`: OpenAI's Responses API (SGLang serves it), whole or streamed.
+
+The body becomes the chat request it means (responses_api.chat_request); the prompt, tools,
+reasoning split, grammar and PD route are the chat route's; the answer is a Response object
+with output items (reasoning, message, function_call) or, streamed, the Responses events
+(response.created, output_item / content_part / output_text / function_call_arguments events,
+response.completed or response.incomplete; an error mid-stream: error + response.failed).
+Responses are not stored: `store` must be false (or absent) and `previous_response_id` is a 400.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pdcore.runtime import EngineClient
+from pdcore.server.chat_tools import ChoiceShaper, plan_tools
+from pdcore.server.generation import SSE_HEADERS, run_items
+from pdcore.server.openai_plan import Plan, finish_of, plan_request, usage
+from pdcore.server.openai_routes import chat_prompt, run_plan
+from pdcore.server.params import bad
+from pdcore.server.reasoning import ReasoningParser
+from pdcore.server.responses_api import ResponseBuilder, chat_request
+from pdcore.server.schemas import ResponsesRequest
+
+router = APIRouter()
+
+
+def _usage(plan: Plan, outs: list) -> dict:  # type: ignore[type-arg]
+    u = usage(plan, outs)
+    return ResponseBuilder.usage(u["prompt_tokens"], u["completion_tokens"],
+                                 u["prompt_tokens_details"]["cached_tokens"])
+
+
+async def _stream(request: Request, engine: EngineClient, plan: Plan, builder: ResponseBuilder,
+                  shaper: ChoiceShaper, timeout: float | None) -> AsyncIterator[bytes]:
+    for b in builder.start():
+        yield b
+    try:
+        async with contextlib.aclosing(run_items(engine, plan.items, request.app.state.metrics,
+                                                 timeout)) as events:
+            async for ev in events:
+                if ev.error is not None:
+                    for b in builder.failed(str(ev.error), ev.error.status):
+                        yield b
+                    return
+                a = ev.asm
+                text = a.out.text if ev.done else a.visible_text()
+                reason = finish_of(a)[0] if ev.done else None
+                fields, reason = shaper.delta(text, ev.done, reason)
+                for b in builder.delta(fields):
+                    yield b
+                if ev.done:
+                    for b in builder.finish(_usage(plan, [a]), reason):
+                        yield b
+    except Exception as e:  # noqa: BLE001 - headers are out already: report in-band
+        for b in builder.failed(f"internal error: {type(e).__name__}: {e}", 500):
+            yield b
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    engine: EngineClient = request.app.state.engine
+    engine.require_ready()
+    chat = chat_request(body)
+    max_tokens = chat.max_completion_tokens
+    if max_tokens is not None and max_tokens < 0:
+        raise bad(f"max_output_tokens must be >= 0, got {max_tokens}", "max_output_tokens")
+    tools = plan_tools(chat.tools, chat.tool_choice, engine.args.tool_call_parser,
+                       chat.parallel_tool_calls)
+    reasoning = (ReasoningParser(engine.args.reasoning_parser)
+                 if engine.args.reasoning_parser and chat.separate_reasoning else None)
+    prompt = chat_prompt(chat, engine.tokenizer, tools.template_tools if tools else None)
+    plan = plan_request(chat, engine, [prompt], "input", max_tokens, "max_output_tokens", None,
+                        False, 0, False, "resp", request.app.state.route_guard,
+                        tools.grammar if tools else None)
+    builder = ResponseBuilder(body, plan.rid.replace("resp-", "resp_", 1), plan.model)
+    shaper = ChoiceShaper(reasoning, tools)
+    if body.stream:
+        return StreamingResponse(_stream(request, engine, plan, builder, shaper, body.timeout),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    outs = await run_plan(request, engine, plan, body.timeout)
+    if isinstance(outs, Response):
+        return outs
+    [a] = outs
+    reason = finish_of(a)[0]
+    message, reason = shaper.message(a.out.text, reason)
+    builder.whole(message)
+    return JSONResponse(builder.response(builder.status_of(reason), _usage(plan, outs), reason))
