@@ -34,15 +34,15 @@ BOOTSTRAP_BUCKETS = LATENCY_BUCKETS
 # SGLang's histograms of the same measurements, in its units and with its buckets (its
 # scheduler metrics collector): exported as sglang:kv_transfer_{latency_ms,speed_gb_s,
 # bootstrap_ms,total_mb}
-SGLANG_MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
-SGLANG_BOOTSTRAP_MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
-SGLANG_SPEED_BUCKETS = (0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)  # GB/s
-SGLANG_MB_BUCKETS = (1, 5, 10, 50, 100, 500, 1000, 5000, 10000)  # MB (1e6 bytes)
+MS_BUCKETS_SGLANG = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+BOOTSTRAP_MS_BUCKETS_SGLANG = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+SPEED_BUCKETS_SGLANG = (0.1, 0.5, 1, 5, 10, 25, 50, 100, 200, 400)  # GB/s
+MB_BUCKETS_SGLANG = (1, 5, 10, 50, 100, 500, 1000, 5000, 10000)  # MB (1e6 bytes)
 HISTOGRAMS = {"latency_seconds": LATENCY_BUCKETS, "speed_gb_s": SPEED_BUCKETS,
               "bootstrap_seconds": BOOTSTRAP_BUCKETS,
-              "sglang_latency_ms": SGLANG_MS_BUCKETS, "sglang_speed_gb_s": SGLANG_SPEED_BUCKETS,
-              "sglang_bootstrap_ms": SGLANG_BOOTSTRAP_MS_BUCKETS,
-              "sglang_total_mb": SGLANG_MB_BUCKETS}
+              "sglang_latency_ms": MS_BUCKETS_SGLANG, "sglang_speed_gb_s": SPEED_BUCKETS_SGLANG,
+              "sglang_bootstrap_ms": BOOTSTRAP_MS_BUCKETS_SGLANG,
+              "sglang_total_mb": MB_BUCKETS_SGLANG}
 
 # the failure reasons a label can carry: wire codes, then what a reason's text says
 REASONS = ("timeout", "aborted", "shutdown", "peer_unreachable", "peer_failed",

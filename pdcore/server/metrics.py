@@ -47,9 +47,9 @@ from pdcore.server.metrics_map import (
     REQUEST_LEVEL,
     SCHED_COUNTERS,
     SCHED_GAUGES,
-    SGLANG_XFER_HISTOGRAMS,
     TTFT_BUCKETS,
     XFER_HISTOGRAMS,
+    XFER_HISTOGRAMS_SGLANG,
 )
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -207,7 +207,7 @@ class StatsCollector:
         names, values = list(self.labels), list(self.labels.values())
         x = x if isinstance(x, dict) else {}
         hist = x.get("hist", {})
-        yield from _histograms(hist, SGLANG_XFER_HISTOGRAMS, names, values)
+        yield from _histograms(hist, XFER_HISTOGRAMS_SGLANG, names, values)
         fails = x.get("failures", [])
         for phase, name, doc in (
                 ("bootstrap", "sglang:num_bootstrap_failed_reqs",

@@ -95,7 +95,7 @@ REQUEST_LEVEL = frozenset({"sglang:num_aborted_requests"})
 # (snapshot key, name, help): the KV manager's per-room histograms (pdcore.disagg.transfer_stats);
 # SGLang's four in its units and buckets (model_name, engine_type, tp_rank, pp_rank), then ours
 # (+ backend, seconds)
-SGLANG_XFER_HISTOGRAMS: list[tuple[str, str, str]] = [
+XFER_HISTOGRAMS_SGLANG: list[tuple[str, str, str]] = [
     ("sglang_latency_ms", "sglang:kv_transfer_latency_ms",
      "Histogram of KV cache transfer latency in ms."),
     ("sglang_speed_gb_s", "sglang:kv_transfer_speed_gb_s",
