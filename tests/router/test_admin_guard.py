@@ -150,6 +150,10 @@ def servers(tiny_llama_dir: Path) -> Iterator[dict[str, Any]]:
     keyed_r = ServerThread(create_app(router_config("http://127.0.0.1:8", keyed_d.url,
                                                     api_key=API, admin_api_key=ADMIN))).start()
     out = {"open_d": open_d, "keyed_d": keyed_d, "open_r": open_r, "keyed_r": keyed_r}
+    deadline = time.monotonic() + 30  # the keyed router registers its prefill (admin key)
+    while "127.0.0.1:8998" not in trusted(keyed_d.url, AS_USER):
+        assert time.monotonic() < deadline, "the keyed router never registered its prefill"
+        time.sleep(0.05)
     yield out
     for s in out.values():
         s.stop()
@@ -264,14 +268,14 @@ def test_router_registers_prefill_with_its_admin_key(tiny_llama_dir: Path) -> No
             cfg = router_config("http://127.0.0.9:8", d.url, api_key=API, admin_api_key=key,
                                 health_check_interval_secs=0.5)
             routers.append(ServerThread(create_app(cfg)).start())
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             if key:
                 while "127.0.0.9:8998" not in trusted(d.url, AS_USER):
                     assert time.monotonic() < deadline, "the router never registered its prefill"
                     time.sleep(0.05)
+                routers.pop().stop()  # first: its next pass would register it again
                 httpx.post(d.url + "/disaggregation/trusted_prefill",
                            json={"remove": ["127.0.0.9:8998"]}, headers=AS_ADMIN, timeout=10)
-                routers.pop().stop()
             else:
                 peering = routers[-1].server.config.app.state.router.peering
                 while peering is None or not peering._warned:
