@@ -44,3 +44,22 @@ def test_server_info_exports_a_tokenizer_folder(smol_server):
     assert info["model_path"].endswith(".gguf")
     tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
     assert tok.chat_template and tok.encode("Hello world") == [19556, 905]
+
+
+def test_a_request_without_sampling_fields_takes_the_model_card_values(smol_server):
+    """#45 item 5: the README's first curl names no temperature. The GGUF carries no generation
+    config, so --sampling-defaults model (the default) takes SmolLM2's model card values
+    (temperature 0.2, top_p 0.9), not temperature 1's gibberish: a seeded request without them
+    equals one naming them."""
+    info = httpx.get(smol_server.url + "/server_info", timeout=10).json()
+    assert info["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9}
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def ask(**kw: object) -> str:
+        r = httpx.post(smol_server.url + "/v1/chat/completions", timeout=120, json={
+            "messages": msgs, "max_tokens": 24, "seed": 5, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    assert ask() == ask(temperature=0.2, top_p=0.9)
+    assert ask() != ask(temperature=1.0, top_p=1.0)
