@@ -430,3 +430,22 @@ def test_responses_bad_input_says_what_to_fix(servers) -> None:
             assert r.json()["error"]["param"] == param, (target, r.text)
     for c in servers["_clusters"]:
         c.wait_pages_free(30)
+
+
+def test_responses_reasoning_item(servers) -> None:
+    """--reasoning-parser qwen3: the think block is a reasoning output item before the message,
+    whole and streamed (reasoning_text deltas); the output is steered by a regex."""
+    rx = r"<think>[a-z]{3,8}( [a-z]{2,6}){0,2}</think>[A-Z][a-z]{2,6}"
+    for name, url in _responses_urls(servers).items():
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=120)
+        kw = {"model": _model(url), "input": ASK[0]["content"], "temperature": 0,
+              "max_output_tokens": 64, "extra_body": {"regex": rx}}
+        whole = client.responses.create(**kw)
+        assert [o.type for o in whole.output] == ["reasoning", "message"], (name, whole.output)
+        thought = whole.output[0].content[0].text
+        assert re.fullmatch(r"[a-z]{3,8}( [a-z]{2,6}){0,2}", thought), (name, thought)
+        assert re.fullmatch(r"[A-Z][a-z]{2,6}", whole.output_text), (name, whole.output_text)
+        events = list(client.responses.create(**kw, stream=True))
+        assert "".join(e.delta for e in events
+                       if e.type == "response.reasoning_text.delta") == thought, name
+        assert events[-1].response.output_text == whole.output_text, name
