@@ -4,7 +4,7 @@ Two unified servers on SmolLM2-135M (the default model), one plain and one with
 `--speculative-algorithm NGRAM` (its defaults, cost gate on), started once; rounds alternate
 which goes first. Two workloads, each at concurrency 1 and 4:
 - **repetitive**: code editing (rewrite a source file of this repository with one identifier
-  renamed) and quoting summaries (repeat a README paragraph, then summarize it), chat-templated,
+  renamed) and quoting summaries (repeat a paragraph of docs/, then summarize it), chat-templated,
   greedy, up to 192 tokens: outputs that copy much of their prompt;
 - **random**: 256 random prompt token ids, 128 output tokens (ignore_eos), greedy, as `vllm
   bench serve`'s random dataset. SmolLM2 answers such prompts by falling into loops, which
@@ -64,7 +64,10 @@ def repetitive_prompts(tok: Any, n: int) -> list[list[int]]:
         code = (ROOT / path).read_text()[:1400]
         out.append(_chat(tok, f"Rewrite this Python code with `{old}` renamed to `{new}`. "
                               f"Output only the code.\n```python\n{code}\n```"))
-    paras = [p for p in (ROOT / "README.md").read_text().split("\n\n") if len(p) > 300]
+    # the long paragraphs of the docs that were the README's (server, parallelism) before it
+    # became a tour
+    text = "\n\n".join((ROOT / "docs" / f).read_text() for f in ("server.md", "parallelism.md"))
+    paras = [p for p in text.split("\n\n") if len(p) > 300]
     for p in paras[: max(0, n - len(out))]:
         out.append(_chat(tok, "Quote this paragraph exactly, then summarize it in one "
                               f"sentence.\n\n{p[:900]}"))

@@ -1,6 +1,7 @@
 """`python -m pdcore.docs_gen [--check]`: the flag tables (docs/flags.md: `pdserve serve`,
-`pdserve router`, `pdserve up`) from the argument parsers themselves, and the environment table
-(docs/environment.md) from pdcore.env_vars. `--check` writes nothing and exits 1 naming the
+`pdserve router`, `pdserve up`) from the argument parsers themselves, the environment table
+(docs/environment.md) from pdcore.env_vars, and the index of docs/ (docs/README.md) from the
+pages' titles. `--check` writes nothing and exits 1 naming the
 stale files (tests/test_docs_gen.py runs it), so a new flag or variable without its row fails
 the tests until this is run again."""
 
@@ -113,8 +114,26 @@ def environment_md() -> str:
     return "".join(out)
 
 
+def index_md(extra: dict[str, str] | None = None) -> str:
+    """docs/README.md: every page of docs/ with its title (its first line), in name order.
+    `extra`: pages about to be written (name -> text), for their titles."""
+    pages = {p.name: p.read_text(encoding="utf-8") for p in DOCS.glob("*.md")
+             if p.name != "README.md"}
+    pages.update(extra or {})
+    rows = []
+    for name in sorted(pages):
+        first = pages[name].split("\n", 1)[0]
+        rows.append((f"[{name}]({name})", first.lstrip("# ").strip()))
+    return ("# pdserve documentation\n\n" + HEADER.replace("the argument parsers and "
+                                                           "pdcore/env_vars.py", "docs/*.md")
+            + "The README (one folder up) has the requirements, the two commands and a "
+              "five-minute tour. Every topic page:\n\n" + _table(("page", "about"), rows))
+
+
 def generated() -> dict[Path, str]:
-    return {DOCS / "flags.md": flags_md(), DOCS / "environment.md": environment_md()}
+    pages = {DOCS / "flags.md": flags_md(), DOCS / "environment.md": environment_md()}
+    pages[DOCS / "README.md"] = index_md({p.name: t for p, t in pages.items()})
+    return pages
 
 
 def main(argv: list[str] | None = None) -> int:

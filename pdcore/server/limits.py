@@ -12,7 +12,7 @@ Two layers, both installed by `install_limits(app)` on the servers and on the ro
    (tokenisers and UTF-8 encoders raise on them), integers beyond 64 bits and non-finite
    numbers (they overflow in torch or the wire format), list and string sizes, values bounded
    by the model (vocabulary, context), and fields that are not implemented (`unsupported.py`).
-The limits are module constants, documented in the README; the body limit can be changed
+The limits are module constants, documented in docs/http-api.md; the body limit can be changed
 with PDCORE_MAX_REQUEST_BYTES.
 """
 

@@ -1,6 +1,6 @@
 """Validation and conversion of request fields into scheduler requests (GenerateReq).
 
-Length policy (documented in the README API section): a prompt of `context_length` tokens or
+Length policy (documented in docs/http-api.md): a prompt of `context_length` tokens or
 more is rejected (HTTP 400, field = the prompt field); otherwise `max_new_tokens` is clamped to
 the room left in the context (`context_length - prompt_tokens`) and in the KV pool
 (`max_total_tokens - prompt_tokens`), and such a request ends with finish_reason "length".

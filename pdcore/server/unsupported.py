@@ -3,8 +3,9 @@
 Clients and sglang-router send SGLang's and OpenAI's defaults for many fields (`log_metrics`,
 `separate_reasoning`, `return_hidden_states: false`, ...), so a known field is refused only when
 its value would change the answer: HTTP 400 naming the field beats an answer that silently
-ignores a constraint (a `json_schema` the text does not follow, a tool never called). The README
-lists these fields ("No silent no-ops"); a later issue that implements one removes it here.
+ignores a constraint (a `json_schema` the text does not follow, a tool never called).
+docs/http-api.md lists these fields ("No silent no-ops"); a later issue that implements one
+removes it here.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ _STREAM_OPTIONS: dict[str, tuple[Any, ...]] = {}
 
 
 def names() -> dict[str, list[str]]:
-    """Every refused field by where it lives (for the README list and tests)."""
+    """Every refused field by where it lives (for the docs/http-api.md list and tests)."""
     return {"any route": sorted(_ANY_ROUTE), "OpenAI routes": sorted(_OPENAI),
             "sampling_params": sorted(_SAMPLING), "chat messages": sorted(_MESSAGE),
             "stream_options": sorted(_STREAM_OPTIONS)}
