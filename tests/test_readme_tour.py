@@ -96,6 +96,7 @@ def test_the_readme_tour_runs_as_written(tiny_llama_dir: Path, tmp_path: Path) -
     assert proc.returncode == 0, f"{stdout}\n{stderr}\n{logs}"
     assert "pd-staging" in stdout or "transfer_backend" in stdout  # `pdserve plugins`' table
     chat, structured, generate, tools = _answers(stdout)
+    assert "choices" in chat, chat
     message = chat["choices"][0]["message"]
     assert message["role"] == "assistant" and message["content"], chat
     content = structured["choices"][0]["message"]["content"]
