@@ -5,6 +5,7 @@ none hangs; afterwards requests succeed again."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,6 +78,14 @@ def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: 
             assert up.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
         assert httpx.get(url + "/dashboard", timeout=30).status_code == 200
+        # the curl it prints to try is the router's chat route, and it answers (as pasted);
+        # the servers' own ready lines show no curl (their ports answer the router only)
+        text = log.read_text()
+        [try_line] = [ln for ln in text.splitlines() if ln.strip().startswith("try: curl ")]
+        assert try_line.strip()[len("try: "):].startswith(f"curl {url}/v1/chat/completions")
+        tried = subprocess.run(["bash", "-c", try_line.strip()[len("try: "):] + " -sS"],
+                               capture_output=True, text=True, timeout=120, check=True)
+        assert json.loads(tried.stdout)["choices"][0]["message"]["role"] == "assistant", tried
         # the cluster's admin key: drawn, in a 0600 file whose path (not the key) is printed,
         # and it opens the admin routes the router fans out to its servers
         key = key_file.read_text().strip()
