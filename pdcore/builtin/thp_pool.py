@@ -1,7 +1,7 @@
 """`thp` memory pool: host memory in transparent huge pages, reachable by same-host peers.
 
 Each buffer is its own private anonymous mapping, aligned to 2 MiB and advised MADV_HUGEPAGE
-before its first touch, then zero-filled (resident, as torch.zeros would be). With THP set to
+before its first touch; nothing is resident until the pool's requests write it. With THP set to
 `madvise` (the common default) this is what gives the KV pool 2 MiB pages; ordinary
 allocations and POSIX shared memory (unless shmem_enabled allows it) stay in 4 KiB pages, and a
 copy into scattered KV pages then spends much of its time on page-table walks.
@@ -20,8 +20,7 @@ import mmap
 
 import torch
 
-from pdcore.builtin.shm_segment import address_of
-from pdcore.builtin.torch_pool import TorchMemoryPool
+from pdcore.builtin.torch_pool import TorchMemoryPool, untouched_zeros
 from pdcore.errors import ConfigError
 from pdcore.interfaces.memory import PoolContext
 
@@ -40,19 +39,15 @@ class ThpMemoryPool(TorchMemoryPool):
         self.advised = hasattr(mmap, "MADV_HUGEPAGE")
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = math.prod(shape)
-        if numel <= 0:
+        if math.prod(shape) <= 0:
             raise ValueError(f"thp pool: shape {shape} must hold at least one element")
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        offset = -address_of(mm) % HUGE
+        tensor, mm, offset = untouched_zeros(shape, dtype, align=HUGE)
         if self.advised:
             try:
                 mm.madvise(mmap.MADV_HUGEPAGE, offset, len(mm) - offset)
             except OSError as e:  # THP compiled out: still correct, only slower
                 self.advised = False
                 log.warning("thp pool: madvise(MADV_HUGEPAGE) failed (%s); 4 KiB pages", e)
-        # Never mmap.close(): torch.frombuffer keeps the mapping alive for as long as a tensor
-        # over it lives (see shm_pool).
-        tensor = torch.frombuffer(mm, dtype=dtype, count=numel, offset=offset).view(shape)
-        return tensor.zero_()  # fault every page in now, as huge pages
+        # advised before the first touch: each 2 MiB the pool's requests write faults in as
+        # one huge page; nothing is resident until then
+        return tensor

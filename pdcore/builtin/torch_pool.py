@@ -6,15 +6,35 @@ CPU-only machine it is registered as unavailable with the reason.
 
 from __future__ import annotations
 
+import math
+import mmap
 import threading
 from collections.abc import Sequence
 
 import torch
 
 from pdcore.builtin.platforms import cuda_availability
+from pdcore.builtin.shm_segment import address_of
 from pdcore.errors import PDError
 from pdcore.interfaces.memory import Buffer, MemoryPool, PoolContext
 from pdcore.interfaces.transfer import MemoryKind, MemoryRegion
+
+
+def untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+                    align: int = 0) -> tuple[torch.Tensor, mmap.mmap, int]:
+    """A zero tensor over a private anonymous mapping that nothing has touched: its pages
+    become resident when first written (reads of untouched pages share the kernel's zero
+    page). `align`: the tensor starts at a multiple of it (the mapping is that much longer).
+    Returns (tensor, mapping, offset of the tensor in it). The mapping is never closed here:
+    torch.frombuffer keeps it alive as long as a tensor over it lives."""
+    numel = math.prod(shape)
+    if numel <= 0:
+        raise ValueError(f"shape {shape} must hold at least one element")
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    mm = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -address_of(mm) % align if align else 0
+    tensor = torch.frombuffer(mm, dtype=dtype, count=numel, offset=offset).view(shape)
+    return tensor, mm, offset
 
 
 def pinned_availability() -> tuple[bool, str]:
@@ -64,7 +84,12 @@ class TorchMemoryPool(MemoryPool):
             return buf
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A new zero-filled tensor (subclasses place the memory elsewhere)."""
+        """A new zero-filled tensor (subclasses place the memory elsewhere). Host memory is a
+        fresh anonymous mapping: the kernel's zero pages, none resident until written, so a
+        KV pool costs the memory its requests use, not its size (#45 item 14: torch.zeros
+        wrote every byte of a 1.8 GiB pool at start)."""
+        if self.device.type == "cpu" and not self.pinned:
+            return untouched_zeros(shape, dtype)[0]
         return torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=self.pinned)
 
     def buffers(self) -> dict[str, Buffer]:

@@ -6,8 +6,11 @@
    host memory, 0.85 on accelerators) of the device's TOTAL memory minus the weights (on a host,
    split evenly when `pdserve up` says the server is one of N: PDCORE_HOST_SERVERS), capped at
    context length x max running requests. Never "what is free now", so the size does not
-   change from one start to the next. The KV dtype is `--kv-cache-dtype` (auto: the model's);
-3. allocate it from the memory-pool plugin; build block manager, runner and scheduler.
+   change from one start to the next, except that an explicit `--mem-fraction-static` on a
+   host (SGLang's 0.8 is meant for an accelerator) is cut to 80% of the memory available,
+   with a warning. The KV dtype is `--kv-cache-dtype` (auto: the model's);
+3. allocate it from the memory-pool plugin (host pools are untouched zero pages: resident only
+   once requests write them); build block manager, runner and scheduler.
 
 The in-process API over an engine is pdcore.runtime.llm_engine.LLMEngine.
 """
@@ -72,6 +75,9 @@ class Engine:
         self.kv.close()
 
 
+HOST_FREE_SHARE = 0.8  # a host's KV pool takes at most this share of the memory available
+
+
 def kv_pool_tokens(args: ServerArgs, platform: Any, device: torch.device, model: Any,
                    per_token: int, context: int) -> int:
     """The KV pool's size in tokens, from the flags, the device's total memory and the model:
@@ -107,6 +113,16 @@ def kv_pool_tokens(args: ServerArgs, platform: Any, device: torch.device, model:
             "give --max-total-tokens")
     # more tokens than every running request's whole context can never be in use at once
     tokens = min(budget // per_token, context * args.max_running_requests)
+    if host and args.mem_fraction_static is not None \
+            and tokens * per_token > HOST_FREE_SHARE * mem.free_bytes:
+        # SGLang's fraction is of accelerator memory; on a host the rest of the machine lives
+        # in the same memory, so the pool is sized to what is available now instead
+        fit = max(args.page_size, int(HOST_FREE_SHARE * mem.free_bytes) // per_token)
+        log.warning("--mem-fraction-static %g asks a KV pool of %.1f GiB, but this host has "
+                    "%.1f GiB available now: the pool holds %d tokens (%.1f GiB) instead; "
+                    "give --max-total-tokens to choose", frac, tokens * per_token / 2**30,
+                    mem.free_bytes / 2**30, fit, fit * per_token / 2**30)
+        tokens = fit
     if tokens * per_token > mem.free_bytes:
         log.warning("the KV pool (%.1f MiB) is larger than the memory free now (%.1f MiB); "
                     "lower --mem-fraction-static or --max-total-tokens if the start fails",

@@ -123,7 +123,10 @@ def test_thp_pool_is_aligned_zeroed_and_huge() -> None:
     try:
         buf = pool.allocate("kv", (4, HUGE // 4), torch.float32)  # 8 MiB
         assert buf.region.addr % HUGE == 0 and buf.region.length == 4 * HUGE
+        # nothing resident until written (#45 item 14); reads see zeros
+        assert _smaps_kib(buf.region.addr, "Rss:") < 1024
         assert not buf.tensor.any()
+        buf.tensor[0].fill_(1.0)  # the first 2 MiB written
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             thp = f.read()
         if "[never]" in thp:
@@ -139,6 +142,11 @@ def test_thp_pool_is_aligned_zeroed_and_huge() -> None:
 
 def _anon_huge_kib(addr: int) -> int:
     """AnonHugePages of the mapping containing `addr` (/proc/self/smaps)."""
+    return _smaps_kib(addr, "AnonHugePages:")
+
+
+def _smaps_kib(addr: int, field: str) -> int:
+    """A field (kB) of the mapping containing `addr` in /proc/self/smaps."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -146,6 +154,6 @@ def _anon_huge_kib(addr: int) -> int:
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
+            elif inside and head == field:
                 return int(line.split()[1])
     return 0

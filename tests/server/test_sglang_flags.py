@@ -243,3 +243,23 @@ def test_request_log_level_time_cost_and_decode_lines(flagged):
     assert "prompt ids [9, 8, 7, 6]" in line and "output ids [" in line  # level 2
     assert any("time cost lvl-2: first token" in ln for ln in log.splitlines())
     assert "decode batch: " in log and "tokens/s" in log  # every 2 decode steps
+
+
+def test_host_mem_fraction_is_sized_to_what_the_host_has():
+    """#45 item 14: --mem-fraction-static 0.8 on a host only warned, then sized an 18 GiB pool
+    on a 24 GiB machine; the pool now takes at most 80% of the memory available."""
+    from pdcore.config import ServerArgs
+    from pdcore.engine.build import kv_pool_tokens
+    from pdcore.interfaces.platform import MemoryInfo
+
+    gib, mib = 1 << 30, 1 << 20
+    platform = SimpleNamespace(memory_info=lambda _: MemoryInfo(free_bytes=4 * gib,
+                                                                 total_bytes=24 * gib))
+    model = SimpleNamespace(parameters=lambda: [])
+    args = ServerArgs(mem_fraction_static=0.8)
+    tokens = kv_pool_tokens(args, platform, __import__("torch").device("cpu"), model, mib,
+                            1 << 20)
+    assert tokens == int(0.8 * 4 * gib) // mib  # not 0.8 x 24 GiB
+    args = ServerArgs(mem_fraction_static=0.1)  # 2.4 GiB fits the 3.2 GiB share: as asked
+    assert kv_pool_tokens(args, platform, __import__("torch").device("cpu"), model, mib,
+                          1 << 20) == int(0.1 * 24 * gib) // mib
