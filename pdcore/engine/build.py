@@ -356,6 +356,9 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         "weight_bytes": weight_bytes(model),
         "sampling_defaults": sampling_defaults(resolved, args.sampling_defaults),
     }
+    if info["sampling_defaults"]:
+        log.info("OpenAI routes' sampling defaults (--sampling-defaults model): %s",
+                 info["sampling_defaults"])
     log.info("KV pool: %d pages x %d tokens (%.1f MiB, %s) in pool %r; max context %d",
              num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,
              info["kv_cache_dtype"], pool_name, context)
