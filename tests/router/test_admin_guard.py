@@ -324,6 +324,12 @@ def test_startup_logs_say_how_to_turn_admin_on(tiny_llama_dir: Path,
     assert any("POST /workers" in line for line in off)
     assert any("need 'Authorization: Bearer <--admin-api-key>'" in line for line in lines)
     assert all(ADMIN not in r.getMessage() for r in caplog.records)  # never the key itself
+    # a router that can neither sign routes nor register its prefill workers says so
+    with caplog.at_level(logging.WARNING, logger="pdcore.router"):
+        with TestClient(create_app(router_config("http://127.0.0.1:8", "http://127.0.0.1:7"))):
+            pass
+    assert any("no cluster secret and no --admin-api-key" in r.getMessage()
+               and "--disaggregation-trusted-prefill" in r.getMessage() for r in caplog.records)
 
 
 def test_server_info_hides_the_admin_key(tiny_llama_dir: Path) -> None:
