@@ -5,8 +5,10 @@ loopback) started through --config carries the working ones."""
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +21,7 @@ from pdcore.errors import ConfigError
 from pdcore.router.cli import parse_router_args
 from pdcore.server.args_parser import parse_server_args
 from pdcore.testing.processes import ServerProcess
+from pdcore.testing.tls import make_pki
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -166,10 +169,15 @@ def test_schedule_conservativeness_keeps_pages_for_running_requests():
                                             blocks=Blocks, running=[]), req, 100)
 
 
+HTTP: httpx.Client  # verifies the flagged server's certificate against the test's CA
+
+
 @pytest.fixture(scope="module")
 def flagged(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[ServerProcess]:
+    global HTTP
     folder = tmp_path_factory.mktemp("flags")
+    ca, cert, key = make_pki(folder)
     config = folder / "server.yaml"
     # the working flags, most of them through --config as SGLang users write them
     config.write_text(
@@ -180,21 +188,43 @@ def flagged(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
         "preferred-sampling-params: {max_new_tokens: 3, ignore_eos: true}\n"
         "log-requests: true\nlog-requests-level: 2\nshow-time-cost: true\n"
         "decode-log-interval: 2\nenable-mixed-chunk: true\nenable-cache-report: true\n"
-        "schedule-conservativeness: 1.5\nskip-server-warmup: true\n")
+        "schedule-conservativeness: 1.5\nskip-server-warmup: true\n"
+        f"ssl-keyfile: {key}\nssl-certfile: {cert}\n")
     server = ServerProcess("--config", str(config), "--stream-interval", "4",
                            "--max-total-tokens", "512", "--page-size", "4")
+    server.url = server.url.replace("http://", "https://")  # --ssl-*: HTTPS only
+    HTTP = httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=60)
     try:
-        yield server.wait_healthy(180)
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.alive(), server.log()[-3000:]
+            try:
+                if HTTP.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, server.log()[-3000:]
+                time.sleep(0.25)
+        yield server
     finally:
+        HTTP.close()
         server.stop()
 
 
 def gen(server: ServerProcess, body: dict) -> httpx.Response:
-    return httpx.post(server.url + "/generate", json=body, timeout=60)
+    return HTTP.post(server.url + "/generate", json=body, timeout=60)
+
+
+def test_https_with_the_given_certificate(flagged):
+    assert flagged.url.startswith("https://")
+    assert "pdserve ready at https://127.0.0.1" in flagged.log()
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(flagged.url + "/health", timeout=10)  # the system's CAs do not know it
+    with pytest.raises(httpx.HTTPError):  # plain HTTP on the HTTPS port: no answer
+        httpx.get(flagged.url.replace("https://", "http://") + "/health", timeout=10)
 
 
 def test_json_model_override_sets_the_context_and_auto_truncate_cuts(flagged):
-    models = httpx.get(flagged.url + "/v1/models").json()
+    models = HTTP.get(flagged.url + "/v1/models").json()
     assert models["data"][0]["max_model_len"] == 64  # max_position_embeddings from the flag
     r = gen(flagged, {"input_ids": list(range(3, 103)),
                       "sampling_params": {"max_new_tokens": 1}})
@@ -218,13 +248,13 @@ def test_skip_tokenizer_init_is_ids_in_ids_out(flagged):
                        ("/v1/completions", {"prompt": "hello"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user",
                                                                "content": "hi"}]})):
-        r = httpx.post(flagged.url + path, json=body, timeout=30)
+        r = HTTP.post(flagged.url + path, json=body, timeout=30)
         assert r.status_code == 400, r.text
         assert "--skip-tokenizer-init" in r.json()["error"]["message"]
 
 
 def test_stream_interval_sends_a_chunk_every_n_tokens(flagged):
-    with httpx.stream("POST", flagged.url + "/generate", timeout=60, json={
+    with HTTP.stream("POST", flagged.url + "/generate", timeout=60, json={
             "input_ids": [5, 6, 7], "stream": True,
             "sampling_params": {"max_new_tokens": 13, "ignore_eos": True}}) as r:
         events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
