@@ -104,8 +104,8 @@ class ServerArgs(CommonFlags):
     # structured output (pdcore.engine.sched.grammar): xgrammar, as SGLang's default, or none
     grammar_backend: str = "xgrammar"
     constrained_json_disable_any_whitespace: bool = False
-    tool_call_parser: str | None = None  # server/tool_parsers.py: llama3, qwen25, ...
-    reasoning_parser: str | None = None  # server/reasoning.py: deepseek-r1, qwen3
+    tool_call_parser: str | None = None  # server/tool_parsers.py: auto, llama3, qwen25, ...
+    reasoning_parser: str | None = None  # server/reasoning.py: deepseek-r1, qwen3, ...
     # the OpenAI routes' sampling values when a request names none: the model's
     # generation_config (SGLang's default) or OpenAI's (engine/model/source.sampling_defaults)
     sampling_defaults: str = "model"

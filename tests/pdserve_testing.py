@@ -87,3 +87,17 @@ def parse_or_bf16_refusal(argv: list[str], prog: str = "pdserve serve") -> Any:
     assert refused.value.code == 2
     pytest.skip(f"--dtype {dtype} is refused here, as it must be ({why}); the rest of the "
                 "line needs bf16 hardware")
+
+
+def merge_calls(calls: list, deltas: list) -> None:
+    """Tool-call deltas added up as OpenAI clients do: the first of an index brings its id and
+    name, every one may bring a piece of the arguments."""
+    for d in deltas:
+        k = d["index"]
+        if k == len(calls):
+            assert d["id"] and d["type"] == "function" and d["function"]["name"], d
+            calls.append({"index": k, "id": d["id"], "type": "function",
+                          "function": {"name": d["function"]["name"], "arguments": ""}})
+        else:
+            assert k == len(calls) - 1 and "name" not in d["function"], d  # in order
+        calls[k]["function"]["arguments"] += d["function"].get("arguments", "")

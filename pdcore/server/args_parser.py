@@ -105,8 +105,10 @@ HELP: dict[str, str] = {
                        "xgrammar or none (such requests then get 400)",
     "constrained_json_disable_any_whitespace": "JSON-schema output without free whitespace "
                                                "between tokens (compact JSON)",
-    "tool_call_parser": "the model family's tool-call format: /v1/chat/completions returns "
-                        "the calls it finds as tool_calls (tools need it)",
+    "tool_call_parser": "the model family's tool-call format (auto: the one the chat "
+                        "template writes): /v1/chat/completions returns the calls it finds "
+                        "as tool_calls (tool_choice auto needs it; required or a named "
+                        "function does not)",
     "reasoning_parser": "the model's <think> format: /v1/chat/completions returns the "
                         "reasoning as reasoning_content",
     "sampling_defaults": "sampling values of /v1/chat/completions, /v1/completions and "

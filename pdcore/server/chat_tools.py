@@ -7,10 +7,13 @@ whole or as stream deltas).
 with tools: calls found in the output by the server's `--tool-call-parser` are returned as
 `tool_calls`), "required" (the output is forced to open with a call of one of the tools, its
 arguments following that tool's JSON schema) or `{"type": "function", "function": {"name":
-...}}` (forced, that tool). A forced output holds one call; "auto" returns as many as the model
-writes, or only the first with `parallel_tool_calls: false` (the later ones are dropped from
-`tool_calls`, not shown as content). The engine builds the forcing grammar (engine/sched/grammar.py,
-kind `tool_call`).
+...}}` (forced, that tool). "auto" returns as many calls as the model writes, or only the first
+with `parallel_tool_calls: false` (the later ones are dropped from `tool_calls`, not shown as
+content). Forced calls need no `--tool-call-parser`: with a family parser whose calls hold JSON
+the grammar writes that family's format (one call; engine/sched/grammar.py, kind `tool_call`),
+otherwise JSON (a list of `{"name", "parameters"}` for "required", at most one with
+`parallel_tool_calls: false`; a named function's arguments alone), and the server reads back
+what it forced.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcore.engine.io_struct import GrammarSpec
+from pdcore.server import tool_auto
 from pdcore.server.params import bad
 from pdcore.server.reasoning import ReasoningParser
-from pdcore.server.tool_parsers import ToolParser, get_parser
+from pdcore.server.tool_parsers import JsonCalls, NamedArgs, ToolParser, get_parser
+from pdcore.server.tool_stream import ToolStream, parse_whole
 
 MAX_TOOLS = 128
 MAX_TOOLS_CHARS = 256 * 1024  # the tools' JSON, all together
@@ -34,10 +39,15 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 @dataclass
 class ToolPlan:
     parser: ToolParser | None  # None: tool_choice "none" (no parsing)
-    known: set[str]
+    known: dict[str, dict[str, Any]]  # tool name -> its parameters' JSON schema
     grammar: GrammarSpec | None = None  # forcing a call ("required" or a named function)
     template_tools: list[dict[str, Any]] = field(default_factory=list)
     parallel: bool = True  # parallel_tool_calls: false returns the first call only
+
+    @property
+    def keep_special(self) -> bool:
+        """The parser's markers are special tokens: the output must keep them."""
+        return bool(self.parser is not None and self.parser.special and self.grammar is None)
 
 
 def _functions(tools: Any) -> dict[str, dict[str, Any]]:
@@ -69,9 +79,14 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
 
 
 def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None,
-               parallel: bool | None = None) -> ToolPlan | None:
-    """None without tools; 400 for a malformed tool, an unknown named tool, or tools on a
-    server without --tool-call-parser (their calls would come back as plain text)."""
+               parallel: bool | None = None, template: str | None = None,
+               model_type: str | None = None) -> ToolPlan | None:
+    """None without tools; 400 for a malformed tool, an unknown named tool, or tool_choice
+    "auto" on a server without a tool-call parser (its calls would come back as plain text).
+    `--tool-call-parser auto` takes the parser from the chat `template` or the `model_type`.
+    A forced call ("required" or a named function) needs no parser: the grammar writes it in
+    the family's format where it has a JSON one, else as JSON (a list of `{"name",
+    "parameters"}`, or a named function's arguments alone), and the server reads it back."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise bad("tool_choice needs tools", "tool_choice")
@@ -93,17 +108,32 @@ def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None,
         raise bad("tool_choice must be none, auto, required or {\"type\": \"function\", "
                    "\"function\": {\"name\": ...}}", "tool_choice")
     if choice == "none":
-        return ToolPlan(None, set(schemas), template_tools=list(tools))
-    if parser_name is None:
-        raise bad("tools need a server started with --tool-call-parser (llama3, qwen25, "
-                   "mistral, deepseekv3): without it calls would come back as plain text",
-                   "tools")
-    parser = get_parser(parser_name)
-    grammar = None
-    if forced:
-        alts = [parser.forced(n, schemas[n]) for n in forced]
+        return ToolPlan(None, schemas, template_tools=list(tools))
+    if parser_name == "auto":
+        parser_name = tool_auto.resolve(template, model_type)
+    parser = get_parser(parser_name) if parser_name else None
+    keep = parallel is not False
+    if not forced:
+        if parser is None:
+            raise bad("tools with tool_choice auto need a server started with "
+                      "--tool-call-parser (auto or a model family's: qwen25, llama3, mistral, "
+                      "...): without it calls would come back as plain text. tool_choice "
+                      "\"required\" or a named function works without one", "tools")
+        return ToolPlan(parser, schemas, None, list(tools), keep)
+    alts = [parser.forced(n, schemas[n]) for n in forced] if parser else []
+    if parser is not None and all(a is not None for a in alts):
         grammar = GrammarSpec("tool_call", json.dumps({"alternatives": alts}), "tool_choice")
-    return ToolPlan(parser, set(schemas), grammar, list(tools), parallel is not False)
+        return ToolPlan(parser, schemas, grammar, list(tools), keep)
+    if isinstance(choice, dict):  # the output is the named function's arguments
+        return ToolPlan(NamedArgs(forced[0]), schemas, GrammarSpec(
+            "json_schema", json.dumps(schemas[forced[0]]), "tool_choice"), list(tools), keep)
+    one = [{"type": "object", "properties": {"name": {"const": n}, "parameters": schemas[n]},
+            "required": ["name", "parameters"], "additionalProperties": False} for n in forced]
+    listed = {"type": "array", "items": {"anyOf": one}, "minItems": 1}
+    if not keep:
+        listed["maxItems"] = 1
+    return ToolPlan(JsonCalls(), schemas, GrammarSpec("json_schema", json.dumps(listed),
+                                                      "tool_choice"), list(tools), keep)
 
 
 def _call_id() -> str:
@@ -112,20 +142,15 @@ def _call_id() -> str:
 
 class ChoiceShaper:
     """One choice's output as OpenAI's message fields: reasoning_content (with a reasoning
-    parser), content, tool_calls (with tools). Stream deltas add up to the whole."""
+    parser), content, tool_calls (with tools). Stream deltas add up to the whole; a stream
+    sends each call's name once it is read and its arguments in pieces as they arrive."""
 
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolPlan | None) -> None:
-        self.reasoning = reasoning
-        self.parser = tools.parser if tools else None
-        self.known = tools.known if tools else set()
-        self.parallel = tools.parallel if tools else True
+        self.reasoning = reasoning.splitter() if reasoning is not None else None
+        self.tools = tools if tools is not None and tools.parser is not None else None
+        self.stream = ToolStream(self.tools.parser, self.tools.known, self.tools.parallel) \
+            if self.tools is not None else None
         self.sent_r = self.sent_c = 0
-        self.called = False
-
-    def _calls(self, content: str) -> list[Any]:
-        assert self.parser is not None
-        _, calls = self.parser.parse(content, self.known)
-        return calls if self.parallel else calls[:1]
 
     def _split(self, text: str, done: bool) -> tuple[str, str]:
         if self.reasoning is None:
@@ -137,10 +162,11 @@ class ChoiceShaper:
         msg: dict[str, Any] = {"role": "assistant", "content": c}
         if self.reasoning is not None:
             msg["reasoning_content"] = r or None
-        if self.parser is not None:
-            calls = self._calls(c)
+        if self.tools is not None:
+            content, calls = parse_whole(self.tools.parser, c, self.tools.known,
+                                         self.tools.parallel)
             if calls:  # content: the text before the first call (what a stream sends)
-                msg["content"] = c[:self.parser.hold_from(c)].rstrip() or None
+                msg["content"] = content or None
                 msg["tool_calls"] = [{"id": _call_id(), "type": "function", "function": {
                     "name": k.name, "arguments": k.arguments}} for k in calls]
                 reason = "tool_calls" if reason == "stop" else reason
@@ -154,18 +180,21 @@ class ChoiceShaper:
         if len(r) > self.sent_r:
             out["reasoning_content"], self.sent_r = r[self.sent_r:], len(r)
         visible = c
-        if self.parser is not None:
-            if done:
-                head = c[:self.parser.hold_from(c)]
-                calls = self._calls(c)
-                if calls:
-                    visible = head.rstrip()
-                    out["tool_calls"] = [{"index": k, "id": _call_id(), "type": "function",
-                                          "function": {"name": t.name, "arguments": t.arguments}}
-                                         for k, t in enumerate(calls)]
-                    reason = "tool_calls" if reason == "stop" else reason
-            else:  # trailing whitespace waits: it is dropped when a call follows
-                visible = c[:self.parser.hold_from(c)].rstrip()
+        if self.stream is not None:
+            calls: list[dict[str, Any]] = []
+            for k, name, piece in self.stream.feed(c, done):
+                if name is not None:
+                    calls.append({"index": k, "id": _call_id(), "type": "function",
+                                  "function": {"name": name, "arguments": ""}})
+                elif calls and calls[-1]["index"] == k:
+                    calls[-1]["function"]["arguments"] += piece
+                else:
+                    calls.append({"index": k, "function": {"arguments": piece}})
+            visible = self.stream.content(c, done)
+            if calls:
+                out["tool_calls"] = calls
+            if done and self.stream.names:
+                reason = "tool_calls" if reason == "stop" else reason
         if len(visible) > self.sent_c:
             out["content"], self.sent_c = visible[self.sent_c:], len(visible)
         return out, reason

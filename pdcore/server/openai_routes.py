@@ -336,9 +336,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         if not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     tools = plan_tools(body.tools, body.tool_choice, engine.args.tool_call_parser,
-                       body.parallel_tool_calls)
+                       body.parallel_tool_calls, getattr(engine.tokenizer, "chat_template", None),
+                       engine.info.get("model_type"))
     reasoning = (ReasoningParser(engine.args.reasoning_parser)
                  if engine.args.reasoning_parser and body.separate_reasoning else None)
+    if body.skip_special_tokens is None and ((tools and tools.keep_special) or
+                                             (reasoning and reasoning.style.special)):
+        body.skip_special_tokens = False  # the parser reads markers that are special tokens
     plan = plan_request(body, engine, [chat_prompt(
                             body, engine.tokenizer, tools.template_tools if tools else None,
                             engine.args.allow_special_tokens_in_messages)],
