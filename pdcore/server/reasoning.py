@@ -31,7 +31,8 @@ class Style:
     special: bool = False  # its markers are special tokens: the output must keep them
 
 
-_THINK, _FORCED = Style("<think>", "</think>", False), Style("<think>", "</think>", True)
+OPEN, CLOSE = "<think>", "</think>"
+_THINK, _FORCED = Style(OPEN, CLOSE, False), Style(OPEN, CLOSE, True)
 _HARMONY_FINAL = ("<|start|>assistant", "<|channel|>final<|message|>")
 STYLES = {
     "deepseek-r1": _FORCED, "qwen3-thinking": _FORCED, "qwen3": _THINK, "glm45": _THINK,
