@@ -136,6 +136,22 @@ def plan_tools(tools: Any, tool_choice: Any, parser_name: str | None,
                                                       "tool_choice"), list(tools), keep)
 
 
+def plan_output(body: Any, engine: Any) -> tuple[ToolPlan | None, ReasoningParser | None]:
+    """A chat-shaped request's tools and reasoning on this server (the chat route's and
+    /v1/responses'): `auto` resolved from the engine's chat template and model type; where a
+    parser reads markers that are special tokens, the output keeps them unless the request
+    says otherwise."""
+    tools = plan_tools(body.tools, body.tool_choice, engine.args.tool_call_parser,
+                       body.parallel_tool_calls, getattr(engine.tokenizer, "chat_template", None),
+                       engine.info.get("model_type"))
+    name = engine.args.reasoning_parser
+    reasoning = ReasoningParser(name) if name and body.separate_reasoning else None
+    if body.skip_special_tokens is None and ((tools is not None and tools.keep_special) or
+                                             (reasoning is not None and reasoning.style.special)):
+        body.skip_special_tokens = False
+    return tools, reasoning
+
+
 def _call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 

@@ -21,7 +21,7 @@ from pdcore.errors import InvalidRequestError
 from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.chat_encode import encode_chat
-from pdcore.server.chat_tools import ChoiceShaper, plan_tools
+from pdcore.server.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import (
     SSE_DONE,
     SSE_HEADERS,
@@ -35,7 +35,6 @@ from pdcore.server.http_errors import engine_error_response, error_response, sse
 from pdcore.server.openai_plan import Plan, finish_of, plan_request, served_model_name, usage
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import bad, needs_text
-from pdcore.server.reasoning import ReasoningParser
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
@@ -44,7 +43,7 @@ OFF_LOOP_CHARS = 8 * 1024  # a longer output is split into reasoning / content /
 # worker thread: the parsers are linear and capped, but the event loop serves everyone else
 
 
-async def _shaped(fn: Any, text: str, *args: Any) -> Any:
+async def shaped(fn: Any, text: str, *args: Any) -> Any:
     """fn(text, *args), on a worker thread when `text` is long."""
     if len(text) > OFF_LOOP_CHARS:
         return await asyncio.to_thread(fn, text, *args)
@@ -133,7 +132,7 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any,
                     fields: dict[str, Any] = {"content": delta} if delta else {}
                     if shapers is not None:  # reasoning / tool calls: the shaper splits them
                         shape = shapers[i].delta  # the last one parses the calls: maybe long
-                        fields, reason = (await _shaped(shape, text, True, reason) if ev.done
+                        fields, reason = (await shaped(shape, text, True, reason) if ev.done
                                           else shape(text, False, reason))
                         if not fields and not new_lps and not ev.done:
                             continue  # held back: it may open a tool call or a marker
@@ -335,14 +334,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             raise bad(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         if not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-    tools = plan_tools(body.tools, body.tool_choice, engine.args.tool_call_parser,
-                       body.parallel_tool_calls, getattr(engine.tokenizer, "chat_template", None),
-                       engine.info.get("model_type"))
-    reasoning = (ReasoningParser(engine.args.reasoning_parser)
-                 if engine.args.reasoning_parser and body.separate_reasoning else None)
-    if body.skip_special_tokens is None and ((tools and tools.keep_special) or
-                                             (reasoning and reasoning.style.special)):
-        body.skip_special_tokens = False  # the parser reads markers that are special tokens
+    tools, reasoning = plan_output(body, engine)
     plan = plan_request(body, engine, [chat_prompt(
                             body, engine.tokenizer, tools.template_tools if tools else None,
                             engine.args.allow_special_tokens_in_messages)],
@@ -365,7 +357,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                     if body.logprobs else None)
         message: dict[str, Any] = {"role": "assistant", "content": a.out.text}
         if shapers is not None:
-            message, reason = await _shaped(shapers[i].message, a.out.text, reason)
+            message, reason = await shaped(shapers[i].message, a.out.text, reason)
         choices.append({"index": i, "message": message, "logprobs": logprobs,
                         "finish_reason": reason, "matched_stop": matched})
     return JSONResponse({"id": plan.rid, "object": "chat.completion", "created": int(time.time()),

@@ -17,12 +17,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.runtime import EngineClient
-from pdcore.server.chat_tools import ChoiceShaper, plan_tools
+from pdcore.server.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import SSE_HEADERS, run_items
 from pdcore.server.openai_plan import Plan, finish_of, plan_request, usage
-from pdcore.server.openai_routes import chat_prompt, run_plan
+from pdcore.server.openai_routes import chat_prompt, run_plan, shaped
 from pdcore.server.params import bad
-from pdcore.server.reasoning import ReasoningParser
 from pdcore.server.responses_api import ResponseBuilder, chat_request
 from pdcore.server.schemas import ResponsesRequest
 
@@ -50,7 +49,8 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, builder: R
                 a = ev.asm
                 text = a.out.text if ev.done else a.visible_text()
                 reason = finish_of(a)[0] if ev.done else None
-                fields, reason = shaper.delta(text, ev.done, reason)
+                fields, reason = (await shaped(shaper.delta, text, True, reason) if ev.done
+                                  else shaper.delta(text, False, reason))
                 for b in builder.delta(fields):
                     yield b
                 if ev.done:
@@ -69,10 +69,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     max_tokens = chat.max_completion_tokens
     if max_tokens is not None and max_tokens < 0:
         raise bad(f"max_output_tokens must be >= 0, got {max_tokens}", "max_output_tokens")
-    tools = plan_tools(chat.tools, chat.tool_choice, engine.args.tool_call_parser,
-                       chat.parallel_tool_calls)
-    reasoning = (ReasoningParser(engine.args.reasoning_parser)
-                 if engine.args.reasoning_parser and chat.separate_reasoning else None)
+    tools, reasoning = plan_output(chat, engine)
     prompt = chat_prompt(chat, engine.tokenizer, tools.template_tools if tools else None)
     plan = plan_request(chat, engine, [prompt], "input", max_tokens, "max_output_tokens", None,
                         False, 0, False, "resp", request.app.state.route_guard,
@@ -87,6 +84,6 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         return outs
     [a] = outs
     reason = finish_of(a)[0]
-    message, reason = shaper.message(a.out.text, reason)
+    message, reason = await shaped(shaper.message, a.out.text, reason)
     builder.whole(message)
     return JSONResponse(builder.response(builder.status_of(reason), _usage(plan, outs), reason))
