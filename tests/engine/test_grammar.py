@@ -242,3 +242,37 @@ def test_gate_shares_one_compile_and_an_abort_keeps_it_for_the_others(backend) -
         time.sleep(0.005)
     assert [m.rid for m in ready] in (["b"], [])  # [] only when it compiled at once
     assert backend.ready(spec)
+
+
+def test_ambiguous_grammar_fails_its_row_before_it_stalls_the_scheduler(backend, tok,
+                                                                      monkeypatch) -> None:
+    """#44: a client's ambiguous regex (`((a*)*)*b`) makes xgrammar's matcher slower with every
+    token (300 forced `a`s took 50 s of the scheduler's thread). The first matcher call over the
+    CPU bound fails that request's row with a 400 at the next step; a plain grammar sampled in
+    the same batch goes on. The bound is lowered here (5 ms) so the test stays short."""
+    import pdcore.engine.sched.grammar as grammar_mod
+
+    monkeypatch.setattr(grammar_mod, "MAX_MATCH_CALL_S", 0.005)
+    a = tok.convert_tokens_to_ids("a")
+    bad = SampleState.create(SamplingParams(temperature=0.0,
+                                            grammar=GrammarSpec("regex", "((a*)*)*b", "regex")),
+                             [1, 2, 3])
+    good = SampleState.create(SamplingParams(temperature=0.0,
+                                             grammar=GrammarSpec("regex", "[a-z ]{0,4000}",
+                                                                 "regex")), [1, 2, 3])
+    start = time.monotonic()
+    for step in range(2000):
+        logits = torch.full((2, len(tok)), -10.0)
+        logits[:, a] = 10.0  # the client's logit_bias: always "a"
+        toks, _, errs = sample(logits, [bad, good], [None, None], backend)
+        assert errs[1] is None and toks[1] == a  # the other request goes on
+        if errs[0] is not None:
+            message, status = errs[0]
+            assert status == 400 and "too ambiguous" in message and message.startswith("regex")
+            break
+        assert toks[0] == a
+    else:
+        raise AssertionError("the ambiguous grammar was followed for 2,000 tokens")
+    assert bad.constraint is not None and bad.constraint.too_slow > 0.005
+    assert good.constraint is not None and not good.constraint.too_slow
+    assert time.monotonic() - start < 60, "liveness: the cut came long after the bound"

@@ -40,6 +40,9 @@ MAX_JSON_TEXT_DEPTH = 32  # JSON a client sends as text (a schema, a structural 
 # arguments) nested deeper than this is refused (400), as the same JSON sent as an object is
 COMPILED_KEPT = 128  # compiled grammars kept for reuse (LRU), per scheduler process
 COMPILE_THREADS = 2  # one slow grammar leaves a thread for the others
+# CPU seconds one matcher call (a token's mask, or accepting a token) may take; a request whose
+# grammar passes it is failed with 400 (Constraint). Usual calls take well under a millisecond.
+MAX_MATCH_CALL_S = 0.1
 
 
 class GrammarUnavailable(InvalidRequestError):
@@ -56,16 +59,33 @@ def _clean(message: str) -> str:
 
 
 class Constraint:
-    """One request's matcher. `allows` and `accept` are the sampler's and the scheduler's view."""
+    """One request's matcher. `fill` and `accept` are the sampler's and the scheduler's view.
+
+    Each call is timed in CPU time of the calling thread (a busy host does not count): an
+    ambiguous grammar (nested unbounded repetitions, `((a*)*)*b`, or an EBNF rule `x ::= x x`)
+    makes xgrammar's Earley matcher slower with every token, 300 tokens of `((a*)*)*b` took 50 s
+    of the scheduler's thread, every other request stalled. A call over MAX_MATCH_CALL_S sets
+    `too_slow`; the sampler then fails the request with 400 (SampleState.ensure_constraint)."""
 
     def __init__(self, matcher: Any, field: str) -> None:
         self.m, self.field = matcher, field
+        self.too_slow = 0.0  # CPU seconds of the call that passed the bound (0: none did)
+
+    def _timed(self, start: float) -> None:
+        spent = time.thread_time() - start
+        if spent > MAX_MATCH_CALL_S and not self.too_slow:
+            self.too_slow = spent
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        start = time.thread_time()
         self.m.fill_next_token_bitmask(bitmask, row)
+        self._timed(start)
 
     def accept(self, token: int) -> bool:
-        return bool(self.m.accept_token(int(token)))
+        start = time.thread_time()
+        ok = bool(self.m.accept_token(int(token)))
+        self._timed(start)
+        return ok
 
     @property
     def terminated(self) -> bool:

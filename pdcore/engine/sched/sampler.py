@@ -96,6 +96,14 @@ class SampleState:
             self.unmatched.clear()
             self.constraint = c
             self.grammar_done = c.terminated
+        if self.constraint.too_slow:
+            from pdcore.engine.sched.grammar import MAX_MATCH_CALL_S
+
+            raise InvalidRequestError(
+                f"{self.constraint.field}: following this grammar took "
+                f"{self.constraint.too_slow:.2f} s of CPU for one token (at most "
+                f"{MAX_MATCH_CALL_S:g} s): it is too ambiguous; simplify it (nested unbounded "
+                "repetitions such as ((a*)*)* slow down with every token)", self.constraint.field)
         return self.constraint
 
 
