@@ -40,7 +40,7 @@ from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateR
 from pdcore.engine.sched.stats import StatsReport
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
 from pdcore.runtime.journal import RequestJournal
-from pdcore.runtime.lifeline import IPC_DIR_PREFIX, describe_exit
+from pdcore.runtime.lifeline import IPC_DIR_PREFIX, describe_exit, interrupts_ignored_by_children
 from pdcore.runtime.tokenizer_export import tokenizer_dir
 from pdcore.runtime_env import Placement, choose_placement, spawning_with
 
@@ -189,7 +189,8 @@ class EngineClient:
         self._proc = mp.Process(target=target, args=(self.args, recv_addr, send_addr, writer),
                                 name="pdserve-scheduler", daemon=False)
         placement = _placement(self.args)
-        with spawning_with(placement) if placement else contextlib.nullcontext():
+        with spawning_with(placement) if placement else contextlib.nullcontext(), \
+                interrupts_ignored_by_children():  # Ctrl-C is the HTTP process's to handle
             self._proc.start()  # OpenMP reads the placement when the child starts torch
         if placement:
             log.info("engine CPU placement: %s", placement.describe())

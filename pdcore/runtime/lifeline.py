@@ -85,6 +85,22 @@ def remove_orphaned_ipc(*addrs: str) -> None:
 _libc: ctypes.CDLL | None = None
 
 
+@contextlib.contextmanager
+def interrupts_ignored_by_children():
+    """Processes started in the block begin with SIGINT ignored (they inherit it, and Python
+    keeps an inherited SIG_IGN), so a Ctrl-C that reaches the whole process group while a
+    spawned engine process is still importing does not kill it with a traceback; the parent
+    stops it. Only the main thread can change handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     """A `preexec_fn` for subprocess.Popen: the kernel sends `sig` to the child when the thread
     that started it (keep that the main thread) dies. libc is loaded here, in the parent: between

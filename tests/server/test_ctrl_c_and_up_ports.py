@@ -72,6 +72,23 @@ def test_ctrl_c_of_serve_and_router_prints_no_traceback(tiny_llama_dir: Path) ->
     _assert_quiet(router.log())
 
 
+def test_ctrl_c_while_the_engine_process_imports_prints_no_traceback(tiny_llama_dir: Path
+                                                                     ) -> None:
+    """The spawned scheduler is still importing (unpickling its target) when Ctrl-C reaches
+    the group: it must not die of it with a traceback; the HTTP process stops it."""
+    server = ServerProcess("--model-path", str(tiny_llama_dir), "--max-total-tokens", "2048")
+    try:
+        deadline = time.monotonic() + 120
+        while "scheduler process started" not in server.log():
+            assert server.alive() and time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        _ctrl_c(server.proc)
+    finally:
+        server.stop()
+    _assert_quiet(server.log())
+    assert "exited with code -2" not in server.log(), server.log()  # not killed by the SIGINT
+
+
 def test_the_ready_line_of_prefill_and_decode_points_at_a_router() -> None:
     url = "http://127.0.0.1:30000"
     assert "/v1/chat/completions" in try_line(url, "null")
