@@ -100,16 +100,26 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("ASCEND_RT_VISIBLE_DEVICES", "all", "pd-ascend: the NPUs this process sees (CANN's)",
            BACKENDS),
     EnvVar("PDCORE_CPU_PACKED_GEMM", "1",
-           "linear layers on packed weights (native panels or oneDNN-reordered)", ENGINE),
+           "linear layers on packed weights, which replace the originals: panels for the"
+           " native GEMMs (float32 on AVX-512 or AVX2, bf16 on AVX-512 BF16) or oneDNN-"
+           "reordered (AMX tiles for bf16 where the CPU has AMX)", ENGINE),
     EnvVar("PDCORE_GEMM_LAYOUT", "auto",
-           "which packed layout: `auto` (timed per weight shape at load), `panels` or `onednn`",
-           ENGINE),
+           "which packed layout: `auto` times both on each weight shape at load (decode-"
+           "sized rows weighted 16:1 against a 256-row prefill chunk) and keeps the "
+           "faster; `panels` or `onednn` fix it (/metrics: "
+           "`pdserve_scheduler_gemm_weights_*`)", ENGINE),
     EnvVar("PDCORE_CPU_ISA", "auto",
-           "run as a lesser CPU: `avx2` (AMD Zen 2) or `avx512` (AVX-512 BF16, no AMX)", ENGINE),
+           "run as a CPU with less than this one: `avx2` (no AVX-512, no bf16 hardware: "
+           "AMD Zen 2) or `avx512` (AVX-512 with BF16, no AMX: AMD Zen 4); torch's "
+           "kernels, oneDNN's and the `--dtype bfloat16` check follow it", ENGINE),
     EnvVar("PDCORE_CPUINFO", "/proc/cpuinfo", "the CPU description to read (tests)", ENGINE),
-    EnvVar("PDCORE_NATIVE", "1", "the engine's native C++ kernels; 0 runs without them", ENGINE),
-    EnvVar("PDCORE_NATIVE_ISA", "auto", "which native library: `avx512`, `avx2` or `off`",
-           ENGINE),
+    EnvVar("PDCORE_NATIVE", "1",
+           "the engine's native kernels (panel GEMMs, decode attention, decode layer "
+           "loop), compiled once per machine and ISA with g++; 0 runs without them", ENGINE),
+    EnvVar("PDCORE_NATIVE_ISA", "auto",
+           "which native library: `avx512`, `avx2` (an ISA the CPU lacks: none, and the "
+           "log says why) or `off`; auto: the best the CPU has; any other value stops "
+           "the server (exit 2)", ENGINE),
     EnvVar("PDSERVE_NATIVE_DIR", "~/.cache/pdserve/native",
            "where the native library is built (once per machine, under a lock)", ENGINE),
     EnvVar("PDCORE_DECODE_KV_VIEW_MB", "128",
@@ -124,11 +134,15 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("PDCORE_CACHE_DIR", "~/.cache/pdserve", "where converted GGUF models are kept",
            ENGINE),
     EnvVar("PDSERVE_SPEC_GATE", "1",
-           "verify drafts only when the measured step cost pays; 0 verifies every draft", ENGINE),
+           "speculative decoding verifies drafts only when the measured verify/decode "
+           "step cost pays; 0 verifies every draft (identity tests, measurements)", ENGINE),
     EnvVar("PDSERVE_JUMP_FORWARD", "1",
-           "constrained requests draft what their grammar forces next (TP 1)", ENGINE),
+           "constrained requests draft what their grammar forces next, verified in one "
+           "forward pass (TP 1; 0: one token per step)", ENGINE),
     EnvVar("PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S", "30",
-           "a grammar still compiling after this many seconds gets 400", HTTP),
+           "a constrained request whose grammar (json_schema, regex, ebnf, a forced tool"
+           " call) is still compiling after this many seconds gets 400; compiles run "
+           "beside the scheduler, never in its step", HTTP),
     EnvVar("PDCORE_MAX_REQUEST_BYTES", "4194304", "largest request body (413 beyond)", HTTP),
     EnvVar("PDSERVE_HTTP_HEADER_TIMEOUT_S", "10",
            "seconds from a connection's first byte to its complete headers", HTTP),
