@@ -12,9 +12,13 @@ Lifecycle (server, one per prefill instance, run by P rank 0 in a daemon thread)
 4. D's heartbeat `GET /health` -> 200 "OK"; every answer carries header X-PD-Instance (a new id
    after a restart), and D uses a route only when every answer of one resolution carried the
    same id;
-5. connections are bounded (see `limits.ConnectionGate`): each waits at most a few seconds for
-   its request, and a flood evicts its own oldest idle connections instead of starving the
-   heartbeat and the ranks;
+5. connections are bounded (`netguard.ConnectionGate`): one request per connection, which must
+   arrive and be answered within PENDING_DEADLINE_S of the accept, however it trickles (a 408
+   and the close after it, counted in `timed_out`; D's heartbeat and the ranks take
+   milliseconds); at most MAX_PENDING_PER_SOURCE connections per peer (`netguard.peer_key`) and
+   MAX_PENDING in all, a new one evicting the same peer's (else anyone's) oldest (`evicted`), so
+   a flood only pushes out its own connections and never starves the heartbeat and the ranks;
+   P's `/metrics` count both (`pdserve_scheduler_kv_bootstrap_connections_*_total`);
 6. `close()` stops the thread and frees the port.
 """
 
@@ -41,6 +45,10 @@ log = logging.getLogger(__name__)
 INSTANCE_HEADER = "X-PD-Instance"
 SECRET_HEADER = "X-PD-Route-Secret"
 MAX_BODY = 1 << 16  # a rank's registration is a few hundred bytes
+_408_BODY = json.dumps({"error": f"the request did not arrive within {PENDING_DEADLINE_S:g} s "
+                                  "of the connection"}).encode()
+TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+               b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_408_BODY)) + _408_BODY
 _REQUIRED = ("rank_ip", "rank_port", "tp_rank", "tp_size", "page_size", "kv_cache_dtype")
 _INSTANCE_FIELDS = ("tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla",
                     "total_kv_heads", "num_layers", "head_dim", "draft_layers",
@@ -94,7 +102,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         super().handle_one_request()
-        self.server.gate.discard(self.request)  # it sent a whole request: no longer evictable
+        self.close_connection = True  # one request per connection: its deadline is the whole
+        self.server.gate.discard(self.request)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("bootstrap %s: " + format, self.client_address[0], *args)
@@ -105,6 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
         self.send_header(INSTANCE_HEADER, self.server.table.instance_id)
+        self.send_header("Connection", "close")  # one request per connection (see 5.)
         self.end_headers()
         self.wfile.write(data)
 
@@ -183,6 +193,10 @@ class _Server(ThreadingHTTPServer):
         self.gate.admit(request, str(client_address[0]))
         super().process_request(request, client_address)
 
+    def service_actions(self) -> None:
+        """Every poll interval (0.2 s): close the connections past their whole deadline."""
+        self.gate.sweep(PENDING_DEADLINE_S, TIMEOUT_408)
+
     def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
         self.gate.discard(request)
         super().shutdown_request(request)
@@ -227,6 +241,12 @@ class BootstrapServer:
     @property
     def port(self) -> int:
         return self._server.server_address[1] if self._server else self._port
+
+    def connection_stats(self) -> dict[str, int]:
+        """Connections closed past their deadline or evicted by a newer one (P's /metrics)."""
+        gate = self._server.gate if self._server else None
+        return {"bootstrap_connections_timed_out": gate.timed_out if gate else 0,
+                "bootstrap_connections_evicted": gate.evicted if gate else 0}
 
     @property
     def instance_id(self) -> str:

@@ -194,7 +194,10 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
             super().release(room)
 
     def _role_metrics(self) -> dict:
-        return {"sessions": len(self.sessions), "queued_chunks": self.workers.pending()}
+        out = {"sessions": len(self.sessions), "queued_chunks": self.workers.pending()}
+        if self.bootstrap is not None:  # rank 0: its bootstrap port's closed connections
+            out.update(self.bootstrap.connection_stats())
+        return out
 
     def _refuse_room(self, room: int, why: str) -> None:
         with self._lock:
