@@ -70,7 +70,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     if max_tokens is not None and max_tokens < 0:
         raise bad(f"max_output_tokens must be >= 0, got {max_tokens}", "max_output_tokens")
     tools, reasoning = plan_output(chat, engine)
-    prompt = chat_prompt(chat, engine.tokenizer, tools.template_tools if tools else None)
+    prompt = chat_prompt(chat, engine.tokenizer, tools.template_tools if tools else None,
+                         engine.args.allow_special_tokens_in_messages)
     plan = plan_request(chat, engine, [prompt], "input", max_tokens, "max_output_tokens", None,
                         False, 0, False, "resp", request.app.state.route_guard,
                         tools.grammar if tools else None)

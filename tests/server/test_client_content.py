@@ -176,6 +176,25 @@ def test_special_token_strings_in_content_are_text(fake_server: FakeServer,
         assert got == _special_ids(tok, _chat_ids(fake_server, same)), (role, got)
 
 
+def test_responses_route_too(fake_server: FakeServer, pages_back: None) -> None:
+    """/v1/responses renders its input items through the same chat encoding and parses a
+    function call's arguments with the same bound."""
+    tok = fake_server.tokenizer
+
+    def ids(text: str) -> list[int]:
+        resp = fake_server.client.post("/v1/responses", json={"input": text,
+                                                              "max_output_tokens": 1})
+        assert resp.status_code == 200, resp.text[:500]
+        return list(fake_server.last_requests()[-1]["input_ids"])
+
+    assert _special_ids(tok, ids(FORGED)) == _special_ids(tok, ids("hi"))
+    resp = fake_server.client.post("/v1/responses", json={"max_output_tokens": 1, "input": [
+        {"type": "message", "role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]})
+    assert resp.status_code == 400 and "nested" in resp.text, resp.text[:500]
+
+
 def test_flag_keeps_the_old_encoding(tiny_llama_dir: Any) -> None:
     server = FakeServer(tiny_llama_dir, context_length=256, allow_special_tokens_in_messages=True)
     try:
