@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import socket
 import typing
 from collections.abc import Sequence
 from dataclasses import MISSING, fields
@@ -177,6 +178,19 @@ def router_help() -> str:
     return "\n".join(lines)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """A busy --port is exit 2 naming the flag before anything starts (uvicorn's own bind
+    error came after the start-up, with exit 3)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); "
+                              "pick another --port") from None
+
+
 def run_router(config: RouterConfig) -> None:
     """Serve the router until interrupted (blocking)."""
     import uvicorn
@@ -218,6 +232,7 @@ def build_router_command(app: typer.Typer, name: str = "router") -> None:
             config = parse_router_args(ctx.args)
             if config.service_discovery:
                 load_cluster_config()  # no credentials: exit 2 now, not a crash-looping watch
+            check_port_free(config.host, config.port)
         except ConfigError as exc:
             # Printed by hand: a click.UsageError raised inside a typer command body is shown
             # as a traceback with exit code 1 by this typer version.

@@ -120,6 +120,19 @@ def test_up_names_its_own_flag_for_a_busy_port(which: str, flag: str) -> None:
         check_ports(UpConfig(port=base, server_port_base=base, bootstrap_port_base=boot))
 
 
+def test_router_names_its_flag_for_a_busy_port() -> None:
+    port = free_port()
+    with _taken(port):
+        r = subprocess.run([sys.executable, "-m", "pdcore", "router", "--pd-disaggregation",
+                            "--prefill", f"http://127.0.0.1:{free_port()}", "none", "--decode",
+                            f"http://127.0.0.1:{free_port()}", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120, cwd=str(REPO_ROOT),
+                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--port {port}: cannot listen" in r.stderr and "pick another --port" in r.stderr
+    assert "Started server process" not in r.stdout + r.stderr
+
+
 def test_up_checks_ports_before_loading_and_stops_on_ctrl_c(tiny_llama_dir: Path,
                                                              tmp_path: Path) -> None:
     base, boot, port = free_port(offsets=(0, 100)), free_port(), free_port()
