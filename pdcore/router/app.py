@@ -36,6 +36,7 @@ from pdcore.router.state import RouterState
 from pdcore.router.upstream import UpstreamClients
 from pdcore.router.workers import WorkerRegistry
 from pdcore.server.auth import install_auth, log_admin_policy
+from pdcore.server import tracing
 from pdcore.server.limits import install_limits
 
 log = logging.getLogger("pdcore.router")
@@ -65,6 +66,8 @@ def build_state(config: RouterConfig) -> RouterState:
 def create_app(config: RouterConfig) -> FastAPI:
     """The router app; raises ConfigError on an invalid config."""
     state = build_state(config)
+    if config.enable_trace:  # OpenTelemetry (server/tracing.py): the router's span is the root
+        tracing.setup("pdserve-router", config.otlp_traces_endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -120,6 +123,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             await state.proxy.close()
             await monitor.stop()
             await client.aclose()
+            tracing.shutdown()  # the spans still queued go out
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.router = state

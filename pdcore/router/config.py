@@ -302,8 +302,9 @@ def check_tls_and_modes(config: RouterConfig) -> None:
             "[BOOTSTRAP_PORT] and --decode URL, or put unified servers behind sglang-router "
             "itself (pdserve serve answers its calls)")
     if config.enable_trace:
-        raise ConfigError("--enable-trace is refused for now: OpenTelemetry export is not "
-                          "wired into the router yet; drop the flag")
+        from pdcore.server.tracing import check_available
+
+        check_available()
     if bool(config.client_cert_path) != bool(config.client_key_path):
         raise ConfigError("mTLS needs both --client-cert-path and --client-key-path")
     from pdcore.server.connections import tls_settings

@@ -68,6 +68,7 @@ from pdcore.router.upstream import (
     record,
 )
 from pdcore.router.workers import Worker, WorkerRegistry
+from pdcore.server import tracing
 
 log = logging.getLogger("pdcore.router.proxy")
 
@@ -194,7 +195,9 @@ class Proxy:
     async def handle(self, route: str, request: Request) -> Response:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"pdr-{uuid.uuid4().hex}"
-        response = await self._handle(route, request, request_id)
+        with tracing.remote_parent(request.headers), tracing.span(  # --enable-trace
+                "router", {"http.route": route, "pdserve.request_id": request_id}, server=True):
+            response = await self._handle(route, request, request_id)
         model, stream = getattr(request.state, "model_stream", ("default", False))
         self._metrics.observe_request(route, response.status_code, time.perf_counter() - started,
                                       model=model, stream=stream, code=error_code(response))
@@ -214,6 +217,7 @@ class Proxy:
         text = routing_text(route, body)
         headers = {"content-type": "application/json"}
         headers.update({h: v for h in FORWARD_HEADERS if (v := request.headers.get(h))})
+        headers.update(tracing.inject())  # traceparent: P's and D's spans join the router's
         loop = asyncio.get_running_loop()
         deadline = request_deadline(body, self._cfg.request_timeout_secs)
         gone = loop.create_task(_client_gone(request))

@@ -36,6 +36,7 @@ from pdcore.server import (
     openai_routes,
     pd_trust_routes,
     responses_routes,
+    tracing,
 )
 from pdcore.server.auth import install_auth, log_admin_policy
 from pdcore.server.http_errors import install_error_handlers
@@ -109,8 +110,12 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
             await engine.shutdown()
             starter.cancel()
             await asyncio.gather(starter, return_exceptions=True)
+            tracing.shutdown()  # the spans still queued go out
 
+    if args.enable_trace:  # OpenTelemetry (server/tracing.py)
+        tracing.setup(f"pdserve-{metrics_engine_type(args)}", args.otlp_traces_endpoint)
     app = FastAPI(title="pdserve", lifespan=lifespan)
+    app.add_middleware(tracing.TraceMiddleware)
     app.state.engine = engine
     app.state.args = args
     app.state.metrics = ServerMetrics(metrics_model_name(args), metrics_engine_type(args))

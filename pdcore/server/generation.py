@@ -22,6 +22,7 @@ from fastapi import Request
 
 from pdcore.engine.io_struct import GenerateReq
 from pdcore.runtime import EngineClient, EngineError
+from pdcore.server import tracing
 from pdcore.server.metrics import ServerMetrics
 from pdcore.server.output import OutputAssembler
 
@@ -49,9 +50,23 @@ class ClientDisconnected(Exception):
     pass
 
 
+_SPAN = {"prefill": "prefill", "decode": "decode"}  # else "generate" (unified)
+
+
 async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | int],
                    metrics: ServerMetrics, timeout: float | None) -> None:
+    mode = getattr(engine.args, "disaggregation_mode", "null")
+    route = item.req.route
+    attrs = {"pdserve.rid": item.req.rid, "pdserve.role": mode,
+             "pdserve.bootstrap_room": getattr(route, "room", None)}
+    with tracing.span(_SPAN.get(mode, "generate"), attrs):  # --enable-trace
+        await _run_traced(engine, item, q, metrics, timeout, mode == "decode")
+
+
+async def _run_traced(engine: EngineClient, item: Item, q: asyncio.Queue[Event | int],
+                      metrics: ServerMetrics, timeout: float | None, decode: bool) -> None:
     req = item.req
+    submitted_ns = time.time_ns()
     discard = req.sampling.max_new_tokens == 0
     if discard:  # the scheduler always makes at least one token
         req.sampling.max_new_tokens = 1
@@ -70,6 +85,9 @@ async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | in
                     now = time.monotonic()
                     if last is None:
                         metrics.ttft.observe(now - start)
+                        if decode:  # the first token comes with the KV P sent
+                            tracing.child("kv_transfer", submitted_ns, time.time_ns(),
+                                          {"pdserve.rid": req.rid})
                     else:  # one observation per token, as SGLang counts them
                         for _ in range(new):
                             metrics.itl.observe((now - last) / new)

@@ -55,8 +55,9 @@ def validate_common_flags(args: ServerArgs) -> None:
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile (PEM files)")
     if args.enable_trace:
-        raise ConfigError("--enable-trace is refused for now: OpenTelemetry export is not "
-                          "wired into pdserve yet; drop the flag")
+        from pdcore.server.tracing import check_available
+
+        check_available()
     if args.enable_torch_compile:
         raise ConfigError("--enable-torch-compile is refused: pdserve compiles no torch graphs "
                           "(SGLang uses it to capture CUDA graphs of small decode batches); on "

@@ -184,7 +184,8 @@ class PDCluster:
                  model_path: str | None = None, flags: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, router: str = "pdcore",
                  prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
-                 policy: str = "round_robin", secret: str | None = None) -> None:
+                 policy: str = "round_robin", secret: str | None = None,
+                 router_flags: tuple[str, ...] = ()) -> None:
         """Route trust (pdcore.route_auth) as a deployment would set it up: with `secret` every
         process shares it (our router signs routes); without, our router registers the prefill
         addresses with the decode servers, and behind sglang-router (which does neither) the
@@ -193,6 +194,7 @@ class PDCluster:
         if secret:
             self.env[CLUSTER_SECRET_ENV] = secret
         self.policy = policy  # our router's --policy (prefix-cache tests compare policies)
+        self.router_flags = router_flags  # more flags for the router
         threads = server_threads(prefill + decode)  # the engines share this host's CPUs
         if threads is not None:
             self.env.setdefault("OMP_NUM_THREADS", str(threads))
@@ -248,7 +250,7 @@ class PDCluster:
         else:
             cmd = ("-m", "pdcore.router")
             args += ["--health-check-interval-secs", "1"]
-        return ServerProcess(*args, command=cmd, env=self.env)
+        return ServerProcess(*args, *self.router_flags, command=cmd, env=self.env)
 
     def wait_trusted(self, timeout: float = 60.0) -> None:
         """Until every decode server accepts routes to every prefill server (our router

@@ -37,8 +37,7 @@ COMMON: dict[str, str | None] = {
     "--schedule-conservativeness": "1.5", "--enable-torch-compile": None,
 }
 # refused, and the words their refusal must hold
-REFUSED = {"--enable-torch-compile": ("refused", "native C++ kernels", "drop the flag"),
-           "--enable-trace": ("refused", "drop the flag")}
+REFUSED = {"--enable-torch-compile": ("refused", "native C++ kernels", "drop the flag")}
 
 
 def make_tls_pair(folder: Path) -> tuple[Path, Path]:
@@ -293,3 +292,13 @@ def test_host_mem_fraction_is_sized_to_what_the_host_has():
     args = ServerArgs(mem_fraction_static=0.1)  # 2.4 GiB fits the 3.2 GiB share: as asked
     assert kv_pool_tokens(args, platform, __import__("torch").device("cpu"), model, mib,
                           1 << 20) == int(0.1 * 24 * gib) // mib
+
+
+def test_enable_trace_without_the_sdk_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # import fails
+    with pytest.raises(SystemExit):
+        parse_server_args(["--enable-trace"])
+    assert "pip install 'pdcore[trace]'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"pdcore\[trace\]"):
+        parse_router_args(["--prefill", "http://a:1", "--decode", "http://b:2",
+                           "--enable-trace"])
