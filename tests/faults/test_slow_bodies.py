@@ -316,7 +316,7 @@ def test_5000_slow_bodies_on_decode_leave_it_answering(cluster) -> None:
                     boot_closed_at = time.monotonic()
                 if boot_got:
                     boot_closed_at = time.monotonic()
-            time.sleep(0.1)
+            time.sleep(0.25)
         out, _ = attacker.communicate(timeout=60)
     finally:
         if attacker.poll() is None:
@@ -330,10 +330,13 @@ def test_5000_slow_bodies_on_decode_leave_it_answering(cluster) -> None:
     assert not slow, (slow, len(probes))
     assert len(probes) >= 10, probes  # probed all through the attack
     m = _metrics(d.url)
-    # loopback is one peer: all but DEFAULT_PER_PEER of the 5,000 were evicted at once, the rest
-    # got their 408 at the body deadline (BODY_S: a byte a second buys no time)
-    assert _closed(m, "peer_limit") - _closed(before, "peer_limit") >= opened - DEFAULT_PER_PEER
-    assert _closed(m, "body_timeout") - _closed(before, "body_timeout") >= 1
+    # loopback is one peer: the 5,000 were evicted as they came (all but the last
+    # DEFAULT_PER_PEER, unless the attacker itself stalled past BODY_S), the rest got their 408
+    # at the body deadline (BODY_S: a byte a second buys no time); the gate closed every one
+    evicted = _closed(m, "peer_limit") - _closed(before, "peer_limit")
+    timed_out = _closed(m, "body_timeout") - _closed(before, "body_timeout")
+    assert evicted >= opened / 2 and timed_out >= 1, (evicted, timed_out)
+    assert evicted + timed_out >= opened, (evicted, timed_out, out)
     assert int(lines["answers"]) >= 1, out
     assert _pending(m) <= DEFAULT_PER_PEER, m
     new_lines = d.log().splitlines()[log_before:]
