@@ -190,15 +190,19 @@ class ChoiceShaper:
 
     def delta(self, text: str, done: bool, reason: str | None) -> tuple[dict[str, Any],
                                                                           str | None]:
-        """What the stream has not sent yet of `text` (the output so far)."""
-        r, c = self._split(text, done)
+        """What the stream has not sent yet of `text` (the output so far). Each call reads
+        only what arrived since the last one (linear over the stream)."""
+        r0, r1, c0 = self.reasoning.spans(text, done) if self.reasoning is not None \
+            else (0, 0, 0)
         out: dict[str, Any] = {}
-        if len(r) > self.sent_r:
-            out["reasoning_content"], self.sent_r = r[self.sent_r:], len(r)
-        visible = c
+        if r1 - r0 > self.sent_r:
+            out["reasoning_content"], self.sent_r = text[r0 + self.sent_r:r1], r1 - r0
+        if c0 is None:
+            return out, reason
+        end = len(text)
         if self.stream is not None:
             calls: list[dict[str, Any]] = []
-            for k, name, piece in self.stream.feed(c, done):
+            for k, name, piece in self.stream.feed(text, done, c0):
                 if name is not None:
                     calls.append({"index": k, "id": _call_id(), "type": "function",
                                   "function": {"name": name, "arguments": ""}})
@@ -206,11 +210,11 @@ class ChoiceShaper:
                     calls[-1]["function"]["arguments"] += piece
                 else:
                     calls.append({"index": k, "function": {"arguments": piece}})
-            visible = self.stream.content(c, done)
+            end = self.stream.content_end(text, done)
             if calls:
                 out["tool_calls"] = calls
             if done and self.stream.names:
                 reason = "tool_calls" if reason == "stop" else reason
-        if len(visible) > self.sent_c:
-            out["content"], self.sent_c = visible[self.sent_c:], len(visible)
+        if end - c0 > self.sent_c:
+            out["content"], self.sent_c = text[c0 + self.sent_c:end], end - c0
         return out, reason

@@ -65,24 +65,31 @@ class Splitter:
         self.state = "start"  # start: the opening not decided; in: reasoning; out: content
         self.r0 = self.r1 = self.c0 = 0  # reasoning text[r0:r1], content text[c0:]
         self.scanned = 0  # where the search for the close resumes
+        self.headers = 0  # header markers checked (gpt-oss)
 
     def split(self, text: str, done: bool = True) -> tuple[str, str]:
         """(reasoning, content) of the output so far (`text` only grows between calls). Unless
         `done`, an end of `text` that may be the start of a marker is in neither yet."""
+        r0, r1, c0 = self.spans(text, done)
+        return text[r0:r1], text[c0:] if c0 is not None else ""
+
+    def spans(self, text: str, done: bool = True) -> tuple[int, int, int | None]:
+        """(r0, r1, c0): the reasoning is text[r0:r1], the content text[c0:] (c0 None: none
+        yet). Each call reads only what arrived since the last one, up to a marker's length."""
         s = self.s
         if self.state == "start":
-            body = text.lstrip()
-            at = len(text) - len(body)
-            if not done and s.open.startswith(body[:len(s.open)]) and len(body) < len(s.open):
-                return "", ""  # could still become the opening
-            if body.startswith(s.open):
-                self.state, self.r0 = "in", at + len(s.open)
+            self.r0 = _visible(text, self.r0)
+            head = text[self.r0:self.r0 + len(s.open)]
+            if not done and len(head) < len(s.open) and s.open.startswith(head):
+                return 0, 0, None  # could still become the opening
+            if head == s.open:
+                self.state, self.r0 = "in", self.r0 + len(s.open)
             elif s.inside:
-                self.state, self.r0 = "in", at
+                self.state = "in"
+            elif s.header:
+                self.state, self.c0, self.r0 = "header", self.r0, 0
             else:
-                self.state, self.c0 = "out", 0
-                if s.header:
-                    self.state, self.c0 = "header", at
+                self.state, self.c0, self.r0 = "out", 0, 0
         if self.state == "in":
             if self.r1 <= self.r0:  # the reasoning starts at its first visible character
                 self.r0 = _visible(text, self.r0)
@@ -91,23 +98,25 @@ class Splitter:
                 self.scanned = max(self.r0, len(text) - len(s.close) + 1)
                 self.r1 = len(text) - (0 if done else partial_tail(text, s.close))
                 self.r1 = max(self.r1, self.r0)
-                return text[self.r0:self.r1], ""
+                return self.r0, self.r1, None
             self.r1, self.c0 = i, i + len(s.close)
             self.state = "header" if s.header else "lead"
-        if self.state == "header":  # gpt-oss: the final channel's header is no content
-            for h in s.header:
-                rest = text[self.c0:].lstrip()
-                skip = len(text) - self.c0 - len(rest)
-                if rest.startswith(h):
-                    self.c0 += skip + len(h)
-                elif not done and h.startswith(rest):
-                    return text[self.r0:self.r1], ""
-            self.state = "lead"
+        while self.state == "header":  # gpt-oss: the final channel's header is no content
+            if self.headers == len(s.header):
+                self.state = "lead"
+                break
+            h = s.header[self.headers]
+            self.c0 = _visible(text, self.c0)
+            if text.startswith(h, self.c0):
+                self.c0 += len(h)
+            elif not done and len(text) - self.c0 < len(h) and h.startswith(text[self.c0:]):
+                return self.r0, self.r1, None
+            self.headers += 1
         if self.state == "lead":  # the content starts at its first visible character
             self.c0 = _visible(text, self.c0)
             if self.c0 < len(text) or done:
                 self.state = "out"
-        return text[self.r0:self.r1], text[self.c0:] if self.state == "out" else ""
+        return self.r0, self.r1, self.c0 if self.state == "out" else None
 
 
 def _visible(text: str, i: int) -> int:

@@ -72,6 +72,11 @@ class ToolParser:
         i = text.find(self.start)
         return i if i >= 0 else len(text) - partial_tail(text, self.start)
 
+    def hold(self, cur: Cursor, memo: dict[str, int]) -> int:
+        """hold_from for a stream whose reader has not found the calls' start yet, reading only
+        the end of cur.text (`memo`: the stream's own notes between deltas)."""
+        return len(cur.text) - partial_tail(cur.text, self.start)
+
     def parse(self, text: str, known: Any) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a finished output; text that does not hold well-formed calls of
         known tools stays content, unchanged."""
@@ -200,7 +205,7 @@ class Llama3(ToolParser):
     def read(self, cur: Cursor, sink: Sink) -> Reader:
         first = yield from ts.skip_ws(cur)
         if first != "{":
-            i = yield from ts.wait_for(cur, self.tag, 0)
+            i = yield from ts.wait_for(cur, self.tag, cur.base)
             if i < 0:
                 return
             cur.pos = i + len(self.tag)
@@ -221,6 +226,11 @@ class Llama3(ToolParser):
             return 0
         i = text.find(self.tag)
         return i if i >= 0 else len(text) - partial_tail(text, self.tag)
+
+    def hold(self, cur: Cursor, memo: dict[str, int]) -> int:
+        if cur.pos >= len(cur.text):  # only whitespace yet: a JSON call may be coming
+            return cur.base
+        return len(cur.text) - partial_tail(cur.text, self.tag)
 
 
 class Mistral(ToolParser):
@@ -314,7 +324,7 @@ class GptOss(ToolParser):
             if i < 0:
                 return
             if first:
-                sink.head(self._header_start(cur.text, i))
+                sink.head(self._header_start(cur.text, i, cur.base))
                 first = False
             cur.pos = i + len("to=functions.")
             name, _ = yield from ts.until_any(cur, (" ", "<|"))
@@ -326,8 +336,20 @@ class GptOss(ToolParser):
                 return
             sink.end()
 
-    def _header_start(self, text: str, i: int) -> int:
-        return min([j for j in (text.rfind(h, 0, i) for h in self.header) if j >= 0] or [i])
+    def _header_start(self, text: str, i: int, base: int) -> int:
+        return min([j for j in (text.rfind(h, base, i) for h in self.header) if j >= 0] or [i])
+
+    def hold(self, cur: Cursor, memo: dict[str, int]) -> int:
+        if "at" not in memo:
+            scan = memo.get("scan", cur.base)
+            found = [j for j in (cur.text.find(h, scan) for h in self.header) if j >= 0]
+            if found:
+                memo["at"] = min(found)
+            else:
+                memo["scan"] = max(cur.base, len(cur.text) - 16)
+        if "at" in memo:
+            return memo["at"]
+        return len(cur.text) - max(partial_tail(cur.text, h) for h in self.header)
 
     def hold_from(self, text: str) -> int:
         i = min([j for j in (text.find(h) for h in self.header) if j >= 0] or [len(text)])
@@ -368,6 +390,9 @@ class Pythonic(ToolParser):
         if not body or body.startswith("[") or self.tag.startswith(body[:len(self.tag)]):
             return 0
         return len(text)
+
+    def hold(self, cur: Cursor, memo: dict[str, int]) -> int:
+        return cur.base  # undecided: whitespace or the start of <|python_start|> so far
 
     def forced(self, name: str, schema: dict[str, Any]) -> None:
         return None

@@ -39,12 +39,18 @@ class GiveUp(Exception):
 
 
 class Cursor:
+    """The output so far (`text`), read from `base` (where its content starts: after the
+    reasoning) on; `pos` only moves forward."""
+
     def __init__(self) -> None:
         self.text = ""
-        self.pos = 0
+        self.base = self.pos = 0
         self.done = False
+        self.started = False
 
-    def feed(self, text: str, done: bool) -> None:
+    def feed(self, text: str, done: bool, base: int = 0) -> None:
+        if not self.started:
+            self.started, self.base, self.pos = True, base, base
         self.text, self.done = text, done
 
 

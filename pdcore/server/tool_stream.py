@@ -45,6 +45,9 @@ class ToolStream(Sink):
         self.pieces: list[list[str]] = []
         self.complete: list[bool] = []
         self._events: list[tuple[int, str | None, str]] = []  # (call, name or None, piece)
+        self._seen = self._visible = 0
+        self._head_end: int | None = None
+        self._memo: dict[str, int] = {}
 
     # ---- Sink: what the format's reader reports
     def head(self, at: int) -> None:
@@ -78,15 +81,17 @@ class ToolStream(Sink):
         return kind if isinstance(kind, str) else None
 
     # ---- driving
-    def feed(self, text: str, done: bool) -> list[tuple[int, str | None, str]]:
-        """Read `text` (the content so far: it only grows) as far as it goes; the calls' news:
-        (index, name, "") when a call starts, (index, None, piece) for its arguments."""
+    def feed(self, text: str, done: bool, base: int = 0) -> list[tuple[int, str | None, str]]:
+        """Read `text` (the output so far: it only grows; its content starts at `base`, the same
+        at every call) as far as it goes; the calls' news: (index, name, "") when a call
+        starts, (index, None, piece) for its arguments."""
+        self._track_visible(text, base)
         if self.stopped:
             return []
-        if len(text) > MAX_PARSE_CHARS:
+        if len(text) - base > MAX_PARSE_CHARS:
             self._stop()
             return []
-        self.cur.feed(text, done)
+        self.cur.feed(text, done, base)
         try:
             next(self._reader)
             if done:  # a reader returns at the end of the output; one that waits is cut off
@@ -107,13 +112,32 @@ class ToolStream(Sink):
         if not self.names:
             self.plain = True
 
-    def content(self, text: str, done: bool) -> str:
-        """What of `text` is content so far (before the first call; all of it without one)."""
+    def _track_visible(self, text: str, base: int) -> None:
+        """Where the content's last non-whitespace character ends, from the new text only."""
+        seen = max(self._seen, base)
+        if len(text) > seen:
+            kept = text[seen:].rstrip()
+            if kept:
+                self._visible = seen + len(kept)
+            self._seen = len(text)
+        self._visible = max(self._visible, base)
+
+    def content_end(self, text: str, done: bool) -> int:
+        """Where the content so far ends in `text` (before the first call, trailing whitespace
+        held: it is dropped when a call follows; all of it without a call)."""
+        base = self.cur.base
         if self.plain or (self.head_at is None and (done or self.stopped)):
-            return text
+            return len(text)
         if self.head_at is not None:
-            return text[:self.head_at].rstrip()
-        return text[:self.parser.hold_from(text)].rstrip()
+            if self._head_end is None:  # once
+                self._head_end = base + len(text[base:self.head_at].rstrip())
+            return self._head_end
+        hold = self.parser.hold(self.cur, self._memo)
+        if hold >= self._visible:
+            return self._visible
+        start = max(base, hold - 64)
+        kept = text[start:hold].rstrip()
+        return start + len(kept) if kept else base + len(text[base:hold].rstrip())
 
     def calls(self) -> list[ToolCall]:
         return [ToolCall(n, "".join(p)) for n, p in zip(self.names, self.pieces)]
@@ -131,4 +155,4 @@ def parse_whole(parser: Any, text: str, known: Any, parallel: bool = True
     if s.plain or not calls or not all(s.complete) or \
             not all(ts.valid_json(c.arguments) for c in calls):
         return text, []
-    return s.content(text, True), calls
+    return text[:s.content_end(text, True)], calls
