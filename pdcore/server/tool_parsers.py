@@ -479,16 +479,14 @@ class NamedArgs(ToolParser):
             sink.end()
 
 
-PARSERS: dict[str, type[ToolParser]] = {  # every --tool-call-parser name (fuzz suites list it)
-    "qwen25": Qwen25, "qwen": Qwen25, "hermes": Qwen25, "qwen3_coder": Qwen3Coder,
-    "glm45": Glm45, "glm": Glm45, "glm47": Glm45, "llama3": Llama3, "mistral": Mistral,
-    "deepseekv3": DeepSeekV3, "deepseekv31": DeepSeekV31, "kimi_k2": KimiK2,
-    "gpt-oss": GptOss, "pythonic": Pythonic,
+PARSERS: dict[str, type[ToolParser]] = {  # every parser by its name (fuzz suites list it)
+    "qwen25": Qwen25, "qwen3_coder": Qwen3Coder, "glm45": Glm45, "llama3": Llama3,
+    "pythonic": Pythonic, "mistral": Mistral, "deepseekv3": DeepSeekV3,
+    "deepseekv31": DeepSeekV31, "kimi_k2": KimiK2, "gpt-oss": GptOss,
 }
-
-
-NAMES = (*PARSERS, "auto")  # --tool-call-parser's choices
+ALIASES = {"qwen": "qwen25", "hermes": "qwen25", "glm": "glm45", "glm47": "glm45"}
+NAMES = (*PARSERS, *ALIASES, "auto")  # --tool-call-parser's choices
 
 
 def get_parser(name: str) -> ToolParser:
-    return PARSERS[name]()
+    return PARSERS[ALIASES.get(name, name)]()
