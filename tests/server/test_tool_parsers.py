@@ -208,3 +208,22 @@ def test_gpt_oss_reasoning_then_tool_call() -> None:
                                plan_tools(TOOLS, "auto", "gpt-oss")).message(text, "stop")
     assert msg["reasoning_content"] == "Need weather." and msg["content"] is None
     assert _calls(msg) == [("get_weather", {"city": "Oslo"})] and reason == "tool_calls"
+
+
+@pytest.mark.parametrize("parser,think,given,want", [
+    ("llama3", None, None, False), ("qwen25", None, None, None), ("deepseekv3", None, True, True),
+    (None, "gpt-oss", None, False), (None, "qwen3", None, None)])
+def test_markers_that_are_special_tokens_stay_in_the_output(parser, think, given, want) -> None:
+    """A parser whose markers are special tokens (<|python_tag|>, DeepSeek's, harmony's) keeps
+    them in the output unless the request set skip_special_tokens itself."""
+    from types import SimpleNamespace
+
+    from pdcore.server.chat_tools import plan_output
+
+    engine = SimpleNamespace(args=SimpleNamespace(tool_call_parser=parser, reasoning_parser=think),
+                             tokenizer=SimpleNamespace(chat_template=None), info={})
+    body = SimpleNamespace(tools=TOOLS if parser else None, tool_choice=None,
+                           parallel_tool_calls=None, separate_reasoning=True,
+                           skip_special_tokens=given)
+    plan_output(body, engine)
+    assert body.skip_special_tokens is want
