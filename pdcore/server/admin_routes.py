@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pdcore.route_auth import WARMUP_HOST as FAKE_BOOTSTRAP_HOST
 from pdcore.runtime import EngineClient, EngineError, new_rid
 from pdcore.server.auth import require_admin
-from pdcore.server.generation import Item, collect
+from pdcore.server.generation import Item, collect, mark_engine_reached
 from pdcore.server.http_errors import error_response
 from pdcore.server.openai_plan import served_model_name
 from pdcore.server.params import PDInfo, make_req
@@ -57,6 +57,7 @@ async def health_generate(request: Request) -> Response:
     token = int((engine.info.get("eos_token_ids") or [0])[0])
     req = make_req(f"health-{new_rid()}", [token],
                    SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), pd)
+    mark_engine_reached(request)  # no client content here: an error is the server's
     try:
         await collect(engine, [Item(0, req)], request.app.state.metrics,
                       HEALTH_GENERATE_TIMEOUT_S)

@@ -131,6 +131,12 @@ def test_pre_engine_500_carries_the_client_mark(fake_server: FakeServer,
     assert resp.status_code == 500 and "boom in the engine" in resp.text
     assert "x-pd-error-origin" not in resp.headers
     monkeypatch.undo()
+    import pdcore.server.admin_routes as admin  # the server's own probe carries no content
+
+    monkeypatch.setattr(admin, "collect", broken_collect)
+    resp = httpx.get(fake_server.url + "/health_generate", timeout=30)
+    assert resp.status_code == 500 and "x-pd-error-origin" not in resp.headers
+    monkeypatch.undo()
     # a new connection: uvicorn closes the one an unhandled error went over
     resp = httpx.post(fake_server.url + "/v1/chat/completions", json=CHAT, timeout=30)
     assert resp.status_code == 200, resp.text
