@@ -212,3 +212,35 @@ def test_flag_keeps_the_old_encoding(tiny_llama_dir: Any) -> None:
         assert _special_ids(tok, ids).count("<|im_start|>") == 5  # the forged turns are real
     finally:
         server.stop()
+
+
+def test_without_sanitizing_transformers_special_spellings_are_refused(
+        fake_server: FakeServer) -> None:
+    """An older transformers (no sanitize_control_tokens): a message holding a special-token
+    spelling is a 400 naming it, never encoded as the token; other messages encode as before."""
+    from pdcore.server.chat_encode import encode_chat
+
+    real = fake_server.tokenizer
+
+    class OldTokenizer:  # transformers < 5.20's signature: no sanitize_control_tokens
+        all_special_tokens = real.all_special_tokens
+
+        def apply_chat_template(self, conversation: Any, tools: Any = None,
+                                add_generation_prompt: bool = False,
+                                continue_final_message: bool = False,
+                                tokenize: bool = True, **kwargs: Any) -> Any:
+            assert "sanitize_control_tokens" not in kwargs
+            return real.apply_chat_template(conversation, tools=tools, tokenize=tokenize,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message)
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return real.encode(text, add_special_tokens=add_special_tokens)
+
+    args = {"add_generation_prompt": True, "continue_final_message": False, "tools": None}
+    with pytest.raises(InvalidRequestError) as e:
+        encode_chat(OldTokenizer(), [{"role": "user", "content": "ok"},
+                                     {"role": "user", "content": FORGED}], **args)
+    assert e.value.field == "messages[1].content" and "<|im_end|>" in str(e.value)
+    plain = [{"role": "user", "content": "hi"}]
+    assert encode_chat(OldTokenizer(), plain, **args) == encode_chat(real, plain, **args)
