@@ -227,3 +227,16 @@ def test_markers_that_are_special_tokens_stay_in_the_output(parser, think, given
                            skip_special_tokens=given)
     plan_output(body, engine)
     assert body.skip_special_tokens is want
+
+
+@pytest.mark.parametrize("name", ["glm45", "qwen3_coder", "pythonic"])
+def test_forced_json_form_for_families_without_json_arguments(name: str) -> None:
+    """Their calls cannot be forced in their own format: the JSON form, read back as such."""
+    required = plan_tools(TOOLS, "required", name)
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}}, name)
+    assert required.grammar.kind == named.grammar.kind == "json_schema"
+    msg, reason = ChoiceShaper(None, required).message(
+        '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}]', "stop")
+    assert _calls(msg) == TWO[:1] and reason == "tool_calls"
+    msg, reason = ChoiceShaper(None, named).message('{"city": "Oslo", "days": 3}', "stop")
+    assert _calls(msg) == TWO[:1] and msg["content"] is None and reason == "tool_calls"
