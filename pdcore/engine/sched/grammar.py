@@ -123,9 +123,11 @@ class GrammarBackend:
                 "with --grammar-backend xgrammar", "grammar")
         try:
             import xgrammar
-        except ImportError as e:  # declared in pdcore's dependencies; a broken install
+        except ImportError as e:  # installed by scripts/setup.sh (pyproject.toml: why)
             raise GrammarUnavailable(f"the grammar backend xgrammar cannot be imported ({e}); "
-                                     "pip install xgrammar", "grammar") from None
+                                     "pip install --no-deps 'xgrammar>=0.2.9,<0.3' (CPU: "
+                                     "without triton) or pip install 'pdcore[grammar]'",
+                                     "grammar") from None
         return xgrammar
 
     def compiler(self) -> Any:
