@@ -74,7 +74,7 @@ async def _run_traced(engine: EngineClient, item: Item, q: asyncio.Queue[Event |
     start = time.monotonic()
     last: float | None = None
     # --stream-interval N: an event (a streamed chunk) for the first token, then every N
-    interval, sent = max(1, int(getattr(engine.args, "stream_interval", 1) or 1)), 0
+    interval, sent = max(1, int(getattr(engine.args, "stream_interval", 1) or 1)), -1
     try:
         async with contextlib.aclosing(engine.generate(req, timeout)) as gen:
             async for msg in gen:
@@ -94,8 +94,9 @@ async def _run_traced(engine: EngineClient, item: Item, q: asyncio.Queue[Event |
                     last = now
                     metrics.generation_tokens.inc(new)
                 count = len(asm.out.output_ids)
-                if done or not sent or count - sent >= interval:
-                    sent = max(count, 1)
+                # interval 1: every message, as always; else the first token at once
+                if interval == 1 or done or sent < 1 or count - sent >= interval:
+                    sent = count
                     q.put_nowait(Event(item.index, asm, done=done))
                 if done:
                     break
