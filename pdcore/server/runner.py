@@ -107,7 +107,10 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
               f"  {try_line(url, args.disaggregation_mode)}", flush=True)
 
     def on_start_failed(err: Exception) -> None:
-        print(f"pdserve: engine failed to start: {err}", file=sys.stderr, flush=True)
+        if server.should_exit:  # Ctrl-C or SIGTERM while loading: a stop, not a failure
+            print("pdserve: stopped while the engine was starting", file=sys.stderr, flush=True)
+        else:
+            print(f"pdserve: engine failed to start: {err}", file=sys.stderr, flush=True)
         outcome["rc"] = 1
         server.should_exit = True
 

@@ -87,6 +87,7 @@ def test_ctrl_c_while_the_engine_process_imports_prints_no_traceback(tiny_llama_
         server.stop()
     _assert_quiet(server.log())
     assert "exited with code -2" not in server.log(), server.log()  # not killed by the SIGINT
+    assert "pdserve: engine failed to start" not in server.log()  # a stop, not a failure
 
 
 def test_the_ready_line_of_prefill_and_decode_points_at_a_router() -> None:
