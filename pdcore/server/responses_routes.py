@@ -21,7 +21,7 @@ from pdcore.server.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import SSE_HEADERS, run_items
 from pdcore.server.openai_plan import Plan, finish_of, plan_request, usage
 from pdcore.server.openai_routes import chat_prompt, run_plan, shaped
-from pdcore.server.params import bad
+from pdcore.server.params import bad, needs_text
 from pdcore.server.responses_api import ResponseBuilder, chat_request
 from pdcore.server.schemas import ResponsesRequest
 
@@ -65,6 +65,7 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, builder: R
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     engine: EngineClient = request.app.state.engine
     engine.require_ready()
+    needs_text(engine.args, "/v1/responses", "input")
     chat = chat_request(body)
     max_tokens = chat.max_completion_tokens
     if max_tokens is not None and max_tokens < 0:

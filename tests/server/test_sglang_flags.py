@@ -245,6 +245,7 @@ def test_skip_tokenizer_init_is_ids_in_ids_out(flagged):
     assert r.json()["text"] == "" and len(r.json()["output_ids"]) == 2
     for path, body in (("/generate", {"text": "hello"}),
                        ("/v1/completions", {"prompt": "hello"}),
+                       ("/v1/responses", {"input": "hello"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user",
                                                                "content": "hi"}]})):
         r = HTTP.post(flagged.url + path, json=body, timeout=30)
