@@ -152,6 +152,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("PDSERVE_HTTP_BODY_MIN_RATE", "1024",
            "bytes of body that buy one more second of the body deadline", HTTP),
     EnvVar("PDSERVE_HTTP_BODY_MAX_S", "300", "no request body takes longer than this", HTTP),
+    EnvVar("PDSERVE_HTTP_SEND_TIMEOUT_S", "60",
+           "seconds a client may leave its response unread (writes paused) before it is closed "
+           "and its request aborted", HTTP),
     EnvVar("PDSERVE_HTTP_MAX_CONNECTIONS", "4096",
            "open connections per port (at most the descriptor limit less 512)", HTTP),
     EnvVar("PDSERVE_HTTP_MAX_PENDING_PER_PEER", "128",

@@ -42,7 +42,10 @@ server time out. `PortGate` bounds each port:
    connection, which then fails and is retried: behind sglang-router a prefill server counted two
    requests for one prompt. Idle connections are not pending (a router's pool keeps up to 256)
    and are evictable only at the connection limit, after the slow pending ones.
-6. **No log line per connection**: closes are counted in `/metrics`
+6. **Send deadline** (PDSERVE_HTTP_SEND_TIMEOUT_S, 60 s): a client that stops reading its
+   response (the transport's write buffer stays full that long: a stream it never reads) is
+   closed, so its request is aborted and frees its decode slot and pages.
+7. **No log line per connection**: closes are counted in `/metrics`
    (`pdserve_http_connections_closed_total{reason}`, `pdserve_http_connections{state}`) and
    summarised in one line at most every 10 s, naming the peers closed most; the accept loop's
    descriptor-exhaustion errors and uvicorn's per-connection warnings are folded into that
@@ -52,8 +55,9 @@ server time out. `PortGate` bounds each port:
 `guarded_http.guarded_protocol(gate)` is the uvicorn HTTP protocol class
 (`uvicorn.Config(http=...)`) that reports to the gate, its app behind `guarded_http.BodyFirst`
 (the app sees a request once its body is whole); the gate sweeps its connections once a second
-on the server's loop. (pdcore.netguard.ConnectionGate bounds the threaded, blocking listeners of P's bootstrap server
-and the tcp backend the same way: per peer, in all, and by a whole deadline.)
+on the server's loop. (pdcore.netguard.ConnectionGate bounds the threaded, blocking listeners of
+P's bootstrap server and the tcp backend the same way: per peer, in all, and by a whole
+deadline.)
 """
 
 from __future__ import annotations
@@ -81,18 +85,20 @@ BODY_MAX_ENV = "PDSERVE_HTTP_BODY_MAX_S"
 MAX_CONNECTIONS_ENV = "PDSERVE_HTTP_MAX_CONNECTIONS"
 PER_PEER_ENV = "PDSERVE_HTTP_MAX_PENDING_PER_PEER"
 KEEPALIVE_ENV = "PDSERVE_HTTP_KEEPALIVE_S"
+SEND_TIMEOUT_ENV = "PDSERVE_HTTP_SEND_TIMEOUT_S"
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_KEEPALIVE_S = 120.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_BODY_MIN_RATE = 1024.0  # bytes/s: each this many bytes buys the body one more second
 DEFAULT_BODY_MAX_S = 300.0
+DEFAULT_SEND_TIMEOUT_S = 60.0
 DEFAULT_MAX_CONNECTIONS = 4096
 DEFAULT_PER_PEER = 128
 RESERVED_FDS = 512  # the engine's own sockets, files and pipes
 GRACE_S = 1.0  # pending this long, a connection is ranked by its rate (a real one is done by then)
 SWEEP_S = 1.0
 SUMMARY_EVERY_S = 10.0
-REASONS = ("header_timeout", "body_timeout", "evicted", "peer_limit", "refused")
+REASONS = ("header_timeout", "body_timeout", "send_timeout", "evicted", "peer_limit", "refused")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -157,6 +163,8 @@ class PortGate:
         self.body_max_s = max(self.body_timeout_s, _env_float(BODY_MAX_ENV, DEFAULT_BODY_MAX_S))
         self.limit = limit or max_connections(raise_nofile_limit())
         self.per_peer = per_peer or _env_count(PER_PEER_ENV, DEFAULT_PER_PEER)
+        self.send_timeout_s = _env_float(SEND_TIMEOUT_ENV, DEFAULT_SEND_TIMEOUT_S)
+        self.stalled: dict[Any, float] = {}  # a response it does not read -> since
         self.pending: dict[Any, float] = {}  # waiting for headers, oldest first -> since
         self.reading: dict[Any, float] = {}  # reading a body, oldest first -> headers done at
         self.idle: dict[Any, None] = {}  # kept alive between requests, longest idle first
@@ -222,8 +230,17 @@ class PortGate:
             self._served(proto)
             self.idle[proto] = None
 
+    def write_paused(self, proto: Any, paused: bool) -> None:
+        """The client stopped reading what the server writes (the transport's buffer is full),
+        or read it again."""
+        if not paused:
+            self.stalled.pop(proto, None)
+        elif proto in self.open:
+            self.stalled.setdefault(proto, time.monotonic())
+
     def lost(self, proto: Any) -> None:
         self.open.discard(proto)
+        self.stalled.pop(proto, None)
         self.pending.pop(proto, None)
         self.reading.pop(proto, None)
         self.idle.pop(proto, None)
@@ -316,6 +333,9 @@ class PortGate:
                                 f"time ({self.body_timeout_s:g} s, plus 1 s per "
                                 f"{self.body_min_rate:g} bytes received, at most "
                                 f"{self.body_max_s:g} s)")
+            for proto, since in list(self.stalled.items()):
+                if now - since > self.send_timeout_s:
+                    self._close(proto, "send_timeout")  # its stream's request is aborted
             self._rank(now)
             self._summarise(now)
         finally:

@@ -91,6 +91,14 @@ def guarded_protocol(gate: PortGate) -> type:
             elif reading and not cycle.more_body:
                 gate.body_done(self)
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            gate.write_paused(self, True)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            gate.write_paused(self, False)
+
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing():

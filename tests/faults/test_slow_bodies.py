@@ -155,6 +155,50 @@ def test_the_body_deadline_grows_with_what_arrived_up_to_a_cap() -> None:
     assert gate.body_deadline(c, 100.0) == 100.0 + gate.body_max_s
 
 
+def test_a_client_that_stops_reading_its_response_is_closed(monkeypatch) -> None:
+    """A stream its client never reads (the server's writes stay paused) is closed at the send
+    deadline, so its request ends (before: it waited on the client for ever, holding what it
+    held)."""
+    import threading
+
+    import uvicorn
+
+    from pdcore.server.guarded_http import guarded_protocol
+    from pdcore.testing.ports import free_port
+
+    monkeypatch.setenv("PDSERVE_HTTP_SEND_TIMEOUT_S", "1")
+    gate = PortGate(limit=100)
+    ended = threading.Event()
+
+    async def stream(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(4096):  # 256 MiB, more than any socket buffers
+            # blocks while the client's buffers are full; returns at once once it is gone
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        ended.set()
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(stream, host="127.0.0.1", port=port, lifespan="off",
+                                           http=guarded_protocol(gate), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    s = socket.socket()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")  # and never reads
+        assert ended.wait(15), "the stream still waits on a client that reads nothing"
+        assert gate.closed["send_timeout"] == 1 and not gate.stalled
+    finally:
+        s.close()
+        server.should_exit = True
+        thread.join(10)
+
+
 # -- P's bootstrap port ----------------------------------------------------------------------
 def _read_to_eof(s: socket.socket, timeout: float) -> tuple[bytes, float]:
     """What the server sent until it closed, and when it closed (monotonic)."""
