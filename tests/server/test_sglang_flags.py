@@ -303,3 +303,26 @@ def test_enable_trace_without_the_sdk_names_the_extra(monkeypatch, capsys):
     with pytest.raises(ConfigError, match=r"pdcore\[trace\]"):
         parse_router_args(["--prefill", "http://a:1", "--decode", "http://b:2",
                            "--enable-trace"])
+
+
+def test_tokenizer_mode_slow_asks_transformers_for_the_python_tokenizer(tiny_llama_dir,
+                                                                       monkeypatch):
+    import transformers
+
+    from pdcore.engine.model.tokenizer import load_tokenizer
+
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(path, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw)
+        return real(path, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    fast = load_tokenizer(SimpleNamespace(model_path=str(tiny_llama_dir)))
+    assert calls == []  # auto: the light loader of tokenizer.json
+    slow = load_tokenizer(SimpleNamespace(model_path=str(tiny_llama_dir),
+                                          tokenizer_mode="slow"))
+    assert [kw.get("use_fast") for kw in calls] == [False]
+    # this model ships only tokenizer.json: transformers gives the same tokenizer either way
+    assert slow.encode("hello world") == fast.encode("hello world")
