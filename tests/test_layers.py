@@ -146,6 +146,27 @@ def test_the_engine_imports_nothing_above_it() -> None:
            "the engine imports a layer above it:")
 
 
+# the engine's own folders, lowest first: kv/ (pool, pages, prefix cache) and model/ (the forward
+# pass, `ModelRunner`) know no request; sched/ (queues, requests, sampling, the step) is above
+# them. #46: no arrow from engine/model or engine/kv to engine/sched.
+ENGINE_BELOW_SCHED = ("pdcore.engine.model", "pdcore.engine.kv", "pdcore.engine.parallel")
+
+
+def test_engine_model_and_kv_import_nothing_of_sched() -> None:
+    bad = [(m, imp, line) for m in imports() if m.startswith(ENGINE_BELOW_SCHED)
+           for line, imp in imports()[m]
+           if imp == "pdcore.engine.sched" or imp.startswith("pdcore.engine.sched.")]
+    _check(bad, "engine/model, engine/kv and engine/parallel import engine/sched (the request, "
+                "the sampler, the step live above them: hand them tensors or a protocol):")
+
+
+def test_kv_imports_no_model() -> None:
+    """The KV pool and pages sit below the model: the model writes into them, not back."""
+    bad = [(m, imp, line) for m in imports() if m.startswith("pdcore.engine.kv")
+           for line, imp in imports()[m] if imp.startswith("pdcore.engine.model")]
+    _check(bad, "engine/kv imports engine/model:")
+
+
 def test_the_server_uses_the_runtime_through_its_package_only() -> None:
     """#34: the server sees the runtime through `pdcore.runtime`'s exports (the engine handle,
     `make_engine`, the parallel-flag checks, `run_node`), never through one of its modules."""

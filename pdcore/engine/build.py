@@ -42,6 +42,7 @@ from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model.runner import ModelRunner
 from pdcore.engine.model.source import sampling_defaults
+from pdcore.engine.sched.batch_run import BatchRunner
 from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
 from pdcore.engine.sched.speculative import SpecConfig, Speculator
@@ -324,15 +325,15 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
                  cache_dtype, tp.rank, tp.size, spec["total_kv_heads"], spec["is_mla"])
     blocks = BlockManager(num_pages, args.page_size)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
-    runner = ModelRunner(model, kv, blocks, tp)
-    runner.grammar = _grammar(args, cfg, [e for e in eos if e is not None])
+    model_runner = ModelRunner(model, kv, blocks, tp)
+    runner = BatchRunner(model_runner, _grammar(args, cfg, [e for e in eos if e is not None]))
     speculator = _speculator(args, model, blocks,
                              None if resolved.gguf_file else resolved.path, kv)
-    runner.capture_hidden = speculator is not None and speculator.needs_hidden
+    model_runner.capture_hidden = speculator is not None and speculator.needs_hidden
     # EAGLE3: the residual streams entering its three target layers instead (such steps run
     # the Python layer loop; every other server keeps the native decode loop)
     head = getattr(speculator.drafter, "head", None) if speculator is not None else None
-    runner.capture_layers = getattr(head, "aux_layers", None)
+    model_runner.capture_layers = getattr(head, "aux_layers", None)
     sched = Scheduler(runner, blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,

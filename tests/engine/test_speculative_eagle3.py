@@ -94,7 +94,7 @@ def _generate(target: str, head_dir: str | None, prompts, sp: SamplingParams, **
     hot = None
     if head_dir:
         drafter = eng.scheduler.spec.drafter
-        assert eng.scheduler.runner.capture_layers == drafter.head.aux_layers
+        assert eng.scheduler.runner.model_runner.capture_layers == drafter.head.aux_layers
         hot = drafter.head.hot
         propose = drafter.propose
 

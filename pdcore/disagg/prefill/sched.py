@@ -29,7 +29,7 @@ from pdcore.disagg import wire
 from pdcore.disagg.agree import Agreed
 from pdcore.disagg.aux import MAX_TOP_LOGPROBS, AuxBuffers, AuxRow
 from pdcore.disagg.role import RoleExtension
-from pdcore.engine.model.runner import StepResult
+from pdcore.engine.sched.batch_run import StepResult
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.scheduler import Scheduler
 from pdcore.engine.sched.stats import StatsReport

@@ -41,7 +41,7 @@ class Drafter:
         """Right before the target's forward (a MoE head under DP attention pads its passes)."""
 
     def observe(self, items: list[tuple[Req, int]], results: list[Any]) -> None:
-        """A target forward ran `items`; `results` are their StepResults (engine/model/runner.py),
+        """A target forward ran `items`; `results` are their StepResults (engine/sched/batch_run.py),
         not applied yet."""
 
     def remember(self, req: Req) -> None:

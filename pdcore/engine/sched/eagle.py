@@ -57,7 +57,7 @@ from pdcore.engine.sched.speculative import ReqSpec
 if TYPE_CHECKING:
     from pdcore.engine.kv.blocks import BlockManager
     from pdcore.engine.model.layers import TPInfo
-    from pdcore.engine.model.runner import StepResult
+    from pdcore.engine.sched.batch_run import StepResult
     from pdcore.engine.sched.request import Req
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.stats import StatsReport
 
 if TYPE_CHECKING:
-    from pdcore.engine.model.runner import StepResult
+    from pdcore.engine.sched.batch_run import StepResult
 
 
 class Extension:

@@ -25,11 +25,11 @@ from typing import Any
 
 from pdcore.engine.io_struct import TokenOut
 from pdcore.engine.kv.blocks import BlockManager
-from pdcore.engine.kv.pages import KVPages
 from pdcore.engine.kv.radix import RadixCache
-from pdcore.engine.model.runner import ModelRunner, StepResult
+from pdcore.engine.sched.batch_run import BatchRunner, StepResult
 from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.outputs import take_output
+from pdcore.engine.sched.pages import KVPages
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.speculative import Speculator
 from pdcore.engine.sched.stats import Counters, StatsReport, scheduler_stats
@@ -57,7 +57,7 @@ LPM_MAX_QUEUE = 128
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager, cfg: SchedulerConfig,
+    def __init__(self, runner: BatchRunner, blocks: BlockManager, cfg: SchedulerConfig,
                  cache: RadixCache | None = None, spec: Speculator | None = None) -> None:
         self.runner, self.blocks, self.cfg = runner, blocks, cfg
         self.spec = spec  # speculative decoding (engine/sched/speculative.py); None: off
