@@ -42,7 +42,8 @@ class StandInP:
     def poll(self, room: int) -> KVPoll:
         return self.state.get(room, KVPoll.Failed)
 
-    def send_transfer_info(self, room: int, pages, slot: int) -> None:
+    def send_transfer_info(self, room: int, pages, slot: int, prefix_pages: int = 0,
+                           prefix_digest: str = "", prompt_digest: str = "") -> None:
         self.state[room] = KVPoll.Transferring
         self.dest[room] = ([int(p) for p in pages], slot)
 

@@ -111,13 +111,63 @@ class ChainStart:
 
 
 @dataclass
-class _Pairs:
-    """One request's share of a head pass."""
+class Pairs:
+    """One request's share of an observe pass: the pairs of the positions [a, a + len(nxt))
+    the target just computed."""
 
     req: Req
     start: int  # its first row in the pass
-    count: int
-    at: int  # the computed positions once these pairs are in (ChainStart.at)
+    a: int  # its computed positions before the step
+    nxt: list[int]  # the tokens after those positions (known_next)
+    ctx: torch.Tensor  # its slot table through a + len(nxt)
+
+    @property
+    def at(self) -> int:
+        """The computed positions once these pairs are in (ChainStart.at)."""
+        return self.a + len(self.nxt)
+
+
+@dataclass
+class ObservePass:
+    """The packed input of a head's first layer over a target step's pairs (every head's
+    `observe` starts from it: one gathering loop for EAGLE, EAGLE3, NEXTN and multi-layer MTP)."""
+
+    ids: list[int]
+    pos: list[int]
+    out: list[int]  # the pool slots its K/V go to: the target's slots of the same positions
+    seqs: list[SeqSpan]
+    hidden: torch.Tensor  # the target's hidden states of every pair's position
+    pairs: list[Pairs]
+
+
+def observe_pass(items: list[tuple[Req, int]], results: list[StepResult],
+                 device: torch.device) -> ObservePass | None:
+    """The pairs of every position a target step computed whose next token is known; None
+    when there are none (failed rows, no captured hidden states, nothing known yet)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    out: list[int] = []
+    seqs: list[SeqSpan] = []
+    hidden: list[torch.Tensor] = []
+    pairs: list[Pairs] = []
+    for (r, n), res in zip(items, results):
+        if res.error is not None or res.hidden is None or r.ctx_slots is None:
+            continue
+        a = r.num_computed
+        nxt = known_next(r, n, res)
+        v = len(nxt)
+        if v <= 0:
+            continue
+        ctx = r.ctx_slots[: a + v]
+        seqs.append(SeqSpan(len(ids), v, ctx.to(device)))
+        pairs.append(Pairs(r, len(ids), a, nxt[:v], ctx))
+        ids.extend(nxt[:v])
+        pos.extend(range(a, a + v))
+        out.extend(ctx[a:].tolist())
+        hidden.append(res.hidden[:v])
+    if not pairs:
+        return None
+    return ObservePass(ids, pos, out, seqs, torch.cat(hidden), pairs)
 
 
 class HeadDrafter(Drafter):
@@ -198,49 +248,33 @@ class HeadDrafter(Drafter):
             self.dp_pads.after_forward_end()
 
     def _observe(self, items: list[tuple[Req, int]], results: list[StepResult]) -> None:
-        ids: list[int] = []
-        pos: list[int] = []
-        out: list[int] = []
-        seqs: list[SeqSpan] = []
-        hidden: list[torch.Tensor] = []
-        plan: list[_Pairs] = []
-        for (r, n), res in zip(items, results):
-            if res.error is not None or res.hidden is None or r.ctx_slots is None:
-                continue
-            a = r.num_computed
-            nxt = known_next(r, n, res)
-            v = len(nxt)
-            if v <= 0:
-                continue
-            ctx = r.ctx_slots[: a + v]
-            seqs.append(SeqSpan(len(ids), v, ctx.to(self.device)))
-            plan.append(_Pairs(r, len(ids), v, a + v))
-            ids.extend(nxt[:v])
-            pos.extend(range(a, a + v))
-            out.extend(ctx[a:].tolist())
-            hidden.append(res.hidden[:v])
-        if not plan:
+        op = observe_pass(items, results, self.device)
+        if op is None:
             return
         try:
-            g = self._run(ids, pos, out, seqs, torch.cat(hidden))
-            last = torch.tensor([p.start + p.count - 1 for p in plan], device=self.device)
+            g = self._run(op.ids, op.pos, op.out, op.seqs, op.hidden)
+            last = torch.tensor([p.start + len(p.nxt) - 1 for p in op.pairs], device=self.device)
             tokens = self.agree.argmax(self.head.logits, g[last])
         except Exception as e:  # the drafts are lost, the step's tokens are not
-            dropped = isinstance(e, DraftsDropped)  # another TP rank's pass raised
-            if not dropped:
-                log.exception("%s draft head failed on the target's step (%d pairs)",
-                              self.head.name, len(ids))
-            self.agree.failed(None if dropped else len(plan))
-            self.failures += 1
-            for p in plan:
-                if p.req.spec is not None:
-                    p.req.spec.draft = None
+            self.observe_failed(op, e)
             return
-        for p, row, tok in zip(plan, last.tolist(), tokens):
+        for p, row, tok in zip(op.pairs, last.tolist(), tokens):
             sp = p.req.spec
             if sp is None:
                 sp = p.req.spec = ReqSpec(cap=self.max_drafts)
             sp.draft = ChainStart(p.at, int(tok), g[row].clone())
+
+    def observe_failed(self, op: ObservePass, e: Exception) -> None:
+        """An observe pass raised: logged and counted, its requests' chain starts dropped."""
+        dropped = isinstance(e, DraftsDropped)  # another TP rank's pass raised
+        if not dropped:
+            log.exception("%s draft head failed on the target's step (%d pairs)",
+                          self.head.name, len(op.ids))
+        self.agree.failed(None if dropped else len(op.pairs))
+        self.failures += 1
+        for p in op.pairs:
+            if p.req.spec is not None:
+                p.req.spec.draft = None
 
     # ---- the chain ---------------------------------------------------------------------------------
     def starts(self, reqs: list[Req]) -> list[ChainStart | None]:

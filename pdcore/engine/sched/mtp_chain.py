@@ -38,7 +38,7 @@ import torch
 
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.sched.draft_tp import DraftsDropped
-from pdcore.engine.sched.eagle import ChainStart, DraftHead, HeadDrafter, known_next
+from pdcore.engine.sched.eagle import ChainStart, DraftHead, HeadDrafter, Pairs, observe_pass
 from pdcore.engine.sched.speculative import ReqSpec
 
 if TYPE_CHECKING:
@@ -103,58 +103,31 @@ class MultiLayerDrafter(HeadDrafter):
 
     # ---- after the target's forward ------------------------------------------------------------
     def observe(self, items: list[tuple[Req, int]], results: list[StepResult]) -> None:
-        ids: list[int] = []
-        pos: list[int] = []
-        out: list[int] = []
-        seqs: list[SeqSpan] = []
-        hidden: list[torch.Tensor] = []
-        plan: list[tuple[Req, int, int, list[int], torch.Tensor]] = []  # req, row, a, nxt, ctx
-        for (r, n), res in zip(items, results):
-            if res.error is not None or res.hidden is None or r.ctx_slots is None:
-                continue
-            a = r.num_computed
-            nxt = known_next(r, n, res)
-            v = len(nxt)
-            if v <= 0:
-                continue
-            ctx = r.ctx_slots[: a + v]
-            seqs.append(SeqSpan(len(ids), v, ctx.to(self.device)))
-            plan.append((r, len(ids), a, nxt[:v], ctx))
-            ids.extend(nxt[:v])
-            pos.extend(range(a, a + v))
-            out.extend(ctx[a:].tolist())
-            hidden.append(res.hidden[:v])
-        if not plan:
+        op = observe_pass(items, results, self.device)
+        if op is None:
             return
         try:
-            g = self._layer(0, ids, pos, out, seqs, torch.cat(hidden))
-            last = [row + len(nxt) - 1 for _, row, _, nxt, _ in plan]
+            g = self._layer(0, op.ids, op.pos, op.out, op.seqs, op.hidden)
+            last = [p.start + len(p.nxt) - 1 for p in op.pairs]
             tokens = self.agree.argmax(self.head.logits, g[last])
-            states = self._deeper(plan, g)
+            states = self._deeper(op.pairs, g)
         except Exception as e:  # the drafts are lost, the step's tokens are not
-            dropped = isinstance(e, DraftsDropped)  # another TP rank's pass raised
-            if not dropped:
-                log.exception("%s draft head failed on the target's step (%d pairs)",
-                              self.head.name, len(ids))
-            self.agree.failed(None if dropped else len(plan))
-            self.failures += 1
-            for r, *_ in plan:
-                if r.spec is not None:
-                    r.spec.draft = None
+            self.observe_failed(op, e)
             return
-        for (r, _, a, nxt, _), row, tok, (done, feed) in zip(plan, last, tokens, states):
-            sp = r.spec
+        for p, row, tok, (done, feed) in zip(op.pairs, last, tokens, states):
+            sp = p.req.spec
             if sp is None:
-                sp = r.spec = ReqSpec(cap=self.max_drafts)
-            sp.draft = MTPStart(a + len(nxt), int(tok), g[row].clone(), done, feed)
+                sp = p.req.spec = ReqSpec(cap=self.max_drafts)
+            sp.draft = MTPStart(p.at, int(tok), g[row].clone(), done, feed)
 
-    def _deeper(self, plan: list[tuple[Req, int, int, list[int], torch.Tensor]],
+    def _deeper(self, plan: list[Pairs],
                 g: torch.Tensor) -> list[tuple[list[int], list[torch.Tensor]]]:
         """Layers 1..N-1 over the positions they can now compute for real; every request's
         (done, feed) after it."""
         states, src_out, reach = [], [], []  # per request: state, layer j-1's new outputs, end
         empty = g.new_empty((0, g.shape[1]))
-        for r, row, a, nxt, _ in plan:
+        for p in plan:
+            r, row, a, nxt = p.req, p.start, p.a, p.nxt
             st = r.spec.draft if r.spec is not None else None
             if isinstance(st, ChainStart) and st.at == a:
                 states.append(_layers_of(st, self.n))
@@ -169,8 +142,8 @@ class MultiLayerDrafter(HeadDrafter):
             seqs: list[SeqSpan] = []
             hidden: list[torch.Tensor] = []
             spans: list[tuple[int, int, torch.Tensor]] = []  # first row, count, layer input
-            for (r, _, a, nxt, ctx), (done, feed), new, end in zip(plan, states, src_out,
-                                                                   reach):
+            for pr, (done, feed), new, end in zip(plan, states, src_out, reach):
+                r, a, nxt, ctx = pr.req, pr.a, pr.nxt, pr.ctx
                 src = torch.cat([feed[j].to(g.dtype), new]) if len(feed[j]) else new
                 lo, hi = done[j], min(end, a + len(nxt) - j)
                 c = max(0, hi - lo)
@@ -190,8 +163,8 @@ class MultiLayerDrafter(HeadDrafter):
                 feed[j] = src[c:]
                 done[j] += c
                 reach[i] = done[j]
-        for (_, _, a, nxt, _), (done, _) in zip(plan, states):
-            done[0] = a + len(nxt)
+        for p, (done, _) in zip(plan, states):
+            done[0] = p.at
         return states
 
     # ---- the chain ---------------------------------------------------------------------------------
