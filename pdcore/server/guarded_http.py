@@ -50,8 +50,9 @@ class BodyFirst:
         await self.app(scope, replay, send)
 
 
-def guarded_protocol(gate: PortGate) -> type:
-    """uvicorn's h11 protocol, reporting to `gate`, its app behind `BodyFirst`."""
+def guarded_protocol(gate: Any) -> type:
+    """uvicorn's h11 protocol, reporting to `gate` (a `connections.PortGate`), its app behind
+    `BodyFirst`."""
     wrapped: dict[int, BodyFirst] = {}
 
     class GuardedH11Protocol(H11Protocol):
