@@ -32,6 +32,7 @@ from pdcore.engine.sched.outputs import take_output
 from pdcore.engine.sched.pages import KVPages
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.speculative import Speculator
+from pdcore.engine.sched.step import run_stage
 from pdcore.engine.sched.stats import Counters, StatsReport, scheduler_stats
 from pdcore.errors import InvalidRequestError
 
@@ -224,41 +225,31 @@ class Scheduler:
         return [(req, 1 + self.pages.for_drafts(req, reserve)) for req in decodes]
 
     def step(self) -> list[TokenOut]:
-        before = self.counters.generated_tokens
-        self.ext.poll()
-        if self.counters.generated_tokens != before and not self.flushed_early:
-            # tokens that came without a forward pass (PD decode: the first token, computed by
-            # P) go out now instead of after this step's forward pass, which would add a whole
-            # decode step to their TTFT; the forward runs on the next call (at once), and every
-            # other call at most flushes early, so arrivals cannot starve the running batch
-            self.flushed_early = self.last_ran = True
+        """schedule -> run (engine/sched/step.py) -> postprocess (`_apply`), then collect."""
+        if self._poll():
             return self.collect()
-        self.flushed_early = False
         items = self.schedule()
         self.last_ran = bool(items)
         if items:
-            c = self.counters
-            c.steps += 1
-            t0 = time.perf_counter()
-            if self.spec is not None:
-                self.spec.before_forward()
-            results = self.runner.run(items)
-            if self.spec is not None:  # a draft model reads the step before it is applied
-                self.spec.observe(items, results)
-            took = time.perf_counter() - t0
-            if any(n > 1 and not r.drafts for r, n in items):
-                c.extend_steps, c.extend_seconds = c.extend_steps + 1, c.extend_seconds + took
-            elif self.spec is not None and any(r.drafts for r, _ in items):
-                self.spec.steps, self.spec.seconds = self.spec.steps + 1, self.spec.seconds + took
-                self.spec.timed(len(items), took, verify=True)
-            else:
-                c.decode_steps, c.decode_seconds = c.decode_steps + 1, c.decode_seconds + took
-                if self.spec is not None:
-                    self.spec.timed(len(items), took, verify=False)
+            results = run_stage(self.runner, self.spec, self.counters, items)
             for res in results:
                 self._apply(res)
             self.ext.after_step(results)
         return self.collect()
+
+    def _poll(self) -> bool:
+        """The role extension advances its queues. True: tokens came without a forward pass
+        (PD decode: the first token, computed by P) and go out now instead of after this
+        step's forward, which would add a whole decode step to their TTFT; the forward runs
+        on the next call (at once), and every other call at most flushes early, so arrivals
+        cannot starve the running batch."""
+        before = self.counters.generated_tokens
+        self.ext.poll()
+        if self.counters.generated_tokens != before and not self.flushed_early:
+            self.flushed_early = self.last_ran = True
+            return True
+        self.flushed_early = False
+        return False
 
     def refuse(self, rid: str, message: str, status: int, why: str | None = None) -> None:
         """A request that never entered: its one finished output goes out with the next ones."""
