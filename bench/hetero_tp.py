@@ -103,9 +103,11 @@ class TransferSystem:
         self.pr = [_Rank(r, p_tp, pages) for r in range(p_tp)]
         self.dr = [_Rank(r, d_tp, pages) for r in range(d_tp)]
         self.ps = [PrefillKVManager(_args("prefill", port), env, k.layout, k.regions, k.aux, "tcp",
-                                    r, p_tp, k.layers, k.pool) for r, k in enumerate(self.pr)]
+                                    tp_rank=r, tp_size=p_tp, kv_tensors=k.layers, pool=k.pool)
+                   for r, k in enumerate(self.pr)]
         self.ds = [DecodeKVManager(_args("decode", 1), env, k.layout, k.regions, k.aux, "tcp",
-                                   r, d_tp, k.layers, k.pool) for r, k in enumerate(self.dr)]
+                                   tp_rank=r, tp_size=d_tp, kv_tensors=k.layers, pool=k.pool)
+                   for r, k in enumerate(self.dr)]
         for m in self.ps + self.ds:
             m.start()
         self.port = port

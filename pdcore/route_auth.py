@@ -70,7 +70,7 @@ def sign_route(key: bytes, room: int, host: str, port: int | None,
 
 
 def check_signature(key: bytes, sig: str, room: int, host: str, port: int | None,
-                    now: float | None = None, max_ttl_s: float = 3600.0) -> str:
+                    now: float | None = None, *, max_ttl_s: float = 3600.0) -> str:
     """'' when `sig` signs exactly this route and has not expired, else why not."""
     parts = sig.split(".") if isinstance(sig, str) and len(sig) <= 128 else []
     if len(parts) != 3 or parts[0] != SIG_VERSION or not parts[1].isdigit():

@@ -17,7 +17,7 @@ def register_up_command(app: typer.Typer) -> None:
         backend: str = typer.Option(None, help="transfer backend (default: shm on one host)"),
         model_path: str = typer.Option(None, help="model folder or .gguf (default SmolLM2)"),
         host: str = typer.Option("127.0.0.1", help="address every process binds"),
-        port: int = typer.Option(8000, help="router port"),
+        *, port: int = typer.Option(8000, help="router port"),
         server_port_base: int = typer.Option(30000, help="first server port"),
         bootstrap_port_base: int = typer.Option(8998, help="first prefill bootstrap port"),
         policy: str = typer.Option("round_robin", help="router policy"),

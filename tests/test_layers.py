@@ -272,3 +272,26 @@ def test_no_class_over_300_lines() -> None:
                     (n := node.end_lineno - node.lineno + 1) > 300:  # type: ignore[operator]
                 long.append(f"{p.relative_to(ROOT)}: {node.name} {n}")
     assert not long, "classes over 300 lines (split them by concern):\n" + "\n".join(long)
+
+
+MAX_POSITIONAL = 6
+
+
+def test_no_function_takes_more_than_six_positional_parameters() -> None:
+    """#46: a call of seven bare positional values is read by counting; past six, a function
+    takes keyword-only parameters (after `*`) or one small dataclass. self/cls do not count."""
+    roots = [PDCORE, *sorted(PLUGINS.glob("*/src"))]
+    many = []
+    for root in roots:
+        for p in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    continue
+                names = [a.arg for a in node.args.posonlyargs + node.args.args]
+                if names and names[0] in ("self", "cls"):
+                    names = names[1:]
+                if len(names) > MAX_POSITIONAL:
+                    many.append(f"{p.relative_to(ROOT)}:{node.lineno} "
+                                f"{getattr(node, 'name', 'lambda')} {len(names)}")
+    assert not many, (f"functions with more than {MAX_POSITIONAL} positional parameters (make "
+                      "the rest keyword-only, or pass a dataclass):\n" + "\n".join(many))

@@ -182,7 +182,7 @@ class ShmTransferEngine(HandleEngine):
         wanted = [r for r in peer_regions if r.kind is MemoryKind.SHM and r.name]
         if not wanted:
             return self._connect_cma(peer_endpoint, label, pid, pidns, marker, nonce,
-                                     [r for r in peer_regions if r.kind is MemoryKind.HOST])
+                                     regions=[r for r in peer_regions if r.kind is MemoryKind.HOST])
         for r in wanted:
             # Only pdserve segments of that very process: a bad endpoint can never make this
             # process map (and later write into) somebody else's shared memory.
@@ -212,7 +212,7 @@ class ShmTransferEngine(HandleEngine):
         return self._add_peer(peer_endpoint, state)
 
     def _connect_cma(self, peer_endpoint: bytes, label: str, pid: int, pidns: str, marker: str,
-                     nonce: tuple[int, bytes] | None, regions: list[MemoryRegion]) -> Peer:
+                     nonce: tuple[int, bytes] | None, *, regions: list[MemoryRegion]) -> Peer:
         """The peer's KV is private host memory: write into it with process_vm_writev."""
         fix = (f"start every server with the shm memory pool ({MODE_ENV}=segment or "
                f"--memory-pool shm) or use another backend")

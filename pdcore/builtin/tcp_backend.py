@@ -218,12 +218,12 @@ class TcpTransferEngine(HandleEngine):
                                             f"{state.label} registered; nothing was sent"))
         offs = src - local.starts[sidx]
         fut = self._pool.submit(self._send, state, dst, length, views, sidx, offs,
-                                self._generation)
+                                generation=self._generation)
         return self.handles.add(fut)
 
     def _send(self, peer: _TcpPeer, dst: np.ndarray, length: np.ndarray,
               views: list[memoryview], sidx: np.ndarray, offs: np.ndarray,
-              generation: int) -> PollResult:
+              *, generation: int) -> PollResult:
         deadline = time.monotonic() + self.timeout
         with peer.lock:
             conn = peer.idle.popleft() if peer.idle else None
@@ -249,7 +249,7 @@ class TcpTransferEngine(HandleEngine):
             head = wire.BATCH.pack(wire.BATCH_MAGIC, wire.VERSION, 0, 0, len(dst), total)
             arrays = np.concatenate([dst, length]).astype("<u8", copy=False)
             wire.stream(conn, True, (head, memoryview(arrays).cast("B")), views, sidx.tolist(),
-                        offs.tolist(), length.tolist(), deadline)
+                        offs.tolist(), lens=length.tolist(), deadline=deadline)
             magic, _h, status, n = wire.ACK.unpack(wire.recv_exact(conn, wire.ACK.size, deadline))
             if magic != wire.ACK_MAGIC:
                 return failed(f"tcp: peer {peer.label} sent a malformed ack ({magic!r})")

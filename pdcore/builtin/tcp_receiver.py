@@ -200,8 +200,8 @@ class TcpReceiver:
             return (f"receiver {self.host}:{self.port} rejected the batch: {bad} is outside its "
                     f"registered memory; nothing was written")
         offs = dst - snap.index.starts[idx]
-        wire.stream(conn, False, (), snap.views, idx.tolist(), offs.tolist(), length.tolist(),
-                    deadline)
+        wire.stream(conn, False, (), snap.views, idx.tolist(), offs.tolist(), lens=length.tolist(),
+                    deadline=deadline)
         return None
 
     def _ack(self, conn: socket.socket, handle: int, error: str | None) -> None:

@@ -93,7 +93,7 @@ def _advance(window: list[memoryview], done: int) -> None:
 
 def stream(sock: socket.socket, sending: bool, head: Sequence[bytes | memoryview],
            views: Sequence[memoryview], ridx: Sequence[int], offs: Sequence[int],
-           lens: Sequence[int], deadline: float | None) -> None:
+           *, lens: Sequence[int], deadline: float | None) -> None:
     """Send (or receive) `head` then item i = views[ridx[i]][offs[i]:offs[i]+lens[i]] for all i.
 
     Many buffers go to each sendmsg/recvmsg_into, but only about WINDOW_BYTES of them: the
@@ -130,11 +130,11 @@ def stream(sock: socket.socket, sending: bool, head: Sequence[bytes | memoryview
 
 def send_buffers(sock: socket.socket, bufs: Sequence[memoryview | bytes],
                  deadline: float | None) -> None:
-    stream(sock, True, bufs, (), (), (), (), deadline)
+    stream(sock, True, bufs, (), (), (), lens=(), deadline=deadline)
 
 
 def recv_buffers(sock: socket.socket, bufs: Sequence[memoryview], deadline: float | None) -> None:
-    stream(sock, False, bufs, (), (), (), (), deadline)
+    stream(sock, False, bufs, (), (), (), lens=(), deadline=deadline)
 
 
 def recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:

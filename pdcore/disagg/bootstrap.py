@@ -293,7 +293,7 @@ class BootstrapClient:
             conn.close()
 
     def _retrying(self, addr: str, method: str, path: str, body: dict | None, attempts: int,
-                  interval: float, deadline: float | None = None) -> tuple[bytes, str]:
+                  interval: float, *, deadline: float | None = None) -> tuple[bytes, str]:
         last = ""
         for i in range(max(1, attempts)):
             try:
@@ -314,7 +314,7 @@ class BootstrapClient:
     def get_info(self, addr: str, attempts: int = 1, interval: float = 1.0,
                  deadline: float | None = None) -> dict[str, Any]:
         data, inst = self._retrying(addr, "GET", "/route?prefill_dp_rank=-1&target_tp_rank=-1",
-                                    None, attempts, interval, deadline)
+                                    None, attempts, interval, deadline=deadline)
         info = json.loads(data)
         if not isinstance(info, dict) or str(info.get("instance_id", "")) != inst:
             raise TransferError(f"bootstrap server {addr} answered instance info that does not "
@@ -323,12 +323,12 @@ class BootstrapClient:
 
     def get_rank(self, addr: str, dp_rank: int, tp_rank: int, attempts: int = 1,
                  interval: float = 1.0, deadline: float | None = None,
-                 instance: str = "") -> tuple[str, int]:
+                 *, instance: str = "") -> tuple[str, int]:
         """A rank's control address; with `instance`, only from that same P instance (a route
         answered by a restarted or different server is refused, never registered with)."""
         data, inst = self._retrying(
             addr, "GET", f"/route?prefill_dp_rank={dp_rank}&target_tp_rank={tp_rank}", None,
-            attempts, interval, deadline)
+            attempts, interval, deadline=deadline)
         if instance and inst != instance:
             raise TransferError(f"bootstrap server {addr} changed instance ({instance} -> "
                                 f"{inst or 'none'}) while decode resolved it; retrying later")

@@ -50,7 +50,7 @@ class ControlPlane:
     def __init__(self, host: str, token: str | None, label: str,
                  on_message: Callable[[wire.Message], None], on_tick: Callable[[], None],
                  tick: float = 0.05,
-                 on_foreign: Callable[[wire.VersionMismatch], None] | None = None) -> None:
+                 *, on_foreign: Callable[[wire.VersionMismatch], None] | None = None) -> None:
         self.host, self.token, self.label = host, token, label
         self._on_message, self._on_tick, self._tick = on_message, on_tick, tick
         self._on_foreign = on_foreign

@@ -40,7 +40,7 @@ class KVManager(ABC):
 
     def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
                  kv_regions: Sequence[MemoryRegion], aux: AuxBuffers, backend_name: str,
-                 tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
+                 *, tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
                  pool: Any = None) -> None:
         self.args, self.env, self.kv, self.aux = args, env, kv, aux
         self.backend_name, self.tp_rank, self.tp_size = backend_name, tp_rank, tp_size

@@ -55,15 +55,17 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
         # --dp-size > 1: the HTTP process drew one for all its replicas, which rank 0 passes on
         # (a replica's ranks on another node never saw the HTTP process's arguments)
         secret = tp.broadcast_object(args.pd_route_secret or secrets.token_hex(16))
-        mgr = PrefillKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
-                               kv.transfer_layers, kv.pool, route_secret=secret)
+        mgr = PrefillKVManager(args, env, layout, regions, aux, backend,
+                               tp_rank=tp.rank, tp_size=tp.size, kv_tensors=kv.transfer_layers,
+                               pool=kv.pool, route_secret=secret)
         ext: Extension = PrefillExtension(sched, mgr, aux)
     else:
         from pdcore.disagg.decode import DecodeKVManager
         from pdcore.disagg.decode.sched import DecodeExtension
 
-        mgr = DecodeKVManager(args, env, layout, regions, aux, backend, tp.rank, tp.size,
-                              kv.transfer_layers, kv.pool)
+        mgr = DecodeKVManager(args, env, layout, regions, aux, backend,
+                              tp_rank=tp.rank, tp_size=tp.size, kv_tensors=kv.transfer_layers,
+                              pool=kv.pool)
         ext = DecodeExtension(sched, mgr, aux, args)
     mgr.start()
     log.info("%s mode with transfer backend %r", args.disaggregation_mode, backend)

@@ -109,7 +109,7 @@ class DecodeSession:
 
 def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes: int,
                    planner: TransferPlanner, fingerprint: str = "",
-                   chain: dict[str, Any] | None = None) -> DecodeSession:
+                   *, chain: dict[str, Any] | None = None) -> DecodeSession:
     """Validate a Register; ProtocolError says what is wrong. `chain`: this server's chain
     start geometry (AuxBuffers.chain_info()), compared before the aux row size it sets."""
     wire.check_compatible("decode", msg.page_size, msg.dtype, local)

@@ -61,7 +61,7 @@ def open_staging(planner: TransferPlanner, role: str, layout: KVLayout,
 
 @contextmanager
 def chunk_batch(planner: TransferPlanner, staging: PrefillStaging | None, src: KVLayout,
-                sess: Any, dest: Any, src_pages: np.ndarray, page_start: int
+                sess: Any, dest: Any, src_pages: np.ndarray, *, page_start: int
                 ) -> Iterator[tuple[CopyBatch, bool]]:
     """(copies of one chunk into one D rank, whether they go through D's staging grant)."""
     if (staging is not None and dest.grant_len > 0 and sess.staging is not None
@@ -150,7 +150,7 @@ class GrantBook:
 
 def scatter_grant(grants: GrantBook | None, room: int, grant: tuple[int, int] | None,
                   staged_by: set[int], responders: set[int], pages: np.ndarray | None,
-                  prefill_tp: int) -> str:
+                  *, prefill_tp: int) -> str:
     """D, once every writer reported Success: scatter a claimed grant into the room's pages
     when the writers staged (then free it); '' or why the room must fail."""
     if grant is None or grants is None:

@@ -299,7 +299,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     model, cfg, resolved = load_model(args.model_path, dtype, device, tp, args.trust_remote_code,
                                       args.load_format,
                                       # --json-model-override-args, checked at start-up
-                                      json.loads(args.json_model_override_args or "{}"))
+                                      overrides=json.loads(args.json_model_override_args or "{}"))
     cache_dtype = kv_dtype(args, dtype)
     spec = kv_spec(model, cfg, tp)
     kv_heads, head_dim = spec["kv_heads"], spec["head_dim"]
@@ -322,7 +322,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         pool_name, PoolContext(server_id=args.server_id, device=str(device), rank=tp.rank,
                                env=dict(os.environ)))
     kv = KVCache(pool, cfg.num_hidden_layers, num_pages, args.page_size, kv_heads, head_dim,
-                 cache_dtype, tp.rank, tp.size, spec["total_kv_heads"], spec["is_mla"])
+                 dtype=cache_dtype, tp_rank=tp.rank, tp_size=tp.size,
+                 total_kv_heads=spec["total_kv_heads"], is_mla=spec["is_mla"])
     blocks = BlockManager(num_pages, args.page_size)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     model_runner = ModelRunner(model, kv, blocks, tp)

@@ -155,7 +155,7 @@ class Proxy:
         decode_policy: Policy,
         clients: UpstreamClients,
         metrics: RouterMetrics,
-        rng: random.Random | None = None,
+        *, rng: random.Random | None = None,
     ) -> None:
         self._cfg = config
         self._registry = registry
@@ -222,15 +222,15 @@ class Proxy:
         deadline = request_deadline(body, self._cfg.request_timeout_secs)
         gone = loop.create_task(_client_gone(request))
         try:
-            return await self._attempts(route, body, n, stream, logprobs, text, headers,
-                                        deadline, request_id, gone)
+            return await self._attempts(route, body, n, stream, logprobs, text, headers=headers,
+                                        deadline=deadline, request_id=request_id, gone=gone)
         finally:  # a committed stream watches for the disconnect itself (one receiver only)
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
 
     async def _attempts(
         self, route: str, body: dict, n: int, stream: bool, logprobs: bool, text: str,
-        headers: dict[str, str], deadline: Deadline, request_id: str, gone: asyncio.Task[None],
+        *, headers: dict[str, str], deadline: Deadline, request_id: str, gone: asyncio.Task[None],
     ) -> Response:
         failure: Failure | None = None
         for attempt in range(self._cfg.max_attempts):
@@ -251,7 +251,8 @@ class Proxy:
             content = json.dumps({**inject_bootstrap(body, p, n, self._cfg.route_key),
                                   **self._dp.fields(p, d)}).encode()
             outcome = await self._attempt(
-                route, p, d, content, headers, stream, logprobs, deadline, request_id, gone,
+                route, p, d, content, headers, stream, logprobs=logprobs, deadline=deadline,
+                request_id=request_id, gone=gone,
                 echo=route == "/v1/completions" and bool(body.get("echo")),
             )
             if isinstance(outcome, Response):
@@ -274,7 +275,8 @@ class Proxy:
     ) -> asyncio.Task[PrefillResult]:
         p.in_flight += 1
         task = asyncio.get_running_loop().create_task(
-            call_prefill(self._clients.get(p), p, url, content, headers, deadline, self._metrics)
+            call_prefill(self._clients.get(p), p, url, content, headers, deadline,
+                         metrics=self._metrics)
         )
 
         def _done(_: asyncio.Task[PrefillResult], worker: Worker = p) -> None:
@@ -285,7 +287,7 @@ class Proxy:
 
     async def _attempt(
         self, route: str, p: Worker, d: Worker, content: bytes, headers: dict[str, str],
-        stream: bool, logprobs: bool, deadline: Deadline, request_id: str,
+        stream: bool, *, logprobs: bool, deadline: Deadline, request_id: str,
         gone: asyncio.Task[None], echo: bool = False,
     ) -> Response | Failure:
         loop = asyncio.get_running_loop()
@@ -370,7 +372,7 @@ class Proxy:
                     task.cancel()
                 await asyncio.gather(p_task, d_task, return_exceptions=True)
                 await leg.release()
-        return await self._commit(p_task, leg, stream, logprobs, deadline, request_id, echo)
+        return await self._commit(p_task, leg, stream, logprobs, deadline, request_id, echo=echo)
 
     def _prefill_outcome(self, p: Worker, d: Worker, res: PrefillResult, request_id: str,
                          deadline: Deadline) -> Response | Failure:
@@ -394,7 +396,7 @@ class Proxy:
 
     async def _commit(
         self, p_task: asyncio.Task[PrefillResult], leg: DecodeLeg, stream: bool, logprobs: bool,
-        deadline: Deadline, request_id: str, echo: bool = False,
+        deadline: Deadline, request_id: str, *, echo: bool = False,
     ) -> Response:
         found: dict[int, list[object]] = {}
         if logprobs and echo and not stream:  # /v1/completions: P's prompt logprobs first

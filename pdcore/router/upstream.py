@@ -142,7 +142,7 @@ class PrefillResult:
 
 async def call_prefill(
     client: httpx.AsyncClient, worker: Worker, url: str, content: bytes,
-    headers: dict[str, str], deadline: Deadline, metrics: RouterMetrics,
+    headers: dict[str, str], deadline: Deadline, *, metrics: RouterMetrics,
 ) -> PrefillResult:
     """POST to the prefill worker and read the whole answer; never raises transport errors."""
     try:

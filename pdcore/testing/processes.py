@@ -182,7 +182,7 @@ class PDCluster:
 
     def __init__(self, backend: str | None = "tcp", prefill: int = 1, decode: int = 1,
                  model_path: str | None = None, flags: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, router: str = "pdcore",
+                 env: dict[str, str] | None = None, *, router: str = "pdcore",
                  prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
                  policy: str = "round_robin", secret: str | None = None,
                  router_flags: tuple[str, ...] = ()) -> None:

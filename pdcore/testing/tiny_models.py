@@ -39,7 +39,7 @@ _DEEPSEEK_ARCH = {
 
 
 def make_tiny_model(path: str, arch: str = "llama", vocab_size: int = 512, seed: int = 0,
-                    hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                    hidden: int = 64, layers: int = 2, *, heads: int = 4, kv_heads: int = 2,
                     max_positions: int = 4096, tokenizer_from: str | None = None,
                     tie: bool = False) -> str:
     """Save a random model (config.json + safetensors) to `path`; returns `path`.

@@ -114,7 +114,7 @@ def prefill(kv: TestKV, port: int, env: DisaggEnv, backend: str = "tcp",
             token: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> PrefillKVManager:
     # the ranks of one P instance share its route secret (the engine broadcasts rank 0's)
     m = PrefillKVManager(make_args("prefill", port, token), env, kv.layout, kv.regions, kv.aux,
-                         backend, tp_rank, tp_size, route_secret=f"test-{port}")
+                         backend, tp_rank=tp_rank, tp_size=tp_size, route_secret=f"test-{port}")
     m.start()
     return m
 
@@ -123,7 +123,7 @@ def decode(kv: TestKV, env: DisaggEnv, backend: str = "tcp", token: str | None =
            tp_rank: int = 0, tp_size: int = 1, server_id: str = "test-decode") -> DecodeKVManager:
     # the ranks of one D server share its server id (P binds a room to one decode server)
     m = DecodeKVManager(make_args("decode", 1, token, server_id), env, kv.layout, kv.regions, kv.aux,
-                        backend, tp_rank, tp_size)
+                        backend, tp_rank=tp_rank, tp_size=tp_size)
     m.start()
     return m
 

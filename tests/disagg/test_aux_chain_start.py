@@ -136,10 +136,10 @@ def test_pairing_refuses_another_chain_start() -> None:
         dtype="float32", chain_hidden=HIDDEN, chain_dtype="float32")
     with pytest.raises(ProtocolError, match="--dtype"):
         parse_register(reg, local.layout, "tcp", local.aux.row_bytes, DefaultPlanner(), "",
-                       mine)
+                       chain=mine)
     with pytest.raises(ProtocolError, match="no speculative chain start"):
         parse_register(reg, local.layout, "tcp", local.aux.row_bytes, DefaultPlanner(), "",
-                       local.aux.chain_info())
+                       chain=local.aux.chain_info())
 
 
 def test_pairing_refuses_another_draft_head() -> None:
@@ -166,7 +166,7 @@ def test_pairing_refuses_another_draft_head() -> None:
         chain_head="EAGLE3:00112233aabbccdd")
     with pytest.raises(ProtocolError, match="runs the draft head 'EAGLE3:"):
         parse_register(reg, local.layout, "tcp", local.aux.row_bytes, DefaultPlanner(), "",
-                       mine)
+                       chain=mine)
 
 
 def test_draft_identity_names_algorithm_and_weights(tmp_path) -> None:

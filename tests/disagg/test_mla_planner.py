@@ -22,7 +22,8 @@ DST = np.array([4, 5, 6, 9, 1, 2])
 
 def _pool(tp_rank: int, tp_size: int, fill: bool) -> KVCache:
     pool = memory_pools().create("torch", PoolContext(rank=tp_rank))
-    kv = KVCache(pool, LAYERS, PAGES, PAGE, 1, LATENT, torch.float32, tp_rank, tp_size, 1,
+    kv = KVCache(pool, LAYERS, PAGES, PAGE, 1, LATENT, dtype=torch.float32,
+                 tp_rank=tp_rank, tp_size=tp_size, total_kv_heads=1,
                  is_mla=True)
     for k, _ in kv.layers:
         if fill:  # the latent is the same on every P rank: seed by layer only

@@ -189,11 +189,12 @@ def _manager(role: str, kv: TestKV, port: int, env, rank: int, tp: int):
     tensors = [(k.tensor, v.tensor) for k, v in zip(kv.k, kv.v)]
     if role == "prefill":
         m = PrefillKVManager(make_args("prefill", port), env, kv.layout, kv.regions, kv.aux,
-                             "tcp", rank, tp, tensors, kv.pool, route_secret=f"test-{port}")
+                             "tcp", tp_rank=rank, tp_size=tp, kv_tensors=tensors, pool=kv.pool,
+                             route_secret=f"test-{port}")
     else:
         m = DecodeKVManager(make_args("decode", 1, server_id="test-decode"), env, kv.layout,
                             kv.regions, kv.aux, "tcp",
-                            rank, tp, tensors, kv.pool)
+                            tp_rank=rank, tp_size=tp, kv_tensors=tensors, pool=kv.pool)
     m.start()
     return m
 

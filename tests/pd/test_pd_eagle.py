@@ -216,7 +216,7 @@ class _Pool:
 
 
 def _kv(pages: int = 8) -> KVCache:
-    return KVCache(_Pool(), LAYERS, pages, PAGE, KV_HEADS, 16, torch.float32)
+    return KVCache(_Pool(), LAYERS, pages, PAGE, KV_HEADS, 16, dtype=torch.float32)
 
 
 def test_draft_layer_moves_at_the_target_page_indices() -> None:

@@ -91,7 +91,7 @@ def test_greedy_with_mtp_layers_through_pd_equals_unified(fleet) -> None:
 
 def test_each_mtp_layer_is_one_more_draft_layer_of_the_kv_layout() -> None:
     pool = memory_pools().create("torch", PoolContext(rank=0))
-    kv = KVCache(pool, LAYERS, 8, PAGE, KV_HEADS, HEAD_DIM, torch.float32)
+    kv = KVCache(pool, LAYERS, 8, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.float32)
     p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
     head = SimpleNamespace(name="MTP", num_layers=MTP, kv_layout=(KV_HEADS, HEAD_DIM, False),
                            parameters=lambda: iter([p]))

@@ -174,7 +174,8 @@ def test_mixed_fleet_is_refused_at_pairing(fleet, p_name, d_name, words) -> None
 # -- units --------------------------------------------------------------------------------------
 def _mla(pages: int = 8) -> KVCache:
     pool = memory_pools().create("torch", PoolContext(rank=0))
-    return KVCache(pool, LAYERS, pages, PAGE, 1, LATENT, torch.float32, 0, 1, 1, is_mla=True)
+    return KVCache(pool, LAYERS, pages, PAGE, 1, LATENT, dtype=torch.float32, tp_rank=0, tp_size=1,
+                   total_kv_heads=1, is_mla=True)
 
 
 def test_latent_draft_layer_moves_once_at_the_target_page_indices() -> None:

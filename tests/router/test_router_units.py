@@ -166,7 +166,7 @@ def test_backoff_grows_with_jitter_and_cap():
     cfg = RouterConfig(retry_initial_backoff_ms=50, retry_backoff_multiplier=1.5,
                        retry_max_backoff_ms=100, retry_jitter_factor=0.2)
     proxy = Proxy(cfg, _registry(0), None, None, None, RouterMetrics(),  # type: ignore[arg-type]
-                  random.Random(3))
+                  rng=random.Random(3))
     for retry, base in ((1, 0.050), (2, 0.075), (3, 0.1), (9, 0.1)):
         for _ in range(20):
             assert base * 0.8 <= proxy.backoff_s(retry) <= base * 1.2

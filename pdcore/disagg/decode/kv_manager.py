@@ -275,7 +275,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
             grant, r.grant = r.grant, None
         pages = r.pages[r.prefix_pages:] if r.pages is not None else None  # the grant's pages
         why = scatter_grant(self.grants, r.room, grant, r.staged_by, r.responders, pages,
-                            r.inst.tp_size if r.inst else 0)
+                            prefill_tp=r.inst.tp_size if r.inst else 0)
         if grant is not None and r.staged_by and not why:
             self.counters.add("staged_rooms")
         return why

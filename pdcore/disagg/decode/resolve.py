@@ -120,7 +120,8 @@ class BootstrapResolution:
         ctrl: dict[tuple[int, int], str] = {}
         for dp in range(dp_size):
             for t in targets:  # every route from the instance the info came from, or none
-                ip, port = self.client.get_rank(addr, dp, t, attempts, interval, deadline, inst_id)
+                ip, port = self.client.get_rank(addr, dp, t, attempts, interval, deadline,
+                                                 instance=inst_id)
                 ctrl[(dp, t)] = f"tcp://{ip}:{port}"
         try:
             wire.check_pairing(f"prefill {addr}", info, self.kv, self.fingerprint,

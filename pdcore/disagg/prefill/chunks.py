@@ -51,7 +51,7 @@ class ChunkWriter:
                 if len(job.src_pages) == 0:
                     continue
                 with chunk_batch(self.planner, self.staging, self.kv, sess, d, job.src_pages,
-                                 job.page_start) as (batch, staged):
+                                 page_start=job.page_start) as (batch, staged):
                     self._write(sess, batch, job.room)
                 d.staged = d.staged or staged
                 self.counters.add("bytes", batch.nbytes)

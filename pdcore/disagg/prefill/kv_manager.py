@@ -60,12 +60,12 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
 
     def __init__(self, args: ServerArgs, env: DisaggEnv, kv: KVLayout,
                  kv_regions: list[MemoryRegion], aux: AuxBuffers, backend_name: str,
-                 tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
+                 *, tp_rank: int = 0, tp_size: int = 1, kv_tensors: Sequence[Any] | None = None,
                  pool: Any = None, route_secret: str = "") -> None:
         # proves to the bootstrap server that a PUT /route comes from this instance's ranks
         self.route_secret = route_secret or secrets.token_hex(16)
-        super().__init__(args, env, kv, kv_regions, aux, backend_name, tp_rank, tp_size,
-                         kv_tensors, pool)
+        super().__init__(args, env, kv, kv_regions, aux, backend_name,
+                         tp_rank=tp_rank, tp_size=tp_size, kv_tensors=kv_tensors, pool=pool)
 
     def _adopt_staging(self, staging: Any) -> list[MemoryRegion]:
         self.staging: Any = staging
@@ -233,7 +233,7 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
     def _on_register(self, msg: wire.Register) -> None:
         try:
             sess = parse_register(msg, self.kv, self.backend_name, self.aux.row_bytes,
-                                  self.planner, self.fingerprint, self.aux.chain_info())
+                                  self.planner, self.fingerprint, chain=self.aux.chain_info())
         except ProtocolError as e:
             self.sessions.refuse(msg.session, str(e))
             self.counters.add("rejected_registrations")

@@ -26,7 +26,7 @@ from pdcore.interfaces.transfer import MemoryRegion
 
 class KVCache:
     def __init__(self, pool: MemoryPool, num_layers: int, num_pages: int, page_size: int,
-                 kv_heads: int, head_dim: int, dtype: torch.dtype, tp_rank: int = 0,
+                 kv_heads: int, head_dim: int, *, dtype: torch.dtype, tp_rank: int = 0,
                  tp_size: int = 1, total_kv_heads: int | None = None,
                  is_mla: bool = False) -> None:
         self.pool = pool

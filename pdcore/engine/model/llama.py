@@ -117,10 +117,11 @@ class Attention(nn.Module):
             v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))
         group = batch.decode_group()
         if group is not None and group.whole:  # a decode-only step: its rows are the pack
-            return self.o_proj(self._decode(q, k, v, k_flat, v_flat, group, batch).view(T, -1))
+            out = self._decode(q, k, v, k_flat, v_flat, group, batch=batch)
+            return self.o_proj(out.view(T, -1))
         out = torch.empty(T, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if group is not None:
-            out[group.rows] = self._decode(q, k, v, k_flat, v_flat, group, batch)
+            out[group.rows] = self._decode(q, k, v, k_flat, v_flat, group, batch=batch)
         vg = batch.verify_group()
         if vg is not None:
             out[vg.rows[vg.real]] = self._verify(q, k_flat, v_flat, vg)[vg.real]
@@ -167,7 +168,7 @@ class Attention(nn.Module):
         return o.reshape(B * g.qmax, hq, d)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
-                v_flat: torch.Tensor, g: DecodeGroup, batch: ForwardBatch) -> torch.Tensor:
+                v_flat: torch.Tensor, g: DecodeGroup, *, batch: ForwardBatch) -> torch.Tensor:
         """Attention of the step's one-token sequences: through the decode K/V view when this
         forward uses it, else gathered from the pool. Returns [B, H, D]."""
         view = batch.extra.get("kv_view")
@@ -316,7 +317,7 @@ class LlamaForCausalLM(CausalLM):
 
     def _native_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv: list[tuple[torch.Tensor, torch.Tensor]], batch: ForwardBatch,
-                       g: DecodeGroup, view: DecodeKV, view_dtype: torch.dtype) -> torch.Tensor:
+                       g: DecodeGroup, *, view: DecodeKV, view_dtype: torch.dtype) -> torch.Tensor:
         """The layer loop of a decode-only step through the decode K/V view, in C++: the
         residual stream after the last layer, equal to the Python loop's to the bit."""
         p = self.native
@@ -361,8 +362,8 @@ class LlamaForCausalLM(CausalLM):
         if self.native is None or group is None or not group.whole:
             return None
         self.native_steps += 1
-        return self._native_layers(h, step.cos, step.sin, step.kv, step.batch, group, step.view,
-                                   step.view_dtype)
+        return self._native_layers(h, step.cos, step.sin, step.kv, step.batch, group,
+                                   view=step.view, view_dtype=step.view_dtype)
 
     def end(self, step: LlamaStep) -> None:
         if self.decode_kv is not None:

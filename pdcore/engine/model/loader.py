@@ -124,7 +124,7 @@ def _hf_state_dict(resolved: ResolvedModel, cfg: Any, load_format: str,
 
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                tp: TPInfo | None = None, trust_remote_code: bool = False,
-               load_format: str = "auto", overrides: dict[str, Any] | None = None
+               load_format: str = "auto", *, overrides: dict[str, Any] | None = None
                ) -> tuple[Any, Any, ResolvedModel]:
     """Our model with weights loaded; `overrides` (--json-model-override-args) are laid over
     its config.json's values first."""

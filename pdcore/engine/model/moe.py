@@ -113,7 +113,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden: int, num_experts: int, inter: int, router: RouterSpec,
-                 tp: TPInfo, ep_size: int = 1, shared_inter: int = 0,
+                 tp: TPInfo, ep_size: int = 1, *, shared_inter: int = 0,
                  shared_gate: bool = False, act: str = "silu") -> None:
         super().__init__()
         # --enable-dp-attention: `tp` is the DP rank's attention group; the experts span the

@@ -107,15 +107,16 @@ def args(role: str, port: int) -> ServerArgs:
 def prefill(kv: RankKV, port: int, e: DisaggEnv) -> PrefillKVManager:
     lay = kv.layout
     # the ranks of one P instance share its route secret (the engine broadcasts rank 0's)
-    m = PrefillKVManager(args("prefill", port), e, lay, kv.regions, kv.aux, "tcp", lay.tp_rank,
-                         lay.tp_size, kv.layers, kv.pool, route_secret=f"test-{port}")
+    m = PrefillKVManager(args("prefill", port), e, lay, kv.regions, kv.aux, "tcp",
+                         tp_rank=lay.tp_rank, tp_size=lay.tp_size, kv_tensors=kv.layers,
+                         pool=kv.pool, route_secret=f"test-{port}")
     m.start()
     return m
 
 
 def decode(kv: RankKV, e: DisaggEnv) -> DecodeKVManager:
     lay = kv.layout
-    m = DecodeKVManager(args("decode", 1), e, lay, kv.regions, kv.aux, "tcp", lay.tp_rank,
-                        lay.tp_size, kv.layers, kv.pool)
+    m = DecodeKVManager(args("decode", 1), e, lay, kv.regions, kv.aux, "tcp", tp_rank=lay.tp_rank,
+                        tp_size=lay.tp_size, kv_tensors=kv.layers, pool=kv.pool)
     m.start()
     return m
