@@ -36,6 +36,9 @@ class Item:
     # not sent: this item repeats item `copy_of`'s events (a prefill server makes one request
     # per prompt and answers it n times, so routers merging by index line up)
     copy_of: int | None = None
+    # the client asked for 0 new tokens (planner.max_new_tokens): the scheduler makes one,
+    # which the answer leaves out
+    discard: bool = False
 
 
 @dataclass
@@ -67,10 +70,7 @@ async def _run_traced(engine: EngineClient, item: Item, q: asyncio.Queue[Event |
                       metrics: ServerMetrics, timeout: float | None, decode: bool) -> None:
     req = item.req
     submitted_ns = time.time_ns()
-    discard = req.sampling.max_new_tokens == 0
-    if discard:  # the scheduler always makes at least one token
-        req.sampling.max_new_tokens = 1
-    asm = OutputAssembler(engine.tokenizer, req.rid, req.input_ids, req.sampling, discard)
+    asm = OutputAssembler(engine.tokenizer, req.rid, req.input_ids, req.sampling, item.discard)
     start = time.monotonic()
     last: float | None = None
     # --stream-interval N: an event (a streamed chunk) for the first token, then every N

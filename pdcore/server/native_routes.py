@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,13 +14,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.engine.sched.grammar import spec_from_fields
 from pdcore.route_auth import RouteGuard
-from pdcore.runtime import EngineClient, EngineError, new_rid
+from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.generation import (
     SSE_DONE,
     SSE_HEADERS,
     ClientDisconnected,
-    Item,
     collect,
     run_items,
     sse,
@@ -29,32 +27,14 @@ from pdcore.server.generation import (
 )
 from pdcore.server.http_errors import engine_error_response, error_response, sse_error
 from pdcore.server.output import OutputAssembler
-from pdcore.server.params import (
-    SAMPLING_FIELDS,
-    bad,
-    build_sampling,
-    check_n,
-    check_prompt,
-    clamp_max_new_tokens,
-    make_req,
-    needs_text,
-    pd_items,
-    preferred_sampling,
-    per_item,
-    sample_item,
-)
+from pdcore.server import planner
+from pdcore.server.params import bad, check_n, needs_text, per_item
+from pdcore.server.planner import Plan, PlanInput, PromptInput, sampling_fields
 from pdcore.server.schemas import GenerateRequest, SamplingParamsIn
 
 router = APIRouter()
 DEFAULT_MAX_NEW_TOKENS = 128
-
-
-@dataclasses.dataclass
-class _Plan:
-    items: list[Item]
-    batch: bool
-    return_logprob: list[bool]
-    top_logprobs_num: list[int]
+PREFIX = "sampling_params."
 
 
 def _prompts(body: GenerateRequest, engine: EngineClient) -> tuple[list[list[int]], bool, str]:
@@ -75,8 +55,9 @@ def _prompts(body: GenerateRequest, engine: EngineClient) -> tuple[list[list[int
     return [list(tok.encode(t)) for t in texts], isinstance(body.text, list), "text"
 
 
-def plan_generate(body: GenerateRequest, engine: EngineClient, guard: RouteGuard) -> _Plan:
-    args, info = engine.args, engine.info
+def generate_input(body: GenerateRequest, engine: EngineClient) -> PlanInput:
+    """/generate's request as the planner's PlanInput: sampling_params, n and the logprob
+    fields per prompt (a scalar applies to all); errors name `sampling_params.<field>`."""
     prompts, batch, field = _prompts(body, engine)
     if not prompts:
         raise bad(f"{field} is an empty list", field)
@@ -86,51 +67,25 @@ def plan_generate(body: GenerateRequest, engine: EngineClient, guard: RouteGuard
     rl = per_item(body.return_logprob, len(prompts), "return_logprob")
     lsl = per_item(body.logprob_start_len, len(prompts), "logprob_start_len")
     tln = per_item(body.top_logprobs_num, len(prompts), "top_logprobs_num")
-    items: list[Item] = []
-    expanded: list[tuple[int, int, SamplingParamsIn]] = []  # (prompt, sample, params)
-    for p, sp in enumerate(sp_list):
-        n = check_n(sp.n, "sampling_params.n")
-        expanded.extend((p, j, sp) for j in range(n))
-    batch = batch or len(expanded) > 1
-    pds = pd_items(body, [check_n(sp.n) for sp in sp_list], args, guard)
-    leaders: dict[int, Item] = {}  # prompt -> its sample 0
-    rids = body.rid if isinstance(body.rid, list) else None
-    if rids is not None and len(rids) != len(expanded):
-        raise bad(f"rid has {len(rids)} entries for {len(expanded)} requests", "rid")
-    prefix = "sampling_params."
-    for k, (p, j, sp) in enumerate(expanded):
-        ids = prompts[p]
-        pf = f"{field}[{p}]" if batch and len(prompts) > 1 else field
-        check_prompt(ids, info, pf, args.allow_auto_truncate)
-        raw = sp.model_dump()
-        given = {f: raw[f] for f in SAMPLING_FIELDS - {"grammar"} if f in raw}
+    if any(t < 0 for t in tln):
+        raise bad("top_logprobs_num must be >= 0", "top_logprobs_num")
+    ns = [check_n(sp.n, "sampling_params.n") for sp in sp_list]
+    many = len(prompts) > 1
+    out = []
+    for p, (ids, sp) in enumerate(zip(prompts, sp_list)):
+        given = sampling_fields(sp)
         if given.get("seed") is None:
-            given["seed"] = raw.get("sampling_seed")
-        sampling = build_sampling({**given, "grammar": spec_from_fields(raw, prefix)}, prefix,
-                                  defaults=preferred_sampling(args.preferred_sampling_params))
-        if sampling.seed is not None and j:
-            sampling.seed += j  # n samples with one seed must still differ
-        clamp_max_new_tokens(sampling, len(ids), info, DEFAULT_MAX_NEW_TOKENS,
-                             args.disaggregation_mode)
-        if tln[p] < 0:
-            raise bad("top_logprobs_num must be >= 0", "top_logprobs_num")
-        if rids is not None:
-            rid = rids[k]
-        elif isinstance(body.rid, str):
-            rid = body.rid if len(expanded) == 1 else f"{body.rid}_{k}"
-        else:
-            rid = new_rid()
-        req = make_req(rid, ids, sampling, pds[p], return_logprob=bool(rl[p]),
-                       logprob_start_len=lsl[p] if rl[p] else -1,
-                       top_logprobs_num=tln[p] if rl[p] else 0, stream=body.stream)
-        items.append(sample_item(k, req, leaders.get(p), args.disaggregation_mode))
-        leaders.setdefault(p, items[-1])
-    return _Plan(items, batch, [bool(rl[p]) for p, _, _ in expanded],
-                 [tln[p] for p, _, _ in expanded])
+            given["seed"] = sp.sampling_seed
+        given["grammar"] = spec_from_fields(sp.model_dump(), PREFIX)
+        out.append(PromptInput(ids, f"{field}[{p}]" if many else field, given,
+                               sp.max_new_tokens, ns[p], bool(rl[p]), lsl[p],
+                               tln[p] if rl[p] else 0))
+    return PlanInput(out, body, body.rid, body.stream, default_max=DEFAULT_MAX_NEW_TOKENS,
+                     field_prefix=PREFIX, batch=batch or sum(ns) > 1)
 
 
-def _meta(asm: OutputAssembler, plan: _Plan, idx: int, engine: EngineClient,
-          text_in_logprobs: bool, start: float, finished: bool) -> dict[str, Any]:
+def _meta(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineClient,
+          text_in_logprobs: bool, *, start: float, finished: bool) -> dict[str, Any]:
     o = asm.out
     meta: dict[str, Any] = {
         "id": o.rid, "finish_reason": o.finish_reason if finished else None,
@@ -154,20 +109,21 @@ def _meta(asm: OutputAssembler, plan: _Plan, idx: int, engine: EngineClient,
     return meta
 
 
-def _result(asm: OutputAssembler, plan: _Plan, idx: int, engine: EngineClient,
-            body: GenerateRequest, start: float, finished: bool) -> dict[str, Any]:
+def _result(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineClient,
+            body: GenerateRequest, *, start: float, finished: bool) -> dict[str, Any]:
     # --skip-tokenizer-init: the answer is its token ids (output_ids), no text
     text = "" if engine.args.skip_tokenizer_init else \
         asm.out.text if finished else asm.visible_text()
     out: dict[str, Any] = {"text": text, "output_ids": list(asm.out.output_ids),
                            "meta_info": _meta(asm, plan, idx, engine,
-                                              body.return_text_in_logprobs, start, finished)}
+                                              body.return_text_in_logprobs, start=start,
+                                              finished=finished)}
     if plan.batch:
         out["index"] = idx
     return out
 
 
-async def _stream(engine: EngineClient, plan: _Plan, body: GenerateRequest, request: Request,
+async def _stream(engine: EngineClient, plan: Plan, body: GenerateRequest, request: Request,
                   start: float) -> AsyncIterator[bytes]:
     metrics = request.app.state.metrics
     try:
@@ -177,7 +133,8 @@ async def _stream(engine: EngineClient, plan: _Plan, body: GenerateRequest, requ
                 if ev.error is not None:
                     yield sse_error(str(ev.error), ev.error.status)
                     break
-                yield sse(_result(ev.asm, plan, ev.index, engine, body, start, ev.done))
+                yield sse(_result(ev.asm, plan, ev.index, engine, body, start=start,
+                                  finished=ev.done))
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_error(f"internal error: {type(e).__name__}: {e}", 500)
     yield SSE_DONE
@@ -188,7 +145,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     engine: EngineClient = request.app.state.engine
     start = time.time()
     engine.require_ready()
-    plan = plan_generate(body, engine, request.app.state.route_guard)
+    plan = planner.plan(generate_input(body, engine), engine, request.app.state.route_guard)
     if body.stream:
         return StreamingResponse(_stream(engine, plan, body, request, start),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -199,5 +156,6 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         return error_response("client disconnected", 499)
     except EngineError as e:
         return engine_error_response(e)
-    results = [_result(a, plan, i, engine, body, start, True) for i, a in enumerate(done)]
+    results = [_result(a, plan, i, engine, body, start=start, finished=True)
+               for i, a in enumerate(done)]
     return JSONResponse(results if plan.batch else results[0])

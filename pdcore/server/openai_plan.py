@@ -1,29 +1,18 @@
-"""OpenAI requests -> scheduler items (Plan), model-name checks, usage and finish reasons."""
+"""OpenAI requests -> the planner's input (PlanInput), model-name checks, usage and finish
+reasons."""
 
 from __future__ import annotations
 
 import os
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from pdcore.engine.io_struct import GrammarSpec
 from pdcore.engine.sched.grammar import spec_from_fields, spec_from_response_format
 from pdcore.route_auth import RouteGuard
-from pdcore.runtime import EngineClient, new_rid
-from pdcore.server.generation import Item
+from pdcore.runtime import EngineClient
 from pdcore.server.output import OutputAssembler
-from pdcore.server.params import (
-    bad,
-    build_sampling,
-    check_n,
-    check_prompt,
-    clamp_max_new_tokens,
-    make_req,
-    pd_items,
-    preferred_sampling,
-    sample_item,
-)
+from pdcore.server.params import bad, check_n
+from pdcore.server.planner import Plan, PlanInput, PromptInput, plan, sampling_fields
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -60,18 +49,6 @@ def check_model(model: str | None, engine: EngineClient) -> str:
     raise bad(f"model {model!r} is not served here; use {served!r} (see /v1/models)", "model")
 
 
-@dataclass
-class Plan:
-    items: list[Item]
-    prompts: list[list[int]]
-    n: int
-    model: str
-    rid: str
-    want_logprobs: bool = False
-    top_logprobs: int = 0
-    echo_texts: list[str] = field(default_factory=list)
-
-
 def _grammar(body: CompletionRequest | ChatCompletionRequest,
              tool_grammar: GrammarSpec | None = None) -> GrammarSpec | None:
     """response_format, SGLang's top-level json_schema / regex / ebnf, or the grammar that
@@ -86,49 +63,27 @@ def _grammar(body: CompletionRequest | ChatCompletionRequest,
     return named[0] if named else None
 
 
-def plan_request(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
-          prompts: list[list[int]], prompt_field: str, max_tokens: int | None,
-          max_tokens_field: str, default_max: int | None, want_logprobs: bool, top: int,
-          echo: bool, id_prefix: str, guard: RouteGuard,
-          tool_grammar: GrammarSpec | None = None) -> Plan:
-    args, info = engine.args, engine.info
+def plan_openai(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
+                prompts: list[list[int]], prompt_field: str, *, max_tokens: int | None,
+                max_tokens_field: str, want_logprobs: bool, top: int, echo: bool,
+                id_prefix: str, guard: RouteGuard,
+                tool_grammar: GrammarSpec | None = None) -> Plan:
+    """An OpenAI route's request as the planner's PlanInput (one n and one set of sampling
+    options for every prompt; the model's own sampling defaults apply), then planner.plan."""
     model = check_model(body.model, engine)
     n = check_n(body.n)
-    for i, ids in enumerate(prompts):
-        check_prompt(ids, info, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field,
-                     args.allow_auto_truncate)
-    given = {"max_new_tokens": max_tokens, "min_new_tokens": body.min_tokens,
-             "grammar": _grammar(body, tool_grammar)}
-    for name in ("stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "no_stop_trim",
-                 "seed", "logit_bias", "temperature", "top_p", "top_k", "min_p",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        given[name] = getattr(body, name)
-    for name, value in (info.get("sampling_defaults") or {}).items():
-        if given.get(name) is None:  # --sampling-defaults model: the model's own values
-            given[name] = value
-    pds = pd_items(body, [n] * len(prompts), args, guard)
-    rid = body.rid if isinstance(body.rid, str) else f"{id_prefix}-{uuid.uuid4().hex}"
-    rids = body.rid if isinstance(body.rid, list) else None
-    if rids is not None and len(rids) != len(prompts) * n:
-        raise bad(f"rid has {len(rids)} entries for {len(prompts) * n} choices", "rid")
-    items: list[Item] = []
-    for p, ids in enumerate(prompts):
-        leader: Item | None = None
-        for j in range(n):
-            k = p * n + j
-            sampling = build_sampling(given, names={"max_new_tokens": max_tokens_field},
-                                      defaults=preferred_sampling(args.preferred_sampling_params))
-            if sampling.seed is not None and j:
-                sampling.seed += j
-            clamp_max_new_tokens(sampling, len(ids), info, default_max, args.disaggregation_mode)
-            req = make_req(rids[k] if rids else (rid if len(prompts) * n == 1 else new_rid()),
-                           ids, sampling, pds[p], return_logprob=want_logprobs,
-                           logprob_start_len=0 if (echo and want_logprobs) else -1,
-                           top_logprobs_num=top, stream=body.stream)
-            items.append(sample_item(k, req, leader, args.disaggregation_mode))
-            leader = leader or items[-1]
-    echo_texts = [engine.tokenizer.decode(ids) for ids in prompts] if echo else []
-    return Plan(items, prompts, n, model, rid, want_logprobs, top, echo_texts)
+    sampling = {**sampling_fields(body), "min_new_tokens": body.min_tokens,
+                "grammar": _grammar(body, tool_grammar)}
+    inp = PlanInput(
+        [PromptInput(ids, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field,
+                     sampling, max_tokens, n, want_logprobs, 0 if echo else -1, top)
+         for i, ids in enumerate(prompts)],
+        body, body.rid, body.stream, max_tokens_field=max_tokens_field,
+        model_defaults=True, id_prefix=id_prefix)
+    out = plan(inp, engine, guard)
+    out.model, out.want_logprobs, out.top_logprobs = model, want_logprobs, top
+    out.echo_texts = [engine.tokenizer.decode(ids) for ids in prompts] if echo else []
+    return out
 
 
 def usage(plan: Plan, outs: list[OutputAssembler]) -> dict[str, Any]:

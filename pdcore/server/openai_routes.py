@@ -32,7 +32,8 @@ from pdcore.server.generation import (
     unless_disconnected,
 )
 from pdcore.server.http_errors import engine_error_response, error_response, sse_error
-from pdcore.server.openai_plan import Plan, finish_of, plan_request, served_model_name, usage
+from pdcore.server.openai_plan import finish_of, plan_openai, served_model_name, usage
+from pdcore.server.planner import Plan
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import bad, needs_text
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -186,12 +187,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     needs_text(engine.args, "/v1/completions", "prompt")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
-    if body.max_tokens is not None and body.max_tokens < 0:
-        raise bad(f"max_tokens must be >= 0, got {body.max_tokens}", "max_tokens")
     want = body.logprobs is not None
-    plan = plan_request(body, engine, _completion_prompts(body, engine), "prompt", body.max_tokens,
-                 "max_tokens", None, want, body.logprobs or 0, body.echo, "cmpl",
-                 request.app.state.route_guard)
+    plan = plan_openai(body, engine, _completion_prompts(body, engine), "prompt",
+                        max_tokens=body.max_tokens, max_tokens_field="max_tokens",
+                        want_logprobs=want, top=body.logprobs or 0, echo=body.echo,
+                        id_prefix="cmpl", guard=request.app.state.route_guard)
     if body.stream:
         return StreamingResponse(_stream(request, engine, plan, body, chat=False),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -326,8 +326,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     name, max_tokens = "max_tokens", body.max_tokens
     if body.max_completion_tokens is not None:
         name, max_tokens = "max_completion_tokens", body.max_completion_tokens
-    if max_tokens is not None and max_tokens < 0:
-        raise bad(f"{name} must be >= 0, got {max_tokens}", name)
     top = body.top_logprobs or 0
     if body.top_logprobs is not None:
         if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -335,12 +333,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         if not body.logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     tools, reasoning = plan_output(body, engine)
-    plan = plan_request(body, engine, [chat_prompt(
+    plan = plan_openai(body, engine, [chat_prompt(
                             body, engine.tokenizer, tools.template_tools if tools else None,
                             engine.args.allow_special_tokens_in_messages)],
-                        "messages", max_tokens, name, None, bool(body.logprobs), top, False,
-                        "chatcmpl", request.app.state.route_guard,
-                        tools.grammar if tools else None)
+                        "messages", max_tokens=max_tokens, max_tokens_field=name,
+                        want_logprobs=bool(body.logprobs), top=top, echo=False,
+                        id_prefix="chatcmpl", guard=request.app.state.route_guard,
+                        tool_grammar=tools.grammar if tools else None)
     shapers = {it.index: ChoiceShaper(reasoning, tools) for it in plan.items} \
         if (tools and tools.parser) or reasoning else None
     if body.stream:

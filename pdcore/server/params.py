@@ -66,8 +66,8 @@ def build_sampling(given: Mapping[str, Any], prefix: str = "",
     once. `given` maps SamplingParams field names to what the client sent (the wire schemas
     declare only JSON types: a None or absent field takes the default declared on
     SamplingParams; `stop` may be one string; `logit_bias` keys are token ids as strings, as
-    OpenAI sends them). An absent `max_new_tokens` is -1 until clamp_max_new_tokens fills it.
-    Errors name `prefix + field` (`names` renames fields, e.g. OpenAI's max_tokens)."""
+    OpenAI sends them). `max_new_tokens` comes decided (planner.max_new_tokens).
+    Errors name `prefix + field` (`names` renames fields, e.g. OpenAI's min_tokens)."""
     names = names or {}
     # `defaults` (--preferred-sampling-params) fill what the request left out
     vals = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
@@ -82,10 +82,7 @@ def build_sampling(given: Mapping[str, Any], prefix: str = "",
             raise bad(f"{f(name)} must be a finite number", f(name))
         return float(v)
 
-    if vals.get("max_new_tokens", 0) < 0:
-        raise bad(f"{f('max_new_tokens')} must be >= 0, got {vals['max_new_tokens']}",
-                  f("max_new_tokens"))
-    s = SamplingParams(**{**vals, "max_new_tokens": vals.get("max_new_tokens", -1)})
+    s = SamplingParams(**vals)
     if finite("temperature", s.temperature) < 0:
         raise bad(f"{f('temperature')} must be >= 0, got {s.temperature}", f("temperature"))
     if not 0 < finite("top_p", s.top_p) <= 1:
@@ -151,21 +148,6 @@ def check_prompt(ids: list[int], info: dict[str, Any], field: str,
     pool = int(info.get("max_total_tokens") or 0)
     if pool and len(ids) + 1 > pool:
         raise bad(f"{field} has {len(ids)} tokens but the KV pool holds only {pool}", field)
-
-
-def clamp_max_new_tokens(sampling: SamplingParams, prompt_len: int, info: dict[str, Any],
-                         default: int | None, mode: str) -> None:
-    """Fill the default and clamp to the context / pool room; prefill servers make one token."""
-    room = 1 << 30
-    for key in ("context_length", "max_total_tokens"):
-        limit = int(info.get(key) or 0)
-        if limit:
-            room = min(room, limit - prompt_len)
-    if sampling.max_new_tokens < 0:
-        sampling.max_new_tokens = room if default is None else default
-    sampling.max_new_tokens = max(0, min(sampling.max_new_tokens, room))
-    if mode == "prefill":
-        sampling.max_new_tokens = 1
 
 
 def per_item(value: Any, count: int, field: str) -> list[Any]:

@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdcore.runtime import EngineClient
 from pdcore.server.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import SSE_HEADERS, run_items
-from pdcore.server.openai_plan import Plan, finish_of, plan_request, usage
+from pdcore.server.openai_plan import finish_of, plan_openai, usage
 from pdcore.server.openai_routes import chat_prompt, run_plan, shaped
-from pdcore.server.params import bad, needs_text
+from pdcore.server.params import needs_text
+from pdcore.server.planner import Plan
 from pdcore.server.responses_api import ResponseBuilder, chat_request
 from pdcore.server.schemas import ResponsesRequest
 
@@ -67,15 +68,13 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     engine.require_ready()
     needs_text(engine.args, "/v1/responses", "input")
     chat = chat_request(body)
-    max_tokens = chat.max_completion_tokens
-    if max_tokens is not None and max_tokens < 0:
-        raise bad(f"max_output_tokens must be >= 0, got {max_tokens}", "max_output_tokens")
     tools, reasoning = plan_output(chat, engine)
     prompt = chat_prompt(chat, engine.tokenizer, tools.template_tools if tools else None,
                          engine.args.allow_special_tokens_in_messages)
-    plan = plan_request(chat, engine, [prompt], "input", max_tokens, "max_output_tokens", None,
-                        False, 0, False, "resp", request.app.state.route_guard,
-                        tools.grammar if tools else None)
+    plan = plan_openai(chat, engine, [prompt], "input", max_tokens=chat.max_completion_tokens,
+                        max_tokens_field="max_output_tokens", want_logprobs=False, top=0,
+                        echo=False, id_prefix="resp", guard=request.app.state.route_guard,
+                        tool_grammar=tools.grammar if tools else None)
     builder = ResponseBuilder(body, plan.rid.replace("resp-", "resp_", 1), plan.model)
     shaper = ChoiceShaper(reasoning, tools)
     if body.stream:

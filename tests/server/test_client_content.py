@@ -117,7 +117,7 @@ def test_pre_engine_500_carries_the_client_mark(fake_server: FakeServer,
     def broken_plan(*_: Any, **__: Any) -> Any:
         raise RuntimeError("boom while planning")
 
-    monkeypatch.setattr(routes, "plan_request", broken_plan)
+    monkeypatch.setattr(routes, "plan_openai", broken_plan)
     resp = fake_server.client.post("/v1/chat/completions", json=CHAT)
     assert resp.status_code == 500 and "boom while planning" in resp.text
     assert resp.headers["x-pd-error-origin"] == "client"

@@ -33,9 +33,7 @@ def test_absent_fields_take_the_engine_defaults() -> None:
     s = build_sampling({})
     want = SamplingParams()
     for f in dataclasses.fields(SamplingParams):
-        if f.name != "max_new_tokens":
-            assert getattr(s, f.name) == getattr(want, f.name), f.name
-    assert s.max_new_tokens == -1  # filled by clamp_max_new_tokens
+        assert getattr(s, f.name) == getattr(want, f.name), f.name
     # None is "use the default", as clients serialise unset options
     assert build_sampling({"temperature": None, "stop": None}).temperature == want.temperature
 
@@ -51,13 +49,12 @@ def test_wire_forms_are_normalised() -> None:
     ({"top_k": 0}, "p.top_k"), ({"min_p": 2.0}, "p.min_p"),
     ({"repetition_penalty": 0.0}, "p.repetition_penalty"),
     ({"presence_penalty": 3.0}, "p.presence_penalty"), ({"stop": ["a", ""]}, "p.stop"),
-    ({"stop_token_ids": [-1]}, "p.stop_token_ids"), ({"min_new_tokens": -2}, "p.min_new_tokens"),
+    ({"stop_token_ids": [-1]}, "p.stop_token_ids"), ({"min_new_tokens": -2}, "p.min_tokens"),
     ({"logit_bias": {"x": 1.0}}, "p.logit_bias"), ({"temperature": float("nan")}, "p.temperature"),
-    ({"max_new_tokens": -5}, "p.max_tokens"),
 ])
 def test_out_of_range_names_the_wire_field(given: dict, field: str) -> None:
     with pytest.raises(InvalidRequestError) as e:
-        build_sampling(given, "p.", names={"max_new_tokens": "max_tokens"})
+        build_sampling(given, "p.", names={"min_new_tokens": "min_tokens"})
     assert e.value.field == field
 
 
@@ -101,3 +98,41 @@ def test_sampling_defaults_flag_takes_sglangs_choices() -> None:
     with pytest.raises(SystemExit) as e:
         parse_server_args(["--sampling-defaults", "vllm"])
     assert e.value.code == 2
+
+
+# ---- one request planner (#46 item 2) ---------------------------------------------------------
+def test_max_new_tokens_is_decided_in_one_function() -> None:
+    from pdcore.server.planner import max_new_tokens
+
+    info = {"context_length": 100, "max_total_tokens": 80}
+    assert max_new_tokens(None, "max_tokens", 30, info, None, "null") == 50  # the pool's room
+    assert max_new_tokens(None, "max_tokens", 30, info, 16, "null") == 16  # the route default
+    assert max_new_tokens(500, "max_tokens", 30, {"context_length": 100}, None, "null") == 70
+    assert max_new_tokens(0, "max_tokens", 30, info, None, "null") == 0
+    assert max_new_tokens(500, "max_tokens", 30, info, None, "prefill") == 1
+    with pytest.raises(InvalidRequestError) as e:
+        max_new_tokens(-1, "max_output_tokens", 30, info, None, "null")
+    assert e.value.field == "max_output_tokens"
+
+
+def test_only_the_planner_writes_max_new_tokens_in_the_http_process() -> None:
+    """Every client request's max_new_tokens is set by planner.py; the only other writers
+    in the server are its internal one-token requests (health check, warm-up)."""
+    import ast
+    from pathlib import Path
+
+    server = Path(__file__).resolve().parents[2] / "pdcore" / "server"
+    writers = set()
+    for p in sorted(server.glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AugAssign) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == "max_new_tokens" for t in targets) \
+                    or isinstance(node, ast.Call) and any(
+                        k.arg == "max_new_tokens" for k in node.keywords):
+                writers.add(p.name)
+            if isinstance(node, ast.Dict) and any(
+                    isinstance(k, ast.Constant) and k.value == "max_new_tokens"
+                    for k in node.keys):
+                writers.add(p.name)
+    assert writers == {"planner.py", "admin_routes.py", "app.py"}, writers
