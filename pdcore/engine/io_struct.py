@@ -21,25 +21,62 @@ class GrammarSpec:
     field: str = "json_schema"
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The range a numeric sampling field must lie in (checked once, at the HTTP edge, by
+    server/params.build_sampling): lo / hi inclusive unless lo_open; None is unbounded."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+
+    def holds(self, v: float) -> bool:
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or v <= self.hi
+
+    def text(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}]"
+
+
+def _sf(default: Any = None, bounds: Bounds | None = None, preferable: bool = True,
+        factory: Any = None) -> Any:
+    """One sampling field's declaration beyond name, type and default: its `bounds`, and
+    whether --preferred-sampling-params may set it (`preferable`)."""
+    meta = {"bounds": bounds, "preferable": preferable}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_k: int = -1  # -1 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)  # handled by the HTTP process
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    min_new_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
-    grammar: GrammarSpec | None = None  # the output follows it (structured output)
+    """The one declaration of the sampling fields (name, type, default, bounds): the wire
+    schemas (server/schemas.py) name the same fields, checked by tests/server/
+    test_sampling_params.py; build_sampling checks the bounds."""
+
+    max_new_tokens: int = _sf(128, Bounds(0))
+    temperature: float = _sf(1.0, Bounds(0))
+    top_k: int = _sf(-1)  # -1 = off, else >= 1 (checked by build_sampling)
+    top_p: float = _sf(1.0, Bounds(0, 1, lo_open=True))
+    min_p: float = _sf(0.0, Bounds(0, 1))
+    repetition_penalty: float = _sf(1.0, Bounds(0, lo_open=True))
+    frequency_penalty: float = _sf(0.0, Bounds(-2, 2))
+    presence_penalty: float = _sf(0.0, Bounds(-2, 2))
+    seed: int | None = _sf(None, preferable=False)
+    stop: list[str] = _sf(factory=list)  # handled by the HTTP process
+    stop_token_ids: list[int] = _sf(factory=list)
+    ignore_eos: bool = _sf(False)
+    skip_special_tokens: bool = _sf(True)
+    no_stop_trim: bool = _sf(False)
+    # token id -> added to its logit
+    logit_bias: dict[int, float] = _sf(factory=dict, preferable=False)
+    # EOS and stop_token_ids cannot be sampled before this many tokens
+    min_new_tokens: int = _sf(0, Bounds(0))
+    # the output follows it (structured output)
+    grammar: GrammarSpec | None = _sf(None, preferable=False)
 
     @property
     def greedy(self) -> bool:

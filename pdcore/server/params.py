@@ -83,31 +83,20 @@ def build_sampling(given: Mapping[str, Any], prefix: str = "",
         return float(v)
 
     s = SamplingParams(**vals)
-    if finite("temperature", s.temperature) < 0:
-        raise bad(f"{f('temperature')} must be >= 0, got {s.temperature}", f("temperature"))
-    if not 0 < finite("top_p", s.top_p) <= 1:
-        raise bad(f"{f('top_p')} must be in (0, 1], got {s.top_p}", f("top_p"))
+    for decl in dataclasses.fields(SamplingParams):  # the bounds declared on SamplingParams
+        bounds, value = decl.metadata.get("bounds"), getattr(s, decl.name)
+        number = finite(decl.name, value) if decl.type == "float" else value
+        if bounds is not None and not bounds.holds(number):
+            raise bad(f"{f(decl.name)} must be {bounds.text()}, got {value}", f(decl.name))
+        if decl.type == "float":
+            setattr(s, decl.name, number)
     if s.top_k == 0 or s.top_k < -1:
         raise bad(f"{f('top_k')} must be -1 (off) or >= 1, got {s.top_k}", f("top_k"))
-    if not 0 <= finite("min_p", s.min_p) <= 1:
-        raise bad(f"{f('min_p')} must be in [0, 1], got {s.min_p}", f("min_p"))
-    if finite("repetition_penalty", s.repetition_penalty) <= 0:
-        raise bad(f"{f('repetition_penalty')} must be > 0", f("repetition_penalty"))
-    for name in ("frequency_penalty", "presence_penalty"):
-        if not -2 <= finite(name, getattr(s, name)) <= 2:
-            raise bad(f"{f(name)} must be in [-2, 2], got {getattr(s, name)}", f(name))
     s.stop = [s.stop] if isinstance(s.stop, str) else list(s.stop)
     if any(not x for x in s.stop):
         raise bad(f"{f('stop')} must not contain empty strings", f("stop"))
     if any(t < 0 for t in s.stop_token_ids):
         raise bad(f"{f('stop_token_ids')} must be token ids >= 0", f("stop_token_ids"))
-    if s.min_new_tokens < 0:
-        raise bad(f"{f('min_new_tokens')} must be >= 0, got {s.min_new_tokens}",
-                  f("min_new_tokens"))
-    s.temperature, s.top_p, s.min_p = float(s.temperature), float(s.top_p), float(s.min_p)
-    s.repetition_penalty = float(s.repetition_penalty)
-    s.frequency_penalty = float(s.frequency_penalty)
-    s.presence_penalty = float(s.presence_penalty)
     s.stop_token_ids = list(s.stop_token_ids)
     s.logit_bias = _logit_bias(s.logit_bias, f("logit_bias"))
     return s

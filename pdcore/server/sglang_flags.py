@@ -4,19 +4,19 @@ here is refused at start-up with the reason (exit 2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
 
 from pdcore.config import ServerArgs
+from pdcore.engine.io_struct import SamplingParams
 from pdcore.errors import ConfigError
 
 TOKENIZER_MODES = ("auto", "slow")
-# the sampling fields --preferred-sampling-params may set (SGLang's SamplingParams names)
-PREFERRED_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-                             "presence_penalty", "repetition_penalty", "max_new_tokens",
-                             "min_new_tokens", "stop", "stop_token_ids", "ignore_eos",
-                             "skip_special_tokens", "no_stop_trim")
+# the sampling fields --preferred-sampling-params may set (declared on SamplingParams)
+PREFERRED_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                                  if f.metadata.get("preferable"))
 
 
 def json_object_flag(raw: str | None, flag: str) -> dict[str, Any]:

@@ -136,3 +136,39 @@ def test_only_the_planner_writes_max_new_tokens_in_the_http_process() -> None:
                     for k in node.keys):
                 writers.add(p.name)
     assert writers == {"planner.py", "admin_routes.py", "app.py"}, writers
+
+
+# ---- one declaration of the sampling fields (#46 item 2) --------------------------------------
+_JSON = {"float": "number", "int": "integer", "bool": "boolean", "int | None": "integer",
+         "list[str]": "array", "list[int]": "array", "dict[int, float]": "object"}
+
+
+def test_the_wire_schemas_take_the_declared_json_types() -> None:
+    """The OpenAPI schemas of /generate's sampling_params and the OpenAI bodies accept each
+    field in the type SamplingParams declares (and null, for the default)."""
+    for model in (SamplingParamsIn, CompletionRequest, ChatCompletionRequest):
+        props = model.model_json_schema()["properties"]
+        for decl in dataclasses.fields(SamplingParams):
+            wire = decl.name if model is SamplingParamsIn else \
+                OPENAI_NAMES.get(decl.name, decl.name)
+            if decl.name == "grammar" or wire not in props:
+                continue
+            kinds = {k.get("type") for k in props[wire].get("anyOf", [props[wire]])}
+            assert _JSON[str(decl.type)] in kinds and "null" in kinds, (model.__name__, wire)
+
+
+def test_bounds_and_preferable_fields_come_from_the_declaration() -> None:
+    from pdcore.engine.model.source import GENERATION_SAMPLING_KEYS
+    from pdcore.server.sglang_flags import PREFERRED_SAMPLING_FIELDS
+
+    for decl in dataclasses.fields(SamplingParams):
+        bounds = decl.metadata["bounds"]
+        if bounds is not None:  # the default lies in range; one step outside is refused
+            assert bounds.holds(decl.default), decl.name
+            outside = (bounds.lo if bounds.lo_open else bounds.lo - 1) if bounds.lo is not None \
+                else None
+            with pytest.raises(InvalidRequestError) as e:
+                build_sampling({decl.name: outside}, "p.")
+            assert e.value.field == f"p.{decl.name}" and bounds.text() in str(e.value)
+    assert set(PREFERRED_SAMPLING_FIELDS) == SAMPLING_FIELDS - {"seed", "logit_bias", "grammar"}
+    assert set(GENERATION_SAMPLING_KEYS) <= SAMPLING_FIELDS
