@@ -64,12 +64,18 @@ def _grammar(body: CompletionRequest | ChatCompletionRequest,
 
 
 def plan_openai(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
-                prompts: list[list[int]], prompt_field: str, *, max_tokens: int | None,
-                max_tokens_field: str, want_logprobs: bool, top: int, echo: bool,
-                id_prefix: str, guard: RouteGuard,
-                tool_grammar: GrammarSpec | None = None) -> Plan:
+                prompts: list[list[int]], prompt_field: str, *, want_logprobs: bool, top: int,
+                echo: bool, id_prefix: str, guard: RouteGuard,
+                tool_grammar: GrammarSpec | None = None,
+                max_tokens_field: str | None = None) -> Plan:
     """An OpenAI route's request as the planner's PlanInput (one n and one set of sampling
-    options for every prompt; the model's own sampling defaults apply), then planner.plan."""
+    options for every prompt; the model's own sampling defaults apply), then planner.plan.
+    The cap on new tokens is `max_completion_tokens` (what sglang-router sends), else
+    `max_tokens`; `max_tokens_field` names it in errors where the client used another name
+    (/v1/responses: max_output_tokens)."""
+    max_tokens, name = body.max_tokens, "max_tokens"
+    if getattr(body, "max_completion_tokens", None) is not None:
+        max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
     model = check_model(body.model, engine)
     n = check_n(body.n)
     sampling = {**sampling_fields(body), "min_new_tokens": body.min_tokens,
@@ -78,7 +84,7 @@ def plan_openai(body: CompletionRequest | ChatCompletionRequest, engine: EngineC
         [PromptInput(ids, f"{prompt_field}[{i}]" if len(prompts) > 1 else prompt_field,
                      sampling, max_tokens, n, want_logprobs, 0 if echo else -1, top)
          for i, ids in enumerate(prompts)],
-        body, body.rid, body.stream, max_tokens_field=max_tokens_field,
+        body, body.rid, body.stream, max_tokens_field=max_tokens_field or name,
         model_defaults=True, id_prefix=id_prefix)
     out = plan(inp, engine, guard)
     out.model, out.want_logprobs, out.top_logprobs = model, want_logprobs, top

@@ -189,7 +189,6 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
     want = body.logprobs is not None
     plan = plan_openai(body, engine, _completion_prompts(body, engine), "prompt",
-                        max_tokens=body.max_tokens, max_tokens_field="max_tokens",
                         want_logprobs=want, top=body.logprobs or 0, echo=body.echo,
                         id_prefix="cmpl", guard=request.app.state.route_guard)
     if body.stream:
@@ -323,9 +322,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     engine: EngineClient = request.app.state.engine
     engine.require_ready()
     needs_text(engine.args, "/v1/chat/completions", "messages")
-    name, max_tokens = "max_tokens", body.max_tokens
-    if body.max_completion_tokens is not None:
-        name, max_tokens = "max_completion_tokens", body.max_completion_tokens
     top = body.top_logprobs or 0
     if body.top_logprobs is not None:
         if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -336,7 +332,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     plan = plan_openai(body, engine, [chat_prompt(
                             body, engine.tokenizer, tools.template_tools if tools else None,
                             engine.args.allow_special_tokens_in_messages)],
-                        "messages", max_tokens=max_tokens, max_tokens_field=name,
+                        "messages",
                         want_logprobs=bool(body.logprobs), top=top, echo=False,
                         id_prefix="chatcmpl", guard=request.app.state.route_guard,
                         tool_grammar=tools.grammar if tools else None)

@@ -71,7 +71,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     tools, reasoning = plan_output(chat, engine)
     prompt = chat_prompt(chat, engine.tokenizer, tools.template_tools if tools else None,
                          engine.args.allow_special_tokens_in_messages)
-    plan = plan_openai(chat, engine, [prompt], "input", max_tokens=chat.max_completion_tokens,
+    plan = plan_openai(chat, engine, [prompt], "input",
                         max_tokens_field="max_output_tokens", want_logprobs=False, top=0,
                         echo=False, id_prefix="resp", guard=request.app.state.route_guard,
                         tool_grammar=tools.grammar if tools else None)
