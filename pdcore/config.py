@@ -457,6 +457,7 @@ class DisaggEnv:
     thread_pool_size: int = 4
     queue_size: int = 4
     bootstrap_entry_cleanup_interval: float = 120.0
+    claim_timeout: float = 5.0  # P: a room no decode server claimed; D: 6x, P's confirmation
     staging_buffer: bool = False
     staging_buffer_size_mb: int = 64
     staging_pool_size_mb: int = 4096
@@ -483,6 +484,7 @@ class DisaggEnv:
             bootstrap_entry_cleanup_interval=_env_float(
                 env, p + "BOOTSTRAP_ENTRY_CLEANUP_INTERVAL", 120.0
             ),
+            claim_timeout=_env_float(env, "PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT", 5.0),
             staging_buffer=env_bool(env, "SGLANG_DISAGG_STAGING_BUFFER"),
             staging_buffer_size_mb=_env_int(env, "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB", 64),
             staging_pool_size_mb=_env_int(env, "SGLANG_DISAGG_STAGING_POOL_SIZE_MB", 4096),
@@ -492,4 +494,6 @@ class DisaggEnv:
         for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval"):
             if getattr(out, name) <= 0:
                 raise ConfigError(f"{p}{name.upper()} must be > 0")
+        if out.claim_timeout <= 0:
+            raise ConfigError("PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT must be > 0")
         return out

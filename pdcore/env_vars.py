@@ -29,6 +29,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "P waits this many seconds for D's destination pages", PD),
     EnvVar("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "300",
            "D waits this many seconds for the KV (Transferring included)", PD),
+    EnvVar("PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT", "5",
+           "P fails a room no decode server claimed within this many seconds (D claims on "
+           "admission; a refused route never claims); D frees a room P did not confirm "
+           "within 6 times it (D reserves pages only after P confirmed)", PD),
     EnvVar("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "5.0",
            "seconds between D's checks of each P's bootstrap `/health`", PD),
     EnvVar("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "2",
@@ -49,6 +53,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "fail this fraction of rooms on purpose (fault tests)", PD),
     EnvVar("PDSERVE_DISAGGREGATION_AUTH_TOKEN", "unset",
            "the cluster secret (`--disaggregation-auth-token`; docs/security.md)", SEC),
+    EnvVar("PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL", "1",
+           "`0`: a decode server no longer trusts unsigned loopback routes to the bootstrap "
+           "ports this user's live prefill servers on this host announced", SEC),
     EnvVar("PDSERVE_DISAGGREGATION_AUTH_TOKEN_FILE", "unset",
            "a file holding the cluster secret (Kubernetes mounts it so)", SEC),
     EnvVar("PDSERVE_ADMIN_API_KEY", "unset",

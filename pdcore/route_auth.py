@@ -14,7 +14,13 @@ on a route only when
    `--disaggregation-trusted-prefill` flag, registrations through the admin route
    `POST /disaggregation/trusted_prefill` (the admin key only), and, on P, its own bootstrap
    port (P cannot know every name it is reached by, and the route does not steer P: P sends
-   KV only to decode ranks that authenticated on its control plane).
+   KV only to decode ranks that authenticated on its control plane); or
+3. it names a loopback address (127.0.0.0/8, ::1, localhost) whose port is the bootstrap port
+   of a live pdserve prefill server of the same user on this host: each P announces its
+   bootstrap port in a directory only its user can write (`local_prefill_dir()`), so the seed
+   page's one-host commands serve behind sglang-router with no flag, while a loopback port
+   nobody announced (another local process's listener) and every other host stay refused.
+   `PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL=0` turns this off.
 
 Everything else is refused with 403 before the engine sees it, including SGLang's warm-up host
 `2.2.2.2` (a decode room with that host takes no KV at all: a client naming it would decode over
@@ -27,13 +33,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
 SIG_VERSION = "v1"
-DEFAULT_TTL_S = 60.0  # covers the router's queueing and a modest clock skew between hosts
+DEFAULT_TTL_S = 60.0  # how long the router's signature lives (its queueing and forwarding)
+CLOCK_SKEW_S = 30.0  # what servers allow between their clock and the router's, either way
+MAX_SPENT = 262_144  # used signatures a server remembers (oldest forgotten first)
 MAX_TRUSTED = 4096  # registered prefill addresses kept (oldest registration dropped first)
 WARMUP_HOST = "2.2.2.2"
 UNTRUSTED = "neither signed nor a trusted prefill address"  # routers match this in the 403  # SGLang's fake bootstrap host: only a server's own warm-up uses it
@@ -70,8 +80,11 @@ def sign_route(key: bytes, room: int, host: str, port: int | None,
 
 
 def check_signature(key: bytes, sig: str, room: int, host: str, port: int | None,
-                    now: float | None = None, *, max_ttl_s: float = 3600.0) -> str:
-    """'' when `sig` signs exactly this route and has not expired, else why not."""
+                    now: float | None = None, *, max_ttl_s: float = DEFAULT_TTL_S,
+                    skew_s: float = CLOCK_SKEW_S) -> str:
+    """'' when `sig` signs exactly this route and has not expired, else why not. A server
+    accepts what the router signs (`max_ttl_s` ahead) give or take `skew_s` of clock skew:
+    no longer-lived signature, however it was made."""
     parts = sig.split(".") if isinstance(sig, str) and len(sig) <= 128 else []
     if len(parts) != 3 or parts[0] != SIG_VERSION or not parts[1].isdigit():
         return "bootstrap_sig is malformed"
@@ -81,11 +94,91 @@ def check_signature(key: bytes, sig: str, room: int, host: str, port: int | None
         return "bootstrap_sig does not sign this route (another room, host or port, or another " \
                "cluster secret)"
     t = time.time() if now is None else now
-    if expiry < t:
+    if expiry < t - skew_s:
         return f"bootstrap_sig expired {t - expiry:.0f}s ago"
-    if expiry > t + max_ttl_s:  # a signature for the far future is a leaked-key smell
-        return "bootstrap_sig expires too far in the future"
+    if expiry > t + max_ttl_s + skew_s:  # longer than the router signs: a leaked-key smell
+        return (f"bootstrap_sig expires too far in the future (the router signs for "
+                f"{max_ttl_s:g}s, {skew_s:g}s of clock skew allowed)")
     return ""
+
+
+LOCAL_TRUST_ENV = "PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL"
+
+
+def local_prefill_dir() -> str:
+    """Where the prefill servers of this user on this host announce their bootstrap ports:
+    `$XDG_RUNTIME_DIR/pdserve-prefill`, else `~/.cache/pdserve/prefill-bootstrap` (mode 0700)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                             "pdserve")
+    name = "pdserve-prefill" if os.environ.get("XDG_RUNTIME_DIR") else "prefill-bootstrap"
+    return os.path.join(base, name)
+
+
+def _private_dir(path: str) -> bool:
+    """The directory is ours and nobody else can write into it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def announce_local_prefill(port: int) -> str | None:
+    """Announce this process's prefill bootstrap port (see the module doc); the file to
+    withdraw at exit, or None when the directory cannot be made private (nothing announced)."""
+    path = local_prefill_dir()
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if not _private_dir(path):
+            return None
+        entry = os.path.join(path, str(int(port)))
+        tmp = f"{entry}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, entry)
+        return entry
+    except OSError:
+        return None
+
+
+def withdraw_local_prefill(entry: str | None) -> None:
+    """Remove an announcement this process made (not one a later server made since)."""
+    if not entry:
+        return
+    try:
+        with open(entry) as f:
+            mine = f.read().strip() == str(os.getpid())
+        if mine:
+            os.unlink(entry)
+    except OSError:
+        pass
+
+
+def is_loopback(host: str) -> bool:
+    host = str(host).strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_local_prefill(port: int) -> bool:
+    """A live prefill server of this user announced `port` as its bootstrap port."""
+    path = local_prefill_dir()
+    entry = os.path.join(path, str(int(port)))
+    try:
+        if not _private_dir(path) or os.stat(entry).st_uid != os.getuid():
+            return False
+        with open(entry) as f:
+            pid = int(f.read().strip() or 0)
+        if pid <= 0:
+            return False
+        os.kill(pid, 0)  # alive (a killed server's stale entry does not count)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def parse_addrs(spec: Iterable[str] | str | None) -> list[str]:
@@ -109,13 +202,30 @@ class RouteGuard:
     """The trust a server's HTTP edge applies to the routes of PD requests (see module doc)."""
 
     def __init__(self, secret: str | None = None, trusted: Iterable[str] | str | None = None,
-                 own_port: int | None = None) -> None:
+                 own_port: int | None = None, local: bool | None = None) -> None:
         self.key = route_key(secret) if secret else None
         self.own_port = own_port
+        # the live prefill servers of this user on this host (module doc, point 3)
+        self.local = (os.environ.get(LOCAL_TRUST_ENV, "1") != "0") if local is None else local
         self._fixed = set(parse_addrs(trusted))
         self._registered: OrderedDict[str, None] = OrderedDict()
+        self._spent: OrderedDict[str, float] = OrderedDict()  # used signature -> its expiry
         self._lock = threading.Lock()
         self.refused = 0
+
+    def _spend(self, sig: str) -> str:
+        """A signature is good for one request on this server: '' the first time, why not
+        after (a replay of a copied route). Remembered until it expires (plus the skew)."""
+        now = time.time()
+        with self._lock:
+            while self._spent and (len(self._spent) >= MAX_SPENT
+                                   or next(iter(self._spent.values())) < now - CLOCK_SKEW_S):
+                self._spent.popitem(last=False)
+            if sig in self._spent:
+                return ("bootstrap_sig was used already: a signature is good for one request "
+                        "(a replayed route)")
+            self._spent[sig] = float(sig.split(".")[1])
+        return ""
 
     def register(self, addrs: Iterable[str]) -> list[str]:
         new = parse_addrs(list(addrs))
@@ -140,6 +250,8 @@ class RouteGuard:
 
     def is_trusted(self, host: str, port: int) -> bool:
         if port == self.own_port:
+            return True
+        if self.local and is_loopback(host) and is_local_prefill(port):
             return True
         a = normalize_addr(host, port)
         with self._lock:
@@ -170,7 +282,7 @@ class RouteGuard:
             if self.key is None:
                 return ("bootstrap_sig given but this server has no cluster secret to check it; "
                         "start it with the router's --disaggregation-auth-token")
-            return check_signature(self.key, sig, room, host, port)
+            return check_signature(self.key, sig, room, host, port) or self._spend(sig)
         port = default_port if port is None else port
         if self.is_trusted(host, port):
             return ""

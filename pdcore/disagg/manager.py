@@ -198,7 +198,7 @@ class KVManager(ABC):
         self.counters.add("version_refusals")
         if err.room >= 0:
             self._refuse_room(err.room, str(err))
-        if err.kind in ("register", "transfer_info", "abort") and err.ctrl_addr:
+        if err.kind in ("register", "claim", "transfer_info", "abort") and err.ctrl_addr:
             data = wire.refusal(err, self.tp_rank, self.token)
             if data is not None:
                 self.ctrl.send_raw(err.ctrl_addr, data, "refusal")

@@ -10,8 +10,9 @@ peer in words it understands (only when it proves the same secret).
 
 D -> P: Hello (once per P rank per P instance, with a cluster secret: P must answer it with a
 MAC over D's nonce before D reveals anything), Register (once per P rank per P instance),
-TransferInfo (per room), Abort.
-P -> D: HelloAck, Status (per room: Success / Failed, optional aux row payload), AbortAck.
+Claim (per room, on admission), TransferInfo (per room), Abort.
+P -> D: HelloAck, Claimed (P has the room: D may reserve its pages), Status (per room:
+Success / Failed, optional aux row payload), AbortAck.
 """
 
 from __future__ import annotations
@@ -82,6 +83,25 @@ class Register(_Msg, tag="register"):
     chain_head: str = ""  # which draft head (fingerprint.draft_identity); "": none or unsaid
 
 
+class Claim(_Msg, tag="claim"):
+    """D rank -> P rank when D admits a request: this decode server takes the room. P binds
+    the room to it and answers Claimed once P has the request itself; D reserves no page
+    before that (a request sent to D alone never holds D's pool)."""
+
+    room: int
+    session: str
+    ctrl_addr: str
+    rank: int
+    decode_id: str
+
+
+class Claimed(_Msg, tag="claimed"):
+    """P rank -> D rank: P has the room's request and it is bound to this decode server."""
+
+    room: int
+    rank: int
+
+
 class TransferInfo(_Msg, tag="transfer_info"):
     """D rank -> P rank: the pages and aux slot D reserved for a room."""
 
@@ -135,13 +155,15 @@ class AbortAck(_Msg, tag="abort_ack"):
     rank: int
 
 
-Message = Hello | HelloAck | Register | TransferInfo | Abort | Status | AbortAck
+Message = Hello | HelloAck | Register | Claim | Claimed | TransferInfo | Abort | Status | AbortAck
 UNKNOWN_SESSION = "unknown_session"  # Status.code: P does not know D's session (P restarted)
 # Status.code: a transfer into D's session failed and P dropped the session; D registers again
 SESSION_FAILED = "session_failed"
 DECODE_ABORT = "decode_abort"  # not sent: P's record that D aborted the room
+# not sent: P's record that no decode server claimed the room in time (D refused the route)
+UNCLAIMED = "unclaimed"
 # the codes that put the blame for a failed room on decode (P answers 502, not 500)
-DECODE_FAULTS = frozenset({UNKNOWN_SESSION, SESSION_FAILED, DECODE_ABORT})
+DECODE_FAULTS = frozenset({UNKNOWN_SESSION, SESSION_FAILED, DECODE_ABORT, UNCLAIMED})
 PREFILL_FAULT = "prefill_fault"  # not sent: D's record that its prefill peer failed the room
 VERSION_MISMATCH = "version_mismatch"  # Status.code: the peer speaks another protocol version
 # Status.code / Abort.code: one side refused to pair with the other (model, page size, layout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgspec
 import numpy as np
@@ -95,14 +96,34 @@ def test_same_tp_transfer_and_aux(pd):
     np.testing.assert_array_equal(s.dkv.dump([30]), s.pkv.dump([3]))
 
 
-def test_transfer_info_before_prefill_add(pd):
+def test_decode_reserves_nothing_before_prefill_has_the_room(pd):
+    """D claims a room when it admits the request and waits, holding no page, until P has the
+    request too (issue 44 item 7): the scheduler sees WaitingForInput only then."""
     s = pd()
     s.d.add(5, "127.0.0.1", s.port)
-    wait_for(lambda: s.d.poll(5) == KVPoll.WaitingForInput)
+    wait_for(lambda: 5 in s.p._pending, what="P got the claim")
+    time.sleep(0.2)
+    assert s.d.poll(5) == KVPoll.Bootstrapping  # the scheduler may not reserve pages yet
+    s.p.add(5)  # the scheduler sees the request after D's claim arrived
+    wait_for(lambda: s.d.poll(5) == KVPoll.WaitingForInput, what="P confirmed")
     s.d.send_transfer_info(5, np.array([1, 2]), s.dkv.aux.alloc())
-    wait_for(lambda: s.p.metrics().get("received_messages", 0) >= 2, what="P got the info")
-    s.p.add(5)  # the scheduler sees the request after D's info arrived
-    assert s.p.poll(5) == KVPoll.WaitingForInput and s.p.dest_page_count(5) == 2
+    wait_for(lambda: s.p.poll(5) == KVPoll.WaitingForInput, what="P got the pages")
+    assert s.p.dest_page_count(5) == 2
+
+
+def test_unconfirmed_and_unclaimed_rooms_fail_fast(pd):
+    """A room only D has (P never gets the request) fails after 6 claim timeouts, having held
+    nothing; a room only P has (D refused its route) fails after one."""
+    s = pd(p_env={"PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT": "0.3"},
+           d_env={"PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT": "0.2"})
+    s.d.add(6, "127.0.0.1", s.port)
+    s.p.add(7)
+    wait_for(lambda: s.p.poll(7) == KVPoll.Failed, what="P gave up on its unclaimed room")
+    assert "no decode server claimed this room" in s.p.failure_reason(7)
+    assert s.p.metrics()["unclaimed_rooms"] == 1
+    wait_for(lambda: s.d.poll(6) == KVPoll.Failed, what="D gave up on its unconfirmed room")
+    assert "prefill did not confirm this room" in s.d.failure_reason(6)
+    assert s.d.metrics()["unconfirmed_rooms"] == 1
 
 
 def test_out_of_range_page_fails_and_writes_nothing(pd):
@@ -112,7 +133,7 @@ def test_out_of_range_page_fails_and_writes_nothing(pd):
     wait_for(lambda: s.d.poll(9) == KVPoll.WaitingForInput)
     # a hostile / buggy TransferInfo straight onto the wire, bypassing D's own checks
     addr = next(iter(s.d._instances.values())).ctrl_addrs[(0, 0)]
-    s.d.ctrl.send(addr, wire.TransferInfo(room=9, session=s.d.session, ctrl_addr=s.d.ctrl.addr, rank=0,
+    s.d.ctrl.send(addr, wire.TransferInfo(room=9, session=s.d.session, ctrl_addr=s.d.ctrl.addr, rank=0, decode_id=s.d.decode_id,
                                         dst_pages=np.array([1, 32], "<i4").tobytes(), aux_slot=0))
     wait_for(lambda: s.p.poll(9) == KVPoll.Failed, what="prefill rejects the pages")
     assert "outside decode's pool of 32 pages" in s.p.failure_reason(9)
@@ -127,7 +148,7 @@ def test_bad_aux_slot_fails(pd):
     s.d.add(10, "127.0.0.1", s.port)
     wait_for(lambda: s.d.poll(10) == KVPoll.WaitingForInput)
     addr = next(iter(s.d._instances.values())).ctrl_addrs[(0, 0)]
-    s.d.ctrl.send(addr, wire.TransferInfo(room=10, session=s.d.session, ctrl_addr=s.d.ctrl.addr, rank=0,
+    s.d.ctrl.send(addr, wire.TransferInfo(room=10, session=s.d.session, ctrl_addr=s.d.ctrl.addr, rank=0, decode_id=s.d.decode_id,
                                         dst_pages=np.array([1], "<i4").tobytes(), aux_slot=99))
     wait_for(lambda: s.p.poll(10) == KVPoll.Failed)
     assert "aux slot 99" in s.p.failure_reason(10)

@@ -56,16 +56,20 @@ def test_restart_moves_unserved_rooms_and_fails_started_ones(managers) -> None:
     # room 2: its pages reached the old instance, which has started on it
     p.add(2)
     d.add(2, "127.0.0.1", port)
+    wait_for(lambda: d.poll(2) == KVPoll.WaitingForInput, what="old prefill confirmed room 2")
     d.send_transfer_info(2, np.array([5, 6]), dkv.aux.alloc())
     wait_for(lambda: p.poll(2) == KVPoll.WaitingForInput, what="old prefill got room 2")
+    # room 4: confirmed by the old instance, its pages sent only once that one is dead
+    p.add(4)
+    d.add(4, "127.0.0.1", port)
+    wait_for(lambda: d.poll(4) == KVPoll.WaitingForInput, what="old prefill confirmed room 4")
     p.ctrl.close()  # dies without its "shutting down" notice, as under kill -9
     p.close()
     wait_for(lambda: d.heartbeat.down_since(addr) is not None, what="heartbeat sees P down")
-    # room 3 arrives while P is down: D still holds the old instance, sends nothing yet;
-    # room 4's pages go to the old (dead) instance
+    # room 3 arrives while P is down: D still holds the old instance, whose confirmation
+    # never comes (no page reserved); room 4's pages go to the old (dead) instance
     d.add(3, "127.0.0.1", port)
-    d.add(4, "127.0.0.1", port)
-    assert d.poll(3) == d.poll(4) == KVPoll.WaitingForInput
+    assert d.poll(3) == KVPoll.Bootstrapping
     d.send_transfer_info(4, np.array([8, 9]), dkv.aux.alloc())
     assert d.poll(4) == KVPoll.Transferring
     pkv2 = TestKV(seed=9)
@@ -82,6 +86,7 @@ def test_restart_moves_unserved_rooms_and_fails_started_ones(managers) -> None:
     wait_for(lambda: d.poll(4) in (KVPoll.Success, KVPoll.Failed), what="room 4 done")
     assert d.poll(4) == KVPoll.Success, d.failure_reason(4)
     np.testing.assert_array_equal(dkv.dump([8, 9]), pkv2.dump([3, 4]))
+    wait_for(lambda: d.poll(3) != KVPoll.Bootstrapping, what="the new instance confirmed room 3")
     assert d.poll(3) == KVPoll.WaitingForInput, d.failure_reason(3)
     d.send_transfer_info(3, np.array([11]), dkv.aux.alloc())
     _serve(p2, pkv2, 3, [1])

@@ -80,7 +80,7 @@ def test_malformed_prefix_is_refused(pair: PD, prefix: int, digest: str, words: 
     wait_for(lambda: pair.d.poll(5) == KVPoll.WaitingForInput)
     # straight onto the wire: D's own send_transfer_info() would refuse the first case itself
     pair.d.ctrl.send(pair.p.ctrl.addr, wire.TransferInfo(
-        room=5, session=pair.d.session, ctrl_addr=pair.d.ctrl.addr, rank=0,
+        room=5, session=pair.d.session, ctrl_addr=pair.d.ctrl.addr, rank=0, decode_id=pair.d.decode_id,
         dst_pages=np.array([1, 2, 3, 4], "<i4").tobytes(), aux_slot=0, prefix_pages=prefix,
         prefix_digest=digest))
     wait_for(lambda: pair.p.poll(5) == KVPoll.Failed, what="prefill refuses the prefix")
@@ -88,6 +88,7 @@ def test_malformed_prefix_is_refused(pair: PD, prefix: int, digest: str, words: 
 
 
 def test_decode_refuses_a_prefix_covering_every_page(pair: PD) -> None:
+    pair.p.add(6)  # D reserves pages only for a room P has
     pair.d.add(6, "127.0.0.1", pair.port)
     wait_for(lambda: pair.d.poll(6) == KVPoll.WaitingForInput)
     pair.d.send_transfer_info(6, np.array([1, 2]), pair.dkv.aux.alloc(), 2, "ab" * 16)
@@ -156,6 +157,7 @@ def test_old_decode_is_refused_in_its_own_version(pair: PD, old_peer: OldPeer,
 
 
 def test_old_prefill_status_fails_the_decode_room(pair: PD, old_peer: OldPeer) -> None:
+    pair.p.add(8)  # D reserves pages only for a room P has
     pair.d.add(8, "127.0.0.1", pair.port)
     wait_for(lambda: pair.d.poll(8) == KVPoll.WaitingForInput)
     pair.d.send_transfer_info(8, np.array([1, 2]), pair.dkv.aux.alloc())

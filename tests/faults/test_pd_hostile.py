@@ -109,12 +109,14 @@ def test_decode_frozen_mid_transfer_serves_again(pair: PDCluster) -> None:
                     bootstrap_room=7000 + k) for k in range(4)]
     results: list = []
     threads = [_post(d.url, b, results) for b in bodies]
+    # D reserves pages only once P has the request (it confirms D's claim): P gets them too,
+    # and D is frozen the moment it has sent its pages for all four, while P still prefills
+    threads += [_post(p.url, b, results) for b in bodies]
     deadline = time.monotonic() + 60
     while c.load(d).get("disagg_transfer_queue", 0) < 4:  # D sent its pages for all four
         assert time.monotonic() < deadline, c.load(d)
-        time.sleep(0.05)
+        time.sleep(0.01)
     with frozen(d.proc.pid):
-        threads += [_post(p.url, b, results) for b in bodies]
         time.sleep(5.0)
     _serve_again(c, ref_body, ref_out)
     for t in threads:
@@ -163,7 +165,8 @@ def test_hijack_sequence_is_refused_at_its_first_step(pair: PDCluster) -> None:
         t = _post(d.url, _body(3, n=50, bootstrap_host="127.0.0.1",
                                bootstrap_port=c.bootstrap_ports[0], bootstrap_room=9999), waiting)
         deadline = time.monotonic() + 30
-        while c.load(d).get("disagg_transfer_queue", 0) < 1:  # D waits for P's KV
+        # D claimed the room at P (known from the reference request) and waits for P
+        while c.load(d).get("disagg_prealloc_queue", 0) < 1:
             assert time.monotonic() < deadline, c.load(d)
             time.sleep(0.05)
         push = ctx.socket(zmq.PUSH)

@@ -5,7 +5,11 @@ The victim's route (room, and with a cluster secret a valid signature) is copied
 to the other decode server, carrying another prompt: P refuses to send that server anything
 (the room is bound to the first decode server that claimed it, 409 `room_claimed`), and when the
 copy claims first, P compares the digest of decode's whole prompt with its own before any page
-leaves (409 `prompt_mismatch` on both sides). Transfer counters prove that no byte moved."""
+leaves (409 `prompt_mismatch` on both sides). Transfer counters prove that no byte moved.
+
+Orphan rooms (issue 44 item 7): requests sent to a decode server alone, naming the real P, hold
+none of its pages (D reserves only once P confirmed it has the request) and fail within a few
+seconds; another user's request completes meanwhile."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import httpx
 import pytest
 
 from pdcore.route_auth import route_key, sign_route
+from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import PDCluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -32,7 +37,8 @@ def trio(request, tiny_llama_dir: Path):
     backend, secret = request.param
     c = PDCluster(backend, decode=2, model_path=str(tiny_llama_dir), flags=FLAGS,
                   secret=secret, env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
-                                      "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"})
+                                      "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30",
+                                      "PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT": "1"})
     c.start(300)
     yield c
     c.stop()
@@ -66,10 +72,11 @@ def test_a_copied_route_gets_nothing(trio: PDCluster) -> None:
     c = trio
     p, (d1, d2) = c.prefills[0], c.decodes
     room = 7_000_001
+    victim = _body(c, room, VICTIM)
     with httpx.Client(timeout=120) as http:
         answers: dict[str, httpx.Response] = {}
         victim_d = threading.Thread(target=lambda: answers.setdefault(
-            "d1", http.post(d1.url + "/generate", json=_body(c, room, VICTIM))))
+            "d1", http.post(d1.url + "/generate", json=victim)))
         victim_d.start()  # D1 reserves pages and claims the room at P (P has not got it yet)
         time.sleep(1.5)
         p_bytes = _metric(p.url, BYTES)
@@ -78,11 +85,17 @@ def test_a_copied_route_gets_nothing(trio: PDCluster) -> None:
         assert "bound to another decode server" in r.text, r.text
         assert _metric(p.url, BYTES) == p_bytes and _metric(d2.url, BYTES) == 0
         assert _metric(p.url, "pdserve_scheduler_kv_room_claims_refused_total") >= 1
-        victim_p = http.post(p.url + "/generate", json=_body(c, room, VICTIM))
+        victim_p = http.post(p.url + "/generate", json=victim)
         victim_d.join(120)
         assert victim_p.status_code == 200, victim_p.text
         assert answers["d1"].status_code == 200, answers["d1"].text
         assert _metric(d2.url, BYTES) == 0
+        if c.secret:  # a signature is good for one request per server: a replay is refused
+            p_bytes = _metric(p.url, BYTES)
+            for s in (d1, p):
+                r = http.post(s.url + "/generate", json=victim)
+                assert r.status_code == 403 and "used already" in r.text, r.text
+            assert _metric(p.url, BYTES) == p_bytes
     c.wait_pages_free()
 
 
@@ -108,3 +121,35 @@ def test_another_prompt_is_refused_before_any_page_leaves(trio: PDCluster) -> No
     ok = httpx.post(c.url + "/generate", json={"text": VICTIM, "sampling_params": {
         "max_new_tokens": 4, "temperature": 0}}, timeout=120)
     assert ok.status_code == 200, ok.text
+
+
+def test_requests_sent_to_decode_alone_hold_nothing(trio: PDCluster) -> None:
+    """12 requests whose prompts would take D's whole pool, sent to D alone (never to P): none
+    of D's pages is taken, a real request completes meanwhile, and each orphan gets its reason
+    once D stops waiting for P's confirmation (6 claim timeouts: 6 s here)."""
+    c = trio
+    p, d1 = c.prefills[0], c.decodes[0]
+    long = "word " * 300  # 12 of them need far more than D's 2,048-token pool
+    answers: list[httpx.Response] = []
+    started = time.monotonic()
+    with httpx.Client(timeout=120) as http:
+        orphans = [threading.Thread(target=lambda i=i: answers.append(http.post(
+            d1.url + "/generate", json=_body(c, 8_000_000 + i, long)))) for i in range(12)]
+        for t in orphans:
+            t.start()
+        time.sleep(1.5)
+        assert load_at_rest(c.load(d1)), c.load(d1)  # the orphans hold no page
+        room, real = {}, _body(c, 8_100_000, VICTIM)
+        pair = threading.Thread(target=lambda: room.setdefault(
+            "d", http.post(d1.url + "/generate", json=real)))
+        pair.start()
+        ok = http.post(p.url + "/generate", json=real)
+        pair.join(120)
+        assert ok.status_code == 200 and room["d"].status_code == 200, (ok.text, room)
+        for t in orphans:
+            t.join(60)
+    assert len(answers) == 12 and time.monotonic() - started < 40
+    for r in answers:
+        assert r.status_code == 502 and "did not confirm this room" in r.text, r.text
+    assert _metric(d1.url, "pdserve_scheduler_kv_unconfirmed_rooms_total") >= 12
+    c.wait_pages_free()

@@ -22,13 +22,18 @@ import zmq
 
 from pdcore.disagg.control import MAX_PEERS, ControlPlane
 from pdcore.route_auth import route_key, sign_route
-from pdcore.testing.processes import ADMIN_HEADERS, PDCluster, ServerProcess
+from pdcore.testing.greedy import check_greedy, hf_greedy
+from pdcore.testing.processes import ADMIN_HEADERS, PDCluster, ServerProcess, free_port
 from pdcore.testing.tiny_models import make_tiny_model
 
 FLAGS = ("--max-total-tokens", "2048", "--page-size", "4")
+# these servers trust only what a multi-host deployment would (no loopback default: the
+# router's signatures and registrations are what is under test); the seed test below runs
+# with the one-host default
 ENV = {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
-       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30"}
+       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
+       "PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL": "0"}
 SECRET = "cluster-secret-for-the-test"
 ROUTES = {"/generate": {"text": "hello there", "sampling_params": {"max_new_tokens": 4,
                                                                    "temperature": 0}},
@@ -233,7 +238,9 @@ def test_signed_routes(signed_pair) -> None:
              "bootstrap_room": 99}
     cases = {"neither signed nor": {},  # the real P, but unsigned: no registration in this mode
              "expired": {"bootstrap_sig": sign_route(key, 99, "127.0.0.1", route["bootstrap_port"],
-                                                     ttl_s=-5)},
+                                                     ttl_s=-40)},  # past the 30 s skew
+             "too far in the future": {"bootstrap_sig": sign_route(
+                 key, 99, "127.0.0.1", route["bootstrap_port"], ttl_s=600)},
              "does not sign this route": {"bootstrap_sig": sign_route(
                  key, 98, "127.0.0.1", route["bootstrap_port"])},
              "malformed": {"bootstrap_sig": "v1.x.y"}}
@@ -313,3 +320,61 @@ def test_sglang_router_needs_one_setting(model_dir) -> None:
         assert r.status_code == 200 and r.json()["output_ids"], r.text
     finally:
         c.stop()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
+                    reason="sglang-router is not installed (pip install sglang-router)")
+def test_seed_commands_serve_behind_sglang_router_as_written(model_dir, outsider) -> None:
+    """Issue 45 item 6: the seed page's one-host Llama commands (program name swapped, the
+    RDMA device dropped, a free bootstrap port instead of 8998 so CI runs side by side, the
+    tiny model) behind the real sglang-router serve transformers' greedy tokens with no extra
+    flag: P announces its bootstrap port to this user's servers on this host, D trusts that
+    loopback address. The client-named route stays closed: a loopback port nobody announced
+    and a non-loopback address are refused (403) and never contacted. With the loopback
+    default off (as across hosts without a secret or trust list), the refused route answers
+    the client with decode's reason once P's claim timeout fires on each of sglang-router's
+    attempts, never a hang."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    fast = {"PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT": "1"}
+    bport = free_port()
+    p = ServerProcess("--model-path", model_dir, "--disaggregation-mode", "prefill",
+                      "--disaggregation-bootstrap-port", str(bport), *FLAGS, env=fast)
+    d = ServerProcess("--model-path", model_dir, "--disaggregation-mode", "decode", *FLAGS,
+                      env=fast)
+    procs = [p, d]
+    try:
+        p.wait_healthy(300)
+        d.wait_healthy(300)
+        router = ServerProcess(
+            "--pd-disaggregation", "--prefill", p.url, str(bport), "--decode", d.url,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            command=("-m", "sglang_router.launch_router"))
+        procs.append(router)
+        router.wait_healthy(120)
+        ids = AutoTokenizer.from_pretrained(model_dir).encode("The capital of France is")
+        r = httpx.post(router.url + "/generate", json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+            timeout=120)
+        assert r.status_code == 200, r.text
+        ref = hf_greedy(AutoModelForCausalLM.from_pretrained(model_dir), ids, 8)
+        check_greedy(r.json()["output_ids"], ref)
+        for host, port in (("127.0.0.1", outsider.port), ("10.77.0.1", 8998)):
+            body = {**ROUTES["/generate"], "bootstrap_host": host, "bootstrap_port": port,
+                    "bootstrap_room": 4243}
+            _refused(httpx.post(d.url + "/generate", json=body, timeout=30), "neither signed nor")
+        assert outsider.connections == 0
+        d.stop()  # the same decode server, multi-host style: no loopback default
+        d = ServerProcess("--model-path", model_dir, "--disaggregation-mode", "decode", *FLAGS,
+                          port=d.port, env={**fast, "PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL": "0"})
+        procs.append(d)
+        d.wait_healthy(300)
+        started = time.monotonic()
+        r = httpx.post(router.url + "/generate", json=ROUTES["/generate"], timeout=120)
+        took = time.monotonic() - started
+        assert r.status_code >= 400 and "neither signed nor" in r.text, r.text
+        assert took < 30, took  # sglang-router's attempts each end at P's 1 s claim timeout
+        print(f"refused route answered in {took:.1f}s through sglang-router")
+    finally:
+        for s in procs:
+            s.stop()

@@ -4,6 +4,7 @@ cluster a token, an open control plane says so, and D refuses a route from anoth
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,43 @@ def test_decode_refuses_a_route_from_another_instance() -> None:
         assert client.get_rank(addr, 0, 0) == ("127.0.0.1", 5000)
     finally:
         srv.close()
+
+
+def test_route_signatures_are_single_use_and_short_lived() -> None:
+    """Issue 44 item 1: a signature is good for one request per server, and lives as long as
+    the router signs (60 s) give or take 30 s of clock skew, not 3600 s."""
+    from pdcore.route_auth import RouteGuard, route_key, sign_route
+
+    guard = RouteGuard("s", local=False)
+    key = route_key("s")
+    sig = sign_route(key, 7, "10.0.0.5", 8998)
+    assert guard.check(7, "10.0.0.5", 8998, sig, 8998) == ""
+    assert "used already" in guard.check(7, "10.0.0.5", 8998, sig, 8998)
+    late = sign_route(key, 8, "10.0.0.5", 8998, ttl_s=-20)  # a router clock 20 s behind
+    assert guard.check(8, "10.0.0.5", 8998, late, 8998) == ""
+    assert "expired" in guard.check(9, "10.0.0.5", 8998,
+                                    sign_route(key, 9, "10.0.0.5", 8998, ttl_s=-40), 8998)
+    assert "too far in the future" in guard.check(
+        10, "10.0.0.5", 8998, sign_route(key, 10, "10.0.0.5", 8998, ttl_s=3000), 8998)
+
+
+def test_loopback_trust_needs_a_live_prefill_of_this_user(tmp_path, monkeypatch) -> None:
+    """Issue 45 item 6: a loopback route is trusted only for a port a live prefill server of
+    this user announced; a dead server's entry, another port, or another host are not."""
+    from pdcore import route_auth
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    guard = route_auth.RouteGuard(None, local=True)
+    entry = route_auth.announce_local_prefill(41234)
+    assert entry and oct(os.stat(route_auth.local_prefill_dir()).st_mode)[-3:] == "700"
+    assert guard.check(1, "127.0.0.1", 41234, None, 8998) == ""
+    assert guard.check(1, "localhost", 41234, None, 8998) == ""
+    assert route_auth.UNTRUSTED in guard.check(1, "127.0.0.1", 41235, None, 8998)
+    assert route_auth.UNTRUSTED in guard.check(1, "10.0.0.5", 41234, None, 8998)
+    assert route_auth.UNTRUSTED in route_auth.RouteGuard(None, local=False).check(
+        1, "127.0.0.1", 41234, None, 8998)
+    with open(entry, "w") as f:
+        f.write("999999999")  # a dead (or never existing) process
+    assert route_auth.UNTRUSTED in guard.check(1, "127.0.0.1", 41234, None, 8998)
+    route_auth.withdraw_local_prefill(entry)  # not ours any more: left alone
+    assert os.path.exists(entry)

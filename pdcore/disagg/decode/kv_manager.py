@@ -6,7 +6,8 @@ Lifecycle:
 3. per request: `add(room, host, port)` -> Bootstrapping; a resolver thread fetches P's instance
    info from its bootstrap server (cached per address; page size / dtype / backend checked),
    the rank addresses D needs (rank mapping by TP sizes), and registers with each of those P
-   ranks once per P instance -> WaitingForInput (waiting timeout running);
+   ranks once per P instance; the room is claimed (Claim to its P ranks) and, once P confirmed
+   it has the request (Claimed), -> WaitingForInput (waiting timeout running);
 4. the scheduler pre-allocates pages and an aux slot, `send_transfer_info()` -> Transferring;
 5. P writes the pages and the aux row, then Status(Success) from every required P rank; the aux
    row must carry the room -> Success; Status(Failed), the waiting timeout (Abort sent to P),
@@ -30,7 +31,7 @@ from pdcore.disagg.aux import AuxRow
 from pdcore.disagg.bootstrap import BootstrapClient
 from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
 from pdcore.disagg.decode.peers import PrefillPeerWatch
-from pdcore.disagg.decode.resolve import BootstrapResolution
+from pdcore.disagg.decode.resolve import CONFIRM_FACTOR, BootstrapResolution
 from pdcore.disagg.decode.rooms import Instance, Room
 from pdcore.disagg.heartbeat import Heartbeat
 from pdcore.disagg.manager import KVManager
@@ -63,7 +64,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
         self._addr_locks: dict[str, threading.Lock] = {}
         self._last_failure: dict[str, tuple[float, str]] = {}
         self._handlers = {wire.Status: self._on_status, wire.AbortAck: self._on_abort_ack,
-                          wire.HelloAck: self._on_hello_ack}
+                          wire.HelloAck: self._on_hello_ack, wire.Claimed: self._on_claimed}
         self._hellos: dict[str, threading.Event] = {}  # nonce -> set when P answered it
         self.client = BootstrapClient(token=self.token)
         self._resolver = ThreadPoolExecutor(4, thread_name_prefix=f"pd-d{tp_rank}-resolve")
@@ -294,9 +295,17 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
             else:
                 self.grants.free(offset, quarantine=False)
         why = f"waiting timeout: no KV from prefill within {self.env.waiting_timeout:g}s"
-        for room, reason in self._expired(now, {KVPoll.WaitingForInput: why,
+        unconfirmed = (f"prefill did not confirm this room within "
+                       f"{CONFIRM_FACTOR * self.env.claim_timeout:g}s: it never received the "
+                       "request (a decode request must go with its prefill request)")
+        for room, reason in self._expired(now, {KVPoll.Bootstrapping: unconfirmed,
+                                                KVPoll.WaitingForInput: why,
                                                 KVPoll.Transferring: why}):
-            self._fail(room, reason)
+            if reason is unconfirmed:  # P lost or never got the request: P's fault (502)
+                self.counters.add("unconfirmed_rooms")
+                self._fail(room, reason, code=wire.PREFILL_FAULT)
+            else:
+                self._fail(room, reason)
 
     # -- failures ------------------------------------------------------------------------------
     def _notify_failed(self, r: Room, reason: str, code: str) -> None:

@@ -109,8 +109,8 @@ class PrefillPeerWatch:
                 state = self.states.get(r.room)
                 if state is KVPoll.Failed:  # failed while re-resolving: the new P may hold it
                     self._send_abort(r, inst, self.states.reason(r.room))
-                elif state is KVPoll.WaitingForInput:
-                    self._attach(r, inst)
+                elif state in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+                    self._attach(r, inst)  # a room not confirmed yet claims it again there
                 elif state is KVPoll.Transferring and inst.tp_size != old.tp_size:
                     self._fail(r.room, f"{reason} with TP {inst.tp_size} (was {old.tp_size})",
                                code=wire.PREFILL_FAULT, notify=False)  # its grant is sized for TP

@@ -10,7 +10,9 @@ Lifecycle of one prefill address (resolver threads, one fetch per address at a t
    pairing (PairingRefused: P's rooms are aborted with the reason, counted on both sides);
 3. `_challenge` per P rank when a cluster secret is set: P answers a fresh nonce with a MACed
    HelloAck before D sends Register (its data-plane endpoint and KV addresses);
-4. Register to every P rank; `_attach` the rooms waiting on the address.
+4. Register to every P rank; `_attach` the rooms waiting on the address: each sends P a Claim
+   and waits, holding no page, for P's Claimed (P has the request: WaitingForInput); a room
+   P never confirms (a request sent to D alone) fails after CONFIRM_FACTOR claim timeouts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from pdcore.errors import PDError, ProtocolError, TransferError
 from pdcore.interfaces.geometry import rank_mapping
 
 log = logging.getLogger("pdcore.disagg.decode")
+# D waits this many claim timeouts for P's Claimed: P admits a request between two forward
+# passes (one long prefill chunk can delay it), and the waiting room holds no page meanwhile
+CONFIRM_FACTOR = 6
 
 
 class PairingRefused(ProtocolError):
@@ -72,11 +77,41 @@ class BootstrapResolution:
                                f"{r.addr} has --dp-size {inst.dp_size}", notify=False)
             return
         r.inst = inst
-        r.deadline = time.monotonic() + self.env.waiting_timeout
-        if self.states.advance(r.room, KVPoll.WaitingForInput):
-            log.debug("room %d: prefill %s resolved", r.room, r.addr)
-        elif self.states.get(r.room) is KVPoll.Failed:  # aborted while resolving: tell P now
+        state = self.states.get(r.room)
+        if state is KVPoll.Failed:  # aborted while resolving: tell P now
             self._send_abort(r, inst, self.states.reason(r.room))
+        elif state is KVPoll.Bootstrapping:  # claim the room; pages wait for P's Claimed
+            r.confirmed.clear()
+            r.deadline = time.monotonic() + CONFIRM_FACTOR * self.env.claim_timeout
+            self._send_claim(r, inst)
+            log.debug("room %d: prefill %s resolved, room claimed", r.room, r.addr)
+        else:  # moved to a restarted prefill after P had confirmed it
+            r.deadline = time.monotonic() + self.env.waiting_timeout
+
+    def _send_claim(self, r: Room, inst: Instance) -> None:
+        msg = wire.Claim(room=r.room, session=self.session, ctrl_addr=self.ctrl.addr,
+                         rank=self.tp_rank, decode_id=self.decode_id)
+        dp = r.prefill_dp_of(inst)
+        for t in inst.targets:
+            if not self.ctrl.send(inst.ctrl_addrs[(dp, t)], msg):
+                self._fail(r.room, f"cannot reach prefill rank at {inst.ctrl_addrs[(dp, t)]}",
+                           code=wire.PREFILL_FAULT, notify=False)
+                return
+
+    def _on_claimed(self, msg: wire.Claimed) -> None:
+        """P has the room's request: once every P rank this rank pulls from said so, the
+        scheduler may reserve its pages (WaitingForInput)."""
+        with self._lock:
+            r = self._rooms.get(msg.room)
+            if (r is None or r.inst is None or msg.rank not in r.inst.targets
+                    or self.states.get(msg.room) is not KVPoll.Bootstrapping):
+                self.counters.add("stale_messages")
+                return
+            r.confirmed.add(msg.rank)
+            if len(r.confirmed) < len(r.inst.targets):
+                return
+            r.deadline = time.monotonic() + self.env.waiting_timeout
+            self.states.advance(msg.room, KVPoll.WaitingForInput)
 
     def _instance(self, addr: str, started: float) -> Instance:
         with self._lock:

@@ -33,6 +33,7 @@ class Room:
     inst: Instance | None = None
     aux_slot: int = wire.NO_AUX_SLOT
     deadline: float | None = None
+    confirmed: set[int] = field(default_factory=set)  # P ranks that answered its Claim
     responders: set[int] = field(default_factory=set)
     staged_by: set[int] = field(default_factory=set)  # P ranks whose KV is in the grant
     aux_payload: bytes = b""

@@ -33,6 +33,7 @@ from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
 from pdcore.disagg.manager import KVManager
 from pdcore.disagg.prefill.chunks import ChunkWriter
+from pdcore.disagg.prefill.claims import RoomClaims
 from pdcore.disagg.prefill.rooms import (
     Chunk,
     Dest,
@@ -48,11 +49,12 @@ from pdcore.disagg.workers import ShardedWorkers
 from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
+from pdcore.route_auth import announce_local_prefill, withdraw_local_prefill
 
 log = logging.getLogger("pdcore.disagg.prefill")
 
 
-class PrefillKVManager(DestViews, ChunkWriter, KVManager):
+class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
     """The sender: P's rooms, D sessions, the bootstrap server (rank 0), transfer workers."""
 
     role = "prefill"
@@ -79,10 +81,11 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
         self.sessions = SessionTable(self.backend, self._lock)
         self._handlers = {wire.TransferInfo: self._on_transfer_info,
                           wire.Register: self._on_register, wire.Abort: self._on_abort,
-                          wire.Hello: self._on_hello}
+                          wire.Hello: self._on_hello, wire.Claim: self._on_claim}
         self.workers = ShardedWorkers(env.queue_size, env.thread_pool_size, self._run_chunk,
                                       label=f"pd-p{tp_rank}-xfer")
         self.bootstrap: BootstrapServer | None = None
+        self.announced: str | None = None  # route_auth.announce_local_prefill's entry
         # rank 0 serves the bootstrap; on multi-node P the other nodes reach it at the
         # --dist-init-addr host (as in SGLang)
         boot_host = advertised_host(args.host)
@@ -98,6 +101,8 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
                                              self.args.disaggregation_bootstrap_port,
                                              self.token, self.route_secret)
             self.bootstrap.start()
+            # loopback routes to this port are trusted by this user's decode servers here
+            self.announced = announce_local_prefill(self.bootstrap.port)
             host = self.bootstrap_addr.rpartition(":")[0]
             self.bootstrap_addr = f"{host}:{self.bootstrap.port}"
         host, _, port = addr.removeprefix("tcp://").rpartition(":")
@@ -123,6 +128,7 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
         self.workers.close()
         self.ctrl.close()
         if self.bootstrap is not None:
+            withdraw_local_prefill(self.announced)
             self.bootstrap.close()
         if self.staging is not None:
             self.staging.close()
@@ -137,14 +143,18 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
                 return
             if not self._claim(room):
                 return
-            r = RoomState(room, deadline=now + self.env.bootstrap_timeout)
+            r = RoomState(room, deadline=now + self.env.bootstrap_timeout,
+                          claim_deadline=now + self.env.claim_timeout)
             self._rooms[room] = r
             self.states.create(room, KVPoll.Bootstrapping)
             self._tombstones.pop(room, None)
             pending = self._pending.pop(room, None)
             if pending is not None:
                 r.dests, r.required = pending.dests, pending.required
-                r.decode_id = pending.decode_id
+                r.decode_id, r.claimed = pending.decode_id, bool(pending.claims or pending.dests)
+                r.claimers = pending.claims
+                for addr in [] if pending.failure else pending.claims:  # D waits for this
+                    self.ctrl.send(addr, wire.Claimed(room=room, rank=self.tp_rank))
                 if pending.failure:
                     self._fail(room, pending.failure)
                 else:
@@ -209,10 +219,10 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
 
     # -- helpers ---------------------------------------------------------------------------
     def _notify_failed(self, r: RoomState, reason: str, code: str) -> None:
-        with self._lock:
-            dests = list(r.dests.values())
-        for d in dests:
-            self._reply_failed(d.ctrl_addr, r.room, reason, code)
+        with self._lock:  # every D rank that sent pages or claimed the room
+            addrs = {d.ctrl_addr for d in r.dests.values()} | set(r.claimers)
+        for addr in addrs:
+            self._reply_failed(addr, r.room, reason, code)
 
     def _maybe_ready(self, r: RoomState) -> None:
         if len(r.dests) >= r.required and self.states.advance(r.room, KVPoll.WaitingForInput):
@@ -272,7 +282,7 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
                 return
             r.dests[msg.session] = dest
             r.required = msg.required
-            r.decode_id = r.decode_id or msg.decode_id
+            r.decode_id, r.claimed = r.decode_id or msg.decode_id, True
             if self.states.get(msg.room) is KVPoll.Failed:
                 self._reply_failed(msg.ctrl_addr, msg.room, self.states.reason(msg.room))
                 return
@@ -281,16 +291,6 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
             self._fail(msg.room, why, code)
             return
         self._maybe_ready(r)
-
-    def _refuse_claim(self, msg: wire.TransferInfo) -> None:
-        """Under the lock: a second decode server names a room that is bound to another one (a
-        copied route): only it is told, nothing moves, the room goes on."""
-        self.counters.add("room_claims_refused")
-        why = (f"bootstrap room {msg.room} is bound to another decode server (one decode "
-               "server per room): this request's route was copied from another request")
-        log.warning("room %d: TransferInfo from decode %s refused: bound to another decode "
-                    "server", msg.room, msg.decode_id or msg.session)
-        self._reply_failed(msg.ctrl_addr, msg.room, why, wire.ROOM_CLAIMED)
 
     def _on_abort(self, msg: wire.Abort) -> None:
         reason = f"aborted by decode: {msg.reason or 'no reason given'}"
@@ -327,5 +327,14 @@ class PrefillKVManager(DestViews, ChunkWriter, KVManager):
                 del self._pending[room]
             for room in [k for k, t in self._tombstones.items() if now - t[1] > keep]:
                 del self._tombstones[room]
+        unclaimed = (f"no decode server claimed this room within "
+                     f"{self.env.claim_timeout:g}s: decode refused the request (an untrusted "
+                     "route? decode's answer says why) or never received it")
+        with self._lock:
+            late = [room for room, r in self._rooms.items() if not r.fake and not r.claimed
+                    and now > r.claim_deadline and self.states.get(room) is KVPoll.Bootstrapping]
         for room, why in expired:
             self._fail(room, why)
+        for room in late:
+            self.counters.add("unclaimed_rooms")
+            self._fail(room, unclaimed, wire.UNCLAIMED)

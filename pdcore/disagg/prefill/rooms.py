@@ -38,6 +38,9 @@ class RoomState:
     required: int = 1
     fake: bool = False
     decode_id: str = ""  # the decode server the room is bound to (the first that claimed it)
+    claimed: bool = False  # a decode server claimed it (else it fails at the claim timeout)
+    claim_deadline: float = float("inf")
+    claimers: list[str] = field(default_factory=list)  # D ranks (ctrl addrs) that claimed it
     inflight: int = 0  # chunk jobs queued or running
     last_queued: bool = False
     final_aux: int | None = None
@@ -53,6 +56,7 @@ class Pending:
     required: int = 1
     failure: str = ""
     decode_id: str = ""
+    claims: list[str] = field(default_factory=list)  # D ranks (ctrl addrs) awaiting Claimed
 
 
 @dataclass(frozen=True, slots=True)
