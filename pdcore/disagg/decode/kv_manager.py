@@ -295,7 +295,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
             else:
                 self.grants.free(offset, quarantine=False)
         why = f"waiting timeout: no KV from prefill within {self.env.waiting_timeout:g}s"
-        unconfirmed = (f"prefill did not confirm this room within "
+        unconfirmed = (f"claim timeout: prefill did not confirm this room within "
                        f"{CONFIRM_FACTOR * self.env.claim_timeout:g}s: it never received the "
                        "request (a decode request must go with its prefill request)")
         for room, reason in self._expired(now, {KVPoll.Bootstrapping: unconfirmed,

@@ -327,7 +327,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
                 del self._pending[room]
             for room in [k for k, t in self._tombstones.items() if now - t[1] > keep]:
                 del self._tombstones[room]
-        unclaimed = (f"no decode server claimed this room within "
+        unclaimed = (f"claim timeout: no decode server claimed this room within "
                      f"{self.env.claim_timeout:g}s: decode refused the request (an untrusted "
                      "route? decode's answer says why) or never received it")
         with self._lock:
