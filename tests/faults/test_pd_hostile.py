@@ -110,12 +110,12 @@ def test_decode_frozen_mid_transfer_serves_again(pair: PDCluster) -> None:
     results: list = []
     threads = [_post(d.url, b, results) for b in bodies]
     # D reserves pages only once P has the request (it confirms D's claim): P gets them too,
-    # and D is frozen the moment it has sent its pages for all four, while P still prefills
+    # and D is frozen the moment it has sent its first pages, while P prefills (the rooms D
+    # has not reserved yet wait for it and go on after the freeze)
     threads += [_post(p.url, b, results) for b in bodies]
     deadline = time.monotonic() + 60
-    while c.load(d).get("disagg_transfer_queue", 0) < 4:  # D sent its pages for all four
+    while c.load(d).get("disagg_transfer_queue", 0) < 1:  # D sent its pages for one
         assert time.monotonic() < deadline, c.load(d)
-        time.sleep(0.01)
     with frozen(d.proc.pid):
         time.sleep(5.0)
     _serve_again(c, ref_body, ref_out)
