@@ -1,10 +1,11 @@
 """Validation and conversion of request fields into scheduler requests (GenerateReq).
 
 Length policy (documented in docs/http-api.md): a prompt of `context_length` tokens or
-more is rejected (HTTP 400, field = the prompt field); otherwise `max_new_tokens` is clamped to
-the room left in the context (`context_length - prompt_tokens`) and in the KV pool
-(`max_total_tokens - prompt_tokens`), and such a request ends with finish_reason "length".
-A prompt that does not fit the KV pool at all is rejected too: it could never be scheduled.
+more is rejected (HTTP 400, field = the prompt field); otherwise `max_new_tokens` is clamped
+(by planner.max_new_tokens, the one place it is decided) to the room left in the context
+(`context_length - prompt_tokens`) and in the KV pool (`max_total_tokens - prompt_tokens`), and
+such a request ends with finish_reason "length". A prompt that does not fit the KV pool at all
+is rejected too: it could never be scheduled.
 """
 
 from __future__ import annotations
