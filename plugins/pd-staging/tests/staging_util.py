@@ -100,8 +100,9 @@ def env(**extra: str) -> DisaggEnv:
 
 
 def args(role: str, port: int) -> ServerArgs:
+    # the ranks of one server share its server id (P binds a room to one decode server)
     return ServerArgs(host="127.0.0.1", disaggregation_mode=role,
-                      disaggregation_bootstrap_port=port)
+                      disaggregation_bootstrap_port=port, server_id=f"test-{role}")
 
 
 def prefill(kv: RankKV, port: int, e: DisaggEnv) -> PrefillKVManager:
