@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -167,8 +168,10 @@ class TransferSystem:
 
 
 def _args(role: str, port: int) -> ServerArgs:
+    # the ranks of one decode server share its server id (P binds a room to one decode server)
+    extra = {"server_id": "bench-decode"} if role == "decode" else {}
     return ServerArgs(host="127.0.0.1", disaggregation_mode=role,
-                      disaggregation_bootstrap_port=port)
+                      disaggregation_bootstrap_port=port, **extra)
 
 
 def _free_port() -> int:
@@ -248,7 +251,7 @@ def bench_ttft(tokens: int, rounds: int) -> dict[str, Any]:
 
     def one(p: str, d: str, ids: list[int], out: list[float]) -> None:
         body = {"input_ids": ids, "stream": True, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": boot[p], "bootstrap_room": random.randrange(1 << 62),
+                "bootstrap_port": boot[p], "bootstrap_room": secrets.randbits(62),
                 "sampling_params": {"max_new_tokens": 2, "temperature": 0.0,
                                     "ignore_eos": True}}
         t0 = time.perf_counter()
