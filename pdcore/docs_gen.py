@@ -45,7 +45,8 @@ def serve_rows() -> list[tuple[str, ...]]:
         if action.choices:
             helptext += f" (one of: {', '.join(map(str, action.choices))})"
         default = action.default
-        shown = "" if default is None or default is False else f"`{default}`"
+        hidden = default is None or default is False or default == argparse.SUPPRESS
+        shown = "" if hidden else f"`{default}`"
         rows.append((_code(list(action.option_strings)), shown, helptext.strip()))
     return rows
 

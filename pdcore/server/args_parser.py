@@ -232,7 +232,7 @@ def _base_type(tp: Any) -> Any:
 def build_parser(prog: str = "pdserve serve") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, allow_abbrev=False,
                      description="Start one pdserve server (unified, prefill or decode).")
-    parser.add_argument("--config", metavar="FILE", dest="config", default=None,
+    parser.add_argument("--config", metavar="FILE", dest="config", default=argparse.SUPPRESS,
                         help="YAML file of flags (`model-path: ...`, `tp-size: 2`, `log-requests: "
                              "true`); flags on the command line win")
     hints = typing.get_type_hints(ServerArgs)

@@ -21,7 +21,10 @@ from pdcore.plugins import first_party
 from pdcore.plugins.host import PluginHost
 from pdcore.plugins.registry import Kind
 from pdcore.plugins_cli import plugins_command
-from pdcore.testing.processes import REPO_ROOT, free_port
+from pdcore.testing.processes import free_port
+
+# the checkout these tests live in (pdcore itself may be installed from a wheel, as in CI)
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 MISSING = [p for p in first_party.FIRST_PARTY if not p.installed()]
 needs_missing = pytest.mark.skipif(
@@ -42,6 +45,7 @@ def hide_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(name)
 
     monkeypatch.setattr(first_party.md, "distribution", distribution)
+    monkeypatch.chdir(CHECKOUT)  # a checkout is known even when pdcore came from a wheel
 
 
 def test_install_command_from_checkout_or_none() -> None:
@@ -86,17 +90,17 @@ def test_the_checkout_setup_sh_recorded_is_used(elsewhere: Path) -> None:
     """setup.sh installs from a temporary copy and writes the checkout's path into the
     environment; the hint then installs from that checkout's plugins/ folder with the
     environment's own pip."""
-    (elsewhere / "venv" / first_party.CHECKOUT_FILE).write_text(str(REPO_ROOT) + "\n")
+    (elsewhere / "venv" / first_party.CHECKOUT_FILE).write_text(str(CHECKOUT) + "\n")
     mooncake = next(p for p in first_party.FIRST_PARTY if p.distribution == "pd-mooncake")
     cmd = mooncake.install_command()
     assert cmd == (f"{first_party.pip_command()} install "
-                   f"'{REPO_ROOT / 'plugins' / 'pd-mooncake'}[cuda]'")
+                   f"'{CHECKOUT / 'plugins' / 'pd-mooncake'}[cuda]'")
     assert "[cpu]" in mooncake.note
 
 
 def test_the_current_folder_when_it_is_a_checkout(elsewhere: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.chdir(CHECKOUT)
     staging = next(p for p in first_party.FIRST_PARTY if p.distribution == "pd-staging")
     assert staging.install_command() == f"{first_party.pip_command()} install ./plugins/pd-staging"
 
