@@ -67,6 +67,7 @@ class RefEngine(TransferEngine):
         self.server: socket.socket | None = None
         self.accepted: list[socket.socket] = []
         self.outgoing: list[socket.socket] = []
+        self.serving: list[threading.Thread] = []
         self.closed = False
 
     def register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -88,7 +89,9 @@ class RefEngine(TransferEngine):
             except OSError:
                 return
             self.accepted.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            serve = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.serving.append(serve)
+            serve.start()
 
     def _inside(self, addr: int, n: int) -> bool:
         return any(r.addr <= addr and addr + n <= r.end for r in self.regions)
@@ -101,7 +104,7 @@ class RefEngine(TransferEngine):
                 ok = 1
                 for dst, length in items:
                     data = self._mangle(_recv_exact(conn, length))
-                    if not self._inside(dst, length):
+                    if self.closed or not self._inside(dst, length):
                         ok = 0
                     elif length:
                         ctypes.memmove(dst, data, length)
@@ -189,6 +192,12 @@ class RefEngine(TransferEngine):
             except OSError:
                 pass  # already gone
             conn.close()
+        # no serving thread may write into the regions once close() returns: the caller frees
+        # them next (a pool's host buffers are mappings, unmapped when freed: a late write
+        # would be a segfault of the whole test process)
+        for serve in self.serving:
+            if serve is not threading.current_thread():
+                serve.join(10)
 
 
 class CorruptingEngine(RefEngine):
