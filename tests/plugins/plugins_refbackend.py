@@ -88,10 +88,14 @@ class RefEngine(TransferEngine):
                 conn, _ = self.server.accept()
             except OSError:
                 return
-            self.accepted.append(conn)
-            serve = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self.serving.append(serve)
-            serve.start()
+            with self.lock:
+                if self.closed:  # close() has run: nothing may start serving after it
+                    conn.close()
+                    return
+                self.accepted.append(conn)
+                serve = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+                serve.start()  # started before close() can see it, so close() can join it
+                self.serving.append(serve)
 
     def _inside(self, addr: int, n: int) -> bool:
         return any(r.addr <= addr and addr + n <= r.end for r in self.regions)
@@ -181,9 +185,11 @@ class RefEngine(TransferEngine):
         peer.state.sock.close()
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            serving = list(self.serving)
         if self.server is not None:
             self.server.close()
         for conn in self.accepted + self.outgoing:
@@ -195,7 +201,7 @@ class RefEngine(TransferEngine):
         # no serving thread may write into the regions once close() returns: the caller frees
         # them next (a pool's host buffers are mappings, unmapped when freed: a late write
         # would be a segfault of the whole test process)
-        for serve in self.serving:
+        for serve in serving:
             if serve is not threading.current_thread():
                 serve.join(10)
 
