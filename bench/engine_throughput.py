@@ -70,7 +70,7 @@ class PdserveRunner:
         self.vocab = self.engine.engine.hf_config.vocab_size
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from pdcore.engine.io_struct import SamplingParams
+        from pdcore.messages.io import SamplingParams
 
         sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         return [o["output_ids"] for o in self.engine.generate(prompts, sp)]

@@ -152,7 +152,7 @@ def compare(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> dict[str, 
 
 def engine_section(rep: Report, models: dict[str, str], device: str, dtypes: list[str],
                    layouts: list[tuple[int, int, bool]], hf: dict[str, list[Any]]) -> None:
-    from pdcore.engine.io_struct import SamplingParams
+    from pdcore.messages.io import SamplingParams
     from pdcore.testing.greedy import check_greedy
 
     os.environ.update(SPEC_ENV)
@@ -253,7 +253,7 @@ def engine_section(rep: Report, models: dict[str, str], device: str, dtypes: lis
 
 PROBE = """
 import json, sys, torch
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 sys.path.insert(0, {bench!r})
 import gpu_check as g
 import pdcore

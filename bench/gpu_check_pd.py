@@ -51,7 +51,7 @@ def pd_section(rep: Report, models: dict[str, str], device: str, backends: list[
     """`log_dir`: where each server's log goes (None: nowhere)."""
     import httpx
 
-    from pdcore.engine.io_struct import SamplingParams
+    from pdcore.messages.io import SamplingParams
     from pdcore.testing.ports import free_port
     from pdcore.testing.processes import ServerProcess, trust_prefill
 

@@ -103,7 +103,7 @@ def sampler_alone(batch: int, steps: int) -> dict[str, Any]:
     """ms per step of sample() for `batch` constrained rows against `batch` greedy rows."""
     import torch
 
-    from pdcore.engine.io_struct import GrammarSpec, SamplingParams
+    from pdcore.messages.io import GrammarSpec, SamplingParams
     from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
     from pdcore.engine.sched.grammar import GrammarBackend
     from pdcore.engine.sched.sampler import SampleState, sample

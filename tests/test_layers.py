@@ -175,6 +175,13 @@ def test_the_server_uses_the_runtime_through_its_package_only() -> None:
     _check(bad, "the server imports a module of pdcore.runtime (import from pdcore.runtime):")
 
 
+def test_the_messages_import_no_side() -> None:
+    """#46: the types that cross processes live in a neutral package every side can import
+    without importing another side (the engine, the protocol, the runtime, server or router)."""
+    _check(_violations("messages", {"engine", "disagg", "runtime", "server", "router"}),
+           "pdcore.messages imports one of the sides it connects:")
+
+
 def test_the_protocol_imports_no_builtin() -> None:
     _check(_violations("disagg", {"builtin"}), "the protocol imports a builtin:")
 

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from pdcore.engine.io_struct import AbortReq, GenerateReq, TokenOut
+from pdcore.messages.io import AbortReq, GenerateReq, TokenOut
 from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.errors import InvalidRequestError
 

@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
+from pdcore.messages.io import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
 from pdcore.engine.sched.stats import StatsReport
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
 from pdcore.runtime.journal import RequestJournal

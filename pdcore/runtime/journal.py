@@ -18,7 +18,7 @@ import os
 import time
 from typing import Any
 
-from pdcore.engine.io_struct import GenerateReq
+from pdcore.messages.io import GenerateReq
 
 log = logging.getLogger("pdcore.runtime.handle")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from pdcore.config import ServerArgs
 from pdcore.engine.build import build_engine
-from pdcore.engine.io_struct import GenerateReq, SamplingParams, TokenOut
+from pdcore.messages.io import GenerateReq, SamplingParams, TokenOut
 from pdcore.errors import ConfigError
 from pdcore.runtime.group import agree_started
 from pdcore.runtime.lockstep import Lockstep

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdcore.engine.io_struct import AbortReq, GenerateReq, TokenOut
+from pdcore.messages.io import AbortReq, GenerateReq, TokenOut
 from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:

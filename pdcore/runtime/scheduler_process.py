@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import ControlReq, ControlResp
+from pdcore.messages.io import ControlReq, ControlResp
 from pdcore.engine.sched.scheduler import DecodeLog
 from pdcore.engine.sched.stats import StatsReport
 from pdcore.runtime.grammar_gate import GrammarGate

@@ -45,7 +45,7 @@ async def health(request: Request) -> Response:
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """One token through the whole engine; 200 when it comes back in time."""
-    from pdcore.engine.io_struct import PDRoute, SamplingParams
+    from pdcore.messages.io import PDRoute, SamplingParams
 
     engine = _engine(request)
     if not engine.ready:

@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GenerateReq, SamplingParams
+from pdcore.messages.io import GenerateReq, SamplingParams
 from pdcore.route_auth import RouteGuard
 from pdcore.runtime import EngineClient, EngineError, SchedulerTarget, make_engine
 from pdcore.server import (

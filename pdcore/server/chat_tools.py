@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcore.engine.io_struct import GrammarSpec
+from pdcore.messages.io import GrammarSpec
 from pdcore.server import tool_auto
 from pdcore.server.params import bad
 from pdcore.server.reasoning import ReasoningParser

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pdcore.engine.io_struct import GenerateReq
+from pdcore.messages.io import GenerateReq
 from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import tracing
 from pdcore.server.metrics import ServerMetrics

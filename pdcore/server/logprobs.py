@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdcore.engine.io_struct import LogprobEntry
+from pdcore.messages.io import LogprobEntry
 
 
 class TokenText:

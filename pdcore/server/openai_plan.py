@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdcore.engine.io_struct import GrammarSpec
+from pdcore.messages.io import GrammarSpec
 from pdcore.engine.sched.grammar import spec_from_fields, spec_from_response_format
 from pdcore.route_auth import RouteGuard
 from pdcore.runtime import EngineClient

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcore.engine.io_struct import LogprobEntry, SamplingParams, TokenOut
+from pdcore.messages.io import LogprobEntry, SamplingParams, TokenOut
 from pdcore.server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GenerateReq, PDRoute, SamplingParams
+from pdcore.messages.io import GenerateReq, PDRoute, SamplingParams
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
 from pdcore.route_auth import RouteGuard
 from pdcore.server.generation import Item

@@ -90,7 +90,7 @@ class SamplingParamsIn(_Open):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
-    # the fields of pdcore.engine.io_struct.SamplingParams as JSON types; None (or absent) takes
+    # the fields of pdcore.messages.io.SamplingParams as JSON types; None (or absent) takes
     # the default declared there, once (params.build_sampling checks the ranges)
     max_new_tokens: Int | None = None
     temperature: Float | None = None

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.errors import ConfigError
 
 TOKENIZER_MODES = ("auto", "slow")

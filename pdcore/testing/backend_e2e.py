@@ -29,7 +29,7 @@ SMOLLM2_FLAGS = ("--max-total-tokens", "16384", "--page-size", "16",
 
 def unified_reference() -> tuple[list[list[int]], list[list[int]]]:
     from pdcore.config import ServerArgs
-    from pdcore.engine.io_struct import SamplingParams
+    from pdcore.messages.io import SamplingParams
     from pdcore.engine.model.tokenizer import load_tokenizer
     from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids

@@ -31,7 +31,7 @@ from pdcore.disagg.aux import ROW_BYTES, AuxBuffers, AuxRow, ChainGeometry
 from pdcore.disagg.decode.sched import DecodeExtension
 from pdcore.disagg.sessions import parse_register
 from pdcore.disagg.states import KVPoll
-from pdcore.engine.io_struct import GenerateReq, PDRoute, SamplingParams
+from pdcore.messages.io import GenerateReq, PDRoute, SamplingParams
 from pdcore.errors import ProtocolError
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.tiny_models import make_eagle_head, make_tiny_model

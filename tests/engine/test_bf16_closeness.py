@@ -30,7 +30,7 @@ def test_bf16_is_refused_where_the_cpu_lacks_it(tmp_path: Path) -> None:
 
 def _score(engine, seqs: list[list[int]]) -> list[list[tuple[float, int, int]]]:
     """Per sequence, per position p >= 1: (logprob of token p, token p, top-1 token)."""
-    from pdcore.engine.io_struct import SamplingParams
+    from pdcore.messages.io import SamplingParams
 
     sp = SamplingParams(max_new_tokens=1, temperature=0.0)
     outs = engine.generate(seqs, sp, return_logprob=True, logprob_start_len=0,
@@ -42,7 +42,7 @@ def _score(engine, seqs: list[list[int]]) -> list[list[tuple[float, int, int]]]:
 @pytest.mark.skipif(not bf16_support()[0], reason=f"no native bf16 here: {bf16_support()[1]}")
 def test_bf16_is_close_to_float32_teacher_forced(smollm2_tokenizer) -> None:
     from pdcore.config import ServerArgs
-    from pdcore.engine.io_struct import SamplingParams
+    from pdcore.messages.io import SamplingParams
     from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids
 

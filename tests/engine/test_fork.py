@@ -14,7 +14,7 @@ from pdcore.config import ServerArgs
 from pdcore.disagg.aux import AuxBuffers, AuxRow
 from pdcore.disagg.decode.sched import DecodeExtension
 from pdcore.disagg.states import KVPoll
-from pdcore.engine.io_struct import AbortReq, GenerateReq, PDRoute, SamplingParams
+from pdcore.messages.io import AbortReq, GenerateReq, PDRoute, SamplingParams
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.sched.fork import fork, shared_pages
 from pdcore.engine.sched.request import Phase, Req

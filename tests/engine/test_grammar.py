@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdcore.engine.io_struct import GrammarSpec, SamplingParams
+from pdcore.messages.io import GrammarSpec, SamplingParams
 from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
 from pdcore.engine.sched.grammar import (
     GrammarBackend,
@@ -181,7 +181,7 @@ def test_gate_holds_a_slow_grammar_off_the_scheduler_thread(backend, tok) -> Non
     """The scheduler loop hands requests to the gate each iteration: a constrained one waits
     (compiling on a worker thread) while the others pass; a bad grammar, a timeout and an abort
     end the held request there with an answer."""
-    from pdcore.engine.io_struct import AbortReq, GenerateReq
+    from pdcore.messages.io import AbortReq, GenerateReq
     from pdcore.runtime.grammar_gate import GrammarGate
 
     def req(rid: str, spec: GrammarSpec | None) -> GenerateReq:
@@ -222,7 +222,7 @@ def test_gate_holds_a_slow_grammar_off_the_scheduler_thread(backend, tok) -> Non
 
 
 def test_gate_shares_one_compile_and_an_abort_keeps_it_for_the_others(backend) -> None:
-    from pdcore.engine.io_struct import AbortReq, GenerateReq
+    from pdcore.messages.io import AbortReq, GenerateReq
     from pdcore.runtime.grammar_gate import GrammarGate
 
     spec = GrammarSpec("regex", "[a-z]{1,2997}q")

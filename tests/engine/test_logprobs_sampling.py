@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.tiny_models import make_tiny_model

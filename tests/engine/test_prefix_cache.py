@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import AbortReq, GenerateReq, SamplingParams
+from pdcore.messages.io import AbortReq, GenerateReq, SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import pages_at_rest

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GenerateReq, SamplingParams, TokenOut
+from pdcore.messages.io import GenerateReq, SamplingParams, TokenOut
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.tiny_models import make_tiny_model

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GenerateReq, SamplingParams
+from pdcore.messages.io import GenerateReq, SamplingParams
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.scheduler import Extension, Scheduler
 from pdcore.runtime.llm_engine import LLMEngine

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GrammarSpec, SamplingParams
+from pdcore.messages.io import GrammarSpec, SamplingParams
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.sampler import SampleState
 from pdcore.engine.sched.speculative import SpecConfig, Speculator, verify

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.model.layers import linear
 from pdcore.errors import ConfigError, ModelLoadError

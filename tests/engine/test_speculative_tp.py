@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.sched.draft_tp import DraftsDropped, TokenAgreement
 from pdcore.runtime.llm_engine import LLMEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.tokenizer import load_tokenizer
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.prompts import prompt_token_ids

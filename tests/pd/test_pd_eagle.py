@@ -49,7 +49,7 @@ from draft_pd import (
 
 from pdcore.builtin.planner import DefaultPlanner
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.kv.cache import KVCache
 from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.errors import ConfigError

@@ -22,7 +22,7 @@ import torch
 from draft_pd import PAGE, Prefill, at_rest, decode, load, pair, server
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.cache import KVCache
 from pdcore.engine.model.tokenizer import default_model_file

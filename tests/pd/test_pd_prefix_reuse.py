@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.pd_faults import FAULT_ENV

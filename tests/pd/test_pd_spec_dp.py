@@ -30,7 +30,7 @@ from draft_pd import draft_rows
 from seed_moe_lines import SEEDS, loopback_argv, strip_flags, swap_values
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.pages import load_at_rest

@@ -37,7 +37,7 @@ import torch
 from draft_pd import Prefill, at_rest, decode, load, pair, server
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.tokenizer import default_model_file
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.processes import ServerProcess, trust_prefill

@@ -19,7 +19,7 @@ from k8s_standin import KubeStandIn
 from test_discovery import make_pod
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.tokenizer import load_tokenizer
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.processes import PDCluster, ServerProcess

@@ -1,4 +1,4 @@
-"""A stand-in scheduler process speaking the real zmq protocol (pdcore.engine.io_struct).
+"""A stand-in scheduler process speaking the real zmq protocol (pdcore.messages.io).
 
 Deterministic echo model: output token i is input_ids[i % len(input_ids)]; after echoing the
 prompt once it emits EOS (unless ignore_eos), so the generated text equals the prompt text.
@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from pdcore.engine.io_struct import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
+from pdcore.messages.io import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
 from pdcore.engine.sched.stats import Kind, StatsReport
 
 

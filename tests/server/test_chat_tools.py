@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
 from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.engine.sched.sampler import SampleState, sample

@@ -1,4 +1,4 @@
-"""One sampling-params type (#34 item 2): `SamplingParams` (engine/io_struct.py) declares the
+"""One sampling-params type (#34 item 2): `SamplingParams` (messages/io.py) declares the
 fields and their defaults once; the wire schemas declare only JSON types of the same names and
 `params.build_sampling` checks the ranges once, at the edge."""
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.errors import InvalidRequestError
 from pdcore.server.params import SAMPLING_FIELDS, build_sampling
 from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingParamsIn

@@ -28,7 +28,7 @@ def tiny_tp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def prompts_and_unified(tiny_tp_model: Path):
     """(the shared prompt set as token ids, unified TP=1 greedy outputs) on tiny_tp_model."""
     from pdcore.config import ServerArgs
-    from pdcore.engine.io_struct import SamplingParams
+    from pdcore.messages.io import SamplingParams
     from pdcore.engine.model.tokenizer import load_tokenizer
     from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids

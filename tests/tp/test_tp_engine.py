@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import SamplingParams
+from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.layers import kv_head_span, q_head_span, span
 from pdcore.errors import ConfigError
 from pdcore.runtime.llm_engine import LLMEngine

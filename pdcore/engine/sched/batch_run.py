@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdcore.engine.io_struct import LogprobEntry
+from pdcore.messages.io import LogprobEntry
 from pdcore.engine.kv.cache import KVCache
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.model.layers import TPInfo

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from pdcore.engine.io_struct import GrammarSpec
+from pdcore.messages.io import GrammarSpec
 from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:  # the HTTP process parses specs here without importing torch

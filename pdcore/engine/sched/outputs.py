@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pdcore.engine.io_struct import TokenOut
+from pdcore.messages.io import TokenOut
 from pdcore.engine.sched.request import Phase, Req
 
 

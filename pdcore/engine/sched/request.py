@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pdcore.engine.io_struct import GenerateReq, LogprobEntry, PDRoute
+from pdcore.messages.io import GenerateReq, LogprobEntry, PDRoute
 from pdcore.engine.sched.sampler import SampleState
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcore.engine.io_struct import LogprobEntry, SamplingParams
+from pdcore.messages.io import LogprobEntry, SamplingParams
 from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from pdcore.engine.io_struct import TokenOut
+from pdcore.messages.io import TokenOut
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.radix import RadixCache
 from pdcore.engine.sched.batch_run import BatchRunner, StepResult

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pdcore.config import NGRAM_DRAFT_TOKENS
-from pdcore.engine.io_struct import LogprobEntry
+from pdcore.messages.io import LogprobEntry
 from pdcore.engine.sched.drafter import Drafter, NgramDrafter
 from pdcore.engine.sched.sampler import SampleState, logprob_entry, probs_for, row_error
 from pdcore.errors import InvalidRequestError

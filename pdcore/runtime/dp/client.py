@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.engine.io_struct import GenerateReq, TokenOut
+from pdcore.messages.io import GenerateReq, TokenOut
 from pdcore.engine.parallel.dp_attention_args import active as dp_attention_active
 from pdcore.engine.parallel.dp_attention_args import new_init_method, replica_args
 from pdcore.engine.sched.stats import StatsReport

@@ -1,4 +1,4 @@
-"""Messages between the HTTP process (tokenizer manager) and the scheduler process.
+"""Requests and outputs between the HTTP process (tokenizer manager) and the scheduler process.
 
 Sent pickled over pyzmq IPC sockets (PUSH -> PULL, one socket each way). Plain dataclasses so
 both processes share one definition.
