@@ -168,9 +168,9 @@ def _reference_drafts(target, head, tokens: list[int], c: int, k: int) -> list[i
 
     a = target.layers[0].self_attn
     b = batch(tokens[:c])
-    b.extra["capture_hidden"] = True
+    b.capture_hidden = True
     target(b, [pool(a.num_kv_heads, a.head_dim) for _ in target.layers], logits=False)
-    feats, ids, out = list(b.extra["hidden"]), tokens[1 : c + 1], []
+    feats, ids, out = list(b.hidden), tokens[1 : c + 1], []
     for _ in range(k):
         g = head(batch(ids), torch.stack(feats), *pool(head.kv_heads, head.head_dim))
         out.append(int(head.logits(g[-1:]).argmax()))

@@ -132,13 +132,14 @@ def test_captured_hidden_states_are_transformers_hidden_states(models):
                    torch.zeros(n, 1, a.num_kv_heads, a.head_dim)) for _ in model.layers]
             b = ForwardBatch(torch.tensor(ids), torch.arange(n), torch.arange(n),
                              [SeqSpan(0, n, torch.arange(n))], torch.arange(n))
-            b.extra.update(extra)
+            for k, v in extra.items():
+                setattr(b, k, v)
             return model(b, kv), b
 
         plain, _ = run({})
         logits, b = run({"capture_layers": (2, 4, LAYERS)})
         assert torch.equal(logits, plain)
-        got = b.extra["hidden"]
+        got = b.hidden
         assert got.shape == (n, 3 * HIDDEN)
         # index L: the stream after the last layer, what the final norm and lm_head read
         last = linear(model.norm(got[:, 2 * HIDDEN :]), model.lm_head, None,
@@ -199,10 +200,10 @@ def _reference_drafts(target, head_mod, tokens: list[int], c: int, k: int) -> li
 
     a = target.layers[0].self_attn
     b = batch(tokens[:c], 0)
-    b.extra["capture_layers"] = head_mod.aux_layers
+    b.capture_layers = head_mod.aux_layers
     target(b, [pool(a.num_kv_heads, a.head_dim) for _ in target.layers], logits=False)
     kc, vc = pool(head_mod.kv_heads, head_mod.head_dim)
-    g = head_mod(batch(tokens[1 : c + 1], 0), b.extra["hidden"], kc, vc)[-1:]
+    g = head_mod(batch(tokens[1 : c + 1], 0), b.hidden, kc, vc)[-1:]
     out = [int(head_mod.logits(g).argmax())]
     for j in range(1, k):
         g = head_mod(batch([out[-1]], c + j - 1), g, kc, vc)

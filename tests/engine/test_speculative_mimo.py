@@ -138,12 +138,12 @@ def _reference_drafts(target, head, tokens: list[int], c: int, k: int) -> list[i
 
     b = ForwardBatch(torch.tensor(tokens[:c]), torch.arange(c), torch.arange(c),
                      [SeqSpan(0, c, torch.arange(c))], torch.empty(0, dtype=torch.long))
-    b.extra["capture_hidden"] = True
+    b.capture_hidden = True
     pools = [(torch.zeros(c, 1, heads, dim), torch.zeros(c, 1, heads, dim))
              for _ in target.layers]
     target(b, pools, logits=False)
     ext = list(tokens)
-    below = b.extra["hidden"]
+    below = b.hidden
     top = head.num_layers - 1
     out = None
     for j in range(k):

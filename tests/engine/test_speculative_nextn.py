@@ -168,9 +168,9 @@ def _reference_drafts(target, head, tokens: list[int], c: int, k: int) -> list[i
                             [SeqSpan(0, n, torch.arange(n))], torch.empty(0, dtype=torch.long))
 
     b = batch(tokens[:c])
-    b.extra["capture_hidden"] = True
+    b.capture_hidden = True
     target(b, [(t, t) for t in (pool() for _ in target.layers)], logits=False)
-    feats, ids, out = list(b.extra["hidden"]), tokens[1 : c + 1], []
+    feats, ids, out = list(b.hidden), tokens[1 : c + 1], []
     for _ in range(k):
         cache = pool()
         g = head(batch(ids), torch.stack(feats), cache, cache)

@@ -37,16 +37,16 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(batch.input_ids)
         step = self.begin(h, batch, kv)
         # EAGLE3: the residual streams entering these layers, concatenated (their rows go to
-        # batch.extra["hidden"]); only the Python loop stops there, so such a step skips
+        # batch.hidden); only the Python loop stops there, so such a step skips
         # fast_layers (the native decode loop), which every other step still takes
-        aux = batch.extra.get("capture_layers")
+        aux = batch.capture_layers
         taps: dict[int, torch.Tensor | None] | None = dict.fromkeys(aux) if aux else None
         residual = self.fast_layers(h, step) if taps is None else None
         if residual is None:
             residual = self.run_layers(h, step, taps)
         self.end(step)
         if taps is not None:
-            batch.extra["hidden"] = torch.cat([taps[i] for i in aux], dim=-1)
+            batch.hidden = torch.cat([taps[i] for i in aux], dim=-1)
         return self.logits_of(residual, batch, logits)
 
     def run_layers(self, h: torch.Tensor, step: Any,
@@ -88,10 +88,10 @@ class CausalLM(nn.Module):
                   logits: bool) -> torch.Tensor | None:
         """Float32 logits [R, vocab] of batch.logit_rows from the last layer's residual stream;
         None when `logits` is False (TP ranks other than 0 leave sampling to rank 0). With
-        batch.extra["capture_hidden"] set, every row's final-norm output (what the lm_head
-        reads: the hidden state an EAGLE draft head takes) goes to batch.extra["hidden"]."""
-        if batch.extra.get("capture_hidden"):
-            batch.extra["hidden"] = self.norm(residual)
+        batch.capture_hidden set, every row's final-norm output (what the lm_head reads: the
+        hidden state an EAGLE draft head takes) goes to batch.hidden."""
+        if batch.capture_hidden:
+            batch.hidden = self.norm(residual)
         if not logits:
             return None
         h = self.norm(residual[batch.logit_rows])

@@ -5,8 +5,11 @@ Shared by every model family and the model runner."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+_UNBUILT: Any = object()  # a step group not built yet (None: built, and the step has none)
 
 
 @dataclass
@@ -25,25 +28,33 @@ class ForwardBatch:
     out_slots: torch.Tensor  # long [T]: where each new token's K/V goes
     seqs: list[SeqSpan]
     logit_rows: torch.Tensor  # long [R]: rows of the pack whose logits are wanted
-    extra: dict = field(default_factory=dict)
+    # what the step asks of the model besides logits (ModelRunner.forward sets them):
+    capture_hidden: bool = False  # every row's final-norm output into `hidden` (EAGLE)
+    # EAGLE3: the residual streams entering these layers, concatenated, into `hidden`
+    capture_layers: tuple[int, ...] | None = None
+    # what the model leaves on the batch during its forward:
+    hidden: torch.Tensor | None = None  # the captured rows ([T, hidden] or [T, k * hidden])
+    kv_view: Any = None  # the decode K/V view this forward attends through (llama.py)
+    _decode: DecodeGroup | None = field(default=_UNBUILT, init=False, repr=False)
+    _verify: VerifyGroup | None = field(default=_UNBUILT, init=False, repr=False)
 
     def decode_group(self) -> DecodeGroup | None:
         """The step's one-token sequences as one padded batch (built once, used by every layer),
         or None when fewer than two sequences decode."""
-        if "decode" not in self.extra:
+        if self._decode is _UNBUILT:
             dec = [s for s in self.seqs if s.q_len == 1 and not s.verify]
             group = DecodeGroup.build(dec) if len(dec) >= 2 else None
             if group is not None and len(dec) == len(self.seqs) == len(self.input_ids):
                 group.whole = all(s.q_start == i for i, s in enumerate(dec))
-            self.extra["decode"] = group
-        return self.extra["decode"]
+            self._decode = group
+        return self._decode
 
     def verify_group(self) -> VerifyGroup | None:
         """The step's verify sequences as one padded batch (built once, used by every layer)."""
-        if "verify" not in self.extra:
+        if self._verify is _UNBUILT:
             seqs = [s for s in self.seqs if s.verify]
-            self.extra["verify"] = VerifyGroup.build(seqs) if seqs else None
-        return self.extra["verify"]
+            self._verify = VerifyGroup.build(seqs) if seqs else None
+        return self._verify
 
 
 @dataclass

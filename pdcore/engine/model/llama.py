@@ -171,7 +171,7 @@ class Attention(nn.Module):
                 v_flat: torch.Tensor, g: DecodeGroup, *, batch: ForwardBatch) -> torch.Tensor:
         """Attention of the step's one-token sequences: through the decode K/V view when this
         forward uses it, else gathered from the pool. Returns [B, H, D]."""
-        view = batch.extra.get("kv_view")
+        view = batch.kv_view
         if view is None:
             return self._decode_attention(q, k_flat, v_flat, g)
         if not g.whole:
@@ -348,7 +348,7 @@ class LlamaForCausalLM(CausalLM):
         view_dtype = torch.float32 if h.dtype in (torch.bfloat16, torch.float16) else h.dtype
         view = None
         if self.decode_kv is not None and self.decode_kv.begin(batch, view_dtype):
-            view = batch.extra["kv_view"] = self.decode_kv
+            view = batch.kv_view = self.decode_kv
         return LlamaStep(cos, sin, kv, batch, view, view_dtype)
 
     def attend(self, layer: nn.Module, i: int, x: torch.Tensor, step: LlamaStep

@@ -51,8 +51,8 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOut:
         """One forward pass; exceptions propagate (the caller fails the step's requests)."""
         if self.capture_layers:
-            batch.extra["capture_layers"] = self.capture_layers
+            batch.capture_layers = self.capture_layers
         elif self.capture_hidden:
-            batch.extra["capture_hidden"] = True
+            batch.capture_hidden = True
         logits = self.model(batch, self.kv.layers, logits=self.tp.rank == 0)
-        return ForwardOut(logits if self.tp.rank == 0 else None, batch.extra.get("hidden"))
+        return ForwardOut(logits if self.tp.rank == 0 else None, batch.hidden)
