@@ -185,11 +185,13 @@ class PDCluster:
                  env: dict[str, str] | None = None, *, router: str = "pdcore",
                  prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
                  policy: str = "round_robin", secret: str | None = None,
-                 router_flags: tuple[str, ...] = ()) -> None:
+                 router_flags: tuple[str, ...] = (),
+                 prefill_command: tuple[str, ...] = ("-m", "pdcore", "serve")) -> None:
         """Route trust (pdcore.route_auth) as a deployment would set it up: with `secret` every
         process shares it (our router signs routes); without, our router registers the prefill
         addresses with the decode servers, and behind sglang-router (which does neither) the
-        decode servers get --disaggregation-trusted-prefill."""
+        decode servers get --disaggregation-trusted-prefill. `prefill_command` runs the prefill
+        servers (a test hook such as pdcore.testing.held_transfer)."""
         self.env = dict(env or {})
         if secret:
             self.env[CLUSTER_SECRET_ENV] = secret
@@ -215,7 +217,8 @@ class PDCluster:
             self.bootstrap_ports.append(bport)
             self.prefills.append(ServerProcess(
                 *common, "--disaggregation-mode", "prefill", *prefill_flags,
-                "--disaggregation-bootstrap-port", str(bport), env=self.env))
+                "--disaggregation-bootstrap-port", str(bport), env=self.env,
+                command=prefill_command))
         if router == "sglang" and not secret:
             decode_flags = (*decode_flags, "--disaggregation-trusted-prefill",
                             ",".join(f"127.0.0.1:{b}" for b in self.bootstrap_ports))
