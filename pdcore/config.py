@@ -54,7 +54,7 @@ class ServerArgs(CommonFlags):
     port: int = 30000
     log_level: str = "info"
     api_key: str | None = None  # bearer token required on every route but /health
-    # the admin routes' own key (pdcore.server.auth); unset: admin routes are off
+    # the admin routes' own key (pdcore.edge.auth); unset: admin routes are off
     admin_api_key: str | None = None
     log_requests: bool = False
     enable_metrics: bool = False  # /metrics is always on; accepted for SGLang parity

@@ -120,7 +120,7 @@ def test_every_package_has_a_row_in_the_layer_table() -> None:
 
 
 def _allowed(allowed: set[str], module: str) -> bool:
-    """`engine` allows every module of engine; `server.limits` that module alone."""
+    """`engine` allows every module of engine; `edge.limits` that module alone."""
     rest = module.removeprefix("pdcore.")
     return any(rest == a or rest.startswith(a + ".") for a in allowed)
 
@@ -165,6 +165,13 @@ def test_kv_imports_no_model() -> None:
     bad = [(m, imp, line) for m in imports() if m.startswith("pdcore.engine.kv")
            for line, imp in imports()[m] if imp.startswith("pdcore.engine.model")]
     _check(bad, "engine/kv imports engine/model:")
+
+
+def test_the_router_imports_nothing_of_the_server() -> None:
+    """#46: the gates the router and the servers share (schemas, limits, auth, the connection
+    gate, tracing) live in `pdcore/edge/`; the router runs no module of the server."""
+    _check(_violations("router", {"server"}), "the router imports the server (what both need "
+                                              "belongs in pdcore/edge/):")
 
 
 def test_the_server_uses_the_runtime_through_its_package_only() -> None:

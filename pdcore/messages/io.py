@@ -54,7 +54,7 @@ def _sf(default: Any = None, bounds: Bounds | None = None, preferable: bool = Tr
 @dataclass
 class SamplingParams:
     """The one declaration of the sampling fields (name, type, default, bounds): the wire
-    schemas (server/schemas.py) name the same fields, checked by tests/server/
+    schemas (edge/schemas.py) name the same fields, checked by tests/server/
     test_sampling_params.py; build_sampling checks the bounds."""
 
     max_new_tokens: int = _sf(128, Bounds(0))

@@ -8,7 +8,7 @@ Info: `/get_server_info` (= `/server_info`), `/get_model_info` (= `/model_info`)
 `/flush_cache`, `/get_loads`, `/health_generate`.
 
 Every route that changes state (adding or removing workers, flushing the workers' caches) is an
-admin route (`pdcore.server.auth.require_admin`): it needs --admin-api-key's bearer token (the
+admin route (`pdcore.edge.auth.require_admin`): it needs --admin-api-key's bearer token (the
 API key does not open it; no admin key: off, 403), whatever address the call comes from. An
 open `POST /workers` let anyone who could reach the router (or any API user) add a worker and
 receive other users' prompts. The read-only routes stay behind --api-key alone. The flush
@@ -27,10 +27,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 import pdcore
+from pdcore.edge.auth import require_admin
 from pdcore.errors import ConfigError
 from pdcore.router.health import parse_load
 from pdcore.router.workers import DuplicateWorkerError, Worker
-from pdcore.server.auth import require_admin
 
 if TYPE_CHECKING:
     from pdcore.router.state import RouterState

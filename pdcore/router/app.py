@@ -7,7 +7,7 @@
    without a healthy worker yields 503 `server_selection_failed`, and `/health` answers 503 until
    every worker is healthy. `--mini-lb` skips all of this: workers count as healthy from the start.
 3. Requests: generation routes go through `proxy.Proxy`; admin and info routes live in `admin.py`.
-   `--api-key` and the admin-route guard are the servers' (`pdcore.server.auth`): the routes
+   `--api-key` and the admin-route guard are the servers' (`pdcore.edge.auth`): the routes
    that change the router's state need `--admin-api-key`, and are off without one.
 4. Lifespan end: background prefill drains and monitor tasks are cancelled, the client closed.
 """
@@ -23,6 +23,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcore.edge import tracing
+from pdcore.edge.auth import install_auth, log_admin_policy
+from pdcore.edge.limits import install_limits
 from pdcore.router.admin import build_admin_router
 from pdcore.router.client_limit import PerClientLimit
 from pdcore.router.config import RouterConfig
@@ -35,9 +38,6 @@ from pdcore.router.proxy import Proxy
 from pdcore.router.state import RouterState
 from pdcore.router.upstream import UpstreamClients
 from pdcore.router.workers import WorkerRegistry
-from pdcore.server.auth import install_auth, log_admin_policy
-from pdcore.server import tracing
-from pdcore.server.limits import install_limits
 
 log = logging.getLogger("pdcore.router")
 
@@ -66,7 +66,7 @@ def build_state(config: RouterConfig) -> RouterState:
 def create_app(config: RouterConfig) -> FastAPI:
     """The router app; raises ConfigError on an invalid config."""
     state = build_state(config)
-    if config.enable_trace:  # OpenTelemetry (server/tracing.py): the router's span is the root
+    if config.enable_trace:  # OpenTelemetry (edge/tracing.py): the router's span is the root
         tracing.setup("pdserve-router", config.otlp_traces_endpoint)
 
     @contextlib.asynccontextmanager

@@ -201,7 +201,7 @@ def run_router(config: RouterConfig) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from pdcore.server import connections
+    from pdcore.edge import connections
 
     tls = connections.tls_settings(config.tls_cert_path, config.tls_key_path,
                                    "--tls-cert-path", "--tls-key-path")

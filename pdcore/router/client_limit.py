@@ -5,8 +5,8 @@ flight (default 256; 0 turns it off); the next one gets 429 `too_many_requests` 
 `Retry-After: 1` at once, before any worker is chosen, so one client cannot take every decode
 slot from the others. A request counts from when its body is whole until its response (a stream
 to its last event) is sent: this is an ASGI middleware around the whole call, and the app sees a
-request once its body has arrived (`server/guarded_http.BodyFirst`; until then the port's limit
-on each peer's connections still reading their request bounds it, `server/connections.py`).
+request once its body has arrived (`edge/guarded_http.BodyFirst`; until then the port's limit
+on each peer's connections still reading their request bounds it, `edge/connections.py`).
 Refusals are counted in
 `/metrics` (`pdrouter_client_requests_refused_total`), never logged one by one.
 """

@@ -302,12 +302,12 @@ def check_tls_and_modes(config: RouterConfig) -> None:
             "[BOOTSTRAP_PORT] and --decode URL, or put unified servers behind sglang-router "
             "itself (pdserve serve answers its calls)")
     if config.enable_trace:
-        from pdcore.server.tracing import check_available
+        from pdcore.edge.tracing import check_available
 
         check_available()
     if bool(config.client_cert_path) != bool(config.client_key_path):
         raise ConfigError("mTLS needs both --client-cert-path and --client-key-path")
-    from pdcore.server.connections import tls_settings
+    from pdcore.edge.connections import tls_settings
 
     tls_settings(config.tls_cert_path, config.tls_key_path, "--tls-cert-path", "--tls-key-path")
     config.upstream_ssl()

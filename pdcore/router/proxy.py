@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.edge import tracing
 from pdcore.errors import InvalidRequestError
 from pdcore.route_auth import UNTRUSTED
 from pdcore.router.config import RouterConfig
@@ -68,7 +69,6 @@ from pdcore.router.upstream import (
     record,
 )
 from pdcore.router.workers import Worker, WorkerRegistry
-from pdcore.server import tracing
 
 log = logging.getLogger("pdcore.router.proxy")
 

@@ -100,7 +100,7 @@ class UpstreamClients:
         if client is None:
             client = httpx.AsyncClient(
                 # idle connections expire well before the workers' keep-alive (120 s,
-                # pdcore/server/connections.py): httpx's default 5 s equals uvicorn's default,
+                # pdcore/edge/connections.py): httpx's default 5 s equals uvicorn's default,
                 # so a request could go out on a connection the worker was just closing
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
                                     keepalive_expiry=30.0),

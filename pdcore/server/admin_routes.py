@@ -1,7 +1,7 @@
 """Operational routes: health, server/model info, load, cache flush, metrics, profiling.
 
 The routes that change state (cache flush, profiling) are admin routes: `require_admin`
-(pdcore.server.auth) lets through only the --admin-api-key holder (off without one)."""
+(pdcore.edge.auth) lets through only the --admin-api-key holder (off without one)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcore.edge.auth import require_admin
 from pdcore.route_auth import WARMUP_HOST as FAKE_BOOTSTRAP_HOST
 from pdcore.runtime import EngineClient, EngineError, new_rid
-from pdcore.server.auth import require_admin
 from pdcore.server.generation import Item, collect, mark_engine_reached
 from pdcore.server.http_errors import error_response
 from pdcore.server.openai_plan import served_model_name

@@ -11,7 +11,7 @@ Before /health turns 200 a unified server runs a one-token warm-up generate (the
 pass pays for lazy initialisation; `--skip-server-warmup` skips it). PD servers skip it: a
 generate there needs a peer. With `--api-key` every route but /health answers 401 without
 `Authorization: Bearer <key>`; the admin routes (cache flush, profiling, trusted prefill
-changes) answer only `--admin-api-key`, and are off without one (`pdcore.server.auth`).
+changes) answer only `--admin-api-key`, and are off without one (`pdcore.edge.auth`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from pdcore.config import ServerArgs
+from pdcore.edge import tracing
+from pdcore.edge.auth import install_auth, log_admin_policy
+from pdcore.edge.limits import install_limits
 from pdcore.messages.io import GenerateReq, SamplingParams
 from pdcore.route_auth import RouteGuard
 from pdcore.runtime import EngineClient, EngineError, SchedulerTarget, make_engine
@@ -36,11 +39,8 @@ from pdcore.server import (
     openai_routes,
     pd_trust_routes,
     responses_routes,
-    tracing,
 )
-from pdcore.server.auth import install_auth, log_admin_policy
 from pdcore.server.http_errors import install_error_handlers
-from pdcore.server.limits import install_limits
 from pdcore.server.metrics import ServerMetrics, metrics_engine_type, metrics_model_name
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
             await asyncio.gather(starter, return_exceptions=True)
             tracing.shutdown()  # the spans still queued go out
 
-    if args.enable_trace:  # OpenTelemetry (server/tracing.py)
+    if args.enable_trace:  # OpenTelemetry (edge/tracing.py)
         tracing.setup(f"pdserve-{metrics_engine_type(args)}", args.otlp_traces_endpoint)
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.add_middleware(tracing.TraceMiddleware)

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from pdcore.edge import tracing
 from pdcore.messages.io import GenerateReq
 from pdcore.runtime import EngineClient, EngineError
-from pdcore.server import tracing
 from pdcore.server.metrics import ServerMetrics
 from pdcore.server.output import OutputAssembler
 

@@ -18,10 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from pdcore.edge.schemas import validation_message
 from pdcore.errors import ERROR_ORIGIN_HEADER, ForbiddenRouteError, InvalidRequestError
 from pdcore.runtime import EngineError
 from pdcore.server.generation import engine_reached
-from pdcore.server.schemas import validation_message
 
 log = logging.getLogger(__name__)
 

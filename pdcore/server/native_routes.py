@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.edge.schemas import GenerateRequest, SamplingParamsIn
 from pdcore.engine.sched.grammar import spec_from_fields
 from pdcore.route_auth import RouteGuard
 from pdcore.runtime import EngineClient, EngineError
@@ -30,7 +31,6 @@ from pdcore.server.output import OutputAssembler
 from pdcore.server import planner
 from pdcore.server.params import bad, check_n, needs_text, per_item
 from pdcore.server.planner import Plan, PlanInput, PromptInput, sampling_fields
-from pdcore.server.schemas import GenerateRequest, SamplingParamsIn
 
 router = APIRouter()
 DEFAULT_MAX_NEW_TOKENS = 128

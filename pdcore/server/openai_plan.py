@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest
 from pdcore.messages.io import GrammarSpec
 from pdcore.engine.sched.grammar import spec_from_fields, spec_from_response_format
 from pdcore.route_auth import RouteGuard
@@ -13,7 +14,6 @@ from pdcore.runtime import EngineClient
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import bad, check_n
 from pdcore.server.planner import Plan, PlanInput, PromptInput, plan, sampling_fields
-from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest
 from pdcore.engine.sched.grammar import load_client_json
 from pdcore.errors import InvalidRequestError
 from pdcore.runtime import EngineClient, EngineError
@@ -36,7 +37,6 @@ from pdcore.server.openai_plan import finish_of, plan_openai, served_model_name,
 from pdcore.server.planner import Plan
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import bad, needs_text
-from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
 MAX_TOP_LOGPROBS = 20

@@ -4,7 +4,7 @@ addresses it accepts unsigned routes to.
 `GET /disaggregation/trusted_prefill` -> {"trusted": [...], "signed_routes": bool, "refused": N};
 `POST /disaggregation/trusted_prefill` {"add": ["HOST:PORT", ...], "remove": [...]} registers or
 drops addresses (the router does this for its prefill workers when it has no cluster secret to
-sign with). Changing trust is an admin act (`server.auth.require_admin`): it needs
+sign with). Changing trust is an admin act (`edge.auth.require_admin`): it needs
 --admin-api-key, and is off without one (the address a call comes from never counts).
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdcore.edge.auth import require_admin
 from pdcore.route_auth import RouteGuard
-from pdcore.server.auth import require_admin
 from pdcore.server.http_errors import error_response
 
 router = APIRouter()

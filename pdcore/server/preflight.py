@@ -64,7 +64,7 @@ def _check_port_free(host: str, port: int, flag: str) -> None:
 
 
 def _check_files(args: ServerArgs) -> None:
-    from pdcore.server.connections import tls_settings
+    from pdcore.edge.connections import tls_settings
 
     tls_settings(args.ssl_certfile, args.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
     if args.chat_template:

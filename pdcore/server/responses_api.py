@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pdcore.edge.schemas import ChatCompletionRequest, ResponsesRequest, validation_message
 from pdcore.server.params import bad
-from pdcore.server.schemas import ChatCompletionRequest, ResponsesRequest, validation_message
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")

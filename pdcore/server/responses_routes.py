@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.edge.schemas import ResponsesRequest
 from pdcore.runtime import EngineClient
 from pdcore.server.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import SSE_HEADERS, run_items
@@ -24,7 +25,6 @@ from pdcore.server.openai_routes import chat_prompt, run_plan, shaped
 from pdcore.server.params import needs_text
 from pdcore.server.planner import Plan
 from pdcore.server.responses_api import ResponseBuilder, chat_request
-from pdcore.server.schemas import ResponsesRequest
 
 router = APIRouter()
 

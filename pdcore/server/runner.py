@@ -84,7 +84,7 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
         return run_node(args)
     import uvicorn
 
-    from pdcore.server import connections
+    from pdcore.edge import connections
     from pdcore.server.app import create_app
 
     configure_logging(args.log_level)

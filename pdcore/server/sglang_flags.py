@@ -55,7 +55,7 @@ def validate_common_flags(args: ServerArgs) -> None:
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile (PEM files)")
     if args.enable_trace:
-        from pdcore.server.tracing import check_available
+        from pdcore.edge.tracing import check_available
 
         check_available()
     if args.enable_torch_compile:

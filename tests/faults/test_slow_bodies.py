@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdcore.disagg import bootstrap
 from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
+from pdcore.edge.connections import DEFAULT_PER_PEER, GRACE_S, PortGate
 from pdcore.netguard import MAX_PENDING_PER_SOURCE, peer_key
-from pdcore.server.connections import DEFAULT_PER_PEER, GRACE_S, PortGate
 from pdcore.testing.processes import PDCluster
 from pdcore.testing.tiny_models import make_tiny_model
 
@@ -163,7 +163,7 @@ def test_a_client_that_stops_reading_its_response_is_closed(monkeypatch) -> None
 
     import uvicorn
 
-    from pdcore.server.guarded_http import guarded_protocol
+    from pdcore.edge.guarded_http import guarded_protocol
     from pdcore.testing.ports import free_port
 
     monkeypatch.setenv("PDSERVE_HTTP_SEND_TIMEOUT_S", "1")

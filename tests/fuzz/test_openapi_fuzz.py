@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 from pdserve_testing import ServerProcess
 from schemathesis import GenerationMode
 
-from pdcore.server.unsupported import names as unsupported_names
+from pdcore.edge.unsupported import names as unsupported_names
 from pdcore.testing.processes import PDCluster
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "25"))

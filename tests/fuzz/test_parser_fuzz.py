@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from pdcore.edge.limits import SCHEMAS, check_body, json_too_deep
 from pdcore.engine.sched.grammar import (
     MAX_JSON_TEXT_DEPTH,
     load_client_json,
@@ -37,7 +38,6 @@ from pdcore.engine.sched.grammar import (
 from pdcore.errors import InvalidRequestError
 from pdcore.server import reasoning, tool_parsers
 from pdcore.server.chat_tools import ChoiceShaper, plan_tools
-from pdcore.server.limits import SCHEMAS, check_body, json_too_deep
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(max_examples=EXAMPLES * 4, derandomize=True, database=None, deadline=2000,

@@ -33,6 +33,7 @@ from pdcore.config import (
     ServerArgs,
     admin_api_key,
 )
+from pdcore.edge.auth import admin_routes
 from pdcore.errors import ConfigError
 from pdcore.router.app import GENERATION_ROUTES, create_app
 from pdcore.router.cli import parse_router_args
@@ -40,7 +41,6 @@ from pdcore.router.config import RouterConfig
 from pdcore.runtime import EngineState
 from pdcore.server.admin_routes import server_info
 from pdcore.server.app import GENERATE_ROUTES
-from pdcore.server.auth import admin_routes
 
 API, ADMIN = "api-key-of-every-user", "the-operators-admin-key"
 AS_USER = {"authorization": f"Bearer {API}"}

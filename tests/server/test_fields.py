@@ -17,8 +17,8 @@ import httpx
 import pytest
 from pdserve_testing import ServerProcess
 
-from pdcore.server import limits
-from pdcore.server.unsupported import names as unsupported_names
+from pdcore.edge import limits
+from pdcore.edge.unsupported import names as unsupported_names
 
 CHAT = [{"role": "user", "content": "hi"}]
 GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}

@@ -11,7 +11,7 @@ import pytest
 
 from pdcore.errors import InvalidRequestError
 from pdcore.server.responses_api import ResponseBuilder, chat_request
-from pdcore.server.schemas import ResponsesRequest
+from pdcore.edge.schemas import ResponsesRequest
 
 
 def _body(**kw: object) -> ResponsesRequest:

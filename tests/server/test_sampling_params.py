@@ -11,7 +11,7 @@ import pytest
 from pdcore.messages.io import SamplingParams
 from pdcore.errors import InvalidRequestError
 from pdcore.server.params import SAMPLING_FIELDS, build_sampling
-from pdcore.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingParamsIn
+from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest, SamplingParamsIn
 
 # OpenAI's names for two engine fields; grammar comes from response_format / json_schema / ...
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

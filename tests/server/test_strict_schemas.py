@@ -17,7 +17,7 @@ from fake_server import FakeServer, ServerThread, wait_status
 
 from pdcore.router.app import create_app as create_router
 from pdcore.router.config import RouterConfig
-from pdcore.server.limits import MAX_JSON_DEPTH
+from pdcore.edge.limits import MAX_JSON_DEPTH
 
 pytestmark = pytest.mark.usefixtures("pages_back")
 

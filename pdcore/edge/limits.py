@@ -28,15 +28,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
+from pdcore.edge.unsupported import check_unsupported
 from pdcore.errors import ConfigError, InvalidRequestError
-from pdcore.server.schemas import (
+from pdcore.edge.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     ResponsesRequest,
     validation_message,
 )
-from pdcore.server.unsupported import check_unsupported
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -73,8 +73,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pdcore.edge.guarded_http import guarded_protocol
 from pdcore.errors import ConfigError
-from pdcore.server.guarded_http import guarded_protocol
 
 log = logging.getLogger("pdcore.connections")
 

@@ -1,4 +1,4 @@
-"""The uvicorn side of the HTTP ports' connection gate (`pdcore.server.connections`): the h11
+"""The uvicorn side of the HTTP ports' connection gate (`pdcore.edge.connections`): the h11
 protocol class that tells a `PortGate` what each connection does (opened, read from, headers
 complete, body complete, response sent, lost), and `BodyFirst`, which keeps a request away from
 the app until its body is whole."""
@@ -10,8 +10,8 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pdcore.edge.limits import max_request_bytes
 from pdcore.netguard import peer_key
-from pdcore.server.limits import max_request_bytes
 
 HOLD_BYTES = 1 << 16  # BodyFirst: a body's first 64 KiB wait for the rest below the app
 
