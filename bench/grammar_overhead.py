@@ -105,7 +105,7 @@ def sampler_alone(batch: int, steps: int) -> dict[str, Any]:
 
     from pdcore.messages.io import GrammarSpec, SamplingParams
     from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
-    from pdcore.engine.sched.grammar import GrammarBackend
+    from pdcore.constrained.backend import GrammarBackend
     from pdcore.engine.sched.sampler import SampleState, sample
 
     tok = load_tokenizer(argparse.Namespace(model_path=default_model_file()))

@@ -101,7 +101,7 @@ class ServerArgs(CommonFlags):
     max_prefill_tokens: int = 8192
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
-    # structured output (pdcore.engine.sched.grammar): xgrammar, as SGLang's default, or none
+    # structured output (pdcore.constrained): xgrammar, as SGLang's default, or none
     grammar_backend: str = "xgrammar"
     constrained_json_disable_any_whitespace: bool = False
     tool_call_parser: str | None = None  # server/tool_parsers.py: auto, llama3, qwen25, ...

@@ -110,7 +110,7 @@ class SamplingParamsIn(_Open):
     n: Int = 1
     logit_bias: dict[str, Float] | None = None
     min_new_tokens: Int | None = None
-    # structured output (pdcore.engine.sched.grammar): at most one; a schema may be an object or text
+    # structured output (pdcore.constrained): at most one; a schema may be an object or text
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None

@@ -35,6 +35,7 @@ from pdcore.config import (
     jump_forward,
     spec_gate,
 )
+from pdcore.constrained.backend import GrammarBackend
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.cache import KVCache
 from pdcore.engine.kv.radix import RadixCache
@@ -43,7 +44,6 @@ from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model.runner import ModelRunner
 from pdcore.engine.model.source import sampling_defaults
 from pdcore.engine.sched.batch_run import BatchRunner
-from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
 from pdcore.engine.sched.speculative import SpecConfig, Speculator
 from pdcore.errors import ConfigError

@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
-    """A constraint on the output (pdcore.engine.sched.grammar): kind is json_schema, json_object,
+    """A constraint on the output (pdcore.constrained): kind is json_schema, json_object,
     regex, ebnf or structural_tag; source its text ("" for json_object); field the request
     field that named it, for error messages."""
 

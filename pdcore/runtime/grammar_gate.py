@@ -18,8 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from pdcore.constrained.backend import GrammarBackend
 from pdcore.messages.io import AbortReq, GenerateReq, TokenOut
-from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)

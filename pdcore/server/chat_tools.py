@@ -10,7 +10,7 @@ arguments following that tool's JSON schema) or `{"type": "function", "function"
 ...}}` (forced, that tool). "auto" returns as many calls as the model writes, or only the first
 with `parallel_tool_calls: false` (the later ones are dropped from `tool_calls`, not shown as
 content). Forced calls need no `--tool-call-parser`: with a family parser whose calls hold JSON
-the grammar writes that family's format (one call; engine/sched/grammar.py, kind `tool_call`),
+the grammar writes that family's format (one call; constrained/, kind `tool_call`),
 otherwise JSON (a list of `{"name", "parameters"}` for "required", at most one with
 `parallel_tool_calls: false`; a named function's arguments alone), and the server reads back
 what it forced.

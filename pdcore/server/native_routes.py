@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.constrained.spec import spec_from_fields
 from pdcore.edge.schemas import GenerateRequest, SamplingParamsIn
-from pdcore.engine.sched.grammar import spec_from_fields
 from pdcore.route_auth import RouteGuard
 from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt

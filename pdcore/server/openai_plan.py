@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pdcore.constrained.spec import spec_from_fields, spec_from_response_format
 from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest
 from pdcore.messages.io import GrammarSpec
-from pdcore.engine.sched.grammar import spec_from_fields, spec_from_response_format
 from pdcore.route_auth import RouteGuard
 from pdcore.runtime import EngineClient
 from pdcore.server.output import OutputAssembler

@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdcore.constrained.spec import load_client_json
 from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest
-from pdcore.engine.sched.grammar import load_client_json
 from pdcore.errors import InvalidRequestError
 from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt

@@ -13,13 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pdcore.constrained.backend import GrammarBackend
+from pdcore.constrained.spec import spec_from_fields, spec_from_response_format
 from pdcore.messages.io import GrammarSpec, SamplingParams
 from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
-from pdcore.engine.sched.grammar import (
-    GrammarBackend,
-    spec_from_fields,
-    spec_from_response_format,
-)
 from pdcore.engine.sched.sampler import SampleState, sample
 from pdcore.errors import InvalidRequestError
 
@@ -250,7 +247,7 @@ def test_ambiguous_grammar_fails_its_row_before_it_stalls_the_scheduler(backend,
     token (300 forced `a`s took 50 s of the scheduler's thread). The first matcher call over the
     CPU bound fails that request's row with a 400 at the next step; a plain grammar sampled in
     the same batch goes on. The bound is lowered here (5 ms) so the test stays short."""
-    import pdcore.engine.sched.grammar as grammar_mod
+    import pdcore.constrained.backend as grammar_mod
 
     monkeypatch.setattr(grammar_mod, "MAX_MATCH_CALL_S", 0.005)
     a = tok.convert_tokens_to_ids("a")

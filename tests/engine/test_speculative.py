@@ -338,7 +338,7 @@ def test_jump_forward_drafts_verified_under_the_grammar_equal_plain_decoding(tem
 
     pytest.importorskip("xgrammar", reason="xgrammar is one of pdcore's dependencies")
     from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
-    from pdcore.engine.sched.grammar import GrammarBackend
+    from pdcore.constrained.backend import GrammarBackend
     from pdcore.engine.sched.sampler import sample
 
     tok = load_tokenizer(SimpleNamespace(model_path=default_model_file()))

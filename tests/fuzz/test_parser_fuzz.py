@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pdcore.edge.limits import SCHEMAS, check_body, json_too_deep
-from pdcore.engine.sched.grammar import (
+from pdcore.constrained.spec import (
     MAX_JSON_TEXT_DEPTH,
     load_client_json,
     spec_from_fields,

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pdcore.constrained.backend import GrammarBackend
 from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
-from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.engine.sched.sampler import SampleState, sample
 from pdcore.errors import InvalidRequestError
 from pdcore.server.chat_tools import ChoiceShaper, plan_tools

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from fake_server import FakeServer
 
-from pdcore.engine.sched.grammar import (
+from pdcore.constrained.spec import (
     MAX_JSON_TEXT_DEPTH,
     load_client_json,
     spec_from_fields,

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pdcore.constrained.backend import GrammarBackend
 from pdcore.messages.io import LogprobEntry
 from pdcore.engine.kv.cache import KVCache
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.model.runner import ModelRunner
-from pdcore.engine.sched.grammar import GrammarBackend
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.sampler import RowError, logprob_entry, row_error, sample
 from pdcore.engine.sched.speculative import verify

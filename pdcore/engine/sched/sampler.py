@@ -16,7 +16,7 @@ from pdcore.messages.io import LogprobEntry, SamplingParams
 from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from pdcore.engine.sched.grammar import Constraint, GrammarBackend
+    from pdcore.constrained.backend import Constraint, GrammarBackend
 
 SEED_MIN, SEED_MAX = -(1 << 63), 1 << 64  # what torch.Generator.manual_seed accepts
 
@@ -83,7 +83,7 @@ class SampleState:
         """The matcher, made on first use and fed the tokens observed before it existed."""
         if self.constraint is None:
             if backend is None:
-                from pdcore.engine.sched.grammar import GrammarUnavailable
+                from pdcore.constrained.backend import GrammarUnavailable
 
                 raise GrammarUnavailable("this engine has no grammar backend", "grammar")
             c = backend.constraint(self.params.grammar)  # type: ignore[arg-type]
@@ -97,7 +97,7 @@ class SampleState:
             self.constraint = c
             self.grammar_done = c.terminated
         if self.constraint.too_slow:
-            from pdcore.engine.sched.grammar import MAX_MATCH_CALL_S
+            from pdcore.constrained.backend import MAX_MATCH_CALL_S
 
             raise InvalidRequestError(
                 f"{self.constraint.field}: following this grammar took "

@@ -51,7 +51,7 @@ from pdcore.engine.sched.sampler import SampleState, logprob_entry, probs_for, r
 from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from pdcore.engine.sched.grammar import GrammarBackend
+    from pdcore.constrained.backend import GrammarBackend
     from pdcore.engine.sched.request import Req
     from pdcore.engine.sched.sampler import RowError
 
