@@ -6,10 +6,21 @@ address, registers its KV memory there and waits for KV from it, so the route de
 pool addresses, data-plane endpoint and KV go: it is never the client's to choose. A server acts
 on a route only when
 
-1. it carries a valid, unexpired signature (`bootstrap_sig`): `v1.<expiry>.<hex HMAC-SHA256>`
-   over `room|host|port|expiry` with a key derived from the cluster secret
-   (`--disaggregation-auth-token`), added by the router (`pdserve router`, `pdserve up`) just
-   before it forwards the request; or
+1. it carries a valid, unexpired signature (`bootstrap_sig`), added by the router
+   (`pdserve router`, `pdserve up`) just before it forwards the request:
+   `v2.<expiry>.<decode id>.<hex HMAC-SHA256>` over `v2|room|host:port|expiry|decode id|body
+   digest` with a key derived from the cluster secret (`--disaggregation-auth-token`). The
+   decode id is the server id of the decode server the router chose (each pdserve server sends
+   it in the `x-pdserve-server-id` header of every answer; the router reads it from its health
+   probes); a decode server refuses a route signed for another one. The body digest
+   (`body_digest`) is SHA-256 over the request body without its route fields, as canonical
+   JSON: whatever determines the prompt (`text`/`input_ids`, `prompt`, `messages`, `tools`,
+   chat template options, ...) and the rest of the request is covered, the same way for every
+   route, with no tokenizer at the router. Prefill and decode get the same body and check the
+   same MAC, so a route copied into another request or sent to another decode server is a
+   403 at HTTP, before admission. A signature is good for one request per server (a replay is
+   403). A `v1` signature (which named the route only) is refused: router and servers must run
+   the same protocol; or
 2. its `host:port` is a prefill bootstrap address the server has been told about: the
    `--disaggregation-trusted-prefill` flag, registrations through the admin route
    `POST /disaggregation/trusted_prefill` (the admin key only), and, on P, its own bootstrap
@@ -34,19 +45,25 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import json
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-SIG_VERSION = "v1"
+SIG_VERSION = "v2"
 DEFAULT_TTL_S = 60.0  # how long the router's signature lives (its queueing and forwarding)
 CLOCK_SKEW_S = 30.0  # what servers allow between their clock and the router's, either way
 MAX_SPENT = 262_144  # used signatures a server remembers (oldest forgotten first)
 MAX_TRUSTED = 4096  # registered prefill addresses kept (oldest registration dropped first)
-WARMUP_HOST = "2.2.2.2"
-UNTRUSTED = "neither signed nor a trusted prefill address"  # routers match this in the 403  # SGLang's fake bootstrap host: only a server's own warm-up uses it
+WARMUP_HOST = "2.2.2.2"  # SGLang's fake bootstrap host: only a server's own warm-up uses it
+UNTRUSTED = "neither signed nor a trusted prefill address"  # routers match this in the 403
+ROUTE_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_sig")
+SERVER_ID_HEADER = "x-pdserve-server-id"  # every answer of a PD server names its server id
+_DECODE_ID = re.compile(r"[A-Za-z0-9_-]{0,64}")
 
 
 def _derive(secret: str, label: bytes) -> bytes:
@@ -54,7 +71,7 @@ def _derive(secret: str, label: bytes) -> bytes:
 
 
 def route_key(secret: str) -> bytes:
-    return _derive(secret, b"pdserve route signature v1")
+    return _derive(secret, b"pdserve route signature v2")
 
 
 def control_key(secret: str) -> bytes:
@@ -68,31 +85,68 @@ def normalize_addr(host: str, port: int | None) -> str:
     return f"{str(host).strip('[]').lower()}:{'default' if port is None else int(port)}"
 
 
-def _payload(room: int, host: str, port: int | None, expiry: int) -> bytes:
-    return f"{int(room)}|{normalize_addr(host, port)}|{expiry}".encode()
+def body_digest(body: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) of a request body without its route fields (ROUTE_FIELDS), as canonical
+    JSON (sorted keys, no spaces, ASCII): what the router signs and what each server recomputes
+    from the body it received (a JSON round trip keeps every value as it was)."""
+    rest = {k: v for k, v in body.items() if k not in ROUTE_FIELDS}
+    text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def sign_route(key: bytes, room: int, host: str, port: int | None,
-               ttl_s: float = DEFAULT_TTL_S, now: float | None = None) -> str:
+def raw_body_digest(raw: bytes) -> str:
+    """`body_digest` of a request's raw JSON body; '' when it is not a JSON object."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return ""
+    return body_digest(body) if isinstance(body, dict) else ""
+
+
+def _payload(room: int, host: str, port: int | None, expiry: int, decode_id: str,
+             digest: str) -> bytes:
+    return (f"{SIG_VERSION}|{int(room)}|{normalize_addr(host, port)}|{expiry}|{decode_id}|"
+            f"{digest}").encode()
+
+
+def sign_route(key: bytes, room: int, host: str, port: int | None, decode_id: str, digest: str,
+               *, ttl_s: float = DEFAULT_TTL_S, now: float | None = None) -> str:
+    """The signature of a route to prefill `host:port`, room `room`, for the decode server
+    `decode_id` and the request whose `body_digest` is `digest`."""
+    if not _DECODE_ID.fullmatch(decode_id):
+        raise ValueError(f"decode server id {decode_id!r} is not [A-Za-z0-9_-], 64 at most")
     expiry = int((time.time() if now is None else now) + ttl_s)
-    mac = hmac.new(key, _payload(room, host, port, expiry), hashlib.sha256).hexdigest()
-    return f"{SIG_VERSION}.{expiry}.{mac}"
+    mac = hmac.new(key, _payload(room, host, port, expiry, decode_id, digest),
+                   hashlib.sha256).hexdigest()
+    return f"{SIG_VERSION}.{expiry}.{decode_id}.{mac}"
 
 
 def check_signature(key: bytes, sig: str, room: int, host: str, port: int | None,
-                    now: float | None = None, *, max_ttl_s: float = DEFAULT_TTL_S,
-                    skew_s: float = CLOCK_SKEW_S) -> str:
-    """'' when `sig` signs exactly this route and has not expired, else why not. A server
-    accepts what the router signs (`max_ttl_s` ahead) give or take `skew_s` of clock skew:
-    no longer-lived signature, however it was made."""
-    parts = sig.split(".") if isinstance(sig, str) and len(sig) <= 128 else []
-    if len(parts) != 3 or parts[0] != SIG_VERSION or not parts[1].isdigit():
+                    digest: str, *, decode_id: str | None = None, now: float | None = None,
+                    max_ttl_s: float = DEFAULT_TTL_S, skew_s: float = CLOCK_SKEW_S) -> str:
+    """'' when `sig` signs exactly this route and request (`digest`) and has not expired, else
+    why not. `decode_id`: this server's id on a decode server (the signature must name it),
+    None on a prefill server (it is not the target; the MAC still covers the target named). A
+    server accepts what the router signs (`max_ttl_s` ahead) give or take `skew_s` of clock
+    skew: no longer-lived signature, however it was made."""
+    parts = sig.split(".") if isinstance(sig, str) and len(sig) <= 192 else []
+    if parts and parts[0] == "v1":
+        return ("bootstrap_sig is a v1 signature, which binds neither the decode server nor the "
+                "request; this server accepts v2 only: run router and servers of the same "
+                "pdserve version")
+    if len(parts) != 4 or parts[0] != SIG_VERSION or not parts[1].isdigit() \
+            or not _DECODE_ID.fullmatch(parts[2]):
         return "bootstrap_sig is malformed"
-    expiry = int(parts[1])
-    want = hmac.new(key, _payload(room, host, port, expiry), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(want, parts[2]):
-        return "bootstrap_sig does not sign this route (another room, host or port, or another " \
-               "cluster secret)"
+    expiry, target = int(parts[1]), parts[2]
+    if decode_id is not None and not hmac.compare_digest(target, decode_id):
+        return (f"bootstrap_sig signs this route for another decode server ({target or 'none'}; "
+                f"this one is {decode_id}): a route is good on the decode server the router "
+                "chose only")
+    want = hmac.new(key, _payload(room, host, port, expiry, target, digest),
+                    hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(want, parts[3]):
+        return "bootstrap_sig does not sign this route and request (another room, host, port " \
+               "or request body, or another cluster secret)"
     t = time.time() if now is None else now
     if expiry < t - skew_s:
         return f"bootstrap_sig expired {t - expiry:.0f}s ago"
@@ -202,9 +256,11 @@ class RouteGuard:
     """The trust a server's HTTP edge applies to the routes of PD requests (see module doc)."""
 
     def __init__(self, secret: str | None = None, trusted: Iterable[str] | str | None = None,
-                 own_port: int | None = None, local: bool | None = None) -> None:
+                 own_port: int | None = None, local: bool | None = None,
+                 decode_id: str | None = None) -> None:
         self.key = route_key(secret) if secret else None
         self.own_port = own_port
+        self.decode_id = decode_id  # a decode server's own id: the one signatures must name
         # the live prefill servers of this user on this host (module doc, point 3)
         self.local = (os.environ.get(LOCAL_TRUST_ENV, "1") != "0") if local is None else local
         self._fixed = set(parse_addrs(trusted))
@@ -257,22 +313,27 @@ class RouteGuard:
         with self._lock:
             return a in self._fixed or a in self._registered
 
+    def bind(self, raw_body: bytes) -> RequestGuard:
+        """This guard for one request whose raw JSON body is `raw_body` (a signature covers
+        its `body_digest`, computed once, only when a signed route needs it)."""
+        return RequestGuard(self, raw_body)
+
     def check(self, room: int | None, host: str | None, port: int | None, sig: str | None,
-              default_port: int) -> str:
+              default_port: int, digest: Callable[[], str] | str = "") -> str:
         """'' when the server may act on this route, else why not (the HTTP edge answers 403).
         `port` as the request gave it (None: the server's `default_port`; a signature signs
-        what was sent). A request naming no bootstrap host names no route: the role decides
-        what that means."""
+        what was sent). `digest`: the request's `body_digest` (or a function giving it). A
+        request naming no bootstrap host names no route: the role decides what that means."""
         if host is None:
             return ""
-        why = self._why(room, host, port, sig, default_port)
+        why = self._why(room, host, port, sig, default_port, digest)
         if why:
             with self._lock:
                 self.refused += 1
         return why
 
     def _why(self, room: int | None, host: str, port: int | None, sig: str | None,
-             default_port: int) -> str:
+             default_port: int, digest: Callable[[], str] | str) -> str:
         if host.strip("[]") == WARMUP_HOST:
             return (f"bootstrap_host {WARMUP_HOST} is reserved for the server's own warm-up; a "
                     "client cannot name it")
@@ -282,7 +343,9 @@ class RouteGuard:
             if self.key is None:
                 return ("bootstrap_sig given but this server has no cluster secret to check it; "
                         "start it with the router's --disaggregation-auth-token")
-            return check_signature(self.key, sig, room, host, port) or self._spend(sig)
+            return check_signature(self.key, sig, room, host, port,
+                                   digest if isinstance(digest, str) else digest(),
+                                   decode_id=self.decode_id) or self._spend(sig)
         port = default_port if port is None else port
         if self.is_trusted(host, port):
             return ""
@@ -293,3 +356,21 @@ class RouteGuard:
                "--disaggregation-auth-token so the router signs its routes")
         return (f"the route to prefill {normalize_addr(host, port)} is {UNTRUSTED} of this "
                 f"server; {how}")
+
+
+class RequestGuard:
+    """A RouteGuard bound to one request's raw body (RouteGuard.bind)."""
+
+    def __init__(self, guard: RouteGuard, raw_body: bytes) -> None:
+        self.guard = guard
+        self._raw = raw_body
+        self._digest: str | None = None
+
+    def digest(self) -> str:
+        if self._digest is None:
+            self._digest = raw_body_digest(self._raw)
+        return self._digest
+
+    def check(self, room: int | None, host: str | None, port: int | None, sig: str | None,
+              default_port: int) -> str:
+        return self.guard.check(room, host, port, sig, default_port, self.digest)

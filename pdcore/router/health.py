@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from pdcore.route_auth import SERVER_ID_HEADER
 from pdcore.router.config import RouterConfig
 from pdcore.router.workers import Worker, WorkerRegistry
 
@@ -100,6 +101,8 @@ class HealthMonitor:
         except httpx.HTTPError as exc:
             worker.last_health_error = f"{type(exc).__name__}: {exc}"
             return False
+        # the id the router signs this server's routes for (a restarted server has a new one)
+        worker.server_id = resp.headers.get(SERVER_ID_HEADER) or worker.server_id
         if resp.status_code == 200:
             worker.last_health_error = None
             return True

@@ -17,7 +17,7 @@ import secrets
 from typing import Any
 
 from pdcore.errors import InvalidRequestError
-from pdcore.route_auth import sign_route
+from pdcore.route_auth import body_digest, sign_route
 from pdcore.router.workers import Worker
 
 ROOM_BITS = 63  # bootstrap_room is uniform in [0, 2**63 - 1]
@@ -61,24 +61,28 @@ def wants_logprobs(route: str, body: dict[str, Any]) -> bool:
 
 def inject_bootstrap(
     body: dict[str, Any], prefill: Worker, n: int | None, key: bytes | None = None,
+    decode_id: str = "",
 ) -> dict[str, Any]:
     """The body with the route to `prefill` (one room per prompt), signed with `key` (the
-    cluster secret's route key) when the router has one. A client's own route fields,
-    signature included, are replaced: the route is never the client's to choose. Rooms come
-    from `secrets` (a room is a capability: nobody may predict the next one)."""
+    cluster secret's route key) when the router has one, for the decode server `decode_id` and
+    this very body (route_auth: v2 signatures). A client's own route fields, signature
+    included, are replaced: the route is never the client's to choose. Rooms come from
+    `secrets` (a room is a capability: nobody may predict the next one)."""
     out = dict(body)
     out.pop("bootstrap_sig", None)
     host, port = prefill.bootstrap_host, prefill.bootstrap_port
     if n is None:
         out["bootstrap_host"], out["bootstrap_port"] = host, port
         out["bootstrap_room"] = secrets.randbits(ROOM_BITS)
-        if key is not None:
-            out["bootstrap_sig"] = sign_route(key, out["bootstrap_room"], host, port)
     else:
         out["bootstrap_host"], out["bootstrap_port"] = [host] * n, [port] * n
         out["bootstrap_room"] = [secrets.randbits(ROOM_BITS) for _ in range(n)]
-        if key is not None:
-            out["bootstrap_sig"] = [sign_route(key, r, host, port) for r in out["bootstrap_room"]]
+    if key is not None:
+        digest = body_digest(out)
+        rooms = out["bootstrap_room"]
+        sigs = [sign_route(key, r, host, port, decode_id, digest)
+                for r in (rooms if n is not None else [rooms])]
+        out["bootstrap_sig"] = sigs if n is not None else sigs[0]
     return out
 
 

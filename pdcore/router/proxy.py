@@ -132,6 +132,18 @@ def _upstream_failure(role: str, worker: Worker, status: int, body: bytes) -> Fa
     )
 
 
+def _resigned(leg: DecodeLeg, d: Worker) -> Failure | None:
+    """D refused a route we signed for another server id (D restarted since our last probe):
+    sign for the one there now and retry; nobody's fault, no circuit counts it."""
+    if leg.status != 403 or not leg.server_id or leg.server_id == d.server_id:
+        return None
+    log.info("decode worker %s is server %s now (was %s)", d.url, leg.server_id,
+             d.server_id or "unknown")
+    d.server_id = leg.server_id
+    return Failure(503, "route_refused", f"decode worker {d.url} restarted: the route was "
+                   "signed for its last instance", retriable=True)
+
+
 class _LegResponse(StreamingResponse):
     """Streaming response that gives the decode leg back however the send ends."""
 
@@ -248,8 +260,8 @@ class Proxy:
             p, d = pair
             if self.before_decode is not None:
                 await self.before_decode(d)
-            content = json.dumps({**inject_bootstrap(body, p, n, self._cfg.route_key),
-                                  **self._dp.fields(p, d)}).encode()
+            content = json.dumps(inject_bootstrap({**body, **self._dp.fields(p, d)}, p, n,
+                                                  self._cfg.route_key, d.server_id)).encode()
             outcome = await self._attempt(
                 route, p, d, content, headers, stream, logprobs=logprobs, deadline=deadline,
                 request_id=request_id, gone=gone,
@@ -328,6 +340,9 @@ class Proxy:
                             self._metrics.worker_error("decode", "route_refused")
                             return Failure(503, "route_refused", f"decode worker {d.url} did "
                                            "not trust the route yet", retriable=True)
+                        if self._cfg.route_key is not None and (f := _resigned(leg, d)):
+                            self._metrics.worker_error("decode", "route_refused")
+                            return f
                         if leg.client_caused and leg.status != PEER_FAULT:  # as D answered
                             return Response(leg.body, leg.status, media_type=leg.content_type,
                                             headers={"x-request-id": request_id, **leg.headers})

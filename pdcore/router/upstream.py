@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from pdcore.errors import ERROR_ORIGIN_HEADER
+from pdcore.route_auth import SERVER_ID_HEADER
 from pdcore.router.merge import SSEMerger
 from pdcore.router.metrics import RouterMetrics
 from pdcore.router.workers import Worker
@@ -186,6 +187,7 @@ class DecodeLeg:
         self.body = b""  # whole body (non-stream or error) or the first chunk (stream)
         self.client_caused = False  # the answer is the client's doing (see worker_outcome)
         self.headers: dict[str, str] = {}  # the origin mark, passed on to the client
+        self.server_id = ""  # the id D's answer names (route_auth.SERVER_ID_HEADER)
         # a stream's second chunk, read before commit (`read_next`): once it came (or the stream
         # ended) D is streaming tokens, so it has the KV and P's answer no longer matters
         self._next: asyncio.Task[bytes] | None = None
@@ -208,6 +210,7 @@ class DecodeLeg:
             self._resp = await client.send(request, stream=True)
             self.status = self._resp.status_code
             self.content_type = self._resp.headers.get("content-type")
+            self.server_id = self._resp.headers.get(SERVER_ID_HEADER, "")
             if client_caused(self._resp.headers):
                 self.headers = {ERROR_ORIGIN_HEADER: "client"}
             outcome = worker_outcome(self.status, bool(self.headers), deadline)

@@ -41,6 +41,7 @@ class Worker:
     added_at: float = field(default_factory=time.time)
     dp_rank: int | None = None  # --dp-aware: the server's DP rank this entry stands for
     dp_size: int = 1  # the server's, from its /get_server_info (--dp-aware, round robin balance)
+    server_id: str = ""  # the server's id, from its answers' x-pdserve-server-id (route_auth)
 
     @property
     def key(self) -> str:

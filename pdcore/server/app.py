@@ -31,7 +31,7 @@ from pdcore.edge import tracing
 from pdcore.edge.auth import install_auth, log_admin_policy
 from pdcore.edge.limits import install_limits
 from pdcore.messages.io import GenerateReq, SamplingParams
-from pdcore.route_auth import RouteGuard
+from pdcore.route_auth import SERVER_ID_HEADER, RouteGuard
 from pdcore.runtime import EngineClient, EngineError, SchedulerTarget, make_engine
 from pdcore.server import (
     admin_routes,
@@ -124,7 +124,8 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
     app.state.warming_up = False
     app.state.route_guard = RouteGuard(
         args.disaggregation_auth_token, args.disaggregation_trusted_prefill,
-        args.disaggregation_bootstrap_port if args.disaggregation_mode == "prefill" else None)
+        args.disaggregation_bootstrap_port if args.disaggregation_mode == "prefill" else None,
+        decode_id=args.server_id if args.disaggregation_mode == "decode" else None)
     install_error_handlers(app)
     install_limits(app)
 
@@ -137,6 +138,8 @@ def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
         rid = request.headers.get("x-request-id")
         if rid and "x-request-id" not in response.headers:
             response.headers["x-request-id"] = rid  # routers correlate logs with it
+        if args.disaggregation_mode != "null":  # the router signs routes for this id
+            response.headers[SERVER_ID_HEADER] = args.server_id
         if request.url.path in GENERATE_ROUTES:
             app.state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
         return response

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.constrained.spec import spec_from_fields
 from pdcore.edge.schemas import GenerateRequest, SamplingParamsIn
-from pdcore.route_auth import RouteGuard
 from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.generation import (
@@ -29,7 +28,7 @@ from pdcore.server.generation import (
 from pdcore.server.http_errors import engine_error_response, error_response, sse_error
 from pdcore.server.output import OutputAssembler
 from pdcore.server import planner
-from pdcore.server.params import bad, check_n, needs_text, per_item
+from pdcore.server.params import bad, check_n, needs_text, per_item, request_guard
 from pdcore.server.planner import Plan, PlanInput, PromptInput, sampling_fields
 
 router = APIRouter()
@@ -145,7 +144,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     engine: EngineClient = request.app.state.engine
     start = time.time()
     engine.require_ready()
-    plan = planner.plan(generate_input(body, engine), engine, request.app.state.route_guard)
+    plan = planner.plan(generate_input(body, engine), engine, await request_guard(request))
     if body.stream:
         return StreamingResponse(_stream(engine, plan, body, request, start),
                                  media_type="text/event-stream", headers=SSE_HEADERS)

@@ -9,7 +9,7 @@ from typing import Any
 from pdcore.constrained.spec import spec_from_fields, spec_from_response_format
 from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest
 from pdcore.messages.io import GrammarSpec
-from pdcore.route_auth import RouteGuard
+from pdcore.route_auth import RequestGuard, RouteGuard
 from pdcore.runtime import EngineClient
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import bad, check_n
@@ -65,7 +65,7 @@ def _grammar(body: CompletionRequest | ChatCompletionRequest,
 
 def plan_openai(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
                 prompts: list[list[int]], prompt_field: str, *, want_logprobs: bool, top: int,
-                echo: bool, id_prefix: str, guard: RouteGuard,
+                echo: bool, id_prefix: str, guard: RouteGuard | RequestGuard,
                 tool_grammar: GrammarSpec | None = None,
                 max_tokens_field: str | None = None) -> Plan:
     """An OpenAI route's request as the planner's PlanInput (one n and one set of sampling

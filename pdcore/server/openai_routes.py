@@ -36,7 +36,7 @@ from pdcore.server.http_errors import engine_error_response, error_response, sse
 from pdcore.server.openai_plan import finish_of, plan_openai, served_model_name, usage
 from pdcore.server.planner import Plan
 from pdcore.server.output import OutputAssembler
-from pdcore.server.params import bad, needs_text
+from pdcore.server.params import bad, needs_text, request_guard
 
 router = APIRouter()
 MAX_TOP_LOGPROBS = 20
@@ -190,7 +190,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     want = body.logprobs is not None
     plan = plan_openai(body, engine, _completion_prompts(body, engine), "prompt",
                         want_logprobs=want, top=body.logprobs or 0, echo=body.echo,
-                        id_prefix="cmpl", guard=request.app.state.route_guard)
+                        id_prefix="cmpl", guard=await request_guard(request))
     if body.stream:
         return StreamingResponse(_stream(request, engine, plan, body, chat=False),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
@@ -334,7 +334,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                             engine.args.allow_special_tokens_in_messages)],
                         "messages",
                         want_logprobs=bool(body.logprobs), top=top, echo=False,
-                        id_prefix="chatcmpl", guard=request.app.state.route_guard,
+                        id_prefix="chatcmpl", guard=await request_guard(request),
                         tool_grammar=tools.grammar if tools else None)
     shapers = {it.index: ChoiceShaper(reasoning, tools) for it in plan.items} \
         if (tools and tools.parser) or reasoning else None

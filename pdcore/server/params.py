@@ -21,7 +21,7 @@ from typing import Any
 from pdcore.config import ServerArgs
 from pdcore.messages.io import GenerateReq, PDRoute, SamplingParams
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
-from pdcore.route_auth import RouteGuard
+from pdcore.route_auth import RequestGuard, RouteGuard
 from pdcore.server.generation import Item
 from pdcore.server.sglang_flags import json_object_flag
 
@@ -155,8 +155,15 @@ class PDInfo:
     routed_dp_rank: int | None = None
 
 
+async def request_guard(request: Any) -> RequestGuard:
+    """The server's route guard bound to this request's raw body (a route's signature covers
+    the body: route_auth.body_digest)."""
+    guard: RouteGuard = request.app.state.route_guard
+    return guard.bind(await request.body())
+
+
 def pd_items(body: Any, samples: list[int], args: ServerArgs,
-             guard: RouteGuard) -> list[PDInfo]:
+             guard: RouteGuard | RequestGuard) -> list[PDInfo]:
     """Bootstrap fields per prompt; `samples[p]` is prompt p's n. A scalar applies to the whole
     request; a list has one entry per prompt, or one per sample (sum of samples), as
     sglang-router sends for a chat request with n > 1: a prompt then takes its first sample's

@@ -22,7 +22,7 @@ from pdcore.server.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import SSE_HEADERS, run_items
 from pdcore.server.openai_plan import finish_of, plan_openai, usage
 from pdcore.server.openai_routes import chat_prompt, run_plan, shaped
-from pdcore.server.params import needs_text
+from pdcore.server.params import needs_text, request_guard
 from pdcore.server.planner import Plan
 from pdcore.server.responses_api import ResponseBuilder, chat_request
 
@@ -73,7 +73,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
                          engine.args.allow_special_tokens_in_messages)
     plan = plan_openai(chat, engine, [prompt], "input",
                         max_tokens_field="max_output_tokens", want_logprobs=False, top=0,
-                        echo=False, id_prefix="resp", guard=request.app.state.route_guard,
+                        echo=False, id_prefix="resp", guard=await request_guard(request),
                         tool_grammar=tools.grammar if tools else None)
     builder = ResponseBuilder(body, plan.rid.replace("resp-", "resp_", 1), plan.model)
     shaper = ChoiceShaper(reasoning, tools)

@@ -186,13 +186,19 @@ class PDCluster:
                  prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
                  policy: str = "round_robin", secret: str | None = None,
                  router_flags: tuple[str, ...] = (),
-                 prefill_command: tuple[str, ...] = ("-m", "pdcore", "serve")) -> None:
+                 prefill_command: tuple[str, ...] = ("-m", "pdcore", "serve"),
+                 api_key: str | None = None) -> None:
         """Route trust (pdcore.route_auth) as a deployment would set it up: with `secret` every
         process shares it (our router signs routes); without, our router registers the prefill
         addresses with the decode servers, and behind sglang-router (which does neither) the
         decode servers get --disaggregation-trusted-prefill. `prefill_command` runs the prefill
-        servers (a test hook such as pdcore.testing.held_transfer)."""
+        servers (a test hook such as pdcore.testing.held_transfer). `api_key`: every server and
+        the router take it (`headers` carry it for the helpers' own calls)."""
         self.env = dict(env or {})
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if api_key:
+            flags, router_flags = (*flags, "--api-key", api_key), (*router_flags, "--api-key",
+                                                                    api_key)
         if secret:
             self.env[CLUSTER_SECRET_ENV] = secret
         self.policy = policy  # our router's --policy (prefix-cache tests compare policies)
@@ -262,7 +268,8 @@ class PDCluster:
         deadline = time.monotonic() + timeout
         for d in self.decodes:
             while True:
-                r = httpx.get(d.url + "/disaggregation/trusted_prefill", timeout=10)
+                r = httpx.get(d.url + "/disaggregation/trusted_prefill", headers=self.headers,
+                              timeout=10)
                 if r.status_code == 200 and want <= set(r.json()["trusted"]):
                     break
                 if time.monotonic() > deadline:
@@ -275,7 +282,7 @@ class PDCluster:
         return self.router.url
 
     def load(self, server: ServerProcess) -> dict[str, Any]:
-        return httpx.get(server.url + "/get_load", timeout=10).json()[0]
+        return httpx.get(server.url + "/get_load", headers=self.headers, timeout=10).json()[0]
 
     def wait_pages_free(self, timeout: float = 30.0) -> None:
         """Every server's KV pool back to its full free count (asserts)."""

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from pdcore.disagg.control import MAX_PEERS, ControlPlane
-from pdcore.route_auth import route_key, sign_route
+from pdcore.route_auth import SERVER_ID_HEADER, body_digest, route_key, sign_route
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.processes import ADMIN_HEADERS, PDCluster, ServerProcess, free_port
 from pdcore.testing.tiny_models import make_tiny_model
@@ -229,28 +229,37 @@ def signed_pair(model_dir, tmp_path_factory):
 
 
 def test_signed_routes(signed_pair) -> None:
+    """v2 signatures (route_auth): the router's route serves; what D refuses with 403 before
+    admission: no signature, an expired or too long-lived one, another room, a route signed
+    for another decode server or for another request body (a copied route), a v1 signature,
+    a malformed one, another cluster's."""
     c, _ = signed_pair
     d = c.decodes[0]
     r = httpx.post(c.url + "/generate", json=ROUTES["/generate"], timeout=120)
     assert r.status_code == 200 and r.json()["output_ids"], r.text
+    d_id = httpx.get(d.url + "/health", timeout=10).headers[SERVER_ID_HEADER]
     key = route_key(SECRET)
     route = {"bootstrap_host": "127.0.0.1", "bootstrap_port": c.bootstrap_ports[0],
              "bootstrap_room": 99}
-    cases = {"neither signed nor": {},  # the real P, but unsigned: no registration in this mode
-             "expired": {"bootstrap_sig": sign_route(key, 99, "127.0.0.1", route["bootstrap_port"],
-                                                     ttl_s=-40)},  # past the 30 s skew
-             "too far in the future": {"bootstrap_sig": sign_route(
-                 key, 99, "127.0.0.1", route["bootstrap_port"], ttl_s=600)},
-             "does not sign this route": {"bootstrap_sig": sign_route(
-                 key, 98, "127.0.0.1", route["bootstrap_port"])},
-             "malformed": {"bootstrap_sig": "v1.x.y"}}
+    body = {**ROUTES["/generate"], **route}
+    digest = body_digest(body)
+
+    def sig(room=99, target=d_id, dig=digest, k=key, **kw) -> str:
+        return sign_route(k, room, "127.0.0.1", route["bootstrap_port"], target, dig, **kw)
+
+    other_body = body_digest({**body, "text": "another prompt"})
+    cases = {"neither signed nor": None,  # the real P, but unsigned: no registration here
+             "expired": sig(ttl_s=-40),  # past the 30 s skew
+             "too far in the future": sig(ttl_s=600),
+             "does not sign this route": sig(room=98),
+             "for another decode server": sig(target="another0decode"),
+             "does not sign this route and request": sig(dig=other_body),
+             "v1 signature": "v1.%d.%s" % (time.time() + 30, "0" * 64),
+             "malformed": "v2.x.y",
+             "does not sign": sig(k=route_key("another secret"))}
     for why, extra in cases.items():
-        _refused(httpx.post(d.url + "/generate", json={**ROUTES["/generate"], **route, **extra},
-                            timeout=30), why)
-    wrong = sign_route(route_key("another secret"), 99, "127.0.0.1", route["bootstrap_port"])
-    _refused(httpx.post(d.url + "/generate", json={**ROUTES["/generate"], **route,
-                                                   "bootstrap_sig": wrong}, timeout=30),
-             "does not sign")
+        sent = {**body, **({"bootstrap_sig": extra} if extra else {})}
+        _refused(httpx.post(d.url + "/generate", json=sent, timeout=30), why)
 
 
 def test_secret_never_goes_to_an_address_that_cannot_prove_it(signed_pair) -> None:

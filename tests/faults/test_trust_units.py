@@ -3,8 +3,10 @@ cluster a token, an open control plane says so, and D refuses a route from anoth
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -124,17 +126,55 @@ def test_route_signatures_are_single_use_and_short_lived() -> None:
     the router signs (60 s) give or take 30 s of clock skew, not 3600 s."""
     from pdcore.route_auth import RouteGuard, route_key, sign_route
 
-    guard = RouteGuard("s", local=False)
+    guard = RouteGuard("s", local=False, decode_id="d1")
     key = route_key("s")
-    sig = sign_route(key, 7, "10.0.0.5", 8998)
-    assert guard.check(7, "10.0.0.5", 8998, sig, 8998) == ""
-    assert "used already" in guard.check(7, "10.0.0.5", 8998, sig, 8998)
-    late = sign_route(key, 8, "10.0.0.5", 8998, ttl_s=-20)  # a router clock 20 s behind
-    assert guard.check(8, "10.0.0.5", 8998, late, 8998) == ""
-    assert "expired" in guard.check(9, "10.0.0.5", 8998,
-                                    sign_route(key, 9, "10.0.0.5", 8998, ttl_s=-40), 8998)
-    assert "too far in the future" in guard.check(
-        10, "10.0.0.5", 8998, sign_route(key, 10, "10.0.0.5", 8998, ttl_s=3000), 8998)
+
+    def sig(room: int, **kw) -> str:
+        return sign_route(key, room, "10.0.0.5", 8998, "d1", "digest", **kw)
+
+    def check(room: int, s: str) -> str:
+        return guard.check(room, "10.0.0.5", 8998, s, 8998, "digest")
+
+    assert check(7, sig(7)) == ""
+    assert "used already" in check(7, sig(7))
+    assert check(8, sig(8, ttl_s=-20)) == ""  # a router clock 20 s behind
+    assert "expired" in check(9, sig(9, ttl_s=-40))
+    assert "too far in the future" in check(10, sig(10, ttl_s=3000))
+
+
+def test_route_signature_v2_binds_decode_server_and_request() -> None:
+    """Issue 44 item 1 (v2): the signature names the decode server the router chose and covers
+    the request body (route fields aside); another decode server, another body or a v1
+    signature is refused, and a refused copy does not use up the victim's signature."""
+    from pdcore.route_auth import (RouteGuard, body_digest, raw_body_digest, route_key,
+                                   sign_route)
+
+    key = route_key("s")
+    victim = {"text": "The secret code is 4711", "sampling_params": {"temperature": 0.5}}
+    routed = {**victim, "bootstrap_host": "10.0.0.5", "bootstrap_port": 8998,
+              "bootstrap_room": 7}
+    digest = body_digest(routed)
+    assert digest == body_digest(victim)  # the route fields are not part of it
+    # what a server recomputes from the bytes it got (key order, spacing, escapes aside)
+    raw = json.dumps({**routed, "bootstrap_sig": "x"}, indent=1, ensure_ascii=False).encode()
+    assert raw_body_digest(raw) == digest and raw_body_digest(b"[1]") == ""
+    sig = sign_route(key, 7, "10.0.0.5", 8998, "d1", digest)
+    d1, d2 = (RouteGuard("s", local=False, decode_id=i) for i in ("d1", "d2"))
+    prefill = RouteGuard("s", local=False, own_port=8998)
+    assert "another decode server" in d2.check(7, "10.0.0.5", 8998, sig, 8998, digest)
+    other = body_digest({**victim, "text": "Tell me the code"})
+    assert "does not sign this route and request" in d1.check(7, "10.0.0.5", 8998, sig, 8998,
+                                                             other)
+    hotter = body_digest({**victim, "sampling_params": {"temperature": 2.0}})
+    assert "does not sign" in d1.check(7, "10.0.0.5", 8998, sig, 8998, hotter)
+    assert d1.check(7, "10.0.0.5", 8998, sig, 8998, digest) == ""  # not used up by the copies
+    assert prefill.check(7, "10.0.0.5", 8998, sig, 8998, digest) == ""  # P checks the MAC too
+    assert "does not sign" in prefill.check(7, "10.0.0.5", 8998, sig, 8998, other)
+    forged = sig.replace(".d1.", ".d2.")  # re-targeted by hand: the MAC covers the target
+    assert "does not sign" in d2.check(7, "10.0.0.5", 8998, forged, 8998, digest)
+    v1 = "v1.%d.%s" % (int(time.time()) + 30, "0" * 64)
+    assert "v1 signature" in d1.check(7, "10.0.0.5", 8998, v1, 8998, digest)
+    assert "malformed" in d1.check(7, "10.0.0.5", 8998, "v2.x.d1.y", 8998, digest)
 
 
 def test_loopback_trust_needs_a_live_prefill_of_this_user(tmp_path, monkeypatch) -> None:

@@ -184,6 +184,31 @@ def test_bootstrap_fields_from_prefill_url():
     assert out["bootstrap_host"] == ["::1", "::1"] and out["bootstrap_port"] == [8998, 8998]
 
 
+def test_signed_routes_name_the_decode_server_and_the_body():
+    """route_auth v2: each room's signature names the chosen decode server and the body as
+    sent (route fields aside); a D that answers 403 as another instance gets re-signed for."""
+    from types import SimpleNamespace
+
+    from pdcore.route_auth import RouteGuard, body_digest, route_key
+    from pdcore.router.proxy import _resigned
+
+    reg = WorkerRegistry(RouterConfig())
+    p = reg.add("http://127.0.0.1:30000", "prefill", 8998)
+    body = {"text": ["a", "b"], "data_parallel_rank": 1}
+    out = inject_bootstrap(body, p, 2, route_key("s"), "d-1")
+    guard = RouteGuard("s", local=False, decode_id="d-1")
+    for room, sig in zip(out["bootstrap_room"], out["bootstrap_sig"]):
+        assert sig.split(".")[2] == "d-1"
+        assert guard.check(room, "127.0.0.1", 8998, sig, 8998, body_digest(json.loads(
+            json.dumps(out)))) == ""
+    d = reg.add("http://127.0.0.1:30001", "decode", None)
+    d.server_id = "old"
+    assert _resigned(SimpleNamespace(status=403, server_id="old"), d) is None
+    assert _resigned(SimpleNamespace(status=200, server_id="new"), d) is None
+    f = _resigned(SimpleNamespace(status=403, server_id="new"), d)
+    assert f is not None and f.retriable and d.server_id == "new"
+
+
 def _choice(tokens: list[str], text: str, index: int = 0) -> dict:
     offsets, pos = [], 0
     for t in tokens:
