@@ -18,7 +18,7 @@ from pdcore.engine.sched.stats import Kind, StatsReport
 
 # the KV manager's metrics() are running totals except these amounts (exported as kv_<name>)
 KV_MANAGER_LOADS = frozenset({
-    "inflight_rooms", "sessions", "queued_chunks", "prefill_instances",
+    "inflight_rooms", "sessions", "queued_chunks", "prefill_instances", "pending_rooms",
     "staging_waiting_rooms", "staging_quarantined", "staging_ring_bytes",
     "staging_ring_used_bytes"})
 

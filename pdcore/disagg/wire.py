@@ -162,6 +162,9 @@ SESSION_FAILED = "session_failed"
 DECODE_ABORT = "decode_abort"  # not sent: P's record that D aborted the room
 # not sent: P's record that no decode server claimed the room in time (D refused the route)
 UNCLAIMED = "unclaimed"
+# Status.code: P dropped the room's early messages (claim, pages): too many rooms whose request
+# P has not got (a flood of claims for rooms that never come); D fails the room (502)
+PENDING_EVICTED = "pending_evicted"
 # the codes that put the blame for a failed room on decode (P answers 502, not 500)
 DECODE_FAULTS = frozenset({UNKNOWN_SESSION, SESSION_FAILED, DECODE_ABORT, UNCLAIMED})
 PREFILL_FAULT = "prefill_fault"  # not sent: D's record that its prefill peer failed the room

@@ -126,6 +126,41 @@ def test_unconfirmed_and_unclaimed_rooms_fail_fast(pd):
     assert s.d.metrics()["unconfirmed_rooms"] == 1
 
 
+def test_a_flood_of_claims_is_capped_and_evicts_the_oldest(pd):
+    """#44: P keeps what D sends for a room before P has its request (up to the cleanup
+    interval, 120 s). A flood of claims for rooms that never come is capped per decode server
+    and in all; the oldest entries go first, each failed on D at once (PENDING_EVICTED) and
+    counted; real rooms, opened after the flood, are served."""
+    s = pd()
+    s.p._pending.per_peer, s.p._pending.total = 8, 12
+    for room in range(100, 120):  # 20 orphans from the real D: its quota of 8 holds
+        s.d.add(room, "127.0.0.1", s.port)
+    wait_for(lambda: s.p.metrics().get("pending_evicted") == 12, what="D's own oldest evicted")
+    kept = {r for r, _ in s.p._pending.items()}
+    assert len(kept) == 8 and kept <= set(range(100, 120))
+    gone = set(range(100, 120)) - kept
+    wait_for(lambda: all(s.d.poll(r) == KVPoll.Failed for r in gone), what="D told at once")
+    assert "too many rooms whose request it has not received" in s.d.failure_reason(min(gone))
+    assert all(s.d.poll(r) == KVPoll.Bootstrapping for r in kept)
+    # another decode server (forged claims on the wire) takes the rest of the table: the oldest
+    # of all go (4 of D's), then its own oldest (200, 201) at its quota
+    addr = next(iter(s.d._instances.values())).ctrl_addrs[(0, 0)]
+    for i in range(10):
+        s.d.ctrl.send(addr, wire.Claim(room=200 + i, session="h/evil/0/x",
+                                       ctrl_addr=s.d.ctrl.addr, rank=0, decode_id="evil"))
+    wait_for(lambda: s.p.metrics()["pending_evicted"] == 18, what="the table full")
+    now = {r for r, _ in s.p._pending.items()}
+    assert now >= set(range(202, 210)) and len(now & kept) == 4 and len(now) == 12
+    assert s.p.metrics()["pending_rooms"] == 12
+    wait_for(lambda: all(s.d.poll(r) == KVPoll.Failed for r in kept - now), what="D told")
+    run_room(s, 300, [1, 2], [5, 6], chunks=1)  # real rooms are served, P first ...
+    s.d.add(301, "127.0.0.1", s.port)  # ... or D first (its claim evicts the oldest)
+    wait_for(lambda: 301 in s.p._pending, what="P has the claim")
+    assert len(s.p._pending) == 12 and s.p.metrics()["pending_evicted"] == 19
+    s.p.add(301)
+    wait_for(lambda: s.d.poll(301) == KVPoll.WaitingForInput, what="P confirmed the room")
+
+
 def test_out_of_range_page_fails_and_writes_nothing(pd):
     s = pd()
     s.p.add(9)

@@ -6,6 +6,12 @@ no page before that, so a request sent to D alone never holds D's pool. A Claim 
 TransferInfo from another decode server for a bound room (a copied route) gets Status(Failed,
 ROOM_CLAIMED) and nothing else: the room goes on. A room no decode server claims within the
 claim timeout fails (PrefillKVManager._on_tick): D refused its route or never got it.
+
+What P keeps for rooms it has no request for yet (Pending: claims, early pages) is bounded
+(rooms.PendingTable): MAX_PENDING_PER_PEER per decode server, MAX_PENDING in all, the oldest
+evicted first; each decode rank waiting on an evicted room gets Status(Failed,
+PENDING_EVICTED) at once (its client a 502), and `pending_evicted` counts them
+(pdserve_scheduler_kv_pending_evicted_total; pdserve_scheduler_kv_pending_rooms is the gauge).
 """
 
 from __future__ import annotations
@@ -16,11 +22,16 @@ import time
 from typing import Any
 
 from pdcore.disagg import wire
-from pdcore.disagg.prefill.rooms import Pending, RoomState
+from pdcore.disagg.prefill.rooms import Pending, PendingTable, RoomState
 from pdcore.disagg.states import KVPoll
 
 log = logging.getLogger("pdcore.disagg.prefill")
 MAX_CLAIMS = 64  # D ranks a room waits to confirm before P has it (one per rank of one D)
+# rooms P holds early messages for (before it has their request): a decode server's share and
+# the whole table. A real room waits there for moments (P's request is on its way); a D admits
+# at most its running requests at once, far below either bound
+MAX_PENDING_PER_PEER = 2048
+MAX_PENDING = 8192
 
 
 class RoomClaims:
@@ -28,7 +39,7 @@ class RoomClaims:
 
     _lock: threading.RLock
     _rooms: dict[int, RoomState]
-    _pending: dict[int, Pending]
+    _pending: PendingTable
     _tombstones: dict[int, tuple[str, float]]
     states: Any
     counters: Any
@@ -49,7 +60,7 @@ class RoomClaims:
                 if tomb is not None:
                     self._reply_failed(msg.ctrl_addr, msg.room, tomb[0])
                     return
-                p = self._pending.setdefault(msg.room, Pending(time.monotonic()))
+                p = self._open_pending(msg.room, msg.decode_id or msg.ctrl_addr)
                 p.decode_id = p.decode_id or msg.decode_id
                 if len(p.claims) < MAX_CLAIMS and msg.ctrl_addr not in p.claims:
                     p.claims.append(msg.ctrl_addr)
@@ -73,3 +84,25 @@ class RoomClaims:
         log.warning("room %d: TransferInfo from decode %s refused: bound to another decode "
                     "server", msg.room, msg.decode_id or msg.session)
         self._reply_failed(msg.ctrl_addr, msg.room, why, wire.ROOM_CLAIMED)
+
+    def _open_pending(self, room: int, peer: str) -> Pending:
+        """Under the lock: the room's Pending entry, opened for `peer` (a decode server) if
+        new; what that evicts is failed on the decode ranks waiting on it (module doc)."""
+        p, evicted = self._pending.open(room, peer, time.monotonic())
+        for old, q in evicted:
+            self.counters.add("pending_evicted")
+            why = (f"prefill dropped bootstrap room {old}: it holds too many rooms whose "
+                   f"request it has not received ({self._pending.per_peer} per decode server, "
+                   f"{self._pending.total} in all), this one the oldest (its request never "
+                   "reached prefill?)")
+            if self._pending.evicted % 1000 == 1:  # the first, then one in a thousand
+                log.warning("room %d: %s", old, why)
+            for addr in {d.ctrl_addr for d in q.dests.values()} | set(q.claims):
+                self._reply_failed(addr, old, why, wire.PENDING_EVICTED)
+        return p
+
+    @staticmethod
+    def _session_peer(session: str) -> str:
+        """The decode server of a D session name (host/server id/rank/...)."""
+        parts = session.split("/")
+        return parts[1] if len(parts) > 2 else session

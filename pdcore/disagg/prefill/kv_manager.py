@@ -33,12 +33,12 @@ from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
 from pdcore.disagg.manager import KVManager
 from pdcore.disagg.prefill.chunks import ChunkWriter
-from pdcore.disagg.prefill.claims import RoomClaims
+from pdcore.disagg.prefill.claims import MAX_PENDING, MAX_PENDING_PER_PEER, RoomClaims
 from pdcore.disagg.prefill.rooms import (
     Chunk,
     Dest,
     DestViews,
-    Pending,
+    PendingTable,
     RoomState,
     send_violation,
 )
@@ -76,7 +76,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
     def _setup(self) -> None:
         args, env, tp_rank = self.args, self.env, self.tp_rank
         self._rooms: dict[int, RoomState] = {}
-        self._pending: dict[int, Pending] = {}
+        self._pending = PendingTable(MAX_PENDING, MAX_PENDING_PER_PEER)
         self._tombstones: dict[int, tuple[str, float]] = {}  # released failed rooms
         self.sessions = SessionTable(self.backend, self._lock)
         self._handlers = {wire.TransferInfo: self._on_transfer_info,
@@ -204,7 +204,8 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
             super().release(room)
 
     def _role_metrics(self) -> dict:
-        out = {"sessions": len(self.sessions), "queued_chunks": self.workers.pending()}
+        out = {"sessions": len(self.sessions), "queued_chunks": self.workers.pending(),
+               "pending_rooms": len(self._pending)}
         if self.bootstrap is not None:  # rank 0: its bootstrap port's closed connections
             out.update(self.bootstrap.connection_stats())
         return out
@@ -212,7 +213,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
     def _refuse_room(self, room: int, why: str) -> None:
         with self._lock:
             if room not in self._rooms and room not in self._tombstones:
-                p = self._pending.setdefault(room, Pending(time.monotonic()))
+                p = self._open_pending(room, "")
                 p.failure = p.failure or why  # the scheduler's add() fails it at once
                 return
         self._fail(room, why, wire.VERSION_MISMATCH, notify=False)
@@ -270,7 +271,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
                 if tomb is not None:
                     why = why or tomb[0]
                 else:
-                    p = self._pending.setdefault(msg.room, Pending(time.monotonic()))
+                    p = self._open_pending(msg.room, msg.decode_id or msg.ctrl_addr)
                     p.required = msg.required
                     p.decode_id = p.decode_id or msg.decode_id
                     if why:
@@ -302,7 +303,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
             r = self._rooms.get(msg.room)
             if r is None:
                 if msg.room not in self._tombstones:
-                    p = self._pending.setdefault(msg.room, Pending(time.monotonic()))
+                    p = self._open_pending(msg.room, self._session_peer(msg.session))
                     p.failure = p.failure or reason
                 ack_now = True
             else:

@@ -5,6 +5,7 @@ which send() calls break the protocol, and what the scheduler reads of the desti
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,64 @@ class Pending:
     failure: str = ""
     decode_id: str = ""
     claims: list[str] = field(default_factory=list)  # D ranks (ctrl addrs) awaiting Claimed
+    peer: str = ""  # the decode server whose message opened it (PendingTable's quota)
+
+
+class PendingTable:
+    """P's Pending entries (rooms D named before P has their request), bounded: at most
+    `per_peer` opened by one decode server and `total` in all. Opening one more evicts the
+    oldest of that peer (at its quota) or the oldest of all (when full): a flood of claims for
+    rooms that never come costs the flooder its own oldest entries first, and real rooms, whose
+    request reaches P within moments, are the newest. Callers hold the manager's lock."""
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self.total, self.per_peer = total, per_peer
+        self._items: dict[int, Pending] = {}  # insertion order: oldest first
+        self._by_peer: dict[str, OrderedDict[int, None]] = {}
+        self.evicted = 0
+
+    def open(self, room: int, peer: str, now: float) -> tuple[Pending, list[tuple[int, Pending]]]:
+        """The room's entry (a new one opened by `peer` if none) and the entries it evicted."""
+        p = self._items.get(room)
+        if p is not None:
+            return p, []
+        evicted = []
+        mine = self._by_peer.get(peer)
+        if mine is not None and len(mine) >= self.per_peer:
+            oldest = next(iter(mine))
+            evicted.append((oldest, self.pop(oldest)))
+        while len(self._items) >= self.total:
+            oldest = next(iter(self._items))
+            evicted.append((oldest, self.pop(oldest)))
+        self.evicted += len(evicted)
+        p = self._items[room] = Pending(now, peer=peer)
+        self._by_peer.setdefault(peer, OrderedDict())[room] = None
+        return p, [(r, q) for r, q in evicted if q is not None]
+
+    def get(self, room: int) -> Pending | None:
+        return self._items.get(room)
+
+    def pop(self, room: int, default: None = None) -> Pending | None:
+        p = self._items.pop(room, None)
+        if p is not None:
+            mine = self._by_peer.get(p.peer)
+            if mine is not None:
+                mine.pop(room, None)
+                if not mine:
+                    del self._by_peer[p.peer]
+        return p
+
+    def __delitem__(self, room: int) -> None:
+        self.pop(room)
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def items(self) -> list[tuple[int, Pending]]:
+        return list(self._items.items())
 
 
 @dataclass(frozen=True, slots=True)
