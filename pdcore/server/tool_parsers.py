@@ -404,28 +404,13 @@ _PY_SYNTAX = re.compile(r"[\[\](){}'\"\\]")
 def _python_list_end(cur: Cursor) -> Reader:
     """Where the Python list at cur.pos ends (just past its `]`); -1 when the output ends
     first. Brackets inside strings do not count; nesting past MAX_JSON_DEPTH gives up."""
-    depth, quote, esc_at, scanned = 0, "", -2, cur.pos
+    scan = ts.Brackets(cur.pos, syntax=_PY_SYNTAX, quotes="'\"", opens="([{", closes=")]}")
     while True:
-        for m in _PY_SYNTAX.finditer(cur.text, scanned):
-            ch, at = m.group(), m.start()
-            if quote:
-                if esc_at == at - 1:
-                    esc_at = -2
-                elif ch == "\\":
-                    esc_at = at
-                elif ch == quote:
-                    quote = ""
-            elif ch in "'\"":
-                quote = ch
-            elif ch in "([{":
-                depth += 1
-                if depth > MAX_JSON_DEPTH:
-                    raise GiveUp
-            elif ch in ")]}":
-                depth -= 1
-                if depth == 0:
-                    return m.end()
-        scanned = len(cur.text)
+        end = scan.feed(cur.text, to_close=True)
+        if scan.too_deep:
+            raise GiveUp
+        if end >= 0:
+            return end
         if cur.done:
             return -1
         yield

@@ -171,39 +171,24 @@ def json_value(cur: Cursor, emit: Callable[[str], None], opens: str = "{[") -> R
     first = yield from skip_ws(cur)
     if not first or first not in opens:
         raise GiveUp
-    start = sent = scanned = cur.pos
-    depth, in_str, esc_at = 0, False, -2
+    start = sent = cur.pos
+    scan = Brackets(start)
     while True:
         t = cur.text
-        for m in _SYNTAX.finditer(t, scanned):
-            ch, at = m.group(), m.start()
-            if in_str:
-                if esc_at == at - 1:
-                    esc_at = -2
-                elif ch == "\\":
-                    esc_at = at
-                elif ch == '"':
-                    in_str = False
-            elif ch == '"':
-                in_str = True
-            elif ch in "[{":
-                depth += 1
-                if depth > MAX_JSON_DEPTH:
-                    raise GiveUp
-            elif ch in "]}":
-                depth -= 1
-                if depth == 0:
-                    cur.pos = m.end()
-                    emit(t[sent:cur.pos])
-                    if valid_json(t[start:cur.pos]):
-                        return True
-                    raise GiveUp
-        scanned = len(t)
-        if scanned > sent:
-            emit(t[sent:scanned])
-            sent = scanned
+        end = scan.feed(t, to_close=True)
+        if scan.too_deep:
+            raise GiveUp
+        if end >= 0:
+            cur.pos = end
+            emit(t[sent:end])
+            if valid_json(t[start:end]):
+                return True
+            raise GiveUp
+        if len(t) > sent:
+            emit(t[sent:])
+            sent = len(t)
         if cur.done:
-            cur.pos = scanned
+            cur.pos = len(t)
             return False
         yield
 
@@ -220,28 +205,59 @@ def valid_json(text: str) -> bool:
 def json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> int:
     """How deep brackets nest in `text` outside JSON strings, counted up to `limit` + 1 (one
     linear pass over the brackets, quotes and backslashes only)."""
-    depth = deepest = 0
-    in_str, esc_at = False, -2
-    for m in _SYNTAX.finditer(text):
-        ch, at = m.group(), m.start()
-        if in_str:
-            if esc_at == at - 1:  # this character is escaped
-                esc_at = -2
-            elif ch == "\\":
-                esc_at = at
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limit:
-                    return deepest
-        elif ch in "]}":
-            depth -= 1
-    return deepest
+    scan = Brackets(limit=limit)
+    scan.feed(text, to_close=False)
+    return scan.deepest
+
+
+class Brackets:
+    """The one scanner of bracketed text outside strings (quotes, backslash escapes, nesting),
+    fed a text that only grows and resuming where it stopped: linear in the text, one regex of
+    single characters (no backtracking). JSON by default; Python literals with `syntax`,
+    `quotes`, `opens` and `closes` (tool_parsers). Two ends: `to_close`, just past the bracket
+    that closes the outermost one (a value's extent); else the end of the text (its depth).
+    Either stops once nesting passes `limit` (`too_deep`)."""
+
+    def __init__(self, start: int = 0, *, limit: int = MAX_JSON_DEPTH,
+                 syntax: re.Pattern[str] = _SYNTAX, quotes: str = '"', opens: str = "[{",
+                 closes: str = "]}") -> None:
+        self.scanned, self.limit = start, limit
+        self.syntax, self.quotes, self.opens, self.closes = syntax, quotes, opens, closes
+        self.depth = self.deepest = 0
+        self.quote, self.esc_at = "", -2  # the open string's quote; the escaping backslash
+
+    @property
+    def too_deep(self) -> bool:
+        return self.deepest > self.limit
+
+    def feed(self, text: str, *, to_close: bool) -> int:
+        """Scan `text` on from where the last call stopped: the end of the outermost bracket
+        with `to_close` (-1 when the text ends first), else -1 having scanned it all."""
+        for m in self.syntax.finditer(text, self.scanned):
+            ch, at = m.group(), m.start()
+            if self.quote:
+                if self.esc_at == at - 1:  # this character is escaped
+                    self.esc_at = -2
+                elif ch == "\\":
+                    self.esc_at = at
+                elif ch == self.quote:
+                    self.quote = ""
+            elif ch in self.quotes:
+                self.quote = ch
+            elif ch in self.opens:
+                self.depth += 1
+                if self.depth > self.deepest:
+                    self.deepest = self.depth
+                    if self.deepest > self.limit:
+                        self.scanned = m.end()
+                        return -1
+            elif ch in self.closes:
+                self.depth -= 1
+                if to_close and self.depth == 0:
+                    self.scanned = m.end()
+                    return m.end()
+        self.scanned = len(text)
+        return -1
 
 
 def skip_value(cur: Cursor) -> Reader:
