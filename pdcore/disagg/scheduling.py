@@ -38,7 +38,8 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
     layer after it (KVCache.transfer_layers; the layout's `draft_layers`), and the aux rows carry
     the head's chain start, D's first drafts (disagg/aux.py)."""
     env = DisaggEnv.from_env()
-    geo = SchedulerAPI(sched).chain_geometry()  # a draft head's chain start rides in the row
+    api = SchedulerAPI(sched)
+    geo = api.chain_geometry()  # a draft head's chain start rides in the row
     aux = AuxBuffers(_host_pool(args, kv), num_slots=max(64, 4 * args.max_running_requests),
                      chain=(ChainGeometry(*geo, head=draft_identity(args)) if geo is not None
                             else None))
@@ -46,7 +47,7 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
     from pdcore.plugins.default_backend import resolve_transfer_backend
 
     backend = resolve_transfer_backend(args)
-    tp = sched.tp  # every TP rank runs its own manager for the heads it holds
+    tp = api.tp  # every TP rank runs its own manager for the heads it holds
     if args.disaggregation_mode == "prefill":
         from pdcore.disagg.prefill import PrefillKVManager
         from pdcore.disagg.prefill.sched import PrefillExtension

@@ -44,6 +44,7 @@ from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model.runner import ModelRunner
 from pdcore.engine.model.source import sampling_defaults
 from pdcore.engine.sched.batch_run import BatchRunner
+from pdcore.engine.sched.runtime_api import RuntimeAPI
 from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
 from pdcore.engine.sched.speculative import SpecConfig, Speculator
 from pdcore.errors import ConfigError
@@ -72,7 +73,7 @@ class Engine:
     info: dict[str, Any]
 
     def close(self) -> None:
-        self.scheduler.ext.close()
+        RuntimeAPI(self.scheduler).close_role()
         self.kv.close()
 
 
@@ -326,6 +327,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
                  total_kv_heads=spec["total_kv_heads"], is_mla=spec["is_mla"])
     blocks = BlockManager(num_pages, args.page_size)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    eos_ids = frozenset(e for e in eos if e is not None)
     model_runner = ModelRunner(model, kv, blocks, tp)
     runner = BatchRunner(model_runner, _grammar(args, cfg, [e for e in eos if e is not None]))
     speculator = _speculator(args, model, blocks,
@@ -338,7 +340,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     sched = Scheduler(runner, blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
-        eos_ids=frozenset(e for e in eos if e is not None),
+        eos_ids=eos_ids,
         schedule_policy=args.schedule_policy,
         conservativeness=args.schedule_conservativeness), cache=_prefix_cache(args, blocks),
         spec=speculator)
@@ -347,7 +349,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         "served_model_name": args.served_model_name or resolved.name,
         "context_length": context, "max_total_tokens": num_pages * args.page_size,
         "page_size": args.page_size, "num_pages": num_pages, "vocab_size": cfg.vocab_size,
-        "eos_token_ids": sorted(sched.cfg.eos_ids), "dtype": str(dtype).replace("torch.", ""),
+        "eos_token_ids": sorted(eos_ids), "dtype": str(dtype).replace("torch.", ""),
         "kv_cache_dtype": str(cache_dtype).replace("torch.", ""),
         "load_format": args.load_format, "random_seed": args.random_seed,
         "device": str(device), "architectures": list(cfg.architectures),

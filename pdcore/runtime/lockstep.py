@@ -23,6 +23,7 @@ from pdcore.errors import InvalidRequestError
 if TYPE_CHECKING:
     from pdcore.engine.build import Engine
     from pdcore.engine.model.layers import TPInfo
+    from pdcore.engine.sched.runtime_api import RuntimeAPI
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ class Lockstep:
     """Drives one scheduler identically on every rank (rank 0 leads, the others follow)."""
 
     def __init__(self, engine: Engine) -> None:
-        self.sched = engine.scheduler
+        from pdcore.engine.sched.runtime_api import RuntimeAPI
+
+        self.sched: RuntimeAPI = RuntimeAPI(engine.scheduler)  # its public surface, no fields
         self.tp: TPInfo = self.sched.tp
         from pdcore.engine.parallel.dp_attention import sync_for
 
@@ -55,12 +58,10 @@ class Lockstep:
         self.peers_busy = False  # DP attention: some DP rank ran at the last agreement
 
     def _apply(self, msgs: list[Any]) -> None:
-        from pdcore.engine.sched.request import Req
-
         for m in msgs:
             try:
                 if isinstance(m, GenerateReq):
-                    self.sched.add(Req.from_generate(m, self.sched.cfg.eos_ids))
+                    self.sched.submit(m)
                 elif isinstance(m, AbortReq):
                     self.sched.abort(m.rid, m.reason)
             except Exception as e:
@@ -71,7 +72,7 @@ class Lockstep:
                     log.warning("request %s refused: %s", m.rid, e)
                 else:
                     log.exception("request %s could not be admitted", m.rid)
-                req = self.sched.reqs.get(m.rid)
+                req = self.sched.find(m.rid)
                 if req is None:
                     self.sched.refuse(m.rid, str(e) if bad else f"{type(e).__name__}: {e}",
                                       400 if bad else 500, why=str(e))
@@ -92,10 +93,9 @@ class Lockstep:
             idle = self.peers_busy and not run
         now = time.monotonic()
         if self.tp.size > 1:
-            spec = self.sched.spec
             self.tp.broadcast_object(StepHeader(msgs, run, stop, now, idle,
-                                                spec.ratio if spec is not None else None))
-        self.sched.step_time = now
+                                                self.sched.spec_ratio))
+        self.sched.set_clock(now)
         if not run:
             if idle:
                 self.dp.idle_forward()  # type: ignore[union-attr]
@@ -119,9 +119,8 @@ class Lockstep:
 
     def _contain(self, e: Exception) -> list[TokenOut]:
         """Fail the requests an unexpected step error concerns; the loop goes on."""
-        live = self.sched.live()
-        named = [r for r in self.sched.ext.implicated(e) if r in live]
-        victims = named or live
+        named = self.sched.implicated(e)
+        victims = named or self.sched.live()
         log.exception("scheduler step failed (%s); failing %d request(s), the engine goes on",
                       f"room {getattr(e, 'room', None)}" if named
                       else "not attributable to one request", len(victims))
@@ -135,10 +134,7 @@ class Lockstep:
             self.sched.fail(req, why, 500)
         except Exception:
             log.exception("failing request %s raised; dropping it", req.rid)
-            req.error, req.error_status = why, 500
-            req.finish_reason = {"type": "abort", "message": why}
-            if req.phase.value != "finished":
-                self.sched.drop(req)
+            self.sched.drop_failed(req, why, 500)
 
     def follow(self) -> bool:
         """Other ranks: one iteration as rank 0 decided; False once told to stop."""
@@ -147,9 +143,8 @@ class Lockstep:
         if head.stop:
             return False
         if head.run:
-            self.sched.step_time = head.now
-            if head.spec_ratio is not None and self.sched.spec is not None:
-                self.sched.spec.ratio = head.spec_ratio
+            self.sched.set_clock(head.now)
+            self.sched.spec_ratio = head.spec_ratio  # kept when None (no speculation on rank 0)
             self._step()  # outputs are rank 0's business
         elif head.idle:
             self.dp.idle_forward()  # type: ignore[union-attr]

@@ -14,6 +14,8 @@ def attach_role(engine: Engine) -> None:
         return
     from pdcore.disagg.scheduling import make_extension
 
+    from pdcore.engine.sched.runtime_api import RuntimeAPI
+
     ext, info = make_extension(engine.args, engine.kv, engine.scheduler)
-    engine.scheduler.ext = ext
+    RuntimeAPI(engine.scheduler).attach_role(ext)
     engine.info.update(info)

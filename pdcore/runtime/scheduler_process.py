@@ -56,15 +56,16 @@ PD_WAIT_MS, PD_WAIT_TP_MS = 1, 4
 class SchedulerLoop:
     def __init__(self, engine: Any, recv: zmq.Socket, send: zmq.Socket,
                  watchdog_timeout: float = 0.0, decode_log_interval: int = 40) -> None:
-        self.engine, self.sched = engine, engine.scheduler
+        self.engine = engine
         self.recv, self.send = recv, send
         self.profiler: Any = None
         self.stop = False
         self.busy = False  # the last loop had work: going idle trims the heap once
         self.lockstep = Lockstep(engine)
+        self.sched = self.lockstep.sched  # the scheduler's runtime surface (RuntimeAPI)
         self.inbox: list[Any] = []  # requests and aborts for the next lockstep iteration
         # constrained requests wait for their grammar off the scheduler's thread
-        self.grammar = GrammarGate(getattr(self.sched.runner, "grammar", None))
+        self.grammar = GrammarGate(self.sched.grammar_backend)
         self.watchdog = StepWatchdog(watchdog_timeout)
         self.decode_log = DecodeLog(decode_log_interval)  # --decode-log-interval
 
@@ -130,9 +131,9 @@ class SchedulerLoop:
                 timeout = IDLE_POLL_MS
                 if self.busy:  # what the steps freed would stay resident until reused
                     self.busy = False
-                    self.sched.runner.release_caches()
+                    self.sched.release_caches()
                     trim_heap()
-            elif self.sched.last_ran or self.sched.outbox:
+            elif self.sched.step_due():
                 timeout = 0
             elif self.grammar.pending:
                 timeout = GRAMMAR_POLL_MS
@@ -151,12 +152,12 @@ class SchedulerLoop:
             self.inbox = []
             for out in ended:
                 self.send.send(pickle.dumps(out))
-            self.watchdog.begin(f"{len(msgs)} new messages, {len(self.sched.running)} running, "
-                                f"{len(self.sched.waiting)} waiting requests")
+            self.watchdog.begin(f"{len(msgs)} new messages, {self.sched.num_running} running, "
+                                f"{self.sched.num_waiting} waiting requests")
             outs = self.lockstep.lead(msgs)
             self.stop = self.stop or self.lockstep.stopped  # DP attention: a DP rank stopped
             self.watchdog.end()
-            self.decode_log.after_step(self.sched)
+            self.sched.log_decode(self.decode_log)
             for out in outs:
                 self.send.send(pickle.dumps(out))
             if self.profiler is not None:

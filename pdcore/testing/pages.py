@@ -9,10 +9,9 @@ from typing import Any
 
 def pages_at_rest(sched: Any) -> bool:
     """A Scheduler whose pool holds nothing but free pages and unreferenced cached ones."""
-    cache = sched.cache
-    cached = cache.num_pages if cache is not None else 0
-    evictable = cache.evictable() if cache is not None else 0
-    return sched.blocks.num_free + cached == sched.blocks.num_pages and evictable == cached
+    from pdcore.engine.sched.runtime_api import RuntimeAPI
+
+    return RuntimeAPI(sched).pages_at_rest()
 
 
 def load_at_rest(load: Mapping[str, Any]) -> bool:

@@ -150,7 +150,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
                 self._fail(room, why)
                 return
             self.aux.clear(aux_slot)  # a stale row in a reused slot must never pass the check
-            r.aux_slot, r.pages = aux_slot, pages
+            r.aux_slot, r.dst_pages = aux_slot, pages
             r.prefix_pages, r.prefix_digest = prefix_pages, prefix_digest
             r.prompt_digest = prompt_digest
             r.deadline = time.monotonic() + self.env.waiting_timeout
@@ -172,7 +172,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
         return self.grants is not None and inst.tp_size != self.tp_size
 
     def _send_info(self, r: Room) -> None:
-        inst, pages = r.inst, r.pages
+        inst, pages = r.inst, r.dst_pages
         assert inst is not None and pages is not None
         off, nbytes = r.grant or (-1, 0)
         msg = wire.TransferInfo(room=r.room, session=self.session, ctrl_addr=self.ctrl.addr,
@@ -263,8 +263,8 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
             self._fail(r.room, f"aux row in slot {r.aux_slot} carries room {row.room}, expected "
                                f"{r.room} (not written or corrupted)")
             return
-        if r.pages is not None:  # what P wrote into this rank: its pages past the prefix
-            self.xfer.add_bytes(r.room, (len(r.pages) - r.prefix_pages) * self.kv.page_bytes
+        if r.dst_pages is not None:  # what P wrote into this rank: its pages past the prefix
+            self.xfer.add_bytes(r.room, (len(r.dst_pages) - r.prefix_pages) * self.kv.page_bytes
                                 + self.aux.chain_bytes)  # and a draft head's chain start
         if self.states.advance(r.room, KVPoll.Success):
             self.counters.add("transfers")
@@ -274,7 +274,8 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
         """Move a staged room's grant into its pages; '' or why it failed."""
         with self._lock:  # claim the grant: release() may race with us
             grant, r.grant = r.grant, None
-        pages = r.pages[r.prefix_pages:] if r.pages is not None else None  # the grant's pages
+        pages = (r.dst_pages[r.prefix_pages:]  # the grant's pages
+                 if r.dst_pages is not None else None)
         why = scatter_grant(self.grants, r.room, grant, r.staged_by, r.responders, pages,
                             prefill_tp=r.inst.tp_size if r.inst else 0)
         if grant is not None and r.staged_by and not why:

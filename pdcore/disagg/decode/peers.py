@@ -118,7 +118,7 @@ class PrefillPeerWatch:
                     r.inst = inst
                     r.responders.clear()
                     r.staged_by.clear()
-                    if r.pages is not None and (r.grant is not None or not self._staged(inst)):
+                    if r.dst_pages is not None and (r.grant is not None or not self._staged(inst)):
                         send.append(r)  # else _on_tick sends it once the ring has room
         self.counters.add("rooms_moved_after_restart", len(rooms))
         for r in send:

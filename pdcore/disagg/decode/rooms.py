@@ -37,7 +37,7 @@ class Room:
     responders: set[int] = field(default_factory=set)
     staged_by: set[int] = field(default_factory=set)  # P ranks whose KV is in the grant
     aux_payload: bytes = b""
-    pages: np.ndarray | None = None
+    dst_pages: np.ndarray | None = None  # where P writes (its TransferInfo; prefix included)
     grant: tuple[int, int] | None = None  # (offset, bytes) in the staging ring
     prefix_pages: int = 0  # leading pages D's prefix cache holds: P writes none of them
     prefix_digest: str = ""

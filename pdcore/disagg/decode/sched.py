@@ -145,11 +145,9 @@ class DecodeExtension(RoleExtension):
         if sched.can_alloc(max(0, self._reserve_pages(req) - held)):
             slot = self.aux.alloc()
         if slot is None:  # wait holding nothing: the prefix is matched again next time
-            if req.pages:
-                sched.free_pages(req.pages)
-                req.pages = []
+            sched.drop_pages(req)
             return False
-        req.pages += sched.alloc_pages(sched.pages_for(len(req.prompt)) - held)
+        sched.extend_pages(req, len(req.prompt))
         st: DState = req.disagg
         st.aux_slot, st.prefix_pages = slot, held
         self.prealloc.remove(req)
@@ -231,11 +229,11 @@ class DecodeExtension(RoleExtension):
             self.prealloc.remove(req)
         if req in self.transfer:
             self.transfer.remove(req)
-            if req.pages:  # P may still be writing into them, except D's cached prefix
+            pages = self.sched.take_pages(req)
+            if pages:  # P may still be writing into them, except D's cached prefix
                 k = req.disagg.prefix_pages  # P never writes those (its send() refuses to)
-                self.sched.free_pages(req.pages[:k])
-                self.quarantine.append((self.sched.now() + QUARANTINE_S, req.pages[k:]))
-                req.pages = []
+                self.sched.free_pages(pages[:k])
+                self.quarantine.append((self.sched.now() + QUARANTINE_S, pages[k:]))
         self._end_room(req)
 
     def busy(self) -> bool:

@@ -151,8 +151,8 @@ class DPSync:
 
 
 def sync_for(tp: TPInfo, sched: Any) -> DPSync | None:
-    """The DP lockstep of a scheduler whose group is a DP attention group, else None."""
+    """The DP lockstep of a scheduler (its runtime surface, engine/sched/runtime_api.py) whose
+    group is a DP attention group, else None."""
     if not isinstance(tp, DPAttnTPInfo):
         return None
-    drafter = getattr(sched.spec, "drafter", None)
-    return DPSync(tp, sched.runner.model, getattr(drafter, "dp_pads", None))
+    return DPSync(tp, sched.model, sched.draft_dp_pads)

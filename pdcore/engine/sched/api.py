@@ -1,6 +1,7 @@
 """What a role extension (pdcore.engine.sched.extension) may do to the scheduler it is attached to:
 admit and hold a request, resume it into the queue or the running batch, finish or fail it,
-hand it a token computed elsewhere, read or take pages of the pool, and hand over or adopt a
+hand it a token computed elsewhere, give a held request pages or take them from it (a request's
+page list changes only here and in the scheduler), read the pool, and hand over or adopt a
 draft head's chain start (PD: P's is D's first drafts). No extension touches
 the scheduler's queues, page manager or config itself, so the scheduler keeps its invariants
 (a request is in at most one queue; its pages are freed once) and knows nothing of the roles.
@@ -99,9 +100,6 @@ class SchedulerAPI:
         """Free pages enough (the prefix cache gives back unlocked pages when needed)."""
         return self._s.pages.can_alloc(pages)
 
-    def alloc_pages(self, pages: int) -> list[int]:
-        return self._s.pages.alloc(pages)
-
     def attach_prefix(self, req: Req, limit: int) -> int:
         """Lock the cached pages of the longest prefix of `req`'s prompt (at most `limit`
         tokens, whole pages) as the first of its pages; returns the tokens they hold (0: no
@@ -113,7 +111,29 @@ class SchedulerAPI:
         return self._s.cache is not None
 
     def free_pages(self, pages: list[int]) -> None:
+        """Pages no request holds any more (taken with `take_pages`) go back to the pool."""
         self._s.blocks.free(pages)
+
+    def extend_pages(self, req: Req, tokens: int) -> None:
+        """`req` (held) gets pages enough for its first `tokens` positions, after those it has;
+        MemoryError when the pool cannot give them (ask `can_alloc` first)."""
+        if not self._s.pages.ensure(req, tokens):
+            raise MemoryError(f"{req.rid}: no free KV pages for {tokens} tokens")
+
+    def drop_pages(self, req: Req) -> None:
+        """`req` (held) frees every page it holds and holds none (a cached prefix it took is
+        matched again when it tries again)."""
+        pages = self.take_pages(req)
+        if pages:
+            self._s.blocks.free(pages)
+
+    def take_pages(self, req: Req) -> list[int]:
+        """`req` (held) gives up its pages without freeing them: the caller owns them now and
+        frees them (`free_pages`) once nothing may write into them any more (PD decode: a peer
+        still writing into an aborted request's pages)."""
+        pages = req.pages
+        req.pages, req.ctx_slots = [], None
+        return pages
 
     def follower_pages(self, prompt_len: int, extra_tokens: int) -> int:
         return follower_pages(self._s.blocks, prompt_len, extra_tokens)
