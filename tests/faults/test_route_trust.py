@@ -237,6 +237,13 @@ def test_signed_routes(signed_pair) -> None:
     d = c.decodes[0]
     r = httpx.post(c.url + "/generate", json=ROUTES["/generate"], timeout=120)
     assert r.status_code == 200 and r.json()["output_ids"], r.text
+    # every route's body, a batch (one signature per room) and chat with n > 1 verify on P and D
+    bodies = [*ROUTES.items(), ("/generate", {**ROUTES["/generate"], "text": ["a b", "c d"]}),
+              ("/v1/chat/completions", {**ROUTES["/v1/chat/completions"], "n": 2,
+                                        "temperature": 0.5, "top_p": 0.9})]
+    for route, body in bodies:
+        r = httpx.post(c.url + route, json=body, timeout=120)
+        assert r.status_code == 200, (route, r.text)
     d_id = httpx.get(d.url + "/health", timeout=10).headers[SERVER_ID_HEADER]
     key = route_key(SECRET)
     route = {"bootstrap_host": "127.0.0.1", "bootstrap_port": c.bootstrap_ports[0],
