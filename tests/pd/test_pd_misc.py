@@ -1,5 +1,6 @@
 """PD paths beyond the data: the `fake` backend end to end, profiling P and D separately, and
-2P2D token identity on SmolLM2."""
+2P2D token identity (on a tiny random model: SmolLM2 through PD is test_pd_smollm2's, and four
+SmolLM2 servers cost this check some 25 s more of CI)."""
 
 from __future__ import annotations
 
@@ -64,10 +65,21 @@ def test_profile_prefill_and_decode_separately(tiny_dir, tmp_path):
         c.stop()
 
 
-def test_2p2d_token_identical(smollm2_unified):
-    _, prompts, unified = smollm2_unified
-    c = PDCluster("tcp", prefill=2, decode=2, flags=(
-        "--max-total-tokens", "16384", "--page-size", "16", "--chunked-prefill-size", "256"))
+def test_2p2d_token_identical(tiny_dir):
+    from pdcore.config import ServerArgs
+    from pdcore.engine.model.tokenizer import load_tokenizer
+    from pdcore.messages.io import SamplingParams
+    from pdcore.runtime.llm_engine import LLMEngine
+    from pdcore.testing.prompts import prompt_token_ids
+
+    flags = ("--max-total-tokens", "16384", "--page-size", "16", "--chunked-prefill-size", "256")
+    prompts = prompt_token_ids(load_tokenizer(ServerArgs(model_path=tiny_dir)))
+    eng = LLMEngine(ServerArgs(model_path=tiny_dir, max_total_tokens=16384, page_size=16))
+    try:
+        unified = eng.generate(prompts, SamplingParams(max_new_tokens=48, temperature=0.0))
+    finally:
+        eng.close()
+    c = PDCluster("tcp", prefill=2, decode=2, model_path=tiny_dir, flags=flags)
     c.start()
     try:
         assert_same_tokens(generate_all(c.url, prompts), unified)
