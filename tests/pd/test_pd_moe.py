@@ -1,7 +1,9 @@
 """PD with MoE models (real servers on loopback), every family over every backend: Qwen2-MoE
 prefilled by TP2 + EP2 and decoded by TP1, Qwen3-MoE prefilled by TP1 and decoded by TP2 experts,
 Mixtral TP1 -> TP1, over tcp, mooncake and nixl (the last two slow, where installed); over shm
-each family TP1 -> TP1. Greedy output equals transformers and both servers end with every page
+Qwen2-MoE TP1 -> TP1 (shm moves the KV pages, which an MoE model lays out as a dense one does:
+one family shows MoE through shm; every family and layout runs over tcp, and shm's own paths
+run in the backend contract, test_pd_mla and test_pd_faults). Greedy output equals transformers and both servers end with every page
 free. Each family's tiny model and its transformers references are built once per module."""
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def test_pd_moe_tcp(moe_model, arch):
     _run(moe_model(arch), arch, "tcp", *LAYOUTS[arch])
 
 
-@pytest.mark.parametrize("arch", list(LAYOUTS))
+@pytest.mark.parametrize("arch", ["qwen2_moe"])
 def test_pd_moe_shm(moe_model, arch):
     _run(moe_model(arch), arch, "shm", *SHM_LAYOUT)
 
