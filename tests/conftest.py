@@ -111,3 +111,40 @@ def smollm2_tokenizer() -> Any:
     from pdcore.engine.model.tokenizer import load_tokenizer
 
     return load_tokenizer(ServerArgs())
+
+
+SMOLLM2_REF_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy_refs(smollm2_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory,
+                        request: pytest.FixtureRequest
+                        ) -> tuple[list[list[int]], list[Any], int]:
+    """(the 8 prompts' ids, transformers' greedy references, their SMOLLM2_REF_TOKENS) on
+    SmolLM2, computed once per run: the pytest-xdist workers share them through a file in
+    their common temp folder (the first computes them under a lock, the other waits and reads),
+    so test_greedy_equivalence and test_tp_engine pay for transformers' generate once."""
+    import fcntl
+    import json
+    import os
+    from dataclasses import asdict
+
+    from pdcore.testing.greedy import Reference, hf_greedy
+    from pdcore.testing.prompts import prompt_token_ids
+
+    prompts = prompt_token_ids(smollm2_tokenizer)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    path = root / "smollm2_greedy_refs.json"
+    with open(root / "smollm2_greedy_refs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.exists():
+            data = json.loads(path.read_text())
+            if data["prompts"] == prompts and data["tokens"] == SMOLLM2_REF_TOKENS:
+                return prompts, [Reference(**r) for r in data["refs"]], SMOLLM2_REF_TOKENS
+        hf = request.getfixturevalue("smollm2_hf")
+        refs = [hf_greedy(hf, p, SMOLLM2_REF_TOKENS) for p in prompts]
+        path.write_text(json.dumps({"prompts": prompts, "tokens": SMOLLM2_REF_TOKENS,
+                                    "refs": [asdict(r) for r in refs]}))
+    return prompts, refs, SMOLLM2_REF_TOKENS

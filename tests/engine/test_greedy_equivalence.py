@@ -10,23 +10,17 @@ from pdcore.messages.io import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import pages_at_rest
-from pdcore.testing.prompts import prompt_token_ids
 from pdcore.testing.tiny_models import make_tiny_model
 
-GREEDY = SamplingParams(max_new_tokens=48, temperature=0.0)
 
-
-@pytest.fixture(scope="module")
-def smollm2_refs(smollm2_hf, smollm2_tokenizer):
-    prompts = prompt_token_ids(smollm2_tokenizer)
-    return prompts, [hf_greedy(smollm2_hf, p, 48) for p in prompts]
-
-
-def test_smollm2_gguf_matches_transformers(smollm2_refs):
-    prompts, refs = smollm2_refs
+def test_smollm2_gguf_matches_transformers(smollm2_greedy_refs):
+    """The 8 prompts, 24 tokens each (tests/conftest.py: transformers' references, shared with
+    test_tp_engine; their generate is this test's cost)."""
+    prompts, refs, new = smollm2_greedy_refs
     eng = LLMEngine(ServerArgs(max_total_tokens=16384, page_size=16, chunked_prefill_size=256))
     try:
-        outs = eng.generate(prompts, GREEDY, return_logprob=True)
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=new, temperature=0.0),
+                            return_logprob=True)
         assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()

@@ -70,13 +70,11 @@ def test_tp_matches_tp1_and_transformers(tmp_path, arch, heads, kv, tp):
 
 
 @pytest.mark.slow
-def test_smollm2_tp2_matches_transformers(smollm2_hf, smollm2_tokenizer):
-    """The engine issue's prompt set on SmolLM2-135M (9 heads / 3 KV heads: uneven on 2)."""
-    from pdcore.testing.prompts import prompt_token_ids
-
-    prompts = prompt_token_ids(smollm2_tokenizer)
-    sp = SamplingParams(max_new_tokens=24, temperature=0.0)
-    refs = [hf_greedy(smollm2_hf, p, 24) for p in prompts]
+def test_smollm2_tp2_matches_transformers(smollm2_greedy_refs):
+    """The engine issue's prompt set on SmolLM2-135M (9 heads / 3 KV heads: uneven on 2);
+    transformers' references shared with test_greedy_equivalence (tests/conftest.py)."""
+    prompts, refs, new = smollm2_greedy_refs
+    sp = SamplingParams(max_new_tokens=new, temperature=0.0)
     eng = LLMEngine(ServerArgs(max_total_tokens=8192, page_size=16, chunked_prefill_size=256,
                                tp_size=2))
     try:
