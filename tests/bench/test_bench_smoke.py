@@ -79,7 +79,7 @@ def test_prefix_cache_bench_small_run_reports_cache_hits(tiny_llama_dir: Path,
     sizes = {"--system-len": 64, "--questions": 4, "--question-len": 8, "--out-len": 2,
              "--conversations": 2, "--turns": 2, "--first-len": 40, "--user-len": 8,
              "--answer-len": 4, "--prefixes": 2, "--prefix-len": 48, "--per-prefix": 2,
-             "--max-total-tokens": 2048}
+             "--max-total-tokens": 2048, "--b-reps": 1}  # one repetition shows the format
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "prefix_cache.py"), "--model-path",
          str(tiny_llama_dir), "--out", str(out), *(str(x) for kv in sizes.items() for x in kv)],
