@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from pdcore.common_flags import CommonFlags
+from pdcore.env import Env, by_name, environ
 from pdcore.errors import ConfigError
 from pdcore.route_auth import parse_addrs
 
@@ -360,11 +361,10 @@ def _secret(flag_value: str | None, env: Mapping[str, str] | None, env_name: str
             file_env: str, what: str) -> str | None:
     if flag_value:
         return flag_value
-    env = os.environ if env is None else env
-    raw = env.get(env_name, "")
+    raw = by_name(env_name).read(env)
     if raw:
         return raw
-    path = env.get(file_env, "").strip()
+    path = by_name(file_env).read(env)
     if not path:
         return None
     try:
@@ -388,58 +388,23 @@ HOST_SERVERS_ENV = "PDCORE_HOST_SERVERS"
 
 def host_servers(env: Mapping[str, str] | None = None) -> int:
     """PDCORE_HOST_SERVERS as a count >= 1 (1 when unset); ConfigError for anything else."""
-    raw = (os.environ if env is None else env).get(HOST_SERVERS_ENV, "").strip()
-    if not raw:
-        return 1
-    n = int(raw) if raw.isdigit() else 0
-    if n < 1:
-        raise ConfigError(f"{HOST_SERVERS_ENV} must be a whole number >= 1; got {raw!r}")
-    return n
-
-
-def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
-
-
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def env_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    return raw.strip().lower() in ("1", "true", "yes", "on")
+    return Env(env).pdcore_host_servers
 
 
 # speculative decoding verifies drafts only when the measured cost pays (engine/sched/speculative.py);
 # 0 verifies every draft (tests of identity and measurements of the verify pass itself)
-SPEC_GATE_ENV = "PDSERVE_SPEC_GATE"
 
 
 def spec_gate(env: Mapping[str, str] | None = None) -> bool:
-    return env_bool(os.environ if env is None else env, SPEC_GATE_ENV, True)
+    return Env(env).pdserve_spec_gate
 
 
 # a constrained request drafts what its grammar forces next (jump-forward), verified like any
 # draft; 0 turns it off
-JUMP_FORWARD_ENV = "PDSERVE_JUMP_FORWARD"
 
 
 def jump_forward(env: Mapping[str, str] | None = None) -> bool:
-    return env_bool(os.environ if env is None else env, JUMP_FORWARD_ENV, True)
+    return Env(env).pdserve_jump_forward
 
 
 def default_thread_pool_size(cpu_count: int | None = None) -> int:
@@ -466,29 +431,28 @@ class DisaggEnv:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DisaggEnv:
-        env = dict(os.environ) if env is None else dict(env)
-        p = "SGLANG_DISAGGREGATION_"
-        queue_size = _env_int(env, p + "QUEUE_SIZE", 4)
-        pool = _env_int(env, p + "THREAD_POOL_SIZE", default_thread_pool_size())
+        env = environ() if env is None else dict(env)
+        e, p = Env(env), "SGLANG_DISAGGREGATION_"
+        queue_size = e.sglang_disaggregation_queue_size
+        pool = e.sglang_disaggregation_thread_pool_size or default_thread_pool_size()
         if queue_size < 1:
             raise ConfigError(f"{p}QUEUE_SIZE must be >= 1")
         if pool < queue_size:
             raise ConfigError(f"{p}THREAD_POOL_SIZE ({pool}) must be >= {p}QUEUE_SIZE ({queue_size})")
         out = cls(
-            bootstrap_timeout=_env_float(env, p + "BOOTSTRAP_TIMEOUT", 300.0),
-            waiting_timeout=_env_float(env, p + "WAITING_TIMEOUT", 300.0),
-            heartbeat_interval=_env_float(env, p + "HEARTBEAT_INTERVAL", 5.0),
-            heartbeat_max_failure=_env_int(env, p + "HEARTBEAT_MAX_FAILURE", 2),
+            bootstrap_timeout=e.sglang_disaggregation_bootstrap_timeout,
+            waiting_timeout=e.sglang_disaggregation_waiting_timeout,
+            heartbeat_interval=e.sglang_disaggregation_heartbeat_interval,
+            heartbeat_max_failure=e.sglang_disaggregation_heartbeat_max_failure,
             thread_pool_size=pool,
             queue_size=queue_size,
-            bootstrap_entry_cleanup_interval=_env_float(
-                env, p + "BOOTSTRAP_ENTRY_CLEANUP_INTERVAL", 120.0
-            ),
-            claim_timeout=_env_float(env, "PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT", 5.0),
-            staging_buffer=env_bool(env, "SGLANG_DISAGG_STAGING_BUFFER"),
-            staging_buffer_size_mb=_env_int(env, "SGLANG_DISAGG_STAGING_BUFFER_SIZE_MB", 64),
-            staging_pool_size_mb=_env_int(env, "SGLANG_DISAGG_STAGING_POOL_SIZE_MB", 4096),
-            test_failure_prob=_env_float(env, "DISAGGREGATION_TEST_FAILURE_PROB", 0.0),
+            bootstrap_entry_cleanup_interval=(
+                e.sglang_disaggregation_bootstrap_entry_cleanup_interval),
+            claim_timeout=e.pdserve_disaggregation_claim_timeout,
+            staging_buffer=e.sglang_disagg_staging_buffer,
+            staging_buffer_size_mb=e.sglang_disagg_staging_buffer_size_mb,
+            staging_pool_size_mb=e.sglang_disagg_staging_pool_size_mb,
+            test_failure_prob=e.disaggregation_test_failure_prob,
             raw=env,
         )
         for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval"):

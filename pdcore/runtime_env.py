@@ -23,10 +23,12 @@ OpenMP reads them when torch first starts its thread pool there.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+from pdcore.env import ENV, Env, put
 
 # oneDNN caches a primitive per GEMM shape (1024 by default); every new prefill length adds
 # some, and on SmolLM2 they held about 75 MiB after a few concurrent requests. A decode step at a
@@ -54,33 +56,27 @@ ISA_ENVS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"
             "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}
 
 
-def forced_isa(env: dict[str, str] | None = None) -> str:
-    """'' (this CPU as it is), 'avx2' or 'avx512'; ValueError for anything else."""
-    raw = (os.environ if env is None else env).get(ISA_ENV, "").strip().lower()
-    if raw in ("", "auto", "native"):
-        return ""
-    if raw not in ISA_ENVS:
-        raise ValueError(f"{ISA_ENV}={raw!r}: use auto, avx512 or avx2")
-    return raw
+def forced_isa(env: Mapping[str, str] | None = None) -> str:
+    """'' (this CPU as it is), 'avx2' or 'avx512'; EnvError (a ValueError) for anything else."""
+    return Env(env).pdcore_cpu_isa
 
 
 def apply() -> None:
-    ours = set(filter(None, os.environ.get(DEFAULTED_ENV, "").split(",")))
+    ours = set(filter(None, ENV.pdserve_env_defaulted.split(",")))
     try:
         isa = forced_isa()
     except ValueError:
         isa = ""  # the server's argument check says so (cpu_features.check_cpu_dtype)
-    for key, value in {**DEFAULTS, **ISA_ENVS.get(isa, {})}.items():
-        if key not in os.environ:
-            os.environ[key] = value
-            ours.add(key)
-    os.environ[DEFAULTED_ENV] = ",".join(sorted(ours))
+    wanted = {**DEFAULTS, **ISA_ENVS.get(isa, {})}
+    fresh = {key: value for key, value in wanted.items() if not ENV.is_set(key)}
+    ours.update(fresh)
+    put({**fresh, DEFAULTED_ENV: ",".join(sorted(ours))})
 
 
-def user_set(key: str, env: dict[str, str] | None = None) -> bool:
+def user_set(key: str, env: Mapping[str, str] | None = None) -> bool:
     """True when `key` is in the environment and was not put there by apply()."""
-    env = os.environ if env is None else env
-    return key in env and key not in env.get(DEFAULTED_ENV, "").split(",")
+    e = Env(env)
+    return e.is_set(key) and key not in e.pdserve_env_defaulted.split(",")
 
 
 def available_cpus() -> list[int]:
@@ -132,7 +128,7 @@ class Placement:
         where = (f"CPUs {format_cpus(self.cpus)}" if self.cpus is not None else "not bound")
         wait = "bounded spin" if self.spin else "passive wait"
         if self.spin and user_set("OMP_WAIT_POLICY"):  # the user's policy wins over the spin
-            wait = f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} (set by you)"
+            wait = f"OMP_WAIT_POLICY={ENV.raw('OMP_WAIT_POLICY')} (set by you)"
         threads = f"{self.threads} OpenMP threads" if self.threads else "default threads"
         return f"{where}, {threads}, {wait} ({self.why})"
 
@@ -142,7 +138,7 @@ def format_cpus(cpus: tuple[int, ...] | list[int]) -> str:
 
 
 def bind_spec(flag: str | None) -> str:
-    return (flag or os.environ.get(BIND_ENV) or "auto").strip()
+    return (flag or ENV.pdserve_cpu_omp_threads_bind).strip()
 
 
 def choose_placement(flag: str | None, replicas: int = 1) -> Placement:
@@ -179,26 +175,17 @@ def spawning_with(p: Placement) -> Iterator[None]:
     """Within the block, processes this thread starts get the placement's environment and CPU
     affinity (a child inherits both from the thread that starts it); both are restored after."""
     env = p.env()
-    saved_env = {k: os.environ.get(k) for k in env}
+    saved_env = {k: ENV.raw(k) for k in env}
     before = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
     try:
-        _put_env(env)
+        put(env)
         if p.cpus is not None and before is not None:
             os.sched_setaffinity(0, p.cpus)
         yield
     finally:
         if p.cpus is not None and before is not None:
             os.sched_setaffinity(0, before)
-        _put_env(saved_env)
-
-
-def _put_env(env: dict[str, str | None]) -> None:
-    """Set each variable; None removes it."""
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+        put(saved_env)
 
 
 def server_threads(n_servers: int) -> int | None:

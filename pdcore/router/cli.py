@@ -18,6 +18,7 @@ from dataclasses import MISSING, fields
 
 import typer
 
+from pdcore.env import check as check_env
 from pdcore.errors import ConfigError
 from pdcore.router.config import RouterConfig
 from pdcore.router.discovery import SELECTOR_FLAGS, load_cluster_config, parse_selector
@@ -150,16 +151,10 @@ def parse_router_args(argv: Sequence[str]) -> RouterConfig:
     return config
 
 
-def router_help() -> str:
-    lines = [
-        (
-            "Usage: pdserve router --pd-disaggregation --prefill URL [BOOTSTRAP_PORT|none] ... "
-            "--decode URL ... [OPTIONS]"
-        ),
-        "",
-        "Prefill/decode router, a drop-in for sglang-router PD mode.",
-        "",
-    ]
+def router_options() -> list[tuple[str, object, str, tuple[str, ...]]]:
+    """Every router flag as (usage, default to show or None, help, choices): what `--help`
+    prints and docs/flags.md tabulates."""
+    out = []
     for f in fields(RouterConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "prefill":
@@ -171,10 +166,26 @@ def router_help() -> str:
         elif flag[2:] in LIST_FLAGS:
             flag += " VALUE ..."
         default = f.default if f.default is not MISSING else None
-        shown = "" if f.metadata.get("special") or default in (None, False) else f" [{default}]"
-        choices = f.metadata.get("choices")
-        extra = f" ({'|'.join(choices)})" if choices else ""  # type: ignore[arg-type]
-        lines.append(f"  {flag:<34} {f.metadata.get('help', '')}{extra}{shown}")
+        shown = None if f.metadata.get("special") or default in (None, False) else default
+        out.append((flag, shown, str(f.metadata.get("help", "")),
+                    tuple(f.metadata.get("choices") or ())))
+    return out
+
+
+def router_help() -> str:
+    lines = [
+        (
+            "Usage: pdserve router --pd-disaggregation --prefill URL [BOOTSTRAP_PORT|none] ... "
+            "--decode URL ... [OPTIONS]"
+        ),
+        "",
+        "Prefill/decode router, a drop-in for sglang-router PD mode.",
+        "",
+    ]
+    for flag, default, helptext, choices in router_options():
+        shown = f" [{default}]" if default is not None else ""
+        extra = f" ({'|'.join(choices)})" if choices else ""
+        lines.append(f"  {flag:<34} {helptext}{extra}{shown}")
     return "\n".join(lines)
 
 
@@ -229,6 +240,7 @@ def build_router_command(app: typer.Typer, name: str = "router") -> None:
             typer.echo(router_help())
             raise typer.Exit(0)
         try:
+            check_env()
             config = parse_router_args(ctx.args)
             if config.service_discovery:
                 load_cluster_config()  # no credentials: exit 2 now, not a crash-looping watch
