@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +46,7 @@ from pdcore.engine.sched.batch_run import BatchRunner
 from pdcore.engine.sched.runtime_api import RuntimeAPI
 from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
 from pdcore.engine.sched.speculative import SpecConfig, Speculator
+from pdcore.env import environ
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span
 from pdcore.interfaces.memory import PoolContext
@@ -166,7 +166,7 @@ def _backend_pool(args: ServerArgs) -> str | None:
     from pdcore.plugins.host import transfer_backends
 
     name = resolve_transfer_backend(args)
-    return transfer_backends().get(name).pool_for(os.environ)
+    return transfer_backends().get(name).pool_for(environ())
 
 
 def _prefix_cache(args: ServerArgs, blocks: BlockManager) -> RadixCache | None:
@@ -321,7 +321,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
                                                                     "torch")
     pool = memory_pools().create(
         pool_name, PoolContext(server_id=args.server_id, device=str(device), rank=tp.rank,
-                               env=dict(os.environ)))
+                               env=environ()))
     kv = KVCache(pool, cfg.num_hidden_layers, num_pages, args.page_size, kv_heads, head_dim,
                  dtype=cache_dtype, tp_rank=tp.rank, tp_size=tp.size,
                  total_kv_heads=spec["total_kv_heads"], is_mla=spec["is_mla"])

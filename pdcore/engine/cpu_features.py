@@ -9,8 +9,8 @@ PDCORE_CPU_ISA forces away (runtime_env: `avx2` runs as an AVX2-only CPU would).
 
 from __future__ import annotations
 
-import os
 
+from pdcore.env import ENV
 from pdcore.errors import ConfigError
 from pdcore.runtime_env import forced_isa
 
@@ -27,7 +27,7 @@ EMULATED_BF16_COST = 3.4
 
 def cpu_flags(path: str | None = None) -> set[str]:
     """This CPU's flags, less what PDCORE_CPU_ISA (runtime_env) forces away."""
-    path = path or os.environ.get(CPUINFO_ENV) or "/proc/cpuinfo"
+    path = path or ENV.pdcore_cpuinfo or "/proc/cpuinfo"
     flags: set[str] = set()
     try:
         with open(path) as f:
@@ -77,17 +77,10 @@ def native_isa_setting() -> str:
     ConfigError (exit 2) for anything else, rather than a quiet run without the kernels.
     Forcing an ISA this CPU lacks is not an error here: engine/native says so in its status
     and the engine runs without it, as on a host without a compiler."""
-    raw = os.environ.get(NATIVE_ISA_ENV, "").strip().lower() or "auto"
-    if raw not in ("auto", "off", *NATIVE_ISAS):
-        raise ConfigError(f"{NATIVE_ISA_ENV} must be one of auto, {', '.join(NATIVE_ISAS)} or "
-                          f"off; got {raw!r}")
-    return raw
+    return ENV.pdcore_native_isa
 
 
 def gemm_layout_setting() -> str:
     """PDCORE_GEMM_LAYOUT: auto (each weight shape timed in both layouts at load), panels (the
     native kernels' layout where they are built) or onednn; ConfigError for anything else."""
-    raw = os.environ.get(LAYOUT_ENV, "").strip().lower() or "auto"
-    if raw not in LAYOUTS:
-        raise ConfigError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}; got {raw!r}")
-    return raw
+    return ENV.pdcore_gemm_layout

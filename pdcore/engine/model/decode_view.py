@@ -17,12 +17,11 @@ The buffers cost B x capacity tokens of K/V beside the pool; above `budget` byte
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdcore.errors import ConfigError
+from pdcore.env import ENV
 
 if TYPE_CHECKING:
     from pdcore.engine.model.batch import DecodeGroup, ForwardBatch
@@ -33,15 +32,7 @@ GROW = 64  # capacity grows in steps of this many tokens, so appends rarely refi
 
 
 def budget_bytes() -> int:
-    raw = os.environ.get(VIEW_MB_ENV, "").strip()
-    try:
-        mb = float(raw) if raw else DEFAULT_MB
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:  # also NaN
-        raise ConfigError(f"{VIEW_MB_ENV} must be a number of MiB >= 0 (0 turns the decode K/V "
-                          f"view off); got {raw!r}")
-    return int(mb * 2**20)
+    return int(ENV.pdcore_decode_kv_view_mb * 2**20)
 
 
 class DecodeKV:

@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdcore.config import env_bool
+from pdcore.env import ENV, child_environ
 from pdcore.engine.model.source import ResolvedModel
 
 log = logging.getLogger(__name__)
@@ -52,13 +52,13 @@ LOCK_TIMEOUT_S = 900.0
 
 
 def enabled() -> bool:
-    return env_bool(os.environ, CACHE_ENV, True)
+    return ENV.pdcore_gguf_cache
 
 
 def cache_root() -> Path:
-    if os.environ.get(DIR_ENV):
-        return Path(os.environ[DIR_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if ENV.pdcore_cache_dir:
+        return Path(ENV.pdcore_cache_dir).expanduser()
+    base = ENV.xdg_cache_home or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pdserve"
 
 
@@ -152,7 +152,7 @@ def _convert(resolved: ResolvedModel, dest: Path) -> None:
     job = json.dumps({"model": [resolved.path, resolved.gguf_file, resolved.name,
                                 resolved.source], "dest": str(dest)})
     # the child imports this very pdcore (and whatever else the parent found) first
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = child_environ({"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
     r = subprocess.run([sys.executable, "-m", __name__, job], env=env, capture_output=True,
                        text=True, timeout=LOCK_TIMEOUT_S, check=False)
     if r.returncode != 0:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcore.config import env_bool
+from pdcore.env import ENV
 from pdcore.engine.cpu_features import gemm_layout_setting
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span, span  # the split rule P and D share
@@ -136,7 +136,7 @@ _layout_choice: dict[tuple, str] = {}
 
 def packed_gemm_available(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
-            and env_bool(os.environ, PACKED_GEMM_ENV, True)
+            and ENV.pdcore_cpu_packed_gemm
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 

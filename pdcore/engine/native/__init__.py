@@ -47,12 +47,12 @@ from pathlib import Path
 
 import torch
 
-from pdcore.config import env_bool
 from pdcore.engine.cpu_features import NATIVE_ISA_ENV, NATIVE_ISAS
+from pdcore.env import ENV, Env
 
 log = logging.getLogger(__name__)
 
-ENV = "PDCORE_NATIVE"
+NATIVE_ENV = "PDCORE_NATIVE"
 ISA_ENV = NATIVE_ISA_ENV  # values checked at server start: cpu_features.native_isa_setting
 # best first: the compiler flags of each ISA's library, and the CPU flags it needs
 ISAS = {
@@ -72,7 +72,7 @@ _state: dict[str, object] = {}
 
 
 def _cache_dir() -> Path:
-    raw = os.environ.get(DIR_ENV, "").strip()
+    raw = ENV.pdserve_native_dir
     return Path(raw) if raw else Path.home() / ".cache" / "pdserve" / "native"
 
 
@@ -81,7 +81,7 @@ def _command(out: Path, isa: str = "avx512") -> list[str]:
     # the same, but imports setuptools, which a fresh virtual environment may lack)
     root = Path(torch.__file__).parent
     inc, lib = root / "include", root / "lib"
-    cxx = os.environ.get("CXX", "").strip() or "g++"
+    cxx = ENV.cxx or "g++"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: at::parallel_for is inline OpenMP; the library binds to the libgomp torch has
     # already loaded (same soname), so there is one thread pool. -ffp-contract=off: a * b + c
@@ -185,9 +185,11 @@ def _cpu_has(isa: str) -> bool:
 
 def choose_isa() -> tuple[str | None, str]:
     """(the ISA whose library to load, '') or (None, why none)."""
-    raw = os.environ.get(ISA_ENV, "").strip().lower()
-    if raw == "off" or not env_bool(os.environ, ENV, True):
-        return None, f"{ISA_ENV}=off" if raw == "off" else f"{ENV}=0"
+    # read as text: a bad value is this status here (the server's start refuses it first,
+    # cpu_features.native_isa_setting)
+    raw = (Env.pdcore_native_isa.raw() or "").strip().lower()
+    if raw == "off" or not ENV.pdcore_native:
+        return None, f"{ISA_ENV}=off" if raw == "off" else f"{NATIVE_ENV}=0"
     if raw not in ("", "auto") and raw not in ISAS:
         return None, f"{ISA_ENV}={raw!r}: use auto, {', '.join(ISAS)} or off"
     if raw in ISAS:
