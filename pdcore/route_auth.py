@@ -54,6 +54,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from pdcore.env import ENV
+
 SIG_VERSION = "v2"
 DEFAULT_TTL_S = 60.0  # how long the router's signature lives (its queueing and forwarding)
 CLOCK_SKEW_S = 30.0  # what servers allow between their clock and the router's, either way
@@ -162,9 +164,9 @@ LOCAL_TRUST_ENV = "PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL"
 def local_prefill_dir() -> str:
     """Where the prefill servers of this user on this host announce their bootstrap ports:
     `$XDG_RUNTIME_DIR/pdserve-prefill`, else `~/.cache/pdserve/prefill-bootstrap` (mode 0700)."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                             "pdserve")
-    name = "pdserve-prefill" if os.environ.get("XDG_RUNTIME_DIR") else "prefill-bootstrap"
+    runtime = ENV.xdg_runtime_dir
+    base = runtime or os.path.join(os.path.expanduser("~"), ".cache", "pdserve")
+    name = "pdserve-prefill" if runtime else "prefill-bootstrap"
     return os.path.join(base, name)
 
 
@@ -262,7 +264,7 @@ class RouteGuard:
         self.own_port = own_port
         self.decode_id = decode_id  # a decode server's own id: the one signatures must name
         # the live prefill servers of this user on this host (module doc, point 3)
-        self.local = (os.environ.get(LOCAL_TRUST_ENV, "1") != "0") if local is None else local
+        self.local = ENV.pdserve_disaggregation_trust_local_prefill if local is None else local
         self._fixed = set(parse_addrs(trusted))
         self._registered: OrderedDict[str, None] = OrderedDict()
         self._spent: OrderedDict[str, float] = OrderedDict()  # used signature -> its expiry

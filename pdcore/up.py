@@ -39,6 +39,8 @@ from pdcore.config import (
     admin_api_key,
     cluster_secret,
 )
+from pdcore.env import ENV, child_environ
+from pdcore.env import check as check_env
 from pdcore.errors import ConfigError
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import disjoint_cpus, server_threads
@@ -86,10 +88,9 @@ def state_dir(cfg: UpConfig) -> str:
     per-user tmpfs), else $XDG_STATE_HOME (~/.local/state)/pdserve/up-<router port>."""
     if cfg.state_dir:
         return cfg.state_dir
-    base = os.environ.get("XDG_RUNTIME_DIR", "").strip()
+    base = ENV.xdg_runtime_dir
     if not base or not os.path.isdir(base):
-        base = (os.environ.get("XDG_STATE_HOME", "").strip()
-                or os.path.join(os.path.expanduser("~"), ".local", "state"))
+        base = ENV.xdg_state_home or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "pdserve", f"up-{cfg.port}")
 
 
@@ -234,7 +235,7 @@ class Deployment:
                 f"$(cat {self.admin_key_file})\"")
 
     def _spawn(self, child: Child) -> None:
-        env = {**os.environ, **child.env} if child.env else None
+        env = child_environ(child.env) if child.env else None
         # SIGTERM when `up` dies, even by SIGKILL: each server then stops its own tree
         child.proc = subprocess.Popen(child.argv, start_new_session=True, env=env,
                                       preexec_fn=preexec_die_with_parent())  # noqa: PLW1509
@@ -361,6 +362,7 @@ def check_ports(cfg: UpConfig) -> None:
 
 
 def run_up(cfg: UpConfig) -> int:
+    check_env()  # the servers and the router would each refuse it later
     check_ports(cfg)  # before anything loads: a busy router port used to cost two model loads
     dep = Deployment(cfg)
 

@@ -5,7 +5,6 @@ runtime (pdcore.runtime.roles) installs it into the scheduler."""
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from typing import Any
 
@@ -16,6 +15,7 @@ from pdcore.engine.model.fingerprint import draft_identity
 from pdcore.engine.sched.api import SchedulerAPI
 from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.scheduler import Scheduler
+from pdcore.env import environ
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def _host_pool(args: ServerArgs, kv: KVCache) -> Any:
     from pdcore.plugins.host import memory_pools
 
     return memory_pools().create("torch", PoolContext(server_id=args.server_id, device="cpu",
-                                                      env=dict(os.environ)))
+                                                      env=environ()))
 
 
 def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler

@@ -74,6 +74,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdcore.edge.guarded_http import guarded_protocol
+from pdcore.env import ENV
 from pdcore.errors import ConfigError
 
 log = logging.getLogger("pdcore.connections")
@@ -101,28 +102,6 @@ SUMMARY_EVERY_S = 10.0
 REASONS = ("header_timeout", "body_timeout", "send_timeout", "evicted", "peer_limit", "refused")
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{name}={raw!r}: give a number > 0")
-    return value
-
-
-def _env_count(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(f"{name}={raw!r}: give a connection count >= 1")
-    return int(raw)
-
-
 def raise_nofile_limit() -> int:
     """Lift the soft RLIMIT_NOFILE to the hard one; returns the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -137,7 +116,7 @@ def raise_nofile_limit() -> int:
 
 def max_connections(nofile: int) -> int:
     cap = max(64, nofile - RESERVED_FDS) if nofile > 0 else DEFAULT_MAX_CONNECTIONS
-    return min(_env_count(MAX_CONNECTIONS_ENV, DEFAULT_MAX_CONNECTIONS), cap)
+    return min(ENV.pdserve_http_max_connections, cap)
 
 
 def _timeout_408(what: str) -> bytes:
@@ -155,15 +134,13 @@ class PortGate:
 
     def __init__(self, header_timeout_s: float | None = None, body_timeout_s: float | None = None,
                  limit: int | None = None, per_peer: int | None = None) -> None:
-        self.header_timeout_s = header_timeout_s or _env_float(HEADER_TIMEOUT_ENV,
-                                                               DEFAULT_HEADER_TIMEOUT_S)
-        self.body_timeout_s = body_timeout_s or _env_float(BODY_TIMEOUT_ENV,
-                                                           DEFAULT_BODY_TIMEOUT_S)
-        self.body_min_rate = _env_float(BODY_MIN_RATE_ENV, DEFAULT_BODY_MIN_RATE)
-        self.body_max_s = max(self.body_timeout_s, _env_float(BODY_MAX_ENV, DEFAULT_BODY_MAX_S))
+        self.header_timeout_s = header_timeout_s or ENV.pdserve_http_header_timeout_s
+        self.body_timeout_s = body_timeout_s or ENV.pdserve_http_body_timeout_s
+        self.body_min_rate = ENV.pdserve_http_body_min_rate
+        self.body_max_s = max(self.body_timeout_s, ENV.pdserve_http_body_max_s)
         self.limit = limit or max_connections(raise_nofile_limit())
-        self.per_peer = per_peer or _env_count(PER_PEER_ENV, DEFAULT_PER_PEER)
-        self.send_timeout_s = _env_float(SEND_TIMEOUT_ENV, DEFAULT_SEND_TIMEOUT_S)
+        self.per_peer = per_peer or ENV.pdserve_http_max_pending_per_peer
+        self.send_timeout_s = ENV.pdserve_http_send_timeout_s
         self.stalled: dict[Any, float] = {}  # a response it does not read -> since
         self.pending: dict[Any, float] = {}  # waiting for headers, oldest first -> since
         self.reading: dict[Any, float] = {}  # reading a body, oldest first -> headers done at
@@ -418,7 +395,7 @@ class QuietFilter(logging.Filter):
 
 def keepalive_s() -> float:
     """uvicorn's timeout_keep_alive for the servers' and the router's ports (item 4)."""
-    return _env_float(KEEPALIVE_ENV, DEFAULT_KEEPALIVE_S)
+    return ENV.pdserve_http_keepalive_s
 
 
 def install(app: Any, registry: Any | None = None) -> tuple[PortGate, type]:

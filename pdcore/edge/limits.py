@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -29,7 +28,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from pdcore.edge.unsupported import check_unsupported
-from pdcore.errors import ConfigError, InvalidRequestError
+from pdcore.env import ENV
+from pdcore.errors import InvalidRequestError
 from pdcore.edge.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,16 +67,7 @@ SCHEMAS: dict[str, type[BaseModel]] = {"/generate": GenerateRequest,
 
 
 def max_request_bytes() -> int:
-    raw = os.environ.get("PDCORE_MAX_REQUEST_BYTES", "")
-    if not raw:
-        return DEFAULT_MAX_REQUEST_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1024:
-        raise ConfigError(f"PDCORE_MAX_REQUEST_BYTES={raw!r}: give a byte count >= 1024")
-    return value
+    return ENV.pdcore_max_request_bytes
 
 
 def _too_large(limit: int) -> JSONResponse:

@@ -31,6 +31,7 @@ from typing import Any
 
 import pluggy
 
+from pdcore.env import Env
 from pdcore.errors import DuplicateNameError, PluginError
 from pdcore.plugins import hookspecs
 from pdcore.plugins.hookspecs import Availability, PoolChoice
@@ -74,7 +75,8 @@ def _split_env(value: str | None) -> set[str] | None:
 class PluginHost:
     """Loads plugins and fills one Registry per Kind. Read-only once constructed.
 
-    env: environment to read PDCORE_PLUGINS / PDCORE_DISABLE_PLUGINS from (default os.environ).
+    env: environment to read PDCORE_PLUGINS / PDCORE_DISABLE_PLUGINS from (default this
+      process's, pdcore.env).
     extra: in-process plugin objects (modules, classes, instances with @hookimpl functions),
       registered after the entry points and not filtered by the allow/deny lists (tests).
     entry_points: override the discovered entry points (tests); default: group `pdcore`.
@@ -87,9 +89,9 @@ class PluginHost:
         *,
         entry_points: Iterable[metadata.EntryPoint] | None = None,
     ) -> None:
-        env = dict(os.environ) if env is None else env
-        self.allow = _split_env(env.get(ALLOW_ENV))
-        self.deny = _split_env(env.get(DENY_ENV)) or set()
+        e = Env(env)
+        self.allow = _split_env(e.pdcore_plugins)
+        self.deny = _split_env(e.pdcore_disable_plugins) or set()
         self.pm = pluggy.PluginManager(GROUP)
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}

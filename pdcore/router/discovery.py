@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdcore.env import ENV
 from pdcore.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ def load_cluster_config() -> Any:
         raise ConfigError(f"--service-discovery needs the kubernetes client: {_INSTALL_HINT}") \
             from None
     cfg = client.Configuration()
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+    if ENV.kubernetes_service_host:
         try:
             config.load_incluster_config(client_configuration=cfg)
             return cfg
@@ -82,7 +83,7 @@ def load_cluster_config() -> Any:
             raise ConfigError(f"--service-discovery: in-cluster credentials unusable: {exc}; "
                               "check the pod's service account token mount") from None
     # read KUBECONFIG now: the client's default path was fixed when it was first imported
-    where = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    where = ENV.kubeconfig or os.path.expanduser("~/.kube/config")
     try:
         config.load_kube_config(config_file=where, client_configuration=cfg)
     except (config.ConfigException, OSError, TypeError) as exc:

@@ -12,13 +12,13 @@ cancelled). An abort for a held request ends it here and cancels its queued comp
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from pdcore.constrained.backend import GrammarBackend
+from pdcore.env import ENV
 from pdcore.messages.io import AbortReq, GenerateReq, TokenOut
 from pdcore.errors import InvalidRequestError
 
@@ -37,8 +37,8 @@ class _Held:
 class GrammarGate:
     def __init__(self, backend: GrammarBackend | None, timeout_s: float | None = None) -> None:
         self.backend = backend
-        self.timeout_s = timeout_s if timeout_s is not None else float(
-            os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        self.timeout_s = (timeout_s if timeout_s is not None
+                          else ENV.pdserve_grammar_compile_timeout_s)
         self.held: list[_Held] = []
         self.timed_out = 0
 

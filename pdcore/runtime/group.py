@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from pdcore.config import ServerArgs
+from pdcore.env import ENV
 from pdcore.runtime.topology import local_ranks
 
 if TYPE_CHECKING:  # torch is imported only where a rank actually runs (the CLI stays fast)
@@ -16,10 +16,12 @@ if TYPE_CHECKING:  # torch is imported only where a rank actually runs (the CLI 
 
 log = logging.getLogger(__name__)
 
-# Bounds every collective: a rank that waits longer (a peer stuck loading a model) fails
-# instead of hanging. Rank 0 broadcasts at least every idle poll, so a live group never idles
-# anywhere near this.
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("PDCORE_TP_TIMEOUT", "600"))
+
+def collective_timeout_s() -> float:
+    """Bounds every collective (PDCORE_TP_TIMEOUT): a rank that waits longer (a peer stuck
+    loading a model) fails instead of hanging. Rank 0 broadcasts at least every idle poll, so a
+    live group never idles anywhere near this."""
+    return ENV.pdcore_tp_timeout
 
 
 def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
@@ -30,7 +32,7 @@ def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
     if dp_attention_args.active(args):  # one group over every DP rank's ranks
         from pdcore.engine.parallel import dp_attention
 
-        return dp_attention.join(args, rank, method, COLLECTIVE_TIMEOUT_S)
+        return dp_attention.join(args, rank, method, collective_timeout_s())
     if args.tp_size == 1:
         return TPInfo()
     import torch.distributed as dist
@@ -44,7 +46,7 @@ def join_group(args: ServerArgs, rank: int, method: str) -> TPInfo:
 
         share_host_threads(len(local_ranks(args)) * args.dp_size)  # the node's ranks share it
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=args.tp_size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=collective_timeout_s()))
     group = dist.group.WORLD
     # scheduler agreement moves small CPU objects: gloo even when the tensors go over nccl
     cpu_group = group if backend == "gloo" else dist.new_group(backend="gloo")

@@ -30,6 +30,7 @@ from pdcore.config import (
     admin_api_key,
     cluster_secret,
 )
+from pdcore.env import check as check_env
 from pdcore.errors import ConfigError
 from pdcore.server import reasoning, tool_parsers
 from pdcore.server.sglang_flags import (
@@ -357,6 +358,7 @@ def parse_server_args(argv: list[str], prog: str = "pdserve serve") -> ServerArg
             print(f"{prog}: transfer backend {name} (default: {why}); prefill and decode must "
                   "use the same: give --disaggregation-transfer-backend to choose",
                   file=sys.stderr, flush=True)
+        check_env()  # a variable that cannot be used: exit 2 naming it, before anything loads
         for warning in preflight(args):
             print(f"{prog}: warning: {warning}", file=sys.stderr, flush=True)
     except ConfigError as e:

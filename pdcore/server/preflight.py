@@ -18,6 +18,7 @@ import socket
 from collections.abc import Mapping
 
 from pdcore.config import DisaggEnv, ServerArgs
+from pdcore.env import environ
 from pdcore.errors import ConfigError, PluginError
 from pdcore.plugins.default_backend import FALLBACK_BACKEND, resolve_transfer_backend
 
@@ -202,7 +203,7 @@ def _warnings(args: ServerArgs, env: Mapping[str, str]) -> list[str]:
 def preflight(args: ServerArgs, env: Mapping[str, str] | None = None) -> list[str]:
     """Raise ConfigError for anything that would fail after the model loads; return the
     warnings (one line each) for settings that would silently do nothing."""
-    env = dict(os.environ) if env is None else env
+    env = environ() if env is None else env
     _entry("platform", args.device)
     _check_files(args)
     backend_pool = _check_disagg(args, env) if args.disaggregation_mode != "null" else None

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pdcore.env import ENV
+
 LOWEST_PORT = 20000
 DIR_ENV = "PDSERVE_PORT_DIR"
 _PORTS_GIVEN: set[int] = set()  # this process's claims (also where claims cannot be written)
@@ -41,7 +43,7 @@ def _ephemeral_low() -> int:
 
 
 def claim_dir() -> Path:
-    raw = os.environ.get(DIR_ENV, "").strip()
+    raw = ENV.pdserve_port_dir
     return Path(raw) if raw else Path(tempfile.gettempdir()) / f"pdserve-ports-{os.getuid()}"
 
 

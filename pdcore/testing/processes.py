@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from pdcore.config import ADMIN_KEY_ENV, CLUSTER_SECRET_ENV, HOST_SERVERS_ENV
+from pdcore.env import ENV, child_environ
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import server_threads
 from pdcore.testing.pages import load_at_rest
@@ -92,7 +93,7 @@ class ServerProcess:
         return r.json()
 
     def start(self) -> ServerProcess:
-        env = {**os.environ, "TMPDIR": str(self.tmp_dir), **self.extra_env}
+        env = child_environ({"TMPDIR": str(self.tmp_dir), **self.extra_env})
         env.pop(ADMIN_KEY_ENV, None)
         if self.admin_key:
             env[ADMIN_KEY_ENV] = self.admin_key
@@ -118,7 +119,7 @@ class ServerProcess:
 
     def _close_log(self) -> None:
         self._log.close()
-        if os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0"):
+        if ENV.pdcore_keep_test_logs:
             return
         self._earlier_log = self.log()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
