@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 
 from pd_ascend import npu_runtime
 from pd_ascend.settings import npu_phy_id
+from pdcore.env import environ
 from pdcore.errors import ConfigError, UnavailableError
 from pdcore.interfaces.platform import MemoryInfo, Platform
 from pdcore.interfaces.transfer import MemoryKind
@@ -31,7 +31,7 @@ class NpuPlatform(Platform):
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         # the environment is read once, here, for ASCEND_NPU_PHY_ID
-        self.env = dict(os.environ if env is None else env)
+        self.env = environ() if env is None else dict(env)
 
     def availability(self) -> tuple[bool, str]:
         return npu_runtime.availability()

@@ -7,10 +7,10 @@ machine without them still lists every component, with the reason it cannot run.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Callable
 from typing import Any
 
+from pdcore.env import environ
 from pdcore.plugins import hookimpl
 from pdcore.plugins.lazy import lazy
 
@@ -53,7 +53,7 @@ def backend_availability() -> tuple[bool, str]:
     from pd_ascend.settings import use_mooncake
 
     try:
-        mooncake = use_mooncake(os.environ)
+        mooncake = use_mooncake(environ())
     except Exception as e:  # noqa: BLE001 - a bad value is a reason here; the factory raises
         return False, str(e)
     return _mooncake_availability() if mooncake else memfabric_availability()

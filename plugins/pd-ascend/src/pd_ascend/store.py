@@ -20,6 +20,7 @@ import sys
 import time
 
 from pd_ascend.settings import parse_store_url, store_url_from_env
+from pdcore.env import environ
 from pdcore.errors import ConfigError
 
 
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="tcp://<ip>:<port> (default: $ASCEND_MF_STORE_URL)")
     args = parser.parse_args(argv)
     try:
-        url = parse_store_url(args.url, "--url") if args.url else store_url_from_env(os.environ)
+        url = parse_store_url(args.url, "--url") if args.url else store_url_from_env(environ())
         from pd_ascend.memfabric_engine import start_config_store
 
         start_config_store(url)

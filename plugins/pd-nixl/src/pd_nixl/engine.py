@@ -35,6 +35,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 from pd_nixl.settings import NixlSettings, describe_error
 from pdcore.backendkit import HandleEngine, HandleTable, RegionIndex
+from pdcore.env import environ
 from pdcore.errors import ConfigError, TransferError
 from pdcore.interfaces.transfer import (
     DONE,
@@ -65,7 +66,7 @@ MEM_NAMES = ("DRAM", "VRAM")  # index = the code used in RegionKinds
 
 def plugin_dirs(env: dict[str, str] | None = None) -> list[Path]:
     """Where NIXL looks for plugin libraries: NIXL_PLUGIN_DIR, then the wheel's bundled folder."""
-    env = dict(os.environ) if env is None else env
+    env = environ() if env is None else env
     dirs = [Path(env["NIXL_PLUGIN_DIR"])] if env.get("NIXL_PLUGIN_DIR") else []
     package = nixl_agent.__module__.split(".")[0]  # nixl_cu13, nixl_cu12, ...
     root = Path(importlib.import_module(package).__file__ or "").resolve().parent.parent
