@@ -408,6 +408,9 @@ class Tests(Group):
         shown="a folder under the temp dir")
     pdcore_keep_test_logs = Var(False, not_zero,
                                 "1 keeps test servers' logs and temp folders")
+    pdcore_test_hold_gate: Var[str | None] = Var(
+        None, text, "the gate file of `python -m pdcore.testing.held_transfer` (required "
+        "there): its tcp sends wait while the file reads `hold`")
 
 
 GROUPS: tuple[type[Group], ...] = (Disagg, Secrets, Backends, Engine, Http, Libraries, System,

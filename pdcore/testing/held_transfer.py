@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcore.config import ServerArgs
+from pdcore.env import ENV
 
 GATE_ENV = "PDCORE_TEST_HOLD_GATE"
 HOLD_MAX_S = 120.0  # a test that never opens its gate fails its own wait, not the server
@@ -65,7 +66,7 @@ def held_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn:
     from pdcore.builtin.tcp_backend import TcpTransferEngine
     from pdcore.runtime.scheduler_process import run_scheduler_process
 
-    gate = Path(os.environ[GATE_ENV])
+    gate = Path(ENV.pdcore_test_hold_gate or "")
     real = TcpTransferEngine._send
     counter, lock = itertools.count(), threading.Lock()
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdcore.server.args_parser import parse_server_args
     from pdcore.server.runner import run_server
 
-    if GATE_ENV not in os.environ:
+    if not ENV.is_set(GATE_ENV):
         print(f"python -m pdcore.testing.held_transfer: set {GATE_ENV} to the gate file",
               file=sys.stderr)
         return 2
