@@ -175,6 +175,18 @@ def test_the_router_imports_nothing_of_the_server() -> None:
                                               "belongs in pdcore/edge/):")
 
 
+def test_the_server_imports_no_scheduler_and_no_model() -> None:
+    """#46: the HTTP process parses a request's grammar with `constrained.spec`, reads stats as
+    `messages.stats`, and asks the runtime's package where the model is: it imports nothing of
+    engine/sched (the scheduler process's requests, sampler, step) nor of engine/model."""
+    below = ("pdcore.engine.sched", "pdcore.engine.model")
+    bad = [(m, imp, line) for m in imports() if m != "pdcore" and _unit(m) == "server"
+           for line, imp in imports()[m]
+           if any(imp == b or imp.startswith(b + ".") for b in below)]
+    _check(bad, "the server imports engine/sched or engine/model (requests and grammars: "
+                "pdcore.messages, pdcore.constrained; the model's files: pdcore.runtime):")
+
+
 def test_the_server_uses_the_runtime_through_its_package_only() -> None:
     """#34: the server sees the runtime through `pdcore.runtime`'s exports (the engine handle,
     `make_engine`, the parallel-flag checks, `run_node`), never through one of its modules."""

@@ -132,7 +132,7 @@ class ControlReq:
 @dataclass
 class ControlResp:
     """`data`: the call's answer; for "stats" the scheduler's StatsReport
-    (engine/sched/stats.py), turned into JSON or Prometheus series only at the HTTP edge."""
+    (messages/stats.py), turned into JSON or Prometheus series only at the HTTP edge."""
 
     call_id: str
     ok: bool

@@ -7,8 +7,13 @@ neither of those imports it.
 What the server needs is exported here, and the server imports nothing else of this package
 (tests/test_layers.py checks it): the engine handle and its errors and states, `make_engine`
 (the right handle for the arguments: one scheduler, DP replicas, DP ranks on other nodes), the
-checks of the parallel flags, and `run_node` (a further node of a multi-node server)."""
+checks of the parallel flags, `run_node` (a further node of a multi-node server), and what the
+server's start-up checks ask of the model the engine will load (`resolve_model`,
+`default_model_file`: where the model is; `check_mtp_folder`: a NEXTN/MTP draft's layers), so the
+server imports nothing of engine/model."""
 
+from pdcore.engine.model.mtp import check_mtp_folder
+from pdcore.engine.model.source import default_model_file, resolve_model
 from pdcore.runtime.dp.client import DPEngineClient
 from pdcore.runtime.engines import make_engine
 from pdcore.runtime.handle import EngineClient, EngineError, EngineState, SchedulerTarget, new_rid
@@ -16,4 +21,5 @@ from pdcore.runtime.node import run_node
 from pdcore.runtime.topology import check_parallel_args
 
 __all__ = ["DPEngineClient", "EngineClient", "EngineError", "EngineState", "SchedulerTarget",
-           "check_parallel_args", "make_engine", "new_rid", "run_node"]
+           "check_mtp_folder", "check_parallel_args", "default_model_file", "make_engine",
+           "new_rid", "resolve_model", "run_node"]

@@ -37,7 +37,7 @@ import zmq.asyncio
 
 from pdcore.config import ServerArgs
 from pdcore.messages.io import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
-from pdcore.engine.sched.stats import StatsReport
+from pdcore.messages.stats import StatsReport
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
 from pdcore.runtime.journal import RequestJournal
 from pdcore.runtime.lifeline import IPC_DIR_PREFIX, describe_exit, interrupts_ignored_by_children
@@ -380,7 +380,7 @@ class EngineClient:
         return dict(await self._call(kind, args, timeout))
 
     async def stats(self, timeout: float = 10.0) -> StatsReport:
-        """The scheduler's StatsReport (engine/sched/stats.py)."""
+        """The scheduler's StatsReport (messages/stats.py; built in engine/sched/stats.py)."""
         report = await self._call("stats", None, timeout)
         if not isinstance(report, StatsReport):
             raise EngineError(f"scheduler answered stats with {type(report).__name__}", 500)

@@ -1,6 +1,6 @@
 """How DP replicas' KV-transfer measurements (pdcore.disagg.transfer_stats snapshots) add up
 into one server's; the rest of their reports merge in StatsReport.merge
-(pdcore.engine.sched.stats)."""
+(pdcore.messages.stats)."""
 
 from __future__ import annotations
 

@@ -317,7 +317,7 @@ def _check_moe_backend(args: ServerArgs) -> None:
 
 def _check_model_path(args: ServerArgs) -> None:
     """Fail fast on a model path that cannot exist (the scheduler reports load errors)."""
-    from pdcore.engine.model.tokenizer import resolve_model
+    from pdcore.runtime import resolve_model
     from pdcore.errors import ModelLoadError
 
     try:

@@ -40,7 +40,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from pdcore.engine.sched.stats import StatsReport
+from pdcore.messages.stats import StatsReport
 from pdcore.server.metrics_map import (
     E2E_BUCKETS,
     ITL_BUCKETS,
@@ -136,7 +136,7 @@ def metrics_model_name(args: Any) -> str:
     path = args.model_path
     if not path:
         try:
-            from pdcore.engine.model.tokenizer import default_model_file
+            from pdcore.runtime import default_model_file
 
             path = default_model_file()
         except Exception:  # noqa: BLE001 - the engine reports a missing model itself

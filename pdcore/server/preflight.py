@@ -82,7 +82,7 @@ def _check_files(args: ServerArgs) -> None:
             raise ConfigError(f"--chat-template {args.chat_template} is not a valid Jinja "
                               f"template: {e}") from None
     if args.load_format in ("safetensors", "gguf", "dummy"):
-        from pdcore.engine.model.tokenizer import resolve_model
+        from pdcore.runtime import resolve_model
 
         is_gguf = resolve_model(args.model_path).gguf_file is not None
         if args.load_format == "gguf" and not is_gguf:
@@ -127,8 +127,7 @@ def _check_nextn(args: ServerArgs) -> None:
     """NEXTN drafts with the model's own MTP layer (a DeepSeek-V3's, or a MiMo's first) and
     --enable-multi-layer-eagle with a MiMo's N >= 2 MTP layers: a safetensors checkpoint that
     has them (its config and the weight files' headers, read before the model loads)."""
-    from pdcore.engine.model.mtp import check_mtp_folder
-    from pdcore.engine.model.tokenizer import resolve_model
+    from pdcore.runtime import check_mtp_folder, resolve_model
 
     if args.load_format in ("dummy", "gguf"):
         raise ConfigError(f"--speculative-algorithm NEXTN reads the MTP layer's weights from the "

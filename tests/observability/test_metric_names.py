@@ -250,7 +250,7 @@ def test_transfer_stats_rooms_phases_and_dp_merge() -> None:
     replicas add up (StatsReport.merge with pdcore.runtime.stats.merge_transfer_stats)."""
     from pdcore.disagg.states import KVPoll, RoomStates
     from pdcore.disagg.transfer_stats import TransferStats
-    from pdcore.engine.sched.stats import StatsReport
+    from pdcore.messages.stats import StatsReport
     from pdcore.runtime.stats import merge_transfer_stats
 
     snaps = []

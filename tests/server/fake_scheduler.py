@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 
 from pdcore.messages.io import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
-from pdcore.engine.sched.stats import Kind, StatsReport
+from pdcore.messages.stats import Kind, StatsReport
 
 
 @dataclass

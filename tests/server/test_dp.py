@@ -24,7 +24,7 @@ import httpx
 import pytest
 from pdserve_testing import ServerProcess
 
-from pdcore.engine.sched.stats import Kind, StatsReport
+from pdcore.messages.stats import Kind, StatsReport
 from pdcore.runtime.dp.balance import DPBalancer
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest

@@ -1,11 +1,13 @@
-"""The scheduler's counters and its stats report (what /get_load answers and /metrics exports:
-docs/metrics.md)."""
+"""The scheduler's counters and the report it builds from them (what /get_load answers and
+/metrics exports: docs/metrics.md; the report's type, `StatsReport`, is in pdcore.messages.stats,
+since it crosses to the HTTP process)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+from pdcore.messages.stats import Kind, StatsReport
 
 
 @dataclass
@@ -25,95 +27,6 @@ class Counters:
     extend_steps: int = 0
     extend_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-class Kind(enum.Enum):
-    TOTAL = "total"  # a count since start: a Prometheus counter; DP replicas' add up
-    LOAD = "load"  # an amount now (requests, pages): a gauge; DP replicas' add up
-    INFO = "info"  # a property or a ratio (flags, page size, rates): a gauge; replica 0's
-
-
-# ratios recomputed from the merged totals when DP replicas' reports are merged
-RATIOS: dict[str, tuple[str, str]] = {
-    "cache_hit_rate": ("cache_hit_tokens_total", "prompt_tokens_total"),
-    "spec_accept_length": ("spec_emitted_tokens_total", "spec_verifies_total"),
-    "spec_accept_rate": ("spec_accepted_tokens_total", "spec_draft_tokens_total"),
-}
-# the per-replica gauges a merged report names dp{rank}_<key> (/metrics labels by the suffix)
-REPLICA_LOADS = ("num_running_reqs", "num_waiting_reqs", "num_pages_used", "num_pages_free")
-
-
-@dataclass
-class StatsReport:
-    """A scheduler's stats: every value by name with its kind, the KV-transfer snapshot of a PD
-    role apart. It crosses the IPC socket as it is; the HTTP edge alone turns it into /get_load's
-    JSON (`as_dict`, the names of docs/metrics.md) and Prometheus series (a TOTAL is a counter,
-    the rest gauges). Values keep the order they were added in."""
-
-    values: dict[str, Any] = field(default_factory=dict)
-    kinds: dict[str, Kind] = field(default_factory=dict)
-    kv_transfer: dict[str, Any] | None = None  # pdcore.disagg.transfer_stats snapshot (PD)
-    replicas: list[dict[str, Any]] = field(default_factory=list)  # DP: each one's REPLICA_LOADS
-
-    def add(self, kind: Kind, values: dict[str, Any]) -> StatsReport:
-        for k, v in values.items():
-            self.values[k], self.kinds[k] = v, kind
-        return self
-
-    def add_named(self, values: dict[str, Any], loads: tuple[str, ...] = ()) -> StatsReport:
-        """Values whose names say their kind: `*_total` a TOTAL, those in `loads` a LOAD, the
-        rest INFO."""
-        for k, v in values.items():
-            kind = Kind.TOTAL if k.endswith("_total") else Kind.LOAD if k in loads else Kind.INFO
-            self.add(kind, {k: v})
-        return self
-
-    def update(self, other: StatsReport) -> StatsReport:
-        self.values.update(other.values)
-        self.kinds.update(other.kinds)
-        if other.kv_transfer is not None:
-            self.kv_transfer = other.kv_transfer
-        return self
-
-    def __getitem__(self, name: str) -> Any:
-        return self.values[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.values.get(name, default)
-
-    def counters(self) -> set[str]:
-        return {k for k, kind in self.kinds.items() if kind is Kind.TOTAL}
-
-    def as_dict(self) -> dict[str, Any]:
-        """/get_load's JSON (and what the metrics table reads by name)."""
-        out = dict(self.values)
-        if self.kv_transfer is not None:
-            out["kv_transfer"] = self.kv_transfer
-        for rank, loads in enumerate(self.replicas):
-            out.update({f"dp{rank}_{k}": v for k, v in loads.items()})
-        return out
-
-    @classmethod
-    def merge(cls, reports: list[StatsReport],
-              merge_transfer: Any = None) -> StatsReport:
-        """One server's report from its DP replicas': TOTAL and LOAD values add up, INFO is
-        replica 0's (RATIOS recomputed), each replica's REPLICA_LOADS kept by rank;
-        `merge_transfer` merges the KV-transfer snapshots (pdcore.runtime.stats)."""
-        first = reports[0]
-        out = cls(kinds=dict(first.kinds))
-        for k, v in first.values.items():
-            summed = first.kinds.get(k, Kind.INFO) is not Kind.INFO and isinstance(v, (int, float)) \
-                and not isinstance(v, bool)
-            out.values[k] = sum(r.values.get(k) or 0 for r in reports) if summed else v
-        for name, (num, den) in RATIOS.items():
-            if name in out.values and den in out.values:
-                d = out.values[den]
-                out.values[name] = out.values.get(num, 0) / d if d else 0.0
-        if any(r.kv_transfer is not None for r in reports) and merge_transfer is not None:
-            out.kv_transfer = merge_transfer([r.kv_transfer for r in reports])
-        out.replicas = [{k: r.values[k] for k in REPLICA_LOADS if k in r.values}
-                        for r in reports]
-        return out
 
 
 def scheduler_stats(s: Any) -> StatsReport:

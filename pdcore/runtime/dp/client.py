@@ -37,9 +37,9 @@ from typing import Any
 
 from pdcore.config import ServerArgs
 from pdcore.messages.io import GenerateReq, TokenOut
+from pdcore.messages.stats import StatsReport
 from pdcore.engine.parallel.dp_attention_args import active as dp_attention_active
 from pdcore.engine.parallel.dp_attention_args import new_init_method, replica_args
-from pdcore.engine.sched.stats import StatsReport
 from pdcore.errors import PDError
 from pdcore.runtime.dp.balance import DPBalancer
 from pdcore.runtime.dp.nodes import leader_node
