@@ -7,6 +7,7 @@ reports them; sampling knobs change which token is picked, not the reported logp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -125,30 +126,139 @@ def _penalize(row: torch.Tensor, st: SampleState) -> torch.Tensor:
     return row
 
 
-def _sample_row(row: torch.Tensor, st: SampleState) -> int:
-    if st.params.greedy:
-        return int(torch.argmax(row))
-    return int(torch.multinomial(probs_for(row, st), 1, generator=st.generator))
+# Nucleus (top-p) filtering sorts no row: each row's tokens fall into buckets by their
+# probability relative to the row's most likely token (TOP_P_PER_OCTAVE buckets per halving, the
+# last bucket holding everything below 2^-(TOP_P_BUCKETS / TOP_P_PER_OCTAVE), zeros included).
+# The buckets' masses, accumulated from the top, say which bucket the nucleus ends in: the
+# buckets above it are kept whole, those below dropped whole, and only the tokens of that one
+# bucket are ordered. The result is the full sort's (up to the order of equal probabilities).
+TOP_P_PER_OCTAVE = 32
+TOP_P_BUCKETS = 1024
+DRAW_BLOCK = 1024  # tokens per block of the two-level draw
+
+
+def processed_probs(rows: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distributions non-greedy requests sample from, for a batch at once: temperature,
+    top-k, min-p, top-p applied to rows [R, V] of (already penalized) logits, each row with its
+    own request's knobs. Modifies `rows` in place (the caller's copy)."""
+    n, v = rows.shape
+    rows.div_(torch.tensor([p.temperature for p in params], dtype=rows.dtype).unsqueeze(1))
+    ks = [p.top_k if 0 < p.top_k < v else 0 for p in params]
+    sel = [i for i, k in enumerate(ks) if k]
+    if sel:  # the k-th largest logit of each row, from one topk over the largest k asked
+        sub = rows[sel]
+        top = torch.topk(sub, max(ks[i] for i in sel), dim=-1).values
+        kth = top.gather(1, torch.tensor([[ks[i] - 1] for i in sel]))
+        rows[sel] = sub.masked_fill(sub < kth, float("-inf"))
+    probs = torch.softmax(rows, -1)
+    # probabilities under float32's smallest normal (< 1.2e-38 each) are zero from here on:
+    # denormal operands make every later pass over the row many times slower
+    probs.masked_fill_(probs < torch.finfo(probs.dtype).tiny, 0.0)
+    sel = [i for i, p in enumerate(params) if p.min_p > 0]
+    if sel:
+        sub = probs[sel]
+        floor = torch.tensor([params[i].min_p for i in sel], dtype=probs.dtype).unsqueeze(1)
+        probs[sel] = sub.masked_fill(sub < floor * sub.amax(-1, keepdim=True), 0.0)
+    sel = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if sel:
+        probs[sel] = _top_p(probs[sel], rows[sel], torch.tensor(
+            [params[i].top_p for i in sel], dtype=probs.dtype).unsqueeze(1))
+    return probs
+
+
+def _top_p(probs: torch.Tensor, logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep, in each row, the smallest set of most likely tokens whose mass exceeds top_p: a
+    token is dropped when the tokens more likely than it already hold more than top_p.
+    `logits` are the scaled logits `probs` is the softmax of: log2(p / p_max) is read from
+    them (no logarithm of tiny probabilities: denormals are slow on every x86)."""
+    n = probs.shape[0]
+    last = TOP_P_BUCKETS - 1
+    key = (logits.amax(-1, keepdim=True) - logits).mul_(TOP_P_PER_OCTAVE / math.log(2))
+    key = key.nan_to_num_(nan=last, posinf=last).clamp_(0, last).to(torch.long)
+    key.masked_fill_(probs == 0, last)  # below min_p, or underflowed
+    wide = probs.to(torch.float64)
+    cum = torch.zeros(n, TOP_P_BUCKETS, dtype=torch.float64).scatter_add_(1, key, wide)
+    cum = cum.cumsum_(-1)
+    tp = top_p.to(torch.float64)  # [n, 1]
+    edge = (cum <= tp).sum(-1, keepdim=True)  # the first bucket whose inclusion passes top_p
+    above = torch.where(edge > 0, cum.gather(1, (edge - 1).clamp_(min=0)), 0.0)  # [n, 1]
+    out = probs.masked_fill(key > edge, 0.0)  # buckets below the edge: dropped whole
+    rows, cols = (key == edge).nonzero(as_tuple=True)
+    if rows.numel():  # the edge bucket's tokens, grouped by row, most likely first
+        vals = wide[rows, cols]
+        order = torch.sort(rows.to(torch.float64) * 2 - vals, stable=True).indices
+        rows, cols, vals = rows[order], cols[order], vals[order]
+        run = torch.cumsum(vals, 0)
+        first = torch.zeros(n, dtype=torch.float64).index_add_(0, rows, vals).cumsum_(0) - \
+            torch.zeros(n, dtype=torch.float64).index_add_(0, rows, vals)
+        before = run - vals - first[rows] + above.squeeze(1)[rows]  # mass more likely
+        drop = before > tp.squeeze(1)[rows]
+        out[rows[drop], cols[drop]] = 0.0
+    return out
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int | None]:
+    """One token per row of `probs` [R, V] (rows need not sum to 1) by inverting its cumulative
+    distribution at uniforms[r] in [0, 1): the first token whose cumulative mass exceeds
+    u * total, never one of probability 0; None for a row with no finite positive mass. Two
+    levels, in float64 where it accumulates: a block of DRAW_BLOCK tokens from the blocks'
+    sums, then the token inside that block."""
+    n, v = probs.shape
+    pad = -v % DRAW_BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(n, -1, DRAW_BLOCK)
+    bcum = torch.cumsum(blocks.sum(-1).to(torch.float64), -1)
+    total = bcum[:, -1]
+    bad = (~torch.isfinite(total) | (total <= 0)).tolist()
+    target = uniforms.to(torch.float64) * total
+    b = torch.searchsorted(bcum, target.unsqueeze(1), right=True).squeeze(1)
+    b = b.clamp_(max=bcum.shape[1] - 1)
+    ar = torch.arange(n)
+    rest = target - torch.where(b > 0, bcum[ar, (b - 1).clamp(min=0)], 0.0)
+    inner = blocks[ar, b]  # [R, DRAW_BLOCK]
+    icum = torch.cumsum(inner.to(torch.float64), -1)
+    j = torch.searchsorted(icum, rest.unsqueeze(1), right=True).squeeze(1)
+    j = j.clamp_(max=DRAW_BLOCK - 1)
+    tok = (b * DRAW_BLOCK + j).clamp_(max=v - 1)
+    # u * total rounded past the block's last step (float sums differ in the last bits): such a
+    # row takes the block's last token with mass, or the row's
+    off = (probs.gather(1, tok.unsqueeze(1)).squeeze(1) <= 0).tolist()
+    out: list[int | None] = tok.tolist()
+    for r in range(n):
+        if bad[r]:
+            out[r] = None
+        elif off[r]:
+            nz = inner[r].nonzero()
+            out[r] = int(b[r]) * DRAW_BLOCK + int(nz[-1]) if nz.numel() else int(
+                probs[r].nonzero()[-1])
+    return out
+
+
+def uniforms(states: list[SampleState]) -> torch.Tensor:
+    """One uniform per request: from its own generator when seeded (so a seeded request draws
+    the same numbers whatever its batch), else all from torch's global generator in one call.
+    Each request consumes exactly one draw per sampled token, in every path (plain decoding and
+    speculative verify alike)."""
+    u = torch.rand(len(states))
+    for i, st in enumerate(states):
+        if st.generator is not None:
+            u[i] = torch.rand(1, generator=st.generator)[0]
+    return u
 
 
 def probs_for(row: torch.Tensor, st: SampleState) -> torch.Tensor:
-    """The distribution a non-greedy request samples from: temperature, top-k, min-p, top-p
-    applied to one row of (already penalized) logits."""
-    p = st.params
-    row = row / p.temperature
-    if p.top_k > 0 and p.top_k < row.numel():
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, -1)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    if p.top_p < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sp, -1)
-        drop = cum - sp > p.top_p  # keep the smallest prefix reaching top_p
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, si, sp)
-    return probs
+    """The distribution one non-greedy request samples from (one row of penalized logits)."""
+    return processed_probs(row.unsqueeze(0).clone(), [st.params])[0]
+
+
+def sample_one(row: torch.Tensor, st: SampleState) -> int:
+    """The token plain decoding picks from one row: the argmax when greedy, else one draw."""
+    if st.params.greedy:
+        return int(row.argmax())
+    token = draw(probs_for(row, st).unsqueeze(0), uniforms([st]))[0]
+    if token is None:
+        raise InvalidRequestError("no token has a finite score after this request's logit_bias, "
+                                  "penalties and bans", "logit_bias")
+    return token
 
 
 RowError = tuple[str, int]  # (message, HTTP status) of one request that could not be served
@@ -187,6 +297,50 @@ def _grammar_rows(logits: torch.Tensor, states: list[SampleState],
     return {i: masked[j] for j, i in enumerate(ok)}
 
 
+def _sample_batch(logits: torch.Tensor, states: list[SampleState],
+                  masked: dict[int, torch.Tensor], tokens: list[int | None],
+                  errors: list[RowError | None]) -> None:
+    """Every row that is not plain greedy, in one vectorized pass: the rows are copied once,
+    each request's penalties, bias and bans go on its own row (sparse writes), then greedy rows
+    take their argmax and the others are filtered and drawn together."""
+    live = [i for i, st in enumerate(states) if errors[i] is None]
+    if not live:
+        return
+    rows = logits.clone() if len(live) == len(states) else logits[live]  # a copy either way
+    ok: list[int] = []  # positions in `live`
+    for j, i in enumerate(live):
+        st = states[i]
+        try:
+            if i in masked:
+                rows[j] = masked[i]
+            if not st.plain_greedy:
+                _penalize(rows[j], st)
+            if i in masked and not torch.isfinite(rows[j]).any():
+                raise InvalidRequestError(
+                    "no token satisfies the grammar together with logit_bias and "
+                    "min_new_tokens", st.params.grammar.field)  # type: ignore[union-attr]
+            ok.append(j)
+        except Exception as e:  # noqa: BLE001 - isolated to this request
+            errors[i] = row_error(e, "sampling")
+    greedy = [j for j in ok if states[live[j]].params.greedy]
+    if greedy:
+        for j, t in zip(greedy, rows[greedy].argmax(-1).tolist(), strict=True):
+            tokens[live[j]] = t
+    drawn = [j for j in ok if not states[live[j]].params.greedy]
+    if not drawn:
+        return
+    sts = [states[live[j]] for j in drawn]
+    probs = processed_probs(rows if len(drawn) == len(rows) else rows[drawn],
+                            [st.params for st in sts])
+    picked = draw(probs, uniforms(sts))
+    for j, t in zip(drawn, picked, strict=True):
+        if t is None:  # every token at -inf (a bias or ban on the whole vocabulary): this row
+            errors[live[j]] = ("sampling failed: no token has a finite score after this "
+                               "request's logit_bias, penalties and bans", 400)
+        else:
+            tokens[live[j]] = t
+
+
 def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[int | None],
            grammar: GrammarBackend | None = None,
            ) -> tuple[list[int | None], list[LogprobEntry | None], list[RowError | None]]:
@@ -201,29 +355,17 @@ def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[
         tokens = list(torch.argmax(logits, -1).tolist())
     else:
         masked = _grammar_rows(logits, states, grammar, errors)
-        for i, st in enumerate(states):
-            if errors[i] is not None:
-                continue
-            try:
-                row = masked[i] if i in masked else logits[i].clone()
-                if not st.plain_greedy:
-                    row = _penalize(row, st)
-                if i in masked and not torch.isfinite(row).any():
-                    raise InvalidRequestError(
-                        "no token satisfies the grammar together with logit_bias and "
-                        "min_new_tokens", st.params.grammar.field)  # type: ignore[union-attr]
-                tokens[i] = _sample_row(row, st)
-            except Exception as e:  # noqa: BLE001 - isolated to this request
-                errors[i] = row_error(e, "sampling")
+        _sample_batch(logits, states, masked, tokens, errors)
     entries: list[LogprobEntry | None] = [None] * n
-    if any(w is not None for w in want_logprobs):
-        lp = torch.log_softmax(logits, -1)
-        for i, w in enumerate(want_logprobs):
-            if w is not None and errors[i] is None:
-                try:
-                    entries[i] = logprob_entry(lp[i], int(tokens[i]), w)  # type: ignore[arg-type]
-                except Exception as e:  # noqa: BLE001 - isolated to this request
-                    errors[i] = row_error(e, "logprobs")
+    wanted = [i for i, w in enumerate(want_logprobs) if w is not None and errors[i] is None]
+    if wanted:
+        lp = torch.log_softmax(logits[wanted], -1)
+        for j, i in enumerate(wanted):
+            try:
+                entries[i] = logprob_entry(lp[j], int(tokens[i]),  # type: ignore[arg-type]
+                                           want_logprobs[i])  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - isolated to this request
+                errors[i] = row_error(e, "logprobs")
     for i, st in enumerate(states):
         if errors[i] is None:
             try:

@@ -47,7 +47,7 @@ import torch
 from pdcore.config import NGRAM_DRAFT_TOKENS
 from pdcore.messages.io import LogprobEntry
 from pdcore.engine.sched.drafter import Drafter, NgramDrafter
-from pdcore.engine.sched.sampler import SampleState, logprob_entry, probs_for, row_error
+from pdcore.engine.sched.sampler import SampleState, logprob_entry, row_error, sample_one
 from pdcore.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -290,6 +290,4 @@ def _choose(row: torch.Tensor, st: SampleState, draft: int | None) -> int:
     decoding does, so a seeded request repeats whatever was drafted (the cross-request n-gram
     cache, the cost gate and the batch change the drafts, never the tokens; #45 item 9)."""
     del draft
-    if st.params.greedy:
-        return int(row.argmax())
-    return int(torch.multinomial(probs_for(row, st), 1, generator=st.generator))
+    return sample_one(row, st)
