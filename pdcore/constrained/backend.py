@@ -151,7 +151,7 @@ class GrammarBackend:
             return comp.compile_regex(spec.source)
         if spec.kind == "ebnf":
             return comp.compile_grammar(spec.source)
-        if spec.kind == "tool_call":  # server/chat_tools.py: forced tool calls
+        if spec.kind == "tool_call":  # server/tools/chat_tools.py: forced tool calls
             return comp.compile_grammar(self._tool_call(json.loads(spec.source)))
         if spec.kind == "structural_tag":
             tag = json.loads(spec.source)
@@ -168,7 +168,7 @@ class GrammarBackend:
 
     def _tool_call(self, src: dict[str, Any]) -> Any:
         """One of the alternatives, each a fixed prefix, JSON following a schema and a fixed
-        suffix (server/tool_parsers.py: ToolParser.forced)."""
+        suffix (server/tools/tool_parsers.py: ToolParser.forced)."""
         g = self._xgr().Grammar
         alts = []
         for prefix, schema, suffix in src["alternatives"]:

@@ -32,7 +32,7 @@ from pdcore.config import (
 )
 from pdcore.env import check as check_env
 from pdcore.errors import ConfigError
-from pdcore.server import reasoning, tool_parsers
+from pdcore.server.tools import reasoning, tool_parsers
 from pdcore.server.sglang_flags import (
     COMMON_HELP,
     TOKENIZER_MODES,

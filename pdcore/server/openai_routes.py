@@ -22,7 +22,7 @@ from pdcore.errors import InvalidRequestError
 from pdcore.runtime import EngineClient, EngineError
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.chat_encode import encode_chat
-from pdcore.server.chat_tools import ChoiceShaper, plan_output
+from pdcore.server.tools.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import (
     SSE_DONE,
     SSE_HEADERS,

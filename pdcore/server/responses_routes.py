@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.edge.schemas import ResponsesRequest
 from pdcore.runtime import EngineClient
-from pdcore.server.chat_tools import ChoiceShaper, plan_output
+from pdcore.server.tools.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import SSE_HEADERS, run_items
 from pdcore.server.openai_plan import finish_of, plan_openai, usage
 from pdcore.server.openai_routes import chat_prompt, run_plan, shaped

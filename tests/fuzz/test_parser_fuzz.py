@@ -36,8 +36,8 @@ from pdcore.constrained.spec import (
     spec_from_response_format,
 )
 from pdcore.errors import InvalidRequestError
-from pdcore.server import reasoning, tool_parsers
-from pdcore.server.chat_tools import ChoiceShaper, plan_tools
+from pdcore.server.tools import reasoning, tool_parsers
+from pdcore.server.tools.chat_tools import ChoiceShaper, plan_tools
 
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(max_examples=EXAMPLES * 4, derandomize=True, database=None, deadline=2000,

@@ -16,9 +16,9 @@ from pdcore.messages.io import SamplingParams
 from pdcore.engine.model.tokenizer import default_model_file, load_tokenizer
 from pdcore.engine.sched.sampler import SampleState, sample
 from pdcore.errors import InvalidRequestError
-from pdcore.server.chat_tools import ChoiceShaper, plan_tools
-from pdcore.server.reasoning import ReasoningParser
-from pdcore.server.tool_parsers import get_parser
+from pdcore.server.tools.chat_tools import ChoiceShaper, plan_tools
+from pdcore.server.tools.reasoning import ReasoningParser
+from pdcore.server.tools.tool_parsers import get_parser
 from pdserve_testing import merge_calls
 
 WEATHER = {"type": "object", "properties": {

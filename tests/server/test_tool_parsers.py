@@ -12,9 +12,9 @@ import time
 import pytest
 
 from pdcore.errors import InvalidRequestError
-from pdcore.server import reasoning, tool_auto, tool_parsers
-from pdcore.server.chat_tools import ChoiceShaper, plan_tools
-from pdcore.server.reasoning import ReasoningParser
+from pdcore.server.tools import reasoning, tool_auto, tool_parsers
+from pdcore.server.tools.chat_tools import ChoiceShaper, plan_tools
+from pdcore.server.tools.reasoning import ReasoningParser
 from pdserve_testing import merge_calls
 
 MEGA = 1 << 20
@@ -218,7 +218,7 @@ def test_markers_that_are_special_tokens_stay_in_the_output(parser, think, given
     them in the output unless the request set skip_special_tokens itself."""
     from types import SimpleNamespace
 
-    from pdcore.server.chat_tools import plan_output
+    from pdcore.server.tools.chat_tools import plan_output
 
     engine = SimpleNamespace(args=SimpleNamespace(tool_call_parser=parser, reasoning_parser=think),
                              tokenizer=SimpleNamespace(chat_template=None), info={})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdcore.server.tool_scan import partial_tail
+from pdcore.server.tools.tool_scan import partial_tail
 
 
 @dataclass(frozen=True)

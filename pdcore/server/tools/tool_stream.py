@@ -1,5 +1,5 @@
 """One choice's content read for tool calls as it grows (`ToolStream`), and the whole-output
-read built on it (`parse_whole`), for the parsers of server/tool_parsers.py.
+read built on it (`parse_whole`), for the parsers of server/tools/tool_parsers.py.
 
 A stream holds content from where a call may start; once a call's name is read (and is one of
 the request's tools) the stream sends it, then its arguments' JSON text in pieces as they arrive
@@ -16,8 +16,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pdcore.server import tool_scan as ts
-from pdcore.server.tool_scan import Cursor, GiveUp, Sink
+from pdcore.server.tools import tool_scan as ts
+from pdcore.server.tools.tool_scan import Cursor, GiveUp, Sink
 
 log = logging.getLogger(__name__)
 MAX_PARSE_CHARS = 1 << 20  # a longer output is content: no tool calls are looked for in it

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcore.messages.io import GrammarSpec
-from pdcore.server import tool_auto
+from pdcore.server.tools import tool_auto
 from pdcore.server.params import bad
-from pdcore.server.reasoning import ReasoningParser
-from pdcore.server.tool_parsers import JsonCalls, NamedArgs, ToolParser, get_parser
-from pdcore.server.tool_stream import ToolStream, parse_whole
+from pdcore.server.tools.reasoning import ReasoningParser
+from pdcore.server.tools.tool_parsers import JsonCalls, NamedArgs, ToolParser, get_parser
+from pdcore.server.tools.tool_stream import ToolStream, parse_whole
 
 MAX_TOOLS = 128
 MAX_TOOLS_CHARS = 256 * 1024  # the tools' JSON, all together

@@ -1,7 +1,7 @@
 """Tool calls in model output, as SGLang's `--tool-call-parser` names the formats.
 
 A parser knows one model family's tool-call text: where the calls start (`start`), how to read
-them (`calls`, an incremental reader over server/tool_scan.py's cursor: linear in the output,
+them (`calls`, an incremental reader over server/tools/tool_scan.py's cursor: linear in the output,
 resumed delta by delta, so a stream sends each call's name as soon as it is read and its
 arguments in pieces as they arrive), and how a forced call is written (`forced`: the prefix, the
 JSON the arguments go in and the suffix, from which the engine builds the grammar for
@@ -40,9 +40,9 @@ import json
 import re
 from typing import Any
 
-from pdcore.server import tool_scan as ts
-from pdcore.server.tool_scan import Cursor, GiveUp, Reader, Sink, partial_tail
-from pdcore.server.tool_stream import ToolCall, parse_whole
+from pdcore.server.tools import tool_scan as ts
+from pdcore.server.tools.tool_scan import Cursor, GiveUp, Reader, Sink, partial_tail
+from pdcore.server.tools.tool_stream import ToolCall, parse_whole
 
 MAX_PARSE_CHARS = 1 << 20  # a longer output is content: no tool calls are looked for in it
 MAX_JSON_DEPTH = ts.MAX_JSON_DEPTH
