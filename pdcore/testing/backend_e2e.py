@@ -8,7 +8,8 @@
 
 It starts real P + D + router processes on loopback: SmolLM2 greedy output through PD must be
 token-identical to the unified engine; the fault scenarios of pdcore.testing.pd_faults (kill P
-in flight, kill D mid-transfer, client disconnect) run on a tiny model.
+in flight, kill D mid-transfer, client disconnect) run on a tiny model, one after another on
+one cluster.
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ class BackendE2E:
         return make_tiny_model(str(tmp_path_factory.mktemp("e2e") / "m"),
                                tokenizer_from=default_model_file(), max_positions=8192)
 
-    @pytest.fixture
+    @pytest.fixture(scope="class")
     def fault_cluster(self, tiny_model: str):
+        """One cluster for the three fault scenarios, one after another (each restarts what it
+        killed on the same ports and leaves every page free): two cluster starts fewer."""
         c = pd_faults.fault_cluster(self.backend, tiny_model, self.env)
         yield c
         c.stop()
