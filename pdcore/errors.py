@@ -40,7 +40,13 @@ class InvalidRequestError(PDError):
 
 
 class ForbiddenRouteError(InvalidRequestError):
-    """A request names a PD route this server may not act on; the HTTP layer answers 403."""
+    """A request names a PD route this server may not act on; the HTTP layer answers 403 with
+    `code` (a `pdcore.messages.codes.ErrorCode` value; None: "route_refused") as the error
+    body's `code`, which routers read instead of the message."""
+
+    def __init__(self, message: str, field: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, field)
+        self.code = code
 
 
 class TransferError(PDError):

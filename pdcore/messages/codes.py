@@ -9,14 +9,17 @@ never rename one.
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 
 
 class ErrorCode(StrEnum):
     """Why a request was refused or failed (a str: it serialises as its value)."""
 
-    # 403: the request names a PD route (bootstrap host/port/room) this server does not trust:
-    # neither signed with the cluster secret nor a trusted prefill address (route_auth.py)
+    # 403: the request names a PD route (bootstrap host/port/room) this server may not act on:
+    # neither signed with the cluster secret nor a trusted prefill address, or its signature
+    # does not hold (route_auth.py); a router that does not sign routes answers it by
+    # registering its prefill addresses with the server and retrying
     ROUTE_REFUSED = "route_refused"
     # 403: the room is already claimed by another decode server or request
     ROOM_CLAIMED = "room_claimed"
@@ -28,8 +31,19 @@ class ErrorCode(StrEnum):
     PEER_RESTARTED = "peer_restarted"
 
 
+MAX_ERROR_BODY = 65536  # an error body longer than this is no error body of ours
+
+
 def code_of(body: object) -> str | None:
-    """The named code of a parsed error body, or None (no body, no error, a numeric code)."""
+    """The named code of an error body (its bytes or its parsed JSON), or None: no JSON, no
+    `error` object, a numeric code (the HTTP status), or bytes too long to be an error body."""
+    if isinstance(body, (bytes, bytearray, str)):
+        if len(body) > MAX_ERROR_BODY:
+            return None
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return None
     err = body.get("error") if isinstance(body, dict) else None
     code = err.get("code") if isinstance(err, dict) else None
     return code if isinstance(code, str) else None

@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.edge import tracing
 from pdcore.errors import InvalidRequestError
-from pdcore.route_auth import UNTRUSTED
+from pdcore.messages.codes import ErrorCode, code_of
 from pdcore.router.config import RouterConfig
 from pdcore.router.merge import (
     EchoSSEMerger,
@@ -73,7 +73,6 @@ from pdcore.router.workers import Worker, WorkerRegistry
 log = logging.getLogger("pdcore.router.proxy")
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
-ROUTE_REFUSED = UNTRUSTED.encode()  # in a server's 403 for a route it does not trust
 FORWARD_HEADERS = ("authorization", "x-request-id", "x-correlation-id")
 _KIND = {408: "timeout", 429: "rate_limited", 500: "internal_error", 502: "bad_gateway",
          503: "unavailable", 504: "timeout"}
@@ -332,8 +331,8 @@ class Proxy:
                         return Failure(502, "decode_transport_error",
                                        f"decode worker {d.url} failed: {exc}", retriable=True)
                     if not leg.ok:
-                        if leg.status == 403 and ROUTE_REFUSED in leg.body and \
-                                self.on_route_refused is not None:
+                        if leg.status == 403 and self.on_route_refused is not None and \
+                                code_of(leg.body) == ErrorCode.ROUTE_REFUSED:
                             # D lost the prefill addresses we told it (it restarted): tell it
                             # again and retry; nobody's fault, no circuit counts it
                             await self.on_route_refused(d)

@@ -1,5 +1,7 @@
 """Error bodies and exception handlers: every error is JSON
-`{"error": {"message", "type", "param", "code"}}` (the OpenAI shape, used on every route).
+`{"error": {"message", "type", "param", "code"}}` (the OpenAI shape, used on every route);
+`code` is the HTTP status (as SGLang answers), or for a refusal a caller acts on its named
+reason (`pdcore.messages.codes.ErrorCode`, e.g. "route_refused").
 FastAPI's 422 validation errors become 400 naming the offending field. An EngineError the client
 caused (`client_caused`) carries its origin header (`engine_error_response`), and so does any
 unexpected error (500) raised before the request reached the engine
@@ -20,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from pdcore.edge.schemas import validation_message
 from pdcore.errors import ERROR_ORIGIN_HEADER, ForbiddenRouteError, InvalidRequestError
+from pdcore.messages.codes import ErrorCode
 from pdcore.runtime import EngineError
 from pdcore.server.generation import engine_reached
 
@@ -28,13 +31,18 @@ log = logging.getLogger(__name__)
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+def error_body(message: str, status: int, param: str | None = None,
+               code: ErrorCode | None = None) -> dict[str, Any]:
+    """`code`: the machine-readable reason (pdcore/messages/codes.py) a caller acts on; without
+    one the HTTP status, as SGLang's servers answer."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": status if code is None else str(code)}}
 
 
-def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+def error_response(message: str, status: int, param: str | None = None,
+                   code: ErrorCode | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status_code=status)
 
 
 def engine_error_response(e: EngineError) -> JSONResponse:
@@ -88,7 +96,8 @@ def install_error_handlers(app: FastAPI) -> None:
             if metrics is not None:
                 metrics.routes_refused.inc()
             _warn_refused(request.client.host if request.client else "?", str(exc))
-            return error_response(str(exc), 403, exc.field)
+            code = ErrorCode(exc.code) if exc.code else ErrorCode.ROUTE_REFUSED
+            return error_response(str(exc), 403, exc.field, code)
         return error_response(str(exc), 400, exc.field)
 
     @app.exception_handler(EngineError)

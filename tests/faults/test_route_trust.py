@@ -117,6 +117,8 @@ def open_pair(model_dir):
 def _refused(r: httpx.Response, what: str) -> None:
     assert r.status_code == 403, (r.status_code, r.text)
     assert what in r.json()["error"]["message"], r.text
+    # #46: the reason a router acts on is machine-readable, not the message's text
+    assert r.json()["error"]["code"] == "route_refused", r.text
 
 
 def test_forged_bootstrap_gets_403_and_nothing_is_sent(open_pair, outsider) -> None:
