@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 from pdcore.edge.unsupported import check_unsupported
 from pdcore.env import ENV
 from pdcore.errors import InvalidRequestError
+from pdcore.messages.info import EngineInfo
 from pdcore.edge.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -273,14 +274,14 @@ def _samples(route: str, body: dict[str, Any]) -> int:
     return prompts * (_int(body.get("n")) or 1)
 
 
-def check_body(route: str, body: dict[str, Any], info: dict[str, Any],
+def check_body(route: str, body: dict[str, Any], info: EngineInfo | None,
                max_token_chars: int = 0) -> None:
     """Raise InvalidRequestError for the first field out of bounds. `info` is the engine's
-    (vocab_size, context_length, dp_size); empty on the router, whose workers check those."""
+    (vocab_size, context_length, dp_size); None on the router, whose workers check those."""
+    info = info or EngineInfo()
     _walk(body, "")
     check_unsupported(route, body)
-    vocab = int(info.get("vocab_size") or 0)
-    ctx = int(info.get("context_length") or 0)
+    vocab, ctx = info.vocab_size, info.context_length
     max_chars = ctx * max_token_chars if ctx and max_token_chars else 0
     for key in ("rid", "model", "user", "bootstrap_host"):
         _short(body.get(key), MAX_NAME_CHARS, key)
@@ -293,10 +294,10 @@ def check_body(route: str, body: dict[str, Any], info: dict[str, Any],
             0 < timeout <= MAX_TIMEOUT_S):
         raise InvalidRequestError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got "
                                   f"{timeout}", "timeout")
-    dp = int(info.get("dp_size") or 0)
+    dp = info.dp_size
     # one body goes to both roles: a prefill server's own rank is disagg_prefill_dp_rank, the
     # others name decode's; a decode server cannot know prefill's dp size
-    own = (("disagg_prefill_dp_rank",) if info.get("disaggregation_mode") == "prefill" else
+    own = (("disagg_prefill_dp_rank",) if info.disaggregation_mode == "prefill" else
            ("routed_dp_rank", "data_parallel_rank"))
     for key in ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"):
         rank = _int(body.get(key))
@@ -375,7 +376,7 @@ async def check_request(request: Request) -> None:
     if not isinstance(body, dict):
         return
     engine = getattr(request.app.state, "engine", None)
-    info = getattr(engine, "info", None) or {}
+    info = getattr(engine, "info", None)
     # the schema's types (strict numbers) first, here too so that the router, which forwards
     # the body as it is, refuses what the servers refuse, with the same message
     try:

@@ -50,6 +50,7 @@ from pdcore.env import environ
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span
 from pdcore.interfaces.memory import PoolContext
+from pdcore.messages.info import EngineInfo
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class Engine:
     kv: KVCache
     blocks: BlockManager
     scheduler: Scheduler
-    info: dict[str, Any]
+    info: EngineInfo
 
     def close(self) -> None:
         RuntimeAPI(self.scheduler).close_role()
@@ -344,26 +345,26 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         schedule_policy=args.schedule_policy,
         conservativeness=args.schedule_conservativeness), cache=_prefix_cache(args, blocks),
         spec=speculator)
-    info = {
-        "model_path": resolved.display_path, "tokenizer_path": resolved.display_path,
-        "served_model_name": args.served_model_name or resolved.name,
-        "context_length": context, "max_total_tokens": num_pages * args.page_size,
-        "page_size": args.page_size, "num_pages": num_pages, "vocab_size": cfg.vocab_size,
-        "eos_token_ids": sorted(eos_ids), "dtype": str(dtype).replace("torch.", ""),
-        "kv_cache_dtype": str(cache_dtype).replace("torch.", ""),
-        "load_format": args.load_format, "random_seed": args.random_seed,
-        "device": str(device), "architectures": list(cfg.architectures),
-        "model_type": cfg.model_type, "disaggregation_mode": args.disaggregation_mode,
-        "tp_size": args.tp_size, "dp_size": args.dp_size, "nnodes": args.nnodes,
-        "bootstrap_port": args.disaggregation_bootstrap_port, "memory_pool": pool_name,
-        "is_mla": spec["is_mla"], "kv_bytes_per_token": per_token,
-        "weight_bytes": weight_bytes(model),
-        "sampling_defaults": sampling_defaults(resolved, args.sampling_defaults),
-    }
-    if info["sampling_defaults"]:
+    info = EngineInfo(
+        model_path=resolved.display_path, tokenizer_path=resolved.display_path,
+        served_model_name=args.served_model_name or resolved.name,
+        context_length=context, max_total_tokens=num_pages * args.page_size,
+        page_size=args.page_size, num_pages=num_pages, vocab_size=cfg.vocab_size,
+        eos_token_ids=sorted(eos_ids), dtype=str(dtype).replace("torch.", ""),
+        kv_cache_dtype=str(cache_dtype).replace("torch.", ""),
+        load_format=args.load_format, random_seed=args.random_seed,
+        device=str(device), architectures=list(cfg.architectures),
+        model_type=cfg.model_type, disaggregation_mode=args.disaggregation_mode,
+        tp_size=args.tp_size, dp_size=args.dp_size, nnodes=args.nnodes,
+        bootstrap_port=args.disaggregation_bootstrap_port, memory_pool=pool_name,
+        is_mla=spec["is_mla"], kv_bytes_per_token=per_token,
+        weight_bytes=weight_bytes(model),
+        sampling_defaults=sampling_defaults(resolved, args.sampling_defaults),
+    )
+    if info.sampling_defaults:
         log.info("OpenAI routes' sampling defaults (--sampling-defaults model): %s",
-                 info["sampling_defaults"])
+                 info.sampling_defaults)
     log.info("KV pool: %d pages x %d tokens (%.1f MiB, %s) in pool %r; max context %d",
              num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,
-             info["kv_cache_dtype"], pool_name, context)
+             info.kv_cache_dtype, pool_name, context)
     return Engine(args, model, cfg, kv, blocks, sched, info)

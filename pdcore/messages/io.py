@@ -7,6 +7,7 @@ both processes share one definition.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 
@@ -119,19 +120,30 @@ class AbortReq:
     reason: str = "aborted by client"
 
 
+class ControlKind(StrEnum):
+    """The control calls the HTTP process makes of the scheduler (a str: the value is its name
+    on the wire and in logs)."""
+
+    FLUSH_CACHE = "flush_cache"  # -> {"flushed": bool, ...}; refused while requests run
+    GET_LOAD = "get_load"  # -> the StatsReport as /get_load's JSON (StatsReport.as_dict)
+    STATS = "stats"  # -> the StatsReport itself (messages/stats.py)
+    START_PROFILE = "start_profile"  # args: output_dir -> {"output_dir"}
+    STOP_PROFILE = "stop_profile"  # -> {"stopped": True}
+
+
 @dataclass
 class ControlReq:
-    """Request/response calls: kind in {"flush_cache", "get_load", "stats", "start_profile",
-    "stop_profile"}; the scheduler answers with ControlResp carrying the same `call_id`."""
+    """A request/response call; the scheduler answers with ControlResp carrying the same
+    `call_id`."""
 
     call_id: str
-    kind: str
+    kind: ControlKind
     args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class ControlResp:
-    """`data`: the call's answer; for "stats" the scheduler's StatsReport
+    """`data`: the call's answer; for STATS the scheduler's StatsReport
     (messages/stats.py), turned into JSON or Prometheus series only at the HTTP edge."""
 
     call_id: str

@@ -36,7 +36,15 @@ import zmq
 import zmq.asyncio
 
 from pdcore.config import ServerArgs
-from pdcore.messages.io import AbortReq, ControlReq, ControlResp, GenerateReq, TokenOut
+from pdcore.messages.info import EngineInfo
+from pdcore.messages.io import (
+    AbortReq,
+    ControlKind,
+    ControlReq,
+    ControlResp,
+    GenerateReq,
+    TokenOut,
+)
 from pdcore.messages.stats import StatsReport
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
 from pdcore.runtime.journal import RequestJournal
@@ -125,7 +133,7 @@ class EngineClient:
                  request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
         self.args = args
         self.tokenizer = tokenizer
-        self.info: dict[str, Any] = {}
+        self.info = EngineInfo()  # the scheduler's, once it is ready
         self.state = EngineState.STARTING
         self.error = ""  # why the engine is FAILED / DEAD
         self.ready_timeout = ready_timeout
@@ -214,12 +222,12 @@ class EngineClient:
             reader.close()
         if tok_task is not None:
             self.tokenizer = await tok_task
-        self.info = dict(msg.get("info") or {})
+        self.info = engine_info(msg.get("info"))
         if placement:
-            self.info["cpu_placement"] = placement.describe()
-        self.info["tokenizer_path"] = await asyncio.to_thread(
-            tokenizer_dir, self.tokenizer, self.info.get("tokenizer_path")
-            or self.info.get("model_path") or self.args.tokenizer_path or self.args.model_path)
+            self.info.cpu_placement = placement.describe()
+        self.info.tokenizer_path = await asyncio.to_thread(
+            tokenizer_dir, self.tokenizer, self.info.tokenizer_path
+            or self.info.model_path or self.args.tokenizer_path or self.args.model_path)
         self._tasks = [asyncio.create_task(self._recv_loop(), name="pdserve-recv"),
                        asyncio.create_task(self._watchdog(), name="pdserve-watchdog")]
         self.state = EngineState.READY
@@ -374,19 +382,20 @@ class EngineClient:
             else:
                 self.abort(req.rid)
 
-    async def control(self, kind: str, args: dict[str, Any] | None = None,
+    async def control(self, kind: ControlKind, args: dict[str, Any] | None = None,
                       timeout: float = 10.0) -> dict[str, Any]:
         """One ControlReq round trip (flush_cache, get_load, start/stop_profile)."""
         return dict(await self._call(kind, args, timeout))
 
     async def stats(self, timeout: float = 10.0) -> StatsReport:
         """The scheduler's StatsReport (messages/stats.py; built in engine/sched/stats.py)."""
-        report = await self._call("stats", None, timeout)
+        report = await self._call(ControlKind.STATS, None, timeout)
         if not isinstance(report, StatsReport):
             raise EngineError(f"scheduler answered stats with {type(report).__name__}", 500)
         return report
 
-    async def _call(self, kind: str, args: dict[str, Any] | None, timeout: float) -> Any:
+    async def _call(self, kind: ControlKind, args: dict[str, Any] | None,
+                    timeout: float) -> Any:
         self.require_ready()
         call_id = uuid.uuid4().hex
         fut: asyncio.Future[ControlResp] = asyncio.get_running_loop().create_future()
@@ -403,6 +412,16 @@ class EngineClient:
         if not resp.ok:
             raise EngineError(resp.error or f"{kind} failed", 500)
         return resp.data
+
+
+def engine_info(value: object) -> EngineInfo:
+    """The EngineInfo a scheduler's ready message carries (a dict of its fields from a test's
+    stand-in scheduler)."""
+    if isinstance(value, EngineInfo):
+        return value
+    if isinstance(value, dict):
+        return EngineInfo.from_dict(value)
+    raise EngineError(f"scheduler sent no engine info ({type(value).__name__})", 503)
 
 
 def new_rid() -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -13,9 +14,8 @@ def attach_role(engine: Engine) -> None:
     if engine.args.disaggregation_mode == "null":
         return
     from pdcore.disagg.scheduling import make_extension
-
     from pdcore.engine.sched.runtime_api import RuntimeAPI
 
     ext, info = make_extension(engine.args, engine.kv, engine.scheduler)
     RuntimeAPI(engine.scheduler).attach_role(ext)
-    engine.info.update(info)
+    engine.info = dataclasses.replace(engine.info, **info)  # its fields (a misspelt one: error)

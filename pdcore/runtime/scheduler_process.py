@@ -30,7 +30,7 @@ from typing import Any
 import zmq
 
 from pdcore.config import ServerArgs
-from pdcore.messages.io import ControlReq, ControlResp
+from pdcore.messages.io import ControlKind, ControlReq, ControlResp
 from pdcore.engine.sched.scheduler import DecodeLog
 from pdcore.engine.sched.stats import StatsReport
 from pdcore.runtime.grammar_gate import GrammarGate
@@ -82,15 +82,15 @@ class SchedulerLoop:
 
     def control(self, msg: ControlReq) -> dict[str, Any] | StatsReport:
         s = self.sched
-        if msg.kind in ("get_load", "stats"):
+        if msg.kind in (ControlKind.GET_LOAD, ControlKind.STATS):
             report = s.stats()
             dp = self.lockstep.dp  # DP attention: forwards run only for the other DP ranks
             if dp is not None:
                 report.add_named(dp.stats())
-            return report if msg.kind == "stats" else report.as_dict()
-        if msg.kind == "flush_cache":
+            return report if msg.kind == ControlKind.STATS else report.as_dict()
+        if msg.kind == ControlKind.FLUSH_CACHE:
             return s.flush_cache()
-        if msg.kind == "start_profile":
+        if msg.kind == ControlKind.START_PROFILE:
             import torch.profiler as tp
 
             if self.profiler is not None:
@@ -101,7 +101,7 @@ class SchedulerLoop:
                                        on_trace_ready=tp.tensorboard_trace_handler(out))
             self.profiler.__enter__()
             return {"output_dir": out}
-        if msg.kind == "stop_profile":
+        if msg.kind == ControlKind.STOP_PROFILE:
             if self.profiler is None:
                 raise RuntimeError("profiling was not started")
             self.profiler.__exit__(None, None, None)

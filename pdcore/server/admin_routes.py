@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcore.edge.auth import require_admin
+from pdcore.messages.io import ControlKind
 from pdcore.route_auth import WARMUP_HOST as FAKE_BOOTSTRAP_HOST
 from pdcore.runtime import EngineClient, EngineError, new_rid
 from pdcore.server.generation import Item, collect, mark_engine_reached
@@ -54,7 +55,7 @@ async def health_generate(request: Request) -> Response:
     pd = PDInfo()
     if engine.args.disaggregation_mode != "null":
         pd = PDInfo(PDRoute(FAKE_BOOTSTRAP_HOST, engine.args.disaggregation_bootstrap_port, 0))
-    token = int((engine.info.get("eos_token_ids") or [0])[0])
+    token = int((engine.info.eos_token_ids or [0])[0])
     req = make_req(f"health-{new_rid()}", [token],
                    SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), pd)
     mark_engine_reached(request)  # no client content here: an error is the server's
@@ -69,11 +70,11 @@ async def health_generate(request: Request) -> Response:
 def server_info(engine: EngineClient) -> dict[str, Any]:
     args = {k: ("***" if k in _SECRET_FIELDS and v else v)
             for k, v in dataclasses.asdict(engine.args).items()}
-    info = dict(engine.info)
-    out: dict[str, Any] = {**args, **info}
+    info = engine.info
+    out: dict[str, Any] = {**args, **info.as_dict()}
     # routers read these; they must be local paths so nobody tries a model hub
-    out["model_path"] = info.get("model_path") or args.get("model_path")
-    out["tokenizer_path"] = info.get("tokenizer_path") or out["model_path"]
+    out["model_path"] = info.model_path or args.get("model_path")
+    out["tokenizer_path"] = info.tokenizer_path or out["model_path"]
     out["served_model_name"] = served_model_name(engine)
     out["disaggregation_mode"] = engine.args.disaggregation_mode
     out["tp_size"] = engine.args.tp_size
@@ -101,14 +102,14 @@ async def get_model_info(request: Request) -> dict[str, Any]:
     info = server_info(engine)
     return {"model_path": info["model_path"], "tokenizer_path": info["tokenizer_path"],
             "is_generation": True, "served_model_name": info["served_model_name"],
-            "model_type": engine.info.get("model_type"),
-            "architectures": engine.info.get("architectures"),
-            "context_length": engine.info.get("context_length")}
+            "model_type": engine.info.model_type,
+            "architectures": engine.info.architectures,
+            "context_length": engine.info.context_length}
 
 
 @router.get("/get_load")
 async def get_load(request: Request) -> Response:
-    data = await _engine(request).control("get_load")
+    data = await _engine(request).control(ControlKind.GET_LOAD)
     loads = data.get("loads") if isinstance(data.get("loads"), list) else [data]
     out = []
     for i, d in enumerate(loads):
@@ -124,7 +125,7 @@ async def get_load(request: Request) -> Response:
 @router.get("/flush_cache", dependencies=[Depends(require_admin)])
 async def flush_cache(request: Request) -> Response:
     try:
-        data = await _engine(request).control("flush_cache")
+        data = await _engine(request).control(ControlKind.FLUSH_CACHE)
     except EngineError as e:
         if e.status == 500 and _engine(request).ready:  # refused (requests still running)
             return error_response(f"cache not flushed: {e}", 400)
@@ -147,7 +148,7 @@ async def metrics(request: Request) -> Response:
     return Response(m.render(), media_type=CONTENT_TYPE)
 
 
-async def _profile(request: Request, kind: str) -> Response:
+async def _profile(request: Request, kind: ControlKind) -> Response:
     args: dict[str, Any] = {}
     body = await request.body()
     if body.strip():
@@ -169,9 +170,9 @@ async def _profile(request: Request, kind: str) -> Response:
 
 @router.post("/start_profile", dependencies=[Depends(require_admin)])
 async def start_profile(request: Request) -> Response:
-    return await _profile(request, "start_profile")
+    return await _profile(request, ControlKind.START_PROFILE)
 
 
 @router.post("/stop_profile", dependencies=[Depends(require_admin)])
 async def stop_profile(request: Request) -> Response:
-    return await _profile(request, "stop_profile")
+    return await _profile(request, ControlKind.STOP_PROFILE)

@@ -87,7 +87,7 @@ async def _start_engine(app: FastAPI) -> None:
         if cb is not None:
             cb(e)
         return
-    log.info("engine ready: %s", engine.info.get("model_path"))
+    log.info("engine ready: %s", engine.info.model_path)
     cb = getattr(app.state, "on_ready", None)
     if cb is not None:
         cb(engine)

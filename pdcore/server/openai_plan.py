@@ -19,14 +19,14 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def served_model_name(engine: EngineClient) -> str:
-    return (engine.args.served_model_name or engine.info.get("served_model_name")
-            or os.path.basename(str(engine.info.get("model_path") or "default")))
+    return (engine.args.served_model_name or engine.info.served_model_name
+            or os.path.basename(engine.info.model_path or "default"))
 
 
 def accepted_model_names(engine: EngineClient) -> set[str]:
     names = {served_model_name(engine)}
-    for p in (engine.args.model_path, engine.info.get("model_path"),
-              engine.info.get("served_model_name")):
+    for p in (engine.args.model_path, engine.info.model_path,
+              engine.info.served_model_name):
         if p:
             p = str(p).rstrip("/")
             base = os.path.basename(p)

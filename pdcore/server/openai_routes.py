@@ -364,5 +364,5 @@ async def models(request: Request) -> dict[str, Any]:
     engine: EngineClient = request.app.state.engine
     return {"object": "list", "data": [{
         "id": served_model_name(engine), "object": "model", "created": int(time.time()),
-        "owned_by": "pdserve", "root": engine.info.get("model_path") or engine.args.model_path,
-        "max_model_len": engine.info.get("context_length")}]}
+        "owned_by": "pdserve", "root": engine.info.model_path or engine.args.model_path,
+        "max_model_len": engine.info.context_length}]}

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.messages.io import GenerateReq, PDRoute, SamplingParams
 from pdcore.errors import ForbiddenRouteError, InvalidRequestError
+from pdcore.messages.info import EngineInfo
+from pdcore.messages.io import GenerateReq, PDRoute, SamplingParams
 from pdcore.route_auth import RequestGuard, RouteGuard
 from pdcore.server.generation import Item
 from pdcore.server.sglang_flags import json_object_flag
@@ -118,16 +119,16 @@ def check_n(n: int, field: str = "n") -> int:
     return n
 
 
-def check_prompt(ids: list[int], info: dict[str, Any], field: str,
+def check_prompt(ids: list[int], info: EngineInfo, field: str,
                  truncate: bool = False) -> None:
     """`truncate` (--allow-auto-truncate): a prompt of context-length tokens or more is cut, in
     place, to its first context-length - 1 tokens instead of refused."""
     if not ids:
         raise bad(f"{field} is empty: give at least one token", field)
-    vocab = int(info.get("vocab_size") or 0)
+    vocab = info.vocab_size
     if vocab and any(not 0 <= t < vocab for t in ids):
         raise bad(f"{field} holds token ids outside [0, {vocab})", field)
-    ctx = int(info.get("context_length") or 0)
+    ctx = info.context_length
     if ctx and len(ids) >= ctx and truncate:
         log.warning("%s: %d tokens cut to %d to fit the context length %d "
                     "(--allow-auto-truncate)", field, len(ids), ctx - 1, ctx)
@@ -135,7 +136,7 @@ def check_prompt(ids: list[int], info: dict[str, Any], field: str,
     if ctx and len(ids) >= ctx:
         raise bad(f"{field} is too long: {len(ids)} tokens, the context length is {ctx} "
                   "(prompt and output must fit); shorten it", field)
-    pool = int(info.get("max_total_tokens") or 0)
+    pool = info.max_total_tokens
     if pool and len(ids) + 1 > pool:
         raise bad(f"{field} has {len(ids)} tokens but the KV pool holds only {pool}", field)
 

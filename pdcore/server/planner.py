@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcore.messages.info import EngineInfo
 from pdcore.route_auth import RequestGuard, RouteGuard
 from pdcore.runtime import EngineClient, new_rid
 from pdcore.server.generation import Item
@@ -80,7 +81,7 @@ def sampling_fields(body: Any) -> dict[str, Any]:
             if f in declared}
 
 
-def max_new_tokens(requested: int | None, name: str, prompt_len: int, info: dict[str, Any],
+def max_new_tokens(requested: int | None, name: str, prompt_len: int, info: EngineInfo,
                    default: int | None, mode: str) -> int:
     """The one place a request's max_new_tokens is decided: what the client asked (OpenAI's
     max_tokens / max_completion_tokens / max_output_tokens or SGLang's max_new_tokens, `name`
@@ -90,8 +91,7 @@ def max_new_tokens(requested: int | None, name: str, prompt_len: int, info: dict
     if requested is not None and requested < 0:
         raise bad(f"{name} must be >= 0, got {requested}", name)
     room = 1 << 30
-    for key in ("context_length", "max_total_tokens"):
-        limit = int(info.get(key) or 0)
+    for limit in (info.context_length, info.max_total_tokens):
         if limit:
             room = min(room, limit - prompt_len)
     if mode == "prefill":
@@ -125,7 +125,7 @@ def plan(inp: PlanInput, engine: EngineClient, guard: RouteGuard | RequestGuard)
         raise bad(f"rid has {len(inp.rid)} entries for {total} {noun}", "rid")
     rid = inp.rid if isinstance(inp.rid, str) else \
         f"{inp.id_prefix or 'gen'}-{uuid.uuid4().hex}"
-    model_defaults = (info.get("sampling_defaults") or {}) if inp.model_defaults else {}
+    model_defaults = info.sampling_defaults if inp.model_defaults else {}
     preferred = preferred_sampling(args.preferred_sampling_params)
     mode = args.disaggregation_mode
     items: list[Item] = []

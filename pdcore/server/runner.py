@@ -102,7 +102,7 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
     outcome = {"rc": 0}
 
     def on_ready(engine: Any) -> None:
-        name = engine.info.get("served_model_name") or engine.info.get("model_path")
+        name = engine.info.served_model_name or engine.info.model_path
         print(f"pdserve ready at {url} (model {name}, mode {args.disaggregation_mode})\n"
               f"  {try_line(url, args.disaggregation_mode)}", flush=True)
 

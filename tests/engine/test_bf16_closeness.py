@@ -57,7 +57,7 @@ def test_bf16_is_close_to_float32_teacher_forced(smollm2_tokenizer) -> None:
                 greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
                                         ignore_eos=True)
                 seqs = [p + o["output_ids"] for p, o in zip(prompts, eng.generate(prompts, greedy))]
-            assert eng.engine.info["dtype"] == dtype and eng.engine.info["kv_cache_dtype"] == dtype
+            assert eng.engine.info.dtype == dtype and eng.engine.info.kv_cache_dtype == dtype
             scores[dtype] = _score(eng, seqs)
         finally:
             eng.close()

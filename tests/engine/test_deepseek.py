@@ -78,7 +78,7 @@ def test_pool_holds_one_latent_per_token_and_layer(tmp_path):
     eng = LLMEngine(ServerArgs(model_path=path, max_total_tokens=256, page_size=4))
     try:
         info, kv = eng.engine.info, eng.engine.kv
-        assert info["is_mla"] and info["kv_bytes_per_token"] == 2 * LATENT * 4
+        assert info.is_mla and info.kv_bytes_per_token == 2 * LATENT * 4
         assert len(kv.regions()) == 2  # one buffer per layer
         assert all(k.data_ptr() == v.data_ptr() for k, v in kv.layers)
         assert kv.layers[0][0].shape == (64, 4, 1, LATENT)

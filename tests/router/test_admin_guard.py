@@ -35,6 +35,7 @@ from pdcore.config import (
 )
 from pdcore.edge.auth import admin_routes
 from pdcore.errors import ConfigError
+from pdcore.messages.info import EngineInfo
 from pdcore.router.app import GENERATION_ROUTES, create_app
 from pdcore.router.cli import parse_router_args
 from pdcore.router.config import RouterConfig
@@ -57,7 +58,7 @@ class _Engine:
 
     def __init__(self, args: ServerArgs) -> None:
         self.args, self.ready, self.state, self.error, self.info = (
-            args, True, EngineState.READY, None, {})
+            args, True, EngineState.READY, None, EngineInfo())
 
     async def start(self) -> None:
         return None

@@ -19,6 +19,7 @@ from pdserve_testing import ServerProcess
 
 from pdcore.edge import limits
 from pdcore.edge.unsupported import names as unsupported_names
+from pdcore.messages.info import EngineInfo
 
 CHAT = [{"role": "user", "content": "hi"}]
 GEN = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
@@ -250,7 +251,7 @@ def test_unsupported_fields_are_listed_in_the_docs():
 ])
 def test_one_long_token_prompt_is_not_a_batch(route: str, body: dict[str, object]) -> None:
     # a flat token-id list is one prompt (bounded by the context length), not 1500 prompts
-    limits.check_body(route, body, {"vocab_size": 49152, "context_length": 8192})
+    limits.check_body(route, body, EngineInfo(vocab_size=49152, context_length=8192))
 
 
 @pytest.mark.parametrize("route,body,field", [
@@ -260,5 +261,5 @@ def test_one_long_token_prompt_is_not_a_batch(route: str, body: dict[str, object
 ])
 def test_too_many_prompts(route: str, body: dict[str, object], field: str) -> None:
     with pytest.raises(limits.InvalidRequestError) as e:
-        limits.check_body(route, body, {"vocab_size": 49152, "context_length": 8192})
+        limits.check_body(route, body, EngineInfo(vocab_size=49152, context_length=8192))
     assert e.value.field == field

@@ -102,12 +102,14 @@ def test_sampling_defaults_flag_takes_sglangs_choices() -> None:
 
 # ---- one request planner (#46 item 2) ---------------------------------------------------------
 def test_max_new_tokens_is_decided_in_one_function() -> None:
+    from pdcore.messages.info import EngineInfo
     from pdcore.server.planner import max_new_tokens
 
-    info = {"context_length": 100, "max_total_tokens": 80}
+    info = EngineInfo(context_length=100, max_total_tokens=80)
     assert max_new_tokens(None, "max_tokens", 30, info, None, "null") == 50  # the pool's room
     assert max_new_tokens(None, "max_tokens", 30, info, 16, "null") == 16  # the route default
-    assert max_new_tokens(500, "max_tokens", 30, {"context_length": 100}, None, "null") == 70
+    assert max_new_tokens(500, "max_tokens", 30, EngineInfo(context_length=100), None,
+                          "null") == 70
     assert max_new_tokens(0, "max_tokens", 30, info, None, "null") == 0
     assert max_new_tokens(500, "max_tokens", 30, info, None, "prefill") == 1
     with pytest.raises(InvalidRequestError) as e:

@@ -218,10 +218,11 @@ def test_markers_that_are_special_tokens_stay_in_the_output(parser, think, given
     them in the output unless the request set skip_special_tokens itself."""
     from types import SimpleNamespace
 
+    from pdcore.messages.info import EngineInfo
     from pdcore.server.tools.chat_tools import plan_output
 
     engine = SimpleNamespace(args=SimpleNamespace(tool_call_parser=parser, reasoning_parser=think),
-                             tokenizer=SimpleNamespace(chat_template=None), info={})
+                             tokenizer=SimpleNamespace(chat_template=None), info=EngineInfo())
     body = SimpleNamespace(tools=TOOLS if parser else None, tool_choice=None,
                            parallel_tool_calls=None, separate_reasoning=True,
                            skip_special_tokens=given)

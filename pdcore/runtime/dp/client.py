@@ -36,7 +36,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.messages.io import GenerateReq, TokenOut
+from pdcore.messages.info import EngineInfo
+from pdcore.messages.io import ControlKind, GenerateReq, TokenOut
 from pdcore.messages.stats import StatsReport
 from pdcore.engine.parallel.dp_attention_args import active as dp_attention_active
 from pdcore.engine.parallel.dp_attention_args import new_init_method, replica_args
@@ -98,7 +99,7 @@ class DPEngineClient:
         return ""
 
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> EngineInfo:
         return self.replicas[0].info
 
     @property
@@ -211,15 +212,15 @@ class DPEngineClient:
                 raise r
         return results
 
-    async def control(self, kind: str, args: dict[str, Any] | None = None,
+    async def control(self, kind: ControlKind, args: dict[str, Any] | None = None,
                       timeout: float = 10.0) -> dict[str, Any]:
         self.require_ready()
         results = await asyncio.gather(*(c.control(kind, args, timeout) for c in self.replicas),
                                        return_exceptions=True)
         datas: list[dict[str, Any]] = [dict(r) for r in self._answers(results)]
-        if kind == "get_load":
+        if kind == ControlKind.GET_LOAD:
             return {"loads": [{**d, "dp_rank": rank} for rank, d in enumerate(datas)]}
-        if kind == "flush_cache":
+        if kind == ControlKind.FLUSH_CACHE:
             return {"flushed": all(bool(d.get("flushed")) for d in datas), "dp_ranks": datas}
         return {**datas[0], "dp_ranks": datas}
 

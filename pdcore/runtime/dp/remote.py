@@ -22,7 +22,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pdcore.runtime.dp.nodes import leader_node, link_addrs, set_keepalive
-from pdcore.runtime.handle import EngineClient, EngineError, EngineState
+from pdcore.runtime.handle import EngineClient, EngineError, EngineState, engine_info
 from pdcore.runtime.tokenizer_export import tokenizer_dir
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,9 @@ class RemoteEngineClient(EngineClient):
                 tok_task.cancel()
         if tok_task is not None:
             self.tokenizer = await tok_task
-        self.info = dict(msg.get("info") or {})
-        self.info["tokenizer_path"] = await asyncio.to_thread(
-            tokenizer_dir, self.tokenizer, self.info.get("tokenizer_path")
+        self.info = engine_info(msg.get("info"))
+        self.info.tokenizer_path = await asyncio.to_thread(
+            tokenizer_dir, self.tokenizer, self.info.tokenizer_path
             or self.args.tokenizer_path or self.args.model_path)
         self._tasks = [asyncio.create_task(self._recv_loop(), name="pdserve-recv"),
                        asyncio.create_task(self._watchdog(), name="pdserve-link")]

@@ -143,7 +143,7 @@ def plan_output(body: Any, engine: Any) -> tuple[ToolPlan | None, ReasoningParse
     says otherwise."""
     tools = plan_tools(body.tools, body.tool_choice, engine.args.tool_call_parser,
                        body.parallel_tool_calls, getattr(engine.tokenizer, "chat_template", None),
-                       engine.info.get("model_type"))
+                       engine.info.model_type)
     name = engine.args.reasoning_parser
     reasoning = ReasoningParser(name) if name and body.separate_reasoning else None
     if body.skip_special_tokens is None and ((tools is not None and tools.keep_special) or
