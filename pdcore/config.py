@@ -317,10 +317,10 @@ class ServerArgs(CommonFlags):
         return [f.name for f in fields(cls) if f.name not in cls.INTERNAL_FIELDS]
 
 
-CLUSTER_SECRET_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN"
+CLUSTER_SECRET_ENV = Env.pdserve_disaggregation_auth_token.name
 # a file holding it (a Kubernetes secret mounted as a volume: a file, not an environment
 # variable that every process of the container and `kubectl describe` of a crash can show)
-CLUSTER_SECRET_FILE_ENV = "PDSERVE_DISAGGREGATION_AUTH_TOKEN_FILE"
+CLUSTER_SECRET_FILE_ENV = Env.pdserve_disaggregation_auth_token_file.name
 MAX_SECRET_FILE_BYTES = 4096
 
 
@@ -335,8 +335,8 @@ def cluster_secret(flag_value: str | None, env: Mapping[str, str] | None = None)
 
 # the admin key (--admin-api-key): the only credential of the admin routes, on servers and
 # router; handed over like the cluster secret (`pdserve up` draws one per cluster)
-ADMIN_KEY_ENV = "PDSERVE_ADMIN_API_KEY"
-ADMIN_KEY_FILE_ENV = "PDSERVE_ADMIN_API_KEY_FILE"
+ADMIN_KEY_ENV = Env.pdserve_admin_api_key.name
+ADMIN_KEY_FILE_ENV = Env.pdserve_admin_api_key_file.name
 
 
 def admin_api_key(flag_value: str | None, env: Mapping[str, str] | None = None) -> str | None:
@@ -383,7 +383,7 @@ def _secret(flag_value: str | None, env: Mapping[str, str] | None, env_name: str
 # evenly): `pdserve up` sets it to the number of servers it starts, unless the user sized the
 # pools (--max-total-tokens, --mem-fraction-static), so its P + D servers together take the KV
 # memory one server would
-HOST_SERVERS_ENV = "PDCORE_HOST_SERVERS"
+HOST_SERVERS_ENV = Env.pdcore_host_servers.name
 
 
 def host_servers(env: Mapping[str, str] | None = None) -> int:

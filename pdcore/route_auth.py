@@ -54,7 +54,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 
 SIG_VERSION = "v2"
 DEFAULT_TTL_S = 60.0  # how long the router's signature lives (its queueing and forwarding)
@@ -158,7 +158,7 @@ def check_signature(key: bytes, sig: str, room: int, host: str, port: int | None
     return ""
 
 
-LOCAL_TRUST_ENV = "PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL"
+LOCAL_TRUST_ENV = Env.pdserve_disaggregation_trust_local_prefill.name
 
 
 def local_prefill_dir() -> str:

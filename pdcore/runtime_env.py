@@ -34,10 +34,10 @@ from pdcore.env import ENV, Env, put
 # some, and on SmolLM2 they held about 75 MiB after a few concurrent requests. A decode step at a
 # fixed batch needs a handful, so 64 keeps every hot one and the server within #21's memory bound.
 DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
-BIND_ENV = "PDSERVE_CPU_OMP_THREADS_BIND"
+BIND_ENV = Env.pdserve_cpu_omp_threads_bind.name
 # keys apply() set (not the user): children of ours inherit them, and must not read them as the
 # user's choice
-DEFAULTED_ENV = "PDSERVE_ENV_DEFAULTED"
+DEFAULTED_ENV = Env.pdserve_env_defaulted.name
 SPIN_COUNT = "30000"
 NO_BIND = ("all", "nobind")
 
@@ -51,7 +51,7 @@ class PlacementError(ValueError):
 # (ONEDNN_MAX_CPU_ISA), our native kernels (engine/native: avx512_allowed) and the bf16 decision
 # (engine/cpu_features) all follow it: `avx2` is an AVX2-only CPU (AMD Zen 2: no AVX-512, no
 # bf16 hardware), `avx512` an AVX-512 one with BF16 but no AMX (AMD Zen 4).
-ISA_ENV = "PDCORE_CPU_ISA"
+ISA_ENV = Env.pdcore_cpu_isa.name
 ISA_ENVS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
             "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}
 

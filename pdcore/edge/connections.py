@@ -74,27 +74,22 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdcore.edge.guarded_http import guarded_protocol
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 from pdcore.errors import ConfigError
 
 log = logging.getLogger("pdcore.connections")
 
-HEADER_TIMEOUT_ENV = "PDSERVE_HTTP_HEADER_TIMEOUT_S"
-BODY_TIMEOUT_ENV = "PDSERVE_HTTP_BODY_TIMEOUT_S"
-BODY_MIN_RATE_ENV = "PDSERVE_HTTP_BODY_MIN_RATE"
-BODY_MAX_ENV = "PDSERVE_HTTP_BODY_MAX_S"
-MAX_CONNECTIONS_ENV = "PDSERVE_HTTP_MAX_CONNECTIONS"
-PER_PEER_ENV = "PDSERVE_HTTP_MAX_PENDING_PER_PEER"
-KEEPALIVE_ENV = "PDSERVE_HTTP_KEEPALIVE_S"
-SEND_TIMEOUT_ENV = "PDSERVE_HTTP_SEND_TIMEOUT_S"
-DEFAULT_HEADER_TIMEOUT_S = 10.0
-DEFAULT_KEEPALIVE_S = 120.0
-DEFAULT_BODY_TIMEOUT_S = 30.0
-DEFAULT_BODY_MIN_RATE = 1024.0  # bytes/s: each this many bytes buys the body one more second
-DEFAULT_BODY_MAX_S = 300.0
-DEFAULT_SEND_TIMEOUT_S = 60.0
-DEFAULT_MAX_CONNECTIONS = 4096
-DEFAULT_PER_PEER = 128
+# the variables (names, defaults, parsers) are declared in pdcore/env.py
+HEADER_TIMEOUT_ENV = Env.pdserve_http_header_timeout_s.name
+BODY_TIMEOUT_ENV = Env.pdserve_http_body_timeout_s.name
+BODY_MIN_RATE_ENV = Env.pdserve_http_body_min_rate.name  # bytes/s: each buys one more second
+BODY_MAX_ENV = Env.pdserve_http_body_max_s.name
+MAX_CONNECTIONS_ENV = Env.pdserve_http_max_connections.name
+PER_PEER_ENV = Env.pdserve_http_max_pending_per_peer.name
+KEEPALIVE_ENV = Env.pdserve_http_keepalive_s.name
+SEND_TIMEOUT_ENV = Env.pdserve_http_send_timeout_s.name
+DEFAULT_MAX_CONNECTIONS = Env.pdserve_http_max_connections.default
+DEFAULT_PER_PEER = Env.pdserve_http_max_pending_per_peer.default
 RESERVED_FDS = 512  # the engine's own sockets, files and pipes
 GRACE_S = 1.0  # pending this long, a connection is ranked by its rate (a real one is done by then)
 SWEEP_S = 1.0

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from pdcore.edge.unsupported import check_unsupported
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 from pdcore.errors import InvalidRequestError
 from pdcore.messages.info import EngineInfo
 from pdcore.edge.schemas import (
@@ -45,7 +45,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_MAX_REQUEST_BYTES = Env.pdcore_max_request_bytes.default
 MAX_BATCH = 256  # prompts of one request
 MAX_SAMPLES = 256  # prompts x n of one request
 MAX_MESSAGES = 4096  # chat messages, and content parts of one message

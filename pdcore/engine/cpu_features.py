@@ -10,14 +10,14 @@ PDCORE_CPU_ISA forces away (runtime_env: `avx2` runs as an AVX2-only CPU would).
 from __future__ import annotations
 
 
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 from pdcore.errors import ConfigError
 from pdcore.runtime_env import forced_isa
 
-CPUINFO_ENV = "PDCORE_CPUINFO"
-LAYOUT_ENV = "PDCORE_GEMM_LAYOUT"  # linear layers' weight layout (models/layers.py)
+CPUINFO_ENV = Env.pdcore_cpuinfo.name
+LAYOUT_ENV = Env.pdcore_gemm_layout.name  # linear layers' weight layout (models/layers.py)
 LAYOUTS = ("auto", "panels", "onednn")
-NATIVE_ISA_ENV = "PDCORE_NATIVE_ISA"
+NATIVE_ISA_ENV = Env.pdcore_native_isa.name
 NATIVE_ISAS = ("avx512", "avx2")  # engine/native's libraries, best first
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 # bench/bf16_cost.py with PDCORE_CPU_ISA=avx2 on a Xeon (SmolLM2's decode-step GEMMs, 8 rows):

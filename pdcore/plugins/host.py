@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 GROUP = "pdcore"
 BUILTIN = "builtin"  # entry-point name of the core's own plugin (pdcore.builtin.plugin)
-ALLOW_ENV = "PDCORE_PLUGINS"
-DENY_ENV = "PDCORE_DISABLE_PLUGINS"
+ALLOW_ENV = Env.pdcore_plugins.name
+DENY_ENV = Env.pdcore_disable_plugins.name
 HOOKS: dict[Kind, str] = {
     Kind.TRANSFER_BACKEND: "pd_register_transfer_backends",
     Kind.MEMORY_POOL: "pd_register_memory_pools",

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcore.constrained.backend import GrammarBackend
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 from pdcore.messages.io import AbortReq, GenerateReq, TokenOut
 from pdcore.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
-TIMEOUT_ENV = "PDSERVE_GRAMMAR_COMPILE_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 30.0
+TIMEOUT_ENV = Env.pdserve_grammar_compile_timeout_s.name
+DEFAULT_TIMEOUT_S = Env.pdserve_grammar_compile_timeout_s.default
 
 
 @dataclass

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from pdcore.config import ServerArgs
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 
-GATE_ENV = "PDCORE_TEST_HOLD_GATE"
+GATE_ENV = Env.pdcore_test_hold_gate.name
 HOLD_MAX_S = 120.0  # a test that never opens its gate fails its own wait, not the server
 _POLL_S = 0.02
 

@@ -26,10 +26,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 
 LOWEST_PORT = 20000
-DIR_ENV = "PDSERVE_PORT_DIR"
+DIR_ENV = Env.pdserve_port_dir.name
 _PORTS_GIVEN: set[int] = set()  # this process's claims (also where claims cannot be written)
 _PORTS_LOCK = threading.Lock()  # the flock is per open file, not per thread
 

@@ -16,14 +16,14 @@ from typing import Any
 import httpx
 
 from pdcore.config import ADMIN_KEY_ENV, CLUSTER_SECRET_ENV, HOST_SERVERS_ENV
-from pdcore.env import ENV, child_environ
+from pdcore.env import ENV, Env, child_environ
 from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import server_threads
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
-KEEP_LOGS_ENV = "PDCORE_KEEP_TEST_LOGS"  # 1: a stopped server's temp folder and log stay
+KEEP_LOGS_ENV = Env.pdcore_keep_test_logs.name  # 1: a stopped server's temp folder and log stay
 # the admin key every test server and router gets unless a test says otherwise (admin routes
 # are off without one): tests that flush caches or start profiles send ADMIN_HEADERS
 TEST_ADMIN_KEY = "pdserve-test-admin-key"

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 
 if TYPE_CHECKING:
     from pdcore.engine.model.batch import DecodeGroup, ForwardBatch
 
-VIEW_MB_ENV = "PDCORE_DECODE_KV_VIEW_MB"
-DEFAULT_MB = 128
+VIEW_MB_ENV = Env.pdcore_decode_kv_view_mb.name
+DEFAULT_MB = Env.pdcore_decode_kv_view_mb.default
 GROW = 64  # capacity grows in steps of this many tokens, so appends rarely refill
 
 

@@ -39,13 +39,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdcore.env import ENV, child_environ
+from pdcore.env import ENV, Env, child_environ
 from pdcore.engine.model.source import ResolvedModel
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "PDCORE_GGUF_CACHE"
-DIR_ENV = "PDCORE_CACHE_DIR"
+CACHE_ENV = Env.pdcore_gguf_cache.name
+DIR_ENV = Env.pdcore_cache_dir.name
 FORMAT = 1
 DONE = "pdserve-converted.json"
 LOCK_TIMEOUT_S = 900.0

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcore.env import ENV
+from pdcore.env import ENV, Env
 from pdcore.engine.cpu_features import gemm_layout_setting
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span, span  # the split rule P and D share
@@ -123,7 +123,7 @@ class TPInfo:
 # Results differ from F.linear only in float32 rounding (another summation order; greedy outputs
 # still equal transformers'). PDCORE_CPU_PACKED_GEMM=0 turns both off (F.linear on the original).
 PACK_ROWS = 16  # the batch size oneDNN is told to expect (a hint: any row count works)
-PACKED_GEMM_ENV = "PDCORE_CPU_PACKED_GEMM"
+PACKED_GEMM_ENV = Env.pdcore_cpu_packed_gemm.name
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 PANEL = 32  # output features per panel (pdcore_native::linear)
 # choose_layout's workload: a decode step of DECODE_ROWS sequences weighs DECODE_WEIGHT against

@@ -52,7 +52,7 @@ from pdcore.env import ENV, Env
 
 log = logging.getLogger(__name__)
 
-NATIVE_ENV = "PDCORE_NATIVE"
+NATIVE_ENV = Env.pdcore_native.name
 ISA_ENV = NATIVE_ISA_ENV  # values checked at server start: cpu_features.native_isa_setting
 # best first: the compiler flags of each ISA's library, and the CPU flags it needs
 ISAS = {
@@ -61,7 +61,7 @@ ISAS = {
     "avx2": (["-mavx2", "-mfma", "-DPD_ISA_AVX2"], ("avx2", "fma")),
 }
 assert tuple(ISAS) == NATIVE_ISAS, "cpu_features.NATIVE_ISAS names these libraries"
-DIR_ENV = "PDSERVE_NATIVE_DIR"
+DIR_ENV = Env.pdserve_native_dir.name
 SOURCE = Path(__file__).with_name("decode_step.cpp")  # includes the headers beside it
 BUILD_TIMEOUT_S = 300
 
