@@ -136,6 +136,24 @@ def test_imports_follow_the_layer_table(unit: str) -> None:
     _check(bad, f"{unit} may import only {sorted(allowed)} (docs/architecture.md):")
 
 
+MAX_CONCEPT_ROW = 400
+
+
+def test_the_concept_table_has_rows_a_reader_can_read() -> None:
+    """#46: "where each concept lives" is read row by row; a row past 400 characters is a
+    paragraph in a cell (its detail belongs in the topic page it names, or in a row of its own).
+    Every table of the section counts, whatever its sub-headings."""
+    text = DOC.read_text()
+    assert "## Where each concept lives" in text, "docs/architecture.md lost its concept table"
+    section = text.split("## Where each concept lives", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines()
+            if line.startswith("|") and not re.fullmatch(r"[|\s:-]+", line)]
+    assert len(rows) > 20, "the concept tables lost their rows"
+    long = [f"{len(r)} chars: {r[:80]}..." for r in rows if len(r) > MAX_CONCEPT_ROW]
+    assert not long, (f"concept rows over {MAX_CONCEPT_ROW} characters (split the concept, or "
+                      "move the detail to its topic page):\n" + "\n".join(long))
+
+
 # ---- the rules of the architecture step --------------------------------------------------------
 def _violations(unit: str, forbidden: set[str]) -> list[tuple[str, str, int]]:
     return [(m, imp, line) for m in imports() if m != "pdcore" and _unit(m) == unit
