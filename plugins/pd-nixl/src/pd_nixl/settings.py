@@ -16,12 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcore.env import Env
 from pdcore.errors import ConfigError
 
-BACKEND_ENV = "SGLANG_DISAGGREGATION_NIXL_BACKEND"
-PARAMS_ENV = "SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS"
-PROGRESS_ENV = "PDCORE_NIXL_PROGRESS"
-PUMP_ENV = "PDCORE_NIXL_PUMP_MS"
+# declared (name, documented default, meaning) in pdcore/env.py; parsed here, from the mapping the
+# backend is handed (ctx.env)
+BACKEND_ENV = Env.sglang_disaggregation_nixl_backend.name
+PARAMS_ENV = Env.sglang_disaggregation_nixl_backend_params.name
+PROGRESS_ENV = Env.pdcore_nixl_progress.name
+PUMP_ENV = Env.pdcore_nixl_pump_ms.name
 PROGRESS_MODES = ("pump", "thread")
 
 
