@@ -144,7 +144,7 @@ def test_a_flood_of_claims_is_capped_and_evicts_the_oldest(pd):
     assert all(s.d.poll(r) == KVPoll.Bootstrapping for r in kept)
     # another decode server (forged claims on the wire) takes the rest of the table: the oldest
     # of all go (4 of D's), then its own oldest (200, 201) at its quota
-    addr = next(iter(s.d._instances.values())).ctrl_addrs[(0, 0)]
+    addr = next(iter(s.d.prefills.instances().values())).ctrl_addrs[(0, 0)]
     for i in range(10):
         s.d.ctrl.send(addr, wire.Claim(room=200 + i, session="h/evil/0/x",
                                        ctrl_addr=s.d.ctrl.addr, rank=0, decode_id="evil"))
@@ -167,7 +167,7 @@ def test_out_of_range_page_fails_and_writes_nothing(pd):
     s.d.add(9, "127.0.0.1", s.port)
     wait_for(lambda: s.d.poll(9) == KVPoll.WaitingForInput)
     # a hostile / buggy TransferInfo straight onto the wire, bypassing D's own checks
-    addr = next(iter(s.d._instances.values())).ctrl_addrs[(0, 0)]
+    addr = next(iter(s.d.prefills.instances().values())).ctrl_addrs[(0, 0)]
     s.d.ctrl.send(addr, wire.TransferInfo(room=9, session=s.d.session, ctrl_addr=s.d.ctrl.addr, rank=0, decode_id=s.d.decode_id,
                                         dst_pages=np.array([1, 32], "<i4").tobytes(), aux_slot=0))
     wait_for(lambda: s.p.poll(9) == KVPoll.Failed, what="prefill rejects the pages")
@@ -182,7 +182,7 @@ def test_bad_aux_slot_fails(pd):
     s.p.add(10)
     s.d.add(10, "127.0.0.1", s.port)
     wait_for(lambda: s.d.poll(10) == KVPoll.WaitingForInput)
-    addr = next(iter(s.d._instances.values())).ctrl_addrs[(0, 0)]
+    addr = next(iter(s.d.prefills.instances().values())).ctrl_addrs[(0, 0)]
     s.d.ctrl.send(addr, wire.TransferInfo(room=10, session=s.d.session, ctrl_addr=s.d.ctrl.addr, rank=0, decode_id=s.d.decode_id,
                                         dst_pages=np.array([1], "<i4").tobytes(), aux_slot=99))
     wait_for(lambda: s.p.poll(10) == KVPoll.Failed)
@@ -374,7 +374,7 @@ def test_registration_rejected_by_prefill_fails_the_room(pd):
     P refuses its Register, and the room fails on both sides with P's reason."""
     s = pd()
     dkv, d = _decode_with({})
-    d._register = msgspec.structs.replace(d._register, model_fingerprint="0" * 16)
+    d.prefills.register = msgspec.structs.replace(d.prefills.register, model_fingerprint="0" * 16)
     try:
         s.p.add(52)
         d.add(52, "127.0.0.1", s.port)
@@ -406,8 +406,8 @@ def test_draft_head_on_one_side_only_fails_the_pairing(pd):
     finally:
         d.close()
     dkv, d = _decode_with({})
-    d._register = msgspec.structs.replace(
-        d._register, layout={**d._register.layout, "draft_layers": 1})
+    d.prefills.register = msgspec.structs.replace(
+        d.prefills.register, layout={**d.prefills.register.layout, "draft_layers": 1})
     try:
         s.p.add(54)
         d.add(54, "127.0.0.1", s.port)

@@ -52,7 +52,7 @@ def test_restart_moves_unserved_rooms_and_fails_started_ones(managers) -> None:
     d.send_transfer_info(1, np.array([1]), dkv.aux.alloc())
     _serve(p, pkv, 1, [2])
     wait_for(lambda: d.poll(1) == KVPoll.Success, what="room 1 received")
-    old_id = d._instances[addr].instance_id
+    old_id = d.prefills.get(addr).instance_id
     # room 2: its pages reached the old instance, which has started on it
     p.add(2)
     d.add(2, "127.0.0.1", port)
@@ -79,7 +79,7 @@ def test_restart_moves_unserved_rooms_and_fails_started_ones(managers) -> None:
     p2.add(4)
     wait_for(lambda: d.poll(2) == KVPoll.Failed, what="started room fails")
     assert "restarted" in d.failure_reason(2) and d.peer_fault(2)
-    wait_for(lambda: addr in d._instances and d._instances[addr].instance_id != old_id,
+    wait_for(lambda: addr in d.prefills.instances() and d.prefills.get(addr).instance_id != old_id,
              what="decode resolved the new instance")
     # room 4 got its pages to the new instance again; room 3 goes on as a fresh room would
     _serve(p2, pkv2, 4, [3, 4])
@@ -131,7 +131,7 @@ def test_restart_seen_before_any_failed_check_fails_sent_rooms(managers) -> None
     assert d.heartbeat.down_since(addr) is None
     wait_for(lambda: d.metrics().get("rooms_moved_after_restart") == 1, what="room 2 moved")
     wait_for(lambda: d.poll(2) == KVPoll.WaitingForInput and d._rooms[2].inst is
-             d._instances.get(addr), what="room 2 on the new instance")
+             d.prefills.get(addr), what="room 2 on the new instance")
     d.send_transfer_info(2, np.array([4]), dkv.aux.alloc())
     _serve(p2, pkv2, 2, [6])
     wait_for(lambda: d.poll(2) in (KVPoll.Success, KVPoll.Failed), what="room 2 done")

@@ -6,8 +6,9 @@ Lifecycle:
 3. per request: `add(room, host, port)` -> Bootstrapping; a resolver thread fetches P's instance
    info from its bootstrap server (cached per address; page size / dtype / backend checked),
    the rank addresses D needs (rank mapping by TP sizes), and registers with each of those P
-   ranks once per P instance; the room is claimed (Claim to its P ranks) and, once P confirmed
-   it has the request (Claimed), -> WaitingForInput (waiting timeout running);
+   ranks once per P instance (`prefills`: decode/resolve.py); the room is claimed (Claim to its
+   P ranks) and, once P confirmed it has the request (Claimed), -> WaitingForInput (waiting
+   timeout running) (`binding`: decode/peers.py, which also applies the heartbeat's verdicts);
 4. the scheduler pre-allocates pages and an aux slot, `send_transfer_info()` -> Transferring;
 5. P writes the pages and the aux row, then Status(Success) from every required P rank; the aux
    row must carry the room -> Success; Status(Failed), the waiting timeout (Abort sent to P),
@@ -18,7 +19,6 @@ Lifecycle:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,10 +28,9 @@ import numpy as np
 
 from pdcore.disagg import wire
 from pdcore.disagg.aux import AuxRow
-from pdcore.disagg.bootstrap import BootstrapClient
 from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
-from pdcore.disagg.decode.peers import PrefillPeerWatch
-from pdcore.disagg.decode.resolve import CONFIRM_FACTOR, BootstrapResolution
+from pdcore.disagg.decode.peers import CONFIRM_FACTOR, PrefillBinding
+from pdcore.disagg.decode.resolve import Pairing, PrefillDirectory
 from pdcore.disagg.decode.rooms import Instance, Room
 from pdcore.disagg.heartbeat import Heartbeat
 from pdcore.disagg.manager import KVManager
@@ -42,8 +41,9 @@ from pdcore.interfaces.transfer import MemoryRegion
 log = logging.getLogger("pdcore.disagg.decode")
 
 
-class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
-    """The receiver: D's rooms, the prefill instances they resolve to, the heartbeat."""
+class DecodeKVManager(KVManager):
+    """The receiver: D's rooms, the prefill instances they resolve to (`prefills`), which
+    instance each room pulls from (`binding`), the heartbeat."""
 
     role = "decode"
     peer_fault_codes = frozenset({wire.PREFILL_FAULT})
@@ -60,23 +60,25 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
                         f"{uuid.uuid4().hex[:8]}")
         self.decode_id = args.server_id  # every rank of this server: P binds a room to it
         self._rooms: dict[int, Room] = {}
-        self._instances: dict[str, Instance] = {}
-        self._addr_locks: dict[str, threading.Lock] = {}
-        self._last_failure: dict[str, tuple[float, str]] = {}
+        me = Pairing(self.session, tp_rank, self.tp_size, self.backend_name, self.kv,
+                     self.fingerprint, self.aux.chain_info(), self.token)
+        self.prefills = PrefillDirectory(self._lock, self.ctrl, self.counters, env, me)
+        self.binding = PrefillBinding(
+            lock=self._lock, rooms=self._rooms, states=self.states, prefills=self.prefills,
+            ctrl=self.ctrl, counters=self.counters, env=env, me=me, decode_id=self.decode_id,
+            fail=self._fail, send_info=self._send_info, staged=self._staged,
+            down_since=lambda addr: self.heartbeat.down_since(addr))
         self._handlers = {wire.Status: self._on_status, wire.AbortAck: self._on_abort_ack,
-                          wire.HelloAck: self._on_hello_ack, wire.Claimed: self._on_claimed}
-        self._hellos: dict[str, threading.Event] = {}  # nonce -> set when P answered it
-        self.client = BootstrapClient(token=self.token)
-        self._resolver = ThreadPoolExecutor(4, thread_name_prefix=f"pd-d{tp_rank}-resolve")
+                          wire.HelloAck: self.prefills.on_hello_ack,
+                          wire.Claimed: self.binding.on_claimed}
         self.heartbeat = Heartbeat(env.heartbeat_interval, env.heartbeat_max_failure,
-                                   self._known_instances, self._lose, self.token,
-                                   on_restart=self._restarted)
-        self._register: wire.Register | None = None
+                                   self.prefills.known, self.binding.lose, self.token,
+                                   on_restart=self.binding.restarted)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         addr = self.ctrl.start()
-        self._register = wire.Register(
+        self.prefills.register = wire.Register(
             session=self.session, ctrl_addr=addr, backend=self.backend_name,
             endpoint=self.backend.endpoint(), layout=self.kv.to_dict(),
             regions=[r.to_dict() for r in self.kv_regions], aux_region=self.aux.region.to_dict(),
@@ -90,7 +92,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
 
     def _shutdown(self) -> None:
         self.heartbeat.close()
-        self._resolver.shutdown(wait=False, cancel_futures=True)
+        self.binding.close()
         self.ctrl.close()
         self.backend.close()
         if self._scatters is not None:
@@ -114,11 +116,11 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
                 self.states.create(room, KVPoll.WaitingForInput)
                 return
             self.states.create(room, KVPoll.Bootstrapping)
-            inst = self._instances.get(addr)
+            inst = self.prefills.get(addr)
             if inst is not None:  # the common case: P already known, no thread hop
-                self._attach(r, inst)
+                self.binding.attach(r, inst)
                 return
-        self._resolver.submit(self._resolve, room, addr, now)
+        self.binding.resolve_later(room, addr, now)
 
     def send_transfer_info(self, room: int, dst_pages: np.ndarray, aux_slot: int,
                            prefix_pages: int = 0, prefix_digest: str = "",
@@ -208,7 +210,7 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
 
     def _role_metrics(self) -> dict:
         with self._lock:
-            out = {"prefill_instances": len(self._instances)}
+            out = {"prefill_instances": len(self.prefills)}
         out["heartbeat_checks"] = self.heartbeat.checks
         return out | (self.grants.stats() if self.grants is not None else {})
 
@@ -241,7 +243,8 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
             self._fail(msg.room, f"prefill rank {msg.rank} failed: {msg.reason}", code=code,
                        notify=False)
             if msg.code in (wire.UNKNOWN_SESSION, wire.SESSION_FAILED) and inst is not None:
-                self._forget(r.addr, inst)  # P dropped us: the next room resolves and registers
+                # P dropped us: the next room resolves and registers
+                self.prefills.forget(r.addr, inst)
         elif done:
             self._complete(r)
 
@@ -311,11 +314,4 @@ class DecodeKVManager(BootstrapResolution, PrefillPeerWatch, KVManager):
     # -- failures ------------------------------------------------------------------------------
     def _notify_failed(self, r: Room, reason: str, code: str) -> None:
         if r.inst is not None and not r.rebinding:  # a rebinding room's inst is gone
-            self._send_abort(r, r.inst, reason)
-
-    def _send_abort(self, r: Room, inst: Instance, reason: str) -> None:
-        msg = wire.Abort(room=r.room, session=self.session, ctrl_addr=self.ctrl.addr,
-                         reason=reason)
-        dp = r.prefill_dp_of(inst)
-        for t in inst.targets:
-            self.ctrl.send(inst.ctrl_addrs[(dp, t)], msg)
+            self.binding.send_abort(r, r.inst, reason)

@@ -1,7 +1,8 @@
-"""Decode's side of bootstrapping with a prefill instance (mixed into DecodeKVManager).
+"""Decode's directory of prefill instances (a part of DecodeKVManager): the prefill instances
+this D rank knows, by bootstrap address, and how one becomes known.
 
 Lifecycle of one prefill address (resolver threads, one fetch per address at a time):
-1. `_instance(addr)`: the cached Instance, or a fresh `_fetch`; a failed fetch is remembered so
+1. `resolve(addr)`: the cached Instance, or a fresh `_fetch`; a failed fetch is remembered so
    the rooms queued behind it fail at once with the same error;
 2. `_fetch`: P's instance info from its bootstrap server (protocol version, backend), the
    control addresses of the P ranks this D rank needs, then what must match before KV crosses
@@ -10,9 +11,12 @@ Lifecycle of one prefill address (resolver threads, one fetch per address at a t
    pairing (PairingRefused: P's rooms are aborted with the reason, counted on both sides);
 3. `_challenge` per P rank when a cluster secret is set: P answers a fresh nonce with a MACed
    HelloAck before D sends Register (its data-plane endpoint and KV addresses);
-4. Register to every P rank; `_attach` the rooms waiting on the address: each sends P a Claim
-   and waits, holding no page, for P's Claimed (P has the request: WaitingForInput); a room
-   P never confirms (a request sent to D alone) fails after CONFIRM_FACTOR claim timeouts.
+4. Register to every P rank; the instance is kept until the heartbeat or P itself drops it
+   (`forget`, `pop`). Which rooms pull from which instance is decode/peers.py's `PrefillBinding`.
+
+Its state is its own (instances, per-address fetch locks, remembered failures, pending Hello
+nonces); the lock is the manager's, so that a room and the instance it binds to change in one
+section (`PrefillBinding.restarted`: add() must not attach to an instance being replaced).
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
+from pdcore.config import DisaggEnv
 from pdcore.disagg import wire
-from pdcore.disagg.decode.rooms import Instance, Room
-from pdcore.disagg.states import KVPoll
+from pdcore.disagg.bootstrap import BootstrapClient
+from pdcore.disagg.common import Counters
+from pdcore.disagg.control import ControlPlane
+from pdcore.disagg.decode.rooms import Instance
 from pdcore.errors import PDError, ProtocolError, TransferError
 from pdcore.interfaces.geometry import rank_mapping
+from pdcore.interfaces.planner import KVLayout
 
 log = logging.getLogger("pdcore.disagg.decode")
-# D waits this many claim timeouts for P's Claimed: P admits a request between two forward
-# passes (one long prefill chunk can delay it), and the waiting room holds no page meanwhile
-CONFIRM_FACTOR = 6
 
 
 class PairingRefused(ProtocolError):
@@ -44,76 +50,72 @@ class PairingRefused(ProtocolError):
         self.ctrl_addrs = ctrl_addrs
 
 
-class BootstrapResolution:
-    """The resolver half of DecodeKVManager (its attributes are the manager's)."""
+@dataclass(frozen=True)
+class Pairing:
+    """What this D rank is to the prefill instances it pairs with (checked against P's info)."""
 
-    _lock: Any
-    _rooms: dict[int, Room]
-    _instances: dict[str, Instance]
+    session: str
+    tp_rank: int
+    tp_size: int
+    backend_name: str
+    kv: KVLayout
+    fingerprint: str
+    chain: dict[str, Any]  # AuxBuffers.chain_info(): the draft head's chain start in the rows
+    token: str | None  # the cluster secret: P must prove it holds it (Hello) before Register
 
-    def _resolve(self, room: int, addr: str, started: float) -> None:
-        for _ in range(2):  # twice: the instance may be forgotten (restart) before we attach
-            try:
-                inst = self._instance(addr, started)
-            except PDError as e:
-                reason = f"cannot bootstrap with prefill {addr}: {e}"
-                if isinstance(e, PairingRefused):  # P's room fails now too, saying why
-                    self._abort_refused(room, e, reason)
-                self._fail(room, reason, code=wire.PREFILL_FAULT, notify=False)
-                return
-            with self._lock:
-                r = self._rooms.get(room)
-                if r is not None and self._instances.get(addr) is inst:
-                    self._attach(r, inst)
-                    return
-                if r is None:
-                    return
-        self._fail(room, f"prefill {addr} restarted twice while resolving it",
-                   code=wire.PREFILL_FAULT, notify=False)
 
-    def _attach(self, r: Room, inst: Instance) -> None:
-        if r.prefill_dp is not None and not 0 <= r.prefill_dp < inst.dp_size:
-            self._fail(r.room, f"disagg_prefill_dp_rank {r.prefill_dp} is out of range: prefill "
-                               f"{r.addr} has --dp-size {inst.dp_size}", notify=False)
-            return
-        r.inst = inst
-        state = self.states.get(r.room)
-        if state is KVPoll.Failed:  # aborted while resolving: tell P now
-            self._send_abort(r, inst, self.states.reason(r.room))
-        elif state is KVPoll.Bootstrapping:  # claim the room; pages wait for P's Claimed
-            r.confirmed.clear()
-            r.deadline = time.monotonic() + CONFIRM_FACTOR * self.env.claim_timeout
-            self._send_claim(r, inst)
-            log.debug("room %d: prefill %s resolved, room claimed", r.room, r.addr)
-        else:  # moved to a restarted prefill after P had confirmed it
-            r.deadline = time.monotonic() + self.env.waiting_timeout
+class PrefillDirectory:
+    """The prefill instances this D rank resolved and registered with, by bootstrap address."""
 
-    def _send_claim(self, r: Room, inst: Instance) -> None:
-        msg = wire.Claim(room=r.room, session=self.session, ctrl_addr=self.ctrl.addr,
-                         rank=self.tp_rank, decode_id=self.decode_id)
-        dp = r.prefill_dp_of(inst)
-        for t in inst.targets:
-            if not self.ctrl.send(inst.ctrl_addrs[(dp, t)], msg):
-                self._fail(r.room, f"cannot reach prefill rank at {inst.ctrl_addrs[(dp, t)]}",
-                           code=wire.PREFILL_FAULT, notify=False)
-                return
+    def __init__(self, lock: Any, ctrl: ControlPlane, counters: Counters, env: DisaggEnv,
+                 me: Pairing) -> None:
+        self._lock, self._ctrl, self._counters, self._env, self._me = (
+            lock, ctrl, counters, env, me)
+        self._instances: dict[str, Instance] = {}
+        self._addr_locks: dict[str, threading.Lock] = {}
+        self._last_failure: dict[str, tuple[float, PDError]] = {}
+        self._hellos: dict[str, threading.Event] = {}  # nonce -> set when P answered it
+        self.client = BootstrapClient(token=me.token)
+        self.register: wire.Register | None = None  # what D announces; set by start()
 
-    def _on_claimed(self, msg: wire.Claimed) -> None:
-        """P has the room's request: once every P rank this rank pulls from said so, the
-        scheduler may reserve its pages (WaitingForInput)."""
+    # -- reads (under the lock the caller holds, or taking it) ---------------------------------
+    def get(self, addr: str) -> Instance | None:
         with self._lock:
-            r = self._rooms.get(msg.room)
-            if (r is None or r.inst is None or msg.rank not in r.inst.targets
-                    or self.states.get(msg.room) is not KVPoll.Bootstrapping):
-                self.counters.add("stale_messages")
-                return
-            r.confirmed.add(msg.rank)
-            if len(r.confirmed) < len(r.inst.targets):
-                return
-            r.deadline = time.monotonic() + self.env.waiting_timeout
-            self.states.advance(msg.room, KVPoll.WaitingForInput)
+            return self._instances.get(addr)
 
-    def _instance(self, addr: str, started: float) -> Instance:
+    def instances(self) -> dict[str, Instance]:
+        with self._lock:
+            return dict(self._instances)
+
+    def known(self) -> dict[str, str]:
+        """address -> instance id: what the heartbeat probes."""
+        with self._lock:
+            return {a: i.instance_id for a, i in self._instances.items()}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._instances)
+
+    # -- changes ---------------------------------------------------------------------------------
+    def forget(self, addr: str, inst: Instance) -> None:
+        """`inst` is gone (P dropped us, or the heartbeat lost it): the next room resolves and
+        registers afresh; its ranks' connections close."""
+        with self._lock:
+            if self._instances.get(addr) is not inst:
+                return
+            del self._instances[addr]
+        self.drop_connections(inst)
+
+    def pop(self, addr: str) -> Instance | None:
+        """Under the caller's lock: the instance at addr leaves the directory (a restart)."""
+        return self._instances.pop(addr, None)
+
+    def drop_connections(self, inst: Instance) -> None:
+        for a in inst.ctrl_addrs.values():
+            self._ctrl.drop(a)
+
+    def resolve(self, addr: str, started: float) -> Instance:
+        """The instance at addr, fetched and registered with if it is not known yet."""
         with self._lock:
             lock = self._addr_locks.setdefault(addr, threading.Lock())
         with lock:  # one fetch per address; rooms queued behind a failed fetch fail at once
@@ -136,7 +138,8 @@ class BootstrapResolution:
             return inst
 
     def _fetch(self, addr: str) -> Instance:
-        budget = max(1.0, self.env.heartbeat_interval * self.env.heartbeat_max_failure)
+        env, me = self._env, self._me
+        budget = max(1.0, env.heartbeat_interval * env.heartbeat_max_failure)
         interval = min(1.0, budget / 5)
         attempts, deadline = int(budget / interval) + 1, time.monotonic() + budget
         info = self.client.get_info(addr, attempts, interval, deadline)
@@ -144,13 +147,13 @@ class BootstrapResolution:
         if version is not None and version != wire.PROTOCOL_VERSION:
             raise ProtocolError(f"prefill {addr} speaks PD protocol version {version}, decode "
                                 f"speaks {wire.PROTOCOL_VERSION}; run the same pdserve version")
-        if info.get("backend") and info["backend"] != self.backend_name:
+        if info.get("backend") and info["backend"] != me.backend_name:
             raise ProtocolError(f"prefill {addr} uses transfer backend {info['backend']!r}, "
-                                f"decode uses {self.backend_name!r}; give both the same "
+                                f"decode uses {me.backend_name!r}; give both the same "
                                 "--disaggregation-transfer-backend (the default is mooncake "
                                 "where pd-mooncake is installed, else tcp)")
         targets, required_dst, responses = rank_mapping(
-            int(info["tp_size"]), self.tp_size, self.tp_rank, bool(info.get("is_mla")))
+            int(info["tp_size"]), me.tp_size, me.tp_rank, bool(info.get("is_mla")))
         dp_size, inst_id = int(info.get("dp_size") or 1), str(info.get("instance_id", ""))
         ctrl: dict[tuple[int, int], str] = {}
         for dp in range(dp_size):
@@ -159,38 +162,37 @@ class BootstrapResolution:
                                                  instance=inst_id)
                 ctrl[(dp, t)] = f"tcp://{ip}:{port}"
         try:
-            wire.check_pairing(f"prefill {addr}", info, self.kv, self.fingerprint,
-                               self.aux.chain_info())
+            wire.check_pairing(f"prefill {addr}", info, me.kv, me.fingerprint, me.chain)
         except ProtocolError as e:
-            self.counters.add("pairing_refused")
+            self._counters.add("pairing_refused")
             raise PairingRefused(str(e), list(ctrl.values())) from None
-        assert self._register is not None, "start() must run before add()"
+        assert self.register is not None, "start() must run before add()"
         for a in ctrl.values():
             self._challenge(a, budget)
-            if not self.ctrl.send(a, self._register):
+            if not self._ctrl.send(a, self.register):
                 raise TransferError(f"cannot reach prefill rank at {a} to register")
-        self.counters.add("registrations", len(ctrl))
+        self._counters.add("registrations", len(ctrl))
         log.info("registered with prefill %s (instance %s, P DP %d x TP %s -> ranks %s)", addr,
                  info.get("instance_id"), dp_size, info["tp_size"], targets)
         return Instance(addr, inst_id, dp_size, int(info["tp_size"]),
-                         targets, required_dst, responses, ctrl)
+                        targets, required_dst, responses, ctrl)
 
     def _challenge(self, addr: str, budget: float) -> None:
         """With a cluster secret, the prefill rank at addr must answer a fresh nonce with a
         MACed HelloAck before D sends it anything that reveals its memory (Register: the
         data-plane endpoint and KV addresses). Without one there is nothing to prove: the route
         itself was signed or trusted at D's HTTP edge."""
-        if not self.token:
+        if not self._me.token:
             return
         nonce, done = uuid.uuid4().hex, threading.Event()
         with self._lock:
             self._hellos[nonce] = done
         try:
             wait = min(max(1.0, budget), 10.0)
-            if not self.ctrl.send(addr, wire.Hello(nonce=nonce, session=self.session,
-                                                   ctrl_addr=self.ctrl.addr)) \
+            if not self._ctrl.send(addr, wire.Hello(nonce=nonce, session=self._me.session,
+                                                    ctrl_addr=self._ctrl.addr)) \
                     or not done.wait(wait):
-                self.counters.add("pairing_refused")
+                self._counters.add("pairing_refused")
                 raise TransferError(
                     f"prefill rank at {addr} did not prove within {wait:g}s that it holds the "
                     "cluster secret (another --disaggregation-auth-token, or not a pdserve "
@@ -199,16 +201,10 @@ class BootstrapResolution:
             with self._lock:
                 self._hellos.pop(nonce, None)
 
-    def _abort_refused(self, room: int, e: PairingRefused, reason: str) -> None:
-        msg = wire.Abort(room=room, session=self.session, ctrl_addr=self.ctrl.addr,
-                         reason=reason, code=wire.PAIRING_REFUSED)
-        for a in e.ctrl_addrs:
-            self.ctrl.send(a, msg)
-
-    def _on_hello_ack(self, msg: wire.HelloAck) -> None:
+    def on_hello_ack(self, msg: wire.HelloAck) -> None:
         with self._lock:
             done = self._hellos.get(msg.nonce)
         if done is None:
-            self.counters.add("stale_messages")
+            self._counters.add("stale_messages")
             return
         done.set()
