@@ -229,9 +229,11 @@ class Secrets(Group):
     pdserve_disaggregation_auth_token: Var[str | None] = Var(
         None, verbatim, "the cluster secret (`--disaggregation-auth-token`; docs/security.md)",
         keep_blank=True)
-    pdserve_disaggregation_trust_local_prefill = Var(
-        True, not_zero, "`0`: a decode server no longer trusts unsigned loopback routes to the "
-        "bootstrap ports this user's live prefill servers on this host announced")
+    pdserve_disaggregation_trust_local_prefill: Var[bool | None] = Var(
+        None, not_zero, "whether a server trusts unsigned loopback routes to the bootstrap ports "
+        "this user's live prefill servers on this host announced: by default yes without a "
+        "cluster secret (the seed commands behind sglang-router) and no with one (every route "
+        "signed); `0` or `1` decides for both", shown="1 without a cluster secret, 0 with one")
     pdserve_disaggregation_auth_token_file = _as_is(
         "a file holding the cluster secret (Kubernetes mounts it so)")
     pdserve_admin_api_key: Var[str | None] = Var(

@@ -31,7 +31,9 @@ on a route only when
    bootstrap port in a directory only its user can write (`local_prefill_dir()`), so the seed
    page's one-host commands serve behind sglang-router with no flag, while a loopback port
    nobody announced (another local process's listener) and every other host stay refused.
-   `PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL=0` turns this off.
+   This holds by default only on a server without a cluster secret: with one, the router signs
+   every route and an unsigned one is refused (a client that reaches D could name P's loopback
+   port itself). `PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL=0` or `=1` decides either way.
 
 Everything else is refused with 403 before the engine sees it, including SGLang's warm-up host
 `2.2.2.2` (a decode room with that host takes no KV at all: a client naming it would decode over
@@ -264,7 +266,12 @@ class RouteGuard:
         self.own_port = own_port
         self.decode_id = decode_id  # a decode server's own id: the one signatures must name
         # the live prefill servers of this user on this host (module doc, point 3)
-        self.local = ENV.pdserve_disaggregation_trust_local_prefill if local is None else local
+        # with a cluster secret every route is signed by the router: an unsigned loopback
+        # route is then trusted only when the operator says so (a client that reaches D could
+        # otherwise name P's loopback port itself and skip the signature)
+        if local is None:
+            local = ENV.pdserve_disaggregation_trust_local_prefill
+        self.local = self.key is None if local is None else local
         self._fixed = set(parse_addrs(trusted))
         self._registered: OrderedDict[str, None] = OrderedDict()
         self._spent: OrderedDict[str, float] = OrderedDict()  # used signature -> its expiry

@@ -19,7 +19,10 @@ The acceptance matrix (tcp and shm x with and without --api-key x with and witho
 secret) on two clusters: `tcp-open` (no key, no secret) and `shm-key-secret` (--api-key and the
 secret; the attacker is a tenant holding an API key). On the second one each attack is also
 sent unsigned, as a server without a secret takes it (a loopback route to a live prefill of
-this host, trusted by its announcement): that is the no-secret path on shm with --api-key. The
+this host, trusted by its announcement; with a secret only when the operator sets
+PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL=1, as this cluster does): that is the no-secret
+path on shm with --api-key. Without that opt-in, a secret cluster refuses unsigned routes at
+HTTP (test_trust_units.test_a_secret_refuses_unsigned_loopback_routes). The
 axes are independent layers: --api-key is an HTTP check made before and apart from the route
 check (a key holder's request then goes on exactly as one without --api-key does); the secret
 decides how the route is trusted at HTTP (signed or not: both sent here) and whether control
@@ -55,7 +58,8 @@ def trio(request, tiny_llama_dir: Path):
     c = PDCluster(backend, decode=2, model_path=str(tiny_llama_dir), flags=FLAGS,
                   secret=secret, api_key=key, env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30",
                                       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30",
-                                      "PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT": "1"})
+                                      "PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT": "1",
+                                      "PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL": "1"})
     c.start(300)
     yield c
     c.stop()

@@ -197,3 +197,27 @@ def test_loopback_trust_needs_a_live_prefill_of_this_user(tmp_path, monkeypatch)
     assert route_auth.UNTRUSTED in guard.check(1, "127.0.0.1", 41234, None, 8998)
     route_auth.withdraw_local_prefill(entry)  # not ours any more: left alone
     assert os.path.exists(entry)
+
+
+def test_a_secret_refuses_unsigned_loopback_routes(tmp_path, monkeypatch) -> None:
+    """With a cluster secret the router signs every route: an unsigned loopback route to a live
+    local prefill (which any client that reaches D could name) is refused by default, trusted
+    only when the operator sets PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL=1; without a secret
+    it is trusted by default (the seed commands behind sglang-router) and `0` turns that off."""
+    from pdcore import route_auth
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL", raising=False)
+    entry = route_auth.announce_local_prefill(41236)
+    try:
+        def verdict(secret: str | None) -> str:
+            return route_auth.RouteGuard(secret).check(1, "127.0.0.1", 41236, None, 8998)
+
+        assert verdict(None) == ""
+        assert route_auth.UNTRUSTED in verdict("s")
+        monkeypatch.setenv("PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL", "1")
+        assert verdict("s") == "" and verdict(None) == ""
+        monkeypatch.setenv("PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL", "0")
+        assert route_auth.UNTRUSTED in verdict(None) and route_auth.UNTRUSTED in verdict("s")
+    finally:
+        route_auth.withdraw_local_prefill(entry)
