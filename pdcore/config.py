@@ -44,6 +44,7 @@ class ServerArgs(CommonFlags):
     served_model_name: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"  # auto -> float32 on cpu, bfloat16 on accelerators
+    quantization: str | None = None  # SGLang's names, read from the checkpoint (model/quant_config)
     context_length: int | None = None
     load_format: str = "auto"  # auto | safetensors | gguf | dummy (random weights, real shapes)
     chat_template: str | None = None  # Jinja file replacing the tokenizer's chat template
@@ -60,6 +61,7 @@ class ServerArgs(CommonFlags):
     log_requests: bool = False
     enable_metrics: bool = False  # /metrics is always on; accepted for SGLang parity
     disable_cuda_graph: bool = False  # no CUDA graphs are ever captured; accepted for parity
+    cuda_graph_bs: list[int] | None = None  # CUDA-graph batch sizes: accepted, a warning says so
     skip_server_warmup: bool = False
     tokenizer_worker_num: int = 1
     # parallelism / devices

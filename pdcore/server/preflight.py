@@ -187,6 +187,10 @@ def _warnings(args: ServerArgs, env: Mapping[str, str]) -> list[str]:
     if args.attention_backend and args.attention_backend not in ATTENTION_BACKENDS:
         out.append(f"--attention-backend {args.attention_backend} is ignored: attention runs "
                    f"torch SDPA on {args.device}")
+    if args.cuda_graph_bs:
+        out.append(f"--cuda-graph-bs {' '.join(map(str, args.cuda_graph_bs))} is ignored: it "
+                   "sizes the batches of captured CUDA graphs, a GPU feature; pdserve captures "
+                   f"none (--device {args.device}), so it has no effect here")
     if args.schedule_policy == "lpm" and args.disable_radix_cache:
         out.append("--schedule-policy lpm runs as fcfs: longest-prefix-match needs the prefix "
                    "cache, which --disable-radix-cache turns off")
