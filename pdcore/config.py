@@ -20,6 +20,16 @@ from pdcore.route_auth import parse_addrs
 DISAGG_MODES = ("null", "prefill", "decode")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")  # SGLang's names
 DEFAULT_BOOTSTRAP_PORT = 8998
+# SGLang's --quantization names (its server_args QUANTIZATION_CHOICES): every one is accepted
+# by the parser, so a SGLang command line parses; pdserve runs
+# the ones engine/model/quant_config.py's RUNS lists
+QUANT_CHOICES = (
+    "awq", "fp8", "mxfp8", "gptq", "marlin", "gptq_marlin", "awq_marlin", "bitsandbytes", "gguf",
+    "modelopt", "modelopt_fp8", "modelopt_fp4", "nvfp4_online", "modelopt_mixed", "petit_nvfp4",
+    "w8a8_int8", "w8a8_fp8", "moe_wna16", "w4afp8", "mxfp4", "auto-round", "auto-round-int8",
+    "compressed-tensors", "modelslim", "mxfp_w4a8", "quark", "quark_int4fp8_moe", "quark_mxfp4",
+    "mlx_q4", "mlx_q8", "unquant", "humming",
+)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MOE_A2A_BACKENDS = ("none", "deepep")

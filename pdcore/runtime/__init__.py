@@ -9,10 +9,12 @@ What the server needs is exported here, and the server imports nothing else of t
 (the right handle for the arguments: one scheduler, DP replicas, DP ranks on other nodes), the
 checks of the parallel flags, `run_node` (a further node of a multi-node server), and what the
 server's start-up checks ask of the model the engine will load (`resolve_model`,
-`default_model_file`: where the model is; `check_mtp_folder`: a NEXTN/MTP draft's layers), so the
+`default_model_file`: where the model is; `checked_quantization`: its quantization, against
+--quantization; `check_mtp_folder`: a NEXTN/MTP draft's layers), so the
 server imports nothing of engine/model."""
 
 from pdcore.engine.model.mtp import check_mtp_folder
+from pdcore.engine.model.quant_config import checked_quantization
 from pdcore.engine.model.source import default_model_file, resolve_model
 from pdcore.runtime.dp.client import DPEngineClient
 from pdcore.runtime.engines import make_engine
@@ -21,5 +23,5 @@ from pdcore.runtime.node import run_node
 from pdcore.runtime.topology import check_parallel_args
 
 __all__ = ["DPEngineClient", "EngineClient", "EngineError", "EngineState", "SchedulerTarget",
-           "check_mtp_folder", "check_parallel_args", "default_model_file", "make_engine",
+           "check_mtp_folder", "checked_quantization", "check_parallel_args", "default_model_file", "make_engine",
            "new_rid", "resolve_model", "run_node"]

@@ -24,6 +24,7 @@ from pdcore.config import (
     LOAD_BALANCE_METHODS,
     LOAD_FORMATS,
     MOE_A2A_BACKENDS,
+    QUANT_CHOICES,
     NGRAM_MATCH_TYPES,
     SAMPLING_DEFAULTS,
     ServerArgs,
@@ -31,7 +32,6 @@ from pdcore.config import (
     cluster_secret,
 )
 from pdcore.env import check as check_env
-from pdcore.engine.model.quant_config import QUANT_CHOICES, checked_quantization
 from pdcore.errors import ConfigError
 from pdcore.server.tools import reasoning, tool_parsers
 from pdcore.server.sglang_flags import (
@@ -300,6 +300,8 @@ def check_supported(args: ServerArgs) -> None:
         raise ConfigError("--attention-backend ascend needs --device npu and an NPU platform "
                           "plugin (pip install ./plugins/pd-ascend)")
     _check_model_path(args)
+    from pdcore.runtime import checked_quantization
+
     args.quantization = checked_quantization(args.quantization, args.model_path)
     if args.device == "cpu":
         return

@@ -60,7 +60,7 @@ def hardware_refusal(parser: argparse.ArgumentParser, argv: list[str]) -> str | 
 def _quantization_refusal(ns: argparse.Namespace) -> str | None:
     """Why the line's --quantization (or its checkpoint's format) would be refused, or None."""
     from pdcore.errors import ConfigError
-    from pdcore.engine.model.quant_config import checked_quantization
+    from pdcore.runtime import checked_quantization
 
     try:
         checked_quantization(getattr(ns, "quantization", None), getattr(ns, "model_path", None))

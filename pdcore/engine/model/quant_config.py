@@ -21,17 +21,9 @@ import os
 import struct
 from dataclasses import dataclass
 
+from pdcore.config import QUANT_CHOICES
 from pdcore.errors import ConfigError
 
-# SGLang's --quantization names (its server_args QUANTIZATION_CHOICES): every one is accepted
-# by the parser, so a SGLang command line parses; RUNS are the ones pdserve serves
-QUANT_CHOICES = (
-    "awq", "fp8", "mxfp8", "gptq", "marlin", "gptq_marlin", "awq_marlin", "bitsandbytes", "gguf",
-    "modelopt", "modelopt_fp8", "modelopt_fp4", "nvfp4_online", "modelopt_mixed", "petit_nvfp4",
-    "w8a8_int8", "w8a8_fp8", "moe_wna16", "w4afp8", "mxfp4", "auto-round", "auto-round-int8",
-    "compressed-tensors", "modelslim", "mxfp_w4a8", "quark", "quark_int4fp8_moe", "quark_mxfp4",
-    "mlx_q4", "mlx_q8", "unquant", "humming",
-)
 RUNS = {
     "w8a8_int8": "int8 weights per output channel and int8 activations per token (compressed-"
                  "tensors W8A8 checkpoints): int8 x int8 -> int32 GEMMs",
