@@ -36,7 +36,7 @@ from pdcore.config import (
 )
 from pdcore.constrained.backend import GrammarBackend
 from pdcore.engine.kv.blocks import BlockManager
-from pdcore.engine.kv.cache import KVCache
+from pdcore.engine.kv.cache import KVCache, KVSpec
 from pdcore.engine.kv.radix import RadixCache
 from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
@@ -180,14 +180,14 @@ def _prefix_cache(args: ServerArgs, blocks: BlockManager) -> RadixCache | None:
     return RadixCache(blocks)
 
 
-def kv_spec(model: Any, cfg: Any, tp: TPInfo) -> dict[str, Any]:
+def kv_spec(model: Any, cfg: Any, tp: TPInfo) -> KVSpec:
     """This rank's pool geometry: the model's own `kv_spec()` (MLA: one latent per token), else
     the Llama rule (its share of the KV heads, each head_dim wide)."""
     if hasattr(model, "kv_spec"):
         return model.kv_spec()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return {"kv_heads": kv_head_span(cfg.num_key_value_heads, tp.rank, tp.size)[1],
-            "head_dim": head_dim, "total_kv_heads": cfg.num_key_value_heads, "is_mla": False}
+    return KVSpec(kv_heads=kv_head_span(cfg.num_key_value_heads, tp.rank, tp.size)[1],
+                  head_dim=head_dim, total_kv_heads=cfg.num_key_value_heads, is_mla=False)
 
 
 def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
@@ -304,9 +304,9 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
                                       overrides=json.loads(args.json_model_override_args or "{}"))
     cache_dtype = kv_dtype(args, dtype)
     spec = kv_spec(model, cfg, tp)
-    kv_heads, head_dim = spec["kv_heads"], spec["head_dim"]
+    kv_heads, head_dim = spec.kv_heads, spec.head_dim
     per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype,
-                                        spec["is_mla"])
+                                        spec.is_mla)
     model_context = args.context_length or getattr(cfg, "max_position_embeddings", 4096)
     tokens = kv_pool_tokens(args, platform, device, model, per_token, model_context)
     # every TP rank must see the same pool (the schedule is replicated): take the smallest
@@ -325,7 +325,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
                                env=environ()))
     kv = KVCache(pool, cfg.num_hidden_layers, num_pages, args.page_size, kv_heads, head_dim,
                  dtype=cache_dtype, tp_rank=tp.rank, tp_size=tp.size,
-                 total_kv_heads=spec["total_kv_heads"], is_mla=spec["is_mla"])
+                 total_kv_heads=spec.total_kv_heads, is_mla=spec.is_mla)
     blocks = BlockManager(num_pages, args.page_size)
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     eos_ids = frozenset(e for e in eos if e is not None)
@@ -357,7 +357,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         model_type=cfg.model_type, disaggregation_mode=args.disaggregation_mode,
         tp_size=args.tp_size, dp_size=args.dp_size, nnodes=args.nnodes,
         bootstrap_port=args.disaggregation_bootstrap_port, memory_pool=pool_name,
-        is_mla=spec["is_mla"], kv_bytes_per_token=per_token,
+        is_mla=spec.is_mla, kv_bytes_per_token=per_token,
         weight_bytes=weight_bytes(model),
         sampling_defaults=sampling_defaults(resolved, args.sampling_defaults),
     )

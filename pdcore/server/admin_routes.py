@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pdcore.edge.auth import require_admin
 from pdcore.messages.io import ControlKind
 from pdcore.route_auth import WARMUP_HOST as FAKE_BOOTSTRAP_HOST
-from pdcore.runtime import EngineClient, EngineError, new_rid
+from pdcore.runtime import EngineError, EngineHandle, new_rid
 from pdcore.server.generation import Item, collect, mark_engine_reached
 from pdcore.server.http_errors import error_response
 from pdcore.server.openai_plan import served_model_name
@@ -29,7 +29,7 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 _SECRET_FIELDS = {"disaggregation_auth_token", "api_key", "admin_api_key", "pd_route_secret"}
 
 
-def _engine(request: Request) -> EngineClient:
+def _engine(request: Request) -> EngineHandle:
     return request.app.state.engine
 
 
@@ -67,7 +67,7 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
-def server_info(engine: EngineClient) -> dict[str, Any]:
+def server_info(engine: EngineHandle) -> dict[str, Any]:
     args = {k: ("***" if k in _SECRET_FIELDS and v else v)
             for k, v in dataclasses.asdict(engine.args).items()}
     info = engine.info

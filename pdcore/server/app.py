@@ -32,7 +32,7 @@ from pdcore.edge.auth import install_auth, log_admin_policy
 from pdcore.edge.limits import install_limits
 from pdcore.messages.io import GenerateReq, SamplingParams
 from pdcore.route_auth import SERVER_ID_HEADER, RouteGuard
-from pdcore.runtime import EngineClient, EngineError, SchedulerTarget, make_engine
+from pdcore.runtime import EngineError, EngineHandle, SchedulerTarget, make_engine
 from pdcore.server import (
     admin_routes,
     native_routes,
@@ -50,7 +50,7 @@ OPEN_PATHS = frozenset({"/health"})  # answered without --api-key: supervisors p
 WARMUP_TIMEOUT_S = 120.0
 
 
-async def _warm_up(engine: EngineClient) -> None:
+async def _warm_up(engine: EngineHandle) -> None:
     """One greedy token through the scheduler (each DP replica's), before the server reports
     ready."""
     t0 = time.monotonic()
@@ -66,7 +66,7 @@ async def _warm_up(engine: EngineClient) -> None:
 
 
 async def _start_engine(app: FastAPI) -> None:
-    engine: EngineClient = app.state.engine
+    engine: EngineHandle = app.state.engine
     args: ServerArgs = app.state.args
     try:
         await engine.start()
@@ -93,7 +93,7 @@ async def _start_engine(app: FastAPI) -> None:
         cb(engine)
 
 
-def create_app(args: ServerArgs, *, engine: EngineClient | None = None,
+def create_app(args: ServerArgs, *, engine: EngineHandle | None = None,
                scheduler_target: SchedulerTarget | None = None, tokenizer: Any = None,
                **engine_kwargs: Any) -> FastAPI:
     """The app for one server. `scheduler_target` / `tokenizer` replace the real scheduler

@@ -22,7 +22,7 @@ from fastapi import Request
 
 from pdcore.edge import tracing
 from pdcore.messages.io import GenerateReq
-from pdcore.runtime import EngineClient, EngineError
+from pdcore.runtime import EngineError, EngineHandle
 from pdcore.server.metrics import ServerMetrics
 from pdcore.server.output import OutputAssembler
 
@@ -56,7 +56,7 @@ class ClientDisconnected(Exception):
 _SPAN = {"prefill": "prefill", "decode": "decode"}  # else "generate" (unified)
 
 
-async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | int],
+async def _run_one(engine: EngineHandle, item: Item, q: asyncio.Queue[Event | int],
                    metrics: ServerMetrics, timeout: float | None) -> None:
     mode = getattr(engine.args, "disaggregation_mode", "null")
     route = item.req.route
@@ -66,7 +66,7 @@ async def _run_one(engine: EngineClient, item: Item, q: asyncio.Queue[Event | in
         await _run_traced(engine, item, q, metrics, timeout, mode == "decode")
 
 
-async def _run_traced(engine: EngineClient, item: Item, q: asyncio.Queue[Event | int],
+async def _run_traced(engine: EngineHandle, item: Item, q: asyncio.Queue[Event | int],
                       metrics: ServerMetrics, timeout: float | None, decode: bool) -> None:
     req = item.req
     submitted_ns = time.time_ns()
@@ -110,7 +110,7 @@ async def _run_traced(engine: EngineClient, item: Item, q: asyncio.Queue[Event |
         q.put_nowait(item.index)
 
 
-async def run_items(engine: EngineClient, items: list[Item], metrics: ServerMetrics,
+async def run_items(engine: EngineHandle, items: list[Item], metrics: ServerMetrics,
                     timeout: float | None = None) -> AsyncIterator[Event]:
     """Yield Events of all items until each is finished or failed."""
     q: asyncio.Queue[Event | int] = asyncio.Queue()
@@ -138,7 +138,7 @@ async def run_items(engine: EngineClient, items: list[Item], metrics: ServerMetr
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(engine: EngineClient, items: list[Item], metrics: ServerMetrics,
+async def collect(engine: EngineHandle, items: list[Item], metrics: ServerMetrics,
                   timeout: float | None = None) -> list[OutputAssembler]:
     """Run to completion; the first error aborts the rest and is raised."""
     done: dict[int, OutputAssembler] = {}

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.constrained.spec import spec_from_fields
 from pdcore.edge.schemas import GenerateRequest, SamplingParamsIn
-from pdcore.runtime import EngineClient, EngineError
+from pdcore.runtime import EngineError, EngineHandle
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.generation import (
     SSE_DONE,
@@ -36,7 +36,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 PREFIX = "sampling_params."
 
 
-def _prompts(body: GenerateRequest, engine: EngineClient) -> tuple[list[list[int]], bool, str]:
+def _prompts(body: GenerateRequest, engine: EngineHandle) -> tuple[list[list[int]], bool, str]:
     if body.text is not None and body.input_ids is not None:
         raise bad("give either text or input_ids, not both", "text")
     if body.input_ids is not None:
@@ -54,7 +54,7 @@ def _prompts(body: GenerateRequest, engine: EngineClient) -> tuple[list[list[int
     return [list(tok.encode(t)) for t in texts], isinstance(body.text, list), "text"
 
 
-def generate_input(body: GenerateRequest, engine: EngineClient) -> PlanInput:
+def generate_input(body: GenerateRequest, engine: EngineHandle) -> PlanInput:
     """/generate's request as the planner's PlanInput: sampling_params, n and the logprob
     fields per prompt (a scalar applies to all); errors name `sampling_params.<field>`."""
     prompts, batch, field = _prompts(body, engine)
@@ -83,7 +83,7 @@ def generate_input(body: GenerateRequest, engine: EngineClient) -> PlanInput:
                      field_prefix=PREFIX, batch=batch or sum(ns) > 1)
 
 
-def _meta(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineClient,
+def _meta(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineHandle,
           text_in_logprobs: bool, *, start: float, finished: bool) -> dict[str, Any]:
     o = asm.out
     meta: dict[str, Any] = {
@@ -108,7 +108,7 @@ def _meta(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineClient,
     return meta
 
 
-def _result(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineClient,
+def _result(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineHandle,
             body: GenerateRequest, *, start: float, finished: bool) -> dict[str, Any]:
     # --skip-tokenizer-init: the answer is its token ids (output_ids), no text
     text = "" if engine.args.skip_tokenizer_init else \
@@ -122,7 +122,7 @@ def _result(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineClient,
     return out
 
 
-async def _stream(engine: EngineClient, plan: Plan, body: GenerateRequest, request: Request,
+async def _stream(engine: EngineHandle, plan: Plan, body: GenerateRequest, request: Request,
                   start: float) -> AsyncIterator[bytes]:
     metrics = request.app.state.metrics
     try:
@@ -141,7 +141,7 @@ async def _stream(engine: EngineClient, plan: Plan, body: GenerateRequest, reque
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
-    engine: EngineClient = request.app.state.engine
+    engine: EngineHandle = request.app.state.engine
     start = time.time()
     engine.require_ready()
     plan = planner.plan(generate_input(body, engine), engine, await request_guard(request))

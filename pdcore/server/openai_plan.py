@@ -10,7 +10,7 @@ from pdcore.constrained.spec import spec_from_fields, spec_from_response_format
 from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest
 from pdcore.messages.io import GrammarSpec
 from pdcore.route_auth import RequestGuard, RouteGuard
-from pdcore.runtime import EngineClient
+from pdcore.runtime import EngineHandle
 from pdcore.server.output import OutputAssembler
 from pdcore.server.params import bad, check_n
 from pdcore.server.planner import Plan, PlanInput, PromptInput, plan, sampling_fields
@@ -18,12 +18,12 @@ from pdcore.server.planner import Plan, PlanInput, PromptInput, plan, sampling_f
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def served_model_name(engine: EngineClient) -> str:
+def served_model_name(engine: EngineHandle) -> str:
     return (engine.args.served_model_name or engine.info.served_model_name
             or os.path.basename(engine.info.model_path or "default"))
 
 
-def accepted_model_names(engine: EngineClient) -> set[str]:
+def accepted_model_names(engine: EngineHandle) -> set[str]:
     names = {served_model_name(engine)}
     for p in (engine.args.model_path, engine.info.model_path,
               engine.info.served_model_name):
@@ -40,7 +40,7 @@ def accepted_model_names(engine: EngineClient) -> set[str]:
 ROUTER_NO_MODEL = "unknown"
 
 
-def check_model(model: str | None, engine: EngineClient) -> str:
+def check_model(model: str | None, engine: EngineHandle) -> str:
     served = served_model_name(engine)
     if model in (None, "", ROUTER_NO_MODEL):
         return served
@@ -63,7 +63,7 @@ def _grammar(body: CompletionRequest | ChatCompletionRequest,
     return named[0] if named else None
 
 
-def plan_openai(body: CompletionRequest | ChatCompletionRequest, engine: EngineClient,
+def plan_openai(body: CompletionRequest | ChatCompletionRequest, engine: EngineHandle,
                 prompts: list[list[int]], prompt_field: str, *, want_logprobs: bool, top: int,
                 echo: bool, id_prefix: str, guard: RouteGuard | RequestGuard,
                 tool_grammar: GrammarSpec | None = None,

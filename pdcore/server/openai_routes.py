@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdcore.constrained.spec import load_client_json
 from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest
 from pdcore.errors import InvalidRequestError
-from pdcore.runtime import EngineClient, EngineError
+from pdcore.runtime import EngineError, EngineHandle
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.chat_encode import encode_chat
 from pdcore.server.tools.chat_tools import ChoiceShaper, plan_output
@@ -68,7 +68,7 @@ def _running_usage(plan: Plan, counts: dict[int, int]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
-async def run_plan(request: Request, engine: EngineClient, plan: Plan, timeout: float | None
+async def run_plan(request: Request, engine: EngineHandle, plan: Plan, timeout: float | None
                ) -> list[OutputAssembler] | Response:
     try:
         return await unless_disconnected(
@@ -79,7 +79,7 @@ async def run_plan(request: Request, engine: EngineClient, plan: Plan, timeout: 
         return engine_error_response(e)
 
 
-async def _stream(request: Request, engine: EngineClient, plan: Plan, body: Any, chat: bool,
+async def _stream(request: Request, engine: EngineHandle, plan: Plan, body: Any, chat: bool,
                   shapers: dict[int, ChoiceShaper] | None = None) -> AsyncIterator[bytes]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -167,7 +167,7 @@ def _echo_chars(plan: Plan, index: int, text_of: lpfmt.TokenText) -> int:
 
 
 # ---- /v1/completions --------------------------------------------------------------------------
-def _completion_prompts(body: CompletionRequest, engine: EngineClient) -> list[list[int]]:
+def _completion_prompts(body: CompletionRequest, engine: EngineHandle) -> list[list[int]]:
     p = body.prompt
     if isinstance(p, str):
         return [list(engine.tokenizer.encode(p))]
@@ -182,7 +182,7 @@ def _completion_prompts(body: CompletionRequest, engine: EngineClient) -> list[l
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    engine: EngineClient = request.app.state.engine
+    engine: EngineHandle = request.app.state.engine
     engine.require_ready()
     needs_text(engine.args, "/v1/completions", "prompt")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
@@ -319,7 +319,7 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Any,
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    engine: EngineClient = request.app.state.engine
+    engine: EngineHandle = request.app.state.engine
     engine.require_ready()
     needs_text(engine.args, "/v1/chat/completions", "messages")
     top = body.top_logprobs or 0
@@ -361,7 +361,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    engine: EngineClient = request.app.state.engine
+    engine: EngineHandle = request.app.state.engine
     return {"object": "list", "data": [{
         "id": served_model_name(engine), "object": "model", "created": int(time.time()),
         "owned_by": "pdserve", "root": engine.info.model_path or engine.args.model_path,

@@ -14,7 +14,7 @@ from typing import Any
 
 from pdcore.messages.info import EngineInfo
 from pdcore.route_auth import RequestGuard, RouteGuard
-from pdcore.runtime import EngineClient, new_rid
+from pdcore.runtime import EngineHandle, new_rid
 from pdcore.server.generation import Item
 from pdcore.server.params import (
     SAMPLING_FIELDS,
@@ -114,7 +114,7 @@ def _rid(inp: PlanInput, plan_rid: str, k: int, total: int) -> str:
     return new_rid()
 
 
-def plan(inp: PlanInput, engine: EngineClient, guard: RouteGuard | RequestGuard) -> Plan:
+def plan(inp: PlanInput, engine: EngineHandle, guard: RouteGuard | RequestGuard) -> Plan:
     args, info = engine.args, engine.info
     for p in inp.prompts:
         check_prompt(p.ids, info, p.field, args.allow_auto_truncate)

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdcore.edge.schemas import ResponsesRequest
-from pdcore.runtime import EngineClient
+from pdcore.runtime import EngineHandle
 from pdcore.server.tools.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import SSE_HEADERS, run_items
 from pdcore.server.openai_plan import finish_of, plan_openai, usage
@@ -35,7 +35,7 @@ def _usage(plan: Plan, outs: list) -> dict:  # type: ignore[type-arg]
                                  u["prompt_tokens_details"]["cached_tokens"])
 
 
-async def _stream(request: Request, engine: EngineClient, plan: Plan, builder: ResponseBuilder,
+async def _stream(request: Request, engine: EngineHandle, plan: Plan, builder: ResponseBuilder,
                   shaper: ChoiceShaper, timeout: float | None) -> AsyncIterator[bytes]:
     for b in builder.start():
         yield b
@@ -64,7 +64,7 @@ async def _stream(request: Request, engine: EngineClient, plan: Plan, builder: R
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
-    engine: EngineClient = request.app.state.engine
+    engine: EngineHandle = request.app.state.engine
     engine.require_ready()
     needs_text(engine.args, "/v1/responses", "input")
     chat = chat_request(body)

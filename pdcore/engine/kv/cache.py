@@ -15,6 +15,8 @@ buffer, one more MLA layer (its V entry its K buffer). The model's `layers` neve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdcore.errors import ConfigError
@@ -22,6 +24,18 @@ from pdcore.interfaces.geometry import model_kv_heads
 from pdcore.interfaces.memory import MemoryPool
 from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import MemoryRegion
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The pool geometry a model needs on one rank (its `kv_spec()`; engine/build.py:kv_spec
+    gives the Llama rule): the KV heads this rank holds, each `head_dim` wide, of the model's
+    `total_kv_heads`; MLA (`is_mla`): one latent 'head' per token, the same on every rank."""
+
+    kv_heads: int
+    head_dim: int
+    total_kv_heads: int
+    is_mla: bool = False
 
 
 class KVCache:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.engine.kv.cache import KVSpec
 from pdcore.engine.model.base import CausalLM
 from pdcore.engine.model.batch import DecodeGroup, ForwardBatch
 from pdcore.engine.model.layers import (
@@ -223,10 +224,10 @@ class DeepseekForCausalLM(CausalLM):
                                     for i in range(cfg.num_hidden_layers))
         self.rotary = LatentRotary(cfg, self.arch)
 
-    def kv_spec(self) -> dict:
+    def kv_spec(self) -> KVSpec:
         """The pool this model needs per layer: one latent 'head' on every rank, not sharded."""
-        return {"kv_heads": 1, "head_dim": self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,
-                "total_kv_heads": 1, "is_mla": True}
+        return KVSpec(kv_heads=1, head_dim=self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,
+                      total_kv_heads=1, is_mla=True)
 
     def prepare_for_inference(self) -> None:
         pack_linears(self)
