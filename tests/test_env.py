@@ -123,6 +123,7 @@ def test_child_environ_and_put(monkeypatch) -> None:
     ["-m", "pdcore.launch_server", "--model-path", "MODEL"],
     ["-m", "pdcore.router", "--pd-disaggregation", "--prefill", "http://127.0.0.1:1",
      "--decode", "http://127.0.0.1:2"],
+    ["-m", "pdcore", "up", "--model-path", "MODEL"],
 ])
 def test_entry_points_exit_2_naming_a_bad_variable(command, tiny_llama_dir) -> None:
     """At start-up, not as a traceback deep in the first request (the router read its limits
