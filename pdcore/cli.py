@@ -1,6 +1,6 @@
 """`pdserve`: the command-line entry point (typer).
 
-Commands: `serve` (one server; flags parsed by pdcore.server.args_parser), `plugins`
+Commands: `serve` (one server; flags parsed by pdcore.server.startup.args_parser), `plugins`
 (pdcore.plugins_cli), `router` (pdcore.router.cli) and `up` (pdcore.up_cli); each module adds its
 own command to the app. They are imported when the app is built, not when this module is.
 """
@@ -17,7 +17,7 @@ _PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 def _serve(ctx: typer.Context) -> None:
     """Start one server: unified (default), prefill or decode (--disaggregation-mode).
     Run `pdserve serve --help` for every flag."""
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
     from pdcore.server.runner import run_server
 
     args = parse_server_args(list(ctx.args), prog="pdserve serve")

@@ -1,6 +1,6 @@
 """SGLang's common server flags (issue #45 item 12) as fields: `ServerArgs` (pdcore/config.py)
 inherits them, so each is a `pdserve serve` flag. What each does here, its check and its help
-live in pdcore/server/sglang_flags.py."""
+live in pdcore/server/startup/sglang_flags.py."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def _code(names: list[str]) -> str:
 
 
 def serve_rows() -> list[tuple[str, ...]]:
-    from pdcore.server.args_parser import build_parser
+    from pdcore.server.startup.args_parser import build_parser
 
     rows = []
     for action in build_parser()._actions:

@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdcore.runtime_env import apply
 
     apply()
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
     from pdcore.server.runner import run_server
 
     prog = "python -m pdcore.launch_server"

@@ -76,7 +76,7 @@ def parse_or_bf16_refusal(argv: list[str], prog: str = "pdserve serve") -> Any:
     for; on one without bf16 hardware (or with PDCORE_CPU_ISA=avx2) the line must instead exit 2
     saying so, and the calling test ends there, skipped with the reason."""
     from pdcore.engine.cpu_features import bf16_support
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
 
     ok, why = bf16_support()
     dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv[:-1] else ""

@@ -24,7 +24,7 @@ from pdcore.messages.info import EngineInfo
 from pdcore.messages.io import GenerateReq, PDRoute, SamplingParams
 from pdcore.route_auth import RequestGuard, RouteGuard
 from pdcore.server.generation import Item
-from pdcore.server.sglang_flags import json_object_flag
+from pdcore.server.startup.sglang_flags import json_object_flag
 
 MAX_N = 64
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-v
 
 from pdcore.config import ServerArgs
 from pdcore.router.cli import parse_router_args
-from pdcore.server.args_parser import build_parser
+from pdcore.server.startup.args_parser import build_parser
 
 ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = sorted(p.name for p in (ROOT / "overlays").iterdir() if p.is_dir())

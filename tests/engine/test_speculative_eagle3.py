@@ -307,7 +307,7 @@ def test_bad_heads_are_refused_with_a_message(models, tmp_path):
 
 
 def test_the_command_line_refuses_bad_heads_with_exit_2(models, tmp_path, capsys):
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
 
     two = _broken(models, tmp_path, "two", lambda sd, cfg: cfg.update(num_hidden_layers=2))
     one = _broken(models, tmp_path, "one", lambda sd, cfg: cfg.update(

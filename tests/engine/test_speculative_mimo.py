@@ -249,7 +249,7 @@ def test_flags():
     ("no_weights", "EAGLE", "holds no weights of MTP layer 2")])
 def test_models_without_enough_mtp_layers_are_refused(models, capsys, model, algo, says):
     """At the command line (exit 2, before the model loads) and in the engine (ConfigError)."""
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
 
     with pytest.raises(SystemExit) as e:
         parse_server_args(["--model-path", models[model], "--speculative-algorithm", algo,
@@ -261,7 +261,7 @@ def test_models_without_enough_mtp_layers_are_refused(models, capsys, model, alg
 
 
 def test_the_seed_lines_flags_parse(models):
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
 
     args = parse_server_args([
         "--model-path", models["mimo"], "--speculative-algorithm", "EAGLE",

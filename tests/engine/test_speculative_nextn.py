@@ -260,7 +260,7 @@ def test_flags():
     ("no_weights", "holds no MTP layer weights")])
 def test_models_without_an_mtp_layer_are_refused(models, capsys, model, says):
     """At the command line (exit 2, before the model loads) and in the engine (ConfigError)."""
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
 
     with pytest.raises(SystemExit) as e:
         parse_server_args(["--model-path", models[model], "--speculative-algorithm", "NEXTN"])
@@ -271,7 +271,7 @@ def test_models_without_an_mtp_layer_are_refused(models, capsys, model, says):
 
 
 def test_the_seed_lines_speculative_flags_parse(models):
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
 
     for steps in (1, 3):
         args = parse_server_args([

@@ -29,7 +29,7 @@ import pytest
 import torch
 from pdserve_testing import ServerProcess
 
-from pdcore.server.args_parser import parse_server_args
+from pdcore.server.startup.args_parser import parse_server_args
 from pdcore.testing.greedy import Reference, check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import spawned_children

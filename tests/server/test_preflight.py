@@ -13,7 +13,7 @@ import pytest
 
 from pdcore.config import ServerArgs
 from pdcore.plugins.default_backend import default_transfer_backend
-from pdcore.server.args_parser import parse_server_args
+from pdcore.server.startup.args_parser import parse_server_args
 from pdcore.testing.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -91,7 +91,7 @@ def test_sampling_defaults_model_reads_generation_config(tmp_path) -> None:
 
 
 def test_sampling_defaults_flag_takes_sglangs_choices() -> None:
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
 
     assert parse_server_args([]).sampling_defaults == "model"  # SGLang's default
     assert parse_server_args(["--sampling-defaults", "openai"]).sampling_defaults == "openai"
@@ -161,7 +161,7 @@ def test_the_wire_schemas_take_the_declared_json_types() -> None:
 
 def test_bounds_and_preferable_fields_come_from_the_declaration() -> None:
     from pdcore.engine.model.source import GENERATION_SAMPLING_KEYS
-    from pdcore.server.sglang_flags import PREFERRED_SAMPLING_FIELDS
+    from pdcore.server.startup.sglang_flags import PREFERRED_SAMPLING_FIELDS
 
     for decl in dataclasses.fields(SamplingParams):
         bounds = decl.metadata["bounds"]

@@ -32,7 +32,7 @@ import pytest
 import torch
 from pdserve_testing import ServerProcess, parse_or_bf16_refusal
 
-from pdcore.server.args_parser import parse_server_args
+from pdcore.server.startup.args_parser import parse_server_args
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.processes import free_port, trust_prefill
 from pdcore.testing.tiny_models import make_tiny_model

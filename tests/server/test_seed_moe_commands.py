@@ -34,7 +34,7 @@ from seed_moe_lines import loopback_argv as _argv
 from seed_moe_lines import strip_flags as _strip
 from seed_moe_lines import swap_values as _swap
 
-from pdcore.server.args_parser import parse_server_args
+from pdcore.server.startup.args_parser import parse_server_args
 from pdcore.testing.tiny_models import make_tiny_model
 
 # flags swapped out to parse on CPU, with how many values each takes (-1: a list): the

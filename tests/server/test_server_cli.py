@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from pdcore.cli import build_app
 from pdcore.config import ServerArgs
-from pdcore.server.args_parser import build_parser, parse_server_args
+from pdcore.server.startup.args_parser import build_parser, parse_server_args
 
 runner = CliRunner()
 

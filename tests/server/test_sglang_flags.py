@@ -19,7 +19,7 @@ import pytest
 from pdcore.engine.sched.scheduler import room_for_running
 from pdcore.errors import ConfigError
 from pdcore.router.cli import parse_router_args
-from pdcore.server.args_parser import parse_server_args
+from pdcore.server.startup.args_parser import parse_server_args
 from pdcore.testing.processes import ServerProcess
 from pdcore.testing.tls import make_pki
 

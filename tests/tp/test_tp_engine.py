@@ -93,7 +93,7 @@ def test_smollm2_tp2_matches_transformers(smollm2_greedy_refs):
     (["--tp-size", "2", "--dist-init-addr", "nonsense"], "HOST:PORT"),
 ])
 def test_bad_parallel_flags_exit_2(argv, needle, capsys):
-    from pdcore.server.args_parser import parse_server_args
+    from pdcore.server.startup.args_parser import parse_server_args
 
     with pytest.raises(SystemExit) as e:
         parse_server_args(argv)

@@ -80,7 +80,7 @@ def test_preflight_does_not_call_the_nixl_variables_ignored(tmp_path) -> None:
     SGLANG_DISAGGREGATION_NIXL_BACKEND set warned that the variable was ignored, while the
     backend reads it (pd_nixl.settings): the backend now declares what it reads."""
     from pdcore.config import ServerArgs
-    from pdcore.server.preflight import _warnings
+    from pdcore.server.startup.preflight import _warnings
 
     args = ServerArgs(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl")
     env = {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX",

@@ -34,7 +34,7 @@ from pdcore.config import (
 from pdcore.env import check as check_env
 from pdcore.errors import ConfigError
 from pdcore.server.tools import reasoning, tool_parsers
-from pdcore.server.sglang_flags import (
+from pdcore.server.startup.sglang_flags import (
     COMMON_HELP,
     TOKENIZER_MODES,
     config_file_argv,
@@ -347,14 +347,14 @@ def _check_model_path(args: ServerArgs) -> None:
 def parse_server_args(argv: list[str], prog: str = "pdserve serve") -> ServerArgs:
     """Parse and check; exits 2 with a message on any flag error."""
     from pdcore.plugins.default_backend import default_transfer_backend
-    from pdcore.server.preflight import preflight
+    from pdcore.server.startup.preflight import preflight
 
     parser = build_parser(prog)
     try:
         argv = config_file_argv(list(argv))
     except ConfigError as e:
         parser.exit(2, f"{prog}: error: {e}\n")
-    from pdcore.server.hardware_first import hardware_refusal
+    from pdcore.server.startup.hardware_first import hardware_refusal
 
     refusal = hardware_refusal(parser, argv)  # missing hardware before unbuilt flags
     if refusal:
