@@ -14,7 +14,7 @@ import pytest
 
 from pdcore.engine.model.quant_config import detect, gguf_file_type
 from pdcore.engine.model.source import default_model_file
-from pdcore.server.args_parser import parse_server_args
+from pdcore.server.startup.args_parser import parse_server_args
 from pdcore.testing.quant_models import w8a8_quantization_config
 
 
