@@ -97,3 +97,53 @@ class StatsReport:
         out.replicas = [{k: r.values[k] for k in REPLICA_LOADS if k in r.values}
                         for r in reports]
         return out
+
+
+# the PD role queues a server reports in /get_load, each under queue_key(name)
+PD_QUEUES = ("bootstrap", "inflight", "prealloc", "transfer")
+
+
+def queue_key(name: str) -> str:
+    """The /get_load and /metrics name of a PD role queue's length ("prealloc" ->
+    "disagg_prealloc_queue"); RankLoad reads the same names back."""
+    return f"disagg_{name}_queue"
+
+
+def _count(value: Any) -> int:
+    """A non-negative count from a JSON value (anything else: 0: a worker's answer is input)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return 0
+    return max(0, int(min(value, 2**62)))
+
+
+@dataclass
+class RankLoad:
+    """One DP rank's load as a worker's /get_load answers it (one JSON object per rank, the
+    names of docs/metrics.md), read by the router field by field (`from_json`), never by key
+    prefix: the PD queues are those of PD_QUEUES, under queue_key."""
+
+    dp_rank: int = 0
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    num_tokens: int = 0
+    num_pages_used: int = 0
+    num_pages_total: int = 0
+    prompt_tokens_total: int = 0
+    cache_hit_tokens_total: int = 0
+    queues: dict[str, int] = field(default_factory=dict)  # PD role queue -> requests in it
+    kv_transfer: dict[str, Any] | None = None  # a PD server's transfer snapshot
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any], dp_rank: int = 0) -> RankLoad:
+        kv = obj.get("kv_transfer")
+        return cls(
+            dp_rank=_count(obj.get("dp_rank", dp_rank)),
+            num_running_reqs=_count(obj.get("num_running_reqs")),
+            num_waiting_reqs=_count(obj.get("num_waiting_reqs")),
+            num_tokens=_count(obj.get("num_tokens")),
+            num_pages_used=_count(obj.get("num_pages_used")),
+            num_pages_total=_count(obj.get("num_pages_total")),
+            prompt_tokens_total=_count(obj.get("prompt_tokens_total")),
+            cache_hit_tokens_total=_count(obj.get("cache_hit_tokens_total")),
+            queues={q: _count(obj[queue_key(q)]) for q in PD_QUEUES if queue_key(q) in obj},
+            kv_transfer=kv if isinstance(kv, dict) else None)

@@ -23,6 +23,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
 import pdcore
+from pdcore.messages.stats import RankLoad
 from pdcore.router.dashboard_page import PAGE
 from pdcore.router.upstream import exc_reason
 from pdcore.router.workers import Worker
@@ -40,26 +41,26 @@ def _num(value: Any) -> float:
 
 
 def summarize_load(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One worker's `/get_load` answer (one dict per DP rank) as the page's numbers."""
-    total = sum(_num(r.get("num_pages_total")) for r in ranks)
-    used = sum(_num(r.get("num_pages_used")) for r in ranks)
-    queues: dict[str, float] = {}
-    for r in ranks:
-        for key, value in r.items():
-            if key.startswith("disagg_") and key.endswith("_queue"):
-                name = key[len("disagg_"):-len("_queue")]
-                queues[name] = queues.get(name, 0.0) + _num(value)
-    prompt = sum(_num(r.get("prompt_tokens_total")) for r in ranks)
-    cached = sum(_num(r.get("cache_hit_tokens_total")) for r in ranks)
+    """One worker's `/get_load` answer (one dict per DP rank, read as RankLoad) as the page's
+    numbers."""
+    loads = [RankLoad.from_json(r, rank) for rank, r in enumerate(ranks)]
+    total = sum(r.num_pages_total for r in loads)
+    used = sum(r.num_pages_used for r in loads)
+    queues: dict[str, int] = {}
+    for r in loads:
+        for name, n in r.queues.items():
+            queues[name] = queues.get(name, 0) + n
+    prompt = sum(r.prompt_tokens_total for r in loads)
+    cached = sum(r.cache_hit_tokens_total for r in loads)
     return {
-        "running": int(sum(_num(r.get("num_running_reqs")) for r in ranks)),
-        "waiting": int(sum(_num(r.get("num_waiting_reqs")) for r in ranks)),
-        "tokens": int(sum(_num(r.get("num_tokens")) for r in ranks)),
-        "pages_used": int(used), "pages_total": int(total),
+        "running": sum(r.num_running_reqs for r in loads),
+        "waiting": sum(r.num_waiting_reqs for r in loads),
+        "tokens": sum(r.num_tokens for r in loads),
+        "pages_used": used, "pages_total": total,
         "pool_usage": used / total if total else 0.0,
-        "queues": {k: int(v) for k, v in sorted(queues.items())},
+        "queues": dict(sorted(queues.items())),
         "cache_hit_rate": cached / prompt if prompt else 0.0,
-        "dp_ranks": len(ranks),
+        "dp_ranks": len(loads),
     }
 
 

@@ -158,6 +158,14 @@ def test_load_summary_sums_dp_ranks_and_queues() -> None:
     assert s["queues"] == {"prealloc": 5, "transfer": 1}
     assert s["cache_hit_rate"] == pytest.approx(0.25)
     assert transfer_totals(ranks) is None  # no KV manager: a unified server
+    # #46: the router reads a rank's load as a typed RankLoad, field by field: a value that is
+    # no count is 0, and only the PD queues a server reports (messages/stats.PD_QUEUES) count
+    odd = [{"num_running_reqs": "7", "num_waiting_reqs": True, "num_pages_used": -3,
+            "num_pages_total": float("nan"), "disagg_prealloc_queue": 1,
+            "disagg_anything_queue": 9}]
+    s = summarize_load(odd)
+    assert (s["running"], s["waiting"], s["pages_used"], s["pages_total"]) == (0, 0, 0, 0)
+    assert s["queues"] == {"prealloc": 1}
 
 
 def test_speed_window_means_the_transfers_inside_it() -> None:

@@ -36,6 +36,7 @@ from pdcore.disagg.role import RoleExtension
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.scheduler import Scheduler
 from pdcore.engine.sched.stats import StatsReport
+from pdcore.messages.stats import queue_key
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +242,8 @@ class DecodeExtension(RoleExtension):
 
     def stats(self) -> StatsReport:
         return self._stats({
-            "disagg_prealloc_queue": len(self.prealloc),
-            "disagg_transfer_queue": len(self.transfer),
+            queue_key("prealloc"): len(self.prealloc),
+            queue_key("transfer"): len(self.transfer),
             "disagg_parked_samples": sum(len(r.disagg.followers)
                                          for r in self.prealloc + self.transfer),
             "disagg_quarantined_pages": sum(len(p) for _, p in self.quarantine)})

@@ -33,6 +33,7 @@ from pdcore.engine.sched.batch_run import StepResult
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.scheduler import Scheduler
 from pdcore.engine.sched.stats import StatsReport
+from pdcore.messages.stats import queue_key
 
 log = logging.getLogger(__name__)
 
@@ -212,5 +213,5 @@ class PrefillExtension(RoleExtension):
         return bool(self.bootstrap or self.inflight)
 
     def stats(self) -> StatsReport:
-        return self._stats({"disagg_bootstrap_queue": len(self.bootstrap),
-                            "disagg_inflight_queue": len(self.inflight)})
+        return self._stats({queue_key("bootstrap"): len(self.bootstrap),
+                            queue_key("inflight"): len(self.inflight)})
