@@ -7,7 +7,8 @@ TYPE_CHECKING too), so the check needs nothing installed. Two kinds of rules:
   row allows;
 - the rules the architecture issue set (below, fixed here, so relaxing the document cannot
   relax them): the engine imports nothing above it, the protocol no builtin and no plugin, core
-  no plugin distribution, and the server imports the runtime's package, none of its modules
+  no plugin distribution, the server imports the runtime's package, none of its modules, and
+  nothing of engine/sched or engine/model, the router nothing of the server
   (that the runtime and the role extensions use the scheduler's public surface only, and
   write no request's pages: tests/test_scheduler_seams.py).
 """
@@ -203,6 +204,19 @@ def test_the_server_imports_no_scheduler_and_no_model() -> None:
            if any(imp == b or imp.startswith(b + ".") for b in below)]
     _check(bad, "the server imports engine/sched or engine/model (requests and grammars: "
                 "pdcore.messages, pdcore.constrained; the model's files: pdcore.runtime):")
+
+
+def test_the_grammar_spec_is_pure_python() -> None:
+    """#46: the HTTP process checks a request's grammar with `constrained.spec` and must not
+    load xgrammar or torch for it (they belong to the scheduler process's `constrained.backend`):
+    the spec imports the standard library, `errors` and `messages` only."""
+    import sys
+
+    spec = "pdcore.constrained.spec"
+    bad = [(spec, imp, line) for line, imp in imports()[spec]
+           if not (imp.split(".")[0] in sys.stdlib_module_names or imp == "__future__"
+                   or imp.startswith(("pdcore.errors", "pdcore.messages")))]
+    _check(bad, "constrained/spec.py imports beyond the standard library, errors and messages:")
 
 
 def test_the_server_uses_the_runtime_through_its_package_only() -> None:
