@@ -49,7 +49,7 @@ class RoleExtension(Extension):
 
     def _agree(self, reqs: list[Req], **kw: Any) -> Agreed:
         """Poll states (and counts) of these requests' rooms, agreed by every TP rank."""
-        return poll_all(self.mgr, [r.disagg.room for r in reqs], self.sched.tp, **kw)
+        return poll_all(self.mgr, [r.disagg.room for r in reqs], self.sched.tp_group, **kw)
 
     def _admit_ready(self, agreed: Agreed, queue: list[Req],
                      ready: Callable[[Req], bool]) -> None:

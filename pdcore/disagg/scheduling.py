@@ -47,7 +47,7 @@ def make_extension(args: ServerArgs, kv: KVCache, sched: Scheduler
     from pdcore.plugins.default_backend import resolve_transfer_backend
 
     backend = resolve_transfer_backend(args)
-    tp = api.tp  # every TP rank runs its own manager for the heads it holds
+    tp = api.tp_group  # every TP rank runs its own manager for the heads it holds
     if args.disaggregation_mode == "prefill":
         from pdcore.disagg.prefill import PrefillKVManager
         from pdcore.disagg.prefill.sched import PrefillExtension

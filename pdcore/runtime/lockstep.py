@@ -49,7 +49,7 @@ class Lockstep:
         from pdcore.engine.sched.runtime_api import RuntimeAPI
 
         self.sched: RuntimeAPI = RuntimeAPI(engine.scheduler)  # its public surface, no fields
-        self.tp: TPInfo = self.sched.tp
+        self.tp: TPInfo = self.sched.tp_group
         from pdcore.engine.parallel.dp_attention import sync_for
 
         # --enable-dp-attention: the DP ranks step together (pdcore.engine.parallel.dp_attention)

@@ -139,7 +139,7 @@ class SchedulerLoop:
                 timeout = GRAMMAR_POLL_MS
             else:  # only PD queues waiting on the network: do not spin (with TP every
                 # iteration costs collectives on every rank, so wait a little longer)
-                timeout = PD_WAIT_MS if self.sched.tp.size == 1 else PD_WAIT_TP_MS
+                timeout = PD_WAIT_MS if self.sched.tp_group.size == 1 else PD_WAIT_TP_MS
             self.busy = self.busy or timeout != IDLE_POLL_MS
             if poller.poll(timeout):
                 while True:

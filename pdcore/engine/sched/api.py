@@ -78,7 +78,8 @@ class SchedulerAPI:
         return self._s.cfg.max_running
 
     @property
-    def tp(self) -> TPInfo:
+    def tp_group(self) -> TPInfo:
+        """The TP group this scheduler's ranks form (an extension agrees on its states over it)."""
         return self._s.tp
 
     def now(self) -> float:

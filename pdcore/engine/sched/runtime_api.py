@@ -95,7 +95,8 @@ class RuntimeAPI:
             self._s.spec.ratio = ratio
 
     @property
-    def tp(self) -> TPInfo:
+    def tp_group(self) -> TPInfo:
+        """The TP group whose ranks run this scheduler in lockstep."""
         return self._s.tp
 
     @property
