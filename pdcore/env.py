@@ -234,6 +234,10 @@ class Secrets(Group):
         "this user's live prefill servers on this host announced: by default yes without a "
         "cluster secret (the seed commands behind sglang-router) and no with one (every route "
         "signed); `0` or `1` decides for both", shown="1 without a cluster secret, 0 with one")
+    pdserve_disaggregation_notify_refused = Var(
+        True, not_zero, "`0`: a decode server that refuses an unsigned route no longer tells "
+        "the prefill server it names (`POST /refused` on its bootstrap port; that room then "
+        "ends at the claim timeout)")
     pdserve_disaggregation_auth_token_file = _as_is(
         "a file holding the cluster secret (Kubernetes mounts it so)")
     pdserve_admin_api_key: Var[str | None] = Var(

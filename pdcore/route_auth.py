@@ -277,6 +277,9 @@ class RouteGuard:
         self._spent: OrderedDict[str, float] = OrderedDict()  # used signature -> its expiry
         self._lock = threading.Lock()
         self.refused = 0
+        # on_refused(host, port, room, why) for each unsigned route refused: a decode server
+        # tells the prefill server it names (route_refusal.RefusalNotifier.notify)
+        self.on_refused: Callable[[str, int, int | None, str], object] | None = None
 
     def _spend(self, sig: str) -> str:
         """A signature is good for one request on this server: '' the first time, why not
@@ -339,6 +342,8 @@ class RouteGuard:
         if why:
             with self._lock:
                 self.refused += 1
+            if self.on_refused is not None and not sig:
+                self.on_refused(host, default_port if port is None else port, room, why)
         return why
 
     def _why(self, room: int | None, host: str, port: int | None, sig: str | None,

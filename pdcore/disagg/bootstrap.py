@@ -11,7 +11,9 @@ Lifecycle (server, one per prefill instance, run by P rank 0 in a daemon thread)
    registered), `GET /route?prefill_dp_rank=D&target_tp_rank=T` -> {rank_ip, rank_port};
 4. D's heartbeat `GET /health` -> 200 "OK"; every answer carries header X-PD-Instance (a new id
    after a restart), and D uses a route only when every answer of one resolution carried the
-   same id;
+   same id; a decode server that refused a route naming this server `POST /refused`s the room
+   (pdcore/route_refusal.py: MACed with a cluster secret) and the KV manager fails it unless a
+   decode server claimed it;
 5. connections are bounded (`netguard.ConnectionGate`): one request per connection, which must
    arrive and be answered within PENDING_DEADLINE_S of the accept, however it trickles (a 408
    and the close after it, counted in `timed_out`; D's heartbeat and the ranks take
@@ -33,18 +35,21 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from pdcore.errors import TransferError
 from pdcore.netguard import PENDING_DEADLINE_S, ConnectionGate, is_loopback
+from pdcore.route_refusal import MAC_HEADER, REFUSED_PATH, parse_notice
 
 log = logging.getLogger(__name__)
 
 INSTANCE_HEADER = "X-PD-Instance"
 SECRET_HEADER = "X-PD-Route-Secret"
 MAX_BODY = 1 << 16  # a rank's registration is a few hundred bytes
+MAX_NOTICE = 4096  # a refusal notice: a room and D's reason
 _408_BODY = json.dumps({"error": f"the request did not arrive within {PENDING_DEADLINE_S:g} s "
                                   "of the connection"}).encode()
 TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
@@ -146,6 +151,23 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(404, {"error": f"no prefill rank dp={dp} tp={tp}"})
         return self._reply(200, entry)
 
+    def do_POST(self) -> None:
+        """A decode server's notice that it refused a route naming this server's room."""
+        on_refused = self.server.on_refused
+        if urlsplit(self.path).path != REFUSED_PATH or on_refused is None:
+            return self._reply(404, {"error": "no such route"})
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+            if not 0 < n <= MAX_NOTICE:
+                raise ValueError(f"Content-Length {n} is outside [1, {MAX_NOTICE}]")
+            room, reason = parse_notice(self.rfile.read(n), self.headers.get(MAC_HEADER, ""),
+                                        self.server.token)
+        except PermissionError as e:
+            return self._reply(401, {"error": str(e)})
+        except ValueError as e:  # json.JSONDecodeError too
+            return self._reply(400, {"error": f"bad refusal notice: {e}"})
+        return self._reply(200, {"room_failed": on_refused(room, reason)})
+
     def do_PUT(self) -> None:
         if urlsplit(self.path).path != "/route":
             return self._reply(404, {"error": "no such route"})
@@ -187,6 +209,7 @@ class _Server(ThreadingHTTPServer):
     token: str | None
     secret: str
     gate: ConnectionGate
+    on_refused: Callable[[int, str], bool] | None
 
     def process_request(self, request: socket.socket,  # type: ignore[override]
                         client_address: tuple) -> None:
@@ -209,11 +232,15 @@ class _Server(ThreadingHTTPServer):
 
 class BootstrapServer:
     def __init__(self, host: str, port: int, auth_token: str | None = None,
-                 route_secret: str = "") -> None:
+                 route_secret: str = "",
+                 on_refused: Callable[[int, str], bool] | None = None) -> None:
+        """`on_refused(room, reason)`: a decode server refused the route of `room` (True: the
+        room failed; None: POST /refused is answered 404)."""
         if not route_secret:
             raise ValueError("BootstrapServer needs the instance's route secret")
         self.host, self._port, self.token = host, port, auth_token
         self.route_secret = route_secret
+        self.on_refused = on_refused
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -225,6 +252,7 @@ class BootstrapServer:
                 f"cannot bind the bootstrap server on {self.host}:{self._port} ({e}); pick a "
                 f"free --disaggregation-bootstrap-port") from None
         srv.table, srv.token, srv.secret = _Table(), self.token, self.route_secret
+        srv.on_refused = self.on_refused
         srv.gate = ConnectionGate(f"bootstrap {self.host}:{srv.server_address[1]}")
         self._server = srv
         self._thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.2},

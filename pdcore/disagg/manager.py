@@ -60,6 +60,7 @@ class KVManager(ABC):
         self._rooms: dict[int, Any] = {}
         self._peer_faults: set[int] = set()  # failed rooms whose cause is the peer role
         self._client_faults: set[int] = set()  # failed rooms whose request is at fault (409)
+        self._refused_routes: set[int] = set()  # failed rooms whose route decode refused (403)
         self._handlers: Mapping[type, Callable[[Any], None]] = {}  # message type -> handler
         self.ctrl = ControlPlane(args.host, self.token, f"{self.role}{tp_rank}", self._on_message,
                                  self._on_tick, on_foreign=self._on_foreign)
@@ -96,11 +97,17 @@ class KVManager(ABC):
         with self._lock:
             return room in self._client_faults
 
+    def route_refused(self, room: int) -> bool:
+        """True when `room` failed because decode refused its route (route_refusal.py)."""
+        with self._lock:
+            return room in self._refused_routes
+
     def release(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(room, None)
             self._peer_faults.discard(room)
             self._client_faults.discard(room)
+            self._refused_routes.discard(room)
             self.states.remove(room)
         self.xfer.forget(room)
 
@@ -174,6 +181,8 @@ class KVManager(ABC):
             self._peer_faults.add(room)
         if code in wire.CLIENT_FAULTS:
             self._client_faults.add(room)
+        if code == wire.ROUTE_REFUSED:
+            self._refused_routes.add(room)
         self.counters.add("failures")
         self.xfer.failed(room, code, reason)
         self._log.warning("room %d: failed: %s", room, reason)

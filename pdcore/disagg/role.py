@@ -80,10 +80,14 @@ class RoleExtension(Extension):
 
     def _fail_status(self, room: int) -> int:
         """409 when the room failed because of its request (a copied route, another prompt);
-        502 when the peer role failed it (the router blames that role), else 500."""
+        403 when decode refused its route (as decode answered); 502 when the peer role failed
+        it (the router blames that role), else 500."""
         client = getattr(self.mgr, "client_fault", None)
         if client is not None and client(room):
             return 409
+        refused = getattr(self.mgr, "route_refused", None)
+        if refused is not None and refused(room):
+            return 403
         return 502 if self.mgr.peer_fault(room) else 500
 
     def _end_room(self, req: Req) -> None:

@@ -30,6 +30,7 @@ from pdcore.disagg.states import KVPoll
 from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import KVLayout
 from pdcore.route_auth import control_key
+from pdcore.route_refusal import ROUTE_REFUSED as _ROUTE_REFUSED
 
 # 2: TransferInfo carries the prompt prefix decode already holds (prefix_pages, prefix_digest)
 # 3: messages are MACed (never the secret itself); Hello/HelloAck; the model fingerprint
@@ -175,6 +176,8 @@ PAIRING_REFUSED = "pairing_refused"
 ROOM_CLAIMED = "room_claimed"
 # Status.code: decode's prompt is not the prompt prefill has for the room: nothing moves
 PROMPT_MISMATCH = "prompt_mismatch"
+# not sent: P's record that decode refused the room's route (its notice, route_refusal.py): 403
+ROUTE_REFUSED = _ROUTE_REFUSED
 # the codes that mean the request (its copied route or its prompt) is at fault: 409, not 5xx
 CLIENT_FAULTS = frozenset({ROOM_CLAIMED, PROMPT_MISMATCH})
 

@@ -33,6 +33,7 @@ from pdcore.edge.limits import install_limits
 from pdcore.messages.io import GenerateReq, SamplingParams
 from pdcore.route_auth import SERVER_ID_HEADER, RouteGuard
 from pdcore.runtime import EngineError, EngineHandle, SchedulerTarget, make_engine
+from pdcore.route_refusal import RefusalNotifier
 from pdcore.server import (
     admin_routes,
     native_routes,
@@ -111,6 +112,8 @@ def create_app(args: ServerArgs, *, engine: EngineHandle | None = None,
             starter.cancel()
             await asyncio.gather(starter, return_exceptions=True)
             tracing.shutdown()  # the spans still queued go out
+            if app.state.refusal_notifier is not None:
+                await asyncio.to_thread(app.state.refusal_notifier.close)
 
     if args.enable_trace:  # OpenTelemetry (edge/tracing.py)
         tracing.setup(f"pdserve-{metrics_engine_type(args)}", args.otlp_traces_endpoint)
@@ -126,6 +129,14 @@ def create_app(args: ServerArgs, *, engine: EngineHandle | None = None,
         args.disaggregation_auth_token, args.disaggregation_trusted_prefill,
         args.disaggregation_bootstrap_port if args.disaggregation_mode == "prefill" else None,
         decode_id=args.server_id if args.disaggregation_mode == "decode" else None)
+    app.state.refusal_notifier = None
+    if args.disaggregation_mode == "decode":  # tell P at once when a route is refused
+        notices = app.state.metrics.refusal_notices
+        notifier = RefusalNotifier.from_env(args.disaggregation_auth_token,
+                                            lambda result: notices.labels(result).inc())
+        if notifier is not None:
+            app.state.route_guard.on_refused = notifier.notify
+            app.state.refusal_notifier = notifier
     install_error_handlers(app)
     install_limits(app)
 

@@ -116,6 +116,12 @@ class ServerMetrics:
         self.routes_refused = Counter(
             "pdserve_routes_refused", "PD requests refused with 403: their route was neither "
             "signed nor to a trusted prefill address (pdcore.route_auth)", registry=r)
+        self.refusal_notices = Counter(
+            "pdserve_route_refusal_notices", "Notices of a refused route sent to the prefill "
+            "server it names, by result: sent, failed (not delivered), dropped (queue full), "
+            "skipped (not a prefill server announced on this host: never contacted) "
+            "(pdcore.route_refusal)", ["result"],
+            registry=r)
         self.stats_collector = StatsCollector(
             {"model_name": model_name, "engine_type": engine_type, "tp_rank": str(tp_rank),
              "pp_rank": "0"}, self.generation_tokens.throughput)

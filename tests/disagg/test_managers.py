@@ -23,6 +23,7 @@ from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, UNBOUNDED_PAGES
 from pdcore.disagg.decode import DecodeKVManager
 from pdcore.disagg.prefill import PrefillKVManager
 from pdcore.disagg.states import KVPoll
+from pdcore.route_refusal import RefusalNotifier
 
 ROW = AuxRow(room=0, first_token_id=42, logprob=-0.25, top_ids=(42, 3), top_logprobs=(-0.25, -3.0),
              cached_tokens=2, prompt_tokens=13)
@@ -159,6 +160,39 @@ def test_a_flood_of_claims_is_capped_and_evicts_the_oldest(pd):
     assert len(s.p._pending) == 12 and s.p.metrics()["pending_evicted"] == 19
     s.p.add(301)
     wait_for(lambda: s.d.poll(301) == KVPoll.WaitingForInput, what="P confirmed the room")
+
+
+def test_a_refused_route_fails_the_unclaimed_room_at_once(pd):
+    """Issue 45 item 6: a decode server that refused a route tells this host's prefill server
+    (POST /refused on its bootstrap port, what D's HTTP edge sends): P fails the room at once
+    (403, code route_refused), also one it adds only after the notice; a room a decode server
+    claimed goes on, and a notice without the cluster secret's MAC changes nothing."""
+    s = pd(p_env={"PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT": "30"}, p_token="k", d_token="k")
+    tell, forger = RefusalNotifier("k"), RefusalNotifier("not the secret")
+    try:
+        s.p.add(11)
+        assert tell.notify("127.0.0.1", s.port, 11, "the route is not trusted here")
+        wait_for(lambda: s.p.poll(11) == KVPoll.Failed, timeout=5, what="P failed room 11")
+        why = s.p.failure_reason(11)
+        assert "decode refused this request's route (route_refused)" in why, why
+        assert "the route is not trusted here" in why and s.p.route_refused(11)
+        assert tell.notify("127.0.0.1", s.port, 12, "refused before P added it")
+        wait_for(lambda: tell.counts["sent"] == 2, timeout=5, what="the second notice")
+        s.p.add(12)
+        assert s.p.poll(12) == KVPoll.Failed and "refused before" in s.p.failure_reason(12)
+        s.d.add(13, "127.0.0.1", s.port)  # claimed: bound to this decode server
+        s.p.add(13)
+        wait_for(lambda: s.d.poll(13) == KVPoll.WaitingForInput, what="P confirmed room 13")
+        s.p.add(14)
+        assert tell.notify("127.0.0.1", s.port, 13, "a copied route another D refused")
+        assert forger.notify("127.0.0.1", s.port, 14, "forged")
+        wait_for(lambda: tell.counts["sent"] == 3 and forger.counts["sent"] == 1, timeout=5,
+                 what="the notices for rooms 13 and 14")
+        assert s.p.poll(13) != KVPoll.Failed and s.p.poll(14) != KVPoll.Failed
+        assert s.p.metrics()["refused_rooms"] == 2 and not s.p.metrics().get("unclaimed_rooms")
+    finally:
+        tell.close()
+        forger.close()
 
 
 def test_out_of_range_page_fails_and_writes_nothing(pd):

@@ -5,7 +5,10 @@ D sends a Claim for a room when it admits the request: P binds the room to that 
 no page before that, so a request sent to D alone never holds D's pool. A Claim or
 TransferInfo from another decode server for a bound room (a copied route) gets Status(Failed,
 ROOM_CLAIMED) and nothing else: the room goes on. A room no decode server claims within the
-claim timeout fails (PrefillKVManager._on_tick): D refused its route or never got it.
+claim timeout fails (PrefillKVManager._on_tick): D refused its route or never got it. A decode
+server that refused the route says so at once (`POST /refused` on the bootstrap port,
+pdcore/route_refusal.py): an unclaimed room then fails with code route_refused (P answers 403
+with D's reason), before P added it too; a claimed room goes on (it is its decode server's).
 
 What P keeps for rooms it has no request for yet (Pending: claims, early pages) is bounded
 (rooms.PendingTable): MAX_PENDING_PER_PEER per decode server, MAX_PENDING in all, the oldest
@@ -24,6 +27,7 @@ from typing import Any
 from pdcore.disagg import wire
 from pdcore.disagg.prefill.rooms import Pending, PendingTable, RoomState
 from pdcore.disagg.states import KVPoll
+from pdcore.route_refusal import DECODE_REFUSED
 
 log = logging.getLogger("pdcore.disagg.prefill")
 MAX_CLAIMS = 64  # D ranks a room waits to confirm before P has it (one per rank of one D)
@@ -32,6 +36,7 @@ MAX_CLAIMS = 64  # D ranks a room waits to confirm before P has it (one per rank
 # at most its running requests at once, far below either bound
 MAX_PENDING_PER_PEER = 2048
 MAX_PENDING = 8192
+REFUSALS_PEER = "(refused routes)"  # the pending table's quota for early refusal notices
 
 
 class RoomClaims:
@@ -106,3 +111,26 @@ class RoomClaims:
         """The decode server of a D session name (host/server id/rank/...)."""
         parts = session.split("/")
         return parts[1] if len(parts) > 2 else session
+
+    def _on_route_refused(self, room: int, reason: str) -> bool:
+        """A decode server refused this room's route (bootstrap thread): fail the room now
+        unless a decode server claimed it; a room P has not added yet fails when it is.
+        True when the room failed (or will, once added)."""
+        why = f"{DECODE_REFUSED}: {reason}"
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                if room in self._tombstones:
+                    return False
+                # refusals share one quota of the pending table (its oldest go first)
+                p = self._pending.get(room) or self._open_pending(room, REFUSALS_PEER)
+                if p.decode_id or p.claims or p.dests:  # a decode server has it
+                    return False
+                p.failure, p.failure_code = p.failure or why, p.failure_code or wire.ROUTE_REFUSED
+            elif r.fake or r.claimed or self.states.get(room) is not KVPoll.Bootstrapping:
+                return False
+        self.counters.add("refused_rooms")
+        log.warning("room %d: %s", room, why)
+        if r is not None:
+            self._fail(room, why, wire.ROUTE_REFUSED)
+        return True

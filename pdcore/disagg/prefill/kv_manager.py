@@ -99,7 +99,8 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
         if self.tp_rank == 0 and self.args.dp_rank == 0:  # one per server, every replica's
             self.bootstrap = BootstrapServer(self.args.host,
                                              self.args.disaggregation_bootstrap_port,
-                                             self.token, self.route_secret)
+                                             self.token, self.route_secret,
+                                             on_refused=self._on_route_refused)
             self.bootstrap.start()
             # loopback routes to this port are trusted by this user's decode servers here
             self.announced = announce_local_prefill(self.bootstrap.port)
@@ -156,7 +157,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
                 for addr in [] if pending.failure else pending.claims:  # D waits for this
                     self.ctrl.send(addr, wire.Claimed(room=room, rank=self.tp_rank))
                 if pending.failure:
-                    self._fail(room, pending.failure)
+                    self._fail(room, pending.failure, pending.failure_code)
                 else:
                     self._maybe_ready(r)
         log.debug("room %d: added", room)

@@ -56,6 +56,7 @@ class Pending:
     dests: dict[str, Dest] = field(default_factory=dict)
     required: int = 1
     failure: str = ""
+    failure_code: str = ""  # e.g. route_refused: decode refused the route before P added it
     decode_id: str = ""
     claims: list[str] = field(default_factory=list)  # D ranks (ctrl addrs) awaiting Claimed
     peer: str = ""  # the decode server whose message opened it (PendingTable's quota)
