@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdcore.edge import tracing
 from pdcore.errors import InvalidRequestError
 from pdcore.messages.codes import ErrorCode, code_of
+from pdcore.route_refusal import DECODE_REFUSED
 from pdcore.router.config import RouterConfig
 from pdcore.router.merge import (
     EchoSSEMerger,
@@ -73,6 +74,7 @@ from pdcore.router.workers import Worker, WorkerRegistry
 log = logging.getLogger("pdcore.router.proxy")
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+DECODE_REFUSED_BYTES = DECODE_REFUSED.encode()  # in P's 403 when decode refused the route
 FORWARD_HEADERS = ("authorization", "x-request-id", "x-correlation-id")
 _KIND = {408: "timeout", 429: "rate_limited", 500: "internal_error", 502: "bad_gateway",
          503: "unavailable", 504: "timeout"}
@@ -178,7 +180,8 @@ class Proxy:
         self._rng = rng or random.Random()
         # set by the router when it registers prefill addresses with decode workers (it has
         # no cluster secret to sign routes with): re-registers with one that refused a route
-        self.on_route_refused: Callable[[Worker], Awaitable[object]] | None = None
+        # True: D was told the prefill addresses again (retry); False: it could not be
+        self.on_route_refused: Callable[[Worker], Awaitable[bool]] | None = None
         # before a route goes to a decode worker: make sure it trusts our prefill workers
         # (peering.TrustSync.ensure; None when the router signs its routes)
         self.before_decode: Callable[[Worker], Awaitable[object]] | None = None
@@ -316,7 +319,10 @@ class Proxy:
                     log.info("client went away before the response started; aborting both legs")
                     return Failure(CLIENT_GONE, "client_disconnected", "client disconnected",
                                    retriable=False)
-                if p_task.done() and not p_task.result().ok:
+                if p_task.done() and not p_task.result().ok and not (
+                        p_task.result().status == 403 and
+                        DECODE_REFUSED_BYTES in p_task.result().body):
+                    # (P's 403 saying D refused the route: D's own answer decides, below)
                     # D's whole answer, or a stream that is past its first event, came without
                     # needing P's answer; before that, D waits for KV that will never come
                     d_ok = d_task.done() and d_task.exception() is None and leg.ok and (
@@ -332,10 +338,11 @@ class Proxy:
                                        f"decode worker {d.url} failed: {exc}", retriable=True)
                     if not leg.ok:
                         if leg.status == 403 and self.on_route_refused is not None and \
-                                code_of(leg.body) == ErrorCode.ROUTE_REFUSED:
-                            # D lost the prefill addresses we told it (it restarted): tell it
-                            # again and retry; nobody's fault, no circuit counts it
-                            await self.on_route_refused(d)
+                                code_of(leg.body) == ErrorCode.ROUTE_REFUSED and \
+                                await self.on_route_refused(d):
+                            # D lost the prefill addresses we told it (it restarted): we told
+                            # it again, retry; nobody's fault, no circuit counts it. When D
+                            # cannot be told (no admin key), its 403 and reason go to the client
                             self._metrics.worker_error("decode", "route_refused")
                             return Failure(503, "route_refused", f"decode worker {d.url} did "
                                            "not trust the route yet", retriable=True)

@@ -23,6 +23,7 @@ import zmq
 from pdcore.disagg.control import MAX_PEERS, ControlPlane
 from pdcore.route_auth import SERVER_ID_HEADER, body_digest, route_key, sign_route
 from pdcore.testing.greedy import check_greedy, hf_greedy
+from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import ADMIN_HEADERS, PDCluster, ServerProcess, free_port
 from pdcore.testing.tiny_models import make_tiny_model
 
@@ -349,17 +350,17 @@ def test_seed_commands_serve_behind_sglang_router_as_written(model_dir, outsider
     flag: P announces its bootstrap port to this user's servers on this host, D trusts that
     loopback address. The client-named route stays closed: a loopback port nobody announced
     and a non-loopback address are refused (403) and never contacted. With the loopback
-    default off (as across hosts without a secret or trust list), the refused route answers
-    the client with decode's reason once P's claim timeout fires on each of sglang-router's
-    attempts, never a hang."""
+    default off (D then trusts no route, as across hosts without a secret or trust list), a
+    refused route answers the client with decode's reason at once, behind sglang-router and
+    behind pdserve's router: D tells P (its prefill server on this host), P fails the room
+    and answers, so nothing waits for P's claim timeout (5 s; sglang-router tried 5 times:
+    26 s before) and P holds no room afterwards."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    fast = {"PDSERVE_DISAGGREGATION_CLAIM_TIMEOUT": "1"}
     bport = free_port()
     p = ServerProcess("--model-path", model_dir, "--disaggregation-mode", "prefill",
-                      "--disaggregation-bootstrap-port", str(bport), *FLAGS, env=fast)
-    d = ServerProcess("--model-path", model_dir, "--disaggregation-mode", "decode", *FLAGS,
-                      env=fast)
+                      "--disaggregation-bootstrap-port", str(bport), *FLAGS)
+    d = ServerProcess("--model-path", model_dir, "--disaggregation-mode", "decode", *FLAGS)
     procs = [p, d]
     try:
         p.wait_healthy(300)
@@ -384,15 +385,37 @@ def test_seed_commands_serve_behind_sglang_router_as_written(model_dir, outsider
         assert outsider.connections == 0
         d.stop()  # the same decode server, multi-host style: no loopback default
         d = ServerProcess("--model-path", model_dir, "--disaggregation-mode", "decode", *FLAGS,
-                          port=d.port, env={**fast, "PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL": "0"})
+                          port=d.port, env={"PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL": "0"})
         procs.append(d)
         d.wait_healthy(300)
-        started = time.monotonic()
-        r = httpx.post(router.url + "/generate", json=ROUTES["/generate"], timeout=120)
-        took = time.monotonic() - started
-        assert r.status_code >= 400 and "neither signed nor" in r.text, r.text
-        assert took < 30, took  # sglang-router's attempts each end at P's 1 s claim timeout
-        print(f"refused route answered in {took:.1f}s through sglang-router")
+        ours = ServerProcess(  # no admin key: it cannot register P with D, D keeps refusing
+            "--pd-disaggregation", "--prefill", p.url, str(bport), "--decode", d.url,
+            command=("-m", "pdcore.router"), admin_key=None)
+        procs.append(ours)
+        ours.wait_healthy(120)
+        took = {}
+        for name, url, stream in (("sglang-router", router.url, False),
+                                  ("sglang-router stream", router.url, True),
+                                  ("pdserve router", ours.url, False)):
+            started = time.monotonic()
+            r = httpx.post(url + "/generate", json={**ROUTES["/generate"], "stream": stream},
+                           timeout=120)
+            took[name] = round(time.monotonic() - started, 2)
+            assert r.status_code >= 400 and "neither signed nor" in r.text, (name, r.text)
+            assert took[name] < 5, took  # under P's one claim timeout (5 s)
+        assert r.status_code == 403, r.text  # ours passes decode's answer on
+        print(f"refused route answered in {took} s")
+        deadline = time.monotonic() + 30
+        while True:  # every room P had ended on decode's notice, none at the claim timeout
+            m = {line.split()[0]: float(line.split()[-1]) for line in httpx.get(
+                p.url + "/metrics", timeout=10).text.splitlines()
+                if line.startswith("pdserve_scheduler_kv_")}
+            if m.get("pdserve_scheduler_kv_refused_rooms_total", 0) >= 7 and \
+                    load_at_rest(httpx.get(p.url + "/get_load", timeout=10).json()[0]):
+                break
+            assert time.monotonic() < deadline, m
+            time.sleep(0.2)
+        assert not m.get("pdserve_scheduler_kv_unclaimed_rooms_total"), m
     finally:
         for s in procs:
             s.stop()
