@@ -31,6 +31,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # make pdserve_testing
 
 from pdserve_testing import ServerProcess, build_tiny_llama, smollm2_gguf_path
 
+# Tests call real servers on a shared 2-core CI machine, where a generate call can outlast
+# httpx's 5 s default timeout (test_flags' keyed /generate did at load ~18). A call that names
+# no timeout gets 60 s: a liveness bound, not a latency claim. Calls that name one keep it.
+LIVENESS_TIMEOUT_S = 60.0
+
+
+def _with_liveness_timeout(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("timeout", LIVENESS_TIMEOUT_S)
+        return fn(*args, **kwargs)
+    return call
+
+
+def _patch_httpx_defaults() -> None:
+    import httpx
+
+    for name in ("request", "get", "post", "put", "patch", "delete", "head", "options",
+                 "stream"):
+        setattr(httpx, name, _with_liveness_timeout(getattr(httpx, name)))
+    for cls in (httpx.Client, httpx.AsyncClient):
+        cls.__init__ = _with_liveness_timeout(cls.__init__)  # type: ignore[method-assign]
+
+
+_patch_httpx_defaults()
+
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
