@@ -65,3 +65,44 @@ def make_w8a8_model(src: str, dst: str) -> str:
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(cfg, fh, indent=1)
     return dst
+
+
+def fake_quant_rows(x):  # type: ignore[no-untyped-def]
+    """x quantized per row as the W8A8 layers quantize their input (engine/model/quant.py:
+    symmetric, max|x| / 127, round half to even, [-127, 127]) and de-quantized again: the float
+    reference of the int8 math."""
+    import torch
+
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    return (torch.round(xf / scale).clamp(-127, 127) * scale).to(x.dtype)
+
+
+def w8a8_reference(w8a8: str, float_src: str):  # type: ignore[no-untyped-def]
+    """transformers' model of `float_src`'s config with the W8A8 checkpoint's weights
+    de-quantized (w_q * s_w, float32) and every quantized projection's input fake-quantized per
+    token (`fake_quant_rows`): the same quantized math in float arithmetic, for greedy
+    comparisons."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(float_src)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    sd = load_file(os.path.join(w8a8, "model.safetensors"))
+    state = {}
+    for key, t in sd.items():
+        if key.endswith(".weight_scale"):
+            continue
+        if t.dtype == torch.int8:
+            t = t.float() * sd[key[: -len("weight")] + "weight_scale"].float().reshape(-1, 1)
+        state[key] = t
+    missing, _ = model.load_state_dict(state, strict=False)
+    assert all(k == "lm_head.weight" for k in missing), missing
+    if "lm_head.weight" in missing:
+        model.tie_weights()
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in PROJECTIONS:
+            mod.register_forward_pre_hook(lambda _m, args: (fake_quant_rows(args[0]),))
+    return model

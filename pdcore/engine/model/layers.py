@@ -22,6 +22,7 @@ from torch import nn
 
 from pdcore.env import ENV, Env
 from pdcore.engine.cpu_features import gemm_layout_setting
+from pdcore.engine.model.quant import Int8Weight, scale_of
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span, span  # the split rule P and D share
 
@@ -231,10 +232,13 @@ def choose_layout(weight: torch.Tensor, panels: torch.Tensor, onednn: torch.Tens
 
 
 def weight_layouts(model: nn.Module) -> dict[str, int]:
-    """How many of `model`'s GEMM weights sit in each layout: panels, oneDNN's, or plain (not
-    packed), counting every linear layer and an lm_head (for logs and /metrics)."""
-    out = {"panels": 0, "onednn": 0, "plain": 0}
-    packed = [m.packed for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
+    """How many of `model`'s GEMM weights sit in each layout: panels, oneDNN's, plain (not
+    packed) or int8 (W8A8), counting every linear layer and an lm_head (for logs and
+    /metrics)."""
+    out = {"panels": 0, "onednn": 0, "plain": 0, "int8": 0}
+    linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
+    out["int8"] = sum(m.int8 is not None for m in linears)
+    packed = [m.packed for m in linears if m.int8 is None]
     if hasattr(model, "lm_head_packed"):
         packed.append(model.lm_head_packed)
     for p in packed:
@@ -294,7 +298,7 @@ def pack_linears(module: nn.Module) -> None:
     """Pack the weight of every ColumnLinear/RowLinear under `module` (where available); the
     packed weight replaces the original."""
     for m in module.modules():
-        if isinstance(m, (ColumnLinear, RowLinear)):
+        if isinstance(m, (ColumnLinear, RowLinear)) and m.int8 is None:
             m.weight, m.packed = pack_in_place(m.weight)
 
 
@@ -335,13 +339,22 @@ class ColumnLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # see pack_linears
+        self.int8: Int8Weight | None = None  # a W8A8 checkpoint's int8 weight (quant.py)
 
     def load(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
-        self.weight.copy_(torch.cat([w[a : a + n] for w, (a, n) in zip(weights, self.shards)], 0))
+        rows = [w[a : a + n] for w, (a, n) in zip(weights, self.shards)]
+        if rows[0].dtype == torch.int8:  # W8A8 (engine/model/quant.py): kept int8 with its scales
+            self.int8 = Int8Weight(torch.cat(rows, 0), torch.cat(
+                [scale_of(w)[a : a + n] for w, (a, n) in zip(weights, self.shards)]))
+            self.weight = nn.Parameter(self.int8.q, requires_grad=False)
+        else:
+            self.weight.copy_(torch.cat(rows, 0))
         if self.bias is not None and biases is not None:
             self.bias.copy_(torch.cat([b[a : a + n] for b, (a, n) in zip(biases, self.shards)], 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(x, self.bias)
         return linear(x, self.weight, self.bias, self.packed)
 
 
@@ -357,13 +370,19 @@ class RowLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.shard[1]), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # see pack_linears
+        self.int8: Int8Weight | None = None  # a W8A8 checkpoint's int8 weight (quant.py)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         a, n = self.shard
-        self.weight.copy_(weight[:, a : a + n])
+        if weight.dtype == torch.int8:  # W8A8: each rank's partial sum is dequantized, then reduced
+            self.int8 = Int8Weight(weight[:, a : a + n], scale_of(weight))
+            self.weight = nn.Parameter(self.int8.q, requires_grad=False)
+        else:
+            self.weight.copy_(weight[:, a : a + n])
         if self.bias is not None and bias is not None:
             self.bias.copy_(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
+        y = self.tp.all_reduce(self.int8(x) if self.int8 is not None
+                               else linear(x, self.weight, None, self.packed))
         return y + self.bias if self.bias is not None else y

@@ -18,7 +18,9 @@ import torch
 from pdcore.engine.model import deepseek, llama, mimo, mixtral, qwen_moe
 from pdcore.engine.model.gguf_cache import converted
 from pdcore.engine.model.hf_config import read_plain_config
+from pdcore.engine.model import quant_config
 from pdcore.engine.model.layers import TPInfo
+from pdcore.engine.model.quant import Int8Checkpoint
 from pdcore.engine.model.tokenizer import ResolvedModel, resolve_model
 from pdcore.engine.model.weights import SafetensorsWeights
 from pdcore.errors import ConfigError, ModelLoadError
@@ -122,6 +124,36 @@ def _hf_state_dict(resolved: ResolvedModel, cfg: Any, load_format: str,
         raise ModelLoadError(f"cannot load weights from {resolved.display_path}: {e}") from e
 
 
+def _quantization(resolved: ResolvedModel, cfg: Any, load_format: str) -> str | None:
+    """The checkpoint's quantization (quant_config.py; the server checked it against
+    --quantization at start-up): ConfigError for a format pdserve does not run; W8A8 int8 only
+    for the dense Llama families (their linear layers take int8 weights)."""
+    if load_format == "dummy" or resolved.gguf_file is not None:
+        return None
+    name = quant_config.resolve(None, quant_config.detect(resolved.path, None),
+                                resolved.display_path)
+    arch = cfg.architectures[0]
+    if name == "w8a8_int8":
+        if MODEL_CLASSES[arch] is not llama.LlamaForCausalLM:
+            raise ConfigError(f"{resolved.display_path}: w8a8_int8 is built for the dense Llama "
+                              f"families ({', '.join(llama.SUPPORTED_ARCHS)}); {arch} is not "
+                              "yet (its MoE / MLA layers take float weights only)")
+        log.info("quantization w8a8_int8 (compressed-tensors W8A8 int8): the decoder's linear "
+                 "weights stay int8 with per-output-channel scales, activations are quantized "
+                 "per token at run time, int8 x int8 -> int32 GEMMs (torch._int_mm)")
+    return name
+
+
+def _check_int8_loaded(sd: Int8Checkpoint, resolved: ResolvedModel) -> None:
+    """Every int8 weight of the checkpoint went to an int8 linear layer (one read by anything
+    else would have been taken as float values)."""
+    missed = sorted(sd.int8_weight_names() - sd.int8_names)
+    if missed:
+        raise ModelLoadError(f"{resolved.display_path}: int8 weights this model does not load "
+                             f"as W8A8 linear layers: {', '.join(missed[:4])}"
+                             f"{' ...' if len(missed) > 4 else ''}")
+
+
 def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                tp: TPInfo | None = None, trust_remote_code: bool = False,
                load_format: str = "auto", *, overrides: dict[str, Any] | None = None
@@ -141,12 +173,16 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     log.info("loading %s (%s) as %s%s", resolved.display_path, cfg.architectures[0], dtype,
              " with random weights (--load-format dummy)" if load_format == "dummy" else "")
     sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)
+    if _quantization(resolved, cfg, load_format) == "w8a8_int8":
+        sd = Int8Checkpoint(sd)
     model = MODEL_CLASSES[cfg.architectures[0]](cfg, tp)
     try:
         model.load_hf_state_dict(sd)
     except KeyError as e:
         raise ModelLoadError(f"{resolved.display_path} lacks the weight {e} that "
                              f"{cfg.architectures[0]} needs") from e
+    if isinstance(sd, Int8Checkpoint):
+        _check_int8_loaded(sd, resolved)
     # in inference mode like the load: the mapped checkpoint tensors the model adopted are
     # inference tensors, and converting one (bf16) outside it leaves a parameter that fails
     # "Inference tensors do not track version counter" at its first use
@@ -158,7 +194,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
 
         log.info("GEMM weights by layout (PDCORE_GEMM_LAYOUT, chosen by timing at load): %s",
                  ", ".join(f"{n} {k}" for k, n in weight_layouts(model).items() if n))
-    if isinstance(sd, SafetensorsWeights):
+    if isinstance(sd, (SafetensorsWeights, Int8Checkpoint)):
         sd.release_pages()
     del sd  # one copy of the weights from here: ours (prepare_for_inference replaces them)
     trim_heap()

@@ -1,0 +1,120 @@
+"""W8A8 int8 linear layers: the compressed-tensors W8A8 layout (what `--quantization w8a8_int8`
+serves; engine/model/quant_config.py reads it from config.json).
+
+A checkpoint holds, for each decoder projection, `weight` int8 [out, in] and `weight_scale`
+float [out, 1]: symmetric, one scale per output channel, W ~= weight * weight_scale. The weights
+stay int8 in memory (a quarter of float32's bytes). At run time each row (token) of the input is
+quantized on its own, symmetric: s_x = max|x| / 127, x_q = round(x / s_x) clamped to [-127, 127]
+(what vLLM's and SGLang's dynamic per-token kernels compute), then
+
+    y[m, n] = s_x[m] * s_w[n] * sum_k x_q[m, k] * w_q[n, k]   (+ bias)
+
+with the sum an int8 x int8 -> int32 GEMM (exact) and the scales applied after, in float32.
+The GEMM is torch's `_int_mm` (oneDNN/reference int8 kernels); a native AVX-512 VNNI / AVX2
+kernel in engine/native is the next step (#48), and AMX-INT8 where the CPU has it.
+
+`Int8Checkpoint` wraps the checkpoint's mapping so the model's ordinary loading code
+(ColumnLinear.load / RowLinear.load in layers.py) receives each int8 weight with its scale
+attached (`SCALE_ATTR`) and keeps it as an `Int8Weight` instead of a float matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+
+SCALE_ATTR = "pd_weight_scale"  # set on an int8 weight handed out by Int8Checkpoint
+QMAX = 127
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q int8 [M, K], s_x float32 [M, 1]): each row symmetric on its own absolute maximum; a
+    row of zeros gets scale 1 (and all-zero x_q)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    xq = torch.round(xf / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+    return xq, scale
+
+
+class Int8Weight:
+    """One linear layer's int8 weight [N, K] (row n: output feature n) and its float32 scale [N];
+    called on x [..., K] it returns x W^T in x's dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"an int8 weight must be an int8 matrix, got {q.dtype} {tuple(q.shape)}")
+        scale = scale.reshape(-1).float().contiguous()
+        if scale.numel() != q.shape[0]:
+            raise ValueError(f"weight_scale holds {scale.numel()} values for {q.shape[0]} output "
+                             "channels (W8A8 scales are per output channel)")
+        self.q = q.contiguous().clone()  # owned memory: not the checkpoint's mapped file
+        self.qt = self.q.t()  # [K, N] view for _int_mm
+        self.scale = scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] == 0:
+            return x.new_zeros(*lead, self.q.shape[0])
+        xq, xs = quantize_rows(x2)
+        acc = torch._int_mm(xq, self.qt)
+        y = acc.float().mul_(xs).mul_(self.scale)
+        if bias is not None:
+            y.add_(bias.float())
+        return y.to(x.dtype).view(*lead, self.q.shape[0])
+
+    def dequantized(self) -> torch.Tensor:
+        """W = w_q * s_w as float32 [N, K] (references and checks)."""
+        return self.q.float() * self.scale[:, None]
+
+
+def scale_of(weight: torch.Tensor) -> torch.Tensor:
+    """The per-output-channel scale Int8Checkpoint attached to an int8 weight."""
+    scale = getattr(weight, SCALE_ATTR, None)
+    if scale is None:
+        raise ValueError("an int8 weight without its weight_scale: the checkpoint is not in the "
+                         "compressed-tensors W8A8 layout")
+    return scale.reshape(-1)
+
+
+class Int8Checkpoint(Mapping[str, torch.Tensor]):
+    """The checkpoint's tensors by name, each int8 `X.weight` handed out with its
+    `X.weight_scale` attached; everything else as the wrapped mapping has it."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor]) -> None:
+        self.sd = sd
+        self.int8_names: set[str] = set()  # int8 weights handed out (a check that all were used)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.sd[name]
+        if t.dtype == torch.int8 and name.endswith(".weight"):
+            scale_name = name[: -len("weight")] + "weight_scale"
+            if scale_name not in self.sd:
+                raise KeyError(scale_name)
+            t = t.view(t.shape)  # a fresh tensor object to carry the attribute
+            setattr(t, SCALE_ATTR, self.sd[scale_name])
+            self.int8_names.add(name)
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.sd
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sd)
+
+    def __len__(self) -> int:
+        return len(self.sd)
+
+    def release_pages(self) -> int:
+        release = getattr(self.sd, "release_pages", None)
+        return release() if release is not None else 0
+
+    def int8_weight_names(self) -> set[str]:
+        return {n for n in self.sd if n.endswith(".weight") and
+                n[: -len("weight")] + "weight_scale" in self.sd}
