@@ -30,7 +30,7 @@ QUANT_CHOICES = (
     "compressed-tensors", "modelslim", "mxfp_w4a8", "quark", "quark_int4fp8_moe", "quark_mxfp4",
     "mlx_q4", "mlx_q8", "unquant", "humming",
 )
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MOE_A2A_BACKENDS = ("none", "deepep")
 DEEPEP_MODES = ("normal", "low_latency", "auto")

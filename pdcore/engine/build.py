@@ -145,6 +145,10 @@ def seed_everything(seed: int) -> None:
 
 
 def kv_dtype(args: ServerArgs, model_dtype: torch.dtype) -> torch.dtype:
+    from pdcore.engine.kv.fp8 import FP8_KV_DTYPES
+
+    if args.kv_cache_dtype in FP8_KV_DTYPES:
+        return FP8_KV_DTYPES[args.kv_cache_dtype]
     return model_dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype,
                                                                            "cpu")
 
@@ -305,6 +309,10 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     cache_dtype = kv_dtype(args, dtype)
     spec = kv_spec(model, cfg, tp)
     kv_heads, head_dim = spec.kv_heads, spec.head_dim
+    if spec.is_mla and cache_dtype.itemsize == 1:
+        raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype}: FP8 KV pools serve the "
+                          "Llama-family attention; an MLA model (DeepSeek) keeps its latent in "
+                          "auto, float32 or bfloat16")
     per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype,
                                         spec.is_mla)
     model_context = args.context_length or getattr(cfg, "max_position_embeddings", 4096)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdcore.engine.kv.fp8 import dequantize, quantize
 from pdcore.env import ENV, Env
 
 if TYPE_CHECKING:
@@ -113,17 +114,26 @@ class DecodeKV:
         return True
 
     def layer(self, i: int, k_new: torch.Tensor, v_new: torch.Tensor, k_flat: torch.Tensor,
-              v_flat: torch.Tensor, g: DecodeGroup) -> tuple[torch.Tensor, torch.Tensor]:
+              v_flat: torch.Tensor, g: DecodeGroup, *, scales: tuple[float, float] = (1.0, 1.0)
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's K and V of the decode batch as [B, kv_heads, width, head_dim] views, after
-        adding this step's K/V (k_new, v_new: [B, kv_heads, head_dim]; already in the pool)."""
+        adding this step's K/V (k_new, v_new: [B, kv_heads, head_dim]; already in the pool).
+        `scales`: an FP8 pool's K and V scales (the view holds de-quantized values)."""
         kb, vb = self.k[i], self.v[i]
         B, W = kb.shape[0], g.width
         if self.mode == "append":
             # through the pool's dtype: the same numbers a fill would read back
-            kb[self.rows, :, self.cols] = k_new.to(k_flat.dtype).to(kb.dtype)
-            vb[self.rows, :, self.cols] = v_new.to(v_flat.dtype).to(vb.dtype)
+            kb[self.rows, :, self.cols] = _through(k_new, k_flat.dtype, kb.dtype, scales[0])
+            vb[self.rows, :, self.cols] = _through(v_new, v_flat.dtype, vb.dtype, scales[1])
         else:
             shape = (B, W, self.kv_heads, self.head_dim)
-            kb[:, :, :W].copy_(k_flat.index_select(0, g.table).view(shape).transpose(1, 2))
-            vb[:, :, :W].copy_(v_flat.index_select(0, g.table).view(shape).transpose(1, 2))
+            for buf, flat, sc in ((kb, k_flat, scales[0]), (vb, v_flat, scales[1])):
+                rows = flat.index_select(0, g.table).view(shape).transpose(1, 2)
+                buf[:, :, :W].copy_(dequantize(rows, buf.dtype, sc))
         return kb[:, :, :W], vb[:, :, :W]
+
+
+def _through(x: torch.Tensor, pool: torch.dtype, view: torch.dtype, scale: float
+             ) -> torch.Tensor:
+    """x as the pool stores it, read back as the view's dtype."""
+    return dequantize(quantize(x, pool, scale), view, scale)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcore.engine.kv.fp8 import dequantize, is_fp8, store_rows
 from pdcore.engine.model.base import CausalLM
 from pdcore.engine.model.batch import DecodeGroup, ForwardBatch, VerifyGroup
 from pdcore.engine.model.decode_view import DecodeKV
@@ -85,6 +86,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.layer_id = 0  # set by the model: this layer's buffers in the decode K/V view
+        # an FP8 pool's per-layer scales (kv/fp8.py): the checkpoint's k_scale / v_scale, else 1
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -100,7 +103,8 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         else:  # q and k are neighbours in qkv: one rotary over both
-            rope = _native_for("rope_store", qkv)
+            # the fused store writes the compute dtype: an FP8 pool takes the Python store
+            rope = None if is_fp8(k_cache.dtype) else _native_for("rope_store", qkv)
             if rope is not None:  # fused with the pool store, equal to the bit (engine/native)
                 qk = rope(qkv, cos, sin, k_cache, v_cache, batch.out_slots, self.num_heads,
                           self.num_kv_heads, self.head_dim)
@@ -113,8 +117,9 @@ class Attention(nn.Module):
         k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
         if not stored:
-            k_flat.index_copy_(0, batch.out_slots, k.to(k_flat.dtype))  # a row scatter
-            v_flat.index_copy_(0, batch.out_slots, v.to(v_flat.dtype))
+            # a row scatter (FP8: quantized with the layer's scales, kv/fp8.py)
+            store_rows(k_flat, batch.out_slots, k, self.k_scale)
+            store_rows(v_flat, batch.out_slots, v, self.v_scale)
         group = batch.decode_group()
         if group is not None and group.whole:  # a decode-only step: its rows are the pack
             out = self._decode(q, k, v, k_flat, v_flat, group, batch=batch)
@@ -137,8 +142,8 @@ class Attention(nn.Module):
                 # the pool (no gather), and the causal mask is SDPA's own (no mask tensor)
                 ki, vi = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)  # [KVH, ctx, d]
             else:
-                ki = k_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)
-                vi = v_flat[s.ctx_slots].transpose(0, 1).to(q.dtype)
+                ki = dequantize(k_flat[s.ctx_slots].transpose(0, 1), q.dtype, self.k_scale)
+                vi = dequantize(v_flat[s.ctx_slots].transpose(0, 1), q.dtype, self.v_scale)
                 if n > 1:
                     # query i sits at position ctx-n+i and may see keys 0..ctx-n+i
                     qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
@@ -160,8 +165,10 @@ class Attention(nn.Module):
         qb = q.index_select(0, g.rows).view(B, g.qmax, kvh, grp, d).permute(0, 2, 3, 1, 4)
         qb = qb.reshape(B, kvh, grp * g.qmax, d)
         shape = (B, g.width, kvh, d)
-        kb = k_flat.index_select(0, g.table).view(shape).transpose(1, 2).to(q.dtype)
-        vb = v_flat.index_select(0, g.table).view(shape).transpose(1, 2).to(q.dtype)
+        kb = dequantize(k_flat.index_select(0, g.table).view(shape).transpose(1, 2), q.dtype,
+                        self.k_scale)
+        vb = dequantize(v_flat.index_select(0, g.table).view(shape).transpose(1, 2), q.dtype,
+                        self.v_scale)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.grouped_bias(q.dtype, grp),
                                            scale=self.scale)
         o = o.reshape(B, kvh, grp, g.qmax, d).permute(0, 3, 1, 2, 4)  # [B, qmax, KVH, grp, D]
@@ -176,7 +183,8 @@ class Attention(nn.Module):
             return self._decode_attention(q, k_flat, v_flat, g)
         if not g.whole:
             q, k, v = (t.index_select(0, g.rows) for t in (q, k, v))
-        kb, vb = view.layer(self.layer_id, k, v, k_flat, v_flat, g)
+        kb, vb = view.layer(self.layer_id, k, v, k_flat, v_flat, g,
+                            scales=(self.k_scale, self.v_scale))
         return self._grouped_sdpa(q, kb, vb, g)
 
     def _decode_attention(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
@@ -186,8 +194,10 @@ class Attention(nn.Module):
         heads of one KV head go in as that head's "query rows" ([B, KVH, group, D]): no GQA
         expansion, measured 1.3x faster than SDPA's enable_gqa here. Returns [B, H, D]."""
         B, W, kvh, d = len(g.seqs), g.width, self.num_kv_heads, self.head_dim
-        kb = k_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
-        vb = v_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2).to(q.dtype)
+        kb = dequantize(k_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2),
+                        q.dtype, self.k_scale)
+        vb = dequantize(v_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2),
+                        q.dtype, self.v_scale)
         return self._grouped_sdpa(q if g.whole else q.index_select(0, g.rows), kb, vb, g)
 
     def _grouped_sdpa(self, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
@@ -203,6 +213,16 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.bias(qb.dtype),
                                                scale=self.scale)
         return o.reshape(B, self.num_heads, d).to(q.dtype)
+
+
+def _kv_scale(sd: dict[str, torch.Tensor], prefix: str, which: str) -> float:
+    """A layer's FP8 KV scale from the checkpoint (SGLang's names: `k_scale`, compressed-
+    tensors' `k_proj.output_scale`), else 1.0; used only by an FP8 pool."""
+    for name in (f"{which}_scale", f"{which}_proj.output_scale", f"attn.{which}_scale"):
+        t = sd.get(prefix + name)
+        if t is not None:
+            return float(t.float().reshape(-1)[0])
+    return 1.0
 
 
 class MLP(nn.Module):
@@ -359,7 +379,8 @@ class LlamaForCausalLM(CausalLM):
         """The native decode step (engine/native: run_layers fused for the dense layer, equal
         to it to the bit) for a decode-only step through the decode K/V view."""
         group = step.batch.decode_group() if step.view is not None else None
-        if self.native is None or group is None or not group.whole:
+        if self.native is None or group is None or not group.whole \
+                or (step.kv and is_fp8(step.kv[0][0].dtype)):  # it stores the compute dtype
             return None
         self.native_steps += 1
         return self._native_layers(h, step.cos, step.sin, step.kv, step.batch, group,
@@ -386,6 +407,7 @@ class LlamaForCausalLM(CausalLM):
             b = [opt(p + f"self_attn.{n}.bias") for n in names]
             a.qkv.load(w, b if all(x is not None for x in b) else None)
             a.o_proj.load(get(p + "self_attn.o_proj.weight"))
+            a.k_scale, a.v_scale = (_kv_scale(sd, p + "self_attn.", x) for x in "kv")
             if a.qk_norm:
                 a.q_norm.weight.copy_(get(p + "self_attn.q_norm.weight"))
                 a.k_norm.weight.copy_(get(p + "self_attn.k_norm.weight"))

@@ -210,8 +210,10 @@ HELP: dict[str, str] = {
                             "this process may use; bounded spin), a list such as 0-1 (those; "
                             "bounded spin), all or nobind (not bound; passive wait); unset: "
                             "$PDSERVE_CPU_OMP_THREADS_BIND, else auto",
-    "kv_cache_dtype": "KV pool dtype: auto (the model's --dtype), float32, bfloat16; prefill "
-                      "and decode must use the same",
+    "kv_cache_dtype": "KV pool dtype: auto (the model's --dtype), float32, bfloat16, "
+                      "fp8_e4m3 or fp8_e5m2 (one byte a value, scaled by the checkpoint's "
+                      "k_scale/v_scale, else 1.0: twice bf16's tokens, half its PD bytes); "
+                      "prefill and decode must use the same",
     "watchdog_timeout": "seconds a scheduler step may hang before the server exits",
     "ep_size": "expert parallel size: 1 (every TP rank holds a shard of every expert) or "
                "--tp-size (each rank holds whole experts; tokens travel all-to-all)",
