@@ -314,3 +314,42 @@ def test_a_leader_finished_by_its_first_token_leaves_the_pages_to_its_samples(de
     drain(eng, outs)
     assert [outs[f"s7-{j}"]["ids"] for j in range(3)] == [unified(PROMPT_7)[:1]] * 3
     assert pages_at_rest(eng.scheduler)
+
+
+def test_a_cached_prefix_without_an_aux_row_is_given_back_until_one_is_free(tiny_llama_dir):
+    """D with a prefix cache: the prompt's cached prefix is locked before the aux row is asked
+    for; with none free the request waits holding no page (SchedulerAPI.drop_pages: the prefix
+    is unlocked, evictable again), and takes it once a row is free (extend_pages: the rest of
+    the prompt). Aborted while P may write, its prefix goes back at once and the rest is held
+    (take_pages, quarantine) until it expires; then the pool is at rest."""
+    args = ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=256, page_size=4,
+                      disaggregation_mode="decode")
+    eng = LLMEngine(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=256,
+                               page_size=4))
+    try:
+        sched, prompt = eng.scheduler, PROMPT_8 + [31]
+        eng.generate([PROMPT_8 + [41, 42, 43]], greedy())  # caches PROMPT_8's two pages
+        cache = sched.cache
+        assert cache.num_pages >= 2 and cache.evictable() == cache.num_pages
+        aux, mgr = AuxBuffers(eng.engine.kv.pool, 2), StandInP()
+        ext = DecodeExtension(sched, mgr, aux, args)
+        sched.ext = ext
+        taken = [aux.alloc(), aux.alloc()]  # no aux row free
+        eng.lockstep.lead([GenerateReq("d-1", prompt, greedy(),
+                                       route=PDRoute("127.0.0.1", 1, 5))])
+        req = sched.reqs["d-1"]
+        assert req.phase is Phase.HELD and req.pages == [] and 5 not in mgr.dest
+        assert cache.evictable() == cache.num_pages  # the prefix it matched is unlocked
+        aux.free(taken.pop())
+        eng.lockstep.lead([])
+        pages, _ = mgr.dest[5]
+        assert req.disagg.prefix_pages == 2 and pages[:2] == req.pages[:2]
+        assert len(req.pages) == sched.blocks.pages_for(len(prompt))
+        eng.lockstep.lead([AbortReq("d-1", "client went away")])
+        assert ext.stats()["disagg_quarantined_pages"] == len(pages) - 2
+        assert not pages_at_rest(sched)
+        ext.quarantine = [(0.0, p) for _, p in ext.quarantine]
+        eng.lockstep.lead([])
+        assert pages_at_rest(sched)
+    finally:
+        eng.close()
