@@ -92,8 +92,8 @@ def run_engine(args: Any, ps: list[list[int]], batched: bool, sp: Any,
                     for p in ps]
         again = eng.generate(ps[:2], sp, return_logprob=True, top_logprobs_num=top)
         gen_s = _now() - t1
-        stats = eng.scheduler.stats().as_dict()
-        spec = eng.scheduler.spec
+        stats = eng.loop.stats().as_dict()
+        spec = eng.loop.spec
         drafter = getattr(spec, "drafter", None) if spec is not None else None
         return {
             "outs": outs + again, "stats": stats, "at_rest": pages_at_rest(eng.scheduler),

@@ -180,6 +180,37 @@ def test_engine_model_and_kv_import_nothing_of_sched() -> None:
                 "the sampler, the step live above them: hand them tensors or a protocol):")
 
 
+# #46: the step loop (engine/loop.py) owns the scheduler, the runner and the speculator; the
+# scheduler decides what runs and never runs a model or drafts (it reads the runner's results,
+# batch_run.StepResult, as a type only)
+NOT_IN_THE_SCHEDULER = ("pdcore.engine.model.runner",
+                        "pdcore.engine.sched.speculative", "pdcore.engine.sched.eagle",
+                        "pdcore.engine.sched.drafter", "pdcore.engine.loop")
+
+
+def test_the_scheduler_holds_no_runner_and_no_speculator() -> None:
+    bad = [(m, imp, line) for m in ("pdcore.engine.sched.scheduler",)
+           for line, imp in imports()[m] if imp in NOT_IN_THE_SCHEDULER]
+    _check(bad, "the scheduler imports the runner's or the speculator's side (the step loop, "
+                "engine/loop.py, joins them):")
+    tree = ast.parse((PDCORE / "engine" / "sched" / "scheduler.py").read_text())
+    held = [f"line {n.lineno}: self.{n.attr}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "self" and n.attr in ("runner", "spec", "model", "drafter")]
+    assert not held, f"engine/sched/scheduler.py holds the model side: {held}"
+
+
+def test_draft_heads_run_through_the_model_runner() -> None:
+    """#46: "where does the model run?" has one answer: the drafters feed their head's passes
+    to ModelRunner.forward_draft, never call the head module themselves."""
+    bad = []
+    for name in ("eagle.py", "mtp_chain.py", "drafter.py", "speculative.py"):
+        tree = ast.parse((PDCORE / "engine" / "sched" / name).read_text())
+        bad += [f"{name}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) in ("self.head", "head", "self.model")]
+    assert not bad, f"a draft head's pass outside the model runner: {bad}"
+
+
 def test_kv_imports_no_model() -> None:
     """The KV pool and pages sit below the model: the model writes into them, not back."""
     bad = [(m, imp, line) for m in imports() if m.startswith("pdcore.engine.kv")

@@ -38,11 +38,13 @@ from pdcore.constrained.backend import GrammarBackend
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.cache import KVCache, KVSpec
 from pdcore.engine.kv.radix import RadixCache
+from pdcore.engine.loop import StepLoop
 from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model.runner import ModelRunner
 from pdcore.engine.model.source import sampling_defaults
 from pdcore.engine.sched.batch_run import BatchRunner
+from pdcore.engine.sched.extension import ModelSide
 from pdcore.engine.sched.runtime_api import RuntimeAPI
 from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
 from pdcore.engine.sched.speculative import SpecConfig, Speculator
@@ -72,6 +74,7 @@ class Engine:
     blocks: BlockManager
     scheduler: Scheduler
     info: EngineInfo
+    loop: StepLoop  # the step: schedule -> run -> postprocess (engine/loop.py)
 
     def close(self) -> None:
         RuntimeAPI(self.scheduler).close_role()
@@ -203,7 +206,8 @@ def _grammar(args: ServerArgs, cfg: Any, eos: list[int]) -> GrammarBackend:
 
 
 def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None = None,
-                model_dir: str | None = None, kv: KVCache | None = None) -> Speculator | None:
+                model_dir: str | None = None, kv: KVCache | None = None, *,
+                runner: ModelRunner | None = None) -> Speculator | None:
     """Drafts for the servers that decode: NGRAM, EAGLE, EAGLE3 or NEXTN (--speculative-algorithm),
     and jump-forward for constrained requests (the grammar's forced tokens; without TP, where
     the matcher is on the rank that drafts). A prefill server samples one token and drafts
@@ -230,7 +234,7 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
     drafter = None
     if cfg.algorithm in SPEC_HEADS:
         drafter = _head_drafter(args, cfg, model, blocks, model_dir,
-                                kv if args.disaggregation_mode != "null" else None)
+                                kv if args.disaggregation_mode != "null" else None, runner=runner)
     if prefill:
         log.info("%s on a prefill server: the draft head runs over every prompt and its K/V "
                  "travel to decode with the target's", cfg.algorithm)
@@ -242,14 +246,16 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
 
 
 def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockManager | None,
-                  model_dir: str | None, kv: KVCache | None = None):
+                  model_dir: str | None, kv: KVCache | None = None, *,
+                  runner: ModelRunner | None = None):
     """The draft head beside `model`, with its one-layer K/V pool addressed like the target's
     (engine/sched/eagle.py): EAGLE's and EAGLE3's of --speculative-draft-model-path (EAGLE3:
     engine/model/eagle3.py, over three of the target's layers); NEXTN's the MTP layer
     of the target's own checkpoint (`model_dir`) unless that flag names another folder (a
     MiMo's first MTP layer, engine/model/mimo.py); --enable-multi-layer-eagle: a MiMo's N MTP
     layers, one pool each (engine/sched/mtp_chain.py). With
-    `kv` (PD mode) the pool is allocated in the KV cache's memory, one more transfer layer."""
+    `kv` (PD mode) the pool is allocated in the KV cache's memory, one more transfer layer.
+    Its passes run through `runner`, the target's model runner."""
     from pdcore.engine.sched.eagle import HeadDrafter
 
     assert model is not None and blocks is not None
@@ -289,7 +295,8 @@ def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockMa
         head = load_nextn_head(model, source, p.dtype, p.device)
     # TP: every rank holds the head's layer sharded as the target's and runs every pass
     drafter = drafter_class(head, blocks, args.max_running_requests, cfg.max_drafts,
-                            kv.draft_buffer if kv is not None else None, tp=model.tp)
+                            kv.draft_buffer if kv is not None else None, tp=model.tp,
+                            runner=runner)
     log.info("%s draft head %s: %d-token chains; its K/V pool takes %.1f MiB beside the "
              "target's", cfg.algorithm, source, cfg.max_drafts, drafter.pool_bytes / 2**20)
     return drafter
@@ -340,19 +347,19 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     model_runner = ModelRunner(model, kv, blocks, tp)
     runner = BatchRunner(model_runner, _grammar(args, cfg, [e for e in eos if e is not None]))
     speculator = _speculator(args, model, blocks,
-                             None if resolved.gguf_file else resolved.path, kv)
+                             None if resolved.gguf_file else resolved.path, kv, runner=model_runner)
     model_runner.capture_hidden = speculator is not None and speculator.needs_hidden
     # EAGLE3: the residual streams entering its three target layers instead (such steps run
     # the Python layer loop; every other server keeps the native decode loop)
     head = getattr(speculator.drafter, "head", None) if speculator is not None else None
     model_runner.capture_layers = getattr(head, "aux_layers", None)
-    sched = Scheduler(runner, blocks, SchedulerConfig(
+    sched = Scheduler(blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
         eos_ids=eos_ids,
         schedule_policy=args.schedule_policy,
         conservativeness=args.schedule_conservativeness), cache=_prefix_cache(args, blocks),
-        spec=speculator)
+        tp=tp, side=ModelSide(kv.layers, int(cfg.hidden_size), int(cfg.vocab_size), speculator))
     info = EngineInfo(
         model_path=resolved.display_path, tokenizer_path=resolved.display_path,
         served_model_name=args.served_model_name or resolved.name,
@@ -375,4 +382,4 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     log.info("KV pool: %d pages x %d tokens (%.1f MiB, %s) in pool %r; max context %d",
              num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,
              info.kv_cache_dtype, pool_name, context)
-    return Engine(args, model, cfg, kv, blocks, sched, info)
+    return Engine(args, model, cfg, kv, blocks, sched, info, StepLoop(sched, runner, speculator))

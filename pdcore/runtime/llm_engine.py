@@ -43,7 +43,7 @@ class LLMEngine:
             self.ranks.close()
             raise RuntimeError(f"TP engine failed to start: {error}")
         self.engine = engine
-        self.scheduler = self.engine.scheduler
+        self.scheduler, self.loop = self.engine.scheduler, self.engine.loop
         self.lockstep = Lockstep(self.engine)
         self._closed = False
 

@@ -48,7 +48,8 @@ class Lockstep:
     def __init__(self, engine: Engine) -> None:
         from pdcore.engine.sched.runtime_api import RuntimeAPI
 
-        self.sched: RuntimeAPI = RuntimeAPI(engine.scheduler)  # its public surface, no fields
+        # the scheduler's public surface and the engine step (engine/loop.py), no fields
+        self.sched: RuntimeAPI = RuntimeAPI(engine.scheduler, engine.loop)
         self.tp: TPInfo = self.sched.tp_group
         from pdcore.engine.parallel.dp_attention import sync_for
 

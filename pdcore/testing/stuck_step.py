@@ -14,18 +14,19 @@ HANG_S = 3600.0
 
 
 def stuck_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any) -> None:
-    """The real scheduler process, with Scheduler.step sleeping once a request arrived."""
-    from pdcore.engine.sched.scheduler import Scheduler
+    """The real scheduler process, with the engine step (StepLoop.step) sleeping once a request
+    arrived."""
+    from pdcore.engine.loop import StepLoop
     from pdcore.runtime.scheduler_process import run_scheduler_process
 
-    real = Scheduler.step
+    real = StepLoop.step
 
-    def step(self: Scheduler) -> Any:
-        if self.reqs:
+    def step(self: StepLoop) -> Any:
+        if self.sched.live():
             time.sleep(HANG_S)  # what a deadlocked collective or a stuck device call looks like
         return real(self)
 
-    Scheduler.step = step  # type: ignore[method-assign]
+    StepLoop.step = step  # type: ignore[method-assign]
     run_scheduler_process(args, recv_addr, send_addr, ready_conn)
 
 

@@ -102,7 +102,7 @@ def test_prefix_cache_hits_reuse_latent_pages(tiny):
     try:
         eng.generate([base], sp)
         outs = eng.generate(later, sp, return_logprob=True)
-        hits = eng.scheduler.stats()["cache_hit_tokens_total"]
+        hits = eng.loop.stats()["cache_hit_tokens_total"]
         assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()

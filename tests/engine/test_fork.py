@@ -125,7 +125,7 @@ def deliver(eng: LLMEngine, mgr: StandInP, aux: AuxBuffers, room: int, prompt: l
     pages, slot = mgr.dest[room]
     sp = greedy() if seed is None else seeded(seed)
     p_req = Req("p", list(prompt), SampleState.create(sp, prompt), pages=list(pages))
-    res = eng.scheduler.runner.run([(p_req, len(prompt))])[0]
+    res = eng.loop.runner.run([(p_req, len(prompt))])[0]
     aux.write(slot, AuxRow(room=room, first_token_id=res.token, prompt_tokens=len(prompt)))
     mgr.state[room] = KVPoll.Success
 
@@ -196,7 +196,7 @@ def test_followers_share_pages_copy_the_last_and_match_unified(dec, unified, pro
     assert [outs[f"s7-{j}"]["ids"] for j in range(3)] == [want] * 3
     assert all(outs[f"s7-{j}"]["error"] is None for j in range(3))
     assert pages_at_rest(eng.scheduler)
-    stats = eng.scheduler.stats()
+    stats = eng.loop.stats()
     assert stats["disagg_transfers_total"] == 1 and stats["disagg_samples_total"] == 3
     assert stats["disagg_forks_total"] == 2 and stats["disagg_transfers_per_request"] == 1
 
@@ -280,7 +280,7 @@ def test_no_free_page_for_the_copy_recomputes_the_tail(dec, unified):
     step(eng, outs)
     f = eng.scheduler.reqs["s7-1"]
     assert f.phase is Phase.WAITING and f.num_computed % blocks.page_size == 0
-    assert eng.scheduler.stats()["disagg_fork_recomputes_total"] == 1
+    assert eng.loop.stats()["disagg_fork_recomputes_total"] == 1
     blocks.free(hog)
     drain(eng, outs)
     assert outs["s7-1"]["ids"] == outs["s7-0"]["ids"] == unified(PROMPT_7)

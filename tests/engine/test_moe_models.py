@@ -34,7 +34,7 @@ def test_moe_model_matches_transformers(tmp_path, arch):
     eng = LLMEngine(ServerArgs(model_path=path, max_total_tokens=2048, page_size=4,
                                chunked_prefill_size=48))
     try:
-        assert eng.scheduler.runner.model.__class__.__name__ != "LlamaForCausalLM"
+        assert eng.loop.runner.model.__class__.__name__ != "LlamaForCausalLM"
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0.0),
                             return_logprob=True)
         assert pages_at_rest(eng.scheduler)

@@ -113,7 +113,7 @@ def engine(path: str, **kw: Any) -> Iterator[Driver]:
         yield d
         s = eng.scheduler
         assert not s.reqs and pages_at_rest(s)
-        stats = s.stats()
+        stats = eng.loop.stats()
         assert stats["cache_hit_tokens_total"] == d.reported
         assert stats["radix_cache_enabled"] is (s.cache is not None)
         if s.cache is None:
@@ -303,10 +303,10 @@ def test_eviction_and_preemption_under_a_small_pool(models) -> None:
         want = [o.ids for o in big.run([big.req(x, sp) for x in fill + batch])]
     with engine(path, max_total_tokens=200) as small:  # 50 pages; the batch needs ~105
         got = [o.ids for o in small.run([small.req(x, sp) for x in fill])]
-        assert small.sched.stats()["radix_cache_pages"] > 0
+        assert small.eng.loop.stats()["radix_cache_pages"] > 0
         outs = small.run([small.req(x, sp) for x in batch])
         got += [o.ids for o in outs]
-        stats = small.sched.stats()
+        stats = small.eng.loop.stats()
         assert stats["preempted_total"] > 0, stats
         assert stats["radix_cache_evicted_pages_total"] > 0, stats
         assert sum(o.cached for o in outs) > 0
@@ -351,7 +351,7 @@ def test_random_arrivals_aborts_and_a_tight_pool(models, seed: int, tp: int) -> 
             reqs += [m for m in new if isinstance(m, GenerateReq)]
             d.step(new)
         d.run(reqs)  # the rest run to their end
-        stats = d.sched.stats()
+        stats = d.eng.loop.stats()
     kept = [r for r in reqs if r.rid not in aborted]
     with engine(path, disable_radix_cache=True) as off:
         want = off.run([off.req(r.input_ids, r.sampling) for r in kept])

@@ -90,7 +90,7 @@ def test_out_of_range_seed_is_a_400_that_fails_alone(model_path: str) -> None:
 def test_failed_forward_fails_its_batch_only(model_path: str) -> None:
     eng = LLMEngine(ServerArgs(model_path=model_path, max_total_tokens=1024, page_size=4))
     try:
-        runner = eng.scheduler.runner
+        runner = eng.loop.runner
         real = runner.model
         calls = {"n": 0}
 
@@ -109,7 +109,7 @@ def test_failed_forward_fails_its_batch_only(model_path: str) -> None:
         assert all(r["error"] is None and len(r["ids"]) == 6 for r in again.values())
         assert pages_at_rest(eng.scheduler)
     finally:
-        eng.scheduler.runner.model = real
+        eng.loop.runner.model = real
         eng.close()
 
 

@@ -48,13 +48,13 @@ class Handover(Extension):
 def engine(tiny_llama_dir):
     eng = LLMEngine(ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=512, page_size=4))
     forwards: list[list[str]] = []
-    run = eng.scheduler.runner.run
+    run = eng.loop.runner.run
 
     def counted(items):
         forwards.append([req.rid for req, _ in items])
         return run(items)
 
-    eng.scheduler.runner.run = counted
+    eng.loop.runner.run = counted
     eng.scheduler.ext = Handover(eng.scheduler)
     try:
         yield eng, forwards

@@ -201,7 +201,7 @@ def _generate(path: str, spec: bool, prompts, sp: SamplingParams, **kw):
         outs = eng.generate(prompts, sp, return_logprob=True)
         again = eng.generate(prompts[:2], sp, return_logprob=True)  # from the prefix cache
         assert pages_at_rest(eng.scheduler)
-        stats = eng.scheduler.stats()
+        stats = eng.loop.stats()
     finally:
         eng.close()
     return outs + again, stats
@@ -260,7 +260,7 @@ def test_sampled_requests_verify_by_rejection_sampling(tiny, monkeypatch):
         sampled = eng.generate(prompts, SamplingParams(max_new_tokens=30, temperature=0.8,
                                                        top_p=0.9, seed=4, ignore_eos=True))
         assert all(len(o["output_ids"]) == 30 for o in sampled)
-        st = eng.scheduler.stats()
+        st = eng.loop.stats()
         assert st["spec_verifies_total"] > 0
         assert pages_at_rest(eng.scheduler)
     finally:
@@ -289,7 +289,7 @@ def test_seeded_sampled_request_repeats_with_ngram(tiny, monkeypatch):
         alone = [eng.generate([p], sp)[0]["output_ids"] for p in prompts[:2]]
         again = [eng.generate([p], sp)[0]["output_ids"] for p in prompts[:2]]
         batched = [o["output_ids"] for o in eng.generate(prompts, sp)][:2]
-        st = eng.scheduler.stats()
+        st = eng.loop.stats()
         assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()
@@ -416,7 +416,7 @@ def test_jump_forward_in_the_engine_equals_one_token_per_step(monkeypatch, tmp_p
         try:
             outs[jf] = eng.generate(prompts, [SamplingParams(
                 max_new_tokens=160, temperature=0.0, grammar=s) for s in specs])
-            st = eng.scheduler.stats()
+            st = eng.loop.stats()
             assert pages_at_rest(eng.scheduler)
         finally:
             eng.close()

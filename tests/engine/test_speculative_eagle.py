@@ -86,7 +86,7 @@ def _generate(target: str, head: str | None, prompts, sp: SamplingParams, **kw):
     eng = _engine(target, head, **kw)
     verify_ct: dict[str, int] = {}
     if head:
-        spec = eng.scheduler.spec
+        spec = eng.loop.spec
         booked = spec.verified
 
         def verified(req, drafts, tokens):
@@ -98,8 +98,8 @@ def _generate(target: str, head: str | None, prompts, sp: SamplingParams, **kw):
         outs = eng.generate(prompts, sp, return_logprob=True)
         again = eng.generate(prompts[:2], sp, return_logprob=True)  # from the prefix cache
         assert pages_at_rest(eng.scheduler)
-        stats = eng.scheduler.stats()
-        assert not head or eng.scheduler.spec.drafter.failures == 0
+        stats = eng.loop.stats()
+        assert not head or eng.loop.spec.drafter.failures == 0
     finally:
         eng.close()
     return outs + again, {**stats.as_dict(), "verify_ct": verify_ct}
@@ -185,7 +185,7 @@ def test_incremental_drafts_equal_the_head_run_from_scratch(models, monkeypatch)
     the head over the whole sequence gives."""
     monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
     eng = _engine(models["target"], models["head"], steps=4, chunk=16)
-    drafter = eng.scheduler.spec.drafter
+    drafter = eng.loop.spec.drafter
     seen: list[tuple[list[int], int, list[int]]] = []
     propose = drafter.propose
 
@@ -199,7 +199,7 @@ def test_incremental_drafts_equal_the_head_run_from_scratch(models, monkeypatch)
         prompts = _prompts()
         eng.generate(prompts + [prompts[1][:30] + [7, 8]],
                      SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-        target = eng.scheduler.runner.model
+        target = eng.loop.runner.model
         assert len(seen) > 10 and any(len(d) == 4 for _, _, d in seen)
         for tokens, c, drafts in seen[::3]:
             assert len(tokens) == c + 1
@@ -215,7 +215,7 @@ def test_sampled_requests_with_eagle(models, monkeypatch):
         outs = eng.generate(_prompts(), SamplingParams(max_new_tokens=20, temperature=0.8,
                                                        top_p=0.9, seed=4, ignore_eos=True))
         assert all(len(o["output_ids"]) == 20 for o in outs)
-        assert eng.scheduler.stats()["spec_verifies_total"] > 0
+        assert eng.loop.stats()["spec_verifies_total"] > 0
         assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()

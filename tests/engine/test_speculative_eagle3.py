@@ -93,8 +93,8 @@ def _generate(target: str, head_dir: str | None, prompts, sp: SamplingParams, **
     drafts: list[int] = []
     hot = None
     if head_dir:
-        drafter = eng.scheduler.spec.drafter
-        assert eng.scheduler.runner.model_runner.capture_layers == drafter.head.aux_layers
+        drafter = eng.loop.spec.drafter
+        assert eng.loop.runner.model_runner.capture_layers == drafter.head.aux_layers
         hot = drafter.head.hot
         propose = drafter.propose
 
@@ -108,9 +108,9 @@ def _generate(target: str, head_dir: str | None, prompts, sp: SamplingParams, **
         outs = eng.generate(prompts, sp, return_logprob=True)
         again = eng.generate(prompts[:2], sp, return_logprob=True)
         assert pages_at_rest(eng.scheduler)
-        stats = eng.scheduler.stats().as_dict()
-        assert not head_dir or eng.scheduler.spec.drafter.failures == 0
-        model = eng.scheduler.runner.model
+        stats = eng.loop.stats().as_dict()
+        assert not head_dir or eng.loop.spec.drafter.failures == 0
+        model = eng.loop.runner.model
         native = (model.native is not None, model.native_steps)
     finally:
         eng.close()
@@ -122,7 +122,7 @@ def test_captured_hidden_states_are_transformers_hidden_states(models):
 
     eng = _engine(models["target"], None)
     try:
-        model = eng.scheduler.runner.model
+        model = eng.loop.runner.model
         ids = _prompts()[1]
         n = len(ids)
 
@@ -214,7 +214,7 @@ def _reference_drafts(target, head_mod, tokens: list[int], c: int, k: int) -> li
 def test_incremental_drafts_equal_the_head_run_from_scratch(models, monkeypatch):
     monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
     eng = _engine(models["target"], models["head"], steps=4, chunk=16)
-    drafter = eng.scheduler.spec.drafter
+    drafter = eng.loop.spec.drafter
     seen: list[tuple[list[int], int, list[int]]] = []
     propose = drafter.propose
 
@@ -228,7 +228,7 @@ def test_incremental_drafts_equal_the_head_run_from_scratch(models, monkeypatch)
         prompts = _prompts()
         eng.generate(prompts + [prompts[1][:30] + [7, 8]],
                      SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-        target = eng.scheduler.runner.model
+        target = eng.loop.runner.model
         assert len(seen) > 10 and any(len(d) == 4 for _, _, d in seen)
         for tokens, c, drafts in seen[::3]:
             assert len(tokens) == c + 1
@@ -294,7 +294,7 @@ def test_bad_heads_are_refused_with_a_message(models, tmp_path):
     }
     eng = _engine(models["target"], None)
     try:
-        target = eng.scheduler.runner.model
+        target = eng.loop.runner.model
         for name, (edit, says) in cases.items():
             with pytest.raises(ModelLoadError, match=says):
                 load_eagle3_head(_broken(models, tmp_path, name, edit), target, torch.float32,
@@ -361,10 +361,10 @@ def test_tp2_eagle3_greedy_equals_tp1_plain(tmp_path, monkeypatch):
             outs[tp] = [o["output_ids"] for o in eng.generate(prompts, sp)]
             assert pages_at_rest(eng.scheduler)
             if spec:
-                st = eng.scheduler.stats().as_dict()
+                st = eng.loop.stats().as_dict()
                 assert st["spec_verifies_total"] > 0, st
-                assert eng.scheduler.spec.drafter.failures == 0
-                assert eng.scheduler.spec.drafter.k.shape[2] == 1  # rank 0's KV head
+                assert eng.loop.spec.drafter.failures == 0
+                assert eng.loop.spec.drafter.k.shape[2] == 1  # rank 0's KV head
         finally:
             eng.close()
     assert outs[2] == outs[1]

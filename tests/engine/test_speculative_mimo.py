@@ -74,9 +74,9 @@ def _generate(path: str, algo: str | None, prompts, sp: SamplingParams, **kw):
         outs = eng.generate(prompts, sp, return_logprob=True)
         again = eng.generate(prompts[:2], sp, return_logprob=True)
         assert pages_at_rest(eng.scheduler)
-        stats = eng.scheduler.stats().as_dict()
+        stats = eng.loop.stats().as_dict()
         if algo:
-            drafter = eng.scheduler.spec.drafter
+            drafter = eng.loop.spec.drafter
             assert drafter.failures == 0
             assert drafter.head.name == "MTP"
     finally:
@@ -110,7 +110,7 @@ def test_greedy_with_mtp_layers_equals_without_and_transformers(models, monkeypa
 def test_each_layer_has_its_own_pool(models):
     eng = _engine(models["mimo"], "EAGLE")
     try:
-        d = eng.scheduler.spec.drafter
+        d = eng.loop.spec.drafter
         assert type(d).__name__ == "MultiLayerDrafter" and d.n == 3 == d.head.num_layers
         ptrs = {t.data_ptr() for k, v in d.pools for t in (k, v)}
         assert len(d.pools) == 3 and len(ptrs) == 6
@@ -162,7 +162,7 @@ def _reference_drafts(target, head, tokens: list[int], c: int, k: int) -> list[i
 def test_incremental_drafts_equal_the_layers_run_from_scratch(models, monkeypatch):
     monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
     eng = _engine(models["mimo"], "EAGLE", steps=5, chunk=16)
-    drafter = eng.scheduler.spec.drafter
+    drafter = eng.loop.spec.drafter
     seen: list[tuple[list[int], int, list[int]]] = []
     propose = drafter.propose
 
@@ -175,7 +175,7 @@ def test_incremental_drafts_equal_the_layers_run_from_scratch(models, monkeypatc
     try:
         eng.generate(_prompts(), SamplingParams(max_new_tokens=10, temperature=0.0,
                                                 ignore_eos=True))
-        target = eng.scheduler.runner.model
+        target = eng.loop.runner.model
         assert len(seen) > 10 and any(len(d) == 5 for _, _, d in seen)
         for tokens, c, drafts in seen[::3]:
             assert len(tokens) == c + 1
@@ -206,10 +206,10 @@ def test_nextn_on_a_mimo_without_the_flag_drafts_with_its_first_mtp_layer(models
     base, _ = _generate(models["one"], None, prompts, sp)
     eng = _engine(models["one"], "NEXTN", multi=False)
     try:
-        d = eng.scheduler.spec.drafter
+        d = eng.loop.spec.drafter
         assert type(d).__name__ == "HeadDrafter" and d.head.num_layers == 1
         outs = eng.generate(prompts, sp)
-        assert eng.scheduler.stats()["spec_verifies_total"] > 0
+        assert eng.loop.stats()["spec_verifies_total"] > 0
         assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()
@@ -223,7 +223,7 @@ def test_sampled_requests_with_mtp_layers(models, monkeypatch):
         outs = eng.generate(_prompts(), SamplingParams(max_new_tokens=12, temperature=0.8,
                                                        top_p=0.9, seed=4, ignore_eos=True))
         assert all(len(o["output_ids"]) == 12 for o in outs)
-        assert eng.scheduler.stats()["spec_verifies_total"] > 0
+        assert eng.loop.stats()["spec_verifies_total"] > 0
         assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()

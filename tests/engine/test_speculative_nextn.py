@@ -99,10 +99,10 @@ def _generate(path: str, nextn: bool, prompts, sp: SamplingParams, **kw):
         outs = eng.generate(prompts, sp, return_logprob=True)
         again = eng.generate(prompts[:2], sp, return_logprob=True)
         assert pages_at_rest(eng.scheduler)
-        stats = eng.scheduler.stats().as_dict()
+        stats = eng.loop.stats().as_dict()
         if nextn:
-            assert eng.scheduler.spec.drafter.failures == 0
-            assert eng.scheduler.spec.drafter.head.name == "NEXTN"
+            assert eng.loop.spec.drafter.failures == 0
+            assert eng.loop.spec.drafter.head.name == "NEXTN"
     finally:
         eng.close()
     return outs + again, stats
@@ -142,7 +142,7 @@ def test_own_embedding_and_head_of_the_mtp_layer(models, monkeypatch):
     base, _ = _generate(models["own_head"], False, prompts, sp)
     eng = _engine(models["own_head"], True)
     try:
-        head = eng.scheduler.spec.drafter.head
+        head = eng.loop.spec.drafter.head
         assert head.embed is not None and head.own_head is not None
         outs = eng.generate(prompts, sp)
         assert pages_at_rest(eng.scheduler)
@@ -183,7 +183,7 @@ def _reference_drafts(target, head, tokens: list[int], c: int, k: int) -> list[i
 def test_incremental_drafts_equal_the_mtp_layer_run_from_scratch(models, monkeypatch):
     monkeypatch.setenv("PDSERVE_SPEC_GATE", "0")
     eng = _engine(models["mtp"], True, steps=4, chunk=16)
-    drafter = eng.scheduler.spec.drafter
+    drafter = eng.loop.spec.drafter
     seen: list[tuple[list[int], int, list[int]]] = []
     propose = drafter.propose
 
@@ -197,7 +197,7 @@ def test_incremental_drafts_equal_the_mtp_layer_run_from_scratch(models, monkeyp
         prompts = _prompts()
         eng.generate(prompts + [prompts[1][:30] + [7, 8]],  # a prefix-cache hit
                      SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
-        target = eng.scheduler.runner.model
+        target = eng.loop.runner.model
         assert len(seen) > 10 and any(len(d) == 4 for _, _, d in seen)
         for tokens, c, drafts in seen[::4]:
             assert len(tokens) == c + 1
@@ -226,7 +226,7 @@ def test_sampled_requests_with_nextn(models, monkeypatch):
         outs = eng.generate(_prompts(), SamplingParams(max_new_tokens=12, temperature=0.8,
                                                        top_p=0.9, seed=4, ignore_eos=True))
         assert all(len(o["output_ids"]) == 12 for o in outs)
-        assert eng.scheduler.stats()["spec_verifies_total"] > 0
+        assert eng.loop.stats()["spec_verifies_total"] > 0
         assert pages_at_rest(eng.scheduler)
     finally:
         eng.close()

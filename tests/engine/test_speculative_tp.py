@@ -128,8 +128,8 @@ def _run(path: str, tp: int, prompts, spec: dict | None = None, twice: bool = Fa
         if twice:
             outs += eng.generate(prompts[:2], SP, return_logprob=True)
         assert pages_at_rest(eng.scheduler)
-        stats = eng.scheduler.stats().as_dict()
-        drafter = eng.scheduler.spec.drafter if spec else None
+        stats = eng.loop.stats().as_dict()
+        drafter = eng.loop.spec.drafter if spec else None
         if drafter is not None and hasattr(drafter, "failures"):
             assert drafter.failures == 0
             stats["draft_pool_heads"] = drafter.k.shape[2]  # rank 0's share of the head's

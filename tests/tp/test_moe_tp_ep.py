@@ -26,7 +26,7 @@ def _run(path: str, prompts: list[list[int]], **kw) -> list[dict]:
     eng = LLMEngine(ServerArgs(model_path=path, max_total_tokens=2048, page_size=4,
                                chunked_prefill_size=64, **kw))
     try:
-        moe = eng.scheduler.runner.model.layers[0].mlp  # rank 0's first MoE block
+        moe = eng.loop.runner.model.layers[0].mlp  # rank 0's first MoE block
         ep = kw.get("ep_size", 1) > 1
         assert (moe.ep, moe.local_experts, moe.w13.shape[0]) == ((True, 4, 4) if ep
                                                                   else (False, 8, 8))

@@ -7,8 +7,8 @@
    (Transferring);
 3. on Success: check the aux row carries this room, take the first token (and its logprobs)
    from it, free the aux slot, and put the request into the running batch with the prompt's
-   K/V already in place; the first token goes to the client at once (Scheduler.step sends the
-   tokens poll() produced before it runs a forward pass); with a draft head, the row's chain
+   K/V already in place; the first token goes to the client at once (the engine step,
+   engine/loop.py, sends the tokens poll() produced before it runs a forward pass); with a draft head, the row's chain
    start (checked: vocabulary, position, finite values) makes its first decode step draft;
 4. on Failed (P died, timeout, abort): free pages and aux slot; the client gets the reason.
 

@@ -56,3 +56,12 @@ class ModelRunner:
             batch.capture_hidden = True
         logits = self.model(batch, self.kv.layers, logits=self.tp.rank == 0)
         return ForwardOut(logits if self.tp.rank == 0 else None, batch.hidden)
+
+    @torch.inference_mode()
+    def forward_draft(self, head: torch.nn.Module, batch: ForwardBatch, hidden: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, **kw: int) -> torch.Tensor:
+        """One pass of a draft head (EAGLE, EAGLE3, NEXTN, a layer of a multi-layer MTP head,
+        `kw`: its `layer`) over its own K/V pool: the outputs [T, hidden] of the pairs
+        (hidden[i], batch.input_ids[i]), their K/V written at batch.out_slots. The drafter
+        (engine/sched/eagle.py) decides what to feed; exceptions propagate to it."""
+        return head(batch, hidden, k_cache, v_cache, **kw)

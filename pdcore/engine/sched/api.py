@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdcore.engine.model.layers import TPInfo
+    from pdcore.engine.sched.extension import ModelSide
     from pdcore.engine.sched.scheduler import Scheduler
 
 
@@ -141,11 +142,18 @@ class SchedulerAPI:
 
     def fork(self, leader: Req, follower: Req) -> bool:
         """Give a parallel sample its leader's prompt KV (pdcore.engine.sched.fork)."""
-        return fork(self._s.blocks, self._s.runner.kv.layers, leader, follower)
+        return fork(self._s.blocks, self._side.kv_layers, leader, follower)
 
     # ---- a draft head's chain start (engine/sched/eagle.py: ChainStart) ---------------------
+    @property
+    def _side(self) -> ModelSide:
+        side = self._s.side
+        if side is None:
+            raise RuntimeError("the scheduler was built without its model side")
+        return side
+
     def _head(self) -> HeadDrafter | None:
-        spec = self._s.spec
+        spec = self._s.side.spec if self._s.side is not None else None
         d = spec.drafter if spec is not None else None
         return d if isinstance(d, HeadDrafter) else None
 
@@ -155,8 +163,8 @@ class SchedulerAPI:
         d = self._head()
         if d is None:
             return None
-        cfg = self._s.runner.model.cfg
-        return int(cfg.hidden_size), next(d.head.parameters()).dtype, int(cfg.vocab_size)
+        side = self._side
+        return side.hidden_size, next(d.head.parameters()).dtype, side.vocab_size
 
     def chain_start(self, req: Req) -> tuple[int, torch.Tensor] | None:
         """(first draft token, the head's output vector) the draft head made for `req` once
@@ -174,7 +182,7 @@ class SchedulerAPI:
         if d is None:
             return False
         if req.spec is None:
-            req.spec = ReqSpec(cap=self._s.spec.cfg.max_drafts)  # type: ignore[union-attr]
+            req.spec = ReqSpec(cap=self._side.spec.cfg.max_drafts)  # type: ignore[union-attr]
         dtype = next(d.head.parameters()).dtype
         req.spec.draft = ChainStart(len(req.prompt), int(token),
                                     hidden.to(device=d.device, dtype=dtype, copy=True))

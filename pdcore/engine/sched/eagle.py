@@ -57,6 +57,7 @@ from pdcore.engine.sched.speculative import ReqSpec
 if TYPE_CHECKING:
     from pdcore.engine.kv.blocks import BlockManager
     from pdcore.engine.model.layers import TPInfo
+    from pdcore.engine.model.runner import ModelRunner
     from pdcore.engine.sched.batch_run import StepResult
     from pdcore.engine.sched.request import Req
 
@@ -174,13 +175,14 @@ class HeadDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, head: DraftHead, blocks: BlockManager, max_running: int,
-                 max_drafts: int, alloc: Callable[..., torch.Tensor] | None = None,
-                 tp: TPInfo | None = None) -> None:
+                 max_drafts: int, alloc: Callable[..., torch.Tensor] | None = None, *,
+                 tp: TPInfo | None = None, runner: ModelRunner | None = None) -> None:
         """`alloc(label, shape, dtype, latent)`: where the K/V pool lives (PD: the KV cache's
         memory, so it travels with the target's pages: KVCache.draft_buffer); zeros by default.
         `tp`: the target's TP group; every rank runs every head pass and rank 0's draft tokens
-        reach them all (engine/sched/draft_tp.py)."""
-        self.head, self.blocks = head, blocks
+        reach them all (engine/sched/draft_tp.py). `runner`: the engine's model runner, through
+        which every head pass runs (the target's forward runs there too)."""
+        self.head, self.blocks, self.runner = head, blocks, runner
         self.max_drafts = max(1, max_drafts)
         p = next(head.parameters())
         self.device, dtype = p.device, p.dtype
@@ -213,8 +215,15 @@ class HeadDrafter(Drafter):
     def pool_bytes(self) -> int:
         return (1 if self.v is self.k else 2) * self.k.numel() * self.k.element_size()
 
-    def _run(self, ids: list[int], pos: list[int], out: list[int], seqs: list[SeqSpan],
-             hidden: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: list[int], pos: list[int], out: list[int], seqs: list[SeqSpan],
+                 hidden: torch.Tensor, pool: tuple[torch.Tensor, torch.Tensor],
+                 **kw: int) -> torch.Tensor:
+        """One head pass through the engine's model runner (ModelRunner.forward_draft): the
+        pairs (hidden[i], ids[i]) at positions pos, their K/V written at slots out of `pool`
+        (its K and V buffers)."""
+        k, v = pool
+        if self.runner is None:
+            raise RuntimeError(f"the {self.head.name} drafter has no model runner")
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -222,11 +231,15 @@ class HeadDrafter(Drafter):
             out_slots=torch.tensor(out, dtype=torch.long, device=dev), seqs=seqs,
             logit_rows=torch.empty(0, dtype=torch.long, device=dev))
         self.passes += 1
+        return self.runner.forward_draft(self.head, batch, hidden.to(dtype=k.dtype), k, v, **kw)
+
+    def _run(self, ids: list[int], pos: list[int], out: list[int], seqs: list[SeqSpan],
+             hidden: torch.Tensor) -> torch.Tensor:
         pads = self.dp_pads
         if pads is not None:
             pads.fresh()  # a head pass gathers its own row counts (DP attention, MoE head)
         try:
-            return self.head(batch, hidden.to(dtype=self.k.dtype), self.k, self.v)
+            return self._forward(ids, pos, out, seqs, hidden, (self.k, self.v))
         finally:
             if pads is not None:
                 pads.fresh()

@@ -1,15 +1,20 @@
 """The hooks the scheduler calls on a role extension (PD prefill, PD decode, or a test's
-stand-in). What an extension may call back is pdcore.engine.sched.api.SchedulerAPI."""
+stand-in), and what it may read of the model side (`ModelSide`). What an extension may call
+back is pdcore.engine.sched.api.SchedulerAPI."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.stats import StatsReport
 
 if TYPE_CHECKING:
+    import torch
+
     from pdcore.engine.sched.batch_run import StepResult
+    from pdcore.engine.sched.speculative import Speculator
 
 
 class Extension:
@@ -45,3 +50,16 @@ class Extension:
 
     def close(self) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class ModelSide:
+    """What a role extension may read of the model side, handed to the scheduler at build
+    (`Scheduler.side`; the scheduler itself never reads it): the KV pool's layers (a fork
+    copies a prompt's pages), the target's sizes and the speculator (a draft head's chain
+    starts)."""
+
+    kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
+    hidden_size: int
+    vocab_size: int
+    spec: Speculator | None = None

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcore.engine.model.batch import ForwardBatch, SeqSpan
+from pdcore.engine.model.batch import SeqSpan
 from pdcore.engine.sched.draft_tp import DraftsDropped
 from pdcore.engine.sched.eagle import ChainStart, DraftHead, HeadDrafter, Pairs, observe_pass
 from pdcore.engine.sched.speculative import ReqSpec
@@ -44,6 +44,7 @@ from pdcore.engine.sched.speculative import ReqSpec
 if TYPE_CHECKING:
     from pdcore.engine.kv.blocks import BlockManager
     from pdcore.engine.model.layers import TPInfo
+    from pdcore.engine.model.runner import ModelRunner
     from pdcore.engine.sched.batch_run import StepResult
     from pdcore.engine.sched.request import Req
 
@@ -71,9 +72,9 @@ def _layers_of(st: ChainStart, n: int) -> tuple[list[int], list[torch.Tensor]]:
 
 class MultiLayerDrafter(HeadDrafter):
     def __init__(self, head: DraftHead, blocks: BlockManager, max_running: int,
-                 max_drafts: int, alloc: Callable[..., torch.Tensor] | None = None,
-                 tp: TPInfo | None = None) -> None:
-        super().__init__(head, blocks, max_running, max_drafts, alloc, tp=tp)
+                 max_drafts: int, alloc: Callable[..., torch.Tensor] | None = None, *,
+                 tp: TPInfo | None = None, runner: ModelRunner | None = None) -> None:
+        super().__init__(head, blocks, max_running, max_drafts, alloc, tp=tp, runner=runner)
         self.n = int(head.num_layers)  # type: ignore[attr-defined]
         self.pools = [(self.k, self.v)]
         for j in range(1, self.n):  # one pool per layer; PD: one more transfer layer each
@@ -91,15 +92,7 @@ class MultiLayerDrafter(HeadDrafter):
 
     def _layer(self, j: int, ids: list[int], pos: list[int], out: list[int],
                seqs: list[SeqSpan], hidden: torch.Tensor) -> torch.Tensor:
-        dev = self.device
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            out_slots=torch.tensor(out, dtype=torch.long, device=dev), seqs=seqs,
-            logit_rows=torch.empty(0, dtype=torch.long, device=dev))
-        self.passes += 1
-        k, v = self.pools[j]
-        return self.head(batch, hidden.to(dtype=k.dtype), k, v, layer=j)  # type: ignore[call-arg]
+        return self._forward(ids, pos, out, seqs, hidden, self.pools[j], layer=j)
 
     # ---- after the target's forward ------------------------------------------------------------
     def observe(self, items: list[tuple[Req, int]], results: list[StepResult]) -> None:

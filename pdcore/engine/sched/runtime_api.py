@@ -17,6 +17,7 @@ from pdcore.engine.sched.stats import StatsReport
 from pdcore.messages.io import GenerateReq, TokenOut
 
 if TYPE_CHECKING:
+    from pdcore.engine.loop import StepLoop
     from pdcore.engine.model.layers import TPInfo
     from pdcore.engine.sched.scheduler import DecodeLog, Scheduler
 
@@ -24,8 +25,16 @@ if TYPE_CHECKING:
 class RuntimeAPI:
     """What the runtime may do to the scheduler it drives."""
 
-    def __init__(self, sched: Scheduler) -> None:
-        self._s = sched
+    def __init__(self, sched: Scheduler, loop: StepLoop | None = None) -> None:
+        """`loop`: the engine step that owns `sched` (engine/loop.py), for what runs a step or
+        reads the model side; without it only the scheduler's own calls work."""
+        self._s, self._loop = sched, loop
+
+    @property
+    def _l(self) -> StepLoop:
+        if self._loop is None:
+            raise RuntimeError("this RuntimeAPI was made without the engine's step loop")
+        return self._loop
 
     # ---- requests -------------------------------------------------------------------------
     def submit(self, msg: GenerateReq) -> None:
@@ -68,7 +77,8 @@ class RuntimeAPI:
         return self._s.has_work()
 
     def step(self) -> list[TokenOut]:
-        return self._s.step()
+        """One engine step: schedule -> run -> postprocess -> collect (StepLoop.step)."""
+        return self._l.step()
 
     def collect(self) -> list[TokenOut]:
         return self._s.collect()
@@ -85,14 +95,14 @@ class RuntimeAPI:
     @property
     def spec_ratio(self) -> float | None:
         """Speculative decoding's measured verify/decode cost ratio (None: no speculation)."""
-        spec = self._s.spec
+        spec = self._l.spec
         return spec.ratio if spec is not None else None
 
     @spec_ratio.setter
     def spec_ratio(self, ratio: float | None) -> None:
         """Every TP rank gates its drafts on rank 0's ratio."""
-        if ratio is not None and self._s.spec is not None:
-            self._s.spec.ratio = ratio
+        if ratio is not None and self._l.spec is not None:
+            self._l.spec.ratio = ratio
 
     @property
     def tp_group(self) -> TPInfo:
@@ -120,7 +130,8 @@ class RuntimeAPI:
         return s.blocks.num_free + cached == s.blocks.num_pages and evictable == cached
 
     def stats(self) -> StatsReport:
-        return self._s.stats()
+        """The engine's report: the scheduler's, the model side's and the speculator's."""
+        return self._l.stats()
 
     def flush_cache(self) -> dict[str, Any]:
         return self._s.flush_cache()
@@ -138,19 +149,19 @@ class RuntimeAPI:
     @property
     def grammar_backend(self) -> Any:
         """The grammar backend constrained requests compile with (None: none)."""
-        return getattr(self._s.runner, "grammar", None)
+        return getattr(self._l.runner, "grammar", None)
 
     def release_caches(self) -> None:
         """Going idle: give back the buffers the steps grew (pinned/scratch tensors)."""
-        self._s.runner.release_caches()
+        self._l.release_caches()
 
     @property
     def model(self) -> Any:
         """The target model the steps run (DP attention counts its MoE layers)."""
-        return self._s.runner.model
+        return self._l.runner.model
 
     @property
     def draft_dp_pads(self) -> Any:
         """DP attention: the draft head's padded passes per step (None: no draft head)."""
-        drafter = getattr(self._s.spec, "drafter", None)
+        drafter = getattr(self._l.spec, "drafter", None)
         return getattr(drafter, "dp_pads", None)

@@ -13,6 +13,9 @@ Each step:
    computes only the rest; full pages enter the cache after every chunk and at its end;
 4. one packed forward pass; requests that reached the end of their sequence sample a token;
 5. finish checks (eos, stop ids, max_new_tokens, context length), then outputs are collected.
+
+The scheduler decides what runs and applies what came out; it never runs a model. The step
+that joins it to the runner and the speculator is `pdcore.engine.loop.StepLoop`.
 """
 
 from __future__ import annotations
@@ -21,20 +24,22 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdcore.messages.io import TokenOut
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.radix import RadixCache
-from pdcore.engine.sched.batch_run import BatchRunner, StepResult
+from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.outputs import take_output
 from pdcore.engine.sched.pages import KVPages
 from pdcore.engine.sched.request import Phase, Req
-from pdcore.engine.sched.speculative import Speculator
-from pdcore.engine.sched.step import run_stage
-from pdcore.engine.sched.stats import Counters, StatsReport, scheduler_stats
+from pdcore.engine.sched.stats import Counters
 from pdcore.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from pdcore.engine.sched.extension import ModelSide
+    from pdcore.engine.sched.batch_run import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +63,13 @@ LPM_MAX_QUEUE = 128
 
 
 class Scheduler:
-    def __init__(self, runner: BatchRunner, blocks: BlockManager, cfg: SchedulerConfig,
-                 cache: RadixCache | None = None, spec: Speculator | None = None) -> None:
-        self.runner, self.blocks, self.cfg = runner, blocks, cfg
-        self.spec = spec  # speculative decoding (engine/sched/speculative.py); None: off
+    def __init__(self, blocks: BlockManager, cfg: SchedulerConfig,
+                 cache: RadixCache | None = None, tp: TPInfo | None = None,
+                 side: ModelSide | None = None) -> None:
+        self.blocks, self.cfg = blocks, cfg
+        # what a role extension may read of the model side (engine/sched/api.py); the
+        # scheduler itself never reads it
+        self.side = side
         self.cache = cache  # None: --disable-radix-cache (or a decode server without its own)
         self.pages = KVPages(blocks, cache)
         self.waiting: deque[Req] = deque()
@@ -74,7 +82,8 @@ class Scheduler:
         self.last_ran = False  # the last step did work: the loop calls again without waiting
         self.flushed_early = False  # the last step only sent tokens that arrived in poll()
         self.uncollected = False
-        self.tp = runner.tp  # a role extension agrees on per-request states over its group
+        self.dropped: list[Req] = []  # dropped since the step loop last looked (take_dropped)
+        self.tp = tp or TPInfo()  # a role extension agrees on per-request states over its group
         self.step_time: float | None = None  # rank 0's clock for this step (set under TP)
 
     def now(self) -> float:
@@ -174,9 +183,11 @@ class Scheduler:
         self.counters.preempted += 1
         self.enqueue(victim, front=True)
 
-    # ---- one step ---------------------------------------------------------------------------
-    def schedule(self) -> list[tuple[Req, int]]:
-        items: list[tuple[Req, int]] = []
+    # ---- one step (pdcore.engine.loop.StepLoop: schedule -> run -> postprocess) -------------
+    def schedule_decodes(self) -> list[Req]:
+        """Every running request that needs one position gets its page, oldest first; when the
+        pool runs out the newest running request is preempted."""
+        decodes: list[Req] = []
         for req in sorted((r for r in self.running if r.remaining == 1), key=lambda r: r.arrival):
             if req not in self.running:
                 continue  # preempted below as a victim
@@ -186,9 +197,25 @@ class Scheduler:
                 if victim is req:
                     break
             if req in self.running:
-                items.append((req, 1))
-        if self.spec is not None:
-            items = self._speculate([req for req, _ in items])
+                decodes.append(req)
+        return decodes
+
+    def draft_budgets(self, decodes: list[Req]) -> list[int]:
+        """The draft tokens each decode may verify this step: its output and the context
+        length each leave room for that many plus the target's own token."""
+        return [min(r.params.max_new_tokens - len(r.output),
+                    self.cfg.context_length - r.seq_len) - 1 for r in decodes]
+
+    def with_draft_pages(self, decodes: list[Req]) -> list[tuple[Req, int]]:
+        """The decode items with pages for this step's drafts (req.spec.drafts, cut to what the
+        free pages hold: a queued request's next chunk keeps its pages)."""
+        chunk = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
+        reserve = self.blocks.pages_for(chunk) if self.waiting else 0
+        return [(req, 1 + self.pages.for_drafts(req, reserve)) for req in decodes]
+
+    def schedule_prefills(self, items: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
+        """`items` (the decodes) plus the prefill budget spent on partly filled requests, then
+        on waiting ones."""
         budget = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
         scheduled = {id(r) for r, _ in items}
         for req in [r for r in self.running if r.remaining > 1 and id(r) not in scheduled]:
@@ -209,35 +236,18 @@ class Scheduler:
             self.running.append(req)
             items.append((req, n))
             budget -= n
+        self.last_ran = bool(items)
         return items
 
-    def _speculate(self, decodes: list[Req]) -> list[tuple[Req, int]]:
-        """The decode items with this step's draft tokens (engine/sched/speculative.py)."""
-        spec = self.spec
-        assert spec is not None
-        spec.propose_all(decodes, [min(r.params.max_new_tokens - len(r.output),
-                                       self.cfg.context_length - r.seq_len) - 1
-                                   for r in decodes])
-        spec.select(decodes)
-        # a queued request's next chunk keeps its pages
-        chunk = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
-        reserve = self.blocks.pages_for(chunk) if self.waiting else 0
-        return [(req, 1 + self.pages.for_drafts(req, reserve)) for req in decodes]
+    def count_step(self, kind: str, took: float) -> None:
+        """One forward's time by the step's kind (Counters.book)."""
+        self.counters.book(kind, took)
 
-    def step(self) -> list[TokenOut]:
-        """schedule -> run (engine/sched/step.py) -> postprocess (`_apply`), then collect."""
-        if self._poll():
-            return self.collect()
-        items = self.schedule()
-        self.last_ran = bool(items)
-        if items:
-            results = run_stage(self.runner, self.spec, self.counters, items)
-            for res in results:
-                self._apply(res)
-            self.ext.after_step(results)
-        return self.collect()
+    def after_step(self, results: list[StepResult]) -> None:
+        """The step's results are applied: the role extension sees them."""
+        self.ext.after_step(results)
 
-    def _poll(self) -> bool:
+    def poll(self) -> bool:
         """The role extension advances its queues. True: tokens came without a forward pass
         (PD decode: the first token, computed by P) and go out now instead of after this
         step's forward, which would add a whole decode step to their TTFT; the forward runs
@@ -271,12 +281,14 @@ class Scheduler:
                     del self.reqs[req.rid]
         return out
 
-    def _apply(self, res: StepResult) -> None:
+    def apply(self, res: StepResult) -> None:
+        """One item's result of the step: its tokens appended and checked, its computed pages
+        offered to the prefix cache (the step loop has booked a verify's drafts already)."""
         req = res.req
         if res.error is not None:  # this request alone failed in the step (model_runner)
             self.fail(req, *res.error)
             return
-        if req.drafts:
+        if res.spec_tokens is not None:
             self._apply_verify(req, res)
             return
         req.num_computed += res.n
@@ -292,8 +304,6 @@ class Scheduler:
         """Tokens of a verify pass: positions up to the last accepted draft hold valid K/V; the
         rejected drafts' pages beyond the sequence go back to the pool at once."""
         tokens = res.spec_tokens or []
-        self.spec.verified(req, req.drafts, tokens)  # type: ignore[union-attr]
-        req.spec.drafts = []
         base = req.num_computed
         for i, tok in enumerate(tokens):
             req.num_computed = base + i + 1  # the token before this one is in the pool
@@ -330,8 +340,7 @@ class Scheduler:
         self.drop(req)
 
     def drop(self, req: Req) -> None:
-        if self.spec is not None and req.error is None:
-            self.spec.remember(req)
+        self.dropped.append(req)
         req.phase = Phase.FINISHED
         self.uncollected = True  # its final TokenOut goes out on the next step
         if req in self.running:
@@ -341,12 +350,15 @@ class Scheduler:
         self.pages.release(req)
         self.counters.finished += 1
 
+    def take_dropped(self) -> list[Req]:
+        """The requests dropped since the last call (the step loop's speculator remembers the
+        finished ones)."""
+        out, self.dropped = self.dropped, []
+        return out
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.outbox or self.uncollected
                     or self.ext.busy())
-
-    def stats(self) -> StatsReport:
-        return scheduler_stats(self)
 
 
 def room_for_running(sched: Scheduler, req: Req, budget: int) -> bool:

@@ -196,8 +196,11 @@ class Speculator:
                 sp.alpha += DRIFT * (PRIOR - sp.alpha)
 
     def timed(self, batch: int, seconds: float, verify: bool) -> None:
-        """One decode-phase step's forward time (rank 0 measures; see `ratio`)."""
-        if not verify:
+        """One decode-phase step's forward time (rank 0 measures; see `ratio`); a verify step's
+        is also booked in the verify steps' count and seconds."""
+        if verify:
+            self.steps, self.seconds = self.steps + 1, self.seconds + seconds
+        else:
             old = self._decode_s.get(batch)
             self._decode_s[batch] = seconds if old is None else old + EMA * (seconds - old)
             return

@@ -28,11 +28,23 @@ class Counters:
     extend_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def book(self, kind: str, took: float) -> None:
+        """One forward's time by the step's kind: "extend", "decode" or "verify" (drafts
+        verified: the speculator books those steps' time)."""
+        self.steps += 1
+        if kind == "extend":
+            self.extend_steps += 1
+            self.extend_seconds += took
+        elif kind == "decode":
+            self.decode_steps += 1
+            self.decode_seconds += took
 
-def scheduler_stats(s: Any) -> StatsReport:
-    """A Scheduler's report (/get_load, /metrics): queues, pages, counters, and those of its
-    prefix cache, native kernels, role extension, grammars and speculation. `s` is the
-    pdcore.engine.sched.scheduler.Scheduler (not imported: it imports this module)."""
+
+def scheduler_stats(s: Any, runner: Any, spec: Any) -> StatsReport:
+    """The engine's report (/get_load, /metrics; pdcore.engine.loop.StepLoop.stats): the
+    scheduler's queues, pages, counters, and those of its prefix cache, the native kernels,
+    the role extension, the grammars (the runner's backend) and the speculator (None: off). `s`
+    is the pdcore.engine.sched.scheduler.Scheduler (not imported: it imports this module)."""
     c = s.counters
     r = StatsReport()
     r.add(Kind.LOAD, {
@@ -49,24 +61,23 @@ def scheduler_stats(s: Any) -> StatsReport:
         "forward_decode_seconds_total": c.decode_seconds,
         "forward_extend_steps_total": c.extend_steps,
         "forward_extend_seconds_total": c.extend_seconds})
-    _native_stats(s, r)
+    _native_stats(s, runner.model, r)
     _cache_stats(s, r)
     r.update(s.ext.stats())
-    _grammar_stats(s, r)
-    if s.spec is not None:
-        r.add_named(s.spec.stats(), loads=("spec_cache_entries",))
+    _grammar_stats(s, getattr(runner, "grammar", None), r)  # test runners may have none
+    if spec is not None:
+        r.add_named(spec.stats(), loads=("spec_cache_entries",))
     return r
 
 
-def _grammar_stats(s: Any, r: StatsReport) -> None:
-    g = getattr(s.runner, "grammar", None)  # test runners may have none
+def _grammar_stats(s: Any, g: Any, r: StatsReport) -> None:
     running = sum(1 for q in s.running if q.params.grammar is not None)
     r.add(Kind.TOTAL, {"grammar_compiled_total": g.compiled if g else 0,
                        "grammar_compile_seconds_total": g.compile_seconds if g else 0.0})
     r.add(Kind.LOAD, {"grammar_running_requests": running})
 
 
-def _native_stats(s: Any, r: StatsReport) -> None:
+def _native_stats(s: Any, model: Any, r: StatsReport) -> None:
     """Whether the native kernels serve (1/0) and on which ISA (native_isa_*: 1 for the
     library loaded), how many decode steps took the native layer loop (engine/native; the
     rest ran the Python loop), and how many GEMM weights sit in each layout
@@ -75,12 +86,12 @@ def _native_stats(s: Any, r: StatsReport) -> None:
     from pdcore.engine.model.layers import weight_layouts
 
     if s.gemm_layouts is None:
-        s.gemm_layouts = weight_layouts(s.runner.model)
+        s.gemm_layouts = weight_layouts(model)
     isa = native.isa()
     r.add(Kind.INFO, {"native_kernels": int(native.status().startswith("native")),
                       **{f"native_isa_{name}": int(isa == name) for name in native.ISAS}})
     r.add(Kind.TOTAL, {"native_decode_steps_total":
-                       int(getattr(s.runner.model, "native_steps", 0))})
+                       int(getattr(model, "native_steps", 0))})
     r.add(Kind.INFO, {f"gemm_weights_{k}": v for k, v in s.gemm_layouts.items()})
 
 
