@@ -61,6 +61,7 @@ class KVManager(ABC):
         self._peer_faults: set[int] = set()  # failed rooms whose cause is the peer role
         self._client_faults: set[int] = set()  # failed rooms whose request is at fault (409)
         self._refused_routes: set[int] = set()  # failed rooms whose route decode refused (403)
+        self._restart_faults: set[int] = set()  # peer faults: the peer instance restarted
         self._handlers: Mapping[type, Callable[[Any], None]] = {}  # message type -> handler
         self.ctrl = ControlPlane(args.host, self.token, f"{self.role}{tp_rank}", self._on_message,
                                  self._on_tick, on_foreign=self._on_foreign)
@@ -92,6 +93,11 @@ class KVManager(ABC):
         with self._lock:
             return room in self._peer_faults
 
+    def restart_fault(self, room: int) -> bool:
+        """True when `room` failed because its peer instance restarted (nobody to blame)."""
+        with self._lock:
+            return room in self._restart_faults
+
     def client_fault(self, room: int) -> bool:
         """True when `room` failed because of its request (a copied route, another prompt)."""
         with self._lock:
@@ -106,6 +112,7 @@ class KVManager(ABC):
         with self._lock:
             self._rooms.pop(room, None)
             self._peer_faults.discard(room)
+            self._restart_faults.discard(room)
             self._client_faults.discard(room)
             self._refused_routes.discard(room)
             self.states.remove(room)
@@ -179,6 +186,8 @@ class KVManager(ABC):
             return
         if code in self.peer_fault_codes:  # set.add is atomic; release() discards under the lock
             self._peer_faults.add(room)
+        if code == wire.PREFILL_RESTARTED:
+            self._restart_faults.add(room)
         if code in wire.CLIENT_FAULTS:
             self._client_faults.add(room)
         if code == wire.ROUTE_REFUSED:

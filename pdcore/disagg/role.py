@@ -15,6 +15,7 @@ from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.scheduler import Scheduler
 from pdcore.engine.sched.stats import Kind, StatsReport
+from pdcore.messages.codes import ErrorCode
 
 # the KV manager's metrics() are running totals except these amounts (exported as kv_<name>)
 KV_MANAGER_LOADS = frozenset({
@@ -89,6 +90,17 @@ class RoleExtension(Extension):
         if refused is not None and refused(room):
             return 403
         return 502 if self.mgr.peer_fault(room) else 500
+
+    def _fail_code(self, room: int, status: int) -> ErrorCode | None:
+        """The named reason of a `_fail_status` answer, the error body's code a router acts on:
+        a refused route; the peer's fault, or its restart (the instance there now is new)."""
+        if status == 403:
+            return ErrorCode.ROUTE_REFUSED
+        if status != 502:
+            return None
+        restarted = getattr(self.mgr, "restart_fault", None)
+        return ErrorCode.PEER_RESTARTED if restarted is not None and restarted(room) else \
+            ErrorCode.PEER_FAILED
 
     def _end_room(self, req: Req) -> None:
         """The request ends before its room did: abort the room (tells the peer), release it."""

@@ -169,6 +169,7 @@ PENDING_EVICTED = "pending_evicted"
 # the codes that put the blame for a failed room on decode (P answers 502, not 500)
 DECODE_FAULTS = frozenset({UNKNOWN_SESSION, SESSION_FAILED, DECODE_ABORT, UNCLAIMED})
 PREFILL_FAULT = "prefill_fault"  # not sent: D's record that its prefill peer failed the room
+PREFILL_RESTARTED = "prefill_restarted"  # not sent: ... because that prefill instance restarted
 VERSION_MISMATCH = "version_mismatch"  # Status.code: the peer speaks another protocol version
 # Status.code / Abort.code: one side refused to pair with the other (model, page size, layout)
 PAIRING_REFUSED = "pairing_refused"

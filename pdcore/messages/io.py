@@ -171,4 +171,5 @@ class TokenOut:
     finish_reason: dict[str, Any] | None = None  # {"type": "length"|"stop"|"abort", ...}
     error: str | None = None  # set when the request failed (transfer failure, ...)
     error_status: int = 500
+    error_code: str | None = None  # the failure's named reason (messages/codes.ErrorCode)
     spec_verify_ct: int = 0  # verify passes of speculative decoding (on the last message)

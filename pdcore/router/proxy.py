@@ -61,7 +61,6 @@ from pdcore.router.metrics import RouterMetrics, error_code
 from pdcore.router.policies import DPRanks, Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
-    PEER_RESTARTED,
     Deadline,
     DecodeLeg,
     PrefillResult,
@@ -356,7 +355,7 @@ class Proxy:
                             if deadline.client_expired():  # P gave up on the client's timeout
                                 record(p, None, self._metrics, "timeout")
                                 return _client_timeout()
-                            if PEER_RESTARTED.search(leg.body):  # not the instance there now
+                            if code_of(leg.body) == ErrorCode.PEER_RESTARTED:  # not the one now
                                 self._metrics.worker_error("prefill", "peer_restarted")
                             else:
                                 p.circuit.record(False)

@@ -5,7 +5,8 @@ what the client caused counts neither way: `worker_outcome`, the rule in circuit
 count failures in the metrics. A prefill server answers 502 (PEER_FAULT) when its decode peer
 failed the pair: that counts against the decode worker, never against the healthy prefill; a
 decode server answers 502 when its prefill peer failed the pair (the proxy blames prefill),
-except when the reason is that the prefill instance restarted (PEER_RESTARTED): the room was
+except when the reason is that the prefill instance restarted (error code "peer_restarted",
+messages/codes.ErrorCode.PEER_RESTARTED, in decode's answer): the room was
 lost with an instance that no longer exists, whose death the router already counted (its own
 prefill call failed, health checks failed); the instance now at that URL is new and passed its
 health check, so blaming it would re-open a half-open circuit for the whole timeout.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +34,6 @@ from pdcore.router.workers import Worker
 log = logging.getLogger("pdcore.router.upstream")
 
 PEER_FAULT = 502  # a server's "my peer (decode for P, prefill for D) failed this request"
-# decode's reason when the prefill instance it had started the room with was replaced
-PEER_RESTARTED = re.compile(rb"prefill instance \S+ restarted")
 
 
 @dataclass(frozen=True)

@@ -74,10 +74,12 @@ class EngineError(PDError):
     `client_caused`: the client's own doing although the status does not say so (the 504 of the
     request's own `timeout`); the answer then carries ERROR_ORIGIN_HEADER (`headers`)."""
 
-    def __init__(self, message: str, status: int = 500, client_caused: bool = False) -> None:
+    def __init__(self, message: str, status: int = 500, client_caused: bool = False,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.client_caused = client_caused
+        self.code = code  # the named reason (messages/codes.ErrorCode), the error body's code
 
     @property
     def headers(self) -> dict[str, str]:
@@ -365,7 +367,8 @@ class EngineClient:
                     raise EngineError(f"request {req.rid} timed out", 504)
                 if out.error:
                     done, outcome = out.finished, f"error: {out.error}"
-                    raise EngineError(out.error, out.error_status or 500)
+                    raise EngineError(out.error, out.error_status or 500,
+                                      code=out.error_code)
                 done = out.finished
                 out_ids += out.new_token_ids
                 first_at = first_at or (time.monotonic() if out.new_token_ids else None)

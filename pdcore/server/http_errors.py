@@ -46,13 +46,14 @@ def error_response(message: str, status: int, param: str | None = None,
 
 
 def engine_error_response(e: EngineError) -> JSONResponse:
-    response = error_response(str(e), e.status)
+    response = error_response(str(e), e.status, code=ErrorCode(e.code) if e.code else None)
     response.headers.update(e.headers)  # the client-origin mark the router reads
     return response
 
 
-def sse_error(message: str, status: int) -> bytes:
-    return b"data: " + json.dumps(error_body(message, status)).encode() + b"\n\n"
+def sse_error(message: str, status: int, code: str | None = None) -> bytes:
+    body = error_body(message, status, code=ErrorCode(code) if code else None)
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -130,7 +130,7 @@ async def _stream(engine: EngineHandle, plan: Plan, body: GenerateRequest, reque
                 as events:
             async for ev in events:
                 if ev.error is not None:
-                    yield sse_error(str(ev.error), ev.error.status)
+                    yield sse_error(str(ev.error), ev.error.status, ev.error.code)
                     break
                 yield sse(_result(ev.asm, plan, ev.index, engine, body, start=start,
                                   finished=ev.done))

@@ -113,7 +113,7 @@ async def _stream(request: Request, engine: EngineHandle, plan: Plan, body: Any,
                                                  body.timeout)) as events:
             async for ev in events:
                 if ev.error is not None:
-                    yield sse_error(str(ev.error), ev.error.status)
+                    yield sse_error(str(ev.error), ev.error.status, ev.error.code)
                     break
                 a, i = ev.asm, ev.index
                 if echo_lp and i not in echoed:  # unified: the prompt's entries; PD decode: none

@@ -79,6 +79,9 @@ def test_restart_moves_unserved_rooms_and_fails_started_ones(managers) -> None:
     p2.add(4)
     wait_for(lambda: d.poll(2) == KVPoll.Failed, what="started room fails")
     assert "restarted" in d.failure_reason(2) and d.peer_fault(2)
+    # #46: the reason is recorded as such (D answers error code peer_restarted, which the
+    # router reads); a room failed for another peer fault is not a restart
+    assert d.restart_fault(2) and not d.restart_fault(4)
     wait_for(lambda: addr in d.prefills.instances() and d.prefills.get(addr).instance_id != old_id,
              what="decode resolved the new instance")
     # room 4 got its pages to the new instance again; room 3 goes on as a fresh room would

@@ -195,5 +195,6 @@ def test_requests_sent_to_decode_alone_hold_nothing(trio: PDCluster) -> None:
     assert len(answers) == 12 and time.monotonic() - started < 40
     for r in answers:
         assert r.status_code == 502 and "did not confirm this room" in r.text, r.text
+        assert r.json()["error"]["code"] == "peer_failed", r.text  # #46: the reason's code
     assert _metric(c, d1.url, "pdserve_scheduler_kv_unconfirmed_rooms_total") >= 12
     c.wait_pages_free()

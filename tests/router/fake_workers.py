@@ -68,6 +68,7 @@ class FakeWorker:
     name: str = ""
     fail_statuses: list[int] = field(default_factory=list)  # consumed one per request
     fail_message: str = ""  # the failures' error message (default: "injected <status> by ...")
+    fail_code: str | int | None = None  # the failures' error code (default: the status)
     fail_headers: dict[str, str] = field(default_factory=dict)  # on the injected failures
     fail_delay: float = 0.0  # before answering an injected failure
     delay: float = 0.0  # before answering a generation request
@@ -133,7 +134,8 @@ class FakeWorker:
             message = self.fail_message or f"injected {status} by {self.name}"
             if self.fail_delay:
                 await asyncio.sleep(self.fail_delay)
-            return JSONResponse({"error": {"message": message}}, status,
+            code = status if self.fail_code is None else self.fail_code
+            return JSONResponse({"error": {"message": message, "code": code}}, status,
                                 headers=self.fail_headers)
         if self.hang_until_disconnect:
             while not await request.is_disconnected():

@@ -49,8 +49,9 @@ def test_a_prefill_restart_reported_by_decode_blames_nobody(fake_worker, router)
     the one now at the URL is new, so P's circuit stays closed (a half-open one would otherwise
     re-open for the whole timeout); the request is still retried and counted."""
     p = fake_worker("prefill", delay=0.3)
-    d = fake_worker("decode", fail_statuses=[502, 502],
-                    fail_message="prefill instance 127.0.0.1:9 restarted")
+    # #46: the router reads decode's error code, not its message's text
+    d = fake_worker("decode", fail_statuses=[502, 502], fail_code="peer_restarted",
+                    fail_message="the room's prefill peer failed")
     r = router([(p, None)], [d], retry_max_retries=3, cb_failure_threshold=1,
                cb_timeout_duration_secs=30)
     resp = r.client.post("/generate", json={"text": "x"})

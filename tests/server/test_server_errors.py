@@ -92,3 +92,28 @@ def test_server_still_generates_after_bad_input(fake_server):
 
 def test_unknown_route_is_404(fake_server):
     assert fake_server.client.post("/v1/nothing", json={}).status_code == 404
+
+
+def test_a_failures_code_reaches_the_error_body() -> None:
+    """#46: a request the engine failed for a named reason (D: its prefill instance restarted)
+    carries the code from the scheduler's output to the HTTP answer's error.code, where the
+    router reads it; without one the code stays the HTTP status."""
+    import json
+
+    from pdcore.engine.sched.outputs import take_output
+    from pdcore.engine.sched.request import Phase, Req
+    from pdcore.engine.sched.sampler import SampleState
+    from pdcore.messages.io import SamplingParams
+    from pdcore.runtime import EngineError
+    from pdcore.server.http_errors import engine_error_response
+
+    req = Req("r", [1, 2], SampleState.create(SamplingParams(), [1, 2]))
+    req.phase, req.error, req.error_status = Phase.FINISHED, "prefill x restarted", 502
+    req.error_code = "peer_restarted"  # what Scheduler.fail(req, message, status, code) sets
+    out = take_output(req)
+    assert out is not None and out.error_code == "peer_restarted"
+    body = json.loads(engine_error_response(
+        EngineError(out.error, out.error_status, code=out.error_code)).body)
+    assert body["error"]["code"] == "peer_restarted" and "restarted" in body["error"]["message"]
+    plain = json.loads(engine_error_response(EngineError("boom", 500)).body)
+    assert plain["error"]["code"] == 500

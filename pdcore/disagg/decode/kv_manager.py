@@ -46,7 +46,7 @@ class DecodeKVManager(KVManager):
     instance each room pulls from (`binding`), the heartbeat."""
 
     role = "decode"
-    peer_fault_codes = frozenset({wire.PREFILL_FAULT})
+    peer_fault_codes = frozenset({wire.PREFILL_FAULT, wire.PREFILL_RESTARTED})
 
     def _adopt_staging(self, staging: Any) -> list[MemoryRegion]:
         self.grants = GrantBook(staging) if staging is not None else None

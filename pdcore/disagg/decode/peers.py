@@ -179,7 +179,7 @@ class PrefillBinding:
         log.warning("%s: failing %d rooms it had started, moving %d to the new instance", reason,
                     len(lost), len(movable))
         for room in lost:
-            self._fail(room, reason, code=wire.PREFILL_FAULT, notify=False)
+            self._fail(room, reason, code=wire.PREFILL_RESTARTED, notify=False)
         if movable:
             self._resolver.submit(self._rebind, addr, old, movable, reason)
 

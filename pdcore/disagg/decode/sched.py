@@ -209,8 +209,10 @@ class DecodeExtension(RoleExtension):
             self.sched.resume(f, front=True)
 
     def _fail(self, req: Req, reason: str) -> None:
-        # 502: this server is fine, its prefill peer failed the pair (the router blames prefill)
-        self.sched.fail(req, reason, self._fail_status(req.disagg.room))
+        # 502: this server is fine, its prefill peer failed the pair (the router blames prefill,
+        # unless the code says that prefill instance restarted: the one there now is new)
+        status = self._fail_status(req.disagg.room)
+        self.sched.fail(req, reason, status, self._fail_code(req.disagg.room, status))
 
     def on_abort(self, req: Req) -> None:
         if isinstance(req.disagg, Parked):  # it holds no pages yet: just leave the leader

@@ -151,7 +151,8 @@ class PrefillExtension(RoleExtension):
 
     def _fail(self, req: Req, reason: str) -> None:
         # 502: this server is fine, its decode peer failed the pair (the router blames decode)
-        self.sched.fail(req, reason, self._fail_status(req.disagg.room))
+        status = self._fail_status(req.disagg.room)
+        self.sched.fail(req, reason, status, self._fail_code(req.disagg.room, status))
 
     def after_step(self, results: list[StepResult]) -> None:
         for res in results:

@@ -57,8 +57,10 @@ class SchedulerAPI:
         are freed."""
         self._s.drop(req)
 
-    def fail(self, req: Req, message: str, status: int = 500) -> None:
-        self._s.fail(req, message, status)
+    def fail(self, req: Req, message: str, status: int = 500, code: str | None = None) -> None:
+        """End `req` with an error: its HTTP status and, when a caller acts on the reason, its
+        code (pdcore.messages.codes.ErrorCode)."""
+        self._s.fail(req, message, status, code)
 
     def push_token(self, req: Req, token: int, logprob: Any = None) -> None:
         """A token computed elsewhere (PD decode: P's first token); finish checks apply."""

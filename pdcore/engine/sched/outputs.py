@@ -24,5 +24,5 @@ def take_output(req: Req) -> TokenOut | None:
     if done:
         msg.finished, msg.finish_reason = True, req.finish_reason
         msg.spec_verify_ct = req.spec.verify_ct if req.spec is not None else 0
-        msg.error, msg.error_status = req.error, req.error_status
+        msg.error, msg.error_status, msg.error_code = req.error, req.error_status, req.error_code
     return msg

@@ -44,6 +44,7 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
     error_status: int = 500
+    error_code: str | None = None  # a named reason (pdcore.messages.codes.ErrorCode) or None
     preempted: bool = False
     ctx_slots: torch.Tensor | None = None  # cached slot table for positions < num_computed
     disagg: Any = None  # the role extension's per-request state

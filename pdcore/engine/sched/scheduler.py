@@ -127,8 +127,8 @@ class Scheduler:
         self.counters.aborted += 1
         self.finish(req, {"type": "abort", "message": reason}, drop_ext=False)
 
-    def fail(self, req: Req, message: str, status: int = 500) -> None:
-        req.error, req.error_status = message, status
+    def fail(self, req: Req, message: str, status: int = 500, code: str | None = None) -> None:
+        req.error, req.error_status, req.error_code = message, status, code
         self.ext.on_abort(req)
         self.finish(req, {"type": "abort", "message": message}, drop_ext=False)
 
