@@ -59,7 +59,8 @@ class KVManager(ABC):
         self._closed = False
         self._rooms: dict[int, Any] = {}
         self._peer_faults: set[int] = set()  # failed rooms whose cause is the peer role
-        self._client_faults: set[int] = set()  # failed rooms whose request is at fault (409)
+        # failed rooms whose request is at fault (409) -> the wire code saying how
+        self._client_faults: dict[int, str] = {}
         self._refused_routes: set[int] = set()  # failed rooms whose route decode refused (403)
         self._restart_faults: set[int] = set()  # peer faults: the peer instance restarted
         self._handlers: Mapping[type, Callable[[Any], None]] = {}  # message type -> handler
@@ -103,6 +104,11 @@ class KVManager(ABC):
         with self._lock:
             return room in self._client_faults
 
+    def client_fault_code(self, room: int) -> str:
+        """The wire code of a client fault (ROOM_CLAIMED, PROMPT_MISMATCH), else ""."""
+        with self._lock:
+            return self._client_faults.get(room, "")
+
     def route_refused(self, room: int) -> bool:
         """True when `room` failed because decode refused its route (route_refusal.py)."""
         with self._lock:
@@ -113,7 +119,7 @@ class KVManager(ABC):
             self._rooms.pop(room, None)
             self._peer_faults.discard(room)
             self._restart_faults.discard(room)
-            self._client_faults.discard(room)
+            self._client_faults.pop(room, None)
             self._refused_routes.discard(room)
             self.states.remove(room)
         self.xfer.forget(room)
@@ -189,7 +195,7 @@ class KVManager(ABC):
         if code == wire.PREFILL_RESTARTED:
             self._restart_faults.add(room)
         if code in wire.CLIENT_FAULTS:
-            self._client_faults.add(room)
+            self._client_faults[room] = code
         if code == wire.ROUTE_REFUSED:
             self._refused_routes.add(room)
         self.counters.add("failures")

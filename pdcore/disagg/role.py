@@ -96,6 +96,10 @@ class RoleExtension(Extension):
         a refused route; the peer's fault, or its restart (the instance there now is new)."""
         if status == 403:
             return ErrorCode.ROUTE_REFUSED
+        if status == 409:  # the wire's client-fault codes are the error codes' values
+            how = getattr(self.mgr, "client_fault_code", None)
+            code = how(room) if how is not None else ""
+            return ErrorCode(code) if code in ErrorCode._value2member_map_ else None
         if status != 502:
             return None
         restarted = getattr(self.mgr, "restart_fault", None)

@@ -123,6 +123,7 @@ def test_a_copied_route_gets_nothing(trio: PDCluster) -> None:
         r = http.post(d2.url + "/generate", json=_body(c, room, OTHER))  # unsigned: P refuses
         assert r.status_code == 409, (r.status_code, r.text)
         assert "bound to another decode server" in r.text, r.text
+        assert r.json()["error"]["code"] == "room_claimed", r.text  # #46: the reason's code
         assert _metric(c, p.url, BYTES) == p_bytes and _metric(c, d2.url, BYTES) == 0
         assert _metric(c, p.url, "pdserve_scheduler_kv_room_claims_refused_total") >= 1
         victim_p = http.post(p.url + "/generate", json=victim)
@@ -157,6 +158,7 @@ def test_another_prompt_is_refused_before_any_page_leaves(trio: PDCluster) -> No
         copy.join(120)
     for r in (victim_p, answers["d2"]):
         assert r.status_code == 409 and "prompt" in r.text and "digest" in r.text, r.text
+        assert r.json()["error"]["code"] == "prompt_mismatch", r.text  # #46: the reason's code
     assert _metric(c, p.url, BYTES) == p_bytes and _metric(c, d2.url, BYTES) == 0
     c.wait_pages_free()
     ok = httpx.post(c.url + "/generate", json={"text": VICTIM, "sampling_params": {

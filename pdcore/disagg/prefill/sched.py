@@ -33,6 +33,7 @@ from pdcore.engine.sched.batch_run import StepResult
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.scheduler import Scheduler
 from pdcore.engine.sched.stats import StatsReport
+from pdcore.messages.codes import ErrorCode
 from pdcore.messages.stats import queue_key
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class PrefillExtension(RoleExtension):
                    "the same prompt as its prefill request")
             self.mgr.refuse(req.disagg.room, why, wire.PROMPT_MISMATCH)
             self.bootstrap.remove(req)
-            self.sched.fail(req, why, 409)
+            self.sched.fail(req, why, 409, ErrorCode.PROMPT_MISMATCH)
             return True
         if have < need:
             why = f"decode reserved {have} KV pages; the prompt needs {need}"
