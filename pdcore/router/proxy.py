@@ -135,7 +135,8 @@ def _upstream_failure(role: str, worker: Worker, status: int, body: bytes) -> Fa
 def _resigned(leg: DecodeLeg, d: Worker) -> Failure | None:
     """D refused a route we signed for another server id (D restarted since our last probe):
     sign for the one there now and retry; nobody's fault, no circuit counts it."""
-    if leg.status != 403 or not leg.server_id or leg.server_id == d.server_id:
+    if leg.status != 403 or not leg.server_id or leg.server_id == d.server_id or \
+            code_of(leg.body) != ErrorCode.ROUTE_REFUSED:  # a refusal of something else
         return None
     log.info("decode worker %s is server %s now (was %s)", d.url, leg.server_id,
              d.server_id or "unknown")

@@ -203,9 +203,13 @@ def test_signed_routes_name_the_decode_server_and_the_body():
             json.dumps(out)))) == ""
     d = reg.add("http://127.0.0.1:30001", "decode", None)
     d.server_id = "old"
-    assert _resigned(SimpleNamespace(status=403, server_id="old"), d) is None
-    assert _resigned(SimpleNamespace(status=200, server_id="new"), d) is None
-    f = _resigned(SimpleNamespace(status=403, server_id="new"), d)
+    refused = json.dumps({"error": {"message": "...", "code": "route_refused"}}).encode()
+    assert _resigned(SimpleNamespace(status=403, server_id="old", body=refused), d) is None
+    assert _resigned(SimpleNamespace(status=200, server_id="new", body=b"{}"), d) is None
+    # #46: only a refused route is re-signed for, by its code (a 403 of another reason is not)
+    other = json.dumps({"error": {"message": "route refused", "code": 403}}).encode()
+    assert _resigned(SimpleNamespace(status=403, server_id="new", body=other), d) is None
+    f = _resigned(SimpleNamespace(status=403, server_id="new", body=refused), d)
     assert f is not None and f.retriable and d.server_id == "new"
 
 
