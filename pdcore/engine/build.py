@@ -320,6 +320,12 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
         raise ConfigError(f"--kv-cache-dtype {args.kv_cache_dtype}: FP8 KV pools serve the "
                           "Llama-family attention; an MLA model (DeepSeek) keeps its latent in "
                           "auto, float32 or bfloat16")
+    if cache_dtype.itemsize == 1:
+        scaled = sum(getattr(m, "k_scale", 1.0) != 1.0 or getattr(m, "v_scale", 1.0) != 1.0
+                     for m in model.modules())
+        log.info("FP8 KV pool (%s): K/V quantized on write, de-quantized on read; %d layers "
+                 "with the checkpoint's k_scale / v_scale, the others 1.0", cache_dtype,
+                 scaled)
     per_token = KVCache.bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, cache_dtype,
                                         spec.is_mla)
     model_context = args.context_length or getattr(cfg, "max_position_embeddings", 4096)

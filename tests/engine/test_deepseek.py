@@ -84,6 +84,11 @@ def test_pool_holds_one_latent_per_token_and_layer(tmp_path):
         assert kv.layers[0][0].shape == (64, 4, 1, LATENT)
     finally:
         eng.close()
+    # #48: an FP8 KV pool serves the Llama-family attention; MLA's latent is refused, named
+    from pdcore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8_e4m3.*MLA"):
+        LLMEngine(ServerArgs(model_path=path, max_total_tokens=256, kv_cache_dtype="fp8_e4m3"))
 
 
 def test_prefix_cache_hits_reuse_latent_pages(tiny):
