@@ -71,7 +71,8 @@ def cpu_model() -> tuple[str, list[str]]:
                     flags = set(val.split())
     except OSError:
         pass
-    return name, [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return name, [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni",
+                              "avx_vnni", "amx_int8") if f in flags]
 
 
 ISA_CAP_ENVS = ("PDCORE_CPU_ISA", "PDCORE_NATIVE_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")

@@ -31,9 +31,51 @@ def w8a8_quantization_config() -> dict[str, Any]:
     return json.loads(json.dumps(qc.model_dump(), default=str))
 
 
-def make_w8a8_model(src: str, dst: str) -> str:
+def smoothed_weights(src: str, calibration: list[list[int]], alpha: float = 0.8
+                     ) -> dict[str, Any]:
+    """SmoothQuant (what llmcompressor's W8A8 recipe runs before quantizing, strength 0.8):
+    `src`'s float weights with each input channel j of q/k/v and of gate/up scaled by
+    s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) (x: the preceding norm's output over the
+    `calibration` token ids) and that norm's weight divided by s_j: the same float model,
+    with the activations' outlier channels moved into the weights, which per-channel int8
+    holds better than per-token int8 holds the activations."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    amax: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for key, mod in ((2 * i, layer.self_attn.q_proj), (2 * i + 1, layer.mlp.gate_proj)):
+            def hook(_m, args, key=key):  # type: ignore[no-untyped-def]
+                a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
+                amax[key] = a if key not in amax else torch.maximum(amax[key], a)
+            hooks.append(mod.register_forward_pre_hook(hook))
+    with torch.inference_mode():
+        for ids in calibration:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            for key, norm, lins in ((2 * i, layer.input_layernorm, (a.q_proj, a.k_proj, a.v_proj)),
+                                    (2 * i + 1, layer.post_attention_layernorm,
+                                     (m.gate_proj, m.up_proj))):
+                wmax = torch.stack([lin.weight.abs().amax(0) for lin in lins]).amax(0)
+                s = (amax[key].clamp(min=1e-5).pow(alpha) /
+                     wmax.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+                norm.weight.div_(s)
+                for lin in lins:
+                    lin.weight.mul_(s)
+    return {k: v.contiguous() for k, v in model.state_dict().items()
+            if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+
+
+def make_w8a8_model(src: str, dst: str, calibration: list[list[int]] | None = None) -> str:
     """`src` (a float HF folder, one safetensors file) quantized to compressed-tensors W8A8 int8
-    in `dst`; returns `dst`."""
+    in `dst`; returns `dst`. With `calibration` (token id lists) the weights are smoothed first
+    (`smoothed_weights`, as llmcompressor's W8A8 recipe does)."""
     import torch
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.lifecycle.forward import quantize
@@ -48,16 +90,21 @@ def make_w8a8_model(src: str, dst: str) -> str:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
     out: dict[str, torch.Tensor] = {}
-    for f in sorted(x for x in os.listdir(src) if x.endswith(".safetensors")):
-        for key, w in load_file(os.path.join(src, f)).items():
-            if key.endswith(".weight") and key.split(".")[-2] in PROJECTIONS:
-                w = w.float()
-                scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True),
-                                                args)
-                out[key] = quantize(w, scale, zero, args, dtype=torch.int8)
-                out[key[: -len("weight")] + "weight_scale"] = scale.float()
-            else:
-                out[key] = w.contiguous()
+    if calibration:
+        tensors = smoothed_weights(src, calibration)
+    else:
+        tensors = {}
+        for f in sorted(x for x in os.listdir(src) if x.endswith(".safetensors")):
+            tensors.update(load_file(os.path.join(src, f)))
+    for key, w in tensors.items():
+        if key.endswith(".weight") and key.split(".")[-2] in PROJECTIONS:
+            w = w.float()
+            scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True),
+                                            args)
+            out[key] = quantize(w, scale, zero, args, dtype=torch.int8)
+            out[key[: -len("weight")] + "weight_scale"] = scale.float()
+        else:
+            out[key] = w.contiguous()
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(src, "config.json"), encoding="utf-8") as fh:
         cfg = json.load(fh)
