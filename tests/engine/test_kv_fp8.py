@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdcore.engine import native
 from pdcore.engine.kv.fp8 import dequantize, quantize, store_rows
 
 NEW = 16
@@ -53,7 +54,8 @@ def runs(tiny_llama_dir):
             ids = [o["output_ids"] for o in eng.generate(_prompts(), greedy)]
             if k0.element_size() == 1:
                 written = int((k0.view(torch.uint8) != 0).sum()) - written
-            out[kd] = {"info": e.info, "pool_dtype": k0.dtype, "ids": ids, "written": written}
+            out[kd] = {"info": e.info, "pool_dtype": k0.dtype, "ids": ids, "written": written,
+                       "native_steps": e.model.native_steps}
         finally:
             eng.close()
     return out
@@ -70,6 +72,8 @@ def test_fp8_pool_holds_twice_bf16s_tokens_for_the_same_memory(runs) -> None:
             (info.max_total_tokens, bf16.max_total_tokens)
         assert info.max_total_tokens * info.kv_bytes_per_token <= BUDGET + 1024
         assert runs[kd]["written"] > 0  # prefill and decode wrote FP8 bytes into the pool
+        # scale 1.0 (no k_scale in the checkpoint): the native decode loop serves FP8 too
+        assert (runs[kd]["native_steps"] > 0) == (native.ops() is not None), native.status()
 
 
 def test_fp8_kv_greedy_agrees_with_bf16_kv_on_most_tokens(runs) -> None:

@@ -179,7 +179,9 @@ def test_decode_attention_falls_back_to_sdpa_where_it_does_not_apply() -> None:
 @pytest.mark.parametrize("dtype,pool", [(torch.float32, torch.float32),
                                         (torch.bfloat16, torch.bfloat16),
                                         (torch.float16, torch.float16),
-                                        (torch.float32, torch.bfloat16)])  # the aten fallback
+                                        (torch.float32, torch.bfloat16),  # the aten fallback
+                                        (torch.float32, torch.float8_e4m3fn),  # FP8 KV (#48)
+                                        (torch.bfloat16, torch.float8_e5m2)])
 def test_rope_store_equals_the_aten_formula(dtype: torch.dtype, pool: torch.dtype) -> None:
     """rotary over q and k (x cos + rotate_half(x) sin, each operator rounding to the dtype)
     and the pool store at the slots, fused: equal to the bit to the Python code's operators."""
@@ -201,7 +203,7 @@ def test_rope_store_equals_the_aten_formula(dtype: torch.dtype, pool: torch.dtyp
     assert torch.equal(vf[slots], qkv[:, (H + KVH) * D :].reshape(T, KVH, D).to(pool))
     untouched = torch.ones(96, dtype=torch.bool)
     untouched[slots] = False
-    assert not kf[untouched].any() and not vf[untouched].any()
+    assert not kf[untouched].float().any() and not vf[untouched].float().any()
 
 
 def test_silu_mul_matches_aten() -> None:
@@ -290,12 +292,15 @@ def test_native_decode_loop_equals_the_python_loop(dtype: torch.dtype,
 
 
 @pytest.mark.parametrize("layout", ["panels", "onednn"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_append_equals_the_python_loop(dtype: torch.dtype, layout: str,
+@pytest.mark.parametrize("dtype,pool", [(torch.float32, None), (torch.bfloat16, None),
+                                        (torch.float32, torch.float8_e4m3fn)])
+def test_native_append_equals_the_python_loop(dtype: torch.dtype, pool: torch.dtype | None,
+                                              layout: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Steady decoding (append mode: the fused rotary + K/V store) in the native loop against
     the Python loop of an identical model, each with its own view and pool: equal to the bit,
-    logits, pool and view, step after step; with either weight layout."""
+    logits, pool and view, step after step; with either weight layout. `pool`: an FP8 KV pool
+    (--kv-cache-dtype fp8_e4m3, scale 1: the native loop casts, the Python loop quantizes)."""
     _ops()
     nat, py = _llama(dtype, monkeypatch, layout), _llama(dtype, monkeypatch, layout)
     n = 1 + 4 * len(nat.layers)  # lm_head, qkv, o, gate_up, down
@@ -304,8 +309,8 @@ def test_native_append_equals_the_python_loop(dtype: torch.dtype, layout: str,
                                           "plain": 0, "int8": 0}
     py.native = None
     g = torch.Generator().manual_seed(11)
-    kv = [(torch.randn(40, 8, 2, 64, generator=g).to(dtype),
-           torch.randn(40, 8, 2, 64, generator=g).to(dtype)) for _ in range(3)]
+    kv = [(torch.randn(40, 8, 2, 64, generator=g).to(pool or dtype),
+           torch.randn(40, 8, 2, 64, generator=g).to(pool or dtype)) for _ in range(3)]
     kv_py = [(k.clone(), v.clone()) for k, v in kv]
     perm = iter(torch.randperm(320, generator=g).tolist())
     tables = [[next(perm) for _ in range(n)] for n in (4, 37, 19)]  # padded: a mask

@@ -103,8 +103,9 @@ class Attention(nn.Module):
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
         else:  # q and k are neighbours in qkv: one rotary over both
-            # the fused store writes the compute dtype: an FP8 pool takes the Python store
-            rope = None if is_fp8(k_cache.dtype) else _native_for("rope_store", qkv)
+            # the native store casts (an FP8 pool: unscaled); scaled FP8 takes the Python store
+            scaled = self.k_scale != 1.0 or self.v_scale != 1.0
+            rope = None if scaled and is_fp8(k_cache.dtype) else _native_for("rope_store", qkv)
             if rope is not None:  # fused with the pool store, equal to the bit (engine/native)
                 qk = rope(qkv, cos, sin, k_cache, v_cache, batch.out_slots, self.num_heads,
                           self.num_kv_heads, self.head_dim)
@@ -331,6 +332,9 @@ class LlamaForCausalLM(CausalLM):
             "o_w": [x.self_attn.o_proj.packed for x in layers],
             "gu_w": [x.mlp.gate_up.packed for x in layers],
             "down_w": [x.mlp.down.packed for x in layers],
+            # an FP8 pool's K/V are cast unscaled in C++: scaled layers keep the Python loop
+            "unit_scales": all(x.self_attn.k_scale == 1.0 and x.self_attn.v_scale == 1.0
+                               for x in layers),
             "shape": (a0.num_heads, a0.num_kv_heads, a0.head_dim, layers[0].mlp.inter,
                       float(layers[0].input_layernorm.eps), float(a0.scale)),
         }
@@ -380,7 +384,7 @@ class LlamaForCausalLM(CausalLM):
         to it to the bit) for a decode-only step through the decode K/V view."""
         group = step.batch.decode_group() if step.view is not None else None
         if self.native is None or group is None or not group.whole \
-                or (step.kv and is_fp8(step.kv[0][0].dtype)):  # it stores the compute dtype
+                or (not self.native["unit_scales"] and is_fp8(step.kv[0][0].dtype)):
             return None
         self.native_steps += 1
         return self._native_layers(h, step.cos, step.sin, step.kv, step.batch, group,

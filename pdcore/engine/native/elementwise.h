@@ -224,9 +224,15 @@ Tensor rope_store(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const
     Tensor qk = qkv.slice(1, 0, (H + KVH) * D).view({T, H + KVH, D});
     qk = qk * cos + rotate_half(qk) * sin;
     Tensor kf = k_pool.view({-1, KVH, D}), vf = v_pool.view({-1, KVH, D});
-    kf.index_copy_(0, out_slots, qk.slice(1, H).to(kf.scalar_type()));
-    vf.index_copy_(0, out_slots, qkv.slice(1, (H + KVH) * D).view({T, KVH, D})
-                                     .to(vf.scalar_type()));
+    Tensor kn = qk.slice(1, H).to(kf.scalar_type());
+    Tensor vn = qkv.slice(1, (H + KVH) * D).view({T, KVH, D}).to(vf.scalar_type());
+    if (kf.element_size() == 1) {  // an FP8 pool (scale 1): CPU index_copy_ has no FP8 kernel
+      kf.view(at::kByte).index_copy_(0, out_slots, kn.view(at::kByte));
+      vf.view(at::kByte).index_copy_(0, out_slots, vn.view(at::kByte));
+    } else {
+      kf.index_copy_(0, out_slots, kn);
+      vf.index_copy_(0, out_slots, vn);
+    }
     return qk;
   }
   Tensor out = at::empty({T, H + KVH, D}, qkv.options());
