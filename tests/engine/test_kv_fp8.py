@@ -61,6 +61,40 @@ def runs(tiny_llama_dir):
     return out
 
 
+def test_checkpoint_scales_are_applied_on_write_and_read(tiny_llama_dir, tmp_path, runs) -> None:
+    """A checkpoint with k_scale / v_scale 0.5 in every layer (a power of two: K/V x 2 stays
+    in e4m3's range and keeps its mantissa): the greedy tokens are the unscaled FP8 run's
+    (a scale applied on one side only would change them), through the torch path."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pdcore.config import ServerArgs
+    from pdcore.messages.io import SamplingParams
+    from pdcore.runtime.llm_engine import LLMEngine
+
+    dest = tmp_path / "scaled"
+    shutil.copytree(tiny_llama_dir, dest)
+    (f,) = dest.glob("*.safetensors")
+    sd = load_file(str(f))
+    layers = {k.split(".")[2] for k in sd if k.startswith("model.layers.")}
+    for i in layers:
+        for x in "kv":
+            sd[f"model.layers.{i}.self_attn.{x}_scale"] = torch.tensor(0.5)
+    save_file(sd, str(f), metadata={"format": "pt"})
+    eng = LLMEngine(ServerArgs(model_path=str(dest), kv_cache_dtype="fp8_e4m3",
+                               max_total_tokens=2048, log_level="warning"))
+    try:
+        model = eng.engine.model
+        assert all(l.self_attn.k_scale == l.self_attn.v_scale == 0.5 for l in model.layers)
+        greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+        assert [o["output_ids"] for o in eng.generate(_prompts(), greedy)] == \
+            runs["fp8_e4m3"]["ids"]
+        assert model.native_steps == 0  # scaled: the torch path
+    finally:
+        eng.close()
+
+
 def test_fp8_pool_holds_twice_bf16s_tokens_for_the_same_memory(runs) -> None:
     bf16 = runs["bfloat16"]["info"]
     for kd, dtype in (("fp8_e4m3", torch.float8_e4m3fn),):
