@@ -73,6 +73,7 @@ class ServerArgs(CommonFlags):
     disable_cuda_graph: bool = False  # no CUDA graphs are ever captured; accepted for parity
     cuda_graph_bs: list[int] | None = None  # CUDA-graph batch sizes: accepted, a warning says so
     skip_server_warmup: bool = False
+    drain_timeout: float | None = None  # None: $PDSERVE_DRAIN_TIMEOUT_S (30 s)
     tokenizer_worker_num: int = 1
     # parallelism / devices
     tp_size: int = 1

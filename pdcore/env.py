@@ -351,6 +351,9 @@ class Http(Group):
     pdserve_http_body_min_rate = Var(
         1024.0, positive(), "bytes of body that buy one more second of the body deadline")
     pdserve_http_body_max_s = Var(300.0, positive(), "no request body takes longer than this")
+    pdserve_drain_timeout_s = Var(
+        30.0, positive(), "seconds a draining server (SIGTERM, POST /drain) waits for its "
+        "requests in flight before it aborts them and exits (--drain-timeout wins)")
     pdserve_http_send_timeout_s = Var(
         60.0, positive(), "seconds a client may leave its response unread (writes paused) "
         "before it is closed and its request aborted")

@@ -29,6 +29,13 @@ class ErrorCode(StrEnum):
     PEER_FAILED = "peer_failed"
     # 502: the prefill instance at the route's address restarted: the room died with it
     PEER_RESTARTED = "peer_restarted"
+    # 503: the server is draining (shutting down): it finishes what it holds and takes no new
+    # request; send it to another server (no fault of this one: no circuit counts it)
+    DRAINING = "draining"
+
+
+# set on a draining server's 503 (and its /health): the router retries elsewhere at once
+DRAINING_HEADER = "x-pd-draining"
 
 
 MAX_ERROR_BODY = 65536  # an error body longer than this is no error body of ours

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcore.edge.auth import require_admin
+from pdcore.messages.codes import DRAINING_HEADER
 from pdcore.messages.io import ControlKind
 from pdcore.route_auth import WARMUP_HOST as FAKE_BOOTSTRAP_HOST
 from pdcore.runtime import EngineError, EngineHandle, new_rid
@@ -36,6 +37,11 @@ def _engine(request: Request) -> EngineHandle:
 @router.get("/health")
 async def health(request: Request) -> Response:
     engine = _engine(request)
+    drain = getattr(request.app.state, "drain", None)
+    if drain is not None and drain.draining:
+        return JSONResponse({"status": "draining", "in_flight": drain.in_flight,
+                             "error": "server is draining (shutting down)"},
+                            status_code=503, headers={DRAINING_HEADER: "1"})
     if engine.ready and getattr(request.app.state, "warming_up", False):
         return JSONResponse({"status": "warming_up", "error": None}, status_code=503)
     if engine.ready:
@@ -134,10 +140,22 @@ async def flush_cache(request: Request) -> Response:
                          **data})
 
 
+@router.post("/drain", dependencies=[Depends(require_admin)])
+async def drain(request: Request) -> Response:
+    """Start draining (as the first SIGTERM does): 503 to new requests, exit once the ones in
+    flight are done or after --drain-timeout."""
+    d = request.app.state.drain
+    started = d.begin(_engine(request), "POST /drain")
+    return JSONResponse({"success": True, "draining": True, "already": not started,
+                         "in_flight": d.in_flight, "timeout_s": d.timeout_s})
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     m = request.app.state.metrics
     engine = _engine(request)
+    drain = getattr(request.app.state, "drain", None)
+    m.draining.set(1 if drain is not None and drain.draining else 0)
     if engine.ready:
         try:
             m.update_from_stats(await engine.stats(timeout=5.0))

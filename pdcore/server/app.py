@@ -41,6 +41,7 @@ from pdcore.server import (
     pd_trust_routes,
     responses_routes,
 )
+from pdcore.server.drain import Drain, DrainMiddleware, drain_timeout
 from pdcore.server.http_errors import install_error_handlers
 from pdcore.server.metrics import ServerMetrics, metrics_engine_type, metrics_model_name
 
@@ -125,6 +126,7 @@ def create_app(args: ServerArgs, *, engine: EngineHandle | None = None,
     app.state.on_ready = None
     app.state.on_start_failed = None
     app.state.warming_up = False
+    app.state.drain = Drain(drain_timeout(args.drain_timeout))
     app.state.route_guard = RouteGuard(
         args.disaggregation_auth_token, args.disaggregation_trusted_prefill,
         args.disaggregation_bootstrap_port if args.disaggregation_mode == "prefill" else None,
@@ -139,6 +141,8 @@ def create_app(args: ServerArgs, *, engine: EngineHandle | None = None,
             app.state.refusal_notifier = notifier
     install_error_handlers(app)
     install_limits(app)
+    # outside auth: a draining server refuses before anything else looks at the request
+    app.add_middleware(DrainMiddleware, drain=app.state.drain, routes=GENERATE_ROUTES)
 
     install_auth(app, args.api_key, args.admin_api_key, OPEN_PATHS)
 

@@ -111,6 +111,9 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self.in_flight = Gauge("pdserve_http_requests_in_flight",
                                "Generate requests the HTTP process is serving", registry=r)
+        self.draining = Gauge("pdserve_draining", "1 while the server drains (SIGTERM or POST "
+                              "/drain): it refuses new requests and exits once idle",
+                              registry=r)
         self.requests = Counter("pdserve_requests", "Generate requests by route and HTTP status",
                                 ["route", "status"], registry=r)
         self.routes_refused = Counter(

@@ -3,7 +3,9 @@
 1. bind the listening socket first (a busy port fails before any model loads);
 2. build the app; the lifespan spawns the scheduler and loads the model;
 3. print the URL and an example once the engine is ready; on an engine start-up failure print
-   why and exit 1; Ctrl-C / SIGTERM stop uvicorn, whose shutdown stops the scheduler;
+   why and exit 1; Ctrl-C stops uvicorn, whose shutdown stops the scheduler; the first
+   SIGTERM of a ready server drains it (server/drain.py: 503 to new requests, exit 0 once the
+   ones in flight are done or after --drain-timeout), a second one stops it at once;
 4. when the scheduler dies after start-up the in-flight requests have failed already (503);
    the server then exits 1: uvicorn's graceful shutdown gets ENGINE_DEATH_DRAIN_S, and the
    process ends by ENGINE_DEATH_EXIT_S whatever still runs (the scheduler's own children die
@@ -12,8 +14,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -75,6 +79,26 @@ def _exit_now(_server: Any) -> None:
     os._exit(1)
 
 
+def _draining_server(uvicorn: Any, app: Any) -> Any:
+    """uvicorn.Server whose first SIGTERM on a ready engine drains instead of stopping."""
+
+    class DrainingServer(uvicorn.Server):  # type: ignore[misc,name-defined]
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            drain, engine = app.state.drain, app.state.engine
+            if sig == signal.SIGTERM and engine.ready and not drain.draining \
+                    and not self.should_exit:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    loop = None
+                if loop is not None:
+                    loop.call_soon_threadsafe(drain.begin, engine, "SIGTERM")
+                    return
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
+
+
 def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
     """Serve until stopped; returns the process exit code."""
     if args.node_rank > 0:  # a further node of a multi-node TP server: ranks only, no HTTP
@@ -98,8 +122,18 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on", http=protocol,
                             timeout_keep_alive=connections.keepalive_s(), **tls)
-    server = uvicorn.Server(config)
+    server = _draining_server(uvicorn, app)(config)
     outcome = {"rc": 0}
+
+    def on_drained(clean: bool) -> None:
+        server.should_exit = True
+        if not clean:  # what is left is aborted: its streams end with an error event
+            for delay, action in ((ENGINE_DEATH_DRAIN_S, _force_exit),):
+                timer = threading.Timer(delay, action, (server,))
+                timer.daemon = True
+                timer.start()
+
+    app.state.drain.on_drained = on_drained
 
     def on_ready(engine: Any) -> None:
         name = engine.info.served_model_name or engine.info.model_path

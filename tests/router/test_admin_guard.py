@@ -49,7 +49,7 @@ AS_ADMIN = {"authorization": f"Bearer {ADMIN}"}
 ROGUE = "http://127.0.0.1:9"  # the worker an attacker would add (nothing listens there)
 ROUTER_ADMIN = {"POST /workers", "DELETE /workers", "DELETE /workers/{url:path}",
                 "POST /add_worker", "POST /remove_worker", "POST /flush_cache"}
-SERVER_ADMIN = {"POST /flush_cache", "GET /flush_cache", "POST /start_profile",
+SERVER_ADMIN = {"POST /flush_cache", "GET /flush_cache", "POST /start_profile", "POST /drain",
                 "POST /stop_profile", "POST /disaggregation/trusted_prefill"}
 
 

@@ -205,6 +205,9 @@ HELP: dict[str, str] = {
                     "w8a8_int8 (compressed-tensors W8A8 int8: int8 GEMMs) and gguf (de-quantized "
                     "at load); any other format is refused at start-up (exit 2)",
     "skip_server_warmup": "skip the one-token warm-up generate run before /health turns 200",
+    "drain_timeout": "seconds a draining server (first SIGTERM, or admin POST /drain) waits "
+                     "for its requests in flight before aborting them and exiting; unset: "
+                     "$PDSERVE_DRAIN_TIMEOUT_S, else 30",
     "tokenizer_worker_num": "tokenizer processes (only 1: the HTTP process tokenizes)",
     "cpu_omp_threads_bind": "CPUs the engine's OpenMP threads are bound to: auto (every CPU "
                             "this process may use; bounded spin), a list such as 0-1 (those; "
