@@ -30,6 +30,7 @@ import httpx
 
 from pdcore.route_auth import SERVER_ID_HEADER
 from pdcore.router.config import RouterConfig
+from pdcore.router.upstream import draining
 from pdcore.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("pdcore.router.health")
@@ -107,6 +108,8 @@ class HealthMonitor:
             worker.last_health_error = None
             return True
         worker.last_health_error = f"HTTP {resp.status_code}"
+        if draining(worker, resp.headers):  # out of rotation now, not after N failed probes
+            worker.last_health_error = "draining"
         return False
 
     async def _startup(self, worker: Worker) -> None:

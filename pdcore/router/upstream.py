@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from pdcore.errors import ERROR_ORIGIN_HEADER
+from pdcore.messages.codes import DRAINING_HEADER
 from pdcore.route_auth import SERVER_ID_HEADER
 from pdcore.router.merge import SSEMerger
 from pdcore.router.metrics import RouterMetrics
@@ -66,6 +67,29 @@ def worker_outcome(status: int | None, client_marked: bool, deadline: Deadline) 
     if status is not None and (status < 500 or status == PEER_FAULT):
         return True
     return None if deadline.client_expired() else False
+
+
+def draining(worker: Worker, headers: httpx.Headers | None) -> bool:
+    """The worker answered that it drains (DRAINING_HEADER): out of rotation now, until its
+    /health is 200 again (a restarted server); no circuit counts it (True)."""
+    if headers is None or not headers.get(DRAINING_HEADER):
+        return False
+    if worker.healthy:
+        log.warning("%s worker %s is draining: out of rotation until its /health is 200",
+                    worker.worker_type, worker.url)
+    worker.healthy = False
+    worker.health_successes = 0
+    return True
+
+
+def refused(worker: Worker, exc: BaseException) -> None:
+    """A connection the worker's address refused: nothing listens there (a drained server
+    that exited, one restarting): out of rotation now, until its /health is 200 again."""
+    if isinstance(exc, httpx.ConnectError) and worker.healthy:
+        log.warning("%s worker %s refused the connection: out of rotation until its /health "
+                    "is 200", worker.worker_type, worker.url)
+        worker.healthy = False
+        worker.health_successes = 0
 
 
 def record(worker: Worker, outcome: bool | None, metrics: RouterMetrics, kind: str) -> None:
@@ -152,6 +176,7 @@ async def call_prefill(
     except (httpx.HTTPError, asyncio.TimeoutError) as exc:
         outcome = worker_outcome(None, False, deadline)
         reason = exc_reason(exc)
+        refused(worker, exc)
         if outcome is None:
             record(worker, None, metrics, "timeout")
             log.info("prefill %s: the request's own timeout passed (%s)", url, reason)
@@ -162,7 +187,10 @@ async def call_prefill(
         return PrefillResult(None, error=reason, client_caused=outcome is None)
     marked = client_caused(resp.headers)
     outcome = worker_outcome(resp.status_code, marked, deadline)
-    record(worker, outcome, metrics, str(resp.status_code))
+    if draining(worker, resp.headers):
+        metrics.worker_error("prefill", "draining")
+    else:
+        record(worker, outcome, metrics, str(resp.status_code))
     if not 200 <= resp.status_code < 300 and outcome is not None:
         metrics.worker_error("prefill", str(resp.status_code))
         log.warning("prefill %s answered %d: %s", url, resp.status_code, resp.text[:300])
@@ -213,17 +241,21 @@ class DecodeLeg:
                 self.headers = {ERROR_ORIGIN_HEADER: "client"}
             outcome = worker_outcome(self.status, bool(self.headers), deadline)
             self.client_caused = outcome is None
-            record(self.worker, outcome, self._metrics, str(self.status))
-            if not self.ok and outcome is not None:
-                self._metrics.worker_error("decode", str(self.status))
+            if draining(self.worker, self._resp.headers):
+                self._metrics.worker_error("decode", "draining")
+            else:
+                record(self.worker, outcome, self._metrics, str(self.status))
+                if not self.ok and outcome is not None:
+                    self._metrics.worker_error("decode", str(self.status))
             if first_only and self.ok:
                 self._iter = self._resp.aiter_bytes()
                 self.body = await anext(self._iter, b"")  # type: ignore[arg-type]
             else:
                 self.body = await self._resp.aread()
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
             outcome = worker_outcome(None, False, deadline)
             self.client_caused = outcome is None
+            refused(self.worker, exc)
             record(self.worker, outcome, self._metrics, "timeout")
             if outcome is not None:
                 self._metrics.worker_error("decode", "transport")

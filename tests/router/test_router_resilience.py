@@ -107,12 +107,38 @@ def test_request_timeout_frees_both_legs(fake_worker, router):
     _wait(lambda: r.worker_state(d.url)["in_flight"] == 0 and r.worker_state(p.url)["in_flight"] == 0)
 
 
-def test_unreachable_decode_is_502(fake_worker, router):
+def test_unreachable_decode_is_out_of_rotation_at_once(fake_worker, router):
+    """A refused connection means nothing listens (a drained server that exited, #49): the
+    worker leaves the rotation at once instead of taking every retry; with no other decode the
+    answer is 503 naming the transport error."""
     p, d = fake_worker("prefill"), fake_worker("decode")
     r = router([(p, None)], [d], retry_max_retries=2, retry_initial_backoff_ms=1)
     d.stop()
     resp = r.client.post("/generate", json={"text": "x"})
-    assert resp.status_code == 502 and resp.json()["error"]["code"] == "decode_transport_error"
+    err = resp.json()["error"]
+    assert resp.status_code == 503 and err["code"] == "server_selection_failed", resp.text
+    assert f"decode worker {d.url} failed" in err["message"], err
+    assert r.worker_state(d.url)["healthy"] is False
+
+
+def test_a_draining_decode_is_retried_elsewhere_and_left_out_with_no_circuit_failure(
+        fake_worker, router):
+    """#49: a decode that answers 503 `draining` (DRAINING_HEADER) is taken out of rotation at
+    once, the request goes to the other decode, and its circuit counts no failure."""
+    from pdcore.messages.codes import DRAINING_HEADER
+
+    p = fake_worker("prefill")
+    d1 = fake_worker("decode", fail_statuses=[503] * 5, fail_headers={DRAINING_HEADER: "1"})
+    d2 = fake_worker("decode")
+    r = router([(p, None)], [d1, d2], retry_max_retries=3, retry_initial_backoff_ms=1,
+               cb_failure_threshold=1)
+    d1.health_status = 503  # draining from now on (its /health says so too)
+    for _ in range(4):  # round robin would give d1 every other request
+        assert r.client.post("/generate", json={"text": "x"}).status_code == 200
+    assert len(d1.received) == 1, "the draining decode got requests after it said so"
+    state = r.worker_state(d1.url)
+    assert state["healthy"] is False and state["circuit"]["state"] == "closed", state
+    assert state["circuit"].get("total_failures", 0) == 0, state
 
 
 def test_circuit_opens_and_recovers(fake_worker, router):
