@@ -15,7 +15,15 @@
    4 s ... capped at RESTART_MAX_S, reset once it stayed up RESTART_RESET_S; meanwhile the
    router probes it and keeps it out of rotation until its /health answers again
    (pdcore.router.health);
-5. Ctrl-C / SIGTERM stops all children (SIGTERM, then SIGKILL after a grace period).
+5. SIGHUP: a rolling restart (`rolling_restart`): each server in turn gets SIGTERM, which
+   drains it (pdcore.server.drain: 503 to new requests, which the router retries on another
+   server and takes it out of rotation; in-flight requests and transfers finish), is started
+   again once it exited, and the next one waits until its /health is 200 and the router has
+   it back in rotation. A signal, not a command or an HTTP call: it is the usual "reload"
+   (`kill -HUP`, systemd's ExecReload), needs no credential beyond being this user, and
+   `up` has no control port to protect. With one server of a role, requests that arrive
+   while it restarts find none (503): give each role two servers for zero failures;
+6. Ctrl-C / SIGTERM stops all children (SIGTERM, then SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from pdcore.runtime.lifeline import preexec_die_with_parent
 from pdcore.runtime_env import disjoint_cpus, server_threads
 
 GRACE_S = 10.0
+ROTATION_WAIT_S = 30.0  # a restarted server must be back in the router's rotation by then
 RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_S = 1.0, 30.0, 60.0
 
 
@@ -224,6 +233,7 @@ class Deployment:
         self.servers, self.router = plan(cfg, self.backend)
         self.children: list[Child] = []
         self.admin_key_file: str | None = None  # set when `up` drew the key and wrote it
+        self.restart_requested = False  # SIGHUP: a rolling restart at the next supervise step
 
     def admin_key_note(self) -> str:
         """Where the admin key is, for the operator (never the key itself)."""
@@ -277,10 +287,65 @@ class Deployment:
         self._wait_healthy([self.router], deadline)
 
     def supervise(self, until: Callable[[], bool] = lambda: False, poll_s: float = 0.2) -> None:
-        """Restart children that exit, with back-off, until `until()` is true."""
+        """Restart children that exit, with back-off, until `until()` is true; a rolling
+        restart when one was asked for (SIGHUP)."""
         while not until():
+            if self.restart_requested:
+                self.restart_requested = False
+                self.rolling_restart()
             self.supervise_once(time.monotonic())
             time.sleep(poll_s)
+
+    def rolling_restart(self) -> bool:
+        """Drain and restart every server in turn (module doc, step 5); True when each came
+        back healthy and in the router's rotation."""
+        self.log(f"pdserve up: rolling restart of {len(self.servers)} servers")
+        t0 = time.monotonic()
+        for c in self.servers:
+            try:
+                self._restart_one(c)
+            except RuntimeError as e:  # the supervisor restarts it with back-off
+                self.log(f"pdserve up: rolling restart stopped at {c.name}: {e}")
+                return False
+        self.log(f"pdserve up: rolling restart done in {time.monotonic() - t0:.1f}s")
+        return True
+
+    def _restart_one(self, c: Child) -> None:
+        wait_s = drain_wait_s(self.cfg)
+        if c.proc is not None and c.proc.poll() is None:
+            self.log(f"pdserve up: draining {c.name} (SIGTERM; up to {wait_s:g}s)")
+            try:
+                os.kill(c.proc.pid, signal.SIGTERM)
+                rc = c.proc.wait(wait_s)
+                self.log(f"pdserve up: {c.name} drained, exit code {rc}")
+            except subprocess.TimeoutExpired:
+                self.log(f"pdserve up: {c.name} still running after {wait_s:g}s: killed")
+            except ProcessLookupError:
+                pass
+            _kill_group(c.proc.pid)
+            c.proc.wait(5)
+        c.restart_at = None
+        c.restarts += 1
+        self._spawn(c)
+        deadline = time.monotonic() + self.cfg.startup_timeout
+        self._wait_healthy([c], deadline)
+        self._wait_in_rotation(c, min(deadline, time.monotonic() + ROTATION_WAIT_S))
+
+    def _wait_in_rotation(self, c: Child, deadline: float) -> None:
+        """Until the router lists `c` as available (it probes a worker it took out)."""
+        key = _flag_value(self.cfg.serve_args, "--api-key")
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        with httpx.Client(timeout=2.0, headers=headers) as http:
+            while time.monotonic() < deadline:
+                try:
+                    listed = http.get(self.router.url + "/workers").json().get("workers", [])
+                    if any(w.get("url") == c.url and w.get("available") for w in listed):
+                        self.log(f"  {c.name} back in the router's rotation")
+                        return
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    pass
+                time.sleep(0.2)
+        self.log(f"pdserve up: the router has not taken {c.name} back yet; going on")
 
     def supervise_once(self, now: float) -> None:
         for c in self.children:
@@ -323,6 +388,17 @@ class Deployment:
                 except ProcessLookupError:
                     pass
                 c.proc.wait(5)
+
+
+def drain_wait_s(cfg: UpConfig) -> float:
+    """How long a draining server may take to exit: its drain timeout (--drain-timeout among
+    the serve flags, else $PDSERVE_DRAIN_TIMEOUT_S) plus its shutdown."""
+    given = _flag_value(cfg.serve_args, "--drain-timeout")
+    try:
+        drain = float(given) if given is not None else float(ENV.pdserve_drain_timeout_s)
+    except ValueError:
+        drain = float(ENV.pdserve_drain_timeout_s)
+    return drain + GRACE_S
 
 
 def _kill_group(pid: int) -> None:
@@ -369,7 +445,11 @@ def run_up(cfg: UpConfig) -> int:
     def _term(*_: object) -> None:
         raise KeyboardInterrupt
 
+    def _hup(*_: object) -> None:
+        dep.restart_requested = True
+
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGHUP, _hup)
     try:
         dep.start()
         url = dep.router.url
@@ -378,7 +458,8 @@ def run_up(cfg: UpConfig) -> int:
               f"  try: curl {url}/v1/chat/completions -H "
               "'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", "
               "\"content\": \"Hello\"}], \"max_tokens\": 32}'\n"
-              f"  {dep.admin_key_note()}\n  (Ctrl-C stops everything)",
+              f"  {dep.admin_key_note()}\n  (Ctrl-C stops everything; kill -HUP {os.getpid()}"
+              " drains and restarts each server in turn)",
               flush=True)
         dep.supervise()
         return 0
