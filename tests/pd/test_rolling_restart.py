@@ -8,6 +8,7 @@ Real processes on loopback, tiny random model. Two closed-loop client threads st
 streams in flight finish), exits 0, is started again and taken back before the next. Every
 request ends 200 with the text an undisturbed run gives, every server was replaced, and every KV
 pool is at rest at the end. The long version (rounds, SmolLM2) is bench/rolling_restart.py.
+Run with PDSERVE_SCENARIOS=1 (CI skips it: see pytestmark).
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from pdserve_testing import REPO_ROOT, free_port
 from pdcore.route_auth import SERVER_ID_HEADER
 from pdcore.testing.pages import load_at_rest
 
-pytestmark = pytest.mark.timeout(420)
+# A 160 s scenario (a 2P2D start, then four drains and restarts one after another on 2 cores):
+# over CI's budget, so it runs where asked (PDSERVE_SCENARIOS=1), and bench/rolling_restart.py
+# runs the same scenario with its numbers in bench/results/rolling_restart.json. CI keeps the
+# drain's parts: tests/server/test_drain.py and the router's retry of a draining worker.
+pytestmark = [pytest.mark.timeout(420), pytest.mark.skipif(
+    os.environ.get("PDSERVE_SCENARIOS") != "1",
+    reason="a 160 s scenario: PDSERVE_SCENARIOS=1 runs it; bench/rolling_restart.py measures it")]
 PROMPTS = ["Hello there", "The capital of France", "One two three four", "Once upon a time"]
 
 
