@@ -36,6 +36,7 @@ from pdcore.constrained.spec import (
     spec_from_response_format,
 )
 from pdcore.errors import InvalidRequestError
+from pdcore.messages.info import EngineInfo
 from pdcore.server.tools import reasoning, tool_parsers
 from pdcore.server.tools.chat_tools import ChoiceShaper, plan_tools
 
@@ -179,7 +180,7 @@ HOSTILE = JSON_VALUES | st.sampled_from(
 def test_request_schemas_and_bounds(route: str, data: st.DataObject) -> None:
     names = _field_names()[route]
     body = data.draw(st.dictionaries(st.sampled_from(names), HOSTILE, max_size=6))
-    info = {"vocab_size": 49152, "context_length": 2048, "dp_size": 1}
+    info = EngineInfo(vocab_size=49152, context_length=2048, dp_size=1)
     try:
         SCHEMAS[route].model_validate(body)
         check_body(route, body, info, 16)
