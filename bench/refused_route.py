@@ -20,6 +20,7 @@ import time
 
 import httpx
 
+from bench.common import Run, bar_groups, figure, load_note, save_figure
 from pdcore.testing.processes import ServerProcess, free_port
 from pdcore.testing.tiny_models import make_tiny_model
 
@@ -54,6 +55,7 @@ def main() -> None:
                       env={**env, "PDSERVE_DISAGGREGATION_TRUST_LOCAL_PREFILL": "0"})
     procs = [p, d]
     results = []
+    run = Run("refused_route", {"claim_timeout": a.claim_timeout, "repeat": a.repeat})
     try:
         p.wait_healthy(300)
         d.wait_healthy(300)
@@ -80,7 +82,18 @@ def main() -> None:
                     print(json.dumps(results[-1]), flush=True)
                     router.stop()
         time.sleep(0.5)
-        print("prefill counters:", counters(p.url))
+        after = counters(p.url)
+        print("prefill counters:", after)
+        path = run.finish({"results": results, "prefill_counters": after,
+                           "note": load_note(run)})
+        groups = [f"{k}\n{'stream' if st else 'plain'}" for k in ("sglang-router", "pdserve router")
+                  for st in (False, True)]
+        worst = [max(r["seconds"] for r in results if f"{r['router']}\n"
+                     f"{'stream' if r['stream'] else 'plain'}" == g) for g in groups]
+        fig, axes = figure(1, width=7)
+        bar_groups(axes[0], groups, {"slowest answer (s)": worst}, "seconds to the answer",
+                   f"a refused route, to the client ({load_note(run)})")
+        print(path, save_figure(fig, "refused_route"))
     finally:
         for s in procs:
             s.stop()
