@@ -67,6 +67,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import time
 from collections import Counter, deque
 from typing import Any
@@ -428,3 +429,16 @@ def tls_settings(certfile: str | None, keyfile: str | None, cert_flag: str,
                           f"certificate chain and its private key ({e})") from None
     return {"ssl_certfile": os.path.expanduser(certfile),
             "ssl_keyfile": os.path.expanduser(keyfile)}
+
+
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """A busy port is exit 2 naming its flag before anything starts (uvicorn's own bind error
+    came after the start-up, with exit 3). Shared by the servers' preflight and the router."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror}); "
+                              f"pick another {flag}") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import socket
 import typing
 from collections.abc import Sequence
 from dataclasses import MISSING, fields
@@ -19,6 +18,7 @@ from dataclasses import MISSING, fields
 import typer
 
 from pdcore.env import check as check_env
+from pdcore.edge.connections import check_port_free
 from pdcore.errors import ConfigError
 from pdcore.router.config import RouterConfig
 from pdcore.router.discovery import SELECTOR_FLAGS, load_cluster_config, parse_selector
@@ -187,19 +187,6 @@ def router_help() -> str:
         extra = f" ({'|'.join(choices)})" if choices else ""
         lines.append(f"  {flag:<34} {helptext}{extra}{shown}")
     return "\n".join(lines)
-
-
-def check_port_free(host: str, port: int) -> None:
-    """A busy --port is exit 2 naming the flag before anything starts (uvicorn's own bind
-    error came after the start-up, with exit 3)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); "
-                              "pick another --port") from None
 
 
 def run_router(config: RouterConfig) -> None:

@@ -14,11 +14,11 @@ Nothing here imports torch: importing it alone takes seconds on a busy host.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 
 from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.env import environ
+from pdcore.edge.connections import check_port_free
 from pdcore.errors import ConfigError, PluginError
 from pdcore.plugins.default_backend import FALLBACK_BACKEND, resolve_transfer_backend
 
@@ -51,17 +51,6 @@ def _entry(kind: str, name: str):  # type: ignore[no-untyped-def]
     if not ok:
         raise ConfigError(f"{entry.kind.value} {name!r} is not available here: {reason}")
     return entry
-
-
-def _check_port_free(host: str, port: int, flag: str) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror}); "
-                              f"pick another {flag}") from None
 
 
 def _check_files(args: ServerArgs) -> None:
@@ -154,7 +143,7 @@ def _check_disagg(args: ServerArgs, env: Mapping[str, str]) -> str | None:
             raise ConfigError(f"--disaggregation-bootstrap-port {args.port} is also --port; "
                               "give them different ports")
         if args.node_rank == 0:
-            _check_port_free(args.host, args.disaggregation_bootstrap_port,
+            check_port_free(args.host, args.disaggregation_bootstrap_port,
                              "--disaggregation-bootstrap-port")
     return backend.pool_for(env)
 
@@ -213,5 +202,5 @@ def preflight(args: ServerArgs, env: Mapping[str, str] | None = None) -> list[st
     if args.memory_pool or backend_pool:
         _entry("pool", args.memory_pool or backend_pool)
     if args.node_rank == 0:
-        _check_port_free(args.host, args.port, "--port")
+        check_port_free(args.host, args.port, "--port")
     return _warnings(args, env)
