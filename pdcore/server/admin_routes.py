@@ -21,7 +21,8 @@ from pdcore.runtime import EngineError, EngineHandle, new_rid
 from pdcore.server.generation import Item, collect, mark_engine_reached
 from pdcore.server.http_errors import error_response
 from pdcore.server.openai_plan import served_model_name
-from pdcore.server.params import PDInfo, make_req
+from pdcore.server.params import PDInfo
+from pdcore.server.planner import plan_probe
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -52,7 +53,7 @@ async def health(request: Request) -> Response:
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """One token through the whole engine; 200 when it comes back in time."""
-    from pdcore.messages.io import PDRoute, SamplingParams
+    from pdcore.messages.io import PDRoute
 
     engine = _engine(request)
     if not engine.ready:
@@ -62,8 +63,7 @@ async def health_generate(request: Request) -> Response:
     if engine.args.disaggregation_mode != "null":
         pd = PDInfo(PDRoute(FAKE_BOOTSTRAP_HOST, engine.args.disaggregation_bootstrap_port, 0))
     token = int((engine.info.eos_token_ids or [0])[0])
-    req = make_req(f"health-{new_rid()}", [token],
-                   SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True), pd)
+    req = plan_probe(f"health-{new_rid()}", [token], engine, pd)
     mark_engine_reached(request)  # no client content here: an error is the server's
     try:
         await collect(engine, [Item(0, req)], request.app.state.metrics,

@@ -30,7 +30,6 @@ from pdcore.config import ServerArgs
 from pdcore.edge import tracing
 from pdcore.edge.auth import install_auth, log_admin_policy
 from pdcore.edge.limits import install_limits
-from pdcore.messages.io import GenerateReq, SamplingParams
 from pdcore.route_auth import SERVER_ID_HEADER, RouteGuard
 from pdcore.runtime import EngineError, EngineHandle, SchedulerTarget, make_engine
 from pdcore.route_refusal import RefusalNotifier
@@ -44,6 +43,8 @@ from pdcore.server import (
 from pdcore.server.drain import Drain, DrainMiddleware, drain_timeout
 from pdcore.server.http_errors import install_error_handlers
 from pdcore.server.metrics import ServerMetrics, metrics_engine_type, metrics_model_name
+from pdcore.server.params import PDInfo
+from pdcore.server.planner import plan_probe
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,8 @@ async def _warm_up(engine: EngineHandle) -> None:
     ready."""
     t0 = time.monotonic()
     for rank in range(engine.args.dp_size):
-        req = GenerateReq(f"warmup-{uuid.uuid4().hex[:8]}", list(range(4)),
-                          SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
-        if engine.args.dp_size > 1:
-            req.routed_dp_rank = rank
+        pd = PDInfo(routed_dp_rank=rank if engine.args.dp_size > 1 else None)
+        req = plan_probe(f"warmup-{uuid.uuid4().hex[:8]}", list(range(4)), engine, pd)
         async with contextlib.aclosing(engine.generate(req, timeout=WARMUP_TIMEOUT_S)) as outs:
             async for _ in outs:
                 pass

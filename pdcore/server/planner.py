@@ -2,8 +2,11 @@
 
 Every route (/v1/chat/completions, /v1/completions, /v1/responses, /generate) reads its own
 wire shape into a PlanInput and calls `plan`; everything after that is one code path: prompt
-checks, the sampling options (build_sampling), max_new_tokens (`max_new_tokens`, the one
-place it is decided), seeds of parallel samples, request ids, PD routes and the items.
+checks, the sampling options (build_sampling), max_new_tokens (`max_new_tokens` decides it,
+`_limit` writes it: the one place in pdcore), seeds of parallel samples, request ids, PD routes
+and the items. The requests a server makes itself (the start-up warm-up, /health_generate) are
+planned here too (`plan_probe`), so a prefill server's "one token" is decided here for every
+request its engine receives; P's scheduler only refuses a request planned otherwise.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcore.messages.info import EngineInfo
+from pdcore.messages.io import GenerateReq, SamplingParams
 from pdcore.route_auth import RequestGuard, RouteGuard
 from pdcore.runtime import EngineHandle, new_rid
 from pdcore.server.generation import Item
 from pdcore.server.params import (
     SAMPLING_FIELDS,
+    PDInfo,
     bad,
     build_sampling,
     check_prompt,
@@ -101,6 +106,22 @@ def max_new_tokens(requested: int | None, name: str, prompt_len: int, info: Engi
     return max(0, min(requested, room))
 
 
+def _limit(sampling: SamplingParams, limit: int) -> SamplingParams:
+    """The one statement in pdcore that sets a request's max_new_tokens (tests/test_one_planner.py
+    holds it): the decided `limit`, at least 1 (0 asks for prompt logprobs only: the scheduler
+    makes one token that the answer discards)."""
+    sampling.max_new_tokens = max(1, limit)
+    return sampling
+
+
+def plan_probe(rid: str, ids: list[int], engine: EngineHandle, pd: PDInfo) -> GenerateReq:
+    """A request the server makes itself (the start-up warm-up, /health_generate): one greedy
+    token whatever the stop conditions, its max_new_tokens decided as a client's is."""
+    limit = max_new_tokens(1, "max_new_tokens", len(ids), engine.info, None,
+                           engine.args.disaggregation_mode)
+    return make_req(rid, ids, _limit(SamplingParams(temperature=0.0, ignore_eos=True), limit), pd)
+
+
 def _rid(inp: PlanInput, plan_rid: str, k: int, total: int) -> str:
     """Item k's request id: the client's (one per item, or one for a single item), else on
     the OpenAI routes a single item is the response's id; a /generate batch under one rid
@@ -140,8 +161,8 @@ def plan(inp: PlanInput, engine: EngineHandle, guard: RouteGuard | RequestGuard)
                                preferred.get("max_new_tokens", inp.default_max), mode)
         leader: Item | None = None
         for j in range(prompt.n):
-            sampling = build_sampling({**given, "max_new_tokens": max(1, limit)},
-                                      inp.field_prefix, defaults=preferred)
+            sampling = _limit(build_sampling(given, inp.field_prefix, defaults=preferred),
+                              limit)
             if sampling.seed is not None and j:
                 sampling.seed += j  # n samples with one seed must still differ
             want = prompt.return_logprob

@@ -117,27 +117,7 @@ def test_max_new_tokens_is_decided_in_one_function() -> None:
     assert e.value.field == "max_output_tokens"
 
 
-def test_only_the_planner_writes_max_new_tokens_in_the_http_process() -> None:
-    """Every client request's max_new_tokens is set by planner.py; the only other writers
-    in the server are its internal one-token requests (health check, warm-up)."""
-    import ast
-    from pathlib import Path
-
-    server = Path(__file__).resolve().parents[2] / "pdcore" / "server"
-    writers = set()
-    for p in sorted(server.glob("*.py")):
-        for node in ast.walk(ast.parse(p.read_text())):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, ast.AugAssign) else []
-            if any(isinstance(t, ast.Attribute) and t.attr == "max_new_tokens" for t in targets) \
-                    or isinstance(node, ast.Call) and any(
-                        k.arg == "max_new_tokens" for k in node.keywords):
-                writers.add(p.name)
-            if isinstance(node, ast.Dict) and any(
-                    isinstance(k, ast.Constant) and k.value == "max_new_tokens"
-                    for k in node.keys):
-                writers.add(p.name)
-    assert writers == {"planner.py", "admin_routes.py", "app.py"}, writers
+# the one place that writes it: tests/test_one_planner.py
 
 
 # ---- one declaration of the sampling fields (#46 item 2) --------------------------------------

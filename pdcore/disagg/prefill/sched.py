@@ -1,7 +1,8 @@
 """Prefill-side scheduling: P computes nothing for a request until D has reserved room for it.
 
-1. admit: force max_new_tokens=1, register the room with the KV manager (Bootstrapping) and
-   hold the request in the bootstrap queue;
+1. admit: check the request makes one token (the request planner decides that on a prefill
+   server; one that asks for more was planned elsewhere and is refused), register the room with
+   the KV manager (Bootstrapping) and hold the request in the bootstrap queue;
 2. when D's destination pages arrived (WaitingForInput) and an aux slot is free, the request
    joins the normal waiting queue and is prefilled in chunks;
 3. after every forward pass, the pages a chunk completed are sent at once; the last chunk
@@ -65,9 +66,13 @@ class PrefillExtension(RoleExtension):
             self.sched.fail(req, "a prefill server needs bootstrap_room (send requests through "
                                  "the router)", 400)
             return True
+        if req.params.max_new_tokens != 1:  # the planner decides 1 on P (server/planner.py)
+            self.sched.fail(req, "a prefill server makes one token: this request asks for "
+                                 f"max_new_tokens={req.params.max_new_tokens}, so it was not "
+                                 "planned by this server's request planner", 400)
+            return True
         if self._duplicate(req, int(route.room)):
             return True
-        req.params.max_new_tokens = 1
         self._take(req, PState(int(route.room), prompt_digest=wire.prefix_digest(req.prompt)))
         self.mgr.add(req.disagg.room, route.host)
         self.bootstrap.append(req)
