@@ -7,7 +7,7 @@
 2. start N prefill and M decode `pdserve serve` processes, then wait until each answers
    /health (a child that exits first stops everything, naming it); unless the user sized the
    KV pools, the N + M servers split the KV budget one server would take (share_kv_budget);
-3. start the router in front of them and wait for its /health;
+3. start the router in front of them and wait for its /health (--routers N: plan_routers);
 4. print the URL, an example and where the cluster's admin key is (drawn per cluster unless
    given, handed to every child in its environment, written 0600 to
    `<state dir>/admin_api_key`, never printed; removed at stop); then supervise: a child
@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from pdcore.config import (
     admin_api_key,
     cluster_secret,
 )
+from pdcore.edge.connections import check_port_free
 from pdcore.env import ENV, child_environ
 from pdcore.env import check as check_env
 from pdcore.errors import ConfigError
@@ -87,6 +87,7 @@ class UpConfig:
     serve_args: list[str] = field(default_factory=list)
     cpus: list[str] = field(default_factory=list)  # optional taskset cpu lists per server
     state_dir: str | None = None  # where the drawn admin key is written (default: state_dir())
+    routers: int = 1  # routers on port, port + 1, ... over the same servers (router/fleet.py)
 
 
 ADMIN_KEY_FILE = "admin_api_key"
@@ -151,6 +152,8 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     if cfg.prefill < 1 or cfg.decode < 1:
         raise ConfigError("--prefill and --decode must each be >= 1")
+    if cfg.routers < 1:
+        raise ConfigError("--routers must be >= 1")
     py = [sys.executable, "-m", "pdcore", "serve"]
     common = ["--host", cfg.host, "--disaggregation-transfer-backend", backend, *cfg.serve_args]
     # the cluster's own secret: its control plane refuses everyone else and the router signs
@@ -187,6 +190,21 @@ def plan(cfg: UpConfig, backend: str) -> tuple[list[Child], Child]:
     if key is not None:  # the servers want the key: the router asks for it and sends it on
         router += ["--api-key", key]
     return servers, Child("router", f"http://{cfg.host}:{cfg.port}", router, env=secret_env)
+
+
+def plan_routers(cfg: UpConfig, first: Child) -> list[Child]:
+    """--routers N: `first` and copies on --port + 1, ..., each told the others (--peer-routers):
+    every one serves any request (the same servers and cluster secret to sign routes with)."""
+    if cfg.routers == 1:
+        return [first]
+    urls = [f"http://{cfg.host}:{cfg.port + k}" for k in range(cfg.routers)]
+    at = first.argv.index("--port")
+    out = []
+    for k, url in enumerate(urls):
+        argv = [*first.argv[:at + 1], str(cfg.port + k), *first.argv[at + 2:],
+                "--peer-routers", *(u for u in urls if u != url)]
+        out.append(Child(first.name if k == 0 else f"router-{k}", url, argv, env=dict(first.env)))
+    return out
 
 
 def share_kv_budget(cfg: UpConfig, servers: list[Child]) -> None:
@@ -230,7 +248,9 @@ class Deployment:
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, flush=True))
         self.backend, self.why = choose_backend(cfg)
-        self.servers, self.router = plan(cfg, self.backend)
+        self.servers, first = plan(cfg, self.backend)
+        self.routers = plan_routers(cfg, first)
+        self.router = self.routers[0]  # the address `up` prints first
         self.children: list[Child] = []
         self.admin_key_file: str | None = None  # set when `up` drew the key and wrote it
         self.restart_requested = False  # SIGHUP: a rolling restart at the next supervise step
@@ -283,8 +303,9 @@ class Deployment:
         for s in self.servers:
             self._spawn(s)
         self._wait_healthy(self.servers, deadline)
-        self._spawn(self.router)
-        self._wait_healthy([self.router], deadline)
+        for r in self.routers:
+            self._spawn(r)
+        self._wait_healthy(self.routers, deadline)
 
     def supervise(self, until: Callable[[], bool] = lambda: False, poll_s: float = 0.2) -> None:
         """Restart children that exit, with back-off, until `until()` is true; a rolling
@@ -332,20 +353,17 @@ class Deployment:
         self._wait_in_rotation(c, min(deadline, time.monotonic() + ROTATION_WAIT_S))
 
     def _wait_in_rotation(self, c: Child, deadline: float) -> None:
-        """Until the router lists `c` as available (it probes a worker it took out)."""
+        """Until every router lists `c` as available (each probes a worker it took out)."""
         key = _flag_value(self.cfg.serve_args, "--api-key")
         headers = {"authorization": f"Bearer {key}"} if key else {}
+        waiting = list(self.routers)
         with httpx.Client(timeout=2.0, headers=headers) as http:
-            while time.monotonic() < deadline:
-                try:
-                    listed = http.get(self.router.url + "/workers").json().get("workers", [])
-                    if any(w.get("url") == c.url and w.get("available") for w in listed):
-                        self.log(f"  {c.name} back in the router's rotation")
-                        return
-                except (httpx.HTTPError, ValueError, AttributeError):
-                    pass
-                time.sleep(0.2)
-        self.log(f"pdserve up: the router has not taken {c.name} back yet; going on")
+            while waiting and time.monotonic() < deadline:
+                waiting = [r for r in waiting if not _lists_available(http, r.url, c.url)]
+                time.sleep(0.2 if waiting else 0)
+        self.log(f"  {c.name} back in the router's rotation" if not waiting else
+                 f"pdserve up: {', '.join(r.name for r in waiting)} has not taken {c.name} "
+                 "back yet; going on")
 
     def supervise_once(self, now: float) -> None:
         for c in self.children:
@@ -390,6 +408,14 @@ class Deployment:
                 c.proc.wait(5)
 
 
+def _lists_available(http: httpx.Client, router: str, url: str) -> bool:
+    try:
+        listed = http.get(router + "/workers").json().get("workers", [])
+        return any(w.get("url") == url and w.get("available") for w in listed)
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
 def drain_wait_s(cfg: UpConfig) -> float:
     """How long a draining server may take to exit: its drain timeout (--drain-timeout among
     the serve flags, else $PDSERVE_DRAIN_TIMEOUT_S) plus its shutdown."""
@@ -412,6 +438,8 @@ def check_ports(cfg: UpConfig) -> None:
     """Every port `up` will listen on (servers, bootstraps, router) is free on --host, before
     anything loads; a busy one is a ConfigError naming `up`'s own flag for it."""
     wanted: list[tuple[int, str, str]] = [(cfg.port, "--port", "the router")]
+    wanted += [(cfg.port + k, "--port", f"router-{k} (--port + {k})")
+               for k in range(1, cfg.routers)]
     for i in range(cfg.prefill):
         wanted.append((cfg.server_port_base + i, "--server-port-base", f"prefill-{i}"))
         wanted.append((cfg.bootstrap_port_base + i, "--bootstrap-port-base",
@@ -427,14 +455,10 @@ def check_ports(cfg: UpConfig) -> None:
             raise ConfigError(f"{flag}: port {port} for {who} is also {seen[port]}'s; pick "
                               "ports that do not overlap")
         seen[port] = who
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((cfg.host, port))
-            except OSError as e:
-                raise ConfigError(f"port {port} for {who} on {cfg.host}: {e.strerror}; pick "
-                                  f"another {flag}") from None
+        try:
+            check_port_free(cfg.host, port, flag)
+        except ConfigError as e:
+            raise ConfigError(f"{who}: {e}") from None
 
 
 def run_up(cfg: UpConfig) -> int:
@@ -461,6 +485,9 @@ def run_up(cfg: UpConfig) -> int:
               f"  {dep.admin_key_note()}\n  (Ctrl-C stops everything; kill -HUP {os.getpid()}"
               " drains and restarts each server in turn)",
               flush=True)
+        if len(dep.routers) > 1:
+            print(f"  {len(dep.routers)} routers, each serving any request (one address for "
+                  "all: docs/router.md): " + ", ".join(r.url for r in dep.routers), flush=True)
         dep.supervise()
         return 0
     except KeyboardInterrupt:

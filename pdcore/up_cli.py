@@ -21,6 +21,8 @@ def register_up_command(app: typer.Typer) -> None:
         server_port_base: int = typer.Option(30000, help="first server port"),
         bootstrap_port_base: int = typer.Option(8998, help="first prefill bootstrap port"),
         policy: str = typer.Option("round_robin", help="router policy"),
+        routers: int = typer.Option(1, help="routers over the same servers, on --port, "
+                                    "--port + 1, ...: each serves any request"),
         startup_timeout: float = typer.Option(600.0, help="seconds to wait for readiness"),
         state_dir: str = typer.Option(None, help="where the drawn admin key is written, 0600 "
                                       "(default $XDG_RUNTIME_DIR/pdserve/up-PORT, else "
@@ -32,7 +34,7 @@ def register_up_command(app: typer.Typer) -> None:
 
         cfg = UpConfig(prefill, decode, backend, model_path, host, port, server_port_base,
                        bootstrap_port_base, policy, startup_timeout, list(ctx.args),
-                       state_dir=state_dir)
+                       state_dir=state_dir, routers=routers)
         try:
             rc = run_up(cfg)
         except ConfigError as e:

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 import pdcore
 from pdcore.edge.auth import require_admin
 from pdcore.errors import ConfigError
+from pdcore.router.fleet import relayed
 from pdcore.router.health import parse_load
 from pdcore.router.workers import DuplicateWorkerError, Worker
 
@@ -123,7 +124,10 @@ def build_admin_router(state: RouterState) -> APIRouter:
             body = await json_body(request)
         except (ValueError, TypeError) as exc:
             return _error(400, "invalid_request", f"bad JSON body: {exc}")
-        return await add_worker(body.get("url"), body.get("worker_type"), body.get("bootstrap_port"))
+        resp = await add_worker(body.get("url"), body.get("worker_type"),
+                                body.get("bootstrap_port"))
+        return await relayed(state.fleet, request, resp, "POST", {
+            k: body.get(k) for k in ("url", "worker_type", "bootstrap_port")})
 
     @router.delete("/workers", dependencies=admin)
     async def delete_workers(request: Request) -> JSONResponse:
@@ -131,26 +135,33 @@ def build_admin_router(state: RouterState) -> APIRouter:
             body = await json_body(request)
         except (ValueError, TypeError) as exc:
             return _error(400, "invalid_request", f"bad JSON body: {exc}")
-        return remove_worker(request.query_params.get("url") or body.get("url"))
+        url = request.query_params.get("url") or body.get("url")
+        return await relayed(state.fleet, request, remove_worker(url), "DELETE", {"url": url})
 
     @router.delete("/workers/{url:path}", dependencies=admin)
-    async def delete_worker_path(url: str) -> JSONResponse:
-        return remove_worker(url)
+    async def delete_worker_path(url: str, request: Request) -> JSONResponse:
+        return await relayed(state.fleet, request, remove_worker(url), "DELETE", {"url": url})
 
     @router.get("/workers")
     async def list_workers() -> JSONResponse:
         workers = [w.snapshot() for w in state.registry]
         counts = {t: len(state.registry.of_type(t)) for t in ("prefill", "decode")}
-        return JSONResponse({"workers": workers, "total": len(workers), "stats": counts})
+        body: dict[str, Any] = {"workers": workers, "total": len(workers), "stats": counts}
+        if state.fleet is not None:  # --peer-routers: who this router relays to, what it took
+            body["fleet"] = state.fleet.snapshot()
+        return JSONResponse(body)
 
     @router.post("/add_worker", dependencies=admin)
     async def legacy_add(request: Request) -> JSONResponse:
         q = request.query_params
-        return await add_worker(q.get("url"), q.get("worker_type"), q.get("bootstrap_port"))
+        resp = await add_worker(q.get("url"), q.get("worker_type"), q.get("bootstrap_port"))
+        return await relayed(state.fleet, request, resp, "POST", {
+            k: q.get(k) for k in ("url", "worker_type", "bootstrap_port")})
 
     @router.post("/remove_worker", dependencies=admin)
     async def legacy_remove(request: Request) -> JSONResponse:
-        return remove_worker(request.query_params.get("url"))
+        url = request.query_params.get("url")
+        return await relayed(state.fleet, request, remove_worker(url), "DELETE", {"url": url})
 
     async def server_infos() -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -31,6 +31,7 @@ from pdcore.router.client_limit import PerClientLimit
 from pdcore.router.config import RouterConfig
 from pdcore.router.dashboard import build_dashboard_router
 from pdcore.router.discovery import ServiceDiscovery
+from pdcore.router.fleet import RouterFleet
 from pdcore.router.health import HealthMonitor
 from pdcore.router.peering import TrustSync
 from pdcore.router.policies import make_policy
@@ -113,6 +114,9 @@ def create_app(config: RouterConfig) -> FastAPI:
             state.proxy.before_decode = state.peering.ensure
         else:
             log.info("routes are signed with the cluster secret")
+        if config.peer_routers:  # one of several routers: a peer's worker list, then listen
+            state.fleet = RouterFleet(config, state.registry, client, monitor)
+            await state.fleet.join()
         try:
             yield
         finally:

@@ -24,7 +24,7 @@ from pdcore.router.config import RouterConfig
 from pdcore.router.discovery import SELECTOR_FLAGS, load_cluster_config, parse_selector
 
 _NONE_WORDS = ("none", "null")
-LIST_FLAGS = ("ca-cert-paths", "worker-urls")  # PATH ... / URL ...
+LIST_FLAGS = ("ca-cert-paths", "worker-urls", "peer-routers")  # PATH ... / URL ...
 
 
 def _field_kinds() -> dict[str, tuple[type, bool]]:

@@ -105,6 +105,10 @@ class RouterConfig:
         "router signs every route it adds with it, so prefill and decode servers accept them; "
         "without it the router registers its prefill workers with its decode workers instead "
         "(POST /disaggregation/trusted_prefill, an admin route: it needs --admin-api-key)"))
+    peer_routers: list[str] = field(default_factory=list, metadata=_opt(
+        "the other routers over the same workers (pdserve's own flag): admin changes to the "
+        "workers are relayed to them, and at start this router takes over the worker list of "
+        "the first that answers (pdcore/router/fleet.py): URL ...", special=True))
     # Kubernetes service discovery (sglang-router's flags; pdcore/router/discovery.py)
     service_discovery: bool = field(default=False, metadata=_opt(
         "find prefill/decode workers as Ready pods matching --prefill/--decode-selector"))
@@ -229,7 +233,15 @@ class RouterConfig:
             raise ConfigError("give at least one decode worker: --decode URL")
         self.prefill = [(normalize_url(u, "--prefill"), p) for u, p in self.prefill]
         self.decode = [normalize_url(u, "--decode") for u in self.decode]
+        self.peer_routers = [normalize_url(u, "--peer-routers") for u in self.peer_routers]
         urls = [u for u, _ in self.prefill] + self.decode
+        if self.peer_routers and self.service_discovery:
+            raise ConfigError("--peer-routers shares workers given on the command line or added "
+                              "at run time; with --service-discovery every router watches the "
+                              "same pods already: drop --peer-routers")
+        if set(self.peer_routers) & set(urls):
+            raise ConfigError("--peer-routers names other routers, not workers: "
+                              f"{', '.join(sorted(set(self.peer_routers) & set(urls)))}")
         dup = sorted({u for u in urls if urls.count(u) > 1})
         if dup:
             raise ConfigError(f"worker URL given twice: {', '.join(dup)}; each URL may appear once")

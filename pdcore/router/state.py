@@ -1,5 +1,6 @@
 """What the router's routes share: its config, worker registry, policies, metrics and the
-parts the lifespan starts (HTTP client, health monitor, proxy, service discovery, peering)."""
+parts the lifespan starts (HTTP client, health monitor, proxy, service discovery, peering,
+the other routers of a fleet)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ if TYPE_CHECKING:
 
     from pdcore.router.config import RouterConfig
     from pdcore.router.discovery import ServiceDiscovery
+    from pdcore.router.fleet import RouterFleet
     from pdcore.router.health import HealthMonitor
     from pdcore.router.peering import TrustSync
     from pdcore.router.policies import Policy
@@ -31,3 +33,4 @@ class RouterState:
     proxy: Proxy | None = None
     discovery: ServiceDiscovery | None = None
     peering: TrustSync | None = None
+    fleet: RouterFleet | None = None  # --peer-routers

@@ -208,7 +208,22 @@ def test_rbac_is_list_watch_pods_only(docs) -> None:
 def test_xpyd_counts() -> None:
     rendered = render("xpyd")
     replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in by_kind(rendered, "Deployment")}
-    assert replicas == {"pdserve-prefill": 2, "pdserve-decode": 4, "pdserve-router": 1}
+    assert replicas == {"pdserve-prefill": 2, "pdserve-decode": 4, "pdserve-router": 2}
+
+
+def test_two_routers_that_a_rollout_never_leaves_fewer_of(docs) -> None:
+    """#49: the router is not the single point: two replicas behind the one Service, a rolling
+    update that starts a new one before it stops an old one, spread over nodes."""
+    _name, rendered = docs
+    (router,) = [d for d in by_kind(rendered, "Deployment")
+                 if d["metadata"]["name"] == "pdserve-router"]
+    spec = router["spec"]
+    assert spec["replicas"] >= 2
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    anti = spec["template"]["spec"]["affinity"]["podAntiAffinity"]
+    [term] = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert labels_match(term["podAffinityTerm"]["labelSelector"]["matchLabels"],
+                        spec["template"]["metadata"]["labels"])
 
 
 def test_every_process_reads_both_secrets_from_a_mounted_secret(docs) -> None:

@@ -1,7 +1,12 @@
 """`pdserve up` supervises its servers (real processes on loopback, tiny random model, 1P1D):
 killing the decode server's scheduler makes that server exit; `up` restarts it and the router
 takes it back into rotation with no manual step. Requests sent meanwhile end with errors and
-none hangs; afterwards requests succeed again."""
+none hangs; afterwards requests succeed again.
+
+The same cluster runs two routers (`--routers 2`, #49 item 3): the first one killed with
+SIGKILL, every request sent to the second is served, and a client holding both (a client-side
+list, pdcore.testing.router_list) falls over to the second; `up` restarts the first, which
+takes over the second's worker list and serves again."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import pytest
 from pdserve_testing import REPO_ROOT, free_port
 
 from pdcore.testing.processes import spawned_children
+from pdcore.testing.router_list import RouterList
 
 pytestmark = pytest.mark.timeout(420)
 BODY = {"text": "Hello there", "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
@@ -55,14 +61,14 @@ def _ok(url: str) -> bool:
 
 def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: Path,
                                                                 tmp_path: Path) -> None:
-    router_port, base, boot = free_port(), _port_pair(), free_port()
+    router_port, base, boot = free_port(offsets=(0, 1)), _port_pair(), free_port()
     url = f"http://127.0.0.1:{router_port}"
     log = tmp_path / "up.log"
     cmd = [sys.executable, "-m", "pdcore", "up", "--prefill", "1", "--decode", "1",
            "--backend", "tcp", "--model-path", str(tiny_llama_dir), "--port", str(router_port),
            "--server-port-base", str(base), "--bootstrap-port-base", str(boot),
            "--startup-timeout", "300", "--max-total-tokens", "4096", "--page-size", "4",
-           "--skip-server-warmup", "--state-dir", str(tmp_path / "state")]
+           "--skip-server-warmup", "--state-dir", str(tmp_path / "state"), "--routers", "2"]
     key_file = tmp_path / "state" / "admin_api_key"
     with open(log, "ab") as out:
         up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT),
@@ -153,6 +159,7 @@ def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: 
               f"healthy again {t_healthy - t_kill:.1f}s after the kill; back in rotation "
               f"{back_s:.2f}s after its /health answered; {len(failed)} of {len(results)} "
               "requests sent meanwhile failed, none hung")
+        _second_router_serves_while_the_first_is_killed(up, log, router_port)
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGTERM)
@@ -162,3 +169,60 @@ def test_up_restarts_a_dead_server_and_the_router_takes_it_back(tiny_llama_dir: 
                 os.killpg(up.pid, signal.SIGKILL)
                 up.wait(10)
     assert not key_file.exists(), "up left its admin key behind"
+
+
+def _second_router_serves_while_the_first_is_killed(up: subprocess.Popen, log: Path,
+                                                    router_port: int) -> None:
+    first, second = (f"http://127.0.0.1:{router_port + k}" for k in (0, 1))
+    assert f"2 routers, each serving any request (one address for all: docs/router.md): " \
+           f"{first}, {second}" in log.read_text()
+    ref = httpx.post(second + "/generate", json=BODY, timeout=60).json()["text"]
+    [router0] = [p for p in _pids_with(str(router_port)) if p != up.pid]
+    direct: list[Any] = []  # requests to the second router only
+    listed: list[Any] = []  # a client-side list: the first router, then the second
+    stop = threading.Event()
+
+    def to_second() -> None:
+        with httpx.Client() as http:
+            while not stop.is_set():
+                try:
+                    r = http.post(second + "/generate", json=BODY, timeout=60)
+                    direct.append((r.status_code, r.json().get("text")))
+                except httpx.HTTPError as e:
+                    direct.append((type(e).__name__, ""))
+
+    def through_list(stream: bool) -> None:
+        routers = RouterList([first, second], timeout=60)
+        with httpx.Client() as http:
+            while not stop.is_set():
+                listed.append(routers.generate(http, {**BODY, "stream": stream}))
+
+    threads = [threading.Thread(target=to_second)] + [
+        threading.Thread(target=through_list, args=(s,)) for s in (False, True)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    os.kill(router0, signal.SIGKILL)
+    t_kill = time.monotonic()
+    while "router exited with code -9" not in log.read_text() or not _ok(first):
+        assert time.monotonic() - t_kill < 90, log.read_text()[-3000:]
+        assert up.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.2)
+    back_s = time.monotonic() - t_kill
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(90)
+        assert not t.is_alive(), "a request hung"
+    assert direct and all(r == (200, ref) for r in direct), [r for r in direct if r != (200, ref)]
+    bad = [o for o in listed if (o.status, o.text) != (200, ref)]
+    assert listed and not bad, bad[:5]
+    fell = [o for o in listed if o.fell_over]
+    assert fell and all(o.router == second for o in fell), "the list never fell over"
+    # the restarted router took the worker list of its peer, and its admin routes still work
+    # with the cluster's key (it relays to the second router)
+    workers = httpx.get(first + "/workers", timeout=30).json()
+    assert workers["fleet"]["adopted_from"] == second, workers
+    print(f"router killed: {len(direct)} requests to the other router, all served; "
+          f"{len(listed)} through a client-side list ({len(fell)} fell over), all served; "
+          f"the killed router served again {back_s:.1f}s after the kill")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from pdcore.config import HOST_SERVERS_ENV
@@ -99,3 +101,37 @@ def test_default_kv_pool_when_the_weights_fill_the_default_share(monkeypatch) ->
     assert kv_pool_tokens(args, Host(), cpu, model, 4096, 8192) == total // 40 // 2 // 4096
     with pytest.raises(ConfigError, match="--mem-fraction-static 0.3 .* raise it"):
         kv_pool_tokens(ServerArgs(mem_fraction_static=0.3), Host(), cpu, model, 4096, 8192)
+
+
+def test_routers_n_are_peers_on_consecutive_ports() -> None:
+    """--routers 3: routers on --port, +1, +2 over the same servers and secrets, each told the
+    other two (--peer-routers); --routers 1 is the one router, with no peers."""
+    from pdcore.router.cli import parse_router_args
+    from pdcore.up import plan_routers
+
+    cfg = UpConfig(prefill=1, decode=2, port=9100, routers=3)
+    servers, first = plan(cfg, "tcp")
+    routers = plan_routers(cfg, first)
+    assert [r.name for r in routers] == ["router", "router-1", "router-2"]
+    urls = [f"http://127.0.0.1:{9100 + k}" for k in range(3)]
+    assert [r.url for r in routers] == urls
+    for k, r in enumerate(routers):
+        parsed = parse_router_args(r.argv[3:])  # after python -m pdcore.router
+        assert parsed.port == 9100 + k and parsed.peer_routers == [u for u in urls if u != urls[k]]
+        assert [u for u, _ in parsed.prefill] + parsed.decode == [s.url for s in servers]
+        assert r.env == first.env  # the same cluster secret and admin key
+    assert plan_routers(UpConfig(), plan(UpConfig(), "tcp")[1])[0].argv.count(
+        "--peer-routers") == 0
+    with pytest.raises(ConfigError, match="--routers"):
+        plan(UpConfig(routers=0), "tcp")
+    # every router's port is checked before anything starts
+    from pdcore.up import check_ports
+    from pdserve_testing import free_port
+
+    base, boot, port = free_port(offsets=(0, 100)), free_port(), free_port(offsets=(0, 1))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port + 1))
+        s.listen(1)
+        with pytest.raises(ConfigError, match=f"router-1 .*{port + 1}.*pick another --port"):
+            check_ports(UpConfig(port=port, server_port_base=base, bootstrap_port_base=boot,
+                                 routers=2))

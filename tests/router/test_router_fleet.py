@@ -1,0 +1,145 @@
+"""Several routers over the same workers (`--peer-routers`, pdcore/router/fleet.py), on fake
+workers: an admin change made on one router reaches the others, a router started later (or
+restarted from its original command line) takes over a running peer's worker list, and each
+router routes requests on its own. The same with real servers and a router killed: the
+`--routers 2` part of tests/pd/test_up_supervision.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fake_workers import FakeWorker, ServerThread
+from pdserve_testing import free_port
+
+from pdcore.errors import ConfigError
+from pdcore.router.app import create_app
+from pdcore.router.cli import parse_router_args
+from pdcore.router.config import RouterConfig
+from pdcore.router import fleet as fleet_module
+from pdcore.router.fleet import PEER_HEADER
+
+ADMIN = "fleet-admin-key"
+BODY = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
+
+
+class Router:
+    def __init__(self, port: int, prefill: list[FakeWorker], decode: list[FakeWorker],
+                 peers: list[str]) -> None:
+        cfg = RouterConfig(pd_disaggregation=True, prefill=[(w.url, 8998) for w in prefill],
+                           decode=[w.url for w in decode], policy="round_robin",
+                           admin_api_key=ADMIN, peer_routers=peers, request_timeout_secs=20.0)
+        self.app = create_app(cfg)
+        self.server = ServerThread(self.app, port).start()
+        self.url = self.server.url
+        self.http = httpx.Client(base_url=self.url, timeout=20,
+                                 headers={"authorization": f"Bearer {ADMIN}"})
+
+    def workers(self) -> dict[str, str]:
+        return {w["url"]: w["worker_type"] for w in self.http.get("/workers").json()["workers"]}
+
+    def stop(self) -> None:
+        self.http.close()
+        self.server.stop()
+
+
+@pytest.fixture
+def fleet(monkeypatch: pytest.MonkeyPatch) -> Iterator[
+        tuple[list[FakeWorker], list[Router], list[int]]]:
+    # the first router finds no peer up: it asks again ADOPT_TRIES times (1 s apart in use)
+    monkeypatch.setattr(fleet_module, "ADOPT_PAUSE_S", 0.05)
+    workers = [FakeWorker(role=r, name=f"{r[0]}{i}").start()
+               for i, r in enumerate(("prefill", "decode", "decode", "decode"))]
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    routers = [Router(ports[k], workers[:1], workers[1:2], [u for u in urls if u != urls[k]])
+               for k in range(2)]
+    yield workers, routers, ports
+    for r in routers:
+        r.stop()
+    for w in workers:
+        w.stop()
+
+
+def _wait(pred, what: str, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_admin_changes_reach_every_router_and_a_late_router_takes_the_list(fleet) -> None:
+    (p0, d0, d1, d2), (a, b), ports = fleet
+    for r in (a, b):
+        _wait(lambda r=r: r.http.get("/health").status_code == 200, f"{r.url} not healthy")
+    # each router serves on its own
+    for r in (a, b):
+        assert r.http.post("/generate", json=BODY).status_code == 200
+    # a worker added on A is on B too; the answer says which peers took it
+    resp = a.http.post("/workers", json={"url": d1.url, "worker_type": "decode"})
+    assert resp.status_code == 200, resp.text
+    third = f"http://127.0.0.1:{ports[2]}"  # the third router: not started yet
+    assert resp.json()["peers"][b.url] == "ok", resp.text
+    assert "ConnectError" in resp.json()["peers"][third], resp.text
+    assert b.workers() == {p0.url: "prefill", d0.url: "decode", d1.url: "decode"}
+    # removed on B (the path form): gone from A as well
+    resp = b.http.delete(f"/workers/{d0.url}")
+    assert resp.status_code == 200 and resp.json()["peers"][a.url] == "ok", resp.text
+    assert a.workers() == {p0.url: "prefill", d1.url: "decode"}
+    # the legacy forms relay too
+    resp = a.http.post("/add_worker", params={"url": d2.url, "worker_type": "decode"})
+    assert resp.status_code == 200 and resp.json()["peers"][b.url] == "ok", resp.text
+    assert d2.url in b.workers()
+    resp = b.http.post("/remove_worker", params={"url": d2.url})
+    assert resp.status_code == 200 and d2.url not in a.workers()
+    # a router started (again) from the original command line (P0, D0) with A as its peer
+    # takes A's list over: D0 removed, D1 added; and it serves with it
+    c = Router(ports[2], [p0], [d0], [a.url, b.url])
+    try:
+        _wait(lambda: c.workers() == {p0.url: "prefill", d1.url: "decode"},
+              f"C did not take A's list: {c.workers()}")
+        listed = c.http.get("/workers").json()
+        assert listed["fleet"]["adopted_from"] == a.url, listed
+        _wait(lambda: c.http.get("/health").status_code == 200, "C not healthy")
+        before = (len(d0.received), len(d1.received))
+        assert c.http.post("/generate", json=BODY).status_code == 200
+        assert (len(d0.received), len(d1.received)) == (before[0], before[1] + 1)
+    finally:
+        c.stop()
+    # C is gone again: a change on A holds there and on B, and A counts what C missed
+    resp = a.http.post("/workers", json={"url": d2.url, "worker_type": "decode"})
+    assert resp.status_code == 200 and resp.json()["peers"][b.url] == "ok", resp.text
+    assert "ConnectError" in resp.json()["peers"][third] and d2.url in b.workers()
+    assert a.http.get("/workers").json()["fleet"]["relay_failures"] >= 2
+
+
+def test_a_relayed_change_is_not_relayed_again_and_still_needs_the_admin_key(fleet) -> None:
+    (p0, d0, d1, _), (a, b), _ = fleet
+    # the peer header does not open an admin route: without the admin key it is 401/403
+    resp = httpx.post(a.url + "/workers", json={"url": d1.url, "worker_type": "decode"},
+                      headers={PEER_HEADER: "1"}, timeout=20)
+    assert resp.status_code in (401, 403) and d1.url not in a.workers()
+    # with the key and the header (what a peer sends): applied here, not relayed to B
+    resp = a.http.post("/workers", json={"url": d1.url, "worker_type": "decode"},
+                       headers={PEER_HEADER: "1"})
+    assert resp.status_code == 200 and "peers" not in resp.json(), resp.text
+    assert d1.url in a.workers() and d1.url not in b.workers()
+    # a refused change is not relayed either (409: already there)
+    resp = a.http.post("/workers", json={"url": d1.url, "worker_type": "decode"})
+    assert resp.status_code == 409 and "peers" not in resp.json()
+    assert d1.url not in b.workers()
+
+
+def test_peer_routers_flag() -> None:
+    cfg = parse_router_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                             "--peer-routers", "http://127.0.0.1:3/", "http://127.0.0.1:4"])
+    assert cfg.peer_routers == ["http://127.0.0.1:3", "http://127.0.0.1:4"]
+    with pytest.raises(ConfigError, match="not workers"):
+        parse_router_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                           "--peer-routers", "http://127.0.0.1:2"])
+    with pytest.raises(ConfigError, match="drop --peer-routers"):
+        parse_router_args(["--service-discovery", "--prefill-selector", "r=p",
+                           "--decode-selector", "r=d", "--peer-routers", "http://127.0.0.1:3"])
