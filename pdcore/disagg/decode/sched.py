@@ -32,6 +32,7 @@ import numpy as np
 from pdcore.config import ServerArgs
 from pdcore.disagg import wire
 from pdcore.disagg.aux import AuxBuffers, ChainRow
+from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST
 from pdcore.disagg.role import RoleExtension
 from pdcore.engine.sched.request import Req
 from pdcore.engine.sched.scheduler import Scheduler
@@ -51,6 +52,7 @@ class DState:
     aux_slot: int | None = None
     followers: list[Req] = field(default_factory=list)  # parallel samples parked on this one
     prefix_pages: int = 0  # leading pages taken from this server's prefix cache (not sent)
+    probe: bool = False  # /health_generate's fake room: not counted as a PD request
 
 
 @dataclass
@@ -83,11 +85,12 @@ class DecodeExtension(RoleExtension):
             return True
         req.logprob_start_len = -1  # prompt logprobs come from P (the router merges them)
         port = route.port or self.args.disaggregation_bootstrap_port
-        self._take(req, DState(int(route.room)))
+        probe = route.host == FAKE_BOOTSTRAP_HOST
+        self._take(req, DState(int(route.room), probe=probe))
         self.mgr.add(req.disagg.room, route.host, int(port), route.prefill_dp_rank)
         self.prealloc.append(req)
-        self.counts["requests"] += 1
-        self.counts["samples"] += 1
+        self.counts["requests"] += not probe
+        self.counts["samples"] += not probe
         return True
 
     def _park(self, req: Req, fork_of: str) -> bool:
@@ -171,7 +174,7 @@ class DecodeExtension(RoleExtension):
         self._release(req)
         req.disagg = None
         self.sched.run(req, computed=len(req.prompt))
-        self.counts["transfers"] += 1
+        self.counts["transfers"] += not st.probe
         if st.prefix_pages:  # these pages did not cross: D's cache had the same tokens' KV
             self.counts["prefix_reused_tokens"] += st.prefix_pages * self.sched.page_size
             self.counts["prefix_reused_bytes"] += st.prefix_pages * self.page_bytes

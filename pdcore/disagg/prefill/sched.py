@@ -29,6 +29,7 @@ import numpy as np
 from pdcore.disagg import wire
 from pdcore.disagg.agree import Agreed
 from pdcore.disagg.aux import MAX_TOP_LOGPROBS, AuxBuffers, AuxRow
+from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST
 from pdcore.disagg.role import RoleExtension
 from pdcore.engine.sched.batch_run import StepResult
 from pdcore.engine.sched.request import Phase, Req
@@ -47,6 +48,7 @@ class PState:
     aux_slot: int | None = None
     prefix_pages: int = 0  # of those, the prefix D held already (never sent)
     prompt_digest: str = ""  # wire.prefix_digest of the whole prompt: D's must be the same
+    probe: bool = False  # /health_generate's fake room: not counted as a PD request
 
 
 # votes on D's cached prefix that fail the request (a real vote is a page count >= 0)
@@ -73,10 +75,12 @@ class PrefillExtension(RoleExtension):
             return True
         if self._duplicate(req, int(route.room)):
             return True
-        self._take(req, PState(int(route.room), prompt_digest=wire.prefix_digest(req.prompt)))
+        probe = route.host == FAKE_BOOTSTRAP_HOST
+        self._take(req, PState(int(route.room), prompt_digest=wire.prefix_digest(req.prompt),
+                               probe=probe))
         self.mgr.add(req.disagg.room, route.host)
         self.bootstrap.append(req)
-        self.counts["requests"] += 1
+        self.counts["requests"] += not probe
         return True
 
     def poll(self) -> None:
@@ -151,9 +155,9 @@ class PrefillExtension(RoleExtension):
 
     def _transferred(self, req: Req) -> None:
         self.counts["prefix_skipped_pages"] += req.disagg.prefix_pages
+        self.counts["transfers"] += not req.disagg.probe
         self._release(req)
         self.sched.complete(req)
-        self.counts["transfers"] += 1
 
     def _fail(self, req: Req, reason: str) -> None:
         # 502: this server is fine, its decode peer failed the pair (the router blames decode)
