@@ -198,16 +198,29 @@ def test_the_scheduler_holds_no_runner_and_no_speculator() -> None:
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
             and n.value.id == "self" and n.attr in ("runner", "spec", "model", "drafter")]
     assert not held, f"engine/sched/scheduler.py holds the model side: {held}"
+    # what a role extension reads of the model side is data (ModelSide, HeadChain): neither
+    # the scheduler's API nor the extension contract reaches the speculator or a draft head
+    reach = []
+    for name in ("api.py", "extension.py"):
+        tree = ast.parse((PDCORE / "engine" / "sched" / name).read_text())
+        reach += [f"{name}:{n.lineno}" for n in ast.walk(tree)
+                  if isinstance(n, ast.ImportFrom) and any(
+                      a.name in ("HeadDrafter", "Speculator", "ModelRunner") for a in n.names)
+                  or isinstance(n, ast.Attribute) and n.attr in ("drafter", "head")]
+    assert not reach, f"the scheduler's side reaches the speculator or a draft head: {reach}"
 
 
 def test_draft_heads_run_through_the_model_runner() -> None:
     """#46: "where does the model run?" has one answer: the drafters feed their head's passes
-    to ModelRunner.forward_draft, never call the head module themselves."""
+    to ModelRunner.forward_draft and take its logits from ModelRunner.draft_logits, never call
+    the head module (or its logits) themselves."""
     bad = []
     for name in ("eagle.py", "mtp_chain.py", "drafter.py", "speculative.py"):
         tree = ast.parse((PDCORE / "engine" / "sched" / name).read_text())
         bad += [f"{name}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
                 and ast.unparse(n.func) in ("self.head", "head", "self.model")]
+        bad += [f"{name}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and n.attr == "logits" and ast.unparse(n.value) in ("self.head", "head")]
     assert not bad, f"a draft head's pass outside the model runner: {bad}"
 
 

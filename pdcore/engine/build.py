@@ -44,7 +44,7 @@ from pdcore.engine.model.loader import load_model, resolve_dtype, weight_bytes
 from pdcore.engine.model.runner import ModelRunner
 from pdcore.engine.model.source import sampling_defaults
 from pdcore.engine.sched.batch_run import BatchRunner
-from pdcore.engine.sched.extension import ModelSide
+from pdcore.engine.sched.extension import HeadChain, ModelSide
 from pdcore.engine.sched.runtime_api import RuntimeAPI
 from pdcore.engine.sched.scheduler import Scheduler, SchedulerConfig
 from pdcore.engine.sched.speculative import SpecConfig, Speculator
@@ -359,13 +359,17 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     # the Python layer loop; every other server keeps the native decode loop)
     head = getattr(speculator.drafter, "head", None) if speculator is not None else None
     model_runner.capture_layers = getattr(head, "aux_layers", None)
+    chain = None  # a draft head's chain starts: what PD's aux rows carry and adopt
+    if head is not None:
+        p = next(head.parameters())
+        chain = HeadChain(p.dtype, p.device, speculator.cfg.max_drafts)  # type: ignore[union-attr]
     sched = Scheduler(blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
         eos_ids=eos_ids,
         schedule_policy=args.schedule_policy,
         conservativeness=args.schedule_conservativeness), cache=_prefix_cache(args, blocks),
-        tp=tp, side=ModelSide(kv.layers, int(cfg.hidden_size), int(cfg.vocab_size), speculator))
+        tp=tp, side=ModelSide(kv.layers, int(cfg.hidden_size), int(cfg.vocab_size), chain))
     info = EngineInfo(
         model_path=resolved.display_path, tokenizer_path=resolved.display_path,
         served_model_name=args.served_model_name or resolved.name,

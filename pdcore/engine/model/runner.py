@@ -65,3 +65,8 @@ class ModelRunner:
         (hidden[i], batch.input_ids[i]), their K/V written at batch.out_slots. The drafter
         (engine/sched/eagle.py) decides what to feed; exceptions propagate to it."""
         return head(batch, hidden, k_cache, v_cache, **kw)
+
+    def draft_logits(self, head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """A draft head's logits [R, vocab] over its outputs `hidden` [R, hidden] (its own
+        lm_head or the target's, as the head was loaded): the drafter takes their argmax."""
+        return head.logits(hidden)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdcore.engine.sched.eagle import ChainStart, HeadDrafter
+from pdcore.engine.sched.eagle import ChainStart
 from pdcore.engine.sched.fork import follower_pages, fork
 from pdcore.engine.sched.request import Phase, Req
 from pdcore.engine.sched.speculative import ReqSpec
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from pdcore.engine.model.layers import TPInfo
-    from pdcore.engine.sched.extension import ModelSide
+    from pdcore.engine.sched.extension import HeadChain, ModelSide
     from pdcore.engine.sched.scheduler import Scheduler
 
 
@@ -154,19 +154,17 @@ class SchedulerAPI:
             raise RuntimeError("the scheduler was built without its model side")
         return side
 
-    def _head(self) -> HeadDrafter | None:
-        spec = self._s.side.spec if self._s.side is not None else None
-        d = spec.drafter if spec is not None else None
-        return d if isinstance(d, HeadDrafter) else None
+    def _chain(self) -> HeadChain | None:
+        return self._s.side.chain if self._s.side is not None else None
 
     def chain_geometry(self) -> tuple[int, torch.dtype, int] | None:
         """(hidden size, dtype, vocabulary) of the chain starts this server's draft head makes
         and continues from; None without a head (no speculation, NGRAM)."""
-        d = self._head()
-        if d is None:
+        c = self._chain()
+        if c is None:
             return None
         side = self._side
-        return side.hidden_size, next(d.head.parameters()).dtype, side.vocab_size
+        return side.hidden_size, c.dtype, side.vocab_size
 
     def chain_start(self, req: Req) -> tuple[int, torch.Tensor] | None:
         """(first draft token, the head's output vector) the draft head made for `req` once
@@ -180,12 +178,11 @@ class SchedulerAPI:
         """`req` runs from its prompt's K/V (and its draft head's) written elsewhere: its next
         step drafts from this chain start (the token after the first output token, and the
         head's output vector it is fed with). False without a head."""
-        d = self._head()
-        if d is None:
+        c = self._chain()
+        if c is None:
             return False
         if req.spec is None:
-            req.spec = ReqSpec(cap=self._side.spec.cfg.max_drafts)  # type: ignore[union-attr]
-        dtype = next(d.head.parameters()).dtype
+            req.spec = ReqSpec(cap=c.max_drafts)
         req.spec.draft = ChainStart(len(req.prompt), int(token),
-                                    hidden.to(device=d.device, dtype=dtype, copy=True))
+                                    hidden.to(device=c.device, dtype=c.dtype, copy=True))
         return True

@@ -233,6 +233,12 @@ class HeadDrafter(Drafter):
         self.passes += 1
         return self.runner.forward_draft(self.head, batch, hidden.to(dtype=k.dtype), k, v, **kw)
 
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's logits over its outputs `h`, through the model runner."""
+        if self.runner is None:
+            raise RuntimeError(f"the {self.head.name} drafter has no model runner")
+        return self.runner.draft_logits(self.head, h)
+
     def _run(self, ids: list[int], pos: list[int], out: list[int], seqs: list[SeqSpan],
              hidden: torch.Tensor) -> torch.Tensor:
         pads = self.dp_pads
@@ -267,7 +273,7 @@ class HeadDrafter(Drafter):
         try:
             g = self._run(op.ids, op.pos, op.out, op.seqs, op.hidden)
             last = torch.tensor([p.start + len(p.nxt) - 1 for p in op.pairs], device=self.device)
-            tokens = self.agree.argmax(self.head.logits, g[last])
+            tokens = self.agree.argmax(self._logits, g[last])
         except Exception as e:  # the drafts are lost, the step's tokens are not
             self.observe_failed(op, e)
             return
@@ -333,7 +339,7 @@ class HeadDrafter(Drafter):
                     pos.append(st.at + j - 1)
                     out.append(scratch[-1])
                 h = self._run(ids, pos, out, seqs, g[act])
-                toks = self.agree.argmax(self.head.logits, h)
+                toks = self.agree.argmax(self._logits, h)
                 g = g.clone()
                 g[act] = h.to(g.dtype)
                 for b, t in zip(act, toks):

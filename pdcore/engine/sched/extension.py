@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     import torch
 
     from pdcore.engine.sched.batch_run import StepResult
-    from pdcore.engine.sched.speculative import Speculator
 
 
 class Extension:
@@ -53,13 +52,24 @@ class Extension:
 
 
 @dataclass(frozen=True)
+class HeadChain:
+    """What the scheduler's side knows of a draft head (EAGLE, EAGLE3, NEXTN, MTP) to hand
+    over or adopt a chain start (engine/sched/eagle.py: ChainStart): the dtype and device of
+    the head's output vectors and the drafts a request may hold. The head itself stays with
+    the step loop's speculator and runs only through the model runner."""
+
+    dtype: torch.dtype
+    device: torch.device
+    max_drafts: int
+
+
+@dataclass(frozen=True)
 class ModelSide:
     """What a role extension may read of the model side, handed to the scheduler at build
     (`Scheduler.side`; the scheduler itself never reads it): the KV pool's layers (a fork
-    copies a prompt's pages), the target's sizes and the speculator (a draft head's chain
-    starts)."""
+    copies a prompt's pages), the target's sizes and, with a draft head, its chain's facts."""
 
     kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
     hidden_size: int
     vocab_size: int
-    spec: Speculator | None = None
+    chain: HeadChain | None = None

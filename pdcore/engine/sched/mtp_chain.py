@@ -102,7 +102,7 @@ class MultiLayerDrafter(HeadDrafter):
         try:
             g = self._layer(0, op.ids, op.pos, op.out, op.seqs, op.hidden)
             last = [p.start + len(p.nxt) - 1 for p in op.pairs]
-            tokens = self.agree.argmax(self.head.logits, g[last])
+            tokens = self.agree.argmax(self._logits, g[last])
             states = self._deeper(op.pairs, g)
         except Exception as e:  # the drafts are lost, the step's tokens are not
             self.observe_failed(op, e)
@@ -221,7 +221,7 @@ class MultiLayerDrafter(HeadDrafter):
             if not rows:
                 return
             h = self._layer(layer, ids, pos, out, seqs, torch.cat(hidden))
-            toks = self.agree.argmax(self.head.logits, h[[f + c - 1 for _, f, c in rows]])
+            toks = self.agree.argmax(self._logits, h[[f + c - 1 for _, f, c in rows]])
             for (b, f, c), t in zip(rows, toks):
                 prev[b] = h[f : f + c].to(live[b][2].hidden.dtype)
                 drafts[live[b][0]].append(int(t))
