@@ -147,3 +147,74 @@ class RankLoad:
             cache_hit_tokens_total=_count(obj.get("cache_hit_tokens_total")),
             queues={q: _count(obj[queue_key(q)]) for q in PD_QUEUES if queue_key(q) in obj},
             kv_transfer=kv if isinstance(kv, dict) else None)
+
+
+def _amount(value: Any) -> float:
+    """A finite number from a JSON value (anything else: 0.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return 0.0
+    return float(min(max(value, -1e300), 1e300))
+
+
+def _maybe(value: Any) -> float | None:
+    """A number from a JSON value; None when it is none (absent, null, a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    return _amount(value)
+
+
+@dataclass
+class LastTransfer:
+    """The last KV transfer a worker measured (`kv_transfer.last`)."""
+
+    speed_gb_s: float | None = None
+    latency_ms: float | None = None
+    bootstrap_ms: float | None = None
+
+
+@dataclass
+class TransferTotals:
+    """A PD worker's KV-transfer counters summed over its DP ranks, each rank's `kv_transfer`
+    snapshot (pdcore.disagg.transfer_stats) read field by field (`add`): what the router's
+    dashboard shows. A value that is no number counts 0 (a worker's answer is input)."""
+
+    backend: str | None = None
+    transfers: int = 0
+    bytes: int = 0
+    failures: int = 0  # summed over the (phase, reason, count) rows
+    speed_sum: float = 0.0  # the speed histogram's sum and count: mean GB/s = sum / count
+    speed_count: int = 0
+    last: LastTransfer | None = None  # the first rank's that reports one
+
+    @classmethod
+    def of(cls, snapshots: list[Any]) -> TransferTotals | None:
+        """The totals of the ranks' snapshots; None when no rank reports one (unified)."""
+        out: TransferTotals | None = None
+        for kv in snapshots:
+            if isinstance(kv, dict):
+                if out is None:
+                    backend = kv.get("backend")
+                    out = cls(backend=backend if isinstance(backend, str) else None)
+                out.add(kv)
+        return out
+
+    def add(self, kv: dict[str, Any]) -> None:
+        totals = kv.get("totals")
+        totals = totals if isinstance(totals, dict) else {}
+        self.transfers += _count(totals.get("transfers"))
+        self.bytes += _count(totals.get("bytes"))
+        for row in kv.get("failures") or ():
+            if isinstance(row, (list, tuple)) and row:
+                self.failures += _count(row[-1])
+        hist = kv.get("hist")
+        speed = hist.get("speed_gb_s") if isinstance(hist, dict) else None
+        if isinstance(speed, dict):
+            self.speed_sum += _amount(speed.get("sum"))
+            counts = speed.get("counts")
+            self.speed_count += sum(_count(c) for c in counts) \
+                if isinstance(counts, (list, tuple)) else 0
+        last = kv.get("last")
+        if isinstance(last, dict) and self.last is None:
+            self.last = LastTransfer(_maybe(last.get("speed_gb_s")),
+                                     _maybe(last.get("latency_ms")),
+                                     _maybe(last.get("bootstrap_ms")))

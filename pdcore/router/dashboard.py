@@ -23,7 +23,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
 import pdcore
-from pdcore.messages.stats import RankLoad
+from pdcore.messages.stats import LastTransfer, RankLoad, TransferTotals
 from pdcore.router.dashboard_page import PAGE
 from pdcore.router.upstream import exc_reason
 from pdcore.router.workers import Worker
@@ -34,10 +34,6 @@ if TYPE_CHECKING:
 REFRESH_S = 2.0
 FETCH_TIMEOUT_S = 1.5  # under REFRESH_S, so a hung worker never delays the next refresh
 RECENT_WINDOW_S = 30.0
-
-
-def _num(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def summarize_load(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -64,30 +60,10 @@ def summarize_load(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def transfer_totals(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Summed KV-transfer counters of a worker's ranks; None when it reports none (unified)."""
-    out: dict[str, Any] | None = None
-    for r in ranks:
-        kv = r.get("kv_transfer")
-        if not isinstance(kv, dict):
-            continue
-        if out is None:
-            out = {"backend": kv.get("backend"), "transfers": 0, "bytes": 0, "failures": 0,
-                   "speed_sum": 0.0, "speed_count": 0, "last": None}
-        totals = kv.get("totals") or {}
-        out["transfers"] += int(_num(totals.get("transfers")))
-        out["bytes"] += int(_num(totals.get("bytes")))
-        # (phase, reason, count) rows
-        for row in kv.get("failures") or ():
-            if isinstance(row, (list, tuple)) and row:
-                out["failures"] += int(_num(row[-1]))
-        speed = ((kv.get("hist") or {}).get("speed_gb_s")) or {}
-        out["speed_sum"] += _num(speed.get("sum"))
-        out["speed_count"] += int(sum(_num(c) for c in speed.get("counts") or ()))
-        last = kv.get("last")
-        if isinstance(last, dict) and out["last"] is None:
-            out["last"] = {k: last.get(k) for k in ("speed_gb_s", "latency_ms", "bootstrap_ms")}
-    return out
+def transfer_totals(ranks: list[dict[str, Any]]) -> TransferTotals | None:
+    """Summed KV-transfer counters of a worker's ranks (typed: messages/stats.TransferTotals);
+    None when it reports none (unified)."""
+    return TransferTotals.of([r.get("kv_transfer") for r in ranks])
 
 
 class SpeedWindow:
@@ -152,13 +128,13 @@ def worker_view(worker: Worker, ranks: list[dict[str, Any]] | None, error: str |
     }
     totals = transfer_totals(ranks) if ranks is not None else None
     if totals is not None:
-        recent = speeds.recent(worker.url, totals["speed_sum"], totals["speed_count"], now)
-        last = totals["last"] or {}
+        recent = speeds.recent(worker.url, totals.speed_sum, totals.speed_count, now)
+        last = totals.last or LastTransfer()
         view["transfer"] = {
-            "backend": totals["backend"], "transfers": totals["transfers"],
-            "bytes": totals["bytes"], "failures": totals["failures"],
-            "recent_speed_gb_s": recent, "last_speed_gb_s": last.get("speed_gb_s"),
-            "last_latency_ms": last.get("latency_ms"),
+            "backend": totals.backend, "transfers": totals.transfers,
+            "bytes": totals.bytes, "failures": totals.failures,
+            "recent_speed_gb_s": recent, "last_speed_gb_s": last.speed_gb_s,
+            "last_latency_ms": last.latency_ms,
         }
     return view
 

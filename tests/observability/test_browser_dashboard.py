@@ -208,6 +208,17 @@ def test_transfer_totals_sum_ranks_and_failure_rows() -> None:
     t = transfer_totals([rank(2, 1.0, [["transfer", "timeout", 3]]),
                          rank(1, 0.5, [["bootstrap", "peer_unreachable", 1]])])
     assert t is not None
-    assert (t["transfers"], t["bytes"], t["failures"]) == (3, 3000, 4)
-    assert (t["speed_count"], t["speed_sum"]) == (3, 1.5)
-    assert t["last"]["speed_gb_s"] == 0.5 and t["backend"] == "tcp"
+    assert (t.transfers, t.bytes, t.failures) == (3, 3000, 4)
+    assert (t.speed_count, t.speed_sum) == (3, 1.5)
+    assert t.last is not None and t.last.speed_gb_s == 0.5 and t.backend == "tcp"
+    # #46: read field by field (messages/stats.TransferTotals): what is no number counts 0,
+    # a malformed part is skipped, never a KeyError or TypeError on the router
+    odd = transfer_totals([{"kv_transfer": {"backend": 7, "totals": {"bytes": "9",
+                                                                     "transfers": True},
+                                            "failures": [["x"], "row", []],
+                                            "hist": {"speed_gb_s": {"counts": "3"}},
+                                            "last": {"speed_gb_s": "fast"}}},
+                           {"kv_transfer": {"totals": [1], "hist": [], "failures": None}}])
+    assert odd is not None and (odd.transfers, odd.bytes, odd.failures) == (0, 0, 0)
+    assert (odd.backend, odd.speed_count, odd.speed_sum) == (None, 0, 0.0)
+    assert odd.last is not None and odd.last.speed_gb_s is None
