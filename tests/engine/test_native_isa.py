@@ -92,7 +92,17 @@ q, k, v = (torch.randn(3, 2, 3, 64, generator=g), torch.randn(3, 2, 37, 64, gene
            torch.randn(3, 2, 37, 64, generator=g))
 bias = torch.zeros(3, 1, 1, 37)
 bias[0, ..., 30:] = float("-inf")
+from pdcore.engine.model import gguf_packed as gp
+blocks = torch.randint(0, 256, (100, 4, 34), generator=g, dtype=torch.uint8)
+blocks[..., :2] = torch.tensor([0x66, 0x26], dtype=torch.uint8)  # f16 scale ~0.05: Q8_0
+q8 = gp.typed(blocks.view(100, -1), 8)
+nib = torch.randint(0, 256, (100, 4, 20), generator=g, dtype=torch.uint8)
+nib[..., :4] = torch.tensor([0x66, 0x26, 0x66, 0xa6], dtype=torch.uint8)  # d, m: Q4_1
+q41 = gp.typed(nib.view(100, -1), 3)
+xg = torch.randn(13, 128, generator=g)
 torch.save({"linear": o.linear(x, layers.pack_panels(w), 100, b),
+            "gguf_q8_0": o.gguf_linear(xg, q8, 100, b), "gguf_q4_1": o.gguf_linear(xg[:5], q41, 100, None),
+            "gguf_rows": o.gguf_rows(q41, torch.arange(100)),
             "attention": o.decode_attention(q, k, v, bias, 0.125),
             "silu_mul": o.silu_mul(torch.randn(67, 192, generator=g).bfloat16(), 96)},
            sys.argv[1])
@@ -100,7 +110,8 @@ torch.save({"linear": o.linear(x, layers.pack_panels(w), 100, b),
 
 
 def test_every_isa_computes_the_same_bits(tmp_path) -> None:
-    """vec.h's promise: the panel GEMM, decode attention and silu * up of each ISA's library
+    """vec.h's promise: the panel GEMM, decode attention, silu * up and the GGUF GEMMs of each
+    ISA's library
     are equal to the bit (on these inputs) to the others'."""
     isas = [i for i in native.ISAS if native._cpu_has(i)]
     if len(isas) < 2:

@@ -99,6 +99,10 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.impl("linear_bf16", c10::DispatchKey::CompositeExplicitAutograd, &panel_linear_bf16);
   m.def("bf16_gemm_supported() -> bool", &bf16_gemm_supported);
   m.def("isa() -> str", &native_isa);
+  m.def("gguf_linear(Tensor x, Tensor w, int n, Tensor? b) -> Tensor");
+  m.impl("gguf_linear", c10::DispatchKey::CompositeExplicitAutograd, &gguf_linear);
+  m.def("gguf_rows(Tensor w, Tensor ids) -> Tensor");
+  m.impl("gguf_rows", c10::DispatchKey::CompositeExplicitAutograd, &gguf_rows);
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CompositeExplicitAutograd, &decode_attention);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "

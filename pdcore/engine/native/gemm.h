@@ -1,6 +1,7 @@
 #pragma once
 // float32 and bf16 GEMMs over weight panels, and oneDNN's for the weights it holds
 #include "common.h"
+#include "gguf_gemm.h"
 
 namespace {
 
@@ -380,6 +381,7 @@ Tensor panel_linear_bf16(const Tensor& x_in, const Tensor& panels, int64_t N,
 // a GEMM of the decode loop: panels (3-D) or oneDNN's reordered weight
 Tensor any_linear(const c10::OperatorHandle& lin, const Tensor& x, const Tensor& w, int64_t N,
                   const std::optional<Tensor>& b) {
+  if (w.scalar_type() == at::kByte) return gguf_linear(x, w, N, b);  // GGUF blocks (gguf_gemm.h)
   if (w.dim() == 3) return panel_linear(x, w, N, b);
   if (w.dim() == 4) return panel_linear_bf16(x, w, N, b);
   return linear(lin, x, w, b);

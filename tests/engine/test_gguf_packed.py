@@ -1,0 +1,86 @@
+"""GGUF weights served packed (engine/model/gguf_packed.py, engine/native/gguf_gemm.h): the
+kernels against the `gguf` package's own de-quantization on random blocks of every packed type,
+the fallback without native kernels, and the default model (SmolLM2 Q4_1 with a Q8_0 tied
+embedding) served packed against its de-quantized float32 self."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from pdcore.engine import native
+from pdcore.engine.model import gguf_packed as gp
+
+TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K)
+
+
+def _half(v: np.ndarray) -> np.ndarray:
+    return np.frombuffer(np.asarray(v, np.float16).tobytes(), np.uint8).reshape(*v.shape, 2)
+
+
+def random_blocks(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row bytes]: random quants with scales of a realistic size in the f16 fields
+    (random bytes there would be NaNs and 1e4s)."""
+    g = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[t]
+    raw = g.integers(0, 256, size=(n, k // block * size), dtype=np.uint8)
+    b = raw.reshape(n, -1, size)
+    u = lambda lo, hi: _half(g.uniform(lo, hi, b.shape[:2]))  # noqa: E731
+    if t in (T.Q8_0, T.Q4_0):
+        b[..., 0:2] = u(-0.05, 0.05)
+    elif t == T.Q4_1:
+        b[..., 0:2], b[..., 2:4] = u(0, 0.05), u(-0.3, 0)
+    elif t == T.Q4_K:
+        b[..., 0:2], b[..., 2:4] = u(0, 0.005), u(0, 0.005)
+    elif t == T.Q6_K:
+        b[..., 208:210] = u(-0.002, 0.002)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if native.ops() is None:
+        pytest.skip(f"native kernels unavailable: {native.status()}")
+    return native.ops()
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_kernels_equal_the_gguf_packages_dequantize_and_matmul(ops, t: T) -> None:
+    n, k = 70, 512  # 70: a last group of 4 rows that is partial
+    raw = random_blocks(t, n, k)
+    w = gp.typed(torch.from_numpy(raw), int(t))
+    ref = torch.from_numpy(dequantize(raw, t).astype(np.float32))
+    assert gp.in_features(w) == k
+    # the weights themselves: the same bits as the package's
+    assert torch.equal(gp.rows(w, torch.arange(n)), ref)
+    ids = torch.tensor([[3, 69], [0, 3]])
+    assert torch.equal(gp.rows(w, ids), ref[ids])
+    g = torch.Generator().manual_seed(1)
+    b = torch.randn(n, generator=g)
+    for m in (1, 3, 8, 16, 17, 40):  # the GEMV tiles (<= 16 rows) and the de-quantize + mm path
+        x = torch.randn(m, k, generator=g)
+        want = x @ ref.T + b
+        got = ops.gguf_linear(x, w, n, b)
+        tol = 1e-5 * float(want.abs().max()) + 1e-5
+        assert (got - want).abs().max() <= tol, (t.name, m)
+        assert torch.allclose(gp.linear_fallback(x, w, b), want, atol=tol)
+    # other dtypes go through float32 and come back in theirs; leading dims kept
+    xb = torch.randn(2, 3, k, generator=g).bfloat16()
+    yb = ops.gguf_linear(xb, w, n, None)
+    assert yb.dtype == torch.bfloat16 and yb.shape == (2, 3, n)
+
+
+def test_bad_weights_are_refused(ops) -> None:
+    raw = torch.from_numpy(random_blocks(T.Q4_1, 8, 64))
+    with pytest.raises(ValueError, match="no packed kernel"):
+        gp.typed(raw, int(T.Q5_0))
+    w = gp.typed(raw, int(T.Q4_1))
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.gguf_linear(torch.randn(1, 32), w, 8, None)
+    with pytest.raises(RuntimeError, match="stride 0"):
+        ops.gguf_linear(torch.randn(1, 64), raw.unsqueeze(0).clone(), 8, None)
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.gguf_rows(w, torch.tensor([8]))
