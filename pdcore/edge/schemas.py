@@ -79,6 +79,11 @@ class PDFields(_Open):
     disagg_prefill_dp_rank: Int | None = None
     data_parallel_rank: Int | None = None
     rid: str | list[str] | None = None
+    # migration (pdserve's router, router/migrate.py): the output tokens an earlier leg of this
+    # request already streamed, which this leg continues after; and whether a stream carries
+    # each event's new token ids in an SSE comment (`: pd-ids 1,2`) the router strips
+    pd_resume_ids: list[Int] | None = None
+    pd_stream_ids: bool = False
 
 
 class SamplingParamsIn(_Open):

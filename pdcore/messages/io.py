@@ -112,6 +112,12 @@ class GenerateReq:
     arrival_time: float = 0.0
     # --dp-size > 1: the replica asked for (`data_parallel_rank`); None lets the balancer pick
     routed_dp_rank: int | None = None
+    # migration (the router resumes a broken stream elsewhere, router/migrate.py): the
+    # prompt's last `resumed` tokens are output an earlier leg already streamed; the sampler
+    # observes them (penalties, min_new_tokens, grammar) and a seeded generator skips
+    # `seed_skip` draws, so the continuation draws what the undisturbed run would have
+    resumed: int = 0
+    seed_skip: int = 0
 
 
 @dataclass

@@ -73,6 +73,13 @@ class RouterConfig:
     retry_backoff_multiplier: float = field(default=1.5, metadata=_opt("retry delay growth"))
     retry_jitter_factor: float = field(default=0.2, metadata=_opt("retry delay jitter (+-)"))
     disable_retries: bool = field(default=False, metadata=_opt("one attempt per request"))
+    # request migration (router/migrate.py, docs/faults.md)
+    migration_max: int = field(default=3, metadata=_opt(
+        "times one stream may move to another decode server when its server dies, freezes or "
+        "drains past its timeout mid-stream; 0: never (the stream ends with an error event)"))
+    migration_stall_secs: float = field(default=5.0, metadata=_opt(
+        "a stream silent this long has its decode server's /health probed; no answer within "
+        "--health-check-timeout-secs: the stream moves"))
     # circuit breaker
     cb_failure_threshold: int = field(default=10, metadata=_opt("consecutive failures -> open"))
     cb_success_threshold: int = field(default=3, metadata=_opt("half-open successes -> closed"))
@@ -263,7 +270,7 @@ class RouterConfig:
         for name in (
             "health_check_interval_secs", "health_check_timeout_secs", "worker_startup_timeout_secs",
             "cb_timeout_duration_secs", "request_timeout_secs", "load_check_interval_secs",
-            "retry_backoff_multiplier", "balance_rel_threshold",
+            "retry_backoff_multiplier", "balance_rel_threshold", "migration_stall_secs",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
@@ -273,6 +280,8 @@ class RouterConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.migration_max < 0:
+            raise ConfigError("--migration-max must be >= 0")
         if not 0 <= self.cache_threshold <= 1:
             raise ConfigError("--cache-threshold must be in [0, 1]")
         if not 0 <= self.retry_jitter_factor < 1:

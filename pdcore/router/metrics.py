@@ -91,6 +91,13 @@ class RouterMetrics:
         self.worker_errors = Counter("smg_worker_errors", "Worker-level errors by worker_type, "
                                      "connection_mode, error_type",
                                      ["worker_type", "connection_mode", "error_type"], registry=r)
+        self.migrations = Counter(
+            "pdrouter_migrations", "Streams moved to another pair mid-stream (router/migrate.py) "
+            "by reason (broken, stalled, error_event) and outcome (resumed, failed, gave_up)",
+            ["reason", "outcome"], registry=r)
+        self.migration_resume = Histogram(
+            "pdrouter_migration_resume_seconds", "From a stream's break to the first event of "
+            "its resumed leg", buckets=_BUCKETS, registry=r)
         self._workers: WorkerRegistry | None = None
         r.register(_WorkerCollector(self))
 
@@ -120,6 +127,12 @@ class RouterMetrics:
 
     def exhausted(self, worker_type: str, route: str) -> None:
         self.retries_exhausted.labels(worker_type, endpoint(route)).inc()
+
+    def migration(self, reason: str, outcome: str) -> None:
+        self.migrations.labels(reason, outcome).inc()
+
+    def migration_resumed(self, seconds: float) -> None:
+        self.migration_resume.observe(seconds)
 
     def worker_error(self, worker_type: str, kind: str) -> None:
         self.worker_errors.labels(worker_type, "http", kind).inc()

@@ -58,6 +58,7 @@ from pdcore.router.merge import (
     wants_logprobs,
 )
 from pdcore.router.metrics import RouterMetrics, error_code
+from pdcore.router.migrate import LEG_ONLY, Migration, migratable
 from pdcore.router.policies import DPRanks, Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
@@ -145,10 +146,49 @@ def _resigned(leg: DecodeLeg, d: Worker) -> Failure | None:
                    "signed for its last instance", retriable=True)
 
 
+def _prefill_outcome(metrics: RouterMetrics, p: Worker, d: Worker, res: PrefillResult,
+                     request_id: str, deadline: Deadline) -> Response | Failure:
+    if res.status == PEER_FAULT and not res.client_caused:  # P is fine; D failed the pair
+        if deadline.client_expired():  # D gave up on the client's timeout
+            record(d, None, metrics, "timeout")
+            return _client_timeout()
+        d.circuit.record(False)
+        metrics.worker_error("decode", "peer_fault")
+        return _upstream_failure("decode", d, res.status,
+                                 b"(reported by prefill " + p.url.encode() + b") " + res.body)
+    if res.client_caused and res.status is None:
+        return _client_timeout()
+    if res.status is None:
+        return Failure(502, "prefill_transport_error",
+                       f"prefill worker {p.url} failed: {res.error}", retriable=True)
+    if res.status in RETRY_STATUSES and not res.client_caused:
+        return _upstream_failure("prefill", p, res.status, res.body)
+    return Response(res.body, res.status, media_type=res.content_type,
+                    headers={"x-request-id": request_id, **res.headers})
+
+
+def _start_prefill(
+    clients: UpstreamClients, metrics: RouterMetrics, p: Worker, url: str, content: bytes,
+    headers: dict[str, str], *, deadline: Deadline,
+) -> asyncio.Task[PrefillResult]:
+    p.in_flight += 1
+    task = asyncio.get_running_loop().create_task(
+        call_prefill(clients.get(p), p, url, content, headers, deadline,
+                     metrics=metrics)
+    )
+
+    def _done(_: asyncio.Task[PrefillResult], worker: Worker = p) -> None:
+        worker.in_flight -= 1
+
+    task.add_done_callback(_done)
+    return task
+
+
 class _LegResponse(StreamingResponse):
     """Streaming response that gives the decode leg back however the send ends."""
 
-    def __init__(self, content: AsyncIterator[bytes], leg: DecodeLeg, **kwargs: object) -> None:
+    def __init__(self, content: AsyncIterator[bytes], leg: DecodeLeg | Migration,
+                 **kwargs: object) -> None:
         super().__init__(content, **kwargs)  # type: ignore[arg-type]
         self._leg = leg
 
@@ -234,18 +274,36 @@ class Proxy:
         headers.update(tracing.inject())  # traceparent: P's and D's spans join the router's
         loop = asyncio.get_running_loop()
         deadline = request_deadline(body, self._cfg.request_timeout_secs)
+        mig = None
+        if migratable(route, body, n, stream, logprobs, self._cfg.migration_max):
+            body = {**body, "pd_stream_ids": True}  # D marks each event's token ids
+            mig = self._migration(route, body, text, headers, deadline, request_id)
         gone = loop.create_task(_client_gone(request))
         try:
             return await self._attempts(route, body, n, stream, logprobs, text, headers=headers,
-                                        deadline=deadline, request_id=request_id, gone=gone)
+                                        deadline=deadline, request_id=request_id, gone=gone,
+                                        migration=mig)
         finally:  # a committed stream watches for the disconnect itself (one receiver only)
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
 
+    def _migration(self, route: str, body: dict, text: str, headers: dict[str, str],
+                   deadline: Deadline, request_id: str) -> Migration:
+        async def resume(ids: list[int]) -> DecodeLeg | bytes:  # a fresh pair from the ids on
+            gone = asyncio.get_running_loop().create_future()  # the stream watches the client
+            out = await self._attempts(route, {**body, "pd_resume_ids": ids}, None, True, False,
+                                       text, headers=headers, deadline=deadline,
+                                       request_id=request_id, gone=gone, migration=LEG_ONLY)
+            return out if isinstance(out, DecodeLeg) else bytes(out.body)
+        cfg = self._cfg
+        return Migration(resume, self._clients, self._metrics, deadline, max_moves=cfg.migration_max,
+                         stall_s=cfg.migration_stall_secs, probe_s=cfg.health_check_timeout_secs)
+
     async def _attempts(
-        self, route: str, body: dict, n: int, stream: bool, logprobs: bool, text: str,
-        *, headers: dict[str, str], deadline: Deadline, request_id: str, gone: asyncio.Task[None],
-    ) -> Response:
+        self, route: str, body: dict, n: int | None, stream: bool, logprobs: bool, text: str,
+        *, headers: dict[str, str], deadline: Deadline, request_id: str, gone: asyncio.Future[None],
+        migration: Migration | str | None = None,
+    ) -> Response | DecodeLeg:
         failure: Failure | None = None
         for attempt in range(self._cfg.max_attempts):
             if attempt:
@@ -267,9 +325,9 @@ class Proxy:
             outcome = await self._attempt(
                 route, p, d, content, headers, stream, logprobs=logprobs, deadline=deadline,
                 request_id=request_id, gone=gone,
-                echo=route == "/v1/completions" and bool(body.get("echo")),
+                echo=route == "/v1/completions" and bool(body.get("echo")), migration=migration,
             )
-            if isinstance(outcome, Response):
+            if isinstance(outcome, (Response, DecodeLeg)):
                 return outcome
             failure = outcome
             log.warning("attempt %d for %s failed: %s", attempt + 1, route, failure.message)
@@ -284,28 +342,14 @@ class Proxy:
                                False))
         return error_response(failure.status, failure.code, failure.message, request_id)
 
-    def _start_prefill(
-        self, p: Worker, url: str, content: bytes, headers: dict[str, str], deadline: Deadline
-    ) -> asyncio.Task[PrefillResult]:
-        p.in_flight += 1
-        task = asyncio.get_running_loop().create_task(
-            call_prefill(self._clients.get(p), p, url, content, headers, deadline,
-                         metrics=self._metrics)
-        )
-
-        def _done(_: asyncio.Task[PrefillResult], worker: Worker = p) -> None:
-            worker.in_flight -= 1
-
-        task.add_done_callback(_done)
-        return task
-
     async def _attempt(
         self, route: str, p: Worker, d: Worker, content: bytes, headers: dict[str, str],
         stream: bool, *, logprobs: bool, deadline: Deadline, request_id: str,
-        gone: asyncio.Task[None], echo: bool = False,
-    ) -> Response | Failure:
+        gone: asyncio.Future[None], echo: bool = False, migration: Migration | str | None = None,
+    ) -> Response | DecodeLeg | Failure:
         loop = asyncio.get_running_loop()
-        p_task = self._start_prefill(p, p.url + route, content, headers, deadline)
+        p_task = _start_prefill(self._clients, self._metrics, p, p.url + route, content,
+                                headers, deadline=deadline)
         leg = DecodeLeg(d, self._metrics)
         d_task = loop.create_task(
             leg.open(self._clients.get(d), d.url + route, content, headers, deadline, first_only=stream)
@@ -328,7 +372,8 @@ class Proxy:
                     d_ok = d_task.done() and d_task.exception() is None and leg.ok and (
                         not stream or leg.flowing)
                     if logprobs or not d_ok:
-                        return self._prefill_outcome(p, d, p_task.result(), request_id, deadline)
+                        return _prefill_outcome(self._metrics, p, d, p_task.result(), request_id,
+                                            deadline)
                 if d_task.done():
                     if d_task.exception() is not None:
                         if leg.client_caused:
@@ -393,32 +438,14 @@ class Proxy:
                     task.cancel()
                 await asyncio.gather(p_task, d_task, return_exceptions=True)
                 await leg.release()
-        return await self._commit(p_task, leg, stream, logprobs, deadline, request_id, echo=echo)
-
-    def _prefill_outcome(self, p: Worker, d: Worker, res: PrefillResult, request_id: str,
-                         deadline: Deadline) -> Response | Failure:
-        if res.status == PEER_FAULT and not res.client_caused:  # P is fine; D failed the pair
-            if deadline.client_expired():  # D gave up on the client's timeout
-                record(d, None, self._metrics, "timeout")
-                return _client_timeout()
-            d.circuit.record(False)
-            self._metrics.worker_error("decode", "peer_fault")
-            return _upstream_failure("decode", d, res.status,
-                                     b"(reported by prefill " + p.url.encode() + b") " + res.body)
-        if res.client_caused and res.status is None:
-            return _client_timeout()
-        if res.status is None:
-            return Failure(502, "prefill_transport_error",
-                           f"prefill worker {p.url} failed: {res.error}", retriable=True)
-        if res.status in RETRY_STATUSES and not res.client_caused:
-            return _upstream_failure("prefill", p, res.status, res.body)
-        return Response(res.body, res.status, media_type=res.content_type,
-                        headers={"x-request-id": request_id, **res.headers})
+        return await self._commit(p_task, leg, stream, logprobs, deadline, request_id, echo=echo,
+                                  migration=migration)
 
     async def _commit(
         self, p_task: asyncio.Task[PrefillResult], leg: DecodeLeg, stream: bool, logprobs: bool,
         deadline: Deadline, request_id: str, *, echo: bool = False,
-    ) -> Response:
+        migration: Migration | str | None = None,
+    ) -> Response | DecodeLeg:
         found: dict[int, list[object]] = {}
         if logprobs and echo and not stream:  # /v1/completions: P's prompt logprobs first
             merged = merge_echo_json(leg.body, prefill_echo_logprobs(p_task.result().body))
@@ -434,6 +461,8 @@ class Proxy:
         elif not p_task.done():
             self._background.add(p_task)
             p_task.add_done_callback(self._background.discard)
+        if migration == LEG_ONLY:  # a resumed leg (migrate.py): the stream goes on through it
+            return leg
         headers = {"x-request-id": request_id}
         if not stream:
             merged = merge_json(leg.body, found) if found else None
@@ -442,6 +471,10 @@ class Proxy:
                 return Response(merged, leg.status, media_type="application/json", headers=headers)
             return Response(leg.body, leg.status, media_type=leg.content_type, headers=headers)
         merger = (EchoSSEMerger if echo_stream else SSEMerger)(found) if found else None
+        if isinstance(migration, Migration):  # found is empty: no logprobs
+            return _LegResponse(migration.stream(leg), migration, status_code=leg.status,
+                                media_type=leg.content_type or "text/event-stream",
+                                headers=headers)
         return _LegResponse(
             leg.stream(merger, deadline), leg, status_code=leg.status,
             media_type=leg.content_type or "text/event-stream", headers=headers,

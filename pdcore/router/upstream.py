@@ -272,6 +272,20 @@ class DecodeLeg:
         self.flowing = True
         return chunk
 
+    async def raw(self) -> AsyncIterator[bytes]:
+        """The committed stream's bytes as they come (first chunk, second, the rest); transport
+        errors are raised (router/migrate.py moves the stream on them)."""
+        if self.body:
+            yield self.body
+        if self._iter is None:
+            return
+        if self._next is not None:
+            second = await self._next
+            if second:
+                yield second
+        async for chunk in self._iter:
+            yield chunk
+
     async def stream(self, merger: SSEMerger | None, deadline: Deadline) -> AsyncIterator[bytes]:
         """The committed stream: first chunk, then the rest; an error ends it with one
         `data: {"error": ...}` event (the status line is already sent)."""

@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -39,6 +39,9 @@ class Item:
     # the client asked for 0 new tokens (planner.max_new_tokens): the scheduler makes one,
     # which the answer leaves out
     discard: bool = False
+    # a migrated request's output so far (the prompt's last tokens, GenerateReq.resumed): the
+    # assembler starts with them, so text, ids, counts and stop strings run on from there
+    resumed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -70,7 +73,9 @@ async def _run_traced(engine: EngineHandle, item: Item, q: asyncio.Queue[Event |
                       metrics: ServerMetrics, timeout: float | None, decode: bool) -> None:
     req = item.req
     submitted_ns = time.time_ns()
-    asm = OutputAssembler(engine.tokenizer, req.rid, req.input_ids, req.sampling, item.discard)
+    prompt = req.input_ids[:len(req.input_ids) - len(item.resumed)]
+    asm = OutputAssembler(engine.tokenizer, req.rid, prompt, req.sampling, item.discard)
+    asm.resume(item.resumed)
     start = time.monotonic()
     last: float | None = None
     # --stream-interval N: an event (a streamed chunk) for the first token, then every N
@@ -189,6 +194,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def ids_comment(asm: OutputAssembler, sent: dict[int, int], index: int) -> bytes:
+    """The SSE comment with the token ids an event carries that the last one did not
+    (`pd_stream_ids`: pdserve's router reads and strips it to migrate the stream; other SSE
+    clients ignore comments). `sent[index]`: ids reported so far (from the resumed output on)."""
+    ids = asm.out.output_ids
+    start = sent.get(index, asm.resumed)
+    sent[index] = len(ids)
+    return b": pd-ids " + ",".join(map(str, ids[start:])).encode() + b"\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

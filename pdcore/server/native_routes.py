@@ -21,6 +21,7 @@ from pdcore.server.generation import (
     SSE_HEADERS,
     ClientDisconnected,
     collect,
+    ids_comment,
     run_items,
     sse,
     unless_disconnected,
@@ -125,6 +126,7 @@ def _result(asm: OutputAssembler, plan: Plan, idx: int, engine: EngineHandle,
 async def _stream(engine: EngineHandle, plan: Plan, body: GenerateRequest, request: Request,
                   start: float) -> AsyncIterator[bytes]:
     metrics = request.app.state.metrics
+    ids_sent: dict[int, int] | None = {} if body.pd_stream_ids else None
     try:
         async with contextlib.aclosing(run_items(engine, plan.items, metrics, body.timeout)) \
                 as events:
@@ -132,8 +134,11 @@ async def _stream(engine: EngineHandle, plan: Plan, body: GenerateRequest, reque
                 if ev.error is not None:
                     yield sse_error(str(ev.error), ev.error.status, ev.error.code)
                     break
-                yield sse(_result(ev.asm, plan, ev.index, engine, body, start=start,
-                                  finished=ev.done))
+                data = sse(_result(ev.asm, plan, ev.index, engine, body, start=start,
+                                   finished=ev.done))
+                if ids_sent is not None:  # the router's migration (router/migrate.py)
+                    data = ids_comment(ev.asm, ids_sent, ev.index) + data
+                yield data
     except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
         yield sse_error(f"internal error: {type(e).__name__}: {e}", 500)
     yield SSE_DONE

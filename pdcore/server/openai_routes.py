@@ -28,6 +28,7 @@ from pdcore.server.generation import (
     SSE_HEADERS,
     ClientDisconnected,
     collect,
+    ids_comment,
     run_items,
     sse,
     unless_disconnected,
@@ -94,6 +95,11 @@ async def _stream(request: Request, engine: EngineHandle, plan: Plan, body: Any,
     lp_pos = {it.index: _echo_chars(plan, it.index, text_of) if echo_lp else 0
               for it in plan.items}
     echoed: set[int] = set()
+    # a migrated stream (router/migrate.py): its client has the opening chunk and the text of
+    # the output so far; `pd_stream_ids`: each chunk's new token ids in a comment before it
+    resumed = body.pd_resume_ids is not None
+    ids_sent: dict[int, int] | None = {} if body.pd_stream_ids else None
+    started: set[int] = set()
 
     def chunk(choices: list[dict[str, Any]], counts: dict[int, int] | None = None) -> bytes:
         data = {"id": plan.rid, "object": obj, "created": created, "model": plan.model,
@@ -103,12 +109,16 @@ async def _stream(request: Request, engine: EngineHandle, plan: Plan, body: Any,
         return sse(data)
 
     try:
-        if chat:
-            yield chunk([{"index": it.index, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None} for it in plan.items])
+        none = b"" if ids_sent is None else b": pd-ids \n"  # an event that adds no token
+        if resumed:
+            pass
+        elif chat:
+            yield none + chunk([{"index": it.index, "delta": {"role": "assistant",
+                                                              "content": ""},
+                                 "logprobs": None, "finish_reason": None} for it in plan.items])
         elif plan.echo_texts and not echo_lp:
-            yield chunk([{"index": it.index, "text": plan.echo_texts[it.index // plan.n],
-                          "logprobs": None, "finish_reason": None} for it in plan.items])
+            yield none + chunk([{"index": it.index, "text": plan.echo_texts[it.index // plan.n],
+                                 "logprobs": None, "finish_reason": None} for it in plan.items])
         async with contextlib.aclosing(run_items(engine, plan.items, request.app.state.metrics,
                                                  body.timeout)) as events:
             async for ev in events:
@@ -116,6 +126,13 @@ async def _stream(request: Request, engine: EngineHandle, plan: Plan, body: Any,
                     yield sse_error(str(ev.error), ev.error.status, ev.error.code)
                     break
                 a, i = ev.asm, ev.index
+                if i not in started:
+                    started.add(i)
+                    if resumed:
+                        echoed.add(i)
+                        sent_text[i] = a.resumed_visible
+                        if shapers is not None:  # the shaper's state after the text so far
+                            shapers[i].delta(a.out.text[:a.resumed_visible], False, None)
                 if echo_lp and i not in echoed:  # unified: the prompt's entries; PD decode: none
                     echoed.add(i)  # (the router puts P's there)
                     entries = list(a.out.input_logprobs or [])
@@ -150,7 +167,8 @@ async def _stream(request: Request, engine: EngineHandle, plan: Plan, body: Any,
                 if ev.done:
                     c["matched_stop"] = matched
                     finished[i] = a
-                yield chunk([c], {i: len(a.out.output_ids)})
+                data = chunk([c], {i: len(a.out.output_ids)})
+                yield data if ids_sent is None else ids_comment(a, ids_sent, i) + data
         if _stream_usage_requested(body) and len(finished) == len(plan.items):
             outs = [finished[it.index] for it in plan.items]
             yield sse({"id": plan.rid, "object": obj, "created": created, "model": plan.model,

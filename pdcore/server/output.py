@@ -41,6 +41,18 @@ class OutputAssembler:
         self._stop_ids = set(sampling.stop_token_ids)
         self._full = ""  # text before stop trimming
         self.ended_here = False  # True when a stop string / id ended it before the scheduler did
+        self.resumed = 0  # output tokens an earlier leg streamed (`resume`)
+        self.resumed_visible = 0  # the length of the text that leg's client has seen
+
+    def resume(self, ids: list[int]) -> None:
+        """A migrated request: start from the output an earlier leg streamed (no stop matched
+        there, or it would have ended); the prompt the scheduler reports includes them."""
+        for tok in ids:
+            self.out.output_ids.append(tok)
+            self._full += self._detok.add(tok)
+        self.out.text = self._full
+        self.resumed = len(ids)
+        self.resumed_visible = len(self.visible_text())
 
     def feed(self, msg: TokenOut) -> bool:
         """Consume one scheduler message; True once the sequence is finished."""
@@ -48,7 +60,7 @@ class OutputAssembler:
         if o.finished:
             return True
         if msg.prompt_tokens:
-            o.prompt_tokens = msg.prompt_tokens
+            o.prompt_tokens = msg.prompt_tokens - self.resumed
         o.cached_tokens = max(o.cached_tokens, msg.cached_tokens)
         o.spec_verify_ct = max(o.spec_verify_ct, msg.spec_verify_ct)
         if msg.input_logprobs is not None:

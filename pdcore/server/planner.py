@@ -149,6 +149,7 @@ def plan(inp: PlanInput, engine: EngineHandle, guard: RouteGuard | RequestGuard)
     model_defaults = info.sampling_defaults if inp.model_defaults else {}
     preferred = preferred_sampling(args.preferred_sampling_params)
     mode = args.disaggregation_mode
+    resume = _resume_ids(inp, info)
     items: list[Item] = []
     per_item: list[PromptInput] = []
     for p, prompt in enumerate(inp.prompts):
@@ -159,6 +160,9 @@ def plan(inp: PlanInput, engine: EngineHandle, guard: RouteGuard | RequestGuard)
         limit = max_new_tokens(prompt.max_tokens, inp.field_prefix + inp.max_tokens_field,
                                len(prompt.ids), info,
                                preferred.get("max_new_tokens", inp.default_max), mode)
+        ids = prompt.ids
+        if resume is not None:
+            limit, ids = _resumed_limit(limit, resume, mode), ids + resume
         leader: Item | None = None
         for j in range(prompt.n):
             sampling = _limit(build_sampling(given, inp.field_prefix, defaults=preferred),
@@ -166,15 +170,47 @@ def plan(inp: PlanInput, engine: EngineHandle, guard: RouteGuard | RequestGuard)
             if sampling.seed is not None and j:
                 sampling.seed += j  # n samples with one seed must still differ
             want = prompt.return_logprob
-            req = make_req(_rid(inp, rid, len(items), total), prompt.ids, sampling, pds[p],
+            req = make_req(_rid(inp, rid, len(items), total), ids, sampling, pds[p],
                            return_logprob=want,
                            logprob_start_len=prompt.logprob_start_len if want else -1,
                            top_logprobs_num=prompt.top_logprobs_num, stream=inp.stream)
             item = sample_item(len(items), req, leader, mode)
             item.discard = limit == 0
+            if resume:
+                # token k (k >= 1) of a PD request is drawn with the seed's k-th uniform (P draws
+                # token 0 with the first); P now draws token N, D from token N + 1
+                req.resumed, item.resumed = len(resume), list(resume)
+                req.seed_skip = len(resume) - 1 if mode == "prefill" else len(resume)
             items.append(item)
             per_item.append(prompt)
             leader = leader or item
     return Plan(items, [p.ids for p in inp.prompts], inp.prompts[0].n if inp.prompts else 1,
                 rid, [p.return_logprob for p in per_item],
                 [p.top_logprobs_num for p in per_item], batch=inp.batch)
+
+
+RESUME_FIELD = "pd_resume_ids"
+
+
+def _resume_ids(inp: PlanInput, info: EngineInfo) -> list[int] | None:
+    """A migrated request's output so far (the router's `pd_resume_ids`), checked: one prompt,
+    one sample, token ids in the vocabulary, prompt and output within the context."""
+    ids = getattr(inp.route_fields, RESUME_FIELD, None)
+    if ids is None:
+        return None
+    if len(inp.prompts) != 1 or inp.prompts[0].n != 1:
+        raise bad(f"{RESUME_FIELD} continues one output: give one prompt and n = 1", RESUME_FIELD)
+    if ids:
+        check_prompt(inp.prompts[0].ids + list(ids), info, RESUME_FIELD)
+    return list(ids)
+
+
+def _resumed_limit(limit: int, resume: list[int], mode: str) -> int:
+    """max_new_tokens of a resumed leg: what is left of the request's (a prefill server makes
+    one token whatever)."""
+    if mode == "prefill":
+        return limit
+    if len(resume) >= limit:
+        raise bad(f"{RESUME_FIELD} holds {len(resume)} tokens: the request's max_new_tokens "
+                  f"({limit}) is spent", RESUME_FIELD)
+    return limit - len(resume)

@@ -4,7 +4,10 @@ SmolLM2 servers cost this check some 25 s more of CI)."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -65,27 +68,184 @@ def test_profile_prefill_and_decode_separately(tiny_dir, tmp_path):
         c.stop()
 
 
-def test_2p2d_token_identical(tiny_dir):
+FLAGS_2P2D = ("--max-total-tokens", "16384", "--page-size", "16", "--chunked-prefill-size", "256")
+# request migration (router/migrate.py): a silent stream's decode server is probed after 1 s
+MIGRATION_FLAGS = ("--migration-stall-secs", "1", "--health-check-timeout-secs", "1")
+
+
+@pytest.fixture(scope="module")
+def pd2x2(tiny_dir):
+    """One 2P2D tcp cluster for the identity check, then the migration tests (the last one
+    kills a decode server)."""
+    c = PDCluster("tcp", prefill=2, decode=2, model_path=tiny_dir, flags=FLAGS_2P2D,
+                  router_flags=MIGRATION_FLAGS)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_2p2d_token_identical(tiny_dir, pd2x2):
     from pdcore.config import ServerArgs
     from pdcore.engine.model.tokenizer import load_tokenizer
     from pdcore.messages.io import SamplingParams
     from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids
 
-    flags = ("--max-total-tokens", "16384", "--page-size", "16", "--chunked-prefill-size", "256")
     prompts = prompt_token_ids(load_tokenizer(ServerArgs(model_path=tiny_dir)))
     eng = LLMEngine(ServerArgs(model_path=tiny_dir, max_total_tokens=16384, page_size=16))
     try:
         unified = eng.generate(prompts, SamplingParams(max_new_tokens=48, temperature=0.0))
     finally:
         eng.close()
-    c = PDCluster("tcp", prefill=2, decode=2, model_path=tiny_dir, flags=flags)
-    c.start()
+    c = pd2x2
+    assert_same_tokens(generate_all(c.url, prompts), unified)
+    assert_same_tokens(generate_all(c.url, prompts, stream=True), unified)
+    for s in c.prefills + c.decodes:  # round robin reached every server
+        assert c.load(s)["generation_tokens_total"] > 0
+    c.wait_pages_free()
+
+
+def _stream(url: str, path: str, body: dict, at_event: int = 0, fault=None
+            ) -> tuple[bytes, list]:
+    """A stream's raw bytes and its data events (JSON, or b"[DONE]"); `fault()` runs once
+    the `at_event`-th event came."""
+    raw, events, buf = b"", [], b""
+    with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for chunk in r.iter_bytes():
+            raw, buf = raw + chunk, buf + chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data:"):
+                        data = line[5:].strip()
+                        events.append(data if data == b"[DONE]" else json.loads(data))
+                        if fault is not None and len(events) == at_event:
+                            fault()
+    return raw, events
+
+
+def _freeze_serving_decode(c: PDCluster):
+    """SIGSTOP the decode server the router streams from (its one request in flight), mid-stream
+    for sure: every decode server is frozen first (the tiny model is fast), then the others
+    are thawed once the router's /workers told which one it is."""
+    for d in c.decodes:
+        os.killpg(d.proc.pid, signal.SIGSTOP)
+    workers = httpx.get(c.url + "/workers", timeout=5).json()["workers"]
+    busy = [w["url"] for w in workers if w["worker_type"] == "decode" and w["in_flight"]]
+    for d in c.decodes:
+        if d.url not in busy[:1]:
+            os.killpg(d.proc.pid, signal.SIGCONT)
+    assert len(busy) == 1, workers
+    return next(d for d in c.decodes if d.url == busy[0])
+
+
+def _migrations(c: PDCluster, reason: str) -> float:
+    text = httpx.get(c.url + "/metrics", timeout=10).text
+    key = f'pdrouter_migrations_total{{outcome="resumed",reason="{reason}"}} '
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(key))
+
+
+def _check_clean_stream(raw: bytes, events: list) -> None:
+    assert b"pd-ids" not in raw and b"error" not in raw, raw[-2000:]
+    assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
+
+
+def test_migration_sigstop_decode_mid_stream_chat(pd2x2):
+    """A decode server frozen mid-stream (SIGSTOP): after --migration-stall-secs and a /health
+    probe with no answer the router resumes the chat stream on the other pair; the client gets
+    the undisturbed run's text, one role chunk, one finish, nothing repeated or missing."""
+    c = pd2x2
+    body = {"messages": [{"role": "user", "content": "migrate me " * 20}], "stream": True,
+            "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    _, ref = _stream(c.url, "/v1/chat/completions", body)
+    frozen = []
+
+    def freeze() -> None:
+        frozen.append(_freeze_serving_decode(c))
+
+    before = _migrations(c, "stalled")
     try:
-        assert_same_tokens(generate_all(c.url, prompts), unified)
-        assert_same_tokens(generate_all(c.url, prompts, stream=True), unified)
-        for s in c.prefills + c.decodes:  # round robin reached every server
-            assert c.load(s)["generation_tokens_total"] > 0
-        c.wait_pages_free()
+        raw, got = _stream(c.url, "/v1/chat/completions", body, at_event=2, fault=freeze)
     finally:
-        c.stop()
+        for d in frozen:
+            os.killpg(d.proc.pid, signal.SIGCONT)
+    assert frozen, "the stream ended before the fault"
+    _check_clean_stream(raw, got)
+
+    def text(events: list) -> str:
+        return "".join(c["delta"].get("content") or "" for e in events[:-1]
+                       for c in e["choices"])
+
+    assert text(got) == text(ref) and text(ref)
+    roles = [e for e in got[:-1] for ch in e["choices"] if "role" in ch["delta"]]
+    finishes = [ch for e in got[:-1] for ch in e["choices"] if ch["finish_reason"]]
+    assert len(roles) == 1 and len(finishes) == 1 and finishes[0]["finish_reason"] == "length"
+    usage = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ
+    assert [got[-2]["usage"][k] for k in usage] == [ref[-2]["usage"][k] for k in usage]
+    assert _migrations(c, "stalled") == before + 1
+    c.wait_pages_free(60)  # the thawed server saw its client go and freed the request
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0},
+                                      {"temperature": 0.9, "top_p": 0.95, "seed": 1234}],
+                         ids=["greedy", "seeded"])
+def test_resume_protocol_continues_the_output(pd2x2, sampling):
+    """What a resumed leg gets (pd_resume_ids, sent here directly): P prefills prompt + the ids,
+    D decodes on, and the answer is the undisturbed one whole: ids, text, counts; a seeded
+    sampled request draws what it would have (the generators skip the draws already made)."""
+    c = pd2x2
+    body = {"input_ids": list(range(7, 40)),
+            "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, **sampling}}
+    ref = httpx.post(c.url + "/generate", json=body, timeout=120).json()
+    for k in (1, 9):
+        r = httpx.post(c.url + "/generate", json={**body, "pd_resume_ids": ref["output_ids"][:k]},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["output_ids"] == ref["output_ids"], k
+        assert got["text"] == ref["text"]
+        assert got["meta_info"]["completion_tokens"] == 24
+        assert got["meta_info"]["prompt_tokens"] == 33
+    spent = httpx.post(c.url + "/generate", json={**body, "pd_resume_ids": ref["output_ids"]},
+                       timeout=60)
+    assert spent.status_code == 400 and "max_new_tokens" in spent.text, spent.text
+    c.wait_pages_free(30)
+
+
+def test_migration_kill_decode_mid_stream_generate(pd2x2):
+    """kill -9 of the decode server mid-stream: the connection breaks, the router resumes the
+    /generate stream (prompt + streamed ids through a prefill) on the survivor; cumulative ids
+    run on with none repeated or missing and end as the undisturbed run's; no page leaked on
+    the survivors. (Runs last: the killed server stays down.)"""
+    c = pd2x2
+    _wait_rotation(c)
+    body = {"input_ids": list(range(5, 60)), "stream": True,
+            "sampling_params": {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}}
+    _, ref = _stream(c.url, "/generate", body)
+    before = _migrations(c, "broken")
+
+    raw, got = _stream(c.url, "/generate", body, at_event=1,
+                       fault=lambda: _freeze_serving_decode(c).kill())
+    _check_clean_stream(raw, got)
+    counts = [len(e["output_ids"]) for e in got[:-1]]
+    assert counts == sorted(set(counts)), counts  # each event adds tokens, none repeated
+    assert got[-2]["output_ids"] == ref[-2]["output_ids"]
+    assert got[-2]["text"] == ref[-2]["text"]
+    assert got[-2]["meta_info"]["completion_tokens"] == 160
+    assert got[-2]["meta_info"]["prompt_tokens"] == 55
+    assert _migrations(c, "broken") == before + 1
+    assert sum(d.alive() for d in c.decodes) == 1
+    c.wait_pages_free(30)
+
+
+def _wait_rotation(c: PDCluster, timeout: float = 30.0) -> None:
+    """Until the router has every worker back in rotation (after the SIGSTOP test)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(c.url + "/readiness", timeout=5).status_code != 200 or any(
+            not w["healthy"] for w in httpx.get(c.url + "/workers", timeout=5).json()["workers"]):
+        assert time.monotonic() < deadline, httpx.get(c.url + "/workers", timeout=5).text
+        time.sleep(0.2)

@@ -54,7 +54,8 @@ class Req:
     def from_generate(cls, g: GenerateReq, eos_ids: frozenset[int] = frozenset()) -> Req:
         return cls(
             rid=g.rid, prompt=list(g.input_ids),
-            state=SampleState.create(g.sampling, g.input_ids, eos_ids),
+            state=SampleState.create(g.sampling, g.input_ids, eos_ids, resumed=g.resumed,
+                                     seed_skip=g.seed_skip),
             return_logprob=g.return_logprob, logprob_start_len=g.logprob_start_len,
             top_logprobs_num=g.top_logprobs_num, route=g.route,
         )

@@ -41,13 +41,18 @@ class SampleState:
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: list[int],
-               eos_ids: frozenset[int] | tuple[int, ...] = ()) -> SampleState:
+               eos_ids: frozenset[int] | tuple[int, ...] = (), *, resumed: int = 0,
+               seed_skip: int = 0) -> SampleState:
+        """`resumed`: the prompt's last tokens that are output already (a migrated request,
+        GenerateReq.resumed): observed as sampled; `seed_skip`: draws a seeded generator skips."""
         gen = None
         if params.seed is not None and not params.greedy:
             seed = int(params.seed)
             if not SEED_MIN <= seed < SEED_MAX:  # torch raises a RuntimeError: a 500, not a 400
                 raise InvalidRequestError(f"seed {seed} is outside [-2^63, 2^64)", "seed")
             gen = torch.Generator().manual_seed(seed)
+            if seed_skip > 0:  # one uniform per sampled token (`uniforms`): the same stream
+                torch.rand(seed_skip, generator=gen)
         st = cls(params, gen)
         if params.frequency_penalty or params.presence_penalty:
             st.counts = {}
@@ -56,6 +61,8 @@ class SampleState:
         if params.min_new_tokens > 0:
             ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
             st.banned = sorted(ids) or None
+        for token in prompt[len(prompt) - resumed:] if resumed > 0 else ():
+            st.observe(token)
         return st
 
     def observe(self, token: int) -> None:

@@ -1,0 +1,278 @@
+"""Request migration: a committed stream whose decode server dies, freezes or drains past its
+drain timeout goes on on another (P, D) pair, and its client sees no token missing or repeated.
+
+1. Which streams: `/generate`, `/v1/completions` and `/v1/chat/completions` with one prompt,
+   one choice and no logprobs (`migratable`). Their body asks D for `pd_stream_ids`: each SSE
+   event comes after a comment `: pd-ids 5,17` with the token ids it adds (SSE clients ignore
+   comments; the router strips them anyway, so the client's stream is the server's, byte for
+   byte). The router keeps the ids of the events it forwarded: what the client has.
+2. When the stream breaks: the connection resets or ends before `[DONE]` (D's process died),
+   D sends an error event of its own side (5xx, `draining`: its scheduler died, or the drain
+   timeout aborted it), or nothing comes for --migration-stall-secs and D's /health gives no
+   200 within --health-check-timeout-secs (frozen: SIGSTOP, a hung host). The worker leaves the
+   rotation (its health checks bring it back) and the leg is closed (a live D aborts the
+   request and frees its pages).
+3. The resume: the same body with `pd_resume_ids` (the ids so far) goes through the proxy's
+   attempt loop, retries and all, to a fresh pair: P prefills prompt + ids (its prefix cache
+   holds the prompt's pages when it served the first leg), D decodes on. Both servers count
+   the resumed ids as output: max_new_tokens, min_new_tokens, stop strings, usage and the
+   detokenizer's state run on from them (server/planner.py, server/output.py), and D skips
+   what the client already has (a chat stream's opening chunk, text already shown).
+4. Sampling: greedy gives the undisturbed run's text. A seeded request continues the seed's
+   stream: token k is drawn with the seed's k-th uniform, so the resumed P skips N-1 draws and
+   D N (GenerateReq.seed_skip) and the text is the undisturbed run's too. Unseeded sampling
+   continues from a fresh random state (as any retry would).
+5. A stream moves at most --migration-max times; when no pair can take it (or the resume
+   fails otherwise) the client gets the error event it gets today, then `[DONE]`.
+
+Metrics: `pdrouter_migrations_total{reason,outcome}`, `pdrouter_migration_resume_seconds`
+(break seen -> the resumed leg's first event forwarded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from pdcore.router.upstream import Deadline, DecodeLeg, UpstreamClients, record, worker_outcome
+
+log = logging.getLogger("pdcore.router.migrate")
+
+LEG_ONLY = "leg"  # the proxy's commit hands back the decode leg of a resume, not a response
+ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+IDS_PREFIX = b": pd-ids "
+DONE = b"data: [DONE]"
+# an error event of D's own side (its scheduler died, a drain timed out): the request is fine
+MIGRATE_CODES = frozenset({500, 502, 503, "draining", "peer_failed", "peer_restarted"})
+
+# resume(ids) -> the committed decode leg of a fresh pair, or the error body the client gets
+Resume = Callable[[list[int]], Awaitable["DecodeLeg | bytes"]]
+
+
+def migratable(route: str, body: dict[str, Any], n: int | None, stream: bool,
+               logprobs: bool, max_moves: int) -> bool:
+    """A stream of one output the router can move (module doc, point 1)."""
+    if not stream or logprobs or n is not None or max_moves <= 0 or route not in ROUTES:
+        return False
+    if body.get("pd_resume_ids") is not None:  # a client's own resume: passed on as it is
+        return False
+    return body.get("n", 1) in (1, None)
+
+
+class Broken(Exception):
+    """The decode leg stopped before its stream ended; `reason` labels the metric."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _finished(obj: Any) -> bool:
+    """An event that ends the output (its finish_reason is set)."""
+    if not isinstance(obj, dict):
+        return False
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict) and meta.get("finish_reason") is not None:
+        return True
+    return any(isinstance(c, dict) and c.get("finish_reason") is not None
+               for c in obj.get("choices") or [])
+
+
+def _error_code(obj: Any) -> object:
+    err = obj.get("error") if isinstance(obj, dict) else None
+    return err.get("code") if isinstance(err, dict) else None
+
+
+class StreamCursor:
+    """What the client has of one stream: the ids of the events forwarded, whether the output
+    finished and whether `[DONE]` went out. `feed` splits bytes into whole events, strips the
+    id comments, and raises Broken at an error event of D's side (not forwarded)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.finished = False
+        self.done = False
+        # an event came without its ids (a server that does not mark them: not pdserve's):
+        # the stream cannot move, its client's position is unknown
+        self.unmarked = False
+        self._buf = b""
+
+    def reset(self) -> None:
+        """A new leg: a partial event of the last one is dropped (its ids were not counted)."""
+        self._buf = b""
+
+    def feed(self, data: bytes) -> bytes:
+        self._buf += data.replace(b"\r\n", b"\n")
+        out = []
+        while (cut := self._buf.find(b"\n\n")) >= 0:
+            event, self._buf = self._buf[:cut], self._buf[cut + 2:]
+            kept = self._event(event)
+            if kept:
+                out.append(kept + b"\n\n")
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes:
+        ids: list[int] = []
+        lines, marked, data = [], False, False
+        for line in event.split(b"\n"):
+            if line.startswith(IDS_PREFIX):
+                marked = True
+                text = line[len(IDS_PREFIX):].strip()
+                ids.extend(int(t) for t in text.split(b",") if t)
+            else:
+                lines.append(line)
+        kept = b"\n".join(lines)
+        for line in lines:
+            if line.strip() == DONE:
+                self.done = True
+            elif line.startswith(b"data:"):
+                try:
+                    obj = json.loads(line[5:])
+                except ValueError:
+                    continue
+                data = True
+                code = _error_code(obj)
+                if code is not None and code in MIGRATE_CODES and not self.finished:
+                    raise Broken("error_event", f"decode sent an error event: "
+                                 f"{line[5:].strip()[:300].decode('utf-8', 'replace')}")
+                self.finished = self.finished or _finished(obj)
+        self.ids.extend(ids)
+        self.unmarked = self.unmarked or (data and not marked and not self.finished)
+        return kept
+
+
+def error_event(message: str, code: str = "decode_stream_error") -> bytes:
+    return b"data: " + json.dumps({"error": {"code": code, "message": message}}).encode() + \
+        b"\n\n"
+
+
+class Migration:
+    """One migratable stream: forwards its legs' events and moves it when a leg breaks."""
+
+    def __init__(self, resume: Resume, clients: UpstreamClients, metrics: Any, deadline: Deadline,
+                 *, max_moves: int, stall_s: float, probe_s: float) -> None:
+        self._resume = resume
+        self._clients = clients
+        self._metrics = metrics
+        self._deadline = deadline
+        self._max_moves = max_moves
+        self._stall_s = stall_s
+        self._probe_s = probe_s
+        self.leg: DecodeLeg | None = None
+        self.cursor = StreamCursor()
+        self.moves = 0
+
+    async def release(self) -> None:
+        if self.leg is not None:
+            await self.leg.release()
+
+    async def stream(self, leg: DecodeLeg) -> AsyncIterator[bytes]:
+        self.leg = leg
+        cur = self.cursor
+        broke_at: float | None = None
+        while True:
+            try:
+                async for chunk in self._chunks(self.leg):
+                    out = cur.feed(chunk)
+                    if out:
+                        if broke_at is not None:
+                            self._metrics.migration_resumed(time.monotonic() - broke_at)
+                            broke_at = None
+                        yield out
+                if cur.done:
+                    return
+                raise Broken("broken", f"decode stream from {self.leg.worker.url} ended "
+                             "before [DONE]")
+            except (httpx.HTTPError, Broken) as exc:
+                reason = exc.reason if isinstance(exc, Broken) else "broken"
+                message = f"decode stream from {self.leg.worker.url} broke: " + (
+                    str(exc) if isinstance(exc, Broken) else f"{type(exc).__name__}: {exc}")
+                if reason != "deadline":
+                    self._lost(self.leg, exc)
+            if cur.finished:  # the output is complete: only [DONE] (and usage) was missing
+                yield DONE + b"\n\n"
+                return
+            if cur.unmarked or self.moves >= self._max_moves or self._deadline.left() <= 0:
+                self._metrics.migration(reason, "gave_up")
+                log.warning("%s; not moved (%d moves made)", message, self.moves)
+                yield error_event(message) + DONE + b"\n\n"
+                return
+            self.moves += 1
+            broke_at = time.monotonic()
+            log.warning("%s; moving the stream (%d tokens streamed, move %d)", message,
+                        len(cur.ids), self.moves)
+            await self.leg.release()
+            got = await self._resume(list(cur.ids))
+            if not isinstance(got, DecodeLeg):
+                self._metrics.migration(reason, "failed")
+                log.warning("moving the stream failed: %s", got[:300].decode("utf-8", "replace"))
+                yield error_event(f"{message}; no server could take it over: "
+                                  f"{_message_of(got)}") + DONE + b"\n\n"
+                return
+            self._metrics.migration(reason, "resumed")
+            cur.reset()
+            self.leg = got
+
+    def _lost(self, leg: DecodeLeg, exc: BaseException) -> None:
+        """The worker failed this stream: count it, and out of rotation until its /health is
+        200 again (health checks), so the resume goes elsewhere."""
+        w = leg.worker
+        outcome = worker_outcome(None, False, self._deadline)
+        record(w, outcome, self._metrics, "timeout")
+        if outcome is not None:
+            self._metrics.worker_error("decode", "stream")
+        if w.healthy:
+            log.warning("decode worker %s lost a stream (%s): out of rotation until its /health "
+                        "is 200", w.url, type(exc).__name__)
+        w.healthy = False
+        w.health_successes = 0
+
+    async def _chunks(self, leg: DecodeLeg) -> AsyncIterator[bytes]:
+        """The leg's bytes; Broken when it stalls and its server does not answer /health."""
+        it = leg.raw()
+        try:
+            while True:
+                nxt = asyncio.ensure_future(anext(it, b""))  # type: ignore[arg-type]
+                try:
+                    while True:
+                        done, _ = await asyncio.wait({nxt}, timeout=self._stall_s)
+                        if done:
+                            break
+                        if self._deadline.left() <= 0:
+                            raise Broken("deadline", "request deadline passed while streaming")
+                        if not await self._alive(leg):
+                            raise Broken("stalled", f"no byte for {self._stall_s:g} s and no "
+                                         f"/health answer within {self._probe_s:g} s")
+                finally:
+                    if not nxt.done():
+                        nxt.cancel()
+                        await asyncio.gather(nxt, return_exceptions=True)
+                chunk = nxt.result()
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            await it.aclose()
+
+    async def _alive(self, leg: DecodeLeg) -> bool:
+        """D answers /health (200, or 503 while it drains: it still streams what it holds)."""
+        try:
+            r = await self._clients.get(leg.worker).get(leg.worker.url + "/health",
+                                                        timeout=self._probe_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code in (200, 503)
+
+
+def _message_of(body: bytes) -> str:
+    try:
+        err = json.loads(body).get("error")
+        return str(err.get("message")) if isinstance(err, dict) else body[:300].decode()
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return body[:300].decode("utf-8", "replace")
