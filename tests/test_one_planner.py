@@ -142,3 +142,26 @@ def test_the_prefill_scheduler_refuses_a_request_planned_elsewhere() -> None:
     assert [(r, s) for r, _, s in failed] == [("many", 400)], failed
     assert "max_new_tokens=16" in failed[0][1] and "planner" in failed[0][1]
     assert held == ["one"] and ext.counts["requests"] == 1
+
+
+def test_every_request_the_http_process_makes_is_planned_by_the_planner() -> None:
+    """#46: plan_request and plan_generate became one function (`planner.plan`); every engine
+    request of the HTTP process (the routes', the warm-up's, /health_generate's) is built by
+    the planner: no other module of pdcore/server or pdcore/edge calls make_req or constructs
+    a GenerateReq (params.make_req itself aside), and no plan_request / plan_generate is
+    left."""
+    builders = {"make_req", "GenerateReq"}
+    calls, defs = [], []
+    for p in [*(ROOT / "pdcore" / "server").rglob("*.py"),
+              *(ROOT / "pdcore" / "edge").rglob("*.py")]:
+        rel = str(p.relative_to(ROOT))
+        tree = ast.parse(p.read_text(encoding="utf-8"), rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in builders:
+                calls.append(rel)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in (
+                    "plan_request", "plan_generate"):
+                defs.append(f"{rel}:{node.name}")
+    assert sorted(set(calls)) == ["pdcore/server/params.py", "pdcore/server/planner.py"], calls
+    assert calls.count("pdcore/server/params.py") == 1  # make_req's own GenerateReq
+    assert not defs, defs
