@@ -26,6 +26,7 @@ Lifecycle (server, one per prefill instance, run by P rank 0 in a daemon thread)
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import http.client
 import json
@@ -41,6 +42,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from pdcore.errors import TransferError
+from pdcore.messages.bootstrap import BootstrapInfo, RankRoute
 from pdcore.netguard import PENDING_DEADLINE_S, ConnectionGate, is_loopback
 from pdcore.route_refusal import MAC_HEADER, REFUSED_PATH, parse_notice
 
@@ -55,10 +57,6 @@ _408_BODY = json.dumps({"error": f"the request did not arrive within {PENDING_DE
 TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
                b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_408_BODY)) + _408_BODY
 _REQUIRED = ("rank_ip", "rank_port", "tp_rank", "tp_size", "page_size", "kv_cache_dtype")
-_INSTANCE_FIELDS = ("tp_size", "dp_size", "page_size", "kv_cache_dtype", "is_mla",
-                    "total_kv_heads", "num_layers", "head_dim", "draft_layers",
-                    "chain_hidden", "chain_dtype", "chain_head", "model_fingerprint", "backend",
-                    "protocol_version")
 
 
 class _Table:
@@ -67,8 +65,8 @@ class _Table:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.instance_id = uuid.uuid4().hex
-        self.info: dict[str, Any] | None = None
-        self.ranks: dict[tuple[int, int], dict[str, Any]] = {}
+        self.info: BootstrapInfo | None = None
+        self.ranks: dict[tuple[int, int], RankRoute] = {}
 
     def put(self, body: dict[str, Any]) -> str | None:
         """Register one rank; an error message (-> 400) or None."""
@@ -76,28 +74,25 @@ class _Table:
         if missing:
             return f"PUT /route is missing {', '.join(missing)}"
         try:
-            tp_rank, tp_size = int(body["tp_rank"]), int(body["tp_size"])
-            dp_rank, dp_size = int(body.get("dp_rank", 0)), int(body.get("dp_size", 1))
-            port = int(body["rank_port"])
-        except (TypeError, ValueError):
-            return "tp_rank, tp_size, dp_rank, dp_size and rank_port must be integers"
-        if not (0 <= tp_rank < tp_size and 0 <= dp_rank < dp_size and 0 < port < 65536):
-            return "tp_rank/dp_rank/rank_port out of range"
-        info = {k: body.get(k) for k in _INSTANCE_FIELDS}
-        info["tp_size"], info["dp_size"] = tp_size, dp_size
+            route = RankRoute.from_json(body)
+            info = dataclasses.replace(BootstrapInfo.from_json(body), instance_id="")
+        except ValueError as e:
+            return f"PUT /route: {e}"
+        if not (0 <= route.tp_rank < info.tp_size and 0 <= route.dp_rank < info.dp_size):
+            return "tp_rank/dp_rank out of range"
         with self.lock:
             if self.info is None:
                 self.info = info
             elif self.info != info:
-                diff = [k for k in _INSTANCE_FIELDS if self.info.get(k) != info.get(k)]
-                return f"rank {tp_rank} disagrees with the instance on {', '.join(diff)}"
-            self.ranks[(dp_rank, tp_rank)] = {"rank_ip": str(body["rank_ip"]), "rank_port": port}
+                diff = self.info.differs(info)
+                return f"rank {route.tp_rank} disagrees with the instance on {', '.join(diff)}"
+            self.ranks[(route.dp_rank, route.tp_rank)] = route
         return None
 
     def complete(self) -> bool:
         with self.lock:
             return self.info is not None and len(self.ranks) >= (
-                self.info["tp_size"] * self.info["dp_size"])
+                self.info.tp_size * self.info.dp_size)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -141,15 +136,17 @@ class _Handler(BaseHTTPRequestHandler):
         if not table.complete():
             return self._reply(503, {"error": "prefill ranks are still registering; retry"})
         with table.lock:
-            if dp == -1 and tp == -1:
-                info = dict(table.info or {})
-                info.update(attn_tp_size=info["tp_size"], attn_cp_size=1, pp_size=1,
-                            follow_bootstrap_room=True, instance_id=table.instance_id)
-                return self._reply(200, info)
+            if dp == -1 and tp == -1 and table.info is not None:
+                info = dataclasses.replace(table.info, instance_id=table.instance_id)
+                # and the keys SGLang's decode servers read (one attention group, no context
+                # or pipeline parallelism)
+                return self._reply(200, {**info.as_json(), "attn_tp_size": info.tp_size,
+                                         "attn_cp_size": 1, "pp_size": 1,
+                                         "follow_bootstrap_room": True})
             entry = table.ranks.get((dp, tp))
         if entry is None:
             return self._reply(404, {"error": f"no prefill rank dp={dp} tp={tp}"})
-        return self._reply(200, entry)
+        return self._reply(200, {"rank_ip": entry.rank_ip, "rank_port": entry.rank_port})
 
     def do_POST(self) -> None:
         """A decode server's notice that it refused a route naming this server's room."""
@@ -340,11 +337,17 @@ class BootstrapClient:
         raise TransferError(f"bootstrap server {addr} {method} {path} failed: {last}")
 
     def get_info(self, addr: str, attempts: int = 1, interval: float = 1.0,
-                 deadline: float | None = None) -> dict[str, Any]:
+                 deadline: float | None = None) -> BootstrapInfo:
+        """The prefill instance's facts, typed; TransferError when the answer is no such
+        thing (a field of the wrong type, another instance's id)."""
         data, inst = self._retrying(addr, "GET", "/route?prefill_dp_rank=-1&target_tp_rank=-1",
                                     None, attempts, interval, deadline=deadline)
-        info = json.loads(data)
-        if not isinstance(info, dict) or str(info.get("instance_id", "")) != inst:
+        try:
+            info = BootstrapInfo.from_json(json.loads(data))
+        except ValueError as e:  # json.JSONDecodeError too
+            raise TransferError(f"bootstrap server {addr} answered malformed instance info: "
+                                f"{e}") from None
+        if info.instance_id != inst:
             raise TransferError(f"bootstrap server {addr} answered instance info that does not "
                                 f"match its own {INSTANCE_HEADER} header; refusing it")
         return info

@@ -20,6 +20,7 @@ from pdcore.backendkit import RegionIndex
 from pdcore.disagg import wire
 from pdcore.errors import ProtocolError, TransferError
 from pdcore.interfaces.planner import KVLayout, TransferPlanner
+from pdcore.messages.bootstrap import BootstrapInfo
 from pdcore.interfaces.transfer import (
     CopyBatch,
     MemoryRegion,
@@ -126,12 +127,12 @@ def parse_register(msg: wire.Register, local: KVLayout, backend: str, row_bytes:
         raise ProtocolError(f"malformed decode registration: {type(e).__name__}: {e}") from None
     if layout.page_size != msg.page_size or str(layout.dtype) != msg.dtype:
         raise ProtocolError("decode registration: layout disagrees with its page_size/dtype")
-    wire.check_pairing("decode", {
-        "page_size": msg.page_size, "kv_cache_dtype": msg.dtype,
-        "model_fingerprint": msg.model_fingerprint, "num_layers": layout.num_layers,
-        "head_dim": layout.head_dim, "is_mla": layout.is_mla,
-        "draft_layers": layout.draft_layers, "chain_hidden": msg.chain_hidden,
-        "chain_dtype": msg.chain_dtype, "chain_head": msg.chain_head}, local, fingerprint, chain)
+    wire.check_pairing("decode", BootstrapInfo(
+        tp_size=msg.tp_size, page_size=msg.page_size, kv_cache_dtype=msg.dtype,
+        model_fingerprint=msg.model_fingerprint, num_layers=layout.num_layers,
+        head_dim=layout.head_dim, is_mla=layout.is_mla, draft_layers=layout.draft_layers,
+        chain_hidden=msg.chain_hidden, chain_dtype=msg.chain_dtype,
+        chain_head=msg.chain_head), local, fingerprint, chain)
     if layout.num_pages < 1 or layout.num_layers < 1 or layout.item_len < 1:
         raise ProtocolError("decode registration: empty KV layout")
     if len(layout.k_bases) != layout.num_layers or len(layout.v_bases) != layout.num_layers:

@@ -29,6 +29,7 @@ import numpy as np
 from pdcore.disagg.states import KVPoll
 from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import KVLayout
+from pdcore.messages.bootstrap import BootstrapInfo
 from pdcore.route_auth import control_key
 from pdcore.route_refusal import ROUTE_REFUSED as _ROUTE_REFUSED
 
@@ -292,15 +293,15 @@ def refusal(err: VersionMismatch, rank: int, token: str | None = None) -> list[b
     return [payload, _mac(token, payload)] if token and not legacy else [payload]
 
 
-def check_pairing(role: str, peer: dict[str, Any], local: KVLayout, fingerprint: str,
+def check_pairing(role: str, peer: BootstrapInfo, local: KVLayout, fingerprint: str,
                   chain: dict[str, Any] | None = None) -> None:
     """What must match before KV crosses, from the peer's bootstrap info or registration: the
     model (fingerprint: config and weight files), page size, KV dtype and KV layout, and the
     draft head's chain start in the aux rows (`chain`: this server's AuxBuffers.chain_info()).
     ProtocolError names the first mismatch and what to fix; fields the peer does not send
     (an older peer, a unit test) are not compared."""
-    check_compatible(role, int(peer["page_size"]), str(peer["kv_cache_dtype"]), local)
-    theirs = str(peer.get("model_fingerprint") or "")
+    check_compatible(role, peer.page_size, peer.kv_cache_dtype, local)
+    theirs = peer.model_fingerprint
     if theirs and fingerprint and theirs != fingerprint:
         raise ProtocolError(
             f"{role} serves another model (fingerprint {theirs}, this server's {fingerprint}: "
@@ -309,20 +310,25 @@ def check_pairing(role: str, peer: dict[str, Any], local: KVLayout, fingerprint:
     check_draft(role, peer, local)
     if chain is not None:
         check_chain(role, peer, chain)
-    for key, mine in (("num_layers", local.num_layers), ("head_dim", local.head_dim),
-                      ("total_kv_heads", local.model_kv_heads), ("is_mla", local.is_mla)):
-        if peer.get(key) is not None and peer[key] != mine:
-            raise ProtocolError(f"{role} KV layout has {key}={peer[key]}, this server's "
+    for key, theirs_, mine in (("num_layers", peer.num_layers, local.num_layers),
+                               ("head_dim", peer.head_dim, local.head_dim),
+                               ("total_kv_heads", peer.total_kv_heads, local.model_kv_heads),
+                               ("is_mla", peer.is_mla, local.is_mla)):
+        if theirs_ is not None and theirs_ != mine:
+            raise ProtocolError(f"{role} KV layout has {key}={theirs_}, this server's "
                                 f"{mine}: the two servers run different models")
 
 
-def check_draft(role: str, peer: dict[str, Any], local: KVLayout) -> None:
+def check_draft(role: str, peer: BootstrapInfo, local: KVLayout) -> None:
     """Both servers run a draft head whose K/V travel with the target's (EAGLE or NEXTN: one
     more KV layer, `KVLayout.draft_layers`; NEXTN's one more MLA latent layer), or neither
     does: a decode server with a head needs the draft context prefill computes, and a prefill
-    server with one sends a layer decode has no room for. A peer that sends a layer count but no draft count runs no head (an older peer)."""
-    theirs = peer.get("draft_layers", 0 if peer.get("num_layers") is not None else None)
-    if theirs is None or int(theirs) == local.draft_layers:
+    server with one sends a layer decode has no room for. A peer that sends a layer count but
+    no draft count runs no head (an older peer)."""
+    theirs = peer.draft_layers
+    if theirs is None and peer.num_layers is not None:
+        theirs = 0
+    if theirs is None or theirs == local.draft_layers:
         return
 
     def runs(n: int) -> str:
@@ -330,23 +336,23 @@ def check_draft(role: str, peer: dict[str, Any], local: KVLayout) -> None:
                 "layer)" if n else "runs no draft head (no KV of one to send or receive)")
 
     raise ProtocolError(
-        f"{role} {runs(int(theirs))}, this server {runs(local.draft_layers)}: start prefill and "
+        f"{role} {runs(theirs)}, this server {runs(local.draft_layers)}: start prefill and "
         "decode with the same --speculative-algorithm (EAGLE with the same "
         "--speculative-draft-model-path, or NEXTN), or neither with a draft head (NGRAM on "
         "decode alone needs nothing from prefill)")
 
 
-def check_chain(role: str, peer: dict[str, Any], local: dict[str, Any]) -> None:
+def check_chain(role: str, peer: BootstrapInfo, local: dict[str, Any]) -> None:
     """A draft head's chain start (the first draft token and the head's output vector, D's
     first drafts) rides in the aux rows: both sides' must have the same vector size and dtype,
     or both none. A peer that sends no chain geometry (an older peer) is not compared: the aux
     row size check refuses one whose rows differ."""
-    if peer.get("chain_hidden") is None:
+    if peer.chain_hidden is None:
         return
-    theirs = (int(peer["chain_hidden"]), str(peer.get("chain_dtype") or ""))
+    theirs = (peer.chain_hidden, peer.chain_dtype or "")
     mine = (int(local["chain_hidden"]), str(local["chain_dtype"]))
     if theirs == mine:
-        theirs_head = str(peer.get("chain_head") or "")
+        theirs_head = peer.chain_head or ""
         check_chain_head(role, theirs_head, str(local.get("chain_head") or ""))
         return
 

@@ -31,6 +31,7 @@ from pdcore.disagg.aux import ROW_BYTES, AuxBuffers, AuxRow, ChainGeometry
 from pdcore.disagg.decode.sched import DecodeExtension
 from pdcore.disagg.sessions import parse_register
 from pdcore.disagg.states import KVPoll
+from pdcore.messages.bootstrap import BootstrapInfo
 from pdcore.messages.io import GenerateReq, PDRoute, SamplingParams
 from pdcore.errors import ProtocolError
 from pdcore.runtime.llm_engine import LLMEngine
@@ -116,17 +117,21 @@ def test_hostile_chain_start_is_dropped(what, words) -> None:
     assert start is None and words in why
 
 
+def _info(peer: dict) -> BootstrapInfo:  # type: ignore[type-arg]
+    return BootstrapInfo.from_json(peer)  # what decode reads from P's bootstrap server
+
+
 def test_pairing_refuses_another_chain_start() -> None:
     local, remote = TestKV(seed=1), TestKV()
     mine = {"chain_hidden": HIDDEN, "chain_dtype": "bfloat16"}
-    peer = {"page_size": local.layout.page_size, "kv_cache_dtype": "float32"}
-    wire.check_pairing("prefill", {**peer, **mine}, local.layout, "", mine)
-    wire.check_pairing("prefill", peer, local.layout, "", mine)  # an older peer: not compared
+    peer = {"tp_size": 1, "page_size": local.layout.page_size, "kv_cache_dtype": "float32"}
+    wire.check_pairing("prefill", _info({**peer, **mine}), local.layout, "", mine)
+    wire.check_pairing("prefill", _info(peer), local.layout, "", mine)  # an older peer
     for theirs, said in (({"chain_hidden": 128, "chain_dtype": "bfloat16"}, "128 x bfloat16"),
                          ({"chain_hidden": HIDDEN, "chain_dtype": "float32"}, "64 x float32"),
                          ({"chain_hidden": 0, "chain_dtype": ""}, "no speculative chain")):
         with pytest.raises(ProtocolError, match=f"{said}.*--speculative-algorithm.*--dtype"):
-            wire.check_pairing("prefill", {**peer, **theirs}, local.layout, "", mine)
+            wire.check_pairing("prefill", _info({**peer, **theirs}), local.layout, "", mine)
     # P checks D's registration before the aux row size the chain start sets
     reg = wire.Register(
         session="d1", ctrl_addr="tcp://127.0.0.1:1", backend="tcp", endpoint=b"{}",
@@ -149,13 +154,13 @@ def test_pairing_refuses_another_draft_head() -> None:
     local, remote = TestKV(seed=1), TestKV()
     geo = {"chain_hidden": HIDDEN, "chain_dtype": "float32"}
     mine = {**geo, "chain_head": "EAGLE:00112233aabbccdd"}
-    peer = {"page_size": local.layout.page_size, "kv_cache_dtype": "float32"}
-    wire.check_pairing("prefill", {**peer, **mine}, local.layout, "", mine)
-    wire.check_pairing("prefill", {**peer, **geo}, local.layout, "", mine)  # an older peer
+    peer = {"tp_size": 1, "page_size": local.layout.page_size, "kv_cache_dtype": "float32"}
+    wire.check_pairing("prefill", _info({**peer, **mine}), local.layout, "", mine)
+    wire.check_pairing("prefill", _info({**peer, **geo}), local.layout, "", mine)  # an older peer
     for theirs in ("EAGLE3:00112233aabbccdd", "EAGLE:ffffffffffffffff", "X" * 5000):
         with pytest.raises(ProtocolError, match="--speculative-draft-model-path") as e:
-            wire.check_pairing("prefill", {**peer, **geo, "chain_head": theirs}, local.layout,
-                               "", mine)
+            wire.check_pairing("prefill", _info({**peer, **geo, "chain_head": theirs}),
+                               local.layout, "", mine)
         assert len(str(e.value)) < 400 and "EAGLE:00112233aabbccdd" in str(e.value)
     reg = wire.Register(
         session="d1", ctrl_addr="tcp://127.0.0.1:1", backend="tcp", endpoint=b"{}",

@@ -18,6 +18,7 @@ from pdcore.disagg.aux import EMPTY_ROOM, MAX_TOP_LOGPROBS, AuxBuffers, AuxRow
 from pdcore.disagg.bootstrap import INSTANCE_HEADER, BootstrapClient, BootstrapServer
 from pdcore.disagg.states import KVPoll, RoomStates
 from pdcore.errors import ProtocolError, TransferError
+from pdcore.messages.bootstrap import BootstrapInfo
 
 
 # -- states ------------------------------------------------------------------------------------
@@ -126,23 +127,22 @@ def test_compatibility_checks() -> None:
         wire.check_compatible("prefill", 16, "float32", layout)
     with pytest.raises(ProtocolError, match="dtype bfloat16"):
         wire.check_compatible("prefill", layout.page_size, "bfloat16", layout)
-    same = {"page_size": layout.page_size, "kv_cache_dtype": "float32",
-            "model_fingerprint": "aa", "num_layers": layout.num_layers}
+    same = BootstrapInfo(tp_size=1, page_size=layout.page_size, kv_cache_dtype="float32",
+                         model_fingerprint="aa", num_layers=layout.num_layers)
     wire.check_pairing("prefill", same, layout, "aa")
     wire.check_pairing("prefill", same, layout, "")  # a peer that names no model: not compared
     with pytest.raises(ProtocolError, match="another model"):
         wire.check_pairing("prefill", same, layout, "bb")
+    more = dataclasses.replace(same, num_layers=layout.num_layers + 1)
     with pytest.raises(ProtocolError, match="num_layers"):
-        wire.check_pairing("prefill", {**same, "num_layers": layout.num_layers + 1}, layout, "aa")
+        wire.check_pairing("prefill", more, layout, "aa")
     # a draft head's layer on one side only (EAGLE on decode, not on prefill, or the reverse)
     drafted = dataclasses.replace(layout, num_layers=layout.num_layers + 1, draft_layers=1)
     with pytest.raises(ProtocolError, match="runs no draft head.*--speculative-algorithm"):
         wire.check_pairing("prefill", same, drafted, "aa")
     with pytest.raises(ProtocolError, match="prefill runs a speculative draft head"):
-        wire.check_pairing("prefill", {**same, "num_layers": layout.num_layers + 1,
-                                       "draft_layers": 1}, layout, "aa")
-    wire.check_pairing("prefill", {**same, "num_layers": layout.num_layers + 1,
-                                   "draft_layers": 1}, drafted, "aa")
+        wire.check_pairing("prefill", dataclasses.replace(more, draft_layers=1), layout, "aa")
+    wire.check_pairing("prefill", dataclasses.replace(more, draft_layers=1), drafted, "aa")
 
 
 # -- bootstrap ---------------------------------------------------------------------------------
@@ -182,7 +182,13 @@ def test_bootstrap_server_routes() -> None:
             client.put_route(addr, _rank(1, page_size=8), attempts=1)
         client.put_route(addr, _rank(1))
         info = client.get_info(addr)
-        assert info["tp_size"] == 2 and info["page_size"] == 4 and info["instance_id"]
+        assert info.tp_size == 2 and info.page_size == 4 and info.instance_id == inst
+        # #46: the instance's facts are typed (messages/bootstrap.py), read field by field: a
+        # field of the wrong type is refused naming it, before it is kept or compared
+        with pytest.raises(TransferError, match="400.*page_size must be an integer"):
+            client.put_route(addr, {**_rank(0), "page_size": "4"}, attempts=1)
+        with pytest.raises(TransferError, match="400.*is_mla must be a bool"):
+            client.put_route(addr, {**_rank(0), "is_mla": "yes"}, attempts=1)
         assert client.get_rank(addr, 0, 1) == ("127.0.0.1", 5001)
         assert _get(port, "/route?prefill_dp_rank=0&target_tp_rank=5")[0] == 404
         with pytest.raises(TransferError, match="missing"):
@@ -211,7 +217,7 @@ def test_bootstrap_client_retries_until_ready_and_bounds_retries() -> None:
     try:
         threading.Timer(0.3, lambda: BootstrapClient(route_secret=SECRET).put_route(addr, _rank(0, 1))).start()
         t0 = time.monotonic()
-        assert BootstrapClient().get_info(addr, attempts=20, interval=0.1)["tp_size"] == 1
+        assert BootstrapClient().get_info(addr, attempts=20, interval=0.1).tp_size == 1
         assert time.monotonic() - t0 < 3
     finally:
         srv.close()

@@ -110,7 +110,7 @@ def test_decode_refuses_a_route_from_another_instance() -> None:
         BootstrapClient(route_secret="s").put_route(addr, RANK)
         client = BootstrapClient()
         info = client.get_info(addr)
-        assert info["instance_id"] == srv.instance_id
+        assert info.instance_id == srv.instance_id
         assert client.get_rank(addr, 0, 0, instance=srv.instance_id) == ("127.0.0.1", 5000)
         with pytest.raises(TransferError, match="changed instance"):
             client.get_rank(addr, 0, 0, instance="an-earlier-instance")

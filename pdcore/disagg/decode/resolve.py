@@ -143,18 +143,18 @@ class PrefillDirectory:
         interval = min(1.0, budget / 5)
         attempts, deadline = int(budget / interval) + 1, time.monotonic() + budget
         info = self.client.get_info(addr, attempts, interval, deadline)
-        version = info.get("protocol_version")
+        version = info.protocol_version
         if version is not None and version != wire.PROTOCOL_VERSION:
             raise ProtocolError(f"prefill {addr} speaks PD protocol version {version}, decode "
                                 f"speaks {wire.PROTOCOL_VERSION}; run the same pdserve version")
-        if info.get("backend") and info["backend"] != me.backend_name:
-            raise ProtocolError(f"prefill {addr} uses transfer backend {info['backend']!r}, "
+        if info.backend and info.backend != me.backend_name:
+            raise ProtocolError(f"prefill {addr} uses transfer backend {info.backend!r}, "
                                 f"decode uses {me.backend_name!r}; give both the same "
                                 "--disaggregation-transfer-backend (the default is mooncake "
                                 "where pd-mooncake is installed, else tcp)")
         targets, required_dst, responses = rank_mapping(
-            int(info["tp_size"]), me.tp_size, me.tp_rank, bool(info.get("is_mla")))
-        dp_size, inst_id = int(info.get("dp_size") or 1), str(info.get("instance_id", ""))
+            info.tp_size, me.tp_size, me.tp_rank, bool(info.is_mla))
+        dp_size, inst_id = info.dp_size, info.instance_id
         ctrl: dict[tuple[int, int], str] = {}
         for dp in range(dp_size):
             for t in targets:  # every route from the instance the info came from, or none
@@ -173,8 +173,8 @@ class PrefillDirectory:
                 raise TransferError(f"cannot reach prefill rank at {a} to register")
         self._counters.add("registrations", len(ctrl))
         log.info("registered with prefill %s (instance %s, P DP %d x TP %s -> ranks %s)", addr,
-                 info.get("instance_id"), dp_size, info["tp_size"], targets)
-        return Instance(addr, inst_id, dp_size, int(info["tp_size"]),
+                 info.instance_id, dp_size, info.tp_size, targets)
+        return Instance(addr, inst_id, dp_size, info.tp_size,
                         targets, required_dst, responses, ctrl)
 
     def _challenge(self, addr: str, budget: float) -> None:

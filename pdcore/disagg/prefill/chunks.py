@@ -1,7 +1,8 @@
-"""Prefill's transfer workers (mixed into PrefillKVManager): one queued chunk written to every D
-rank of its room, then, after the room's last chunk, the aux row and Status(Success).
+"""Prefill's transfer workers (`ChunkWriter`, a part of PrefillKVManager): one queued chunk
+written to every D rank of its room, then, after the room's last chunk, the aux row and
+Status(Success).
 
-- `_run_chunk` (a sharded worker thread): plan the chunk per destination (`chunk_batch`:
+- `run_chunk` (a sharded worker thread): plan the chunk per destination (`chunk_batch`:
   direct or through the staging ring), write it; a TransferError or a planner bug fails the
   room, never hangs it;
 - `_chunk_done`: progress resets the room's deadline; the abort acks held while chunks were in
@@ -16,28 +17,57 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from pdcore.config import DisaggEnv
 from pdcore.disagg import wire
+from pdcore.disagg.aux import AuxBuffers
+from pdcore.disagg.common import Counters
 from pdcore.disagg.prefill.rooms import Chunk, Dest, RoomState
+from pdcore.disagg.prefill.sessions import SessionTable
 from pdcore.disagg.sessions import DecodeSession
 from pdcore.disagg.staging import chunk_batch
-from pdcore.disagg.states import TERMINAL, KVPoll
+from pdcore.disagg.states import TERMINAL, KVPoll, RoomStates
+from pdcore.disagg.transfer_stats import TransferStats
 from pdcore.errors import TransferError
+from pdcore.interfaces.planner import KVLayout
 from pdcore.interfaces.transfer import CopyBatch
 
 log = logging.getLogger("pdcore.disagg.prefill")
 
 
+@dataclass(frozen=True)
+class ChunkRoute:
+    """What a chunk crosses by: the transfer backend, the planner and staging ring that shape
+    its copies, P's KV layout and aux rows."""
+
+    backend: Any
+    planner: Any
+    staging: Any
+    kv: KVLayout
+    aux: AuxBuffers
+
+
 class ChunkWriter:
-    """The transfer-worker half of PrefillKVManager (its attributes are the manager's)."""
+    """Writes P's queued chunks to the D ranks of their rooms (the transfer workers run
+    `run_chunk`). It shares the manager's lock, rooms, sessions and counters; `fail` is the
+    manager's (a room failed on both sides)."""
 
-    _lock: Any
-    _rooms: dict[int, RoomState]
+    def __init__(self, *, lock: Any, rooms: dict[int, RoomState], states: RoomStates,
+                 sessions: SessionTable, route: ChunkRoute, counters: Counters,
+                 xfer: TransferStats, env: DisaggEnv, ctrl: Any, tp_rank: int,
+                 fail: Callable[..., None]) -> None:
+        self._lock, self._rooms, self.states, self.sessions = lock, rooms, states, sessions
+        self.backend, self.planner, self.staging = route.backend, route.planner, route.staging
+        self.kv, self.aux = route.kv, route.aux
+        self.counters, self.xfer, self.env = counters, xfer, env
+        self.ctrl, self.tp_rank, self._fail = ctrl, tp_rank, fail
 
-    def _run_chunk(self, job: Chunk) -> None:
+    def run_chunk(self, job: Chunk) -> None:
         ok = True
         try:
             with self._lock:

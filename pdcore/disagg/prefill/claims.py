@@ -1,4 +1,5 @@
-"""Which decode server a room belongs to (mixed into PrefillKVManager; issue 44 items 1 and 7).
+"""Which decode server a room belongs to (`RoomClaims`, a part of PrefillKVManager; issue 44
+items 1 and 7).
 
 D sends a Claim for a room when it admits the request: P binds the room to that decode server
 (its server id, every rank of it) and answers Claimed once P has the request too; D reserves
@@ -22,11 +23,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdcore.disagg import wire
-from pdcore.disagg.prefill.rooms import Pending, PendingTable, RoomState
-from pdcore.disagg.states import KVPoll
+from pdcore.disagg.common import Counters
+from pdcore.disagg.prefill.rooms import Dest, Pending, PendingTable, RoomState
+from pdcore.disagg.prefill.sessions import SessionTable
+from pdcore.disagg.states import KVPoll, RoomStates
 from pdcore.route_refusal import DECODE_REFUSED
 
 log = logging.getLogger("pdcore.disagg.prefill")
@@ -40,32 +44,80 @@ REFUSALS_PEER = "(refused routes)"  # the pending table's quota for early refusa
 
 
 class RoomClaims:
-    """The claim half of PrefillKVManager (its attributes are the manager's)."""
+    """Binds P's rooms to the decode server that claimed them (Claim, TransferInfo), keeps what
+    comes for rooms P has no request for yet, and fails rooms decode refused. It shares the
+    manager's lock and tables; `fail` is the manager's (a room failed on both sides),
+    `ready` moves a room whose destinations are all known on."""
 
-    _lock: threading.RLock
-    _rooms: dict[int, RoomState]
-    _pending: PendingTable
-    _tombstones: dict[int, tuple[str, float]]
-    states: Any
-    counters: Any
-    ctrl: Any
-    tp_rank: int
+    def __init__(self, *, lock: threading.RLock, rooms: dict[int, RoomState],
+                 pending: PendingTable, tombstones: dict[int, tuple[str, float]],
+                 sessions: SessionTable, states: RoomStates, counters: Counters, ctrl: Any,
+                 tp_rank: int, fail: Callable[..., None],
+                 ready: Callable[[RoomState], None]) -> None:
+        self._lock, self._rooms, self._pending = lock, rooms, pending
+        self._tombstones, self._sessions, self.states = tombstones, sessions, states
+        self.counters, self.ctrl, self.tp_rank = counters, ctrl, tp_rank
+        self._fail, self._ready = fail, ready
 
-    def _on_claim(self, msg: wire.Claim) -> None:
+    def reply_failed(self, addr: str, room: int, reason: str, code: str = "") -> None:
+        self.ctrl.send(addr, wire.Status(room=room, state=int(KVPoll.Failed), rank=self.tp_rank,
+                                         reason=reason, code=code))
+
+    def on_transfer_info(self, msg: wire.TransferInfo) -> None:
+        """A D rank's destination pages for a room: kept with the room (or, before P has the
+        request, in its pending entry); the room moves on once every D rank's is known."""
+        with self._lock:
+            code, why, pages = self._sessions.check(msg)
+            dest = Dest(msg.session, msg.ctrl_addr, msg.rank, pages, msg.aux_slot,
+                        msg.staging_offset, msg.staging_len, prefix_pages=msg.prefix_pages,
+                        prefix_digest=msg.prefix_digest, prompt_digest=msg.prompt_digest)
+            r = self._rooms.get(msg.room)
+            holder = r if r is not None else self._pending.get(msg.room)
+            if holder is not None and holder.decode_id and holder.decode_id != msg.decode_id:
+                self.refuse_claim(msg)  # the room stays its first decode server's
+                return
+            if r is None:
+                tomb = self._tombstones.get(msg.room)
+                if tomb is not None:
+                    why = why or tomb[0]
+                else:
+                    p = self.open_pending(msg.room, msg.decode_id or msg.ctrl_addr)
+                    p.required = msg.required
+                    p.decode_id = p.decode_id or msg.decode_id
+                    if why:
+                        p.failure = p.failure or why
+                    else:
+                        p.dests[msg.session] = dest
+                if why:
+                    self.reply_failed(msg.ctrl_addr, msg.room, why, code)
+                return
+            r.dests[msg.session] = dest
+            r.required = msg.required
+            r.decode_id, r.claimed = r.decode_id or msg.decode_id, True
+            if self.states.get(msg.room) is KVPoll.Failed:
+                self.reply_failed(msg.ctrl_addr, msg.room, self.states.reason(msg.room))
+                return
+        if why:
+            log.warning("room %d: invalid transfer info from %s: %s", msg.room, msg.session, why)
+            self._fail(msg.room, why, code)
+            return
+        self._ready(r)
+
+    def on_claim(self, msg: wire.Claim) -> None:
         """A decode server admitted the room's request: bind the room to it and confirm once
         this server has the request too (D reserves no page before that)."""
         with self._lock:
             r = self._rooms.get(msg.room)
             holder = r if r is not None else self._pending.get(msg.room)
             if holder is not None and holder.decode_id and holder.decode_id != msg.decode_id:
-                self._refuse_claim(msg)
+                self.refuse_claim(msg)
                 return
             if r is None:
                 tomb = self._tombstones.get(msg.room)
                 if tomb is not None:
-                    self._reply_failed(msg.ctrl_addr, msg.room, tomb[0])
+                    self.reply_failed(msg.ctrl_addr, msg.room, tomb[0])
                     return
-                p = self._open_pending(msg.room, msg.decode_id or msg.ctrl_addr)
+                p = self.open_pending(msg.room, msg.decode_id or msg.ctrl_addr)
                 p.decode_id = p.decode_id or msg.decode_id
                 if len(p.claims) < MAX_CLAIMS and msg.ctrl_addr not in p.claims:
                     p.claims.append(msg.ctrl_addr)
@@ -76,11 +128,11 @@ class RoomClaims:
             failed = self.states.get(msg.room) is KVPoll.Failed
             reason = self.states.reason(msg.room) if failed else ""
         if failed:
-            self._reply_failed(msg.ctrl_addr, msg.room, reason)
+            self.reply_failed(msg.ctrl_addr, msg.room, reason)
         else:
             self.ctrl.send(msg.ctrl_addr, wire.Claimed(room=msg.room, rank=self.tp_rank))
 
-    def _refuse_claim(self, msg: wire.TransferInfo | wire.Claim) -> None:
+    def refuse_claim(self, msg: wire.TransferInfo | wire.Claim) -> None:
         """Under the lock: a second decode server names a room that is bound to another one (a
         copied route): only it is told, nothing moves, the room goes on."""
         self.counters.add("room_claims_refused")
@@ -88,9 +140,9 @@ class RoomClaims:
                "server per room): this request's route was copied from another request")
         log.warning("room %d: TransferInfo from decode %s refused: bound to another decode "
                     "server", msg.room, msg.decode_id or msg.session)
-        self._reply_failed(msg.ctrl_addr, msg.room, why, wire.ROOM_CLAIMED)
+        self.reply_failed(msg.ctrl_addr, msg.room, why, wire.ROOM_CLAIMED)
 
-    def _open_pending(self, room: int, peer: str) -> Pending:
+    def open_pending(self, room: int, peer: str) -> Pending:
         """Under the lock: the room's Pending entry, opened for `peer` (a decode server) if
         new; what that evicts is failed on the decode ranks waiting on it (module doc)."""
         p, evicted = self._pending.open(room, peer, time.monotonic())
@@ -103,16 +155,16 @@ class RoomClaims:
             if self._pending.evicted % 1000 == 1:  # the first, then one in a thousand
                 log.warning("room %d: %s", old, why)
             for addr in {d.ctrl_addr for d in q.dests.values()} | set(q.claims):
-                self._reply_failed(addr, old, why, wire.PENDING_EVICTED)
+                self.reply_failed(addr, old, why, wire.PENDING_EVICTED)
         return p
 
     @staticmethod
-    def _session_peer(session: str) -> str:
+    def session_peer(session: str) -> str:
         """The decode server of a D session name (host/server id/rank/...)."""
         parts = session.split("/")
         return parts[1] if len(parts) > 2 else session
 
-    def _on_route_refused(self, room: int, reason: str) -> bool:
+    def on_route_refused(self, room: int, reason: str) -> bool:
         """A decode server refused this room's route (bootstrap thread): fail the room now
         unless a decode server claimed it; a room P has not added yet fails when it is.
         True when the room failed (or will, once added)."""
@@ -123,7 +175,7 @@ class RoomClaims:
                 if room in self._tombstones:
                     return False
                 # refusals share one quota of the pending table (its oldest go first)
-                p = self._pending.get(room) or self._open_pending(room, REFUSALS_PEER)
+                p = self._pending.get(room) or self.open_pending(room, REFUSALS_PEER)
                 if p.decode_id or p.claims or p.dests:  # a decode server has it
                     return False
                 p.failure, p.failure_code = p.failure or why, p.failure_code or wire.ROUTE_REFUSED

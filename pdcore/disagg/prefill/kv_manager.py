@@ -32,11 +32,10 @@ from pdcore.disagg.aux import AuxBuffers
 from pdcore.disagg.bootstrap import BootstrapClient, BootstrapServer
 from pdcore.disagg.common import FAKE_BOOTSTRAP_HOST, advertised_host
 from pdcore.disagg.manager import KVManager
-from pdcore.disagg.prefill.chunks import ChunkWriter
+from pdcore.disagg.prefill.chunks import ChunkRoute, ChunkWriter
 from pdcore.disagg.prefill.claims import MAX_PENDING, MAX_PENDING_PER_PEER, RoomClaims
 from pdcore.disagg.prefill.rooms import (
     Chunk,
-    Dest,
     DestViews,
     PendingTable,
     RoomState,
@@ -48,14 +47,18 @@ from pdcore.disagg.states import KVPoll
 from pdcore.disagg.workers import ShardedWorkers
 from pdcore.errors import ProtocolError
 from pdcore.interfaces.planner import KVLayout
+from pdcore.messages.bootstrap import BootstrapInfo, RankRoute
 from pdcore.interfaces.transfer import MemoryRegion
 from pdcore.route_auth import announce_local_prefill, withdraw_local_prefill
 
 log = logging.getLogger("pdcore.disagg.prefill")
 
 
-class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
-    """The sender: P's rooms, D sessions, the bootstrap server (rank 0), transfer workers."""
+class PrefillKVManager(KVManager):
+    """The sender: P's rooms, D sessions, the bootstrap server (rank 0), transfer workers. Its
+    parts (composed, sharing its lock and tables): `claims` (which decode server a room
+    belongs to, prefill/claims.py), `chunks` (the transfer workers' writes, prefill/chunks.py)
+    and `dests` (what the scheduler reads of a room's destinations, prefill/rooms.py)."""
 
     role = "prefill"
     peer_fault_codes = wire.DECODE_FAULTS
@@ -79,11 +82,22 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
         self._pending = PendingTable(MAX_PENDING, MAX_PENDING_PER_PEER)
         self._tombstones: dict[int, tuple[str, float]] = {}  # released failed rooms
         self.sessions = SessionTable(self.backend, self._lock)
-        self._handlers = {wire.TransferInfo: self._on_transfer_info,
+        self.claims = RoomClaims(
+            lock=self._lock, rooms=self._rooms, pending=self._pending,
+            tombstones=self._tombstones, sessions=self.sessions, states=self.states,
+            counters=self.counters, ctrl=self.ctrl, tp_rank=tp_rank, fail=self._fail,
+            ready=self._maybe_ready)
+        self.chunks = ChunkWriter(
+            lock=self._lock, rooms=self._rooms, states=self.states, sessions=self.sessions,
+            route=ChunkRoute(self.backend, self.planner, self.staging, self.kv, self.aux),
+            counters=self.counters, xfer=self.xfer, env=env, ctrl=self.ctrl, tp_rank=tp_rank,
+            fail=self._fail)
+        self.dests = DestViews(self._lock, self._rooms)
+        self._handlers = {wire.TransferInfo: self.claims.on_transfer_info,
                           wire.Register: self._on_register, wire.Abort: self._on_abort,
-                          wire.Hello: self._on_hello, wire.Claim: self._on_claim}
-        self.workers = ShardedWorkers(env.queue_size, env.thread_pool_size, self._run_chunk,
-                                      label=f"pd-p{tp_rank}-xfer")
+                          wire.Hello: self._on_hello, wire.Claim: self.claims.on_claim}
+        self.workers = ShardedWorkers(env.queue_size, env.thread_pool_size,
+                                      self.chunks.run_chunk, label=f"pd-p{tp_rank}-xfer")
         self.bootstrap: BootstrapServer | None = None
         self.announced: str | None = None  # route_auth.announce_local_prefill's entry
         # rank 0 serves the bootstrap; on multi-node P the other nodes reach it at the
@@ -100,7 +114,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
             self.bootstrap = BootstrapServer(self.args.host,
                                              self.args.disaggregation_bootstrap_port,
                                              self.token, self.route_secret,
-                                             on_refused=self._on_route_refused)
+                                             on_refused=self.claims.on_route_refused)
             self.bootstrap.start()
             # loopback routes to this port are trusted by this user's decode servers here
             self.announced = announce_local_prefill(self.bootstrap.port)
@@ -108,15 +122,15 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
             self.bootstrap_addr = f"{host}:{self.bootstrap.port}"
         host, _, port = addr.removeprefix("tcp://").rpartition(":")
         client = BootstrapClient(token=self.token, route_secret=self.route_secret)
-        client.put_route(self.bootstrap_addr, {
-            "rank_ip": host, "rank_port": int(port), "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size, "dp_rank": self.args.dp_rank, "dp_size": self.args.dp_size,
-            "page_size": self.kv.page_size,
-            "kv_cache_dtype": str(self.kv.dtype), "is_mla": self.kv.is_mla,
-            "total_kv_heads": self.kv.model_kv_heads, "num_layers": self.kv.num_layers,
-            "head_dim": self.kv.head_dim, "draft_layers": self.kv.draft_layers,
-            "model_fingerprint": self.fingerprint, **self.aux.chain_info(),
-            "backend": self.backend_name, "protocol_version": wire.PROTOCOL_VERSION},
+        info = BootstrapInfo(
+            tp_size=self.tp_size, dp_size=self.args.dp_size, page_size=self.kv.page_size,
+            kv_cache_dtype=str(self.kv.dtype), is_mla=bool(self.kv.is_mla),
+            total_kv_heads=int(self.kv.model_kv_heads), num_layers=self.kv.num_layers,
+            head_dim=self.kv.head_dim, draft_layers=self.kv.draft_layers,
+            model_fingerprint=self.fingerprint, **self.aux.chain_info(),
+            backend=self.backend_name, protocol_version=wire.PROTOCOL_VERSION)
+        route = RankRoute(host, int(port), self.tp_rank, self.args.dp_rank)
+        client.put_route(self.bootstrap_addr, {**route.as_json(), **info.as_json()},
             # another replica's rank waits for replica 0's model load too
             attempts=30 if self.args.dp_rank == 0 else 240, interval=0.5)
         self.workers.start()
@@ -161,6 +175,15 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
                 else:
                     self._maybe_ready(r)
         log.debug("room %d: added", room)
+
+    def dest_page_count(self, room: int) -> int:
+        return self.dests.page_count(room)
+
+    def dest_prefix(self, room: int) -> tuple[int, str]:
+        return self.dests.prefix(room)
+
+    def dest_prompt(self, room: int) -> str | None:
+        return self.dests.prompt(room)
 
     def refuse(self, room: int, reason: str, code: str) -> None:
         """Fail the room on both sides with a machine-readable code, before any page left."""
@@ -214,7 +237,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
     def _refuse_room(self, room: int, why: str) -> None:
         with self._lock:
             if room not in self._rooms and room not in self._tombstones:
-                p = self._open_pending(room, "")
+                p = self.claims.open_pending(room, "")
                 p.failure = p.failure or why  # the scheduler's add() fails it at once
                 return
         self._fail(room, why, wire.VERSION_MISMATCH, notify=False)
@@ -224,17 +247,13 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
         with self._lock:  # every D rank that sent pages or claimed the room
             addrs = {d.ctrl_addr for d in r.dests.values()} | set(r.claimers)
         for addr in addrs:
-            self._reply_failed(addr, r.room, reason, code)
+            self.claims.reply_failed(addr, r.room, reason, code)
 
     def _maybe_ready(self, r: RoomState) -> None:
         if len(r.dests) >= r.required and self.states.advance(r.room, KVPoll.WaitingForInput):
             r.deadline = time.monotonic() + self.env.waiting_timeout
             log.debug("room %d: destination known (%d pages)", r.room,
                       min(len(d.pages) for d in r.dests.values()))
-
-    def _reply_failed(self, addr: str, room: int, reason: str, code: str = "") -> None:
-        self.ctrl.send(addr, wire.Status(room=room, state=int(KVPoll.Failed), rank=self.tp_rank,
-                                         reason=reason, code=code))
 
     # -- control plane (receive thread) ------------------------------------------------------
     def _on_hello(self, msg: wire.Hello) -> None:
@@ -256,44 +275,6 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
             log.info("decode session %s (rank %d/%d, %d pages) registered", msg.session,
                      msg.rank, msg.tp_size, sess.layout.num_pages)
 
-    def _on_transfer_info(self, msg: wire.TransferInfo) -> None:
-        with self._lock:
-            code, why, pages = self.sessions.check(msg)
-            dest = Dest(msg.session, msg.ctrl_addr, msg.rank, pages, msg.aux_slot,
-                        msg.staging_offset, msg.staging_len, prefix_pages=msg.prefix_pages,
-                        prefix_digest=msg.prefix_digest, prompt_digest=msg.prompt_digest)
-            r = self._rooms.get(msg.room)
-            holder = r if r is not None else self._pending.get(msg.room)
-            if holder is not None and holder.decode_id and holder.decode_id != msg.decode_id:
-                self._refuse_claim(msg)  # the room stays its first decode server's
-                return
-            if r is None:
-                tomb = self._tombstones.get(msg.room)
-                if tomb is not None:
-                    why = why or tomb[0]
-                else:
-                    p = self._open_pending(msg.room, msg.decode_id or msg.ctrl_addr)
-                    p.required = msg.required
-                    p.decode_id = p.decode_id or msg.decode_id
-                    if why:
-                        p.failure = p.failure or why
-                    else:
-                        p.dests[msg.session] = dest
-                if why:
-                    self._reply_failed(msg.ctrl_addr, msg.room, why, code)
-                return
-            r.dests[msg.session] = dest
-            r.required = msg.required
-            r.decode_id, r.claimed = r.decode_id or msg.decode_id, True
-            if self.states.get(msg.room) is KVPoll.Failed:
-                self._reply_failed(msg.ctrl_addr, msg.room, self.states.reason(msg.room))
-                return
-        if why:
-            log.warning("room %d: invalid transfer info from %s: %s", msg.room, msg.session, why)
-            self._fail(msg.room, why, code)
-            return
-        self._maybe_ready(r)
-
     def _on_abort(self, msg: wire.Abort) -> None:
         reason = f"aborted by decode: {msg.reason or 'no reason given'}"
         if msg.code == wire.PAIRING_REFUSED:
@@ -304,7 +285,7 @@ class PrefillKVManager(RoomClaims, DestViews, ChunkWriter, KVManager):
             r = self._rooms.get(msg.room)
             if r is None:
                 if msg.room not in self._tombstones:
-                    p = self._open_pending(msg.room, self._session_peer(msg.session))
+                    p = self.claims.open_pending(msg.room, self.claims.session_peer(msg.session))
                     p.failure = p.failure or reason
                 ack_now = True
             else:

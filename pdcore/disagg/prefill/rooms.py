@@ -149,12 +149,13 @@ def send_violation(r: RoomState, state: KVPoll | None, pages: np.ndarray, page_s
 
 
 class DestViews:
-    """What P's scheduler reads about a room's destinations (mixed into PrefillKVManager)."""
+    """What P's scheduler reads about a room's destinations (a part of PrefillKVManager, which
+    answers the scheduler's dest_page_count / dest_prefix / dest_prompt through it)."""
 
-    _lock: threading.RLock
-    _rooms: dict[int, RoomState]
+    def __init__(self, lock: threading.RLock, rooms: dict[int, RoomState]) -> None:
+        self._lock, self._rooms = lock, rooms
 
-    def dest_page_count(self, room: int) -> int:
+    def page_count(self, room: int) -> int:
         with self._lock:
             r = self._rooms.get(room)
             if r is None:
@@ -163,7 +164,7 @@ class DestViews:
                 return UNBOUNDED_PAGES
             return min((len(d.pages) for d in r.dests.values()), default=0)
 
-    def dest_prefix(self, room: int) -> tuple[int, str]:
+    def prefix(self, room: int) -> tuple[int, str]:
         """(pages, digest) of the prompt prefix every D rank of the room holds already; (0, '')
         when none or the room is unknown; (-1, '') when D's ranks disagree."""
         with self._lock:
@@ -173,7 +174,7 @@ class DestViews:
             seen = {(d.prefix_pages, d.prefix_digest) for d in r.dests.values()}
         return next(iter(seen)) if len(seen) == 1 else (-1, "")
 
-    def dest_prompt(self, room: int) -> str | None:
+    def prompt(self, room: int) -> str | None:
         """The digest of the whole prompt the room's decode ranks hold ('' when they disagree);
         None when there is nothing to compare (unknown or warm-up room, no destination yet)."""
         with self._lock:
