@@ -37,12 +37,13 @@ pytestmark = pytest.mark.timeout(240)
 
 def wait_running(server: ServerProcess, n: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
+    load: dict[str, Any] = {}
     while time.monotonic() < deadline:
         load = httpx.get(server.url + "/get_load", timeout=5).json()[0]
         if load["num_running_reqs"] >= n:
             return
         time.sleep(0.05)
-    raise AssertionError(f"{n} requests never ran")
+    raise AssertionError(f"{n} requests never ran: {load}")
 
 
 def in_flight(server: ServerProcess) -> tuple[dict[str, Any], list[threading.Thread]]:
@@ -82,7 +83,11 @@ def port_free(port: int) -> bool:
 def test_scheduler_kill_fails_requests_and_exits_server(tiny_llama_dir: Path,
                                                        tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"  # --crash-dump-folder: the requests of the last 5 minutes
+    # a pool both long requests fit in: in 4096 tokens the newer one was preempted once the
+    # two held ~2048 each (a few seconds at full speed), and a poll of /get_load that a loaded
+    # CI machine held up that long never saw both running ("2 requests never ran" in 60 s)
     server = ServerProcess("--model-path", str(tiny_llama_dir), *FLAGS,
+                           "--max-total-tokens", str(2 * 4096),
                            "--crash-dump-folder", str(dumps))
     try:
         server.wait_healthy(180)
