@@ -140,7 +140,7 @@ def test_the_prefill_scheduler_refuses_a_request_planned_elsewhere() -> None:
         msg = GenerateReq(rid, [1, 2, 3], SamplingParams(max_new_tokens=n), route=route)
         assert ext.admit(Req.from_generate(msg))
     assert [(r, s) for r, _, s in failed] == [("many", 400)], failed
-    assert "max_new_tokens=16" in failed[0][1] and "planner" in failed[0][1]
+    assert "asks for 16 (max_new_tokens)" in failed[0][1] and "planner" in failed[0][1]
     assert held == ["one"] and ext.counts["requests"] == 1
 
 

@@ -70,7 +70,7 @@ class PrefillExtension(RoleExtension):
             return True
         if req.params.max_new_tokens != 1:  # the planner decides 1 on P (server/planner.py)
             self.sched.fail(req, "a prefill server makes one token: this request asks for "
-                                 f"max_new_tokens={req.params.max_new_tokens}, so it was not "
+                                 f"{req.params.max_new_tokens} (max_new_tokens), so it was not "
                                  "planned by this server's request planner", 400)
             return True
         if self._duplicate(req, int(route.room)):
