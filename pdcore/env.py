@@ -324,6 +324,8 @@ class Engine(Group):
         1, _host_count, "servers sharing this host's KV budget (`pdserve up` sets it)")
     pdcore_tp_timeout = Var(600.0, number, "seconds a TP collective may wait")
     pdcore_gguf_cache = Var(True, flag, "load a .gguf model through a converted copy")
+    pdcore_gguf_packed = Var(False, flag, "serve a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
+                             "weights packed, as the file holds them; 0: de-quantized at load")
     pdcore_cache_dir: Var[str | None] = Var(
         None, text, "where converted GGUF models are kept", shown="~/.cache/pdserve")
     pdserve_spec_gate = Var(

@@ -84,3 +84,78 @@ def test_bad_weights_are_refused(ops) -> None:
         ops.gguf_linear(torch.randn(1, 64), raw.unsqueeze(0).clone(), 8, None)
     with pytest.raises(RuntimeError, match="outside"):
         ops.gguf_rows(w, torch.tensor([8]))
+
+
+@pytest.fixture(scope="module")
+def packed_smollm2():
+    """The default model loaded with PDCORE_GGUF_PACKED=1 (its GGUF: Q4_1 layers, a Q8_0
+    embedding tied to the lm_head)."""
+    from pdcore.engine.model.loader import load_model
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PDCORE_GGUF_PACKED", "1")
+    try:
+        model, _, resolved = load_model(None, torch.float32, torch.device("cpu"))
+    finally:
+        mp.undo()
+    return model, resolved
+
+
+def test_the_default_model_loads_packed(packed_smollm2) -> None:
+    """Every linear layer and the lm_head hold GGUF blocks; the weights they de-quantize to are
+    the float32 model's (the GGUF cache's conversion, made by transformers) to the bit, q/k rows
+    in HF's order; the lm_head is the embedding's tensor; a sixth of float32's bytes."""
+    from pdcore.engine.model.layers import weight_layouts
+    from pdcore.engine.model.loader import weight_bytes
+    from pdcore.engine.model.weights import SafetensorsWeights
+
+    model, resolved = packed_smollm2
+    n = len(model.layers)
+    assert weight_layouts(model) == {"panels": 0, "onednn": 0, "plain": 0, "int8": 0,
+                                     "gguf": 4 * n + 1}
+    assert model.native is not None or native.ops() is None  # the native decode loop takes them
+    sd = SafetensorsWeights(resolved.path)  # the float32 conversion of the same file
+    for i in (0, n - 1):
+        a, m = model.layers[i].self_attn, model.layers[i].mlp
+        p = f"model.layers.{i}."
+        assert gp.TYPE_NAMES[gp.type_of(a.qkv.packed)] == "Q4_1"
+        want = torch.cat([sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        assert torch.equal(gp.dequantize(a.qkv.packed), want)
+        assert torch.equal(gp.dequantize(a.o_proj.packed), sd[p + "self_attn.o_proj.weight"])
+        want = torch.cat([sd[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
+        assert torch.equal(gp.dequantize(m.gate_up.packed), want)
+        assert torch.equal(gp.dequantize(m.down.packed), sd[p + "mlp.down_proj.weight"])
+    ids = torch.tensor([[0, 17], [49151, 17]])
+    assert torch.equal(model.embed_tokens(ids), sd["model.embed_tokens.weight"][ids])
+    assert gp.TYPE_NAMES[gp.type_of(model.lm_head_packed)] == "Q8_0"
+    assert model.lm_head_packed is model.embed_tokens.packed
+    float_bytes = sum(sd[k].numel() * 4 for k in sd.keys())
+    assert weight_bytes(model) < float_bytes / 5, (weight_bytes(model), float_bytes)
+
+
+def test_packed_greedy_equals_transformers(smollm2_greedy_refs) -> None:
+    """The 8 prompts through the engine serving the GGUF packed, against transformers running
+    the de-quantized float32 weights (tests/conftest.py's shared references): the same weights,
+    summed in another order; the same bar as test_greedy_equivalence's float32 engine."""
+    from pdcore.config import ServerArgs
+    from pdcore.messages.io import SamplingParams
+    from pdcore.runtime.llm_engine import LLMEngine
+    from pdcore.testing.greedy import check_greedy
+
+    prompts, refs, new = smollm2_greedy_refs
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PDCORE_GGUF_PACKED", "1")
+    try:
+        eng = LLMEngine(ServerArgs(max_total_tokens=8192, page_size=16,
+                                   chunked_prefill_size=256))
+        try:
+            outs = eng.generate(prompts, SamplingParams(max_new_tokens=new, temperature=0.0),
+                                return_logprob=True)
+            assert eng.loop.runner.model.lm_head_packed.dtype == torch.uint8
+        finally:
+            eng.close()
+    finally:
+        mp.undo()
+    verdicts = [check_greedy(o["output_ids"], r, [lp[0] for lp in o["output_logprobs"]])
+                for o, r in zip(outs, refs)]
+    assert verdicts.count("identical") >= 7, verdicts

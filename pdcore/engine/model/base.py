@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from pdcore.engine.model.batch import ForwardBatch
-from pdcore.engine.model.layers import RMSNorm, TPInfo, linear, pack_in_place
+from pdcore.engine.model import gguf_packed
+from pdcore.engine.model.layers import RMSNorm, TPInfo, linear, pack_in_place, stand_in
 from pdcore.engine.model.weights import adopt
 
 
@@ -82,7 +83,8 @@ class CausalLM(nn.Module):
         """After the layers completed (a forward that raised skips it)."""
 
     def pack_lm_head(self) -> None:
-        self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head, prefill=False)
+        if self.lm_head_packed is None:  # else loaded packed (GGUF blocks)
+            self.lm_head, self.lm_head_packed = pack_in_place(self.lm_head, prefill=False)
 
     def logits_of(self, residual: torch.Tensor, batch: ForwardBatch,
                   logits: bool) -> torch.Tensor | None:
@@ -102,7 +104,29 @@ class CausalLM(nn.Module):
         step), the lm_head (tied to the embedding when the checkpoint has none) and the final
         norm."""
         embed = sd["model.embed_tokens.weight"]
-        self.embed_tokens.weight = adopt(self.embed_tokens.weight, embed)
         lm = sd.get("lm_head.weight")
-        self.lm_head.copy_(lm if lm is not None else embed)
+        if embed.dtype == torch.uint8 or (lm is not None and lm.dtype == torch.uint8):
+            self._load_packed_outer(embed, lm)
+        else:
+            self.embed_tokens.weight = adopt(self.embed_tokens.weight, embed)
+            self.lm_head.copy_(lm if lm is not None else embed)
         self.norm.weight.copy_(sd["model.norm.weight"])
+
+    def _load_packed_outer(self, embed: torch.Tensor, lm: torch.Tensor | None) -> None:
+        """GGUF blocks kept packed (gguf_packed.py): the embedding looks up de-quantized rows;
+        the lm_head reads its own blocks, or the embedding's same tensor when tied."""
+        def packed(t: torch.Tensor) -> torch.Tensor | None:
+            return gguf_packed.typed(t, getattr(t, gguf_packed.TYPE_ATTR)) \
+                if t.dtype == torch.uint8 else None
+
+        embed_packed = packed(embed)
+        if embed_packed is not None:
+            self.embed_tokens = gguf_packed.PackedEmbedding(embed_packed)
+        else:
+            self.embed_tokens.weight = adopt(self.embed_tokens.weight, embed)
+        lm_packed = embed_packed if lm is None else packed(lm)
+        if lm_packed is None:
+            self.lm_head.copy_(lm if lm is not None else embed)
+        else:
+            self.lm_head = nn.Parameter(stand_in(self.lm_head), requires_grad=False)
+            self.lm_head_packed = lm_packed

@@ -16,6 +16,8 @@ the `gguf` package at each call (`linear_fallback`: slow, for correctness only).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -109,3 +111,176 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return rows(self.packed, ids).to(self.weight.dtype)
+
+
+# -- the GGUF file's tensors by HF name -----------------------------------------------------------
+TYPE_ATTR = "pd_ggml_type"  # set on the uint8 rows [N, row_bytes] GGUFCheckpoint hands out
+ARCHS = ("llama",)  # GGUF `general.architecture` values whose tensors this reader maps
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_OUTER_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def hf_name(name: str) -> str | None:
+    if name in _OUTER_NAMES:
+        return _OUTER_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rows(n: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's conversion of a q or k projection (it interleaves
+    each head's two rotary halves for its own rotary; transformers reverses it the same way
+    when it reads a GGUF): row i of the HF weight is row perm[i] of the file's."""
+    idx = torch.arange(n)
+    return idx.view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order: rows first ([N, K] for a matrix)
+    qtype: int  # ggml type number
+    data: np.ndarray  # a view of the mapped file: uint8 [N, row_bytes] or the float values
+
+
+def read_tensors(path: str) -> tuple[str, dict[str, TensorInfo]]:
+    """(general.architecture, the tensors by GGUF name) of a GGUF file, its data mapped, not
+    read. The metadata is skipped value by value (quant_config's reader): gguf.GGUFReader
+    decodes all of it (the tokenizer's ~100k strings), ~3 s here and 12 s on a loaded machine."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from pdcore.engine.model.quant_config import gguf_skip_value
+
+    arch, align = "?", 32
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] < 2:
+            raise ValueError(f"{path} is not a GGUF file (v2 or later)")
+        count, nkeys = struct.unpack("<QQ", f.read(16))
+        for _ in range(nkeys):
+            (n,) = struct.unpack("<Q", f.read(8))
+            key = f.read(n).decode("utf-8", "replace")
+            (vtype,) = struct.unpack("<I", f.read(4))
+            if key == "general.architecture" and vtype == 8:
+                (n,) = struct.unpack("<Q", f.read(8))
+                arch = f.read(n).decode("utf-8", "replace")
+            elif key == "general.alignment" and vtype == 4:
+                (align,) = struct.unpack("<I", f.read(4))
+            else:
+                gguf_skip_value(f, vtype)
+        infos = []
+        for _ in range(count):
+            (n,) = struct.unpack("<Q", f.read(8))
+            name = f.read(n).decode("utf-8", "replace")
+            (ndim,) = struct.unpack("<I", f.read(4))
+            dims = struct.unpack(f"<{ndim}Q", f.read(8 * ndim))
+            qtype, offset = struct.unpack("<IQ", f.read(12))
+            infos.append((name, tuple(reversed(dims)), qtype, offset))
+        start = -(-f.tell() // align) * align
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    tensors = {}
+    for name, shape, qtype, offset in infos:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        if qtype in (0, 1):  # F32, F16
+            dt = np.float32 if qtype == 0 else np.float16
+            n = int(np.prod(shape))
+            data = np.frombuffer(buf, dt, n, start + offset).reshape(shape)
+        else:
+            rb = shape[-1] // block * size
+            rows = int(np.prod(shape[:-1]))
+            data = np.frombuffer(buf, np.uint8, rows * rb, start + offset).reshape(rows, rb)
+        tensors[name] = TensorInfo(name, shape, qtype, data)
+    return arch, tensors
+
+
+class GGUFCheckpoint:
+    """The tensors of a GGUF file by HF name (a mapping for the models' load code): float types
+    as float32 tensors, the packed types as owned uint8 rows [N, row_bytes] carrying their ggml
+    type (TYPE_ATTR); q/k rows in HF's order. Other quantized types (Q5_0, Q3_K, ...) are
+    de-quantized here by the `gguf` package (logged)."""
+
+    def __init__(self, path: str, cfg) -> None:
+        arch, tensors = read_tensors(path)
+        if arch not in ARCHS:
+            raise ValueError(f"GGUF architecture {arch!r}: packed serving maps {', '.join(ARCHS)}")
+        self.tensors = {}
+        for t in tensors.values():
+            name = hf_name(t.name)
+            if name is not None:
+                self.tensors[name] = t
+        self.heads = {"self_attn.q_proj.weight": cfg.num_attention_heads,
+                      "self_attn.k_proj.weight": getattr(cfg, "num_key_value_heads", None)
+                      or cfg.num_attention_heads}
+        self.dequantized: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+
+        t = self.tensors[name]
+        qtype = t.qtype
+        if qtype in PACKED_TYPES:
+            out = torch.from_numpy(np.array(t.data, copy=True))  # owned: not the mapped file
+        else:
+            data = t.data
+            if qtype not in (int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16)):
+                from gguf.quants import dequantize as gguf_dequantize
+
+                data = gguf_dequantize(data, GGMLQuantizationType(qtype))
+                self.dequantized.add(f"{name} ({GGMLQuantizationType(qtype).name})")
+            out = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+        suffix = name.split(".", 3)[-1]
+        heads = self.heads.get(suffix) if name.startswith("model.layers.") else None
+        if heads:
+            out = out.index_select(0, unpermute_rows(out.shape[0], heads))
+        if qtype in PACKED_TYPES:
+            setattr(out, TYPE_ATTR, qtype)
+        return out
+
+    def summary(self) -> str:
+        """How many tensors of each ggml type, e.g. 'Q4_1 210, Q8_0 1, F32 61'."""
+        from collections import Counter
+
+        from gguf import GGMLQuantizationType
+
+        counts = Counter(GGMLQuantizationType(t.qtype).name for t in self.tensors.values())
+        return ", ".join(f"{k} {v}" for k, v in counts.most_common())
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self.tensors else default
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def packed_parts(weights: list[torch.Tensor], rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """The packed weight of a (fused) linear layer from its parts' GGUF rows (`weights`: the
+    checkpoint's tensors, carrying their type; `rows`: this rank's rows of each), or None where
+    the parts' types differ (the layer then takes the de-quantized float weight)."""
+    types = {getattr(w, TYPE_ATTR, None) for w in weights}
+    if len(types) != 1 or None in types:
+        return None
+    return typed(torch.cat(rows, 0) if len(rows) > 1 else rows[0], types.pop())
+
+
+def float_rows(weights: list[torch.Tensor], rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parts de-quantized (a fused layer whose parts' GGUF types differ)."""
+    return [dequantize(typed(r, getattr(w, TYPE_ATTR))) if r.dtype == torch.uint8 else r
+            for w, r in zip(weights, rows)]

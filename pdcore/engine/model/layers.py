@@ -22,6 +22,7 @@ from torch import nn
 
 from pdcore.env import ENV, Env
 from pdcore.engine.cpu_features import gemm_layout_setting
+from pdcore.engine.model import gguf_packed
 from pdcore.engine.model.quant import Int8Weight, scale_of
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span, span  # the split rule P and D share
@@ -235,14 +236,15 @@ def weight_layouts(model: nn.Module) -> dict[str, int]:
     """How many of `model`'s GEMM weights sit in each layout: panels, oneDNN's, plain (not
     packed) or int8 (W8A8), counting every linear layer and an lm_head (for logs and
     /metrics)."""
-    out = {"panels": 0, "onednn": 0, "plain": 0, "int8": 0}
+    out = {"panels": 0, "onednn": 0, "plain": 0, "int8": 0, "gguf": 0}
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
     out["int8"] = sum(m.int8 is not None for m in linears)
     packed = [m.packed for m in linears if m.int8 is None]
     if hasattr(model, "lm_head_packed"):
         packed.append(model.lm_head_packed)
     for p in packed:
-        out["plain" if p is None else "panels" if p.layout == torch.strided else "onednn"] += 1
+        out["plain" if p is None else "gguf" if gguf_packed.is_packed(p)
+            else "panels" if p.layout == torch.strided else "onednn"] += 1
     return out
 
 
@@ -273,6 +275,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     stand-in and is only asked for its shape)."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if gguf_packed.is_packed(packed):  # GGUF blocks (gguf_packed.py)
+        return gguf_packed.linear(x, packed, weight.shape[0], bias)
     if packed.layout == torch.strided:  # panels: float32 [P, K, 32], bf16 [P, K/2, 32, 2]
         op = torch.ops.pdcore_native.linear if packed.dim() == 3 \
             else torch.ops.pdcore_native.linear_bf16
@@ -295,10 +299,10 @@ def pack_in_place(weight: nn.Parameter, prefill: bool = True
 
 
 def pack_linears(module: nn.Module) -> None:
-    """Pack the weight of every ColumnLinear/RowLinear under `module` (where available); the
-    packed weight replaces the original."""
+    """Pack the weight of every ColumnLinear/RowLinear under `module` (where available; not
+    those loaded packed from GGUF blocks); the packed weight replaces the original."""
     for m in module.modules():
-        if isinstance(m, (ColumnLinear, RowLinear)) and m.int8 is None:
+        if isinstance(m, (ColumnLinear, RowLinear)) and m.int8 is None and m.packed is None:
             m.weight, m.packed = pack_in_place(m.weight)
 
 
@@ -347,6 +351,12 @@ class ColumnLinear(nn.Module):
             self.int8 = Int8Weight(torch.cat(rows, 0), torch.cat(
                 [scale_of(w)[a : a + n] for w, (a, n) in zip(weights, self.shards)]))
             self.weight = nn.Parameter(self.int8.q, requires_grad=False)
+        elif rows[0].dtype == torch.uint8:  # GGUF blocks (gguf_packed.py): kept packed
+            self.packed = gguf_packed.packed_parts(weights, rows)
+            if self.packed is None:  # parts of different types: de-quantized
+                self.weight.copy_(torch.cat(gguf_packed.float_rows(weights, rows), 0))
+            else:
+                self.weight = nn.Parameter(stand_in(self.weight), requires_grad=False)
         else:
             self.weight.copy_(torch.cat(rows, 0))
         if self.bias is not None and biases is not None:
@@ -377,6 +387,12 @@ class RowLinear(nn.Module):
         if weight.dtype == torch.int8:  # W8A8: each rank's partial sum is dequantized, then reduced
             self.int8 = Int8Weight(weight[:, a : a + n], scale_of(weight))
             self.weight = nn.Parameter(self.int8.q, requires_grad=False)
+        elif weight.dtype == torch.uint8:  # GGUF blocks (gguf_packed.py): whole rows only
+            if self.tp.size != 1:
+                raise ConfigError("GGUF weights served packed are not sharded by input feature "
+                                 "(--tensor-parallel-size 1, or PDCORE_GGUF_PACKED=0)")
+            self.packed = gguf_packed.packed_parts([weight], [weight])
+            self.weight = nn.Parameter(stand_in(self.weight), requires_grad=False)
         else:
             self.weight.copy_(weight[:, a : a + n])
         if self.bias is not None and bias is not None:

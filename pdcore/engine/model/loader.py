@@ -17,12 +17,14 @@ import torch
 
 from pdcore.engine.model import deepseek, llama, mimo, mixtral, qwen_moe
 from pdcore.engine.model.gguf_cache import converted
+from pdcore.engine.model.gguf_packed import GGUFCheckpoint
 from pdcore.engine.model.hf_config import read_plain_config
 from pdcore.engine.model import quant_config
 from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.model.quant import Int8Checkpoint
 from pdcore.engine.model.tokenizer import ResolvedModel, resolve_model
 from pdcore.engine.model.weights import SafetensorsWeights
+from pdcore.env import ENV
 from pdcore.errors import ConfigError, ModelLoadError
 from pdcore.runtime_env import hold_heap, trim_heap
 
@@ -144,6 +146,32 @@ def _quantization(resolved: ResolvedModel, cfg: Any, load_format: str) -> str | 
     return name
 
 
+def _packed_gguf(raw: ResolvedModel, cfg: Any, device: torch.device,
+                 tp: TPInfo | None) -> GGUFCheckpoint | None:
+    """The GGUF file's tensors with the quantized ones kept packed (gguf_packed.py), where
+    PDCORE_GGUF_PACKED is on and this model can take them: a Llama-architecture GGUF on CPU, one
+    TP rank. None: the de-quantized float weights load instead (logged when asked for)."""
+    if raw.gguf_file is None or not ENV.pdcore_gguf_packed:
+        return None
+    why = ""
+    if MODEL_CLASSES[cfg.architectures[0]] is not llama.LlamaForCausalLM:
+        why = f"{cfg.architectures[0]} is not a dense Llama-family model"
+    elif torch.device(device).type != "cpu":
+        why = f"the packed kernels run on CPU, not {device}"
+    elif tp is not None and tp.size != 1:
+        why = "--tensor-parallel-size > 1"
+    if not why:
+        try:
+            sd = GGUFCheckpoint(raw.display_path, cfg)
+        except ValueError as e:
+            why = str(e)
+    if why:
+        log.warning("GGUF weights de-quantized to float at load, not served packed: %s", why)
+        return None
+    log.info("GGUF weights served packed (%s): %s", raw.display_path, sd.summary())
+    return sd
+
+
 def _check_int8_loaded(sd: Int8Checkpoint, resolved: ResolvedModel) -> None:
     """Every int8 weight of the checkpoint went to an int8 linear layer (one read by anything
     else would have been taken as float values)."""
@@ -172,7 +200,9 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
         setattr(cfg, key, value)
     log.info("loading %s (%s) as %s%s", resolved.display_path, cfg.architectures[0], dtype,
              " with random weights (--load-format dummy)" if load_format == "dummy" else "")
-    sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)
+    sd = _packed_gguf(raw, cfg, device, tp) if load_format != "dummy" else None
+    if sd is None:
+        sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)
     if _quantization(resolved, cfg, load_format) == "w8a8_int8":
         sd = Int8Checkpoint(sd)
     model = MODEL_CLASSES[cfg.architectures[0]](cfg, tp)

@@ -111,26 +111,28 @@ _GGUF_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_
 _GGUF_MAX_KEYS = 4096
 
 
+def gguf_skip_value(f, vtype: int) -> None:
+    """Move the open GGUF file `f` past one metadata value of type `vtype`."""
+    if vtype in _GGUF_SIZES:
+        f.seek(_GGUF_SIZES[vtype], os.SEEK_CUR)
+    elif vtype == 8:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(n, os.SEEK_CUR)
+    elif vtype == 9:
+        item, count = struct.unpack("<IQ", f.read(12))
+        if item in _GGUF_SIZES:
+            f.seek(count * _GGUF_SIZES[item], os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                gguf_skip_value(f, item)
+    else:
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+
 def gguf_file_type(path: str) -> str:
     """`general.file_type` of a GGUF header as llama.cpp names it (Q4_1, ...), read without
     mapping the file (the metadata before it is skipped value by value); 'unknown' when the
     header has none."""
-
-    def skip(f, vtype: int) -> None:
-        if vtype in _GGUF_SIZES:
-            f.seek(_GGUF_SIZES[vtype], os.SEEK_CUR)
-        elif vtype == 8:
-            (n,) = struct.unpack("<Q", f.read(8))
-            f.seek(n, os.SEEK_CUR)
-        elif vtype == 9:
-            item, count = struct.unpack("<IQ", f.read(12))
-            if item in _GGUF_SIZES:
-                f.seek(count * _GGUF_SIZES[item], os.SEEK_CUR)
-            else:
-                for _ in range(count):
-                    skip(f, item)
-        else:
-            raise ValueError(f"unknown GGUF value type {vtype}")
 
     try:
         with open(path, "rb") as f:
@@ -145,7 +147,7 @@ def gguf_file_type(path: str) -> str:
                 if key == "general.file_type" and vtype in (4, 5):
                     code = struct.unpack("<I", f.read(4))[0]
                     return _GGUF_FILE_TYPES.get(code, f"type {code}")
-                skip(f, vtype)
+                gguf_skip_value(f, vtype)
     except (OSError, struct.error, ValueError):
         pass
     return "unknown"
