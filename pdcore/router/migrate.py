@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 
 from pdcore.router.upstream import Deadline, DecodeLeg, UpstreamClients, record, worker_outcome
+from pdcore.router.workers import Worker
 
 log = logging.getLogger("pdcore.router.migrate")
 
@@ -152,18 +153,60 @@ def error_event(message: str, code: str = "decode_stream_error") -> bytes:
         b"\n\n"
 
 
+class Prober:
+    """Whether a decode server lives: its /health answers at all within `probe_s` (503 while it
+    drains: it still streams what it holds). One probe per worker at a time, its answer shared
+    by every request that waits on it for `stall_s / 2`."""
+
+    def __init__(self, clients: UpstreamClients, *, stall_s: float, probe_s: float) -> None:
+        self._clients = clients
+        self.stall_s, self.probe_s = stall_s, probe_s
+        self._last: dict[str, tuple[float, asyncio.Task[bool]]] = {}
+
+    async def alive(self, worker: Worker) -> bool:
+        now = asyncio.get_running_loop().time()
+        last = self._last.get(worker.url)
+        if last is None or (last[1].done() and now - last[0] > self.stall_s / 2):
+            last = (now, asyncio.get_running_loop().create_task(self._probe(worker)))
+            self._last[worker.url] = last
+        return await asyncio.shield(last[1])
+
+    async def _probe(self, worker: Worker) -> bool:
+        try:
+            await self._clients.get(worker).get(worker.url + "/health", timeout=self.probe_s)
+        except httpx.HTTPError:
+            return False
+        return True  # any answer: the process runs (a frozen one answers nothing)
+
+    async def frozen(self, worker: Worker) -> None:
+        """Returns once the worker stops answering (a request waiting on it before commit:
+        the proxy then retries the whole request elsewhere)."""
+        while True:
+            await asyncio.sleep(self.stall_s)
+            if not await self.alive(worker):
+                log.warning("decode worker %s gives no /health answer within %g s: frozen",
+                            worker.url, self.probe_s)
+                out_of_rotation(worker)
+                return
+
+
+def out_of_rotation(worker: Worker) -> None:
+    """Until its /health is 200 again (the health checks bring it back)."""
+    worker.healthy = False
+    worker.health_successes = 0
+
+
 class Migration:
     """One migratable stream: forwards its legs' events and moves it when a leg breaks."""
 
-    def __init__(self, resume: Resume, clients: UpstreamClients, metrics: Any, deadline: Deadline,
-                 *, max_moves: int, stall_s: float, probe_s: float) -> None:
+    def __init__(self, resume: Resume, prober: Prober, metrics: Any, deadline: Deadline,
+                 *, max_moves: int) -> None:
         self._resume = resume
-        self._clients = clients
+        self._prober = prober
         self._metrics = metrics
         self._deadline = deadline
         self._max_moves = max_moves
-        self._stall_s = stall_s
-        self._probe_s = probe_s
+        self._stall_s = prober.stall_s
         self.leg: DecodeLeg | None = None
         self.cursor = StreamCursor()
         self.moves = 0
@@ -230,8 +273,7 @@ class Migration:
         if w.healthy:
             log.warning("decode worker %s lost a stream (%s): out of rotation until its /health "
                         "is 200", w.url, type(exc).__name__)
-        w.healthy = False
-        w.health_successes = 0
+        out_of_rotation(w)
 
     async def _chunks(self, leg: DecodeLeg) -> AsyncIterator[bytes]:
         """The leg's bytes; Broken when it stalls and its server does not answer /health."""
@@ -246,9 +288,9 @@ class Migration:
                             break
                         if self._deadline.left() <= 0:
                             raise Broken("deadline", "request deadline passed while streaming")
-                        if not await self._alive(leg):
+                        if not await self._prober.alive(leg.worker):
                             raise Broken("stalled", f"no byte for {self._stall_s:g} s and no "
-                                         f"/health answer within {self._probe_s:g} s")
+                                         f"/health answer within {self._prober.probe_s:g} s")
                 finally:
                     if not nxt.done():
                         nxt.cancel()
@@ -259,15 +301,6 @@ class Migration:
                 yield chunk
         finally:
             await it.aclose()
-
-    async def _alive(self, leg: DecodeLeg) -> bool:
-        """D answers /health (200, or 503 while it drains: it still streams what it holds)."""
-        try:
-            r = await self._clients.get(leg.worker).get(leg.worker.url + "/health",
-                                                        timeout=self._probe_s)
-        except httpx.HTTPError:
-            return False
-        return r.status_code in (200, 503)
 
 
 def _message_of(body: bytes) -> str:

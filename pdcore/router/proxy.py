@@ -58,7 +58,7 @@ from pdcore.router.merge import (
     wants_logprobs,
 )
 from pdcore.router.metrics import RouterMetrics, error_code
-from pdcore.router.migrate import LEG_ONLY, Migration, migratable
+from pdcore.router.migrate import LEG_ONLY, Migration, Prober, migratable
 from pdcore.router.policies import DPRanks, Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
@@ -227,6 +227,8 @@ class Proxy:
         self.before_decode: Callable[[Worker], Awaitable[object]] | None = None
         self._dp = DPRanks(config.prefill_round_robin_balance)
         self._background: set[asyncio.Task[PrefillResult]] = set()
+        self._prober = Prober(clients, stall_s=config.migration_stall_secs,
+                              probe_s=config.health_check_timeout_secs)
 
     def select_pair(self, text: str) -> tuple[Worker, Worker] | str:
         """A (P, D) pair, or the reason there is none."""
@@ -295,9 +297,8 @@ class Proxy:
                                        text, headers=headers, deadline=deadline,
                                        request_id=request_id, gone=gone, migration=LEG_ONLY)
             return out if isinstance(out, DecodeLeg) else bytes(out.body)
-        cfg = self._cfg
-        return Migration(resume, self._clients, self._metrics, deadline, max_moves=cfg.migration_max,
-                         stall_s=cfg.migration_stall_secs, probe_s=cfg.health_check_timeout_secs)
+        return Migration(resume, self._prober, self._metrics, deadline,
+                         max_moves=self._cfg.migration_max)
 
     async def _attempts(
         self, route: str, body: dict, n: int | None, stream: bool, logprobs: bool, text: str,
@@ -355,9 +356,13 @@ class Proxy:
             leg.open(self._clients.get(d), d.url + route, content, headers, deadline, first_only=stream)
         )
         committed = False
+        frozen = loop.create_task(self._prober.frozen(d))  # D stops answering: retry elsewhere
         try:
-            pending: set[asyncio.Task[object]] = {p_task, d_task, gone}  # type: ignore[arg-type]
+            pending: set[asyncio.Task[object]] = {p_task, d_task, gone, frozen}  # type: ignore
             while True:
+                if frozen.done():
+                    return Failure(502, "decode_frozen", f"decode worker {d.url} stopped "
+                                   "answering (its /health too)", retriable=True)
                 if gone.done():  # the finally below cancels both legs: P and D free the room
                     self._metrics.worker_error("client", "disconnect")
                     log.info("client went away before the response started; aborting both legs")
@@ -433,6 +438,7 @@ class Proxy:
                         f"({self._cfg.request_timeout_secs:g} s)", retriable=False)
             committed = True
         finally:
+            frozen.cancel()
             if not committed:
                 for task in (p_task, d_task):
                     task.cancel()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -188,6 +189,36 @@ def test_migration_sigstop_decode_mid_stream_chat(pd2x2):
     assert [got[-2]["usage"][k] for k in usage] == [ref[-2]["usage"][k] for k in usage]
     assert _migrations(c, "stalled") == before + 1
     c.wait_pages_free(60)  # the thawed server saw its client go and freed the request
+
+
+def test_frozen_decode_before_the_answer_is_retried_whole(pd2x2):
+    """A request not streamed has sent its client nothing: when its decode server freezes
+    (SIGSTOP) before answering, the router sees /health unanswered after
+    --migration-stall-secs and runs the whole request on the other pair."""
+    c = pd2x2
+    _wait_rotation(c)
+    body = {"input_ids": list(range(9, 50)),
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+    ref = httpx.post(c.url + "/generate", json=body, timeout=120).json()
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(
+        httpx.post(c.url + "/generate", json=body, timeout=120)))
+    t.start()
+    frozen = None
+    try:
+        deadline = time.monotonic() + 30
+        while frozen is None and time.monotonic() < deadline:
+            workers = httpx.get(c.url + "/workers", timeout=5).json()["workers"]
+            if any(w["worker_type"] == "decode" and w["in_flight"] for w in workers):
+                frozen = _freeze_serving_decode(c)
+        t.join(60)
+    finally:
+        if frozen is not None:
+            os.killpg(frozen.proc.pid, signal.SIGCONT)
+    assert frozen is not None and out, "the request was not caught in flight"
+    assert out[0].status_code == 200, out[0].text
+    assert out[0].json()["output_ids"] == ref["output_ids"]
+    c.wait_pages_free(60)
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0},
