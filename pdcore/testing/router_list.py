@@ -2,11 +2,13 @@
 to the next when one does not answer: the client-side way to put routers behind one address
 (docs/router.md, Several routers), for tests and benches.
 
-`RouterList(urls).generate(body)`: POST /generate to the first router that takes it. A request
-whose router could not be reached, or whose connection broke before the whole answer came (the
-router died under it), goes to the next router, from the start (a greedy request answers the
-same text; a stream is read again from its first token, and only the last try's text counts).
-An HTTP answer, error or not, is the answer: another router would route it to the same servers.
+`RouterList(urls).generate(http, body)`: POST /generate to the first router that takes it. A
+request whose router could not be reached, whose connection broke before the whole answer came
+(the router died under it), or that went `stall_s` without a byte (a frozen router: its kernel
+still accepts connections) goes to the next router, from the start (a greedy request answers
+the same text; a stream is read again from its first token, and only the last try's text
+counts). An HTTP answer, error or not, is the answer: another router would route it to the
+same servers. When every router failed so: the last failure's name ("hung" for a stall).
 """
 
 from __future__ import annotations
@@ -27,29 +29,33 @@ class Outcome:
 
 
 class RouterList:
-    def __init__(self, urls: list[str], timeout: float = 120.0) -> None:
+    def __init__(self, urls: list[str], timeout: float = 120.0,
+                 stall_s: float | None = None) -> None:
         if not urls:
             raise ValueError("give at least one router URL")
         self.urls = list(urls)
-        self.timeout = timeout
+        # `timeout` bounds each wait; `stall_s` (default: the same) a wait for the next bytes
+        self.timeout = httpx.Timeout(timeout, connect=min(5.0, timeout),
+                                     read=stall_s or timeout)
 
     def generate(self, http: httpx.Client, body: dict[str, Any]) -> Outcome:
         last: tuple[str, str] = ("", "")
-        for k, url in enumerate(self.urls):
+        for url in self.urls:
             try:
                 status, text = (_stream if body.get("stream") else _plain)(
                     http, url + "/generate", body, self.timeout)
-            except httpx.TimeoutException as e:  # a hung router: the answer, not a fall-over
-                return Outcome("hung", str(e), url, k)
+            except httpx.TimeoutException as e:  # frozen or unreachable: the next one
+                last = ("hung", f"{url}: {type(e).__name__} {e}")
+                continue
             except httpx.TransportError as e:  # refused, reset, closed mid-answer: next one
                 last = (type(e).__name__, f"{url}: {e}")
                 continue
-            return Outcome(status, text, url, k)
+            return Outcome(status, text, url, self.urls.index(url))
         return Outcome(last[0], last[1], "", len(self.urls))
 
 
 def _plain(http: httpx.Client, url: str, body: dict[str, Any],
-           timeout: float) -> tuple[int | str, str]:
+           timeout: httpx.Timeout) -> tuple[int | str, str]:
     r = http.post(url, json=body, timeout=timeout)
     if r.status_code != 200:
         return r.status_code, r.text[:300]
@@ -57,7 +63,7 @@ def _plain(http: httpx.Client, url: str, body: dict[str, Any],
 
 
 def _stream(http: httpx.Client, url: str, body: dict[str, Any],
-            timeout: float) -> tuple[int | str, str]:
+            timeout: httpx.Timeout) -> tuple[int | str, str]:
     with http.stream("POST", url, json=body, timeout=timeout) as r:
         if r.status_code != 200:
             return r.status_code, r.read().decode(errors="replace")[:300]

@@ -143,3 +143,30 @@ def test_peer_routers_flag() -> None:
     with pytest.raises(ConfigError, match="drop --peer-routers"):
         parse_router_args(["--service-discovery", "--prefill-selector", "r=p",
                            "--decode-selector", "r=d", "--peer-routers", "http://127.0.0.1:3"])
+
+
+def test_a_client_side_list_leaves_a_router_that_is_down_or_frozen(fleet) -> None:
+    """pdcore.testing.router_list: a refused connection and a router that accepts but sends
+    nothing (SIGSTOPped: its kernel still accepts) both send the request to the next router;
+    an HTTP answer is final; no router at all is the last failure's name."""
+    import socket
+
+    from pdcore.testing.router_list import RouterList
+
+    _, (a, _b), ports = fleet
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)  # never accepts: connects complete, no byte ever comes
+    stuck, down = f"http://127.0.0.1:{frozen.getsockname()[1]}", f"http://127.0.0.1:{ports[2]}"
+    try:
+        with httpx.Client() as http:
+            for stream in (False, True):
+                got = RouterList([down, stuck, a.url], timeout=10, stall_s=0.5).generate(
+                    http, {**BODY, "stream": stream})
+                assert (got.status, got.router, got.fell_over) == (200, a.url, 2), got
+            none = RouterList([down, stuck], timeout=10, stall_s=0.5).generate(http, BODY)
+            assert none.status == "hung" and none.router == "" and none.fell_over == 2, none
+            bad = RouterList([a.url, down]).generate(http, {"text": 1})
+            assert bad.status == 400 and bad.router == a.url and bad.fell_over == 0, bad
+    finally:
+        frozen.close()
