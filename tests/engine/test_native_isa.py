@@ -20,6 +20,7 @@ import torch
 from pdcore.engine import native
 
 NATIVE_TESTS = Path(__file__).with_name("test_native.py")
+SAMPLER_TESTS = Path(__file__).with_name("test_sampler_native.py")
 # /proc/cpuinfo's flags line of an AMD Zen 2 (AVX2 and FMA, no AVX-512)
 ZEN2_FLAGS = "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2\n"
 
@@ -44,15 +45,16 @@ def _child(**env: str) -> dict:
 
 @pytest.mark.parametrize("isa", list(native.ISAS))
 def test_the_native_tests_on_every_isa(isa: str) -> None:
-    """Each ISA's library passes test_native.py: the ISA a plain run loads there, every other
-    one the CPU has in a child with PDCORE_NATIVE_ISA set."""
+    """Each ISA's library passes test_native.py and test_sampler_native.py: the ISA a plain run
+    loads there, every other one the CPU has in a child with PDCORE_NATIVE_ISA set."""
     if not native._cpu_has(isa):
         pytest.skip(f"this CPU lacks {isa} ({'/'.join(native.ISAS[isa][1])})")
     if native.choose_isa()[0] == isa:
         pytest.skip(f"{isa} is what test_native.py loads in a plain run")
     env = {**os.environ, native.ISA_ENV: isa}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-p", "no:xdist", str(NATIVE_TESTS)], env=env, capture_output=True, text=True,
+                        "-p", "no:xdist", str(NATIVE_TESTS), str(SAMPLER_TESTS)],
+                       env=env, capture_output=True, text=True,
                        timeout=900, check=False, cwd=NATIVE_TESTS.parent)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 

@@ -1,11 +1,16 @@
 """The batched sampler (#47 item 1): every non-greedy row filtered and drawn in one pass. It must
 give the distribution the per-row sampler gave (written out below as the reference), keep a
-seeded request's tokens whatever its batch, and keep one bad row from failing the others."""
+seeded request's tokens whatever its batch, and keep one bad row from failing the others. The
+torch path is tested here; the native pass against the same reference in test_sampler_native.py,
+and sample() through both."""
 
 from __future__ import annotations
 
 import torch
 
+import pytest
+
+from pdcore.engine.sched import sampler_native
 from pdcore.engine.sched.sampler import SampleState, draw, processed_probs, sample
 from pdcore.messages.io import SamplingParams
 from pdcore.testing.sampling_ref import reference_probs
@@ -49,6 +54,16 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero() -> None:
     assert edge[0] == int(probs[0].nonzero()[0]) and edge[2] == int(probs[0].nonzero()[-1])
 
 
+@pytest.fixture(params=["native", "torch"])
+def path(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """sample() through the native pass (where built) and through the torch path."""
+    if request.param == "native" and sampler_native.op() is None:
+        pytest.skip("native kernels unavailable here")
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_native, "op", lambda: None)
+    return request.param
+
+
 def _run(states: list[SampleState], rows: torch.Tensor, steps: int) -> list[list[int | None]]:
     out: list[list[int | None]] = [[] for _ in states]
     for s in range(steps):
@@ -58,7 +73,7 @@ def _run(states: list[SampleState], rows: torch.Tensor, steps: int) -> list[list
     return out
 
 
-def test_a_seeded_request_draws_the_same_tokens_in_any_batch() -> None:
+def test_a_seeded_request_draws_the_same_tokens_in_any_batch(path: str) -> None:
     g = torch.Generator().manual_seed(2)
     steps = 30
     mine = torch.randn(steps, V, generator=g) * 3
@@ -72,7 +87,7 @@ def test_a_seeded_request_draws_the_same_tokens_in_any_batch() -> None:
         assert _run(states, others, steps)[pos] == alone
 
 
-def test_one_row_with_no_finite_token_fails_alone() -> None:
+def test_one_row_with_no_finite_token_fails_alone(path: str) -> None:
     vocab = 64
     bias = {t: -float("inf") for t in range(vocab)}
     states = [SampleState.create(SamplingParams(temperature=1.0, seed=5), [1]),

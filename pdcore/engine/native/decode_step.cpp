@@ -1,6 +1,7 @@
 // The engine's native kernels (see native/__init__.py), one translation unit: float32 and bf16
 // GEMMs over weight panels (gemm.h), decode attention over the decode K/V view (attention.h),
-// the fused rotary + K/V stores and bf16 silu * up (elementwise.h), and here the Llama-family
+// the fused rotary + K/V stores and bf16 silu * up (elementwise.h), token sampling
+// (sampler.h), and here the Llama-family
 // decode layer loop and the operators' registration. The loop calls the same operators (these
 // kernels included), in the same order and on the same tensors, as the Python loop in
 // models/llama.py for a decode-only step through the view, so the result is the same to the
@@ -9,6 +10,7 @@
 #include "common.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "sampler.h"
 
 namespace {
 
@@ -110,4 +112,8 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.impl("rope_store", c10::DispatchKey::CompositeExplicitAutograd, &rope_store);
   m.def("silu_mul(Tensor gate_up, int inter) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CompositeExplicitAutograd, &silu_mul);
+  m.def("sample_rows(Tensor logits, Tensor knobs, Tensor mask_rows, Tensor bitmask, "
+        "Tensor edit_ptr, Tensor edit_tok, Tensor edit_kind, Tensor edit_val, "
+        "Tensor(a!)? probs) -> Tensor");
+  m.impl("sample_rows", c10::DispatchKey::CompositeExplicitAutograd, &sample_rows);
 }

@@ -36,6 +36,7 @@ inline V16 vmaskz(M16 m, V16 a) { return {_mm512_maskz_mov_ps(m, a.v)}; }
 inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 vdiv(V16 a, V16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline V16 vmin(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }
 inline V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -115,6 +116,7 @@ inline V16 vmaskz(M16 m, V16 a) {
 PD_V2(vadd, _mm256_add_ps)
 PD_V2(vsub, _mm256_sub_ps)
 PD_V2(vmul, _mm256_mul_ps)
+PD_V2(vdiv, _mm256_div_ps)
 PD_V2(vmax, _mm256_max_ps)
 PD_V2(vmin, _mm256_min_ps)
 #undef PD_V2

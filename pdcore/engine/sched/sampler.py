@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcore.messages.io import LogprobEntry, SamplingParams
+from pdcore.engine.sched import sampler_native
+from pdcore.engine.sched.sampler_native import Edits
 from pdcore.errors import InvalidRequestError
+from pdcore.messages.io import LogprobEntry, SamplingParams
 
 if TYPE_CHECKING:
     from pdcore.constrained.backend import Constraint, GrammarBackend
@@ -38,6 +40,8 @@ class SampleState:
     constraint: Constraint | None = None
     unmatched: list[int] = field(default_factory=list)
     grammar_done: bool = False  # the grammar accepted a stop token: the output is complete
+    # the penalties' and bias's tokens as arrays for the native pass (None: no edits)
+    edits: Edits | None = None
 
     @classmethod
     def create(cls, params: SamplingParams, prompt: list[int],
@@ -61,6 +65,10 @@ class SampleState:
         if params.min_new_tokens > 0:
             ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
             st.banned = sorted(ids) or None
+        if st.seen is not None or st.counts is not None or params.logit_bias:
+            st.edits = Edits(st.seen, params.logit_bias)
+            if st.counts is not None:
+                st.edits.track_counts()
         for token in prompt[len(prompt) - resumed:] if resumed > 0 else ():
             st.observe(token)
         return st
@@ -78,8 +86,11 @@ class SampleState:
             self.banned = None  # back on the fast path
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
+        new = self.seen is not None and token not in self.seen
         if self.seen is not None:
             self.seen.add(token)
+        if self.edits is not None:
+            self.edits.observe(token, new)
 
     @property
     def plain_greedy(self) -> bool:
@@ -273,17 +284,30 @@ def probs_for(row: torch.Tensor, st: SampleState) -> torch.Tensor:
 
 
 def sample_one(row: torch.Tensor, st: SampleState) -> int:
-    """The token plain decoding picks from one row: the argmax when greedy, else one draw."""
+    """The token plain decoding picks from one row: the argmax when greedy, else one draw
+    (natively where the kernels are built, as plain decoding draws)."""
     if st.params.greedy:
         return int(row.argmax())
-    token = draw(probs_for(row, st).unsqueeze(0), uniforms([st]))[0]
+    o = sampler_native.op()
+    if o is not None:
+        t = sampler_native.run(o, row.unsqueeze(0), [_unedited(st)], uniforms([st]))[0]
+        token = None if t < 0 else t
+    else:
+        token = draw(probs_for(row, st).unsqueeze(0), uniforms([st]))[0]
     if token is None:
         raise InvalidRequestError("no token has a finite score after this request's logit_bias, "
                                   "penalties and bans", "logit_bias")
     return token
 
 
+def _unedited(st: SampleState) -> SampleState:
+    """st's knobs without its edits (speculative verify's rows are sampled as given)."""
+    return SampleState(st.params) if st.edits is not None or st.banned else st
+
+
 RowError = tuple[str, int]  # (message, HTTP status) of one request that could not be served
+NO_FINITE = ("sampling failed: no token has a finite score after this request's logit_bias, "
+             "penalties and bans")
 
 
 def row_error(e: Exception, what: str) -> RowError:
@@ -357,10 +381,55 @@ def _sample_batch(logits: torch.Tensor, states: list[SampleState],
     picked = draw(probs, uniforms(sts))
     for j, t in zip(drawn, picked, strict=True):
         if t is None:  # every token at -inf (a bias or ban on the whole vocabulary): this row
-            errors[live[j]] = ("sampling failed: no token has a finite score after this "
-                               "request's logit_bias, penalties and bans", 400)
+            errors[live[j]] = (NO_FINITE, 400)
         else:
             tokens[live[j]] = t
+
+
+def _native_batch(o, logits: torch.Tensor, states: list[SampleState],
+                  grammar: GrammarBackend | None, tokens: list[int | None],
+                  errors: list[RowError | None]) -> bool:
+    """Every row in one native call (sampler_native); False where it cannot take this batch
+    (a grammar bitmask narrower than the logits: the torch path runs instead)."""
+    n, v = logits.shape
+    constrained = []
+    for i, st in enumerate(states):
+        if st.params.grammar is not None:
+            try:
+                st.ensure_constraint(grammar)
+                constrained.append(i)
+            except Exception as e:  # noqa: BLE001 - a grammar that does not compile is one row's
+                errors[i] = row_error(e, "grammar")
+    try:
+        bitmask, mask_rows = sampler_native.bitmask_for(states, constrained, grammar, v)
+    except ValueError:
+        return False
+    for i, st in enumerate(states):  # what the HTTP edge checks, for in-process callers
+        bad = [t for t in (*st.params.logit_bias, *(st.banned or ())) if not 0 <= t < v]
+        if bad and errors[i] is None:
+            errors[i] = (f"token id {bad[0]} (logit_bias or stop_token_ids) is outside the "
+                         f"vocabulary [0, {v})", 400)
+    live = [i for i in range(n) if errors[i] is None]
+    if not live:
+        return True
+    sts = [states[i] for i in live]
+    us = torch.zeros(len(live), dtype=torch.float64)
+    drawn = [j for j, st in enumerate(sts) if not st.params.greedy]
+    if drawn:
+        us[drawn] = uniforms([sts[j] for j in drawn]).to(torch.float64)
+    rows = logits if len(live) == n else logits[live]
+    picked = sampler_native.run(o, rows, sts, us, bitmask=bitmask,
+                                  mask_rows=[mask_rows[i] for i in live])
+    for i, t in zip(live, picked, strict=True):
+        if t >= 0:
+            tokens[i] = t
+        elif states[i].params.grammar is not None:
+            errors[i] = row_error(InvalidRequestError(
+                "no token satisfies the grammar together with logit_bias and min_new_tokens",
+                states[i].params.grammar.field), "sampling")  # type: ignore[union-attr]
+        else:
+            errors[i] = (NO_FINITE, 400)
+    return True
 
 
 def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[int | None],
@@ -376,8 +445,10 @@ def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[
     if all(st.plain_greedy for st in states):
         tokens = list(torch.argmax(logits, -1).tolist())
     else:
-        masked = _grammar_rows(logits, states, grammar, errors)
-        _sample_batch(logits, states, masked, tokens, errors)
+        o = sampler_native.op()
+        if o is None or not _native_batch(o, logits, states, grammar, tokens, errors):
+            masked = _grammar_rows(logits, states, grammar, errors)
+            _sample_batch(logits, states, masked, tokens, errors)
     entries: list[LogprobEntry | None] = [None] * n
     wanted = [i for i, w in enumerate(want_logprobs) if w is not None and errors[i] is None]
     if wanted:
