@@ -155,3 +155,26 @@ def test_bad_rows_fail_alone(op) -> None:
     assert toks[1] is None and errs[1][1] == 400 and toks[2] is None and errs[2][1] == 400
     assert toks[3] is None and errs[3] == ("token id 99 (logit_bias or stop_token_ids) is "
                                            "outside the vocabulary [0, 64)", 400)
+
+
+def test_logprobs_come_from_the_native_pass(op, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row's log-sum-exp is the sampling pass's own where the row is sampled as it is
+    (temperature 1), a separate reduction otherwise; logprobs are log_softmax's either way."""
+    vocab = 5000
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, vocab, generator=g) * 4
+    knobs = [dict(temperature=1.0), dict(temperature=0.5, top_p=0.9),
+             dict(temperature=1.0, logit_bias={3: 5.0}), dict(temperature=0.0)]
+    states = _states(knobs)
+    states[3] = SampleState.create(SamplingParams(temperature=0.0, repetition_penalty=1.2), [4])
+    calls = []
+    real = torch.log_softmax
+    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    toks, entries, errs = sample(logits, states, [0, 3, 2, 1])
+    assert not calls and all(e is None for e in errs)
+    lp = real(logits, -1)
+    for i, (value, tok, top) in enumerate(entries):
+        assert tok == toks[i] and abs(value - float(lp[i, tok])) < 1e-5, i
+        want = torch.topk(lp[i], [0, 3, 2, 1][i])
+        assert [t for _, t in top or []] == want.indices.tolist()
+        assert all(abs(a - b) < 1e-5 for (a, _), b in zip(top or [], want.values.tolist()))

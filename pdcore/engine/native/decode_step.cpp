@@ -114,6 +114,6 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.impl("silu_mul", c10::DispatchKey::CompositeExplicitAutograd, &silu_mul);
   m.def("sample_rows(Tensor logits, Tensor knobs, Tensor mask_rows, Tensor bitmask, "
         "Tensor edit_ptr, Tensor edit_tok, Tensor edit_kind, Tensor edit_val, "
-        "Tensor(a!)? probs) -> Tensor");
+        "Tensor(a!)? probs, Tensor(b!)? lse) -> Tensor");
   m.impl("sample_rows", c10::DispatchKey::CompositeExplicitAutograd, &sample_rows);
 }

@@ -122,10 +122,31 @@ void edited_row(const float* x, int64_t V, const int32_t* words, const int64_t* 
   }
 }
 
-// One row: the token (-1: no finite positive mass), and with `probs` the kept probabilities.
+// log(sum(exp(x))) of a raw row (the model's distribution, which logprobs report), in float64
+double raw_lse(const float* x, int64_t V) {
+  const float NEG = -std::numeric_limits<float>::infinity();
+  V16 vm = vset1(NEG);
+  for (int64_t i = 0; i < V; i += 16) vm = vmax(vm, load_tail(x + i, V - i, NEG));
+  const float m = vreduce_max(vm);
+  if (!(m > NEG) || !std::isfinite(m)) return m;
+  const V16 vmx = vset1(m);
+  double z = 0;
+  for (int64_t b = 0; b < V; b += DRAW_BLOCK_TOKENS) {
+    V16 acc = vzero();
+    const int64_t end = std::min(V, b + DRAW_BLOCK_TOKENS);
+    for (int64_t i = b; i < end; i += 16)
+      acc = vadd(acc, exp_to_tiny(vsub(load_tail(x + i, V - i, NEG), vmx)));
+    z += vreduce_add(acc);
+  }
+  return m + std::log(z);
+}
+
+// One row: the token (-1: no finite positive mass); with `probs` the kept probabilities, with
+// `lse` the raw row's log-sum-exp (from the sampling pass itself where the row is sampled
+// as it is: temperature 1, no top-k, no edits).
 int64_t sample_row(const float* x, int64_t V, const double* kn, const int32_t* words,
                    const int64_t* tok, const int32_t* kind, const float* val, int64_t ne,
-                   float* probs) {
+                   float* probs, double* lse) {
   const float NEG = -std::numeric_limits<float>::infinity();
   const float INF = std::numeric_limits<float>::infinity();
   const float TINY = std::numeric_limits<float>::min();
@@ -157,13 +178,15 @@ int64_t sample_row(const float* x, int64_t V, const double* kn, const int32_t* w
   const float ms = vreduce_max(vm);
   if (!(ms > NEG) || (bad && !greedy)) return -1;
   const float* s = scale ? buf : src;
+  const int64_t k = static_cast<int64_t>(kn[K_TOPK]);
+  const bool as_is = !greedy && !scale && src == x && k == 0;
+  if (lse != nullptr && !as_is) *lse = raw_lse(x, V);
   if (greedy) {  // the first token at the maximum (torch.argmax's choice)
     for (int64_t i = 0; i < V; ++i)
       if (s[i] == ms) return i;
     return -1;
   }
   // top-k: the k-th largest scaled logit, from a histogram of order keys and one bin's values
-  const int64_t k = static_cast<int64_t>(kn[K_TOPK]);
   float kth = NEG;
   if (k > 0 && k < V) {
     S.bins.assign(size_t{1} << (32 - KTH_SHIFT), 0u);
@@ -216,6 +239,7 @@ int64_t sample_row(const float* x, int64_t V, const double* kn, const int32_t* w
     S.blocks[blk] = vreduce_add(bacc);
   }
   if (!(Z > 0) || !std::isfinite(Z)) return -1;
+  if (lse != nullptr && as_is) *lse = ms + std::log(Z);
   const float inv_z = static_cast<float>(1.0 / Z);
   // the kept tokens: p = w / Z >= FLT_MIN and (w > w_cut or w == w_cut and id <= id_cut)
   float w_cut = 0;
@@ -296,11 +320,12 @@ int64_t sample_row(const float* x, int64_t V, const double* kn, const int32_t* w
 // logits [R, V] float32 (rows contiguous); knobs [R, K_COLS] float64; mask_rows [R] int64
 // (the row of `bitmask` [M, words] int32 a row reads, -1 none); edits as CSR: edit_ptr [R + 1]
 // int64 into edit_tok int64 / edit_kind int32 / edit_val float32. probs [R, V] float32 (tests):
-// each row's kept probabilities. Returns the tokens [R] int64 (-1: nothing to draw).
+// each row's kept probabilities; lse [R] float64: each raw row's log-sum-exp (logprobs).
+// Returns the tokens [R] int64 (-1: nothing to draw).
 Tensor sample_rows(const Tensor& logits, const Tensor& knobs, const Tensor& mask_rows,
                    const Tensor& bitmask, const Tensor& edit_ptr, const Tensor& edit_tok,
                    const Tensor& edit_kind, const Tensor& edit_val,
-                   const std::optional<Tensor>& probs) {
+                   const std::optional<Tensor>& probs, const std::optional<Tensor>& lse) {
   TORCH_CHECK(isa_supported(), "sample_rows: this CPU lacks the library's ISA");
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "sample_rows: logits must be float32 [R, V] with contiguous rows");
@@ -347,6 +372,12 @@ Tensor sample_rows(const Tensor& logits, const Tensor& knobs, const Tensor& mask
                 "sample_rows: probs must be float32 [R, V], contiguous");
     pp = probs->data_ptr<float>();
   }
+  double* lsp = nullptr;
+  if (lse.has_value() && lse->defined()) {
+    TORCH_CHECK(lse->scalar_type() == at::kDouble && lse->is_contiguous() && lse->numel() == R,
+                "sample_rows: lse must be float64 [R]");
+    lsp = lse->data_ptr<double>();
+  }
   Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const float* lp = logits.data_ptr<float>();
@@ -360,7 +391,8 @@ Tensor sample_rows(const Tensor& logits, const Tensor& knobs, const Tensor& mask
       const int64_t e0 = epp[r];
       op[r] = sample_row(lp + r * ls, V, kp + r * K_COLS,
                          mrp[r] >= 0 ? bmp + mrp[r] * words : nullptr, etp + e0, ekp + e0,
-                         evp + e0, epp[r + 1] - e0, pp == nullptr ? nullptr : pp + r * V);
+                         evp + e0, epp[r + 1] - e0, pp == nullptr ? nullptr : pp + r * V,
+                         lsp == nullptr ? nullptr : lsp + r);
     }
   });
   return out;

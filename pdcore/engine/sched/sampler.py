@@ -388,9 +388,10 @@ def _sample_batch(logits: torch.Tensor, states: list[SampleState],
 
 def _native_batch(o, logits: torch.Tensor, states: list[SampleState],
                   grammar: GrammarBackend | None, tokens: list[int | None],
-                  errors: list[RowError | None]) -> bool:
+                  errors: list[RowError | None], *, lse: list[float] | None) -> bool:
     """Every row in one native call (sampler_native); False where it cannot take this batch
-    (a grammar bitmask narrower than the logits: the torch path runs instead)."""
+    (a grammar bitmask narrower than the logits: the torch path runs instead). With `lse`,
+    each sampled row's raw log-sum-exp comes back in it (logprobs from the same pass)."""
     n, v = logits.shape
     constrained = []
     for i, st in enumerate(states):
@@ -418,8 +419,13 @@ def _native_batch(o, logits: torch.Tensor, states: list[SampleState],
     if drawn:
         us[drawn] = uniforms([sts[j] for j in drawn]).to(torch.float64)
     rows = logits if len(live) == n else logits[live]
+    out = torch.full((len(live),), float("nan"), dtype=torch.float64) if lse is not None \
+        else None
     picked = sampler_native.run(o, rows, sts, us, bitmask=bitmask,
-                                  mask_rows=[mask_rows[i] for i in live])
+                                  mask_rows=[mask_rows[i] for i in live], lse=out)
+    if lse is not None:
+        for i, x in zip(live, out.tolist(), strict=True):  # type: ignore[union-attr]
+            lse[i] = x
     for i, t in zip(live, picked, strict=True):
         if t >= 0:
             tokens[i] = t
@@ -442,21 +448,25 @@ def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[
     n = len(states)
     tokens: list[int | None] = [None] * n
     errors: list[RowError | None] = [None] * n
+    lse: list[float] | None = None
     if all(st.plain_greedy for st in states):
         tokens = list(torch.argmax(logits, -1).tolist())
     else:
         o = sampler_native.op()
-        if o is None or not _native_batch(o, logits, states, grammar, tokens, errors):
+        lse = [math.nan] * n if any(w is not None for w in want_logprobs) else None
+        if o is None or not _native_batch(o, logits, states, grammar, tokens, errors, lse=lse):
+            lse = None
             masked = _grammar_rows(logits, states, grammar, errors)
             _sample_batch(logits, states, masked, tokens, errors)
     entries: list[LogprobEntry | None] = [None] * n
     wanted = [i for i, w in enumerate(want_logprobs) if w is not None and errors[i] is None]
     if wanted:
-        lp = torch.log_softmax(logits[wanted], -1)
+        lp = torch.log_softmax(logits[wanted], -1) if lse is None else None
         for j, i in enumerate(wanted):
             try:
-                entries[i] = logprob_entry(lp[j], int(tokens[i]),  # type: ignore[arg-type]
-                                           want_logprobs[i])  # type: ignore[arg-type]
+                entries[i] = logprob_entry(
+                    logits[i] if lp is None else lp[j], int(tokens[i]),  # type: ignore[arg-type]
+                    want_logprobs[i], 0.0 if lse is None else lse[i])  # type: ignore[arg-type]
             except Exception as e:  # noqa: BLE001 - isolated to this request
                 errors[i] = row_error(e, "logprobs")
     for i, st in enumerate(states):
@@ -470,12 +480,15 @@ def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[
     return tokens, entries, errors
 
 
-def logprob_entry(lp_row: torch.Tensor, token: int, top_n: int) -> LogprobEntry:
+def logprob_entry(lp_row: torch.Tensor, token: int, top_n: int,
+                  lse: float = 0.0) -> LogprobEntry:
+    """The chosen token's logprob and the top_n best, from a row of logprobs, or from a row of
+    logits and its log-sum-exp `lse` (the native pass's: no log_softmax over the row)."""
     top = None
     if top_n > lp_row.numel():
         raise InvalidRequestError(f"top_logprobs_num {top_n} exceeds the vocabulary size "
                                   f"{lp_row.numel()}", "top_logprobs_num")
     if top_n > 0:
         v, ix = torch.topk(lp_row, top_n)
-        top = list(zip(v.tolist(), ix.tolist()))
-    return (float(lp_row[token]), int(token), top)
+        top = [(x - lse, t) for x, t in zip(v.tolist(), ix.tolist(), strict=True)]
+    return (float(lp_row[token]) - lse, int(token), top)

@@ -85,10 +85,12 @@ def _row_edits(st: SampleState, toks: list, kinds: list, vals: list) -> int:
 
 def run(o, logits: torch.Tensor, states: list[SampleState], us: torch.Tensor, *,
         bitmask: torch.Tensor | None = None, mask_rows: list[int] | None = None,
-        probs: torch.Tensor | None = None) -> list[int]:
+        probs: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> list[int]:
     """One token per row of logits [R, V] for states[r] (greedy rows: the argmax of the edited
     row), -1 for a row with nothing to draw. `us`: one uniform per row (greedy rows' unused);
-    mask_rows[r]: the bitmask row of a constrained row, -1 for none."""
+    mask_rows[r]: the bitmask row of a constrained row, -1 for none. `probs` [R, V] float32
+    receives each row's kept probabilities (tests), `lse` [R] float64 each raw row's
+    log-sum-exp (logprobs: the model's distribution)."""
     n, v = logits.shape
     knobs = np.empty((n, KNOB_COLS), np.float64)
     toks: list = []
@@ -118,7 +120,7 @@ def run(o, logits: torch.Tensor, states: list[SampleState], us: torch.Tensor, *,
     x = logits if logits.dtype == torch.float32 and logits.stride(1) == 1 else \
         logits.float().contiguous()
     return o(x, torch.from_numpy(knobs), mr, bm, torch.from_numpy(ptr), et, ek, ev,
-             probs).tolist()
+             probs, lse).tolist()
 
 
 def bitmask_for(states: list[SampleState], rows: list[int], grammar: GrammarBackend | None,
