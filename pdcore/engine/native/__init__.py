@@ -9,6 +9,8 @@ vec.h, the vector layer they are written against):
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
 - `pdcore_native::rope_store`: rotary over q and k with the K/V pool store, in one pass (equal
   to the bit to the aten operators); `silu_mul`: bf16 silu(gate) * up in one pass;
+- `pdcore_native::sample_rows`: a batch's token sampling, one row per task (sampler.h; the
+  torch path of engine/sched/sampler.py where the library is not built);
 - `pdcore_native::decode_layers`: a Llama-family decode step's layer loop, the same operators
   in the same order as the Python loop in models/llama.py (equal to the bit); what it saves is
   the interpreter between ~25 small operators a layer.

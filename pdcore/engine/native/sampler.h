@@ -211,9 +211,12 @@ int64_t sample_row(const float* x, int64_t V, const double* kn, const int32_t* w
   // histogram (top-p) or the draw's block sums
   double Z = 0;
   const V16 vms = vset1(ms), vkth = vset1(kth), vminp = vset1(min_p);
+  // the last bucket's tokens (most of a peaked row's) are summed in lanes, not one by one
+  const V16 vlast = vset1(
+      bits_f(ONE_BITS - (static_cast<uint32_t>(TOP_P_BUCKETS - 1) << BUCKET_SHIFT)));
   alignas(64) float lanes[16];
   for (int64_t blk = 0; blk < nb; ++blk) {
-    V16 zacc = vzero(), bacc = vzero();
+    V16 zacc = vzero(), bacc = vzero(), lacc = vzero();
     const int64_t end = std::min(V, (blk + 1) * DRAW_BLOCK_TOKENS);
     for (int64_t i = blk * DRAW_BLOCK_TOKENS; i < end; i += 16) {
       const V16 v = load_tail(s + i, V - i, NEG);
@@ -223,7 +226,8 @@ int64_t sample_row(const float* x, int64_t V, const double* kn, const int32_t* w
       if (min_p > 0) w = vmaskz(static_cast<M16>(~vlt(w, vminp)), w);
       store_tail(buf + i, V - i, w);
       if (nucleus) {
-        M16 nz = vlt(vzero(), w);
+        M16 nz = vlt(vlast, w);
+        lacc = vadd(lacc, vmaskz(static_cast<M16>(~nz), w));
         if (nz) {
           vstore(lanes, w);
           for (; nz; nz &= nz - 1) {
@@ -237,6 +241,7 @@ int64_t sample_row(const float* x, int64_t V, const double* kn, const int32_t* w
     }
     Z += vreduce_add(zacc);
     S.blocks[blk] = vreduce_add(bacc);
+    if (nucleus) S.hist[TOP_P_BUCKETS - 1] += vreduce_add(lacc);
   }
   if (!(Z > 0) || !std::isfinite(Z)) return -1;
   if (lse != nullptr && as_is) *lse = ms + std::log(Z);
@@ -250,11 +255,11 @@ int64_t sample_row(const float* x, int64_t V, const double* kn, const int32_t* w
     int e = 0;
     for (; e < TOP_P_BUCKETS && above_mass + S.hist[e] <= T; ++e) above_mass += S.hist[e];
     // bucket e holds lo < w <= hi; the buckets above it are kept whole
-    const float hi = e == TOP_P_BUCKETS ? 0.0f
-                                        : bits_f(ONE_BITS - (static_cast<uint32_t>(e) << BUCKET_SHIFT));
-    const float lo = e >= TOP_P_BUCKETS - 1
-                         ? (e == TOP_P_BUCKETS ? hi : 0.0f)
-                         : bits_f(ONE_BITS - (static_cast<uint32_t>(e + 1) << BUCKET_SHIFT));
+    auto top_of = [](int b) {  // the largest w of bucket b
+      return bits_f(ONE_BITS - (static_cast<uint32_t>(b) << BUCKET_SHIFT));
+    };
+    const float hi = e == TOP_P_BUCKETS ? 0.0f : top_of(e);
+    const float lo = e >= TOP_P_BUCKETS - 1 ? (e == TOP_P_BUCKETS ? hi : 0.0f) : top_of(e + 1);
     // pass 3: the block sums of the buckets above the edge, and the edge bucket's tokens
     S.edge.clear();
     const V16 vhi = vset1(hi), vlo = vset1(lo), vinvz = vset1(inv_z), vtiny = vset1(TINY);
