@@ -9,7 +9,7 @@
 - a GGUF file: `gguf`, with the file type of its header (Q4_1, Q8_0, ...).
 
 What pdserve runs (RUNS): `w8a8_int8` (int8 x int8 GEMMs, engine/model/quant.py) and `gguf`
-(de-quantized at load, engine/model/gguf_cache.py). Any other format, named by the flag or found
+(de-quantized at load, engine/model/gguf_cache.py, or kept packed, gguf_packed.py). Any other format, named by the flag or found
 in the checkpoint, is refused at start-up naming it and the formats pdserve runs: loading it as
 if it were float would serve garbage.
 """
@@ -27,7 +27,8 @@ from pdcore.errors import ConfigError
 RUNS = {
     "w8a8_int8": "int8 weights per output channel and int8 activations per token (compressed-"
                  "tensors W8A8 checkpoints): int8 x int8 -> int32 GEMMs",
-    "gguf": "GGUF files, de-quantized to --dtype at load",
+    "gguf": "GGUF files, de-quantized to --dtype at load (PDCORE_GGUF_PACKED=1: Q8_0, Q4_0, "
+            "Q4_1, Q4_K and Q6_K kept packed)",
 }
 # flag values that name a format the checkpoint's detected one satisfies
 ALIASES = {"compressed-tensors": "w8a8_int8", "w8a8_int8": "w8a8_int8", "gguf": "gguf"}
