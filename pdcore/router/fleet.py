@@ -59,7 +59,8 @@ class RouterFleet:
 
     def _headers(self) -> dict[str, str]:
         cfg = self._config
-        # GET /workers wants the API key, the changes the admin key
+        # the admin key (the changes want it, and it passes the API-key check of GET
+        # /workers too); without one, the API key (GET works, a relayed change gets 403)
         return {**cfg.worker_headers(), **cfg.admin_headers(), PEER_HEADER: "1"}
 
     async def relay(self, method: str, payload: dict[str, Any]) -> dict[str, str]:

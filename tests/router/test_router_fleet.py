@@ -20,7 +20,7 @@ from pdcore.router.config import RouterConfig
 from pdcore.router import fleet as fleet_module
 from pdcore.router.fleet import PEER_HEADER
 
-ADMIN = "fleet-admin-key"
+ADMIN, API = "fleet-admin-key", "fleet-api-key"
 BODY = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
 
 
@@ -29,7 +29,8 @@ class Router:
                  peers: list[str]) -> None:
         cfg = RouterConfig(pd_disaggregation=True, prefill=[(w.url, 8998) for w in prefill],
                            decode=[w.url for w in decode], policy="round_robin",
-                           admin_api_key=ADMIN, peer_routers=peers, request_timeout_secs=20.0)
+                           api_key=API, admin_api_key=ADMIN, peer_routers=peers,
+                           request_timeout_secs=20.0)
         self.app = create_app(cfg)
         self.server = ServerThread(self.app, port).start()
         self.url = self.server.url
@@ -122,6 +123,9 @@ def test_a_relayed_change_is_not_relayed_again_and_still_needs_the_admin_key(fle
     resp = httpx.post(a.url + "/workers", json={"url": d1.url, "worker_type": "decode"},
                       headers={PEER_HEADER: "1"}, timeout=20)
     assert resp.status_code in (401, 403) and d1.url not in a.workers()
+    resp = httpx.post(a.url + "/workers", json={"url": d1.url, "worker_type": "decode"},
+                      headers={PEER_HEADER: "1", "authorization": f"Bearer {API}"}, timeout=20)
+    assert resp.status_code == 403 and d1.url not in a.workers(), resp.text
     # with the key and the header (what a peer sends): applied here, not relayed to B
     resp = a.http.post("/workers", json={"url": d1.url, "worker_type": "decode"},
                        headers={PEER_HEADER: "1"})
@@ -159,7 +163,7 @@ def test_a_client_side_list_leaves_a_router_that_is_down_or_frozen(fleet) -> Non
     frozen.listen(8)  # never accepts: connects complete, no byte ever comes
     stuck, down = f"http://127.0.0.1:{frozen.getsockname()[1]}", f"http://127.0.0.1:{ports[2]}"
     try:
-        with httpx.Client() as http:
+        with httpx.Client(headers={"authorization": f"Bearer {API}"}) as http:
             for stream in (False, True):
                 got = RouterList([down, stuck, a.url], timeout=10, stall_s=0.5).generate(
                     http, {**BODY, "stream": stream})
