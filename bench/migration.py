@@ -3,7 +3,9 @@
 A 1P2D tcp cluster behind pdserve's router (--migration-stall-secs 1, --health-check-timeout-secs
 1). Each round streams a greedy /generate request undisturbed (the reference), then twice more
 with a fault on the decode server serving it once `--at` events came: `kill` (kill -9 of its
-process group; it is restarted afterwards) and `sigstop` (frozen; thawed afterwards). Measured
+process group; it is restarted afterwards), `sigstop` (frozen; thawed afterwards) and `drain`
+(SIGTERM: it drains, its --drain-timeout of 1 s passes mid-stream, it exits and is restarted
+afterwards). Measured
 per run, from the client's side: TTFT, the inter-event gaps (median: the ITL; max: the hole the
 fault made), whether the text is the reference's; and from the router's
 `pdrouter_migration_resume_seconds`: the break -> the resumed leg's first event (its TTFT: the
@@ -34,6 +36,8 @@ from common import Run, figure, load_note, save_figure, summary  # noqa: E402
 from pdcore.testing.processes import PDCluster  # noqa: E402
 
 FLAGS = ("--max-total-tokens", "8192", "--page-size", "16")
+DECODE_FLAGS = ("--drain-timeout", "1")
+FAULTS = ("kill", "sigstop", "drain")
 ROUTER_FLAGS = ("--migration-stall-secs", "1", "--health-check-timeout-secs", "1")
 
 
@@ -50,6 +54,22 @@ def wait_rotation(c: PDCluster, timeout: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("workers not back in rotation")
         time.sleep(0.2)
+
+
+def hit_serving_decode(c: PDCluster, fault: str) -> Any:
+    """Every decode server frozen (the fault lands mid-stream), the serving one hit, the others
+    thawed (the serving one too unless the fault is the freeze)."""
+    for d in c.decodes:
+        os.killpg(d.proc.pid, signal.SIGSTOP)
+    hit = serving_decode(c)
+    if hit is not None and fault == "kill":
+        hit.kill()
+    elif hit is not None and fault == "drain":
+        hit.proc.send_signal(signal.SIGTERM)
+    for d in c.decodes:
+        if d.alive() and not (d is hit and fault == "sigstop"):
+            os.killpg(d.proc.pid, signal.SIGCONT)
+    return hit
 
 
 def resume_hist(c: PDCluster) -> tuple[float, float]:
@@ -77,12 +97,7 @@ def stream(c: PDCluster, body: dict[str, Any], at: int = 0, fault: str = "") -> 
             times.append(time.monotonic() - t0)
             last = event
             if fault and len(times) == at:
-                d = serving_decode(c)
-                if d is not None:
-                    os.killpg(d.proc.pid, signal.SIGSTOP)  # pinned mid-stream
-                    if fault == "kill":
-                        d.kill()
-                    hit = d
+                hit = hit_serving_decode(c, fault)
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"ttft_s": times[0] if times else None, "itl_median_s": summary(gaps)["p50"]
             if gaps else None, "max_gap_s": max(gaps) if gaps else None,
@@ -99,9 +114,10 @@ def main() -> None:
     a = ap.parse_args()
     run = Run("migration", {"model_path": a.model_path or "default", "rounds": a.rounds,
                             "tokens": a.tokens, "at": a.at, "cluster": "1P2D tcp",
-                            "router_flags": ROUTER_FLAGS, "server_flags": FLAGS})
+                            "router_flags": ROUTER_FLAGS, "server_flags": FLAGS,
+                            "decode_flags": DECODE_FLAGS})
     c = PDCluster("tcp", prefill=1, decode=2, model_path=a.model_path, flags=FLAGS,
-                  router_flags=ROUTER_FLAGS).start()
+                  decode_flags=DECODE_FLAGS, router_flags=ROUTER_FLAGS).start()
     rows: list[dict[str, Any]] = []
     try:
         for r in range(a.rounds):
@@ -111,7 +127,7 @@ def main() -> None:
             ref = stream(c, body)
             rows.append({"round": r, "fault": "none", **{k: v for k, v in ref.items()
                                                          if k not in ("text", "ids", "hit")}})
-            for fault in ("kill", "sigstop"):
+            for fault in FAULTS:
                 before = resume_hist(c)
                 got = stream(c, body, a.at, fault)
                 after = resume_hist(c)
@@ -119,6 +135,8 @@ def main() -> None:
                 if d is not None and fault == "sigstop":
                     os.killpg(d.proc.pid, signal.SIGCONT)
                 elif d is not None:
+                    d.proc.wait(60)  # killed, or drained and exited
+                    d.kill()  # (closes its log)
                     d.start().wait_healthy(600)
                 wait_rotation(c)
                 moved = after[1] - before[1]
@@ -135,18 +153,20 @@ def main() -> None:
                                is not None])
                     for k in ("ttft_s", "itl_median_s", "max_gap_s", "resumed_leg_ttft_s")
                     if any(x.get(k) is not None for x in rows if x["fault"] == fault)}
-            for fault in ("none", "kill", "sigstop")},
+            for fault in ("none", *FAULTS)},
             "all_same_text": all(x["same_text"] for x in rows if x["fault"] != "none")}
         path = run.finish(data)
-        fig, axes = figure(1, width=8)
+        fig, axes = figure(1, width=10)
         ax = axes[0]
         labels, values = [], []
         for fault, key, label in (("none", "ttft_s", "TTFT\nundisturbed"),
                                   ("kill", "resumed_leg_ttft_s", "resumed leg\nTTFT (kill)"),
                                   ("sigstop", "resumed_leg_ttft_s", "resumed leg\nTTFT (stop)"),
+                                  ("drain", "resumed_leg_ttft_s", "resumed leg\nTTFT (drain)"),
                                   ("none", "max_gap_s", "max gap\nundisturbed"),
                                   ("kill", "max_gap_s", "client gap\n(kill -9)"),
-                                  ("sigstop", "max_gap_s", "client gap\n(SIGSTOP)")):
+                                  ("sigstop", "max_gap_s", "client gap\n(SIGSTOP)"),
+                                  ("drain", "max_gap_s", "client gap\n(drain 1 s)")):
             s = data["summary"][fault].get(key)
             labels.append(label)
             values.append(s["p50"] if s else 0.0)

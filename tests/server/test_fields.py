@@ -109,6 +109,12 @@ CASES = [
     ("logprobs", "/v1/completions", _cmpl(logprobs=10**6), 400, "logprobs"),
     ("logprobs", "/v1/chat/completions", _chat(logprobs=True, top_logprobs=50), 400,
      "top_logprobs"),
+    # a migrated stream's output so far (docs/migration.md): checked as a prompt is
+    ("resume", "/generate", _gen(pd_resume_ids=[10**7]), 400, "pd_resume_ids"),
+    ("resume", "/generate", _gen(pd_resume_ids=[1, 2]), 400, "pd_resume_ids"),  # 2 spent
+    ("resume", "/generate", {"text": ["a", "b"], "pd_resume_ids": [1]}, 400, "pd_resume_ids"),
+    ("resume", "/v1/chat/completions", _chat(n=2, pd_resume_ids=[1]), 400, "pd_resume_ids"),
+    ("resume", "/v1/completions", _cmpl(pd_resume_ids="1"), 400, "pd_resume_ids"),
     # lengths and counts
     ("length", "/generate", _sp(stop=[f"s{i}" for i in range(limits.MAX_STOP + 1)]), 400,
      "sampling_params.stop"),
