@@ -153,3 +153,105 @@ def w8a8_reference(w8a8: str, float_src: str):  # type: ignore[no-untyped-def]
         if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in PROJECTIONS:
             mod.register_forward_pre_hook(lambda _m, args: (fake_quant_rows(args[0]),))
     return model
+
+
+FP8_MAX = 448.0  # float8 e4m3's largest finite value
+
+
+def fp8_target(key: str, t) -> bool:  # type: ignore[no-untyped-def]
+    """Whether an FP8 checkpoint (DeepSeek-V3's) stores `key` in FP8: every decoder matrix --
+    attention (MLA's kv_a/kv_b too), MLP, routed and shared experts -- but not the embedding,
+    the lm_head, the norms or the MoE router."""
+    return (t.dim() == 2 and key.endswith(".weight") and ".layers." in key
+            and "norm" not in key and not key.endswith("mlp.gate.weight")
+            and "shared_expert_gate" not in key)
+
+
+def fp8_block_quantize(w, block: tuple[int, int]):  # type: ignore[no-untyped-def]
+    """(q float8_e4m3fn [N, K], scale float32 [ceil(N/bn), ceil(K/bk)]): each bn x bk block
+    (the edge ones smaller) symmetric on its own absolute maximum, W ~= q * scale (DeepSeek-V3's
+    `weight_scale_inv`, which multiplies)."""
+    import torch
+
+    n, k = w.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(nb, bn, kb, bk)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    q = q.view(nb * bn, kb * bk)[:n, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.float()
+
+
+def fp8_block_dequantize(q, scale, block: tuple[int, int]):  # type: ignore[no-untyped-def]
+    n, k = q.shape
+    s = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return q.float() * s
+
+
+def make_fp8_model(src: str, dst: str, block: tuple[int, int] = (128, 128)) -> str:
+    """`src` (a float HF folder) in DeepSeek-V3's FP8 layout in `dst`: every `fp8_target`
+    matrix float8 e4m3 with `weight_scale_inv` per `block`, config.json's quantization_config
+    {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size}; MoE experts
+    stay per expert (experts.{e}.gate_proj ...), as that checkpoint holds them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _copy_side_files(src, dst)
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(x for x in os.listdir(src) if x.endswith(".safetensors")):
+        for key, w in load_file(os.path.join(src, f)).items():
+            if fp8_target(key, w):
+                out[key], out[key[: -len("weight")] + "weight_scale_inv"] = \
+                    fp8_block_quantize(w, block)
+            else:
+                out[key] = w.contiguous()
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    _write_config(src, dst, {"quant_method": "fp8", "fmt": "e4m3",
+                             "activation_scheme": "dynamic", "weight_block_size": list(block)})
+    return dst
+
+
+def _copy_side_files(src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name.endswith(".safetensors") or name == "config.json":
+            continue
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+
+
+def _write_config(src: str, dst: str, qc: dict[str, Any] | None) -> None:
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    cfg.pop("quantization_config", None)
+    if qc is not None:
+        cfg["quantization_config"] = qc
+    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=1)
+
+
+def fp8_dequantized_folder(fp8: str, dst: str) -> str:
+    """The FP8 checkpoint `fp8` with every FP8 weight de-quantized (q * weight_scale_inv per
+    block, float32) and its quantization_config dropped: the float model computing the same
+    weights, for transformers to load as the reference."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(fp8, "config.json"), encoding="utf-8") as fh:
+        block = tuple(json.load(fh)["quantization_config"]["weight_block_size"])
+    sd = load_file(os.path.join(fp8, "model.safetensors"))
+    out = {}
+    for key, t in sd.items():
+        if key.endswith(".weight_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = fp8_block_dequantize(t, sd[key[: -len("weight")] + "weight_scale_inv"], block)
+        out[key] = t.contiguous()
+    _copy_side_files(fp8, dst)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    _write_config(fp8, dst, None)
+    return dst

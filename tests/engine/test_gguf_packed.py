@@ -111,7 +111,7 @@ def test_the_default_model_loads_packed(packed_smollm2) -> None:
 
     model, resolved = packed_smollm2
     n = len(model.layers)
-    assert weight_layouts(model) == {"panels": 0, "onednn": 0, "plain": 0, "int8": 0,
+    assert weight_layouts(model) == {"panels": 0, "onednn": 0, "plain": 0, "int8": 0, "fp8": 0,
                                      "gguf": 4 * n + 1}
     assert model.native is not None or native.ops() is None  # the native decode loop takes them
     sd = SafetensorsWeights(resolved.path)  # the float32 conversion of the same file

@@ -306,7 +306,7 @@ def test_native_append_equals_the_python_loop(dtype: torch.dtype, pool: torch.dt
     n = 1 + 4 * len(nat.layers)  # lm_head, qkv, o, gate_up, down
     panels = layout == "panels" and _panels_serve(dtype)  # else oneDNN's, whatever was asked
     assert layers.weight_layouts(nat) == {"panels": n * panels, "onednn": n * (not panels),
-                                          "plain": 0, "int8": 0, "gguf": 0}
+                                          "plain": 0, "int8": 0, "fp8": 0, "gguf": 0}
     py.native = None
     g = torch.Generator().manual_seed(11)
     kv = [(torch.randn(40, 8, 2, 64, generator=g).to(pool or dtype),

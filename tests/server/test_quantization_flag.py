@@ -74,16 +74,22 @@ def test_flag_and_checkpoint_agree_or_exit_2(tiny_llama_dir, tmp_path, capsys):
         assert parse_server_args([*base, w8, *flag]).quantization == "w8a8_int8"
     plain = str(tiny_llama_dir)
     assert parse_server_args([*base, plain]).quantization is None
-    err = _exit2([*base, plain, "--quantization", "w8a8_int8"], capsys)
-    assert "is not quantized" in err, err
+    for flag in ("w8a8_int8", "fp8"):
+        err = _exit2([*base, plain, "--quantization", flag], capsys)
+        assert "is not quantized" in err, err
+    f8 = _with_config(tiny_llama_dir, tmp_path / "f8", quantization_config=FP8_BLOCK)
+    for flag in ([], ["--quantization", "fp8"]):
+        assert parse_server_args([*base, f8, *flag]).quantization == "fp8"
+    err = _exit2([*base, f8, "--quantization", "w8a8_int8"], capsys)
+    assert "does not match" in err and "fp8 weight blocks [128, 128]" in err, err
     # a format pdserve does not run, by flag or found in the checkpoint: named with the ones
     # it runs
-    for argv, named in (([*base, plain, "--quantization", "fp8"], "--quantization fp8"),
-                        ([*base, plain, "--quantization", "awq"], "--quantization awq"),
-                        ([*base, _with_config(tiny_llama_dir, tmp_path / "f8",
-                                              quantization_config=FP8_BLOCK)], "as fp8")):
+    for argv, named in (([*base, plain, "--quantization", "awq"], "--quantization awq"),
+                        ([*base, _with_config(tiny_llama_dir, tmp_path / "awq",
+                                              quantization_config={"quant_method": "awq"})],
+                         "as awq")):
         err = _exit2(argv, capsys)
-        assert named in err and "w8a8_int8" in err and "gguf" in err, err
+        assert named in err and "w8a8_int8" in err and "gguf" in err and "fp8" in err, err
     err = _exit2([*base, plain, "--quantization", "int3"], capsys)
     assert "invalid choice: 'int3'" in err, err
 

@@ -23,6 +23,7 @@ from torch import nn
 from pdcore.env import ENV, Env
 from pdcore.engine.cpu_features import gemm_layout_setting
 from pdcore.engine.model import gguf_packed
+from pdcore.engine.model.fp8 import Fp8Weight, fp8_of
 from pdcore.engine.model.quant import Int8Weight, scale_of
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span, span  # the split rule P and D share
@@ -236,10 +237,11 @@ def weight_layouts(model: nn.Module) -> dict[str, int]:
     """How many of `model`'s GEMM weights sit in each layout: panels, oneDNN's, plain (not
     packed) or int8 (W8A8), counting every linear layer and an lm_head (for logs and
     /metrics)."""
-    out = {"panels": 0, "onednn": 0, "plain": 0, "int8": 0, "gguf": 0}
+    out = {"panels": 0, "onednn": 0, "plain": 0, "int8": 0, "fp8": 0, "gguf": 0}
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
     out["int8"] = sum(m.int8 is not None for m in linears)
-    packed = [m.packed for m in linears if m.int8 is None]
+    out["fp8"] = sum(m.fp8 is not None for m in linears)
+    packed = [m.packed for m in linears if m.int8 is None and m.fp8 is None]
     if hasattr(model, "lm_head_packed"):
         packed.append(model.lm_head_packed)
     for p in packed:
@@ -302,7 +304,8 @@ def pack_linears(module: nn.Module) -> None:
     """Pack the weight of every ColumnLinear/RowLinear under `module` (where available; not
     those loaded packed from GGUF blocks); the packed weight replaces the original."""
     for m in module.modules():
-        if isinstance(m, (ColumnLinear, RowLinear)) and m.int8 is None and m.packed is None:
+        if (isinstance(m, (ColumnLinear, RowLinear)) and m.int8 is None and m.fp8 is None
+                and m.packed is None):
             m.weight, m.packed = pack_in_place(m.weight)
 
 
@@ -344,10 +347,15 @@ class ColumnLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # see pack_linears
         self.int8: Int8Weight | None = None  # a W8A8 checkpoint's int8 weight (quant.py)
+        self.fp8: Fp8Weight | None = None  # an FP8 checkpoint's weight (fp8.py)
 
     def load(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
         rows = [w[a : a + n] for w, (a, n) in zip(weights, self.shards)]
-        if rows[0].dtype == torch.int8:  # W8A8 (engine/model/quant.py): kept int8 with its scales
+        fp8 = [fp8_of(w) for w in weights]
+        if all(f is not None for f in fp8):  # FP8 (fp8.py): kept 8-bit with its scales
+            self.fp8 = Fp8Weight.cat([f.rows(a, n) for f, (a, n) in zip(fp8, self.shards)])
+            self.weight = nn.Parameter(stand_in(self.weight), requires_grad=False)
+        elif rows[0].dtype == torch.int8:  # W8A8 (engine/model/quant.py): kept int8 with its scales
             self.int8 = Int8Weight(torch.cat(rows, 0), torch.cat(
                 [scale_of(w)[a : a + n] for w, (a, n) in zip(weights, self.shards)]))
             self.weight = nn.Parameter(self.int8.q, requires_grad=False)
@@ -365,6 +373,8 @@ class ColumnLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             return self.int8(x, self.bias)
+        if self.fp8 is not None:
+            return self.fp8(x, self.bias)
         return linear(x, self.weight, self.bias, self.packed)
 
 
@@ -381,10 +391,19 @@ class RowLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # see pack_linears
         self.int8: Int8Weight | None = None  # a W8A8 checkpoint's int8 weight (quant.py)
+        self.fp8: Fp8Weight | None = None  # an FP8 checkpoint's weight (fp8.py)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         a, n = self.shard
-        if weight.dtype == torch.int8:  # W8A8: each rank's partial sum is dequantized, then reduced
+        fp8 = fp8_of(weight)
+        if fp8 is not None:  # FP8: this rank's input features (whole K-blocks)
+            try:
+                self.fp8 = Fp8Weight.cat([fp8.cols(a, n)])
+            except ValueError as e:
+                raise ConfigError(f"{e}: choose a --tensor-parallel-size that splits the "
+                                  "weight's blocks") from None
+            self.weight = nn.Parameter(stand_in(self.weight), requires_grad=False)
+        elif weight.dtype == torch.int8:  # W8A8: each rank's partial sum is dequantized, then reduced
             self.int8 = Int8Weight(weight[:, a : a + n], scale_of(weight))
             self.weight = nn.Parameter(self.int8.q, requires_grad=False)
         elif weight.dtype == torch.uint8:  # GGUF blocks (gguf_packed.py): whole rows only
@@ -400,5 +419,6 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.int8(x) if self.int8 is not None
+                               else self.fp8(x) if self.fp8 is not None
                                else linear(x, self.weight, None, self.packed))
         return y + self.bias if self.bias is not None else y

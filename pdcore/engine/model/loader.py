@@ -21,6 +21,7 @@ from pdcore.engine.model.gguf_packed import GGUFCheckpoint
 from pdcore.engine.model.hf_config import read_plain_config
 from pdcore.engine.model import quant_config
 from pdcore.engine.model.layers import TPInfo
+from pdcore.engine.model.fp8 import Fp8Checkpoint, fp8_layers
 from pdcore.engine.model.quant import Int8Checkpoint
 from pdcore.engine.model.tokenizer import ResolvedModel, resolve_model
 from pdcore.engine.model.weights import SafetensorsWeights
@@ -146,6 +147,22 @@ def _quantization(resolved: ResolvedModel, cfg: Any, load_format: str) -> str | 
     return name
 
 
+def _fp8_block(cfg: Any) -> tuple[int, int] | None:
+    """quantization_config's weight_block_size (bn, bk), if any."""
+    qc = getattr(cfg, "quantization_config", None) or {}
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    block = qc.get("weight_block_size")
+    if block is None:  # compressed-tensors: its weights' block_structure
+        groups = qc.get("config_groups") or {}
+        block = next((g.get("weights", {}).get("block_structure") for g in groups.values()
+                      if g.get("weights", {}).get("block_structure")), None)
+    if block is None:
+        return None
+    if len(block) != 2 or min(int(b) for b in block) < 1:
+        raise ConfigError(f"quantization_config weight_block_size {block}: want [rows, cols]")
+    return int(block[0]), int(block[1])
+
+
 def _packed_gguf(raw: ResolvedModel, cfg: Any, device: torch.device,
                  tp: TPInfo | None) -> GGUFCheckpoint | None:
     """The GGUF file's tensors with the quantized ones kept packed (gguf_packed.py), where
@@ -203,8 +220,11 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     sd = _packed_gguf(raw, cfg, device, tp) if load_format != "dummy" else None
     if sd is None:
         sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)
-    if _quantization(resolved, cfg, load_format) == "w8a8_int8":
+    quantization = _quantization(resolved, cfg, load_format)
+    if quantization == "w8a8_int8":
         sd = Int8Checkpoint(sd)
+    elif quantization == "fp8":
+        sd = Fp8Checkpoint(sd, _fp8_block(cfg))
     model = MODEL_CLASSES[cfg.architectures[0]](cfg, tp)
     try:
         model.load_hf_state_dict(sd)
@@ -213,6 +233,12 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                              f"{cfg.architectures[0]} needs") from e
     if isinstance(sd, Int8Checkpoint):
         _check_int8_loaded(sd, resolved)
+    if isinstance(sd, Fp8Checkpoint):
+        lin, moe = fp8_layers(model)
+        log.info("quantization fp8 (%s): %d FP8 weights read; %d linear layers and %d MoE "
+                 "expert sets kept FP8 (de-quantized per layer at compute), the rest "
+                 "de-quantized at load", quant_config.detect(resolved.path, None).detail,
+                 sd.fp8_handed_out, lin, moe)
     # in inference mode like the load: the mapped checkpoint tensors the model adopted are
     # inference tensors, and converting one (bf16) outside it leaves a parameter that fails
     # "Inference tensors do not track version counter" at its first use
@@ -224,7 +250,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
 
         log.info("GEMM weights by layout (PDCORE_GEMM_LAYOUT, chosen by timing at load): %s",
                  ", ".join(f"{n} {k}" for k, n in weight_layouts(model).items() if n))
-    if isinstance(sd, (SafetensorsWeights, Int8Checkpoint)):
+    if isinstance(sd, (SafetensorsWeights, Int8Checkpoint, Fp8Checkpoint)):
         sd.release_pages()
     del sd  # one copy of the weights from here: ours (prepare_for_inference replaces them)
     trim_heap()
@@ -240,6 +266,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     tensors = [*model.parameters(), *model.buffers()]
     for m in model.modules():
         tensors += [t for t in vars(m).values() if isinstance(t, torch.Tensor)]
+        tensors += [t for v in vars(m).values() if hasattr(v, "tensors") and
+                    not isinstance(v, torch.Tensor) for t in v.tensors()]  # FP8 weights
     for t in tensors:
         if t.is_mkldnn:  # opaque storage: its logical size
             total += t.numel() * t.element_size()

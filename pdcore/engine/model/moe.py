@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcore.engine.model.layers import ColumnLinear, TPInfo, linear
+from pdcore.engine.model.fp8 import Fp8Experts, fp8_experts
+from pdcore.engine.model.layers import ColumnLinear, TPInfo, linear, stand_in
 from pdcore.engine.parallel.dp_gather import gathered
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import span
@@ -144,6 +145,7 @@ class MoE(nn.Module):
         n = self.local_experts
         self.w13 = nn.Parameter(torch.empty(n, 2 * self.inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, hidden, self.inter), requires_grad=False)
+        self.fp8: Fp8Experts | None = None  # an FP8 checkpoint's experts (fp8.py)
         self.shared = SharedExperts(hidden, shared_inter, tp) if shared_inter else None
         self.shared_gate = (nn.Parameter(torch.empty(1, hidden), requires_grad=False)
                             if shared_gate else None)
@@ -155,12 +157,17 @@ class MoE(nn.Module):
         if self.correction_bias is not None:
             self.correction_bias.copy_(sd[prefix + "gate.e_score_correction_bias"])
         a, n = self.first_expert, self.local_experts
-        gate_up, down = self._expert_weights(sd, prefix, a, n)
         i0, ni = self.inter_first, self.inter
-        full = gate_up.shape[1] // 2
-        self.w13.copy_(torch.cat([gate_up[:, i0 : i0 + ni], gate_up[:, full + i0 : full + i0 + ni]],
-                                 1))
-        self.w2.copy_(down[:, :, i0 : i0 + ni])
+        self.fp8 = fp8_experts(sd, prefix, a, n, i0, ni)
+        if self.fp8 is not None:  # kept FP8, de-quantized when the layer runs
+            self.w13 = nn.Parameter(stand_in(self.w13), requires_grad=False)
+            self.w2 = nn.Parameter(stand_in(self.w2), requires_grad=False)
+        else:
+            gate_up, down = self._expert_weights(sd, prefix, a, n)
+            full = gate_up.shape[1] // 2
+            self.w13.copy_(torch.cat([gate_up[:, i0 : i0 + ni],
+                                      gate_up[:, full + i0 : full + i0 + ni]], 1))
+            self.w2.copy_(down[:, :, i0 : i0 + ni])
         if self.shared is not None:
             sp = next(p for p in (prefix + "shared_expert.", prefix + "shared_experts.")
                       if p + "gate_proj.weight" in sd)
@@ -214,20 +221,21 @@ class MoE(nn.Module):
         order = order[: int(ends[-1])] if len(ends) else order[:0]
         rows = order // k
         xs = x.index_select(0, rows)
+        w13, w2 = (self.w13, self.w2) if self.fp8 is None else self.fp8.dequantized(x.dtype)
         if GROUPED_MM and x.device.type == "cpu" and len(ends) and self._aligned(x):
             # views of the [E, out, in] weights as [E, in, out]: no copy
             offs = ends.to(torch.int32)
-            gu = F.grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
+            gu = F.grouped_mm(xs, w13.transpose(1, 2), offs=offs)
             h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-            ys = F.grouped_mm(h, self.w2.transpose(1, 2), offs=offs)
+            ys = F.grouped_mm(h, w2.transpose(1, 2), offs=offs)
         else:
             ys = torch.empty_like(xs)
             start = 0
             for e, c in enumerate(counts.tolist()):
                 if c:
-                    gu = F.linear(xs[start : start + c], self.w13[e])
+                    gu = F.linear(xs[start : start + c], w13[e])
                     h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-                    ys[start : start + c] = F.linear(h, self.w2[e])
+                    ys[start : start + c] = F.linear(h, w2[e])
                     start += c
         if weights is not None:
             ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)

@@ -8,9 +8,10 @@
   (`modelslim`; its entries name each tensor's scheme: W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC, ...);
 - a GGUF file: `gguf`, with the file type of its header (Q4_1, Q8_0, ...).
 
-What pdserve runs (RUNS): `w8a8_int8` (int8 x int8 GEMMs, engine/model/quant.py) and `gguf`
-(de-quantized at load, engine/model/gguf_cache.py, or kept packed, gguf_packed.py). Any other format, named by the flag or found
-in the checkpoint, is refused at start-up naming it and the formats pdserve runs: loading it as
+What pdserve runs (RUNS): `w8a8_int8` (int8 x int8 GEMMs, engine/model/quant.py), `fp8`
+(FP8 weights kept 8-bit, engine/model/fp8.py) and `gguf` (de-quantized at load,
+engine/model/gguf_cache.py, or kept packed, gguf_packed.py). Any other format, named by the flag
+or found in the checkpoint, is refused at start-up naming it and the formats pdserve runs: loading it as
 if it were float would serve garbage.
 """
 
@@ -29,9 +30,12 @@ RUNS = {
                  "tensors W8A8 checkpoints): int8 x int8 -> int32 GEMMs",
     "gguf": "GGUF files, de-quantized to --dtype at load (PDCORE_GGUF_PACKED=1: Q8_0, Q4_0, "
             "Q4_1, Q4_K and Q6_K kept packed)",
+    "fp8": "float8 e4m3 weights with per-tensor, per-channel or block scales (DeepSeek-V3's "
+           "128x128 weight_scale_inv), kept FP8 and de-quantized per layer at compute",
 }
 # flag values that name a format the checkpoint's detected one satisfies
-ALIASES = {"compressed-tensors": "w8a8_int8", "w8a8_int8": "w8a8_int8", "gguf": "gguf"}
+ALIASES = {"compressed-tensors": "w8a8_int8", "w8a8_int8": "w8a8_int8", "gguf": "gguf",
+           "fp8": "fp8"}
 MODELSLIM_FILE = "quant_model_description.json"
 
 
@@ -191,7 +195,8 @@ def resolve(flag: str | None, found: Detected, where: str) -> str | None:
         raise ConfigError(f"{named}{where} is quantized as {found.name} ({found.detail}, read "
                           f"from {found.source}), which pdserve does not run yet; it runs "
                           f"{_runs()}")
-    if flag is not None and ALIASES.get(flag) != found.name:
+    ct = flag == "compressed-tensors" and found.detail.startswith("compressed-tensors")
+    if flag is not None and ALIASES.get(flag) != found.name and not ct:
         raise ConfigError(f"--quantization {flag} does not match {where}, which is quantized as "
                           f"{found.name} ({found.detail}, read from {found.source}); drop the "
                           f"flag or give --quantization {found.name}")
