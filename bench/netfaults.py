@@ -314,14 +314,14 @@ def main() -> int:
             t.start()
         time.sleep(3)
         bound = args.heartbeat_s + args.transfer_timeout_s
-        for name, begin, end in scenarios(cluster, args):
+        for label, begin, end in scenarios(cluster, args):
             before = [p.counters() for p in cluster.proxies]
             t_on = time.monotonic() - t_base
             begin()
             time.sleep(args.fault_s)
             end()
             t_off = time.monotonic() - t_base
-            print(f"{name}: fault {t_on:.0f}-{t_off:.0f} s", flush=True)
+            print(f"{label}: fault {t_on:.0f}-{t_off:.0f} s", flush=True)
             served_s = rest_s = None
             deadline = time.monotonic() + args.recovery_limit_s
             while time.monotonic() < deadline and (served_s is None or rest_s is None):
@@ -348,7 +348,7 @@ def main() -> int:
             for r in rows:
                 if r["status"] != 200:
                     failed[str(r["status"])] = failed.get(str(r["status"]), 0) + 1
-            entry = {"scenario": name, "fault_start_s": t_on, "fault_end_s": t_off,
+            entry = {"scenario": label, "fault_start_s": t_on, "fault_end_s": t_off,
                      "requests": len(rows), "during_fault": len(during),
                      "ok": sum(r["status"] == 200 for r in rows), "failed": failed,
                      "wrong": sum(r["wrong"] for r in rows),
