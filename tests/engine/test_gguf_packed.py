@@ -60,10 +60,12 @@ def test_kernels_equal_the_gguf_packages_dequantize_and_matmul(ops, t: T) -> Non
     assert torch.equal(gp.rows(w, ids), ref[ids])
     g = torch.Generator().manual_seed(1)
     b = torch.randn(n, generator=g)
-    for m in (1, 3, 8, 16, 17, 40):  # the GEMV tiles (<= 16 rows) and the de-quantize + mm path
+    for m in (1, 3, 8, 16, 17, 70):  # tiles of 4 rows, a last partial one; two blocks of 64
         x = torch.randn(m, k, generator=g)
         want = x @ ref.T + b
         got = ops.gguf_linear(x, w, n, b)
+        # each row as it would come alone: the same bits (batch-invariant, as the panels)
+        assert torch.equal(got[-1:], ops.gguf_linear(x[-1:], w, n, b)), (t.name, m)
         tol = 1e-5 * float(want.abs().max()) + 1e-5
         assert (got - want).abs().max() <= tol, (t.name, m)
         assert torch.allclose(gp.linear_fallback(x, w, b), want, atol=tol)

@@ -6,20 +6,19 @@
 // Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K), so the decode loop's GEMM (gemm.h: any_linear) tells
 // it from the float layouts without another argument.
 //
-// A decode step (M <= GGUF_GEMV_ROWS) de-quantizes each weight row once into a float buffer of K
-// (L1) and takes its dot product with every row of x: the weights stream from memory once, at
-// their packed size (Q4_1: 5 bits a weight against float32's 32). Each weight is computed as the
-// `gguf` package computes it (float32: d * q, d * q + m, (d * sc) * q - dmin * m), so the
+// The GEMM de-quantizes 4 weight rows at a time into a float buffer (L1) and takes their dot
+// products with every row of x (a decode step: the weights stream from memory once, at their
+// packed size, Q4_1: 5 bits a weight against float32's 32; a prefill: once per 64 rows of x).
+// Each weight is computed as the `gguf` package computes it (float32: d * q, d * q + m, (d * sc) * q - dmin * m), so the
 // weights are those of the de-quantized model to the bit; the sums run in another order than
-// oneDNN's (float32 rounding differs, not the weights). A larger M (prefill) de-quantizes a
-// chunk of rows at a time into floats and multiplies it with at::mm.
+// oneDNN's (float32 rounding differs, not the weights), the same for every row count.
 #include "common.h"
 
 #include <c10/util/Half.h>
 
 namespace {
 
-constexpr int64_t GGUF_GEMV_ROWS = 16;
+constexpr int64_t GGUF_ROW_BLOCK = 64;  // rows of x a pass over the weight runs against
 constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14;
 
 // weights a block holds and the block's bytes; {0, 0} for a type these kernels do not read
@@ -258,35 +257,24 @@ Tensor gguf_linear(const Tensor& x_in, const Tensor& w, int64_t N,
   }
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M == 0) {
-  } else if (M <= GGUF_GEMV_ROWS) {
-    // 4 weight rows at a time, de-quantized once (zeros past N), against every row of x
+  // blocks of up to GGUF_ROW_BLOCK rows of x (in L2); in each, 4 weight rows at a time are
+  // de-quantized once (zeros past N) and run against every row of the block in tiles of 4.
+  // Each output is summed in the same order whatever M is: a row's result does not depend on
+  // the batch it came in (decode and prefill give the same bits, as the float32 panels do)
+  for (int64_t m0 = 0; m0 < M; m0 += GGUF_ROW_BLOCK) {
+    const int64_t mb = std::min(GGUF_ROW_BLOCK, M - m0);
     at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t q0, int64_t q1) {
       std::vector<float> buf(4 * K, 0.0f);
       float* wr = buf.data();
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t n = 4 * q, nn = std::min<int64_t>(4, N - n);
         for (int64_t j = 0; j < nn; ++j) g.fn(g.data + (n + j) * g.row_bytes, nb, wr + j * K);
-        for (int64_t m = 0; m < M; m += 4) {
-          const int64_t mt = std::min<int64_t>(4, M - m);
+        for (int64_t m = m0; m < m0 + mb; m += 4) {
+          const int64_t mt = std::min<int64_t>(4, m0 + mb - m);
           GGUF_TILES[mt - 1](xp + m * K, K, wr, yp + m * N + n, N, nn, bp ? bp + n : nullptr);
         }
       }
     });
-  } else {
-    // ~1 MiB of de-quantized rows at a time, multiplied with at::mm
-    const int64_t chunk = std::max<int64_t>(32, (int64_t{1} << 18) / K);
-    Tensor wf = at::empty({std::min(chunk, N), K}, at::kFloat);
-    float* wp = wf.data_ptr<float>();
-    for (int64_t c0 = 0; c0 < N; c0 += chunk) {
-      const int64_t rows = std::min(chunk, N - c0);
-      at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) g.fn(g.data + (c0 + r) * g.row_bytes, nb, wp + r * K);
-      });
-      Tensor part = at::mm(x, wf.slice(0, 0, rows).t());
-      if (bp) part.add_(bc.slice(0, c0, c0 + rows));
-      y.slice(1, c0, c0 + rows).copy_(part);
-    }
   }
   if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
   if (x_in.dim() == 2) return y;
