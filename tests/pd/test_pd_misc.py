@@ -132,11 +132,12 @@ def _freeze_serving_decode(c: PDCluster):
     """SIGSTOP the decode server the router streams from (its one request in flight), mid-stream
     for sure: every decode server is frozen first (the tiny model is fast), then the others
     are thawed once the router's /workers told which one it is."""
-    for d in c.decodes:
+    alive = [d for d in c.decodes if d.alive()]
+    for d in alive:
         os.killpg(d.proc.pid, signal.SIGSTOP)
     workers = httpx.get(c.url + "/workers", timeout=5).json()["workers"]
     busy = [w["url"] for w in workers if w["worker_type"] == "decode" and w["in_flight"]]
-    for d in c.decodes:
+    for d in alive:
         if d.url not in busy[:1]:
             os.killpg(d.proc.pid, signal.SIGCONT)
     assert len(busy) == 1, workers
@@ -271,6 +272,14 @@ def test_migration_kill_decode_mid_stream_generate(pd2x2):
     assert _migrations(c, "broken") == before + 1
     assert sum(d.alive() for d in c.decodes) == 1
     c.wait_pages_free(30)
+    # the last decode server killed too: no pair can take the stream, which ends as it did
+    # before migration (one error event, then [DONE]), naming why the resume failed
+    raw, got = _stream(c.url, "/generate", body, at_event=1,
+                       fault=lambda: _freeze_serving_decode(c).kill())
+    errors = [e for e in got[:-1] if "error" in e]
+    assert got[-1] == b"[DONE]" and len(errors) == 1 and b"pd-ids" not in raw, raw[-800:]
+    assert errors[0]["error"]["code"] == "decode_stream_error"
+    assert "no server could take it over" in errors[0]["error"]["message"], errors
 
 
 def _wait_rotation(c: PDCluster, timeout: float = 30.0) -> None:
