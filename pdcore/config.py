@@ -281,10 +281,11 @@ class ServerArgs(CommonFlags):
         min(j, N - 1), each layer its own KV layer.
         `line`: the flags given, named in every refusal. Whether the model has the MTP layers
         is the preflight's and the engine's to check (they read the model)."""
-        why = [(self.speculative_draft_model_quantization not in (None, "unquant"),
+        why = [(self.speculative_draft_model_quantization not in (None, *QUANT_CHOICES),
                 (f"--speculative-draft-model-quantization "
-                 f"{self.speculative_draft_model_quantization}: the head runs unquantized in "
-                 "--dtype; only 'unquant' (SGLang's value for that) is accepted")),
+                 f"{self.speculative_draft_model_quantization}: not a quantization method "
+                 "SGLang or pdserve knows (the draft's checkpoint is checked as --quantization "
+                 "checks the target's)")),
                (algo == "EAGLE" and not self.speculative_draft_model_path
                 and not self.enable_multi_layer_eagle,
                 ("needs --speculative-draft-model-path: an HF folder of an EAGLE-1 draft head "

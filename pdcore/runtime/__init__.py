@@ -11,11 +11,11 @@ implements) and its errors and states, `make_engine`
 checks of the parallel flags, `run_node` (a further node of a multi-node server), and what the
 server's start-up checks ask of the model the engine will load (`resolve_model`,
 `default_model_file`: where the model is; `checked_quantization`: its quantization, against
---quantization; `check_mtp_folder`: a NEXTN/MTP draft's layers), so the
+--quantization, `checked_draft_quantization` the draft head's; `check_mtp_folder`: a NEXTN/MTP draft's layers), so the
 server imports nothing of engine/model."""
 
 from pdcore.engine.model.mtp import check_mtp_folder
-from pdcore.engine.model.quant_config import checked_quantization
+from pdcore.engine.model.quant_config import checked_draft_quantization, checked_quantization
 from pdcore.engine.model.source import default_model_file, resolve_model
 from pdcore.runtime.dp.client import DPEngineClient
 from pdcore.runtime.engine_handle import EngineHandle
@@ -25,5 +25,6 @@ from pdcore.runtime.node import run_node
 from pdcore.runtime.topology import check_parallel_args
 
 __all__ = ["DPEngineClient", "EngineClient", "EngineError", "EngineHandle", "EngineState",
-           "SchedulerTarget", "check_mtp_folder", "check_parallel_args", "checked_quantization",
+           "SchedulerTarget", "check_mtp_folder", "check_parallel_args",
+           "checked_draft_quantization", "checked_quantization",
            "default_model_file", "make_engine", "new_rid", "resolve_model", "run_node"]

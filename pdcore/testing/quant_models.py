@@ -160,11 +160,13 @@ FP8_MAX = 448.0  # float8 e4m3's largest finite value
 
 def fp8_target(key: str, t) -> bool:  # type: ignore[no-untyped-def]
     """Whether an FP8 checkpoint (DeepSeek-V3's) stores `key` in FP8: every decoder matrix --
-    attention (MLA's kv_a/kv_b too), MLP, routed and shared experts -- but not the embedding,
-    the lm_head, the norms or the MoE router."""
+    attention (MLA's kv_a/kv_b too), MLP, routed and shared experts, an MTP layer's eh_proj --
+    but not the embedding, the lm_head (an MTP layer's own copies neither), the norms or the
+    MoE router."""
     return (t.dim() == 2 and key.endswith(".weight") and ".layers." in key
             and "norm" not in key and not key.endswith("mlp.gate.weight")
-            and "shared_expert_gate" not in key)
+            and "shared_expert_gate" not in key and "embed_tokens" not in key
+            and "shared_head" not in key)
 
 
 def fp8_block_quantize(w, block: tuple[int, int]):  # type: ignore[no-untyped-def]

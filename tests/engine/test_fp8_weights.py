@@ -15,14 +15,14 @@ from pdcore.config import ServerArgs
 from pdcore.engine.model.fp8 import Fp8Experts, Fp8Weight
 from pdcore.engine.model.layers import ColumnLinear, RowLinear, weight_layouts
 from pdcore.engine.model.loader import load_model, weight_bytes
-from pdcore.engine.model.quant_config import checked_quantization
+from pdcore.engine.model.quant_config import checked_draft_quantization, checked_quantization
 from pdcore.errors import ConfigError
 from pdcore.messages.io import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.quant_models import (
     fp8_block_dequantize, fp8_block_quantize, fp8_dequantized_folder, make_fp8_model)
-from pdcore.testing.tiny_models import make_tiny_model
+from pdcore.testing.tiny_models import add_mtp_layer, make_tiny_model
 
 NEW = 16
 
@@ -69,7 +69,8 @@ def dense(tiny_llama_dir, tmp_path_factory):
 def deepseek(tmp_path_factory):
     """The same for a tiny DeepSeek-V3 (one dense layer, two MoE layers) in 128x128 blocks."""
     root = tmp_path_factory.mktemp("fp8_ds3")
-    src = make_tiny_model(str(root / "float"), arch="deepseek_v3", layers=3, seed=5)
+    src = add_mtp_layer(make_tiny_model(str(root / "float"), arch="deepseek_v3", layers=3,
+                                        seed=5))
     fp8 = make_fp8_model(src, str(root / "fp8"))
     return src, fp8, fp8_dequantized_folder(fp8, str(root / "ref"))
 
@@ -132,3 +133,34 @@ def test_deepseek_experts_stay_fp8(deepseek):
                for e in experts)
     # q_a, q_b, kv_a, o_proj in every layer; the dense MLP's and the shared experts' gate_up
     assert weight_layouts(model)["fp8"] >= 4 * cfg.num_hidden_layers + 3
+
+
+def test_draft_head_quantization_follows_the_same_rules(deepseek, dense):
+    """--speculative-draft-model-quantization: detected from the draft's checkpoint and checked
+    like --quantization; the NEXTN head (the FP8 DeepSeek's own MTP layer) loads FP8 with the
+    weights the de-quantized checkpoint gives."""
+    from pdcore.engine.model.nextn import load_nextn_head
+
+    src, fp8, ref_dir = deepseek
+    assert checked_draft_quantization(None, None, fp8) == "fp8"  # NEXTN: the model's own folder
+    assert checked_draft_quantization("unquant", None, fp8) == "fp8"  # read as the folder holds
+    assert checked_draft_quantization("fp8", dense[1], src) == "fp8"  # a separate draft folder
+    assert checked_draft_quantization(None, dense[0], fp8) is None
+    with pytest.raises(ConfigError, match="unquant does not match the draft model .* fp8"):
+        checked_draft_quantization("unquant", dense[1], src)
+    with pytest.raises(ConfigError, match="fp8: the draft model .* is not quantized"):
+        checked_draft_quantization("fp8", dense[0], fp8)
+    with pytest.raises(ConfigError, match="--speculative-draft-model-path /nonexistent/h does"):
+        checked_draft_quantization(None, "/nonexistent/h", fp8)
+    cpu = torch.device("cpu")
+    heads = []
+    for folder in (fp8, ref_dir):
+        target, _, _ = load_model(folder, torch.float32, cpu)
+        heads.append(load_nextn_head(target, folder, torch.float32, cpu))
+    ours, ref = heads
+    lin = [(a, b) for a, b in zip(ours.modules(), ref.modules())
+           if isinstance(a, (ColumnLinear, RowLinear))]
+    assert lin and all(a.fp8 is not None and b.fp8 is None for a, b in lin)
+    for a, b in lin:
+        torch.testing.assert_close(a.fp8.dequantized(), b.weight, rtol=0, atol=0)
+    assert any(isinstance(getattr(m, "fp8", None), Fp8Experts) for m in ours.modules())

@@ -252,9 +252,11 @@ def test_flags():
                disaggregation_mode="prefill").validate()  # tests/pd/test_pd_spec_dp.py
     ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                speculative_draft_model_quantization="unquant").validate()  # the head's way
-    with pytest.raises(ConfigError, match="quantization fp8: the head runs unquantized"):
+    ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
+               speculative_draft_model_quantization="fp8").validate()  # checked on its files
+    with pytest.raises(ConfigError, match="quantization int3: not a quantization method"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
-                   speculative_draft_model_quantization="fp8").validate()
+                   speculative_draft_model_quantization="int3").validate()
     with pytest.raises(ConfigError, match="must be 5"):
         ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x",
                    speculative_num_steps=4, speculative_num_draft_tokens=3).validate()

@@ -149,6 +149,7 @@ class EagleHead(TargetShared, LlamaLayerPool, nn.Module):
 def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype,
                     device: torch.device) -> EagleHead:
     """The draft head of the folder `path` beside `target` (checked against it)."""
+    from pdcore.engine.model.fp8 import quantized_weights
     from pdcore.engine.model.weights import SafetensorsWeights
 
     cfg = read_plain_config(path, EAGLE_ARCHS)
@@ -166,7 +167,7 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype,
                              f"({cfg.hidden_size}, {cfg.vocab_size}) differ from the target's "
                              f"({tcfg.hidden_size}, {tcfg.vocab_size})")
     head = EagleHead(cfg, target)
-    head.load(SafetensorsWeights(path))
+    head.load(quantized_weights(SafetensorsWeights(path), path))
     with torch.inference_mode():
         head = head.to(device=device, dtype=dtype).eval()
     return head

@@ -217,6 +217,7 @@ class Eagle3Head(TargetShared, LlamaLayerPool, nn.Module):
 def load_eagle3_head(path: str, target: CausalLM, dtype: torch.dtype,
                      device: torch.device) -> Eagle3Head:
     """The EAGLE3 head of the folder `path` beside `target` (checked against it)."""
+    from pdcore.engine.model.fp8 import quantized_weights
     from pdcore.engine.model.weights import SafetensorsWeights
 
     where = f"--speculative-draft-model-path {path}"
@@ -247,7 +248,7 @@ def load_eagle3_head(path: str, target: CausalLM, dtype: torch.dtype,
         raise ModelLoadError(f"{where}: the target model has no layer list to capture from")
     taps = aux_layers(cfg, len(target.layers), where)
     head = Eagle3Head(cfg, target, taps, None if dv is None else int(dv))
-    head.load(SafetensorsWeights(path), where)
+    head.load(quantized_weights(SafetensorsWeights(path), path), where)
     with torch.inference_mode():
         head = head.to(device=device, dtype=dtype).eval()
         if head.hot is not None:

@@ -205,3 +205,42 @@ def fp8_layers(model: torch.nn.Module) -> tuple[int, int]:
               for m in model.modules())
     moe = sum(isinstance(getattr(m, "fp8", None), Fp8Experts) for m in model.modules())
     return lin, moe
+
+
+def block_of(folder: str) -> tuple[int, int] | None:
+    """config.json's FP8 weight_block_size (bn, bk) in `folder` (compressed-tensors: its
+    weights' block_structure), if any."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            qc = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return None
+    block = qc.get("weight_block_size")
+    if block is None:
+        block = next((g.get("weights", {}).get("block_structure")
+                      for g in (qc.get("config_groups") or {}).values()
+                      if g.get("weights", {}).get("block_structure")), None)
+    if block is None:
+        return None
+    if len(block) != 2 or min(int(b) for b in block) < 1:
+        raise ValueError(f"quantization_config weight_block_size {block}: want [rows, cols]")
+    return int(block[0]), int(block[1])
+
+
+def quantized_weights(sd: Mapping[str, torch.Tensor], folder: str
+                      ) -> Mapping[str, torch.Tensor]:
+    """A draft head's checkpoint mapping read as the target's is (the same detection,
+    quant_config.detect): FP8 and W8A8 weights handed out with their scales, so the head's
+    linear layers keep them quantized and no quantized tensor is read as float values."""
+    from pdcore.engine.model import quant_config
+    from pdcore.engine.model.quant import Int8Checkpoint
+
+    name = quant_config.detect(folder, None).name
+    if name == "fp8":
+        return Fp8Checkpoint(sd, block_of(folder))
+    if name == "w8a8_int8":
+        return Int8Checkpoint(sd)
+    return sd

@@ -114,13 +114,14 @@ def load_nextn_head(target: CausalLM, folder: str, dtype: torch.dtype,
                     device: torch.device) -> NextNHead:
     """The MTP layer of the checkpoint at `folder` (the target's own unless
     --speculative-draft-model-path names another) beside `target`."""
+    from pdcore.engine.model.fp8 import quantized_weights
     from pdcore.engine.model.weights import SafetensorsWeights
 
     index = mtp_layer_index(target.cfg)
     sd = SafetensorsWeights(folder)
     prefix = mtp_prefix(sd, index, folder)
     head = NextNHead(target.cfg, target, index)
-    head.load(sd, prefix)
+    head.load(quantized_weights(sd, folder), prefix)
     with torch.inference_mode():
         head = head.to(device=device, dtype=dtype).eval()
     sd.release_pages()

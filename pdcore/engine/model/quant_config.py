@@ -210,3 +210,24 @@ def checked_quantization(flag: str | None, model_path: str | None) -> str | None
 
     resolved = resolve_model(model_path)
     return resolve(flag, detect(resolved.path, resolved.gguf_file), resolved.display_path)
+
+
+def checked_draft_quantization(flag: str | None, draft_path: str | None,
+                               model_path: str | None) -> str | None:
+    """`--speculative-draft-model-quantization` (`flag`) by the same rules as `--quantization`,
+    for the draft head's checkpoint: `draft_path` (--speculative-draft-model-path), else the
+    target's own folder (NEXTN's MTP layer, a MiMo's MTP layers). The head's loader reads its
+    weights as this detection finds them (fp8.quantized_weights). `unquant` (SGLang's "the
+    draft runs unquantized") on a separate draft folder must find it float; on the target's own
+    folder the head's tensors are read as that checkpoint holds them."""
+    from pdcore.engine.model.source import resolve_model
+
+    own = not draft_path
+    if not own and not os.path.exists(draft_path):
+        raise ConfigError(f"--speculative-draft-model-path {draft_path} does not exist (model "
+                          "hubs are not used: give a local HF folder)")
+    resolved = resolve_model(model_path if own else draft_path)
+    found = detect(resolved.path, resolved.gguf_file)
+    if flag == "unquant" and own:
+        flag = None
+    return resolve(flag, found, f"the draft model {resolved.display_path}")

@@ -27,6 +27,7 @@ from pdcore.config import (
     QUANT_CHOICES,
     NGRAM_MATCH_TYPES,
     SAMPLING_DEFAULTS,
+    SPEC_HEADS,
     ServerArgs,
     admin_api_key,
     cluster_secret,
@@ -152,7 +153,9 @@ HELP: dict[str, str] = {
                                 "(--speculative-draft-model-path optional: the model's own "
                                 "folder); any --tp-size (each layer sharded as the target's); "
                                 "refused (exit 2) for other models",
-    "speculative_draft_model_quantization": "unquant (the default here: the draft head runs unquantized in --dtype); other values are refused",
+    "speculative_draft_model_quantization": "the draft head's quantization, detected from its "
+                                            "checkpoint and checked as --quantization is "
+                                            "(unquant: a float head)",
     "speculative_ngram_min_match_window_size": "shortest context suffix an NGRAM draft must "
                                                "match",
     "speculative_ngram_max_match_window_size": "longest context suffix NGRAM matches",
@@ -305,9 +308,13 @@ def check_supported(args: ServerArgs) -> None:
         raise ConfigError("--attention-backend ascend needs --device npu and an NPU platform "
                           "plugin (pip install ./plugins/pd-ascend)")
     _check_model_path(args)
-    from pdcore.runtime import checked_quantization
+    from pdcore.runtime import checked_draft_quantization, checked_quantization
 
     args.quantization = checked_quantization(args.quantization, args.model_path)
+    if (args.speculative_algorithm or "").upper() in SPEC_HEADS:  # the head's, by the same rules
+        args.speculative_draft_model_quantization = checked_draft_quantization(
+            args.speculative_draft_model_quantization, args.speculative_draft_model_path,
+            args.model_path)
     if args.device == "cpu":
         return
     from pdcore.plugins.host import platforms
