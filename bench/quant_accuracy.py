@@ -5,7 +5,9 @@ forced) and the perplexity of each, with their difference.
 Both run in pdserve's own engine (LLMEngine, in process), each over the same token ids: the
 float32 model is the default SmolLM2-135M's float32 HF folder (its GGUF cache), the W8A8 one
 that folder quantized with compressed-tensors' W8A8 preset (pdcore/testing/quant_models.py:
-int8 weights per output channel, int8 activations per token at run time). The prompt logprobs
+int8 weights per output channel, int8 activations per token at run time), the FP8 one that
+folder in DeepSeek-V3's FP8 layout (quant_models.make_fp8_model: e4m3 weights, one scale per
+128x128 block, activations float). The prompt logprobs
 (logprob_start_len 0, top 1) give every position's top-1 token and the logprob of the text's
 own next token.
 
@@ -95,7 +97,7 @@ def main() -> None:
     from pdcore.engine.model.gguf_cache import converted
     from pdcore.engine.model.source import resolve_model
     from pdcore.engine.model.tokenizer import load_tokenizer
-    from pdcore.testing.quant_models import make_w8a8_model
+    from pdcore.testing.quant_models import make_fp8_model, make_w8a8_model
 
     src = args.model_path or converted(resolve_model(None)).path
     tok = load_tokenizer(argparse.Namespace(model_path=src))
@@ -103,13 +105,16 @@ def main() -> None:
     run = Run(NAME, {"model": src, "texts": len(TEXTS), "calibration_texts": len(CALIBRATION),
                      "formats": ["float32", "w8a8_int8 (round to nearest)",
                                  "w8a8_int8 after SmoothQuant 0.8 (llmcompressor's W8A8 recipe "
-                                 "smooths first; calibrated on other texts)"]})
+                                 "smooths first; calibrated on other texts)",
+                                 "fp8 (e4m3 weights, 128x128 block scales, weight-only)"]})
     calib = [tok.encode(t) for t in CALIBRATION]
     with tempfile.TemporaryDirectory(prefix="pdserve-w8a8-") as tmp:
         plain = make_w8a8_model(src, str(Path(tmp) / "w8a8"))
         smooth = make_w8a8_model(src, str(Path(tmp) / "w8a8-smooth"), calibration=calib)
+        fp8 = make_fp8_model(src, str(Path(tmp) / "fp8"))
         scores = {"float32": _score(src, prompts), "w8a8_int8": _score(plain, prompts),
-                  "w8a8_int8 smoothquant": _score(smooth, prompts)}
+                  "w8a8_int8 smoothquant": _score(smooth, prompts),
+                  "fp8 block 128x128": _score(fp8, prompts)}
     ref = scores["float32"]
     result: dict[str, Any] = {"formats": {}}
     for name, rows in scores.items():
