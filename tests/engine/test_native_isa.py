@@ -21,6 +21,7 @@ from pdcore.engine import native
 
 NATIVE_TESTS = Path(__file__).with_name("test_native.py")
 SAMPLER_TESTS = Path(__file__).with_name("test_sampler_native.py")
+INT8_TESTS = Path(__file__).with_name("test_native_int8.py")  # the W8A8 int8 GEMM's paths
 # /proc/cpuinfo's flags line of an AMD Zen 2 (AVX2 and FMA, no AVX-512)
 ZEN2_FLAGS = "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2\n"
 
@@ -33,7 +34,8 @@ keep, packed = layers.pack_in_place(w)
 x = torch.randn(3, 16)
 ok = torch.allclose(layers.linear(x, keep, None, packed), torch.nn.functional.linear(x, w),
                     atol=1e-5)
-print(json.dumps({"status": native.status(), "ops": native.ops() is not None, "ok": ok}))
+print(json.dumps({"status": native.status(), "ops": native.ops() is not None, "ok": ok,
+                  "int8": native.int8_path()}))
 """
 
 
@@ -53,7 +55,8 @@ def test_the_native_tests_on_every_isa(isa: str) -> None:
         pytest.skip(f"{isa} is what test_native.py loads in a plain run")
     env = {**os.environ, native.ISA_ENV: isa}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-p", "no:xdist", str(NATIVE_TESTS), str(SAMPLER_TESTS)],
+                        "-p", "no:xdist", str(NATIVE_TESTS), str(SAMPLER_TESTS),
+                        str(INT8_TESTS)],
                        env=env, capture_output=True, text=True,
                        timeout=900, check=False, cwd=NATIVE_TESTS.parent)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
@@ -62,6 +65,7 @@ def test_the_native_tests_on_every_isa(isa: str) -> None:
 def test_isa_forced_off_or_unknown_runs_without_native() -> None:
     r = _child(PDCORE_NATIVE="1", PDCORE_NATIVE_ISA="off")
     assert r["status"] == "off (PDCORE_NATIVE_ISA=off)" and not r["ops"] and r["ok"], r
+    assert r["int8"] == 0, r  # W8A8 runs torch._int_mm
     r = _child(PDCORE_NATIVE="1", PDCORE_NATIVE_ISA="sse9")
     assert r["status"].startswith("off (PDCORE_NATIVE_ISA='sse9': use auto, avx512, avx2"), r
     assert r["ok"] and not r["ops"], r
@@ -75,10 +79,27 @@ def test_an_avx2_cpu_loads_the_avx2_library(tmp_path) -> None:
     info = tmp_path / "cpuinfo"
     info.write_text(ZEN2_FLAGS)
     r = _child(PDCORE_NATIVE="1", PDCORE_NATIVE_ISA="", PDCORE_CPUINFO=str(info))
-    assert r["status"] == "native (avx2)" and r["ops"] and r["ok"], r
+    assert r["status"] == "native (avx2)" and r["ops"] and r["ok"] and r["int8"] == 1, r
     r = _child(PDCORE_NATIVE="1", PDCORE_NATIVE_ISA="avx512", PDCORE_CPUINFO=str(info))
     assert r["status"].startswith("off (PDCORE_NATIVE_ISA=avx512: this CPU lacks avx512"), r
     assert r["ok"] and not r["ops"], r
+
+
+# an Intel Skylake-SP's flags: AVX-512 F/BW/VL/DQ, no AVX-512 VNNI
+SKX_FLAGS = ("flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2 avx512f "
+             "avx512dq avx512cd avx512bw avx512vl\n")
+
+
+def test_an_avx512_cpu_without_vnni_runs_the_avx2_int8_path(tmp_path) -> None:
+    """The W8A8 int8 GEMM's VNNI path needs avx512_vnni besides the avx512 library: a CPU
+    without it (Skylake-SP, described by PDCORE_CPUINFO) runs the AVX2 int8 path in the avx512
+    library; with it (this CPU, where it has it) VNNI."""
+    if not native._cpu_has("avx512"):
+        pytest.skip("this CPU lacks avx512")
+    info = tmp_path / "cpuinfo"
+    info.write_text(SKX_FLAGS)
+    r = _child(PDCORE_NATIVE="1", PDCORE_NATIVE_ISA="", PDCORE_CPUINFO=str(info))
+    assert r["status"] == "native (avx512)" and r["ok"] and r["int8"] == 1, r
 
 
 SAME_BITS = r"""
@@ -102,7 +123,10 @@ nib = torch.randint(0, 256, (100, 4, 20), generator=g, dtype=torch.uint8)
 nib[..., :4] = torch.tensor([0x66, 0x26, 0x66, 0xa6], dtype=torch.uint8)  # d, m: Q4_1
 q41 = gp.typed(nib.view(100, -1), 3)
 xg = torch.randn(13, 128, generator=g)
+qi = torch.randint(-128, 128, (100, 68), dtype=torch.int8, generator=g)
 torch.save({"linear": o.linear(x, layers.pack_panels(w), 100, b),
+            "int8_linear": o.int8_linear(torch.randn(13, 68, generator=g),
+                                         o.int8_pack(qi, torch.rand(100, generator=g)), 100, b, 0),
             "gguf_q8_0": o.gguf_linear(xg, q8, 100, b), "gguf_q4_1": o.gguf_linear(xg[:5], q41, 100, None),
             "gguf_rows": o.gguf_rows(q41, torch.arange(100)),
             "attention": o.decode_attention(q, k, v, bias, 0.125),
@@ -113,8 +137,8 @@ torch.save({"linear": o.linear(x, layers.pack_panels(w), 100, b),
 
 def test_every_isa_computes_the_same_bits(tmp_path) -> None:
     """vec.h's promise: the panel GEMM, decode attention, silu * up and the GGUF GEMMs of each
-    ISA's library
-    are equal to the bit (on these inputs) to the others'."""
+    ISA's library are equal to the bit (on these inputs) to the others'; the W8A8 int8 layer too
+    (VNNI in the avx512 library where the CPU has it, AVX2 in the other)."""
     isas = [i for i in native.ISAS if native._cpu_has(i)]
     if len(isas) < 2:
         pytest.skip(f"this CPU has one ISA of {list(native.ISAS)}: {isas}")

@@ -1,8 +1,10 @@
 """#48: W8A8 INT8 end to end. A compressed-tensors W8A8 checkpoint (made here from a tiny random
 Llama with compressed-tensors' own qparams and quantize: pdcore/testing/quant_models.py) loads
-with its decoder weights kept int8 (per-output-channel scales), runs int8 x int8 -> int32 GEMMs
-with per-token activation scales, and its greedy output equals transformers running the same
-quantized math in float (de-quantized weights, the same per-token activation quantization)."""
+with its decoder weights kept int8 (per-output-channel scales; packed for the native int8 GEMM
+where it serves, test_native_int8.py), runs int8 x int8 -> int32 GEMMs with per-token
+activation scales (decode steps in the native layer loop), and its greedy output equals
+transformers running the same quantized math in float (de-quantized weights, the same
+per-token activation quantization)."""
 
 from __future__ import annotations
 
@@ -50,11 +52,16 @@ def test_weights_stay_int8(w8a8_dir, tiny_llama_dir):
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
     assert linears and all(m.int8 is not None and m.weight.dtype == torch.int8 for m in linears)
     assert weight_layouts(model)["int8"] == 4 * cfg.num_hidden_layers
-    assert model.native is None  # the native decode loop takes float panels only
+    native = all(m.int8.packed is not None for m in linears)  # the native int8 GEMM serves
+    # then the native decode loop takes the int8 panels too
+    assert (model.native is not None) == native
     ref, _, _ = load_model(str(tiny_llama_dir), torch.float32, torch.device("cpu"))
     lin_bytes = sum(m.int8.q.numel() for m in linears)
-    assert weight_bytes(ref) - weight_bytes(model) >= 3 * lin_bytes - 4 * sum(
-        m.int8.scale.numel() for m in linears)
+    # one byte a weight: the int8 matrix, or its panels, which carry 8 bytes a channel besides
+    # (the scale and the VNNI correction) and pad K to 4 and N to 32
+    extra = sum(8 * -(-m.int8.shape[0] // 32) * 32 + 32 * -(-m.int8.shape[0] // 32) * 3
+                for m in linears) if native else 4 * sum(m.int8.scale.numel() for m in linears)
+    assert weight_bytes(ref) - weight_bytes(model) >= 3 * lin_bytes - extra
 
 
 def test_greedy_equals_the_float_reference_of_the_same_math(w8a8_dir, tiny_llama_dir):
@@ -63,6 +70,9 @@ def test_greedy_equals_the_float_reference_of_the_same_math(w8a8_dir, tiny_llama
     try:
         outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0.0,
                                                     ignore_eos=True), return_logprob=True)
+        # where the native int8 GEMM serves, the decode steps ran the native layer loop over it
+        model = eng.engine.model
+        assert (model.native_steps > 0) == (model.native is not None)
     finally:
         eng.close()
     # the logprobs agree to 8e-4 (3e-4 seen: an activation that sits on a rounding boundary

@@ -359,6 +359,7 @@ class ColumnLinear(nn.Module):
             self.int8 = Int8Weight(torch.cat(rows, 0), torch.cat(
                 [scale_of(w)[a : a + n] for w, (a, n) in zip(weights, self.shards)]))
             self.weight = nn.Parameter(self.int8.q, requires_grad=False)
+            self.packed = self.int8.packed  # the native int8 panels (the decode loop takes them)
         elif rows[0].dtype == torch.uint8:  # GGUF blocks (gguf_packed.py): kept packed
             self.packed = gguf_packed.packed_parts(weights, rows)
             if self.packed is None:  # parts of different types: de-quantized
@@ -406,6 +407,7 @@ class RowLinear(nn.Module):
         elif weight.dtype == torch.int8:  # W8A8: each rank's partial sum is dequantized, then reduced
             self.int8 = Int8Weight(weight[:, a : a + n], scale_of(weight))
             self.weight = nn.Parameter(self.int8.q, requires_grad=False)
+            self.packed = self.int8.packed
         elif weight.dtype == torch.uint8:  # GGUF blocks (gguf_packed.py): whole rows only
             if self.tp.size != 1:
                 raise ConfigError("GGUF weights served packed are not sharded by input feature "

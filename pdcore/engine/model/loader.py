@@ -143,7 +143,8 @@ def _quantization(resolved: ResolvedModel, cfg: Any, load_format: str) -> str | 
                               "yet (its MoE / MLA layers take float weights only)")
         log.info("quantization w8a8_int8 (compressed-tensors W8A8 int8): the decoder's linear "
                  "weights stay int8 with per-output-channel scales, activations are quantized "
-                 "per token at run time, int8 x int8 -> int32 GEMMs (torch._int_mm)")
+                 "per token at run time, int8 x int8 -> int32 GEMMs (engine/native's, else "
+                 "torch._int_mm)")
     return name
 
 

@@ -10,8 +10,10 @@ quantized on its own, symmetric: s_x = max|x| / 127, x_q = round(x / s_x) clampe
     y[m, n] = s_x[m] * s_w[n] * sum_k x_q[m, k] * w_q[n, k]   (+ bias)
 
 with the sum an int8 x int8 -> int32 GEMM (exact) and the scales applied after, in float32.
-The GEMM is torch's `_int_mm` (oneDNN/reference int8 kernels); a native AVX-512 VNNI / AVX2
-kernel in engine/native is the next step (#48), and AMX-INT8 where the CPU has it.
+On the CPU the GEMM is engine/native's (int8_gemm.h: AVX-512 VNNI where the CPU has it, else
+AVX2; the weight packed once at load into its panels, which replace the int8 matrix), equal to
+the bit to the torch path kept for where no native library serves (torch's `_int_mm`, oneDNN's
+or the reference int8 kernels; measured slower on this project's CPUs at decode sizes).
 
 `Int8Checkpoint` wraps the checkpoint's mapping so the model's ordinary loading code
 (ColumnLinear.load / RowLinear.load in layers.py) receives each int8 weight with its scale
@@ -49,15 +51,40 @@ class Int8Weight:
         if scale.numel() != q.shape[0]:
             raise ValueError(f"weight_scale holds {scale.numel()} values for {q.shape[0]} output "
                              "channels (W8A8 scales are per output channel)")
-        self.q = q.contiguous().clone()  # owned memory: not the checkpoint's mapped file
-        self.qt = self.q.t()  # [K, N] view for _int_mm
         self.scale = scale
+        self.path = 0  # the native GEMM's (engine/native.int8_path: 2 VNNI, 1 AVX2), 0: torch
+        self.packed: torch.Tensor | None = None  # its panels, where it serves
+        if q.device.type == "cpu":
+            from pdcore.engine import native
+
+            self.path = native.int8_path()
+        if self.path:
+            self.packed = torch.ops.pdcore_native.int8_pack(q.contiguous(), scale)
+            self.q = torch.empty_strided(q.shape, (0, 0), dtype=torch.int8)  # shape only
+        else:
+            self.q = q.contiguous().clone()  # owned memory: not the checkpoint's mapped file
+        self.qt = self.q.t()  # [K, N] view for _int_mm
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
 
+    def matrix(self) -> torch.Tensor:
+        """The int8 matrix [N, K] (from the panels where they hold it: references, checks)."""
+        if self.packed is None:
+            return self.q
+        n, k = self.q.shape
+        kp = (k + 3) // 4 * 4
+        w = self.packed[:, : kp * 32].view(-1, kp // 4, 32, 4).permute(0, 2, 1, 3)
+        return w.reshape(-1, kp)[:n, :k].contiguous()
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None and x.device.type == "cpu":
+            return torch.ops.pdcore_native.int8_linear(x, self.packed, self.q.shape[0], bias,
+                                                       self.path)
+        if self.packed is not None:
+            raise RuntimeError("a W8A8 weight packed for the CPU's native GEMM got a "
+                               f"{x.device.type} input")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] == 0:
@@ -71,7 +98,7 @@ class Int8Weight:
 
     def dequantized(self) -> torch.Tensor:
         """W = w_q * s_w as float32 [N, K] (references and checks)."""
-        return self.q.float() * self.scale[:, None]
+        return self.matrix().float() * self.scale[:, None]
 
 
 def scale_of(weight: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
-(decode_step.cpp with the headers beside it: gemm.h, attention.h, elementwise.h, common.h and
-vec.h, the vector layer they are written against):
+(decode_step.cpp with the headers beside it: gemm.h, int8_gemm.h, attention.h, elementwise.h,
+common.h and vec.h, the vector layer they are written against):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
   `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight), kernels
@@ -11,6 +11,8 @@ vec.h, the vector layer they are written against):
   to the bit to the aten operators); `silu_mul`: bf16 silu(gate) * up in one pass;
 - `pdcore_native::sample_rows`: a batch's token sampling, one row per task (sampler.h; the
   torch path of engine/sched/sampler.py where the library is not built);
+- `pdcore_native::int8_linear` / `int8_pack` / `int8_gemm`: the W8A8 int8 GEMM (int8_gemm.h:
+  AVX-512 VNNI or AVX2, `int8_path()`), equal to the bit to engine/model/quant.py's torch path;
 - `pdcore_native::decode_layers`: a Llama-family decode step's layer loop, the same operators
   in the same order as the Python loop in models/llama.py (equal to the bit); what it saves is
   the interpreter between ~25 small operators a layer.
@@ -264,6 +266,38 @@ def bf16_gemm() -> bool:
         o = ops()
         _state["bf16"] = o is not None and bool(o.bf16_gemm_supported())
     return bool(_state["bf16"])
+
+
+INT8_PATHS = {2: "avx512_vnni", 1: "avx2", 0: "torch"}  # int8_path()'s values and names
+
+
+def int8_path() -> int:
+    """The W8A8 int8 GEMM's path (int8_gemm.h), chosen once and logged: 2, AVX-512 VNNI (the
+    avx512 library on a CPU with avx512_vnni); 1, AVX2 (either library: the avx2 one, or an
+    AVX-512 CPU without VNNI); 0 where no native library serves (engine/model/quant.py then
+    runs torch._int_mm). AMX-INT8 has no kernel here: a CPU with it runs VNNI, and the log
+    says so."""
+    with _lock:
+        if "int8" in _state:
+            return int(_state["int8"])
+    o = ops()
+    from pdcore.engine.cpu_features import cpu_flags
+
+    flags = cpu_flags()
+    if o is None:
+        path, why = 0, f"native kernels off: {_state.get('why')}"
+    elif isa() == "avx512" and "avx512_vnni" in flags and int(o.int8_best_path()) == 2:
+        path, why = 2, "the avx512 library on a CPU with avx512_vnni"
+    else:
+        path, why = 1, (f"the {isa()} library" + ("" if isa() == "avx2" else
+                                                    " on a CPU without avx512_vnni"))
+    with _lock:
+        if "int8" not in _state:
+            _state["int8"] = path
+            log.info("W8A8 int8 GEMM: %s (%s)%s", INT8_PATHS[path] if path else "torch._int_mm",
+                     why, "; this CPU has AMX-INT8, which pdserve has no kernel for yet"
+                     if "amx_int8" in flags and path else "")
+        return int(_state["int8"])
 
 
 def status() -> str:

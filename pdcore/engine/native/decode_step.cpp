@@ -10,6 +10,7 @@
 #include "common.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "int8_gemm.h"
 #include "sampler.h"
 
 namespace {
@@ -105,6 +106,13 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.impl("gguf_linear", c10::DispatchKey::CompositeExplicitAutograd, &gguf_linear);
   m.def("gguf_rows(Tensor w, Tensor ids) -> Tensor");
   m.impl("gguf_rows", c10::DispatchKey::CompositeExplicitAutograd, &gguf_rows);
+  m.def("int8_pack(Tensor q, Tensor scale) -> Tensor");
+  m.impl("int8_pack", c10::DispatchKey::CompositeExplicitAutograd, &int8_pack);
+  m.def("int8_linear(Tensor x, Tensor packed, int n, Tensor? b, int path) -> Tensor");
+  m.impl("int8_linear", c10::DispatchKey::CompositeExplicitAutograd, &int8_linear);
+  m.def("int8_gemm(Tensor xq, Tensor packed, int n, int path) -> Tensor");
+  m.impl("int8_gemm", c10::DispatchKey::CompositeExplicitAutograd, &int8_gemm);
+  m.def("int8_best_path() -> int", &int8_best_path);
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CompositeExplicitAutograd, &decode_attention);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "

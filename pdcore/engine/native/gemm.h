@@ -378,10 +378,14 @@ Tensor panel_linear_bf16(const Tensor& x_in, const Tensor& panels, int64_t N,
   return with_lead(y, x_in);
 }
 
-// a GEMM of the decode loop: panels (3-D) or oneDNN's reordered weight
+Tensor int8_linear(const Tensor& x, const Tensor& packed, int64_t N,
+                   const std::optional<Tensor>& b, int64_t path);  // int8_gemm.h
+
+// a GEMM of the decode loop: panels (3-D), W8A8 int8 panels (int8) or oneDNN's reordered weight
 Tensor any_linear(const c10::OperatorHandle& lin, const Tensor& x, const Tensor& w, int64_t N,
                   const std::optional<Tensor>& b) {
   if (w.scalar_type() == at::kByte) return gguf_linear(x, w, N, b);  // GGUF blocks (gguf_gemm.h)
+  if (w.scalar_type() == at::kChar) return int8_linear(x, w, N, b, 0);
   if (w.dim() == 3) return panel_linear(x, w, N, b);
   if (w.dim() == 4) return panel_linear_bf16(x, w, N, b);
   return linear(lin, x, w, b);

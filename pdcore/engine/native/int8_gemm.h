@@ -1,0 +1,338 @@
+#pragma once
+// W8A8 int8 GEMM (engine/model/quant.py): y[m, n] = s_x[m] * s_w[n] * sum_k x_q[m, k] w_q[n, k]
+// (+ b[n]), the sum in int32 (exact), x_q each row of x quantized on its own (symmetric,
+// max|x| / 127, round half to even, [-127, 127]: quant.quantize_rows, bit for bit), the scales
+// applied after in float32 in torch's order (acc.float() * s_x * s_w + b), so the result equals
+// quant.Int8Weight's torch path (torch._int_mm) to the bit.
+//
+// The weight is packed once at load (`int8_pack`): panels of 32 output channels, int8
+// [ceil(N / 32), Kp * 32 + 256] with Kp = K rounded up to 4. A panel holds, for each group of 4
+// k, the 32 channels' 4 consecutive weights (128 bytes: one 64-byte line per 16 channels), then
+// 32 int32 (128 * sum_k w[n, k], the VNNI path's correction) and 32 float32 (s_w). Two paths,
+// one layout:
+// - VNNI (AVX-512 VNNI, in the avx512 library where the CPU has avx512_vnni): vpdpbusd adds the
+//   4 products of unsigned x bytes and signed w bytes of each 32-bit lane to an int32
+//   accumulator, no intermediate saturation; x goes in as x_q + 128 (0..255) and the correction
+//   takes 128 * sum_k w back off. A tile of up to 12 rows runs down one panel: per 4 k, two
+//   64-byte loads of the panel, one broadcast of the row's 4 bytes, two vpdpbusd per row;
+// - AVX2 (both libraries; the only one without AVX-512 VNNI): vpmaddubsw multiplies |w| (0..128
+//   as unsigned) by x_q with w's sign (sign_epi8), adding pairs into int16 (at most 2 * 128 * 127
+//   = 32512: no saturation, which is why x_q stops at -127), and vpmaddwd by 1 adds those pairs
+//   into int32. Passes of up to 3 rows (16 ymm registers) down each 8-channel quarter.
+// The raw integer product (`int8_gemm`, int32 out) is what the tests compare with torch._int_mm.
+// Work is shared out as the float panel GEMM's (gemm.h: Tiling, for_tiles): a decode step's
+// panels between the threads, a prefill's blocks of rows down one panel after another.
+#include "common.h"
+#include "gemm.h"
+
+namespace {
+
+constexpr int64_t I8_PANEL = 32;               // output channels per panel
+constexpr int64_t I8_TAIL = I8_PANEL * 4 * 2;  // per panel after the weights: int32 x 32, float x 32
+constexpr int I8_ROWS2 = 3;                    // rows per AVX2 pass
+constexpr int64_t I8_PF = 8;                   // prefetch distance in groups of 4 k (1 KB)
+
+inline int64_t i8_kp(int64_t K) { return (K + 3) / 4 * 4; }
+inline int64_t i8_panel_bytes(int64_t K) { return i8_kp(K) * I8_PANEL + I8_TAIL; }
+
+bool int8_vnni_supported() {
+#if defined(PD_ISA_AVX512)
+  static const bool ok = isa_supported() && __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// 2 (VNNI) where this library and CPU run it, else 1 (AVX2)
+int64_t int8_best_path() { return int8_vnni_supported() ? 2 : 1; }
+
+int64_t int8_resolve_path(int64_t path) {
+  TORCH_CHECK(isa_supported(), "the int8 GEMM needs AVX2 and FMA");
+  if (path == 0) return int8_best_path();
+  TORCH_CHECK(path == 1 || path == 2, "int8 GEMM path: 0 (best), 1 (avx2) or 2 (vnni), got ", path);
+  TORCH_CHECK(path == 1 || int8_vnni_supported(),
+              "the VNNI int8 path needs the avx512 library on a CPU with avx512_vnni");
+  return path;
+}
+
+// q int8 [N, K], scale float [N] (or [N, 1]) -> the panels described above
+Tensor int8_pack(const Tensor& q_in, const Tensor& scale_in) {
+  TORCH_CHECK(q_in.scalar_type() == at::kChar && q_in.dim() == 2, "int8_pack takes an int8 matrix");
+  const Tensor q = q_in.contiguous();
+  const Tensor scale = scale_in.reshape({-1}).to(at::kFloat).contiguous();
+  const int64_t N = q.size(0), K = q.size(1), Kp = i8_kp(K);
+  TORCH_CHECK(scale.numel() == N, "int8_pack: ", scale.numel(), " scales for ", N, " channels");
+  const int64_t P = (N + I8_PANEL - 1) / I8_PANEL, bytes = i8_panel_bytes(K);
+  Tensor out = at::zeros({P, bytes}, q.options());
+  const int8_t* src = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      int8_t* panel = dst + p * bytes;
+      int32_t comp[I8_PANEL] = {};
+      float sc[I8_PANEL] = {};
+      for (int64_t c = 0; c < I8_PANEL && p * I8_PANEL + c < N; ++c) {
+        const int8_t* row = src + (p * I8_PANEL + c) * K;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < K; ++k) {
+          panel[(k / 4) * I8_PANEL * 4 + c * 4 + k % 4] = row[k];
+          sum += row[k];
+        }
+        comp[c] = 128 * sum;
+        sc[c] = sp[p * I8_PANEL + c];
+      }
+      std::memcpy(panel + Kp * I8_PANEL, comp, sizeof(comp));
+      std::memcpy(panel + Kp * I8_PANEL + sizeof(comp), sc, sizeof(sc));
+    }
+  });
+  return out;
+}
+
+// the first `valid` of 8 int32 lanes as an all-ones mask (AVX2 masked stores)
+inline __m256i i8_mask8(int64_t valid) {
+  const int v = static_cast<int>(valid < 0 ? 0 : valid > 8 ? 8 : valid);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(v), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Where a tile's results go: int32 sums (RAW) or the scaled float32 outputs (+ bias)
+struct I8Out {
+  void* y;          // [M, N]: int32 (raw) or float32
+  int64_t N;
+  const float* xs;  // per row s_x (null: raw)
+  const float* b;   // bias or null
+};
+
+#if defined(PD_ISA_AVX512)
+// MB rows (u8: x_q + 128, rows Kp bytes apart) down one panel
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))) void i8_tile_vnni(
+    const uint8_t* x, int64_t Kp, const int8_t* panel, const I8Out& o, int64_t m0, int64_t n0) {
+  __m512i acc[MB][2];
+  PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+  const int64_t G = Kp / 4;
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* w = panel + g * I8_PANEL * 4;
+    _mm_prefetch(reinterpret_cast<const char*>(w + I8_PF * I8_PANEL * 4), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + I8_PF * I8_PANEL * 4 + 64), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+    PD_UNROLL for (int m = 0; m < MB; ++m) {
+      int32_t four;
+      std::memcpy(&four, x + m * Kp + 4 * g, sizeof(four));
+      const __m512i xv = _mm512_set1_epi32(four);
+      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], xv, w0);
+      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], xv, w1);
+    }
+  }
+  const int32_t* comp = reinterpret_cast<const int32_t*>(panel + Kp * I8_PANEL);
+  const float* sw = reinterpret_cast<const float*>(comp + I8_PANEL);
+  const __mmask16 k0 = lane_mask(o.N - n0), k1 = lane_mask(o.N - n0 - 16);
+  const __m512i c0 = _mm512_loadu_si512(comp), c1 = _mm512_loadu_si512(comp + 16);
+  const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (o.b) {
+    b0 = _mm512_maskz_loadu_ps(k0, o.b + n0);
+    b1 = _mm512_maskz_loadu_ps(k1, o.b + n0 + 16);
+  }
+  PD_UNROLL for (int m = 0; m < MB; ++m) {
+    const __m512i a0 = _mm512_sub_epi32(acc[m][0], c0), a1 = _mm512_sub_epi32(acc[m][1], c1);
+    const int64_t row = (m0 + m) * o.N + n0;
+    if (o.xs == nullptr) {
+      int32_t* y = static_cast<int32_t*>(o.y) + row;
+      _mm512_mask_storeu_epi32(y, k0, a0);
+      _mm512_mask_storeu_epi32(y + 16, k1, a1);
+      continue;
+    }
+    const __m512 xs = _mm512_set1_ps(o.xs[m0 + m]);
+    __m512 f0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), xs), s0);
+    __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), xs), s1);
+    if (o.b) {
+      f0 = _mm512_add_ps(f0, b0);
+      f1 = _mm512_add_ps(f1, b1);
+    }
+    float* y = static_cast<float*>(o.y) + row;
+    _mm512_mask_storeu_ps(y, k0, f0);
+    _mm512_mask_storeu_ps(y + 16, k1, f1);
+  }
+}
+
+using I8VnniFn = void (*)(const uint8_t*, int64_t, const int8_t*, const I8Out&, int64_t, int64_t);
+const I8VnniFn I8_VNNI[TILE] = {i8_tile_vnni<1>, i8_tile_vnni<2>,  i8_tile_vnni<3>,
+                                i8_tile_vnni<4>, i8_tile_vnni<5>,  i8_tile_vnni<6>,
+                                i8_tile_vnni<7>, i8_tile_vnni<8>,  i8_tile_vnni<9>,
+                                i8_tile_vnni<10>, i8_tile_vnni<11>, i8_tile_vnni<12>};
+#endif
+
+// MB (<= 3) rows (int8 x_q, rows Kp bytes apart) down one panel, 8 channels (a quarter) at a time
+template <int MB>
+void i8_rows_avx2(const int8_t* x, int64_t Kp, const int8_t* panel, const I8Out& o, int64_t m0,
+                  int64_t n0, bool prefetch) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t G = Kp / 4;
+  __m256i acc[MB][4];
+  PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] =
+      _mm256_setzero_si256();
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* w = panel + g * I8_PANEL * 4;
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + I8_PF * I8_PANEL * 4), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + I8_PF * I8_PANEL * 4 + 64), _MM_HINT_T0);
+    }
+    PD_UNROLL for (int q = 0; q < 4; ++q) {
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * q));
+      const __m256i aw = _mm256_abs_epi8(wq);
+      PD_UNROLL for (int m = 0; m < MB; ++m) {
+        int32_t four;
+        std::memcpy(&four, x + m * Kp + 4 * g, sizeof(four));
+        const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(four), wq);
+        const __m256i pairs = _mm256_maddubs_epi16(aw, xv);
+        acc[m][q] = _mm256_add_epi32(acc[m][q], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  const int32_t* comp = reinterpret_cast<const int32_t*>(panel + (Kp * I8_PANEL));
+  const float* sw = reinterpret_cast<const float*>(comp + I8_PANEL);
+  (void)comp;  // the AVX2 path multiplies x_q itself: no correction
+  PD_UNROLL for (int q = 0; q < 4; ++q) {
+    const int64_t n = n0 + 8 * q;
+    const __m256i mask = i8_mask8(o.N - n);
+    const __m256 s = _mm256_loadu_ps(sw + 8 * q);
+    const __m256 b = o.b ? _mm256_maskload_ps(o.b + n, mask) : _mm256_setzero_ps();
+    PD_UNROLL for (int m = 0; m < MB; ++m) {
+      const int64_t row = (m0 + m) * o.N + n;
+      if (o.xs == nullptr) {
+        _mm256_maskstore_epi32(static_cast<int32_t*>(o.y) + row, mask, acc[m][q]);
+        continue;
+      }
+      __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][q]),
+                                             _mm256_set1_ps(o.xs[m0 + m])), s);
+      if (o.b) f = _mm256_add_ps(f, b);
+      _mm256_maskstore_ps(static_cast<float*>(o.y) + row, mask, f);
+    }
+  }
+}
+
+using I8Avx2Fn = void (*)(const int8_t*, int64_t, const int8_t*, const I8Out&, int64_t, int64_t,
+                          bool);
+const I8Avx2Fn I8_AVX2[I8_ROWS2] = {i8_rows_avx2<1>, i8_rows_avx2<2>, i8_rows_avx2<3>};
+
+// Each row of x [M, K] float32 quantized into xq [M, Kp] (x_q, or x_q + 128 as bytes for VNNI;
+// the padding k hold 0 / 128, against zero weights) and xs [M] (s_x), as quant.quantize_rows:
+// amax = max|x|, s = amax > 0 ? amax / 127 : 1, x_q = clamp(round_half_even(x / s), -127, 127)
+void i8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, bool u8, int8_t* xq,
+                      float* xs) {
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    alignas(64) int32_t tmp[16];
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = x + r * K;
+      int8_t* out = xq + r * Kp;
+      V16 vmaxabs = vzero();
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const V16 v = vload(row + k);
+        vmaxabs = vmax(vmaxabs, vmax(v, vneg(v)));
+      }
+      float amax = vreduce_max(vmaxabs);
+      for (; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+      xs[r] = s;
+      const int32_t off = u8 ? 128 : 0;
+      const V16 vs = vset1(s), lo = vset1(-127.0f), hi = vset1(127.0f);
+      for (k = 0; k + 16 <= K; k += 16) {
+        const V16 v = vload(row + k);
+#if defined(PD_ISA_AVX512)
+        const V16 q = vmin(vmax(vround({_mm512_div_ps(v.v, vs.v)}), lo), hi);
+        const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(q.v), _mm512_set1_epi32(off));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(qi));
+#else
+        const V16 q = vmin(vmax(vround({_mm256_div_ps(v.lo, vs.lo), _mm256_div_ps(v.hi, vs.hi)}),
+                                lo), hi);
+        const __m256i o8 = _mm256_set1_epi32(off);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp),
+                           _mm256_add_epi32(_mm256_cvtps_epi32(q.lo), o8));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 8),
+                           _mm256_add_epi32(_mm256_cvtps_epi32(q.hi), o8));
+        for (int i = 0; i < 16; ++i) out[k + i] = static_cast<int8_t>(tmp[i]);
+#endif
+      }
+      for (; k < K; ++k) {
+        const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] / s)));
+        out[k] = static_cast<int8_t>(static_cast<int32_t>(q) + off);
+      }
+      for (k = K; k < Kp; ++k) out[k] = static_cast<int8_t>(off);
+    }
+  });
+}
+
+// the GEMM of quantized rows xq [M, Kp] down the panels into o
+void i8_gemm(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* wp, int64_t P, int64_t path,
+             const I8Out& o) {
+  const int64_t bytes = Kp * I8_PANEL + I8_TAIL;
+#if defined(PD_ISA_AVX512)
+  if (path == 2) {
+    const auto* xu = reinterpret_cast<const uint8_t*>(xq);
+    for_tiles(Tiling(M), P, [&](int64_t m, int64_t rows, int64_t p) {
+      I8_VNNI[rows - 1](xu + m * Kp, Kp, wp + p * bytes, o, m, p * I8_PANEL);
+    });
+    return;
+  }
+#endif
+  for_tiles(Tiling(M), P, [&](int64_t m, int64_t rows, int64_t p) {
+    for (int64_t r = 0; r < rows; r += I8_ROWS2) {
+      const int64_t n = std::min<int64_t>(I8_ROWS2, rows - r);
+      I8_AVX2[n - 1](xq + (m + r) * Kp, Kp, wp + p * bytes, o, m + r, p * I8_PANEL, r == 0);
+    }
+  });
+}
+
+void i8_check(const Tensor& packed, int64_t K, int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) == i8_panel_bytes(K) && packed.size(0) * I8_PANEL >= N &&
+                  (packed.size(0) - 1) * I8_PANEL < N,
+              "the int8 panels do not match the input (K ", K, ", N ", N, ")");
+}
+
+// x [..., K] float32 or bfloat16 -> y [..., N] in x's dtype: the W8A8 linear layer
+Tensor int8_linear(const Tensor& x_in, const Tensor& packed, int64_t N,
+                   const std::optional<Tensor>& b, int64_t path) {
+  path = int8_resolve_path(path);
+  const int64_t K = x_in.size(-1), Kp = i8_kp(K);
+  i8_check(packed, K, N);
+  const Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  Tensor y = at::empty({M, N}, x.options());
+  Tensor xq = at::empty({M, Kp}, x.options().dtype(at::kChar));
+  Tensor xs = at::empty({M}, x.options());
+  Tensor bc;
+  if (b.has_value() && b->defined() && b->numel() > 0) bc = b->to(at::kFloat).contiguous();
+  i8_quantize_rows(x.data_ptr<float>(), M, K, Kp, path == 2, xq.data_ptr<int8_t>(),
+                   xs.data_ptr<float>());
+  const I8Out o{y.data_ptr<float>(), N, xs.data_ptr<float>(),
+                bc.defined() ? bc.data_ptr<float>() : nullptr};
+  i8_gemm(xq.data_ptr<int8_t>(), M, Kp, packed.data_ptr<int8_t>(), packed.size(0), path, o);
+  y = with_lead(y, x_in);
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+// xq int8 [M, K] (each in [-127, 127]) -> int32 [M, N]: sum_k xq[m, k] w[n, k], exact
+Tensor int8_gemm(const Tensor& xq_in, const Tensor& packed, int64_t N, int64_t path) {
+  path = int8_resolve_path(path);
+  TORCH_CHECK(xq_in.scalar_type() == at::kChar && xq_in.dim() == 2, "int8_gemm takes int8 rows");
+  const int64_t M = xq_in.size(0), K = xq_in.size(1), Kp = i8_kp(K);
+  i8_check(packed, K, N);
+  TORCH_CHECK(M == 0 || xq_in.min().item<int8_t>() >= -127,
+              "int8_gemm: activations must lie in [-127, 127] (the AVX2 path negates them)");
+  Tensor xq = at::full({M, Kp}, path == 2 ? -128 : 0, xq_in.options());  // 128 as a byte
+  if (path == 2) {
+    xq.slice(1, 0, K).copy_(xq_in.to(at::kInt).add(128).to(at::kByte).view(at::kChar));
+  } else {
+    xq.slice(1, 0, K).copy_(xq_in);
+  }
+  Tensor y = at::empty({M, N}, xq_in.options().dtype(at::kInt));
+  const I8Out o{y.data_ptr<int32_t>(), N, nullptr, nullptr};
+  i8_gemm(xq.data_ptr<int8_t>(), M, Kp, packed.data_ptr<int8_t>(), packed.size(0), path, o);
+  return y;
+}
+
+}  // namespace

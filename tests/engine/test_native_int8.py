@@ -1,0 +1,111 @@
+"""#48: the native W8A8 int8 GEMM (pdcore/engine/native/int8_gemm.h). Every path this library
+runs (AVX-512 VNNI where the CPU has avx512_vnni, AVX2 always) computes the int32 sums equal to
+torch._int_mm, and the whole layer (per-token quantization, GEMM, scales, bias) equal to the bit
+to engine/model/quant.py's torch path, over shapes that reach every tile size, a K that is not a
+multiple of 4, an N that is not a multiple of the 32-channel panel, and a prefill's blocks of
+rows. The path the engine chose is the one the CPU's flags call for.
+
+This process runs the best library this CPU has; test_native_isa.py runs the file again with
+PDCORE_NATIVE_ISA=avx2 (the AVX2 library, built without AVX-512)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdcore.engine import native
+from pdcore.engine.cpu_features import cpu_flags
+from pdcore.engine.model.quant import Int8Weight, quantize_rows
+
+# (M rows, N channels, K): 1..13 rows (each tile size, 13 = 7 + 6), a 200-row prefill (two
+# blocks of tiles), K = 67 (padded to 68), N = 100 (a partial last panel), SmolLM2's shapes
+SHAPES = [(1, 40, 16), (2, 32, 4), (3, 100, 67), (5, 65, 130), (8, 960, 576), (12, 33, 64),
+          (13, 576, 576), (37, 576, 1536), (200, 130, 68), (0, 32, 8)]
+
+
+def _paths() -> list[int]:
+    o = native.ops()
+    if o is None:
+        pytest.skip(f"native kernels unavailable here: {native.status()}")
+    return [1, 2] if int(o.int8_best_path()) == 2 else [1]
+
+
+def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+               b: torch.Tensor | None) -> torch.Tensor:
+    """quant.Int8Weight's torch path, written out: quantize_rows, _int_mm, the scales, + b."""
+    xq, xs = quantize_rows(x)
+    y = torch._int_mm(xq, q.t()).float().mul_(xs).mul_(scale.reshape(-1))
+    return y.add_(b) if b is not None else y
+
+
+def test_int32_sums_equal_int_mm_on_every_path():
+    paths = _paths()
+    g = torch.Generator().manual_seed(0)
+    o = torch.ops.pdcore_native
+    for m, n, k in SHAPES:
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        q[0, : min(k, 5)] = -128  # the extreme weight, against extreme activations below
+        packed = o.int8_pack(q, torch.rand(n, generator=g))
+        xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+        if m:
+            xq[0] = -127
+            xq[-1, : k // 2] = 127
+        want = torch._int_mm(xq, q.t()) if m else torch.zeros(0, n, dtype=torch.int32)
+        for path in paths:
+            got = o.int8_gemm(xq, packed, n, path)
+            assert got.dtype == torch.int32 and torch.equal(got, want), (m, n, k, path)
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        o.int8_gemm(torch.full((2, 8), -128, dtype=torch.int8), packed_of(8, 32), 32, 1)
+
+
+def packed_of(k: int, n: int) -> torch.Tensor:
+    return torch.ops.pdcore_native.int8_pack(torch.ones(n, k, dtype=torch.int8), torch.ones(n))
+
+
+def test_the_layer_equals_the_torch_path_to_the_bit():
+    paths = _paths()
+    g = torch.Generator().manual_seed(1)
+    o = torch.ops.pdcore_native
+    for m, n, k in SHAPES:
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        scale = torch.rand(n, 1, generator=g) / 50
+        packed = o.int8_pack(q, scale)
+        # rows of very different sizes, and a row of zeros (scale 1, all-zero x_q)
+        x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, max(m, 1))[:m, None]
+        if m > 2:
+            x[2] = 0
+        b = torch.randn(n, generator=g)
+        for path in paths:
+            for bias in (None, b):
+                got = o.int8_linear(x, packed, n, bias, path)
+                assert torch.equal(got, _reference(x, q, scale, bias)), (m, n, k, path, bias)
+    # leading dimensions and bf16 inputs, as the model's layers pass them
+    x = torch.randn(2, 3, 64, generator=g)
+    q = torch.randint(-128, 128, (48, 64), dtype=torch.int8, generator=g)
+    packed = o.int8_pack(q, torch.ones(48))
+    for path in paths:
+        assert torch.equal(o.int8_linear(x, packed, 48, None, path),
+                           _reference(x.view(6, 64), q, torch.ones(48), None).view(2, 3, 48))
+        y = o.int8_linear(x.bfloat16(), packed, 48, None, path)
+        assert y.dtype == torch.bfloat16 and torch.equal(
+            y, _reference(x.bfloat16().view(6, 64), q, torch.ones(48), None).bfloat16()
+            .view(2, 3, 48))
+    with pytest.raises(RuntimeError, match="do not match"):
+        o.int8_linear(torch.randn(2, 60), packed, 48, None, 1)
+
+
+def test_int8_weight_runs_the_chosen_path_and_keeps_one_copy():
+    """Int8Weight (what the model's linear layers hold) packs its matrix once for the path the
+    CPU's flags call for and keeps no second copy; the matrix comes back out of the panels."""
+    _paths()
+    flags = cpu_flags()
+    want = 2 if native.isa() == "avx512" and "avx512_vnni" in flags else 1
+    assert native.int8_path() == want, (native.status(), sorted(f for f in flags if "vnni" in f))
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-128, 128, (70, 90), dtype=torch.int8, generator=g)
+    s = torch.rand(70, generator=g)
+    w = Int8Weight(q, s)
+    assert w.path == want and w.packed is not None and w.q.untyped_storage().nbytes() <= 1
+    assert torch.equal(w.matrix(), q) and w.shape == (70, 90)
+    x = torch.randn(9, 90, generator=g)
+    assert torch.equal(w(x), _reference(x, q, s, None))
