@@ -257,3 +257,36 @@ def fp8_dequantized_folder(fp8: str, dst: str) -> str:
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     _write_config(fp8, dst, None)
     return dst
+
+
+MODELSLIM_WEIGHTS = "quant_model_weight_w8a8_dynamic.safetensors"
+
+
+def make_modelslim_w8a8_dynamic(w8a8: str, dst: str) -> str:
+    """The compressed-tensors W8A8 folder `w8a8` (make_w8a8_model) rewritten in msModelSlim's
+    W8A8_DYNAMIC layout (msmodelslim does not run on CPU; written to its documented format):
+    `quant_model_weight_w8a8_dynamic.safetensors` with each quantized projection's `weight` int8,
+    `weight_scale` [out, 1] and `weight_offset` [out, 1] (zeros: symmetric), the other tensors
+    as they are; `quant_model_description.json` naming every tensor's scheme (W8A8_DYNAMIC or
+    FLOAT) and model_quant_type; config.json without quantization_config."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    _copy_side_files(w8a8, dst)
+    sd = load_file(os.path.join(w8a8, "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    desc: dict[str, str] = {"model_quant_type": "W8A8_DYNAMIC", "version": "1.0.0"}
+    for key, t in sd.items():
+        out[key] = t.contiguous()
+        if key.endswith(".weight_scale"):
+            base = key[: -len("weight_scale")]
+            out[base + "weight_offset"] = torch.zeros_like(t, dtype=torch.float32)
+            for name in ("weight", "weight_scale", "weight_offset"):
+                desc[base + name] = "W8A8_DYNAMIC"
+    for key in out:
+        desc.setdefault(key, "FLOAT")
+    save_file(out, os.path.join(dst, MODELSLIM_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(dst, "quant_model_description.json"), "w", encoding="utf-8") as fh:
+        json.dump(desc, fh, indent=1)
+    _write_config(w8a8, dst, None)
+    return dst

@@ -136,16 +136,26 @@ def _quantization(resolved: ResolvedModel, cfg: Any, load_format: str) -> str | 
     name = quant_config.resolve(None, quant_config.detect(resolved.path, None),
                                 resolved.display_path)
     arch = cfg.architectures[0]
-    if name == "w8a8_int8":
+    if name in ("w8a8_int8", "modelslim"):
         if MODEL_CLASSES[arch] is not llama.LlamaForCausalLM:
-            raise ConfigError(f"{resolved.display_path}: w8a8_int8 is built for the dense Llama "
+            raise ConfigError(f"{resolved.display_path}: {name} is built for the dense Llama "
                               f"families ({', '.join(llama.SUPPORTED_ARCHS)}); {arch} is not "
                               "yet (its MoE / MLA layers take float weights only)")
-        log.info("quantization w8a8_int8 (compressed-tensors W8A8 int8): the decoder's linear "
-                 "weights stay int8 with per-output-channel scales, activations are quantized "
-                 "per token at run time, int8 x int8 -> int32 GEMMs (engine/native's, else "
-                 "torch._int_mm)")
+        log.info("quantization %s (%s): the decoder's linear weights stay int8 with "
+                 "per-output-channel scales, activations are quantized per token at run time, "
+                 "int8 x int8 -> int32 GEMMs (engine/native's, else torch._int_mm)", name,
+                 "msModelSlim W8A8_DYNAMIC" if name == "modelslim"
+                 else "compressed-tensors W8A8 int8")
     return name
+
+
+def _check_modelslim_offsets(sd: Any, resolved: ResolvedModel) -> None:
+    """msModelSlim W8A8_DYNAMIC weights carry `weight_offset` per channel; the int8 path is
+    symmetric, so every offset must be zero (msModelSlim writes zeros for symmetric weights)."""
+    for name in sd:
+        if name.endswith(".weight_offset") and bool(sd[name].float().abs().max() > 0):
+            raise ConfigError(f"{resolved.display_path}: {name} is not zero; pdserve runs "
+                              "msModelSlim's symmetric W8A8_DYNAMIC weights only")
 
 
 def _fp8_block(cfg: Any) -> tuple[int, int] | None:
@@ -222,7 +232,9 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     if sd is None:
         sd = _hf_state_dict(resolved, cfg, load_format, trust_remote_code)
     quantization = _quantization(resolved, cfg, load_format)
-    if quantization == "w8a8_int8":
+    if quantization == "modelslim":
+        _check_modelslim_offsets(sd, resolved)
+    if quantization in ("w8a8_int8", "modelslim"):
         sd = Int8Checkpoint(sd)
     elif quantization == "fp8":
         sd = Fp8Checkpoint(sd, _fp8_block(cfg))

@@ -8,7 +8,8 @@
   (`modelslim`; its entries name each tensor's scheme: W8A8, W8A8_DYNAMIC, W4A8_DYNAMIC, ...);
 - a GGUF file: `gguf`, with the file type of its header (Q4_1, Q8_0, ...).
 
-What pdserve runs (RUNS): `w8a8_int8` (int8 x int8 GEMMs, engine/model/quant.py), `fp8`
+What pdserve runs (RUNS): `w8a8_int8` (int8 x int8 GEMMs, engine/model/quant.py; also
+msModelSlim's W8A8_DYNAMIC as `modelslim`), `fp8`
 (FP8 weights kept 8-bit, engine/model/fp8.py) and `gguf` (de-quantized at load,
 engine/model/gguf_cache.py, or kept packed, gguf_packed.py). Any other format, named by the flag
 or found in the checkpoint, is refused at start-up naming it and the formats pdserve runs: loading it as
@@ -30,12 +31,15 @@ RUNS = {
                  "tensors W8A8 checkpoints): int8 x int8 -> int32 GEMMs",
     "gguf": "GGUF files, de-quantized to --dtype at load (PDCORE_GGUF_PACKED=1: Q8_0, Q4_0, "
             "Q4_1, Q4_K and Q6_K kept packed)",
+    "modelslim": "msModelSlim W8A8_DYNAMIC folders (int8 weights per output channel, zero "
+                 "offsets; activations per token at run time): the w8a8_int8 GEMMs",
     "fp8": "float8 e4m3 weights with per-tensor, per-channel or block scales (DeepSeek-V3's "
            "128x128 weight_scale_inv), kept FP8 and de-quantized per layer at compute",
 }
 # flag values that name a format the checkpoint's detected one satisfies
 ALIASES = {"compressed-tensors": "w8a8_int8", "w8a8_int8": "w8a8_int8", "gguf": "gguf",
-           "fp8": "fp8"}
+           "fp8": "fp8", "modelslim": "modelslim"}
+MODELSLIM_RUNS = {"W8A8_DYNAMIC"}  # msModelSlim schemes pdserve runs (FLOAT tensors aside)
 MODELSLIM_FILE = "quant_model_description.json"
 
 
@@ -102,8 +106,9 @@ def _from_modelslim(folder: str) -> Detected | None:
             desc = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: cannot read msModelSlim's description ({e})") from None
-    kinds = sorted({v for v in desc.values() if isinstance(v, str) and v != "FLOAT"}) \
-        if isinstance(desc, dict) else []
+    # the per-tensor entries (other keys: model_quant_type, version, ...)
+    kinds = sorted({v for k, v in desc.items() if isinstance(v, str) and v != "FLOAT"
+                    and k.endswith(".weight")}) if isinstance(desc, dict) else []
     return Detected("modelslim", "msModelSlim " + (", ".join(kinds) or "no quantized tensors"),
                     path)
 
@@ -190,6 +195,12 @@ def resolve(flag: str | None, found: Detected, where: str) -> str | None:
                 f"checkpoint quantized so, or drop the flag to serve it in --dtype")
         raise ConfigError(f"--quantization {flag}: pdserve does not run this format; it runs "
                           f"{_runs()}")
+    if found.name == "modelslim" and not set(found.detail.split(" ", 1)[1].split(", ")) <= \
+            MODELSLIM_RUNS:
+        raise ConfigError(f"{where} is quantized as modelslim ({found.detail}, read from "
+                          f"{found.source}); of msModelSlim's schemes pdserve runs "
+                          f"{', '.join(sorted(MODELSLIM_RUNS))} only (W8A8 static and W4A8 not "
+                          f"yet); it runs {_runs()}")
     if found.name not in RUNS:
         named = f"--quantization {flag}: " if flag else ""
         raise ConfigError(f"{named}{where} is quantized as {found.name} ({found.detail}, read "
