@@ -184,3 +184,46 @@ def test_the_ascend_deepseek_lines_nextn_flags(tmp_path, capsys):
                 "NEXTN", steps, 1, steps + 1)
             assert args.disaggregation_mode == (mode if extra else "null")
             assert args.enable_dp_attention == bool(dpa)
+
+
+def test_the_ascend_mimo_modelslim_line_serves(tmp_path):
+    """#48: the seed's Ascend MiMo decode line (`--quantization modelslim
+    --speculative-draft-model-quantization unquant`, EAGLE over the model's own MTP layers,
+    `--cuda-graph-bs`) with its NPU/PD-only flags set aside (device, attention backend, GPU id,
+    TP 8 -> 1, --trust-remote-code, DeepEP,
+    the disaggregation ones: served unified) and the model swapped for a tiny MiMo in
+    msModelSlim's W8A8_DYNAMIC layout, MTP layers included, serves: its greedy output equals the
+    same checkpoint's without drafts (speculative decoding changes no greedy token)."""
+    from pdcore.config import ServerArgs
+    from pdcore.messages.io import SamplingParams
+    from pdcore.runtime.llm_engine import LLMEngine
+    from pdcore.testing.quant_models import make_modelslim_w8a8_dynamic, make_w8a8_model
+    from pdcore.testing.tiny_models import make_tiny_mimo
+
+    line = next(s for _, s in SEEDS if "MiMo" in s and "modelslim" in s)
+    mimo = make_tiny_mimo(str(tmp_path / "float"))
+    ms = make_modelslim_w8a8_dynamic(make_w8a8_model(mimo, str(tmp_path / "w8a8")),
+                                     str(tmp_path / "ms"))
+    argv = _strip(_argv(line, ms), {"--attention-backend": 1, "--device": 1, "--base-gpu-id": 1,
+                                    "--moe-a2a-backend": 1, "--deepep-mode": 1,
+                                    "--disaggregation-mode": 1,
+                                    "--disaggregation-transfer-backend": 1,
+                                    "--disaggregation-bootstrap-port": 1,
+                                    "--trust-remote-code": 0})
+    # 8 NPUs -> one CPU rank; a small pool; the tiny stand-in ships no remote code (pdserve
+    # reads MiMo's config.json itself)
+    argv = [*_swap(argv, {"--tp-size": "1"}), "--max-total-tokens", "1024"]
+    args = parse_server_args(argv)
+    assert (args.quantization, args.speculative_draft_model_quantization,
+            args.speculative_algorithm, args.enable_multi_layer_eagle) == (
+        "modelslim", "modelslim", "EAGLE", True)
+    prompt = [1, 17, 42, 99, 7, 300, 5, 11]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = []
+    for a in (args, ServerArgs(model_path=ms, max_total_tokens=1024)):
+        eng = LLMEngine(a)
+        try:
+            outs.append(eng.generate([prompt], params)[0]["output_ids"])
+        finally:
+            eng.close()
+    assert len(outs[0]) == 12 and outs[0] == outs[1], outs

@@ -241,6 +241,6 @@ def quantized_weights(sd: Mapping[str, torch.Tensor], folder: str
     name = quant_config.detect(folder, None).name
     if name == "fp8":
         return Fp8Checkpoint(sd, block_of(folder))
-    if name == "w8a8_int8":
+    if name in ("w8a8_int8", "modelslim"):
         return Int8Checkpoint(sd)
     return sd

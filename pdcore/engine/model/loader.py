@@ -137,7 +137,7 @@ def _quantization(resolved: ResolvedModel, cfg: Any, load_format: str) -> str | 
                                 resolved.display_path)
     arch = cfg.architectures[0]
     if name in ("w8a8_int8", "modelslim"):
-        if MODEL_CLASSES[arch] is not llama.LlamaForCausalLM:
+        if not issubclass(MODEL_CLASSES[arch], llama.LlamaForCausalLM):  # MiMo: a Qwen2 body
             raise ConfigError(f"{resolved.display_path}: {name} is built for the dense Llama "
                               f"families ({', '.join(llama.SUPPORTED_ARCHS)}); {arch} is not "
                               "yet (its MoE / MLA layers take float weights only)")
@@ -203,7 +203,8 @@ def _packed_gguf(raw: ResolvedModel, cfg: Any, device: torch.device,
 def _check_int8_loaded(sd: Int8Checkpoint, resolved: ResolvedModel) -> None:
     """Every int8 weight of the checkpoint went to an int8 linear layer (one read by anything
     else would have been taken as float values)."""
-    missed = sorted(sd.int8_weight_names() - sd.int8_names)
+    # MTP layers (a MiMo's model.mtp_layers.*) load with the draft head, not the model
+    missed = sorted(n for n in sd.int8_weight_names() - sd.int8_names if ".mtp_layers." not in n)
     if missed:
         raise ModelLoadError(f"{resolved.display_path}: int8 weights this model does not load "
                              f"as W8A8 linear layers: {', '.join(missed[:4])}"

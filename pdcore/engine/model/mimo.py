@@ -137,11 +137,12 @@ def load_mimo_head(target: CausalLM, folder: str, multi: bool, dtype: torch.dtyp
     """The MTP layers of the MiMo checkpoint at `folder` (the target's own unless
     --speculative-draft-model-path names another): all of them with `multi`
     (--enable-multi-layer-eagle), else the first."""
+    from pdcore.engine.model.fp8 import quantized_weights
     from pdcore.engine.model.mtp import check_mimo_names
     from pdcore.engine.model.weights import SafetensorsWeights
 
     n = mimo_mtp_layers(target.cfg, multi)
-    sd = SafetensorsWeights(folder)
+    sd = quantized_weights(SafetensorsWeights(folder), folder)
     check_mimo_names(sd, n, folder, MULTI_FLAG if multi else "--speculative-algorithm NEXTN")
     head = MiMoMTPHead(target.cfg, target, n)
     for i, layer in enumerate(head.mtp):
