@@ -123,16 +123,19 @@ def test_random_seed_and_dummy_weights(tiny_llama_dir, tmp_path):
     flags = ("--model-path", str(model), "--load-format", "dummy", "--skip-server-warmup",
              "--max-total-tokens", "512")
     runs = []
-    for seed in ("7", "7", "8"):
-        server = ServerProcess(*flags, "--random-seed", seed)
-        try:
+    servers = []  # started at once: three start-ups side by side, not one after another
+    try:
+        for seed in ("7", "7", "8"):
+            servers.append(ServerProcess(*flags, "--random-seed", seed))
+        for server in servers:
             server.wait_healthy(180)
             runs.append(_sample(server))
             log = server.log()
             assert "random weights (--load-format dummy)" in log
             assert "warm-up skipped (--skip-server-warmup)" in log
             assert "warm-up generate done" not in log
-        finally:
+    finally:
+        for server in servers:
             server.stop()
     assert runs[0] == runs[1]  # same seed: same weights and the same unseeded samples
     assert runs[0] != runs[2]
