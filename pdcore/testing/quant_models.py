@@ -31,51 +31,112 @@ def w8a8_quantization_config() -> dict[str, Any]:
     return json.loads(json.dumps(qc.model_dump(), default=str))
 
 
-def smoothed_weights(src: str, calibration: list[list[int]], alpha: float = 0.8
-                     ) -> dict[str, Any]:
-    """SmoothQuant (what llmcompressor's W8A8 recipe runs before quantizing, strength 0.8):
-    `src`'s float weights with each input channel j of q/k/v and of gate/up scaled by
-    s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) (x: the preceding norm's output over the
-    `calibration` token ids) and that norm's weight divided by s_j: the same float model,
-    with the activations' outlier channels moved into the weights, which per-channel int8
-    holds better than per-token int8 holds the activations."""
+def _calibrate(model, calibration: list[list[int]], names: tuple[str, ...], fn) -> None:
+    """fn(module path, input rows [T, K]) for each projection named in `names` over the
+    `calibration` token id lists, run through the transformers `model`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    amax: dict[int, torch.Tensor] = {}
     hooks = []
-    for i, layer in enumerate(model.model.layers):
-        for key, mod in ((2 * i, layer.self_attn.q_proj), (2 * i + 1, layer.mlp.gate_proj)):
-            def hook(_m, args, key=key):  # type: ignore[no-untyped-def]
-                a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
-                amax[key] = a if key not in amax else torch.maximum(amax[key], a)
-            hooks.append(mod.register_forward_pre_hook(hook))
-    with torch.inference_mode():
-        for ids in calibration:
-            model(torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
+    for path, mod in model.named_modules():
+        if path.split(".")[-1] in names:
+            hooks.append(mod.register_forward_pre_hook(
+                lambda _m, a, path=path: fn(path, a[0].detach().reshape(-1, a[0].shape[-1]))))
+    try:
+        with torch.inference_mode():
+            for ids in calibration:
+                model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def smooth(model, calibration: list[list[int]], alpha: float = 0.8,
+           alpha_down: float | None = None) -> None:
+    """SmoothQuant (what llmcompressor's W8A8 recipe runs before quantizing, strength 0.8), in
+    place on a transformers Llama-family `model`: each input channel j of q/k/v and of gate/up
+    scaled by s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha) (x: the preceding norm's output
+    over the `calibration` token ids) and that norm's weight divided by s_j; with `alpha_down`
+    also down_proj's input channels, s_j moved out of up_proj's rows (silu(gate) * up is linear
+    in up). The same float model, with the activations' outlier channels moved into the
+    weights, which per-channel int8 holds better than per-token int8 holds the activations."""
+    import torch
+
+    amax: dict[str, torch.Tensor] = {}
+
+    def record(path: str, x: torch.Tensor) -> None:
+        a = x.abs().amax(0)
+        amax[path] = a if path not in amax else torch.maximum(amax[path], a)
+
+    _calibrate(model, calibration, ("q_proj", "gate_proj", "down_proj"), record)
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
-            for key, norm, lins in ((2 * i, layer.input_layernorm, (a.q_proj, a.k_proj, a.v_proj)),
-                                    (2 * i + 1, layer.post_attention_layernorm,
-                                     (m.gate_proj, m.up_proj))):
+            pre = f"model.layers.{i}."
+            groups = [(pre + "self_attn.q_proj", alpha, layer.input_layernorm.weight,
+                       (a.q_proj, a.k_proj, a.v_proj)),
+                      (pre + "mlp.gate_proj", alpha, layer.post_attention_layernorm.weight,
+                       (m.gate_proj, m.up_proj))]
+            if alpha_down is not None:
+                groups.append((pre + "mlp.down_proj", alpha_down, None, (m.down_proj,)))
+            for key, strength, norm, lins in groups:
                 wmax = torch.stack([lin.weight.abs().amax(0) for lin in lins]).amax(0)
-                s = (amax[key].clamp(min=1e-5).pow(alpha) /
-                     wmax.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
-                norm.weight.div_(s)
+                s = (amax[key].clamp(min=1e-5).pow(strength) /
+                     wmax.clamp(min=1e-5).pow(1 - strength)).clamp(min=1e-5)
+                if norm is None:
+                    m.up_proj.weight.div_(s[:, None])
+                else:
+                    norm.div_(s)
                 for lin in lins:
                     lin.weight.mul_(s)
+
+
+def _state(model) -> dict[str, Any]:
     return {k: v.contiguous() for k, v in model.state_dict().items()
             if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
 
 
-def make_w8a8_model(src: str, dst: str, calibration: list[list[int]] | None = None) -> str:
+def gptq_int8(w, hessian, scale, damp: float = 0.01, block: int = 128):
+    """GPTQ (Frantar et al. 2022) for int8 per output channel with the channel scales fixed:
+    the columns of w [N, K] quantized one at a time (in the order of the Hessian's diagonal,
+    largest first), each one's rounding error spread over the columns not yet quantized through
+    the inverse of H = X^T X / T (+ `damp` x its mean diagonal): the rounding that keeps
+    x W^T closest over the calibration inputs X. Returns int8 [N, K]."""
+    import torch
+
+    w = w.double().clone()
+    h = hessian.double().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    perm = torch.argsort(torch.diag(h), descending=True)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    s = scale.double().reshape(-1)
+    q = torch.zeros_like(w)
+    k = w.shape[1]
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        w1, e1, h1 = w[:, i1:i2].clone(), torch.zeros(w.shape[0], i2 - i1, dtype=w.dtype), \
+            hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = w1[:, i]
+            qc = torch.round(col / s).clamp(-128, 127)
+            q[:, i1 + i] = qc
+            err = (col - qc * s) / h1[i, i]
+            w1[:, i:] -= err[:, None] * h1[i, i:][None, :]
+            e1[:, i] = err
+        w[:, i2:] -= e1 @ hinv[i1:i2, i2:]
+    return q[:, torch.argsort(perm)].to(torch.int8)
+
+
+def make_w8a8_model(src: str, dst: str, calibration: list[list[int]] | None = None, *,
+                    alpha_down: float | None = None, gptq: bool = False) -> str:
     """`src` (a float HF folder, one safetensors file) quantized to compressed-tensors W8A8 int8
     in `dst`; returns `dst`. With `calibration` (token id lists) the weights are smoothed first
-    (`smoothed_weights`, as llmcompressor's W8A8 recipe does)."""
+    (`smooth`, as llmcompressor's W8A8 recipe does; `alpha_down`: down_proj's inputs too) and,
+    with `gptq`, rounded by GPTQ over the smoothed model's inputs to each projection (the
+    recipe's second step) instead of to nearest. The format is the same either way."""
     import torch
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.lifecycle.forward import quantize
@@ -90,8 +151,24 @@ def make_w8a8_model(src: str, dst: str, calibration: list[list[int]] | None = No
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))
     out: dict[str, torch.Tensor] = {}
+    hessians: dict[str, torch.Tensor] = {}
     if calibration:
-        tensors = smoothed_weights(src, calibration)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        smooth(model, calibration, 0.8, alpha_down)
+        tensors = _state(model)
+        if gptq:
+            rows: dict[str, int] = {}
+
+            def record(path: str, x: torch.Tensor) -> None:
+                x = x.double()
+                hessians[path] = hessians.get(path, 0) + x.t() @ x
+                rows[path] = rows.get(path, 0) + x.shape[0]
+
+            _calibrate(model, calibration, PROJECTIONS, record)
+            hessians = {k: h / rows[k] for k, h in hessians.items()}
+        del model
     else:
         tensors = {}
         for f in sorted(x for x in os.listdir(src) if x.endswith(".safetensors")):
@@ -101,7 +178,9 @@ def make_w8a8_model(src: str, dst: str, calibration: list[list[int]] | None = No
             w = w.float()
             scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True),
                                             args)
-            out[key] = quantize(w, scale, zero, args, dtype=torch.int8)
+            h = hessians.get(key[: -len(".weight")])
+            out[key] = gptq_int8(w, h, scale) if h is not None else \
+                quantize(w, scale, zero, args, dtype=torch.int8)
             out[key[: -len("weight")] + "weight_scale"] = scale.float()
         else:
             out[key] = w.contiguous()

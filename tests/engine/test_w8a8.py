@@ -83,3 +83,30 @@ def test_greedy_equals_the_float_reference_of_the_same_math(w8a8_dir, tiny_llama
         verdicts.append(check_greedy(out["output_ids"], hf_greedy(ref, prompt, NEW),
                                      [lp for lp, *_ in out["output_logprobs"]], logprob_tol=8e-4))
     assert verdicts.count("identical") >= 2, verdicts
+
+
+def test_gptq_rounds_closer_than_nearest_and_smoothing_keeps_the_model(tiny_llama_dir):
+    """The calibration tools bench/quant_accuracy.py uses (pdcore/testing/quant_models.py):
+    GPTQ's int8 weights give outputs closer to the float layer's than rounding to nearest over
+    correlated inputs; SmoothQuant (q/k/v, gate/up and down_proj's inputs) leaves the float
+    model's logits as they were."""
+    from transformers import AutoModelForCausalLM
+
+    from pdcore.testing.quant_models import gptq_int8, smooth
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 64, generator=g) @ torch.randn(64, 64, generator=g)  # correlated
+    w = torch.randn(32, 64, generator=g)
+    s = w.abs().amax(1, keepdim=True) / 127
+    nearest = torch.round(w / s).clamp(-128, 127)
+    q = gptq_int8(w, x.t() @ x / x.shape[0], s)
+    assert q.dtype == torch.int8 and (q.float() - nearest).abs().max() <= 2
+    err = lambda wq: float((x @ (wq * s - w).t()).pow(2).mean())  # noqa: E731
+    assert err(q.float()) < 0.8 * err(nearest), (err(q.float()), err(nearest))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.inference_mode():
+        before = model(ids).logits
+        smooth(model, [PROMPTS[0], PROMPTS[1]], 0.8, alpha_down=0.5)
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
