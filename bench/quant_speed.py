@@ -1,11 +1,19 @@
 """float32 against W8A8 INT8 decode speed, side by side (#48): the same model (default: the
 default SmolLM2-135M's float32 HF folder, and that folder quantized with compressed-tensors'
-W8A8 preset), each in pdserve's engine in process, at batch 1 and 8: output tokens/s and TPOT.
+W8A8 preset), each in pdserve's engine in process, at batch 1 and 8: output tokens/s and TPOT,
+against each model's weight-streaming floor.
 
 Per round and system (alternating order across rounds): a batch of B prompts of --prompt
 tokens, generated once with 1 new token (prefill) and once with 1 + --new tokens (ignore_eos,
-greedy); TPOT = (t_long - t_short) / --new, tokens/s = B * --new / (t_long - t_short). The
-machine's load is recorded: on a shared box the numbers are a first look, not a result.
+greedy); TPOT = (t_long - t_short) / --new, tokens/s = B * --new / (t_long - t_short).
+
+The floor: a decode step reads every GEMM weight once (the linear layers' int8 panels or float
+panels, the lm_head: float32 in both, as the W8A8 checkpoint leaves it) and, at batch 1-8, is
+bound by the memory's read bandwidth; bytes / bandwidth is the fastest a step can be. The
+bandwidth is measured in each round beside the systems (a sum over a 512 MiB float32 buffer on
+the engine's threads, best of 3). The W8A8 engine's int8 GEMM path (native VNNI / AVX2, or
+torch) and the CPU's flags are in the JSON. On a shared box record the load: the numbers are
+what the machine gave, not what the code can do.
 
 Run: `python bench/quant_speed.py [--rounds 2] [--new 32]`; JSON + PNG in
 bench/results/quant_speed.*.
@@ -37,6 +45,36 @@ def _time(eng: Any, batch: int, prompt: int, new: int) -> float:
     return time.perf_counter() - t0
 
 
+def _streamed_bytes(model: Any) -> int:
+    """Bytes a decode step reads of the weights: every linear layer's GEMM weight (int8 panels,
+    float panels or oneDNN's) and the lm_head's (the embedding is read a few rows a step)."""
+    from pdcore.engine.model.layers import ColumnLinear, RowLinear
+
+    def size(t: Any) -> int:
+        return t.numel() * t.element_size()
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, (ColumnLinear, RowLinear)):
+            total += size(m.packed if m.packed is not None else
+                          m.int8.matrix() if m.int8 is not None else m.weight)
+    head = getattr(model, "lm_head_packed", None)
+    return total + size(head if head is not None else model.lm_head)
+
+
+def _bandwidth() -> float:
+    """Read bandwidth in bytes/s: a sum over 512 MiB of float32, best of 3."""
+    import torch
+
+    buf = torch.ones(128 * 2**20)
+    best = float("inf")
+    for _ in range(4):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default=None)
@@ -60,8 +98,14 @@ def main() -> None:
         engines = {k: LLMEngine(ServerArgs(model_path=p, max_total_tokens=4096,
                                            disable_radix_cache=True))
                    for k, p in paths.items()}
+        streamed = {k: _streamed_bytes(e.engine.model) for k, e in engines.items()}
+        from pdcore.engine import native
+
+        int8_path = native.INT8_PATHS[native.int8_path()]
+        bandwidth: list[float] = []
         try:
             for r in range(args.rounds):
+                bandwidth.append(_bandwidth())
                 for name in alternating(list(paths), r):
                     for b in batches:
                         short = _time(engines[name], b, args.prompt, 1)
@@ -71,22 +115,39 @@ def main() -> None:
         finally:
             for e in engines.values():
                 e.close()
-    out: dict[str, Any] = {"systems": {}}
+    bw = statistics.median(bandwidth)
+    out: dict[str, Any] = {"int8_gemm": int8_path, "bandwidth_gb_s": bw / 1e9,
+                           "bandwidth_gb_s_rounds": [b / 1e9 for b in bandwidth],
+                           "systems": {}}
     for name, per in samples.items():
-        out["systems"][name] = {str(b): {"tpot_ms": 1e3 * statistics.median(v),
-                                         "tokens_per_s": b / statistics.median(v),
-                                         "tpot_ms_rounds": [1e3 * x for x in v]}
-                                for b, v in per.items()}
+        floor = 1e3 * streamed[name] / bw
+        out["systems"][name] = {
+            "streamed_mb": streamed[name] / 1e6, "floor_tpot_ms": floor,
+            **{str(b): {"tpot_ms": 1e3 * statistics.median(v),
+                        "tokens_per_s": b / statistics.median(v),
+                        "tpot_over_floor": 1e3 * statistics.median(v) / floor,
+                        "tpot_ms_rounds": [1e3 * x for x in v]} for b, v in per.items()}}
     out["note"] = load_note(run)
+    print(f"read bandwidth {out['bandwidth_gb_s']:.1f} GB/s; W8A8 GEMM: {int8_path}")
     for name, per in out["systems"].items():
-        for b, m in per.items():
-            print(f"{name} batch {b}: TPOT {m['tpot_ms']:.1f} ms, {m['tokens_per_s']:.1f} tok/s",
-                  flush=True)
+        for b in batches:
+            m = per[str(b)]
+            print(f"{name} batch {b}: TPOT {m['tpot_ms']:.1f} ms ({m['tpot_over_floor']:.2f}x "
+                  f"its floor {per['floor_tpot_ms']:.1f} ms: {per['streamed_mb']:.0f} MB a "
+                  f"step), {m['tokens_per_s']:.1f} tok/s", flush=True)
     print(run.finish(out))
-    fig, (ax,) = figure(1, width=6)
-    bar_groups(ax, [f"batch {b}" for b in batches],
-               {n: [out["systems"][n][str(b)]["tokens_per_s"] for b in batches]
-                for n in out["systems"]}, "output tokens/s", f"decode speed ({out['note']})")
+    fig, (a1, a2) = figure(2, width=6)
+    names = list(out["systems"])
+    bar_groups(a1, [f"batch {b}" for b in batches],
+               {n: [out["systems"][n][str(b)]["tokens_per_s"] for b in batches] for n in names},
+               "output tokens/s", f"decode speed ({out['note']})")
+    bar_groups(a2, [f"batch {b}" for b in batches],
+               {n: [out["systems"][n][str(b)]["tpot_ms"] for b in batches] for n in names},
+               "TPOT (ms)", f"TPOT and weight-streaming floors ({out['bandwidth_gb_s']:.0f} GB/s)")
+    for i, n in enumerate(names):
+        a2.axhline(out["systems"][n]["floor_tpot_ms"], ls="--", color=f"C{i}",
+                   label=f"{n} floor")
+    a2.legend(fontsize=8)
     print(save_figure(fig, NAME))
 
 
