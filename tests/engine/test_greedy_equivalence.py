@@ -90,3 +90,31 @@ def test_preemption_recomputes_identically(tmp_path):
     finally:
         small.close()
     assert got == want
+
+
+def test_long_context_chunked_and_paged_match_transformers(tmp_path, monkeypatch):
+    """A 3,000-token prompt prefilled in 512-token chunks (each chunk after the first: the
+    prefix without a mask and the chunk causally, merged), then decoded with the pool read in
+    place (no decode K/V view: PDCORE_DECODE_KV_VIEW_MB=0): alone (a lone decode) and beside
+    two shorter requests (a padded decode group, the native paged kernel); head_dim 64 so the
+    native kernels apply. Greedy tokens equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from pdcore.env import Env
+
+    monkeypatch.setenv(Env.pdcore_decode_kv_view_mb.name, "0")
+    path = make_tiny_model(str(tmp_path / "m"), arch="llama", vocab_size=512, seed=11,
+                           hidden=128, heads=2, kv_heads=1, max_positions=4096)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _tiny_prompts(512, [3000, 700, 40], seed=13)
+    refs = [hf_greedy(hf, p, 8) for p in prompts]
+    eng = LLMEngine(ServerArgs(model_path=path, max_total_tokens=8192, chunked_prefill_size=512))
+    try:
+        sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+        alone = eng.generate(prompts[:1], sp, return_logprob=True)
+        together = eng.generate(prompts, sp, return_logprob=True)
+        assert pages_at_rest(eng.scheduler)
+    finally:
+        eng.close()
+    for o, r in zip(alone + together, refs[:1] + refs):
+        check_greedy(o["output_ids"], r, [lp[0] for lp in o["output_logprobs"]])

@@ -165,6 +165,49 @@ def test_decode_attention_matches_float64(d: int, groups: int) -> None:
             assert (got.double() - ref).abs().max().item() < 2e-6, (width, mask is None)
 
 
+@pytest.mark.parametrize("groups", [1, 3, 4])
+def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
+    """At a long context (3,000 slots, scattered in a paged pool), the paged kernel equals to
+    the bit the kernel over the gathered rows (the view's path), and float64 SDPA closely; a
+    padded batch masked alike; a slot outside the pool is an error, not a read."""
+    o = _panels()
+    g = torch.Generator().manual_seed(groups)
+    kvh, d, pages, page = 2, 64, 400, 8
+    kp = torch.randn(pages, page, kvh, d, generator=g)
+    vp = torch.randn(pages, page, kvh, d, generator=g)
+    kf, vf = kp.view(-1, kvh, d), vp.view(-1, kvh, d)
+    for lens in ([3000], [3000, 17, 1500]):
+        b, w = len(lens), max(lens)
+        table = torch.zeros(b, w, dtype=torch.long)
+        for i, n in enumerate(lens):
+            table[i, :n] = torch.randperm(pages * page, generator=g)[:n]
+        table = table.view(-1)
+        bias = None if b == 1 else torch.zeros(b, 1, 1, w).masked_fill_(
+            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
+            float("-inf"))
+        q = torch.randn(b, kvh, groups, d, generator=g)
+        kb = kf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
+        vb = vf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
+        got = o.decode_attention_paged(q, kp, vp, table, bias, d**-0.5)
+        assert torch.equal(got, o.decode_attention(q, kb, vb, bias, d**-0.5)), lens
+        ref = F.scaled_dot_product_attention(
+            q.double(), kb.double(), vb.double(),
+            attn_mask=None if bias is None else bias.double(), scale=d**-0.5)
+        assert (got.double() - ref).abs().max().item() < 2e-6, lens
+    # a bf16 pool: gathered and widened, then the same kernel
+    q = torch.randn(1, kvh, groups, d, generator=g)
+    table = torch.randperm(pages * page, generator=g)[:700]
+    kh, vh = kp.bfloat16(), vp.bfloat16()
+    kb = kh.view(-1, kvh, d)[table].float().view(1, 700, kvh, d).transpose(1, 2)
+    vb = vh.view(-1, kvh, d)[table].float().view(1, 700, kvh, d).transpose(1, 2)
+    assert torch.equal(o.decode_attention_paged(q, kh, vh, table, None, 0.125),
+                       o.decode_attention(q, kb, vb, None, 0.125))
+    for bad in (pages * page, -1):
+        table[5] = bad
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            o.decode_attention_paged(q, kp, vp, table, None, 0.125)
+
+
 def test_decode_attention_falls_back_to_sdpa_where_it_does_not_apply() -> None:
     o = _ops()
     g = torch.Generator().manual_seed(5)
@@ -251,12 +294,17 @@ def _llama(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
     return model
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_loop_equals_the_python_loop(dtype: torch.dtype,
+@pytest.mark.parametrize("dtype,view", [(torch.float32, True), (torch.bfloat16, True),
+                                        (torch.float32, False)])
+def test_native_decode_loop_equals_the_python_loop(dtype: torch.dtype, view: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """view False: no decode K/V view (over its budget): both loops read the pool in place
+    (the paged kernel; mode 2 of the native loop)."""
     _ops()
     model = _llama(dtype, monkeypatch)
     assert model.native is not None, native.status()
+    if not view:
+        model.decode_kv.budget = 0
     plan = model.native
     g = torch.Generator().manual_seed(7)
     pages, page = 40, 8
@@ -288,7 +336,7 @@ def test_native_decode_loop_equals_the_python_loop(dtype: torch.dtype,
         assert torch.equal(got, want), step  # the same operators in the same order
         for (k1, v1), (k2, v2) in zip(kv, kv_py):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)  # the pool written alike
-    assert runs == 6 and set(modes) == {"fill"}
+    assert runs == 6 and set(modes) == ({"fill"} if view else {""})
 
 
 @pytest.mark.parametrize("layout", ["panels", "onednn"])

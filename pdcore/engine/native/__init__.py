@@ -7,6 +7,8 @@ common.h and vec.h, the vector layer they are written against):
   that read each weight byte once per decode step (bf16: AVX-512 BF16 only); models/layers.py
   routes a weight through them where they measured faster than oneDNN at load;
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
+  `decode_attention_paged`: the same kernel reading the K/V pool in place through the
+  sequences' slot table (no view, no gather: contexts past the view's budget, lone decodes);
 - `pdcore_native::rope_store`: rotary over q and k with the K/V pool store, in one pass (equal
   to the bit to the aten operators); `silu_mul`: bf16 silu(gate) * up in one pass;
 - `pdcore_native::sample_rows`: a batch's token sampling, one row per task (sampler.h; the

@@ -10,22 +10,35 @@ namespace {
 // contexts); this runs in a fraction of it (the closing notes of #21 have the numbers). -inf
 // scores (masked positions) weigh exactly 0 (exp_ps, common.h).
 
-// kernels for head_dim 32 / 64 / 128 / 256 and 1-8 query heads per KV head; SDPA otherwise
+// kernels for head_dim 32 / 64 / 128 / 256 and 1-8 query heads per KV head; SDPA otherwise.
+// PAGED: key / value w is row tab[w] (a pool slot) of k / v, read in place; else row w.
 
-template <int DV, int G>
+template <int DV, int G, bool PAGED>
 void attend_one(
     const float* q, const float* k, int64_t ksw, const float* v, int64_t vsw,
-    const float* bias, int64_t W, float scale, float* out, float* scores) {
+    const int64_t* tab, const float* bias, int64_t W, float scale, float* out,
+    float* scores) {
+  const auto row = [tab](int64_t w) { return PAGED ? tab[w] : w; };
+  // paged rows are KVH x D apart (or anywhere): the hardware prefetchers miss them, so the
+  // row PF ahead is asked for (its D floats: DV lines of 64 bytes)
+  constexpr int64_t PF = 16;
+  const auto prefetch = [&](const float* base, int64_t stride, int64_t w) {
+    if (PAGED && w < W) {
+      const char* p = reinterpret_cast<const char*>(base + row(w) * stride);
+      PD_UNROLL for (int d = 0; d < DV; ++d) _mm_prefetch(p + d * 64, _MM_HINT_T0);
+    }
+  };
   // scores[g * W + w]: KB keys at a time against the G queries (KB x G independent sums)
   constexpr int KB = G <= 4 ? 4 : 2;
   int64_t w = 0;
   for (; w + KB <= W; w += KB) {
+    PD_UNROLL for (int j = 0; j < KB; ++j) prefetch(k, ksw, w + j + PF);
     V16 acc[KB][G];
     PD_UNROLL for (int j = 0; j < KB; ++j)
       PD_UNROLL for (int g = 0; g < G; ++g) acc[j][g] = vzero();
     PD_UNROLL for (int d = 0; d < DV; ++d) {
       PD_UNROLL for (int j = 0; j < KB; ++j) {
-        const V16 kv = vload(k + (w + j) * ksw + d * 16);
+        const V16 kv = vload(k + row(w + j) * ksw + d * 16);
         PD_UNROLL for (int g = 0; g < G; ++g)
           acc[j][g] = vfmadd(kv, vload(q + (g * DV + d) * 16), acc[j][g]);
       }
@@ -40,7 +53,7 @@ void attend_one(
     V16 acc[G];
     PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = vzero();
     PD_UNROLL for (int d = 0; d < DV; ++d) {
-      const V16 kv = vload(k + w * ksw + d * 16);
+      const V16 kv = vload(k + row(w) * ksw + d * 16);
       PD_UNROLL for (int g = 0; g < G; ++g)
         acc[g] = vfmadd(kv, vload(q + (g * DV + d) * 16), acc[g]);
     }
@@ -80,7 +93,9 @@ void attend_one(
     PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vzero();
   for (int64_t i = 0; i < W; ++i) {
     V16 vr[DV];
-    PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = vload(v + i * vsw + d * 16);
+    prefetch(v, vsw, i + PF);
+    const float* vi = v + row(i) * vsw;
+    PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = vload(vi + d * 16);
     PD_UNROLL for (int g = 0; g < G; ++g) {
       const V16 p = vset1(scores[g * W + i]);
       PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vfmadd(vr[d], p, acc[g][d]);
@@ -91,29 +106,30 @@ void attend_one(
 }
 
 using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int64_t,
-                          const float*, int64_t, float, float*, float*);
+                          const int64_t*, const float*, int64_t, float, float*, float*);
 
-template <int DV>
+template <int DV, bool PAGED>
 AttendFn attend_g(int64_t G) {
   switch (G) {
-    case 1: return attend_one<DV, 1>;
-    case 2: return attend_one<DV, 2>;
-    case 3: return attend_one<DV, 3>;
-    case 4: return attend_one<DV, 4>;
-    case 5: return attend_one<DV, 5>;
-    case 6: return attend_one<DV, 6>;
-    case 7: return attend_one<DV, 7>;
-    case 8: return attend_one<DV, 8>;
+    case 1: return attend_one<DV, 1, PAGED>;
+    case 2: return attend_one<DV, 2, PAGED>;
+    case 3: return attend_one<DV, 3, PAGED>;
+    case 4: return attend_one<DV, 4, PAGED>;
+    case 5: return attend_one<DV, 5, PAGED>;
+    case 6: return attend_one<DV, 6, PAGED>;
+    case 7: return attend_one<DV, 7, PAGED>;
+    case 8: return attend_one<DV, 8, PAGED>;
     default: return nullptr;
   }
 }
 
+template <bool PAGED>
 AttendFn attend_for(int64_t D, int64_t G) {
   switch (D) {
-    case 32: return attend_g<2>(G);
-    case 64: return attend_g<4>(G);
-    case 128: return attend_g<8>(G);
-    case 256: return attend_g<16>(G);
+    case 32: return attend_g<2, PAGED>(G);
+    case 64: return attend_g<4, PAGED>(G);
+    case 128: return attend_g<8, PAGED>(G);
+    case 256: return attend_g<16, PAGED>(G);
     default: return nullptr;
   }
 }
@@ -122,7 +138,7 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
                         const std::optional<Tensor>& bias_in, double scale) {
   const int64_t B = q_in.size(0), H = q_in.size(1), G = q_in.size(2), D = q_in.size(3);
   const int64_t W = k.size(2);
-  const AttendFn fn = attend_for(D, G);
+  const AttendFn fn = attend_for<false>(D, G);
   const bool ok = fn != nullptr && panel_gemm_supported() &&
                   q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat && k.stride(3) == 1 && v.stride(3) == 1 &&
@@ -146,7 +162,67 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
     std::vector<float> scores(G * W);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
-      fn(qp + i * G * D, kp + b * ksb + h * ksh, ksw, vp + b * vsb + h * vsh, vsw,
+      fn(qp + i * G * D, kp + b * ksb + h * ksh, ksw, vp + b * vsb + h * vsh, vsw, nullptr,
+         bp ? bp + b * W : nullptr, W, static_cast<float>(scale), op + i * G * D,
+         scores.data());
+    }
+  });
+  return out;
+}
+
+// ---- paged decode attention: the same kernel reading the K/V pool in place ----
+// q [B, KVH, G, D]; k_pool, v_pool: the layer's pool, contiguous, viewed as slots [S, KVH, D]
+// ([pages, page_size, KVH, D] is that); table [B * W] long: the slots of each sequence's
+// context, padded to W (padding masked by bias [B, W], or no padding). No gather, no copy
+// per step: what the decode K/V view saves, without its second copy of the contexts (it
+// stops at its memory budget; this has none). Equal to the bit to decode_attention over
+// the gathered rows (the same sums in the same order). Where it does not apply (dtype,
+// head_dim, group size, a non-contiguous pool) the rows are gathered and decode_attention
+// (or SDPA) runs on them. A slot outside the pool is refused (an error, not a read).
+Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Tensor& v_pool,
+                              const Tensor& table, const std::optional<Tensor>& bias_in,
+                              double scale) {
+  TORCH_CHECK(q_in.dim() == 4 && table.dim() == 1, "decode_attention_paged: q [B, KVH, G, D], "
+              "table [B * W]");
+  const int64_t B = q_in.size(0), H = q_in.size(1), G = q_in.size(2), D = q_in.size(3);
+  TORCH_CHECK(B > 0 && table.numel() % B == 0 && table.numel() > 0,
+              "decode_attention_paged: table is not B x W slots");
+  const int64_t W = table.numel() / B;
+  TORCH_CHECK(k_pool.numel() == v_pool.numel() && k_pool.numel() % (H * D) == 0,
+              "decode_attention_paged: the pools are not [slots, kv_heads, head_dim]");
+  const int64_t S = k_pool.numel() / (H * D);
+  const AttendFn fn = attend_for<true>(D, G);
+  const bool ok = fn != nullptr && panel_gemm_supported() && q_in.scalar_type() == at::kFloat &&
+                  k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
+                  k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  table.scalar_type() == at::kLong && table.is_contiguous() &&
+                  (!bias_in.has_value() ||
+                   (bias_in->scalar_type() == at::kFloat && bias_in->numel() == B * W));
+  if (!ok) {
+    const auto shape = std::vector<int64_t>{B, W, H, D};
+    Tensor kb = k_pool.reshape({S, H, D}).index_select(0, table).view(shape).transpose(1, 2);
+    Tensor vb = v_pool.reshape({S, H, D}).index_select(0, table).view(shape).transpose(1, 2);
+    return decode_attention(q_in, kb.to(q_in.scalar_type()), vb.to(q_in.scalar_type()),
+                            bias_in, scale);
+  }
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * W; ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < S, "decode_attention_paged: slot ", tp[i],
+                " outside the pool (", S, " slots)");
+  Tensor q = q_in.contiguous();
+  Tensor bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
+  Tensor out = at::empty({B, H, G, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(G * W);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H;
+      fn(qp + i * G * D, kp + h * D, H * D, vp + h * D, H * D, tp + b * W,
          bp ? bp + b * W : nullptr, W, static_cast<float>(scale), op + i * G * D,
          scores.data());
     }

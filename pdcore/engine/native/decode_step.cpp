@@ -23,7 +23,8 @@ std::optional<Tensor> opt(const Tensor& t) {
 // back: the residual stream after every layer, before the final norm).
 // Per layer lists: norm weights, reordered GEMM weights (qkv with its bias or an empty tensor),
 // the pool's K/V buffers [pages, page_size, kv_heads, head_dim], the view's K/V buffers.
-// mode 0: append (rows, cols: each row's new column), 1: fill (table: [B * width] slots).
+// mode 0: append (rows, cols: each row's new column), 1: fill (table: [B * width] slots),
+// 2: no view (view lists empty): attention reads the pool through table (paged).
 Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor& sin,
                      at::TensorList ln1, at::TensorList ln2, at::TensorList qkv_w,
                      at::TensorList qkv_b, at::TensorList o_w, at::TensorList gu_w,
@@ -44,36 +45,46 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
     Tensor x = at::rms_norm(residual, {hidden}, ln1[i], eps);
     // attention
     Tensor qkv = any_linear(lin, x, qkv_w[i], qs + 2 * ks, opt(qkv_b[i]));
-    Tensor kb_all = view_k[i];
-    Tensor vb_all = view_v[i];
-    Tensor qb;
-    if (mode == 0 && long_rows(rows, T) && long_rows(cols, T) &&
-        rope_store_fits(qkv, cos, sin, k_pool[i], v_pool[i], &kb_all, &vb_all, out_slots,
-                        num_heads, kv_heads, head_dim)) {
-      qb = rope_store_view(qkv, cos, sin, k_pool[i], v_pool[i], kb_all, vb_all, out_slots, rows,
-                           cols, num_heads, kv_heads, head_dim);
-    } else {
+    Tensor o;
+    if (mode == 2) {  // no view: attention reads the pool in place
       Tensor qk = rope_store(qkv, cos, sin, k_pool[i], v_pool[i], out_slots, num_heads, kv_heads,
                              head_dim);
-      Tensor q = qk.slice(1, 0, num_heads), k = qk.slice(1, num_heads);
-      const auto pool_t = k_pool[i].scalar_type();
-      if (mode == 0) {
-        Tensor v = qkv.slice(1, qs + ks).view({T, kv_heads, head_dim});
-        kb_all.index_put_({rows, Slice(), cols}, k.to(pool_t).to(kb_all.scalar_type()));
-        vb_all.index_put_({rows, Slice(), cols}, v.to(pool_t).to(vb_all.scalar_type()));
+      Tensor qb = qk.slice(1, 0, num_heads)
+                      .reshape({T, kv_heads, num_heads / kv_heads, head_dim})
+                      .to(at::kFloat);
+      o = decode_attention_paged(qb, k_pool[i], v_pool[i], table, attn_bias, scale);
+    } else {
+      Tensor kb_all = view_k[i];
+      Tensor vb_all = view_v[i];
+      Tensor qb;
+      if (mode == 0 && long_rows(rows, T) && long_rows(cols, T) &&
+          rope_store_fits(qkv, cos, sin, k_pool[i], v_pool[i], &kb_all, &vb_all, out_slots,
+                          num_heads, kv_heads, head_dim)) {
+        qb = rope_store_view(qkv, cos, sin, k_pool[i], v_pool[i], kb_all, vb_all, out_slots, rows,
+                             cols, num_heads, kv_heads, head_dim);
       } else {
-        const int64_t B = kb_all.size(0);
-        Tensor kf = k_pool[i].view({-1, kv_heads, head_dim});
-        Tensor vf = v_pool[i].view({-1, kv_heads, head_dim});
-        kb_all.slice(2, 0, width).copy_(
-            kf.index_select(0, table).view({B, width, kv_heads, head_dim}).transpose(1, 2));
-        vb_all.slice(2, 0, width).copy_(
-            vf.index_select(0, table).view({B, width, kv_heads, head_dim}).transpose(1, 2));
+        Tensor qk = rope_store(qkv, cos, sin, k_pool[i], v_pool[i], out_slots, num_heads, kv_heads,
+                               head_dim);
+        Tensor q = qk.slice(1, 0, num_heads), k = qk.slice(1, num_heads);
+        const auto pool_t = k_pool[i].scalar_type();
+        if (mode == 0) {
+          Tensor v = qkv.slice(1, qs + ks).view({T, kv_heads, head_dim});
+          kb_all.index_put_({rows, Slice(), cols}, k.to(pool_t).to(kb_all.scalar_type()));
+          vb_all.index_put_({rows, Slice(), cols}, v.to(pool_t).to(vb_all.scalar_type()));
+        } else {
+          const int64_t B = kb_all.size(0);
+          Tensor kf = k_pool[i].view({-1, kv_heads, head_dim});
+          Tensor vf = v_pool[i].view({-1, kv_heads, head_dim});
+          kb_all.slice(2, 0, width).copy_(
+              kf.index_select(0, table).view({B, width, kv_heads, head_dim}).transpose(1, 2));
+          vb_all.slice(2, 0, width).copy_(
+              vf.index_select(0, table).view({B, width, kv_heads, head_dim}).transpose(1, 2));
+        }
+        qb = q.reshape({T, kv_heads, num_heads / kv_heads, head_dim}).to(kb_all.scalar_type());
       }
-      qb = q.reshape({T, kv_heads, num_heads / kv_heads, head_dim}).to(kb_all.scalar_type());
+      Tensor kb = kb_all.slice(2, 0, width), vb = vb_all.slice(2, 0, width);
+      o = decode_attention(qb, kb, vb, attn_bias, scale);
     }
-    Tensor kb = kb_all.slice(2, 0, width), vb = vb_all.slice(2, 0, width);
-    Tensor o = decode_attention(qb, kb, vb, attn_bias, scale);
     o = o.view({T, num_heads, head_dim}).to(qkv.scalar_type());
     x = any_linear(lin, o.view({T, -1}), o_w[i], hidden, std::nullopt);
     residual = i == 0 ? residual + x : residual.add_(x);
@@ -115,6 +126,10 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("int8_best_path() -> int", &int8_best_path);
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CompositeExplicitAutograd, &decode_attention);
+  m.def("decode_attention_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, "
+        "Tensor? bias, float scale) -> Tensor");
+  m.impl("decode_attention_paged", c10::DispatchKey::CompositeExplicitAutograd,
+         &decode_attention_paged);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor out_slots, int num_heads, int kv_heads, int head_dim) -> Tensor");
   m.impl("rope_store", c10::DispatchKey::CompositeExplicitAutograd, &rope_store);
