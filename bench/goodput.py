@@ -1,0 +1,209 @@
+"""Goodput: the highest request rate a system serves within a pair of latency targets.
+
+DistServe's measure, for the reason PD disaggregation exists: requests arrive as a Poisson
+process (bench/workload.py's ShareGPT-like mix, fixed seed, the same requests at every rate
+and for every system); a rate is served when, over its requests, TTFT p99 <= --ttft-p99 and
+TPOT p99 <= --tpot-p99 and none failed. Default targets for SmolLM2 on a 2-core CPU box:
+TTFT p99 <= 3 s, TPOT p99 <= 100 ms (state others with the flags; the result records them).
+
+Search per system: rates from --rate-start, times --rate-step while served (up to --rate-max),
+then --bisect halvings between the last served and the first missed rate. Each trial also
+records the share of requests that met both targets themselves (SLO attainment).
+
+Systems (one at a time, each started, warmed up, searched, stopped): pdserve unified and 1P1D
+(`pdserve up`), vLLM unified / 1P1D with --vllm-python; `--variants 'label:system:flags'` adds
+pdserve configurations (a P:D split: `pd2p1d:pdserve-1p1d:--prefill 2`; scheduler flags:
+`chunk512:pdserve-unified:--chunked-prefill-size 512`). The table says which wins.
+
+The load average is recorded with every trial; on a shared machine numbers under load are not
+the system's, and no ratio to vLLM taken under load means anything.
+
+Writes bench/results/goodput.json and .png (`--name`). `--quick`: the mix at 1/8 its lengths,
+8 requests a trial, one bisection, pdserve unified only unless --systems says more.
+
+Run: `python bench/goodput.py [--quick] [--ttft-p99 3] [--tpot-p99 0.1]
+[--systems pdserve-unified pdserve-1p1d] [--variants ...] [--vllm-python PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Run, figure, load_note, save_figure
+from many_streams import PDSERVE, VLLM, level_stats, start, vocab
+from workload import QUICK, Shape, closed_loop, open_loop, requests
+
+NAME = "goodput"
+
+
+def judge(results: list[Any], ttft: float, tpot: float) -> dict[str, Any]:
+    """p99s against the targets, and each request's own verdict (attainment)."""
+    ok = 0
+    for r in results:
+        if r.error is not None or r.ttft is None:
+            continue
+        own_tpot = ((r.chunk_times[-1] - r.chunk_times[0]) / (r.tokens - 1)
+                    if r.tokens > 1 and len(r.chunk_times) > 1 else 0.0)
+        ok += r.ttft <= ttft and own_tpot <= tpot
+    return {"attainment": ok / len(results) if results else 0.0}
+
+
+def trial(url: str, rate: float, args: argparse.Namespace, shape: Shape, voc: int
+          ) -> dict[str, Any]:
+    reqs = requests(args.requests, voc, args.seed, shape, rate=rate)
+    load0 = os.getloadavg()
+    results, wall = asyncio.run(open_loop(url, reqs, args.timeout))
+    st = level_stats(results, wall)
+    t99 = st["ttft_s"].get("p99", math.inf)
+    p99 = st["tpot_s"].get("p99", math.inf)
+    served = st["errors"] == 0 and t99 <= args.ttft_p99 and p99 <= args.tpot_p99
+    out = {"rate": rate, "served": served, "ttft_p99_s": t99, "tpot_p99_s": p99,
+           "ttft_p50_s": st["ttft_s"].get("p50"), "tpot_p50_s": st["tpot_s"].get("p50"),
+           "output_tok_s": st["output_tok_s"], "errors": st["errors"],
+           **judge(results, args.ttft_p99, args.tpot_p99),
+           "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg())}
+    print(f"    rate {rate:6.3f}/s: TTFT p99 {t99:6.2f} s, TPOT p99 {p99 * 1e3:6.0f} ms, "
+          f"attainment {out['attainment']:.0%}, errors {st['errors']} -> "
+          f"{'served' if served else 'missed'} (load {load0[0]:.1f})", flush=True)
+    return out
+
+
+def search(url: str, args: argparse.Namespace, shape: Shape, voc: int) -> dict[str, Any]:
+    trials: list[dict[str, Any]] = []
+    good, bad = 0.0, None
+    rate = args.rate_start
+    while rate <= args.rate_max:
+        t = trial(url, rate, args, shape, voc)
+        trials.append(t)
+        if not t["served"]:
+            bad = rate
+            break
+        good = rate
+        rate *= args.rate_step
+    for _ in range(args.bisect if bad is not None else 0):
+        mid = (good + bad) / 2 if good else bad / 2
+        t = trial(url, mid, args, shape, voc)
+        trials.append(t)
+        good, bad = (mid, bad) if t["served"] else (good, mid)
+    return {"goodput_req_s": good, "first_missed_req_s": bad, "trials": trials}
+
+
+def run_system(label: str, system: str, flags: list[str], args: argparse.Namespace,
+               shape: Shape, voc: int) -> dict[str, Any]:
+    print(f"{label} {' '.join(flags)}:", flush=True)
+    out: dict[str, Any] = {"system": system, "flags": flags}
+    group = start(system, args, flags)
+    try:
+        out["startup_s"] = group.wait_ready(args.startup_timeout)
+        asyncio.run(closed_loop(group.url, requests(4, voc, args.seed + 99, shape), 2,
+                                args.timeout))
+        out.update(search(group.url, args, shape, voc))
+    except RuntimeError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        print(f"  {label}: {out['error']}", flush=True)
+    finally:
+        out["logs"] = group.logs()
+        group.stop()
+    return out
+
+
+def plot(data: dict[str, Any], args: argparse.Namespace) -> Path:
+    fig, axes = figure(3, 4.8, 4.0)
+    labels = list(data["systems"])
+    for label in labels:
+        tr = sorted(data["systems"][label].get("trials", []), key=lambda t: t["rate"])
+        if not tr:
+            continue
+        rates = [t["rate"] for t in tr]
+        axes[0].plot(rates, [t["ttft_p99_s"] for t in tr], marker="o", label=label)
+        axes[1].plot(rates, [t["tpot_p99_s"] * 1e3 for t in tr], marker="o", label=label)
+    axes[0].axhline(args.ttft_p99, color="k", ls=":", label="target")
+    axes[1].axhline(args.tpot_p99 * 1e3, color="k", ls=":", label="target")
+    axes[0].set(xlabel="request rate (req/s)", ylabel="s", title="TTFT p99", yscale="log")
+    axes[1].set(xlabel="request rate (req/s)", ylabel="ms", title="TPOT p99", yscale="log")
+    axes[2].bar(range(len(labels)), [data["systems"][k].get("goodput_req_s") or 0
+                                     for k in labels])
+    axes[2].set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
+    axes[2].set(ylabel="req/s", title="goodput (within both targets)")
+    for ax in axes[:2]:
+        ax.legend(fontsize=6)
+    fig.suptitle(f"goodput at TTFT p99 <= {args.ttft_p99} s, TPOT p99 <= "
+                 f"{args.tpot_p99 * 1e3:.0f} ms; {data['load']}", fontsize=9)
+    return save_figure(fig, args.name, args.out_dir)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ttft-p99", type=float, default=3.0, help="seconds")
+    ap.add_argument("--tpot-p99", type=float, default=0.1, help="seconds")
+    ap.add_argument("--systems", nargs="+", default=list(PDSERVE), choices=[*PDSERVE, *VLLM])
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="'label:system:flags' (a pdserve system with these flags)")
+    ap.add_argument("--server-flag", action="append", default=[],
+                    help="a flag for every pdserve system (repeat)")
+    ap.add_argument("--requests", type=int, default=64, help="per trial")
+    ap.add_argument("--rate-start", type=float, default=0.25)
+    ap.add_argument("--rate-step", type=float, default=1.5)
+    ap.add_argument("--rate-max", type=float, default=64.0)
+    ap.add_argument("--bisect", type=int, default=2)
+    ap.add_argument("--model-path", default=None, help="default: SmolLM2 (vLLM: an HF folder)")
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
+    ap.add_argument("--vllm-bind", default="0-1")
+    ap.add_argument("--vllm-kv-gib", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per request, seconds")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--name", default=NAME)
+    ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.bisect, args.rate_start, args.rate_step = 8, 1, 0.5, 3.0
+        if args.systems == list(PDSERVE):
+            args.systems = ["pdserve-unified"]
+    if any(s in VLLM for s in args.systems) and not args.vllm_python:
+        ap.error("vLLM systems need --vllm-python (a Python with vllm installed)")
+    for v in args.variants:
+        if v.count(":") < 2 or v.split(":")[1] not in PDSERVE:
+            ap.error(f"--variants {v!r}: write label:{'|'.join(PDSERVE)}:flags")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    shape = QUICK if args.quick else Shape()
+    voc = vocab(args.model_path)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    run = Run(args.name, {**config, "shape": shape.as_dict()})
+    data: dict[str, Any] = {"targets": {"ttft_p99_s": args.ttft_p99,
+                                        "tpot_p99_s": args.tpot_p99},
+                            "shape": shape.as_dict(), "systems": {}}
+    runs = [(s, s, list(args.server_flag) if s in PDSERVE else []) for s in args.systems]
+    for v in args.variants:
+        label, system, flags = v.split(":", 2)
+        runs.append((label, system, [*args.server_flag, *shlex.split(flags)]))
+    for label, system, flags in runs:
+        data["systems"][label] = run_system(label, system, flags, args, shape, voc)
+    ranked = sorted(((res.get("goodput_req_s") or 0.0, label)
+                     for label, res in data["systems"].items()), reverse=True)
+    data["best"] = ranked[0][1] if ranked and ranked[0][0] > 0 else None
+    data["load"] = load_note(run)
+    path = run.finish(data, args.out_dir)
+    print(f"\ngoodput at TTFT p99 <= {args.ttft_p99} s, TPOT p99 <= {args.tpot_p99 * 1e3:.0f} ms:")
+    for g, label in ranked:
+        print(f"  {label:28s} {g:6.3f} req/s")
+    print(f"best: {data['best']}; {data['load']}; wrote {path} and {plot(data, args)}")
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""bench/workload.py's ShareGPT-like mix is the same for a seed, follows its stated log-normal
+shape within its bounds, and arrives as a Poisson process whose rate leaves the lengths alone;
+bench/goodput.py's search ends between the last served and the first missed rate."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import goodput
+import workload
+
+
+def test_the_mix_is_seeded_bounded_and_log_normal() -> None:
+    shape = workload.Shape()
+    a = workload.requests(2000, 49152, seed=3)
+    assert a == workload.requests(2000, 49152, seed=3)
+    assert a != workload.requests(2000, 49152, seed=4)
+    ins, outs = [len(r.prompt) for r in a], [r.max_tokens for r in a]
+    assert shape.in_min <= min(ins) and max(ins) <= shape.in_max
+    assert shape.out_min <= min(outs) and max(outs) <= shape.out_max
+    assert abs(statistics.median(ins) / shape.in_median - 1) < 0.1
+    assert abs(statistics.median(outs) / shape.out_median - 1) < 0.1
+    assert statistics.fmean(ins) > 1.4 * statistics.median(ins)  # the long right tail
+    assert all(100 <= t < 49152 for r in a[:50] for t in r.prompt)
+
+
+def test_poisson_arrivals_leave_the_lengths_alone() -> None:
+    closed = workload.requests(500, 1000, seed=1, shape=workload.QUICK)
+    opened = workload.requests(500, 1000, seed=1, shape=workload.QUICK, rate=4.0)
+    assert [r.prompt for r in closed] == [r.prompt for r in opened]
+    times = [r.arrival for r in opened]
+    assert all(b > a for a, b in zip(times, times[1:]))
+    assert abs(times[-1] / 500 - 0.25) < 0.05  # mean gap 1 / rate
+
+
+def test_goodput_search_brackets_the_limit(monkeypatch) -> None:
+    tried = []
+
+    def fake(url, rate, args, shape, voc):
+        tried.append(rate)
+        return {"rate": rate, "served": rate <= 1.7}
+
+    monkeypatch.setattr(goodput, "trial", fake)
+    args = goodput.parse_args(["--rate-start", "0.5", "--rate-step", "2", "--bisect", "3"])
+    out = goodput.search("http://unused", args, workload.Shape(), 100)
+    assert tried[:3] == [0.5, 1.0, 2.0] and len(tried) == 6
+    assert 1.5 <= out["goodput_req_s"] <= 1.7 < out["first_missed_req_s"] <= 2.0
