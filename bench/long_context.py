@@ -182,8 +182,8 @@ def prefill_part(cases: list[tuple[str, int, int]], reps: int) -> list[dict[str,
     return rows
 
 
-def engine_part(lengths: list[int], chunks: list[int], decode_ctx: list[int],
-                batches: list[int], steps: int) -> dict[str, Any]:
+def engine_part(lengths: list[int], chunks: list[int], decode: list[tuple[int, int]],
+                steps: int) -> dict[str, Any]:
     from pdcore.config import ServerArgs
     from pdcore.messages.io import SamplingParams
     from pdcore.runtime.llm_engine import LLMEngine
@@ -200,7 +200,7 @@ def engine_part(lengths: list[int], chunks: list[int], decode_ctx: list[int],
         eng.generate(ps, sp)
         return CLOCK[0]() - t
 
-    total = max(max(lengths), max(decode_ctx) * max(batches)) + 1024
+    total = max([*lengths, *(c * b for c, b in decode)]) + 1024
     for chunk in chunks:
         eng = LLMEngine(ServerArgs(model_path=None, max_total_tokens=total, log_level="warning",
                                    chunked_prefill_size=chunk))
@@ -213,14 +213,13 @@ def engine_part(lengths: list[int], chunks: list[int], decode_ctx: list[int],
                       flush=True)
             if chunk != chunks[0]:
                 continue
-            for ctx in decode_ctx:
-                for b in batches:
-                    ps = prompts(b, ctx)
-                    t1, tn = run(eng, ps, 1), run(eng, ps, 1 + steps)  # same prompts: cached
-                    step = (tn - t1) / steps
-                    out["decode"].append({"ctx": ctx, "batch": b, "step_ms": step * 1e3,
-                                          "prefill_s": t1})
-                    print(f"  decode ctx={ctx} B={b}: step {step * 1e3:.1f} ms", flush=True)
+            for ctx, b in decode:
+                # fresh prompts for each run (the same ones would hit the prefix cache)
+                t1, tn = run(eng, prompts(b, ctx), 1), run(eng, prompts(b, ctx), 1 + steps)
+                step = (tn - t1) / steps
+                out["decode"].append({"ctx": ctx, "batch": b, "step_ms": step * 1e3,
+                                      "prefill_s": t1})
+                print(f"  decode ctx={ctx} B={b}: step {step * 1e3:.1f} ms", flush=True)
         finally:
             eng.close()
     return out
@@ -274,6 +273,11 @@ def main() -> None:
                     help="decode contexts on randomly permuted slots (a fragmented pool)")
     ap.add_argument("--quick", action="store_true", help="smoke-sized (seconds)")
     ap.add_argument("--name", default=NAME, help="result file name")
+    ap.add_argument("--engine-lengths", type=int, nargs="+", default=[512, 2048, 8000])
+    ap.add_argument("--engine-chunks", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                    help="--chunked-prefill-size values (the first also runs the decodes)")
+    ap.add_argument("--engine-decode", nargs="+", default=["2048x1", "2048x4", "8000x1"],
+                    help="decode steps at CTXxBATCH")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.clock == "wall":
@@ -301,8 +305,9 @@ def main() -> None:
         data["prefill"] = prefill_part(prefill_cases, max(1, reps // 2))
     if "engine" in parts:
         print("engine (SmolLM2):", flush=True)
-        data["engine"] = engine_part([512, 2048, 8000], [512, 1024, 2048, 4096], [2048, 8000],
-                                     [1, 4], 8)
+        data["engine"] = engine_part(args.engine_lengths, args.engine_chunks,
+                                     [(int(c), int(b)) for c, b in
+                                      (x.split("x") for x in args.engine_decode)], 8)
     data["load"] = load_note(run)
     path = run.finish(data)
     print(f"{data['load']}; wrote {path} and {plot(data, args.name)}")
