@@ -17,14 +17,14 @@ import workload
 
 def test_the_mix_is_seeded_bounded_and_log_normal() -> None:
     shape = workload.Shape()
-    a = workload.requests(2000, 49152, seed=3)
-    assert a == workload.requests(2000, 49152, seed=3)
-    assert a != workload.requests(2000, 49152, seed=4)
+    a = workload.requests(800, 49152, seed=3)
+    assert a[:50] == workload.requests(50, 49152, seed=3)
+    assert a[:50] != workload.requests(50, 49152, seed=4)
     ins, outs = [len(r.prompt) for r in a], [r.max_tokens for r in a]
     assert shape.in_min <= min(ins) and max(ins) <= shape.in_max
     assert shape.out_min <= min(outs) and max(outs) <= shape.out_max
-    assert abs(statistics.median(ins) / shape.in_median - 1) < 0.1
-    assert abs(statistics.median(outs) / shape.out_median - 1) < 0.1
+    assert abs(statistics.median(ins) / shape.in_median - 1) < 0.12
+    assert abs(statistics.median(outs) / shape.out_median - 1) < 0.12
     assert statistics.fmean(ins) > 1.4 * statistics.median(ins)  # the long right tail
     assert all(100 <= t < 49152 for r in a[:50] for t in r.prompt)
 
