@@ -237,8 +237,9 @@ def test_leaving_a_request_on_one_replica_keeps_the_other(dp2: ServerProcess) ->
             dropped = drop.iter_lines()
             for _ in range(2):
                 next(dropped)
-        # the client left replica 1's request while replica 0's was running; it goes on
-        assert dp2.loads()[0]["num_reqs"] == 1
+        # the client left replica 1's request while replica 0's was running; it goes on (its
+        # stream ends with all 1000 tokens below, and replica 0 counts no abort; a count of
+        # its running requests here raced a tiny model that may already have finished)
         rest = [x for x in kept if x]
     events = [json.loads(x[len("data: "):]) for x in first + rest
               if x.startswith("data: {")]
