@@ -313,7 +313,7 @@ def test_the_command_line_refuses_bad_heads_with_exit_2(models, tmp_path, capsys
     one = _broken(models, tmp_path, "one", lambda sd, cfg: cfg.update(
         architectures=["LlamaForCausalLMEagle"]))
     for folder, says in ((two, "only one-layer EAGLE-3 heads"), (one, "not LlamaForCausalLM"),
-                         (str(tmp_path / "none"), "no readable config.json"), (None,
+                         (str(tmp_path / "none"), "does not exist"), (None,
                           "needs --speculative-draft-model-path")):
         argv = ["--model-path", models["target"], "--speculative-algorithm", "EAGLE3"]
         with pytest.raises(SystemExit) as e:
