@@ -24,9 +24,11 @@ linear layers (layers.py) and the MoE experts (moe.py) keep the attached FP8 wei
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
+
+from pdcore.engine.model.quant import CheckpointView
 
 FP8_ATTR = "pd_fp8_weight"  # set on a de-quantized weight handed out by Fp8Checkpoint
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -159,13 +161,14 @@ def fp8_experts(sd: Mapping[str, torch.Tensor], prefix: str, first_expert: int, 
                            inter_first, inter)
 
 
-class Fp8Checkpoint(Mapping[str, torch.Tensor]):
+class Fp8Checkpoint(CheckpointView):
     """The checkpoint's tensors by name, each FP8 `X.weight` handed out de-quantized (float32)
     with its Fp8Weight attached; everything else as the wrapped mapping has it. `block`: the
     config's weight_block_size (bn, bk), if any."""
 
     def __init__(self, sd: Mapping[str, torch.Tensor], block: tuple[int, int] | None) -> None:
-        self.sd, self.block = sd, block
+        super().__init__(sd)
+        self.block = block
         self.fp8_handed_out = 0  # FP8 weights given to the model (logs)
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -184,20 +187,6 @@ class Fp8Checkpoint(Mapping[str, torch.Tensor]):
             self.fp8_handed_out += 1
             return out
         return t
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.sd
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.sd)
-
-    def __len__(self) -> int:
-        return len(self.sd)
-
-    def release_pages(self) -> int:
-        release = getattr(self.sd, "release_pages", None)
-        return release() if release is not None else 0
-
 
 def fp8_layers(model: torch.nn.Module) -> tuple[int, int]:
     """(linear layers, MoE expert sets) of `model` that hold FP8 weights."""

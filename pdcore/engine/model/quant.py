@@ -110,24 +110,15 @@ def scale_of(weight: torch.Tensor) -> torch.Tensor:
     return scale.reshape(-1)
 
 
-class Int8Checkpoint(Mapping[str, torch.Tensor]):
-    """The checkpoint's tensors by name, each int8 `X.weight` handed out with its
-    `X.weight_scale` attached; everything else as the wrapped mapping has it."""
+class CheckpointView(Mapping[str, torch.Tensor]):
+    """A checkpoint mapping read through a quantization format: names, length and page release
+    are the wrapped mapping's; a subclass decides what `__getitem__` hands out."""
 
     def __init__(self, sd: Mapping[str, torch.Tensor]) -> None:
         self.sd = sd
-        self.int8_names: set[str] = set()  # int8 weights handed out (a check that all were used)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        t = self.sd[name]
-        if t.dtype == torch.int8 and name.endswith(".weight"):
-            scale_name = name[: -len("weight")] + "weight_scale"
-            if scale_name not in self.sd:
-                raise KeyError(scale_name)
-            t = t.view(t.shape)  # a fresh tensor object to carry the attribute
-            setattr(t, SCALE_ATTR, self.sd[scale_name])
-            self.int8_names.add(name)
-        return t
+        return self.sd[name]
 
     def __contains__(self, name: object) -> bool:
         return name in self.sd
@@ -141,6 +132,26 @@ class Int8Checkpoint(Mapping[str, torch.Tensor]):
     def release_pages(self) -> int:
         release = getattr(self.sd, "release_pages", None)
         return release() if release is not None else 0
+
+
+class Int8Checkpoint(CheckpointView):
+    """The checkpoint's tensors by name, each int8 `X.weight` handed out with its
+    `X.weight_scale` attached; everything else as the wrapped mapping has it."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(sd)
+        self.int8_names: set[str] = set()  # int8 weights handed out (a check that all were used)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.sd[name]
+        if t.dtype == torch.int8 and name.endswith(".weight"):
+            scale_name = name[: -len("weight")] + "weight_scale"
+            if scale_name not in self.sd:
+                raise KeyError(scale_name)
+            t = t.view(t.shape)  # a fresh tensor object to carry the attribute
+            setattr(t, SCALE_ATTR, self.sd[scale_name])
+            self.int8_names.add(name)
+        return t
 
     def int8_weight_names(self) -> set[str]:
         return {n for n in self.sd if n.endswith(".weight") and
