@@ -51,6 +51,7 @@ from pdcore.config import ADMIN_KEY_ENV, CLUSTER_SECRET_ENV  # noqa: E402
 from pdcore.testing import netns  # noqa: E402
 from pdcore.testing.fault_proxy import FaultProxy  # noqa: E402
 from pdcore.testing.pages import load_at_rest  # noqa: E402
+from pdcore.testing.router_list import read_stream  # noqa: E402
 
 PROMPTS = ["Hello there", "The capital of France is", "One two three four", "Once upon a time"]
 HTTP, BOOT, ROUTER = 30000, 8998, 8000  # real ports (each host has its own address)
@@ -70,20 +71,7 @@ def one_request(http: httpx.Client, url: str, prompt: str, stream: bool, n: int,
             return (200, r.json()["text"]) if r.status_code == 200 else (r.status_code, r.text)
         with http.stream("POST", url + "/generate", json=body(prompt, True, n),
                          timeout=hung_s) as r:
-            if r.status_code != 200:
-                return r.status_code, r.read().decode(errors="replace")[:200]
-            text, done = "", False
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                    else:
-                        event = json.loads(data)
-                        if "error" in event:
-                            return "sse_error", data[:200]
-                        text = event.get("text", text)
-            return (200, text) if done else ("no_done", text)
+            return read_stream(r, cut=200)
     except httpx.TimeoutException:
         return "hung", ""
     except httpx.HTTPError as e:

@@ -14,7 +14,6 @@ started, and each round's duration. Writes bench/results/rolling_restart.json an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -31,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Run, figure, save_figure, summary  # noqa: E402
 
+from pdcore.testing.router_list import read_stream  # noqa: E402
+
 PROMPTS = ["Hello there", "The capital of France is", "One two three four",
            "Once upon a time", "Write a haiku about the sea"]
 
@@ -44,20 +45,7 @@ def stream_once(http: httpx.Client, url: str, prompt: str, n: int) -> tuple[Any,
     try:
         with http.stream("POST", url + "/generate", json=_body(prompt, True, n),
                          timeout=120) as r:
-            if r.status_code != 200:
-                return r.status_code, r.read().decode(errors="replace")[:200]
-            text, done = "", False
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                    else:
-                        event = json.loads(data)
-                        if "error" in event:
-                            return "sse_error", data[:200]
-                        text = event.get("text", text)
-            return (200, text) if done else ("no_done", text)
+            return read_stream(r, cut=200)
     except httpx.TimeoutException:
         return "hung", ""
     except httpx.HTTPError as e:

@@ -62,23 +62,31 @@ def _plain(http: httpx.Client, url: str, body: dict[str, Any],
     return 200, r.json()["text"]
 
 
+def read_stream(r: httpx.Response, cut: int = 300) -> tuple[int | str, str]:
+    """(status, text) of one opened /generate stream: the HTTP status and body of a refusal,
+    ("sse_error", the event) for an error event, ("no_done", the text so far) when the stream
+    ended without [DONE], else (200, the final text). `cut`: how much error text to keep."""
+    if r.status_code != 200:
+        return r.status_code, r.read().decode(errors="replace")[:cut]
+    text, done = "", False
+    for line in r.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            return "sse_error", data[:cut]
+        text = event.get("text", text)
+    return (200, text) if done else ("no_done", text)
+
+
 def _stream(http: httpx.Client, url: str, body: dict[str, Any],
             timeout: httpx.Timeout) -> tuple[int | str, str]:
     with http.stream("POST", url, json=body, timeout=timeout) as r:
-        if r.status_code != 200:
-            return r.status_code, r.read().decode(errors="replace")[:300]
-        text, done = "", False
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                continue
-            event = json.loads(data)
-            if "error" in event:
-                return "sse_error", data[:300]
-            text = event.get("text", text)
-        if not done:  # the router went away between events: as a broken connection
-            raise httpx.RemoteProtocolError("the stream ended without [DONE]")
-        return 200, text
+        status, text = read_stream(r)
+    if status == "no_done":  # the router went away between events: as a broken connection
+        raise httpx.RemoteProtocolError("the stream ended without [DONE]")
+    return status, text

@@ -29,6 +29,7 @@ from pdserve_testing import REPO_ROOT, free_port
 
 from pdcore.route_auth import SERVER_ID_HEADER
 from pdcore.testing.pages import load_at_rest
+from pdcore.testing.router_list import read_stream
 
 # A 160 s scenario (a 2P2D start, then four drains and restarts one after another on 2 cores):
 # over CI's budget, so it runs where asked (PDSERVE_SCENARIOS=1), and bench/rolling_restart.py
@@ -50,21 +51,7 @@ def stream_text(http: httpx.Client, url: str, prompt: str) -> tuple[int | str, s
     try:
         with http.stream("POST", url + "/generate", json={"text": prompt, **_params(True)},
                          timeout=120) as r:
-            if r.status_code != 200:
-                return r.status_code, r.read().decode(errors="replace")[:300]
-            text, done = "", False
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    return "sse_error", json.dumps(event)[:300]
-                text = event.get("text", text)
-            return (200, text) if done else ("no_done", text)
+            return read_stream(r)
     except httpx.HTTPError as e:
         return type(e).__name__, str(e)
 
