@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Run, figure, load_note, save_figure
-from many_streams import PDSERVE, VLLM, level_stats, start, vocab
+from many_streams import PDSERVE, VLLM, level_stats, start, system_args, vocab
 from workload import QUICK, Shape, closed_loop, open_loop, requests
 
 NAME = "goodput"
@@ -155,16 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rate-step", type=float, default=1.5)
     ap.add_argument("--rate-max", type=float, default=64.0)
     ap.add_argument("--bisect", type=int, default=2)
-    ap.add_argument("--model-path", default=None, help="default: SmolLM2 (vLLM: an HF folder)")
-    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
-    ap.add_argument("--vllm-bind", default="0-1")
-    ap.add_argument("--vllm-kv-gib", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="per request, seconds")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--name", default=NAME)
-    ap.add_argument("--out-dir", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true")
+    system_args(ap, NAME)
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.bisect, args.rate_start, args.rate_step = 8, 1, 0.5, 3.0

@@ -144,16 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=16)
-    ap.add_argument("--model-path", default=None, help="default: SmolLM2 (vLLM: an HF folder)")
-    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
-    ap.add_argument("--vllm-bind", default="0-1")
-    ap.add_argument("--vllm-kv-gib", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="per request, seconds")
-    ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--name", default=NAME)
-    ap.add_argument("--out-dir", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true")
+    system_args(ap, NAME)
     args = ap.parse_args(argv)
     if args.quick:
         args.concurrency, args.requests_per_stream, args.min_requests = [1, 4, 16], 1, 4
@@ -162,6 +153,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(s in VLLM for s in args.systems) and not args.vllm_python:
         ap.error("vLLM systems need --vllm-python (a Python with vllm installed)")
     return args
+
+
+def system_args(ap: argparse.ArgumentParser, name: str) -> None:
+    """The flags every serving bench of the mix shares: model, vLLM, seed, limits, output."""
+    ap.add_argument("--model-path", default=None, help="default: SmolLM2 (vLLM: an HF folder)")
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
+    ap.add_argument("--vllm-bind", default="0-1")
+    ap.add_argument("--vllm-kv-gib", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per request, seconds")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--name", default=name)
+    ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
