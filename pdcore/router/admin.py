@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 import pdcore
 from pdcore.edge.auth import require_admin
@@ -150,6 +150,14 @@ def build_admin_router(state: RouterState) -> APIRouter:
         if state.fleet is not None:  # --peer-routers: who this router relays to, what it took
             body["fleet"] = state.fleet.snapshot()
         return JSONResponse(body)
+
+    @router.get("/fleet/ledger", dependencies=admin)
+    async def fleet_ledger() -> Response:
+        """--peer-routers: the worker changes this router knows (router/fleet_sync.py)."""
+        if state.fleet is None:
+            return _error(404, "not_found", "this router has no --peer-routers")
+        body, headers = state.fleet.sync.body()
+        return Response(body, media_type="application/json", headers=headers)
 
     @router.post("/add_worker", dependencies=admin)
     async def legacy_add(request: Request) -> JSONResponse:

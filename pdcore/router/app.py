@@ -117,11 +117,15 @@ def create_app(config: RouterConfig) -> FastAPI:
         if config.peer_routers:  # one of several routers: a peer's worker list, then listen
             state.fleet = RouterFleet(config, state.registry, client, monitor)
             await state.fleet.join()
+            state.fleet.sync.seed()
+            state.fleet.sync.start()
         try:
             yield
         finally:
             if state.peering is not None:
                 await state.peering.stop()
+            if state.fleet is not None:
+                await state.fleet.sync.stop()
             if state.discovery is not None:
                 state.discovery.stop()
             await state.proxy.close()

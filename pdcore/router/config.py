@@ -116,6 +116,10 @@ class RouterConfig:
         "the other routers over the same workers (pdserve's own flag): admin changes to the "
         "workers are relayed to them, and at start this router takes over the worker list of "
         "the first that answers (pdcore/router/fleet.py): URL ...", special=True))
+    peer_sync_interval_secs: float = field(default=5.0, metadata=_opt(
+        "with --peer-routers: every this many seconds the router pulls each peer's ledger of "
+        "worker changes (signed with the cluster secret) and takes the changes it missed "
+        "(pdcore/router/fleet_sync.py); 0: never (relays and the start-up list only)"))
     # Kubernetes service discovery (sglang-router's flags; pdcore/router/discovery.py)
     service_discovery: bool = field(default=False, metadata=_opt(
         "find prefill/decode workers as Ready pods matching --prefill/--decode-selector"))
@@ -280,6 +284,8 @@ class RouterConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.peer_sync_interval_secs < float("inf"):
+            raise ConfigError("--peer-sync-interval-secs must be >= 0")
         if self.migration_max < 0:
             raise ConfigError("--migration-max must be >= 0")
         if not 0 <= self.cache_threshold <= 1:

@@ -34,6 +34,7 @@ import httpx
 from fastapi.responses import JSONResponse
 
 from pdcore.errors import ConfigError
+from pdcore.router.fleet_sync import STAMP_HEADER, FleetSync
 
 if TYPE_CHECKING:
     from pdcore.router.config import RouterConfig
@@ -56,6 +57,8 @@ class RouterFleet:
         self.relayed = 0  # changes every peer took
         self.relay_failures = 0  # (peer, change) pairs that did not reach the peer
         self.adopted_from: str | None = None  # the peer whose worker list was taken at start
+        # the ledger of admin changes, pulled from the peers now and then (fleet_sync.py)
+        self.sync = FleetSync(config, registry, client, monitor, self._headers())
 
     def _headers(self) -> dict[str, str]:
         cfg = self._config
@@ -63,12 +66,15 @@ class RouterFleet:
         # /workers too); without one, the API key (GET works, a relayed change gets 403)
         return {**cfg.worker_headers(), **cfg.admin_headers(), PEER_HEADER: "1"}
 
-    async def relay(self, method: str, payload: dict[str, Any]) -> dict[str, str]:
-        """One change to every peer; {peer: "ok" | why not}."""
+    async def relay(self, method: str, payload: dict[str, Any], stamp: float
+                    ) -> dict[str, str]:
+        """One change (made at `stamp`) to every peer; {peer: "ok" | why not}."""
+        headers = {**self._headers(), STAMP_HEADER: repr(stamp)}
+
         async def one(peer: str) -> str:
             try:
                 resp = await self._http.request(method, peer + "/workers", json=payload,
-                                                    headers=self._headers(),
+                                                    headers=headers,
                                                     timeout=PEER_TIMEOUT_S)
             except httpx.HTTPError as exc:
                 return f"{type(exc).__name__}: {exc}"
@@ -85,8 +91,9 @@ class RouterFleet:
                 self.relayed += 1
             else:
                 self.relay_failures += 1
-                log.warning("router peer %s did not take %s /workers %s (%s); it gets this "
-                            "router's list when it restarts", peer, method, payload, outcome)
+                log.warning("router peer %s did not take %s /workers %s (%s); it takes the "
+                            "change from this router's ledger on its next sync, or its list "
+                            "when it restarts", peer, method, payload, outcome)
         return results
 
     async def join(self, wait_s: float = JOIN_WAIT_S) -> None:
@@ -156,7 +163,8 @@ class RouterFleet:
 
     def snapshot(self) -> dict[str, object]:
         return {"peers": self.peers, "adopted_from": self.adopted_from,
-                "relayed": self.relayed, "relay_failures": self.relay_failures}
+                "relayed": self.relayed, "relay_failures": self.relay_failures,
+                **self.sync.snapshot()}
 
 
 async def relayed(fleet: RouterFleet | None, request: Any, resp: Any, method: str,
@@ -164,8 +172,17 @@ async def relayed(fleet: RouterFleet | None, request: Any, resp: Any, method: st
     """`resp` (an admin call's JSONResponse) after relaying its change to the peers, whose
     outcomes it then lists under `peers`; unchanged when nothing changed, there are no peers
     or the call came from a peer."""
-    if fleet is None or resp.status_code >= 300 or request.headers.get(PEER_HEADER):
+    if fleet is None or resp.status_code >= 300:
         return resp
+    # the change goes into the ledger (a relayed one with its origin's stamp)
+    stamp = fleet.sync.stamp(request.headers.get(STAMP_HEADER) if request.headers.get(
+        PEER_HEADER) else None)
     body = json.loads(resp.body)
-    body["peers"] = await fleet.relay(method, payload)
+    w = body.get("worker") or {}  # what this router registered (or removed)
+    url = str(w.get("url") or payload.get("url")).split("@")[0]  # a DP rank: its server
+    fleet.sync.record(url, method == "POST", w.get("worker_type"), w.get("bootstrap_port"),
+                      stamp)
+    if request.headers.get(PEER_HEADER):
+        return resp
+    body["peers"] = await fleet.relay(method, payload, stamp)
     return JSONResponse(body, status_code=resp.status_code)

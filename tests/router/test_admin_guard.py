@@ -48,7 +48,8 @@ AS_USER = {"authorization": f"Bearer {API}"}
 AS_ADMIN = {"authorization": f"Bearer {ADMIN}"}
 ROGUE = "http://127.0.0.1:9"  # the worker an attacker would add (nothing listens there)
 ROUTER_ADMIN = {"POST /workers", "DELETE /workers", "DELETE /workers/{url:path}",
-                "POST /add_worker", "POST /remove_worker", "POST /flush_cache"}
+                "POST /add_worker", "POST /remove_worker", "POST /flush_cache",
+                "GET /fleet/ledger"}  # read, but it names the workers a peer router takes
 SERVER_ADMIN = {"POST /flush_cache", "GET /flush_cache", "POST /start_profile", "POST /drain",
                 "POST /stop_profile", "POST /disaggregation/trusted_prefill"}
 

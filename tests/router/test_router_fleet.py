@@ -6,6 +6,7 @@ router routes requests on its own. The same with real servers and a router kille
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -26,11 +27,11 @@ BODY = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
 
 class Router:
     def __init__(self, port: int, prefill: list[FakeWorker], decode: list[FakeWorker],
-                 peers: list[str]) -> None:
+                 peers: list[str], **flags: object) -> None:
         cfg = RouterConfig(pd_disaggregation=True, prefill=[(w.url, 8998) for w in prefill],
                            decode=[w.url for w in decode], policy="round_robin",
                            api_key=API, admin_api_key=ADMIN, peer_routers=peers,
-                           request_timeout_secs=20.0)
+                           request_timeout_secs=20.0, **flags)  # type: ignore[arg-type]
         self.app = create_app(cfg)
         self.server = ServerThread(self.app, port).start()
         self.url = self.server.url
@@ -174,3 +175,97 @@ def test_a_client_side_list_leaves_a_router_that_is_down_or_frozen(fleet) -> Non
             assert bad.status == 400 and bad.router == a.url and bad.fell_over == 0, bad
     finally:
         frozen.close()
+
+
+def test_routers_that_missed_relays_converge_within_one_sync_period(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two routers (same cluster secret) that reach each other only through fault proxies: while
+    the link is refused each takes an admin change the other misses (A adds D1 and removes D0,
+    B adds D2); once it is back, within one --peer-sync-interval-secs (+ slack) both hold the
+    same list, the removal included (its tombstone wins over B's older entry). A ledger
+    signed with another secret is refused and changes nothing."""
+    from pdcore.router.fleet_sync import SIG_HEADER
+    from pdcore.testing.fault_proxy import FaultProxy
+
+    monkeypatch.setattr(fleet_module, "ADOPT_PAUSE_S", 0.05)
+    period = 0.5
+    p0, d0, d1, d2 = [FakeWorker(role=r, name=f"{r[0]}{i}").start()
+                      for i, r in enumerate(("prefill", "decode", "decode", "decode"))]
+    ports = [free_port() for _ in range(4)]  # A, B, proxy to A, proxy to B
+    proxies = [FaultProxy("127.0.0.1", ports[2 + k], "127.0.0.1", ports[k]).start()
+               for k in range(2)]
+    via = [f"http://127.0.0.1:{ports[2 + k]}" for k in range(2)]
+    flags = {"peer_sync_interval_secs": period, "disaggregation_auth_token": "fleet-secret-1"}
+    a = Router(ports[0], [p0], [d0], [via[1]], **flags)
+    b = Router(ports[1], [p0], [d0], [via[0]], **flags)
+    try:
+        for proxy in proxies:  # the link cut: new connections and the kept-alive ones
+            proxy.refuse = True
+            proxy.reset_all()
+        resp = a.http.post("/workers", json={"url": d1.url, "worker_type": "decode"})
+        assert resp.status_code == 200 and resp.json()["peers"][via[1]] != "ok", resp.text
+        assert a.http.delete(f"/workers/{d0.url}").status_code == 200
+        assert b.http.post("/workers", json={"url": d2.url, "worker_type": "decode"}
+                           ).status_code == 200
+        time.sleep(2 * period)  # syncs fail while cut off: nothing changes
+        assert b.workers() == {p0.url: "prefill", d0.url: "decode", d2.url: "decode"}
+        assert a.workers() == {p0.url: "prefill", d1.url: "decode"}
+        for proxy in proxies:
+            proxy.refuse = False
+        healed = time.monotonic()
+        want = {p0.url: "prefill", d1.url: "decode", d2.url: "decode"}
+        _wait(lambda: a.workers() == want and b.workers() == want,
+              f"not converged: A {a.workers()}, B {b.workers()}", timeout=period + 5)
+        took = time.monotonic() - healed
+        fleet_a = a.http.get("/workers").json()["fleet"]
+        assert fleet_a["signed"] and fleet_a["changes_taken"] == 1 and fleet_a["syncs"] >= 1
+        assert fleet_a["sync_failures"] >= 1, fleet_a  # the refused link was counted
+        # the ledger route is the admin's, and its answer is signed
+        assert httpx.get(a.url + "/fleet/ledger", timeout=10).status_code in (401, 403)
+        ledger = a.http.get("/fleet/ledger")
+        assert ledger.status_code == 200 and len(ledger.headers[SIG_HEADER]) == 64
+        tomb = {e["url"]: e for e in ledger.json()["entries"]}[d0.url]
+        assert tomb["present"] is False and tomb["stamp"] > 0
+        # a router with another secret: its ledger is refused, its list stays its own
+        c = Router(free_port(), [p0], [d0], [a.url], peer_sync_interval_secs=period,
+                   disaggregation_auth_token="another-secret")
+        try:
+            time.sleep(3 * period)
+            got = c.http.get("/workers").json()["fleet"]
+            assert got["syncs"] == 0 and got["sync_failures"] >= 1, got
+            assert c.workers() == a.workers()  # (the start-up list still comes from A)
+        finally:
+            c.stop()
+        print(f"converged {took:.2f} s after the link came back (period {period} s)")
+    finally:
+        for r in (a, b):
+            r.stop()
+        for proxy in proxies:
+            proxy.stop()
+        for w in (p0, d0, d1, d2):
+            w.stop()
+
+
+def test_a_hostile_peer_ledger_is_dropped_whole() -> None:
+    """What a peer sends is bounded and checked: one bad entry drops the whole answer."""
+    import json as _json
+
+    from pdcore.router.fleet_sync import MAX_ENTRIES, MAX_FUTURE_S, BadLedger, parse_entries
+
+    now = time.time()
+    good = {"url": "http://127.0.0.1:9/", "stamp": now, "present": True, "role": "prefill",
+            "bootstrap_port": 8998}
+    got = parse_entries(_json.dumps({"entries": [good]}).encode(), now)
+    assert list(got) == ["http://127.0.0.1:9"] and got["http://127.0.0.1:9"].port == 8998
+    bad = [{"stamp": now + MAX_FUTURE_S + 10}, {"stamp": float("nan")}, {"stamp": True},
+           {"url": "file:///etc/passwd"}, {"url": "http://h:1?x=1"}, {"url": "x" * 5000},
+           {"role": "router"}, {"present": "yes"}, {"bootstrap_port": 70000},
+           {"role": "decode"}]  # a decode worker has no bootstrap port
+    for change in bad:
+        with pytest.raises(BadLedger):
+            parse_entries(_json.dumps({"entries": [good, {**good, **change}]}).encode(), now)
+    for raw in (b"[]", b"{", b'{"entries": 3}', b'{"entries": [1]}',
+                _json.dumps({"entries": [good] * (MAX_ENTRIES + 1)}).encode(),
+                b" " * (2 << 20)):
+        with pytest.raises(BadLedger):
+            parse_entries(raw, now)
