@@ -48,8 +48,10 @@ def start(system: str, args: argparse.Namespace, flags: list[str]) -> Group:
     """pdserve's systems with extra `pdserve serve` flags (`up` passes them to every server);
     vLLM's through vllm_launch."""
     if system in VLLM:
+        # the mix's longest request (2048 in + 512 out by default) must fit vLLM's window
         return start_system(system, args.model_path, "float32", args.vllm_python,
-                            args.vllm_bind, args.vllm_kv_gib)
+                            args.vllm_bind, args.vllm_kv_gib,
+                            max_model_len=args.vllm_max_model_len)
     py, port = sys.executable, free_port()
     model = ["--model-path", args.model_path] if args.model_path else []
     g = Group()
@@ -161,6 +163,8 @@ def system_args(ap: argparse.ArgumentParser, name: str) -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
     ap.add_argument("--vllm-bind", default="0-1")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
+    ap.add_argument("--vllm-max-model-len", type=int, default=4096,
+                    help="vLLM's --max-model-len: at least the mix's longest prompt + output")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="per request, seconds")
     ap.add_argument("--startup-timeout", type=float, default=900.0)

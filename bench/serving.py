@@ -79,12 +79,20 @@ class Result:
         return [b - a for a, b in pairwise(t)]
 
 
+# client sampling modes: "greedy" sends temperature 0; "default" sends no temperature, so the
+# server's default applies (1.0 on both pdserve and vLLM for a model folder without a
+# generation_config.json): what a client that names none gets
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "default": {}}
+
+
 async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[int],
                             max_tokens: int, kind: str = "", timeout: float = 600.0,
-                            sink: list[Result] | None = None) -> Result:
-    """One streamed, greedy, ignore_eos completion; errors are recorded, not raised. With a
-    `sink`, the result is appended at once, so a cancelled stream keeps what it saw."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                            sink: list[Result] | None = None, sampling: str = "greedy"
+                            ) -> Result:
+    """One streamed, ignore_eos completion, greedy unless `sampling` (a SAMPLINGS key) says
+    otherwise; errors are recorded, not raised. With a `sink`, the result is appended at once,
+    so a cancelled stream keeps what it saw."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, **SAMPLINGS[sampling], "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     res = Result(len(prompt), time.perf_counter(), kind=kind)
     if sink is not None:
@@ -123,8 +131,8 @@ async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[in
     return res
 
 
-async def closed_loop(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int
-                      ) -> tuple[list[Result], float]:
+async def closed_loop(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+                      sampling: str = "greedy") -> tuple[list[Result], float]:
     """All prompts, at most `concurrency` in flight; (results, wall seconds)."""
     queue = list(reversed(prompts))
     results: list[Result] = []
@@ -132,7 +140,8 @@ async def closed_loop(url: str, prompts: list[list[int]], max_tokens: int, concu
     async with httpx.AsyncClient(limits=limits) as client:
         async def worker() -> None:
             while queue:
-                results.append(await stream_completion(client, url, queue.pop(), max_tokens))
+                results.append(await stream_completion(client, url, queue.pop(), max_tokens,
+                                                       sampling=sampling))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -134,9 +134,10 @@ def vllm_bin(vllm_python: str) -> str:
 
 def vllm_serve(vllm_python: str, model: str, dtype: str, port: int, bind: str, kv_gib: int,
                extra_env: dict[str, str] | None = None, extra: list[str] | None = None,
-               name: str = "vllm") -> Proc:
+               name: str = "vllm", max_model_len: int = 2048) -> Proc:
     argv = [vllm_bin(vllm_python), "serve", model, "--dtype", dtype, "--host", "127.0.0.1",
-            "--port", str(port), "--max-model-len", "2048", "--served-model-name", SERVED_NAME,
+            "--port", str(port), "--max-model-len", str(max_model_len),
+            "--served-model-name", SERVED_NAME,
             *(extra or [])]
     env = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": bind,
            **(extra_env or {})}
@@ -152,7 +153,8 @@ def check_free(port: int) -> None:
 
 
 def start_system(system: str, model: str, dtype: str, vllm_python: str | None, vllm_bind: str,
-                 kv_gib: int, side_ports: tuple[int, int] = SIDE_PORTS) -> Group:
+                 kv_gib: int, side_ports: tuple[int, int] = SIDE_PORTS,
+                 max_model_len: int = 2048) -> Group:
     g, py, port = Group(), sys.executable, free_port()
     if system == "pdserve-unified":
         g.add(Proc([py, "-m", "pdcore", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -165,7 +167,8 @@ def start_system(system: str, model: str, dtype: str, vllm_python: str | None, v
                    name="pdserve-up"))
     elif system == "vllm-unified":
         assert vllm_python
-        g.add(vllm_serve(vllm_python, model, dtype, port, vllm_bind, kv_gib))
+        g.add(vllm_serve(vllm_python, model, dtype, port, vllm_bind, kv_gib,
+                         max_model_len=max_model_len))
     elif system == "vllm-1p1d":
         assert vllm_python
         kv = ["--kv-transfer-config", json.dumps(NIXL_CONFIG)]
@@ -175,7 +178,7 @@ def start_system(system: str, model: str, dtype: str, vllm_python: str | None, v
             check_free(side_ports[i])
             side = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[i])}
             urls.append(g.add(vllm_serve(vllm_python, model, dtype, p, cpu, kv_gib, side, kv,
-                                         name=f"vllm-{role}")).url)
+                                         name=f"vllm-{role}", max_model_len=max_model_len)).url)
         pp = free_port()
         g.add(Proc([py, str(BENCH / "vllm_pd_proxy.py"), "--port", str(pp), "--prefill",
                     urls[0], "--decode", urls[1]], f"http://127.0.0.1:{pp}",
@@ -208,10 +211,11 @@ def make_hf_folder(dest: Path) -> Path:
 # Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 query / 8 KV heads of 64, MLP 8192, tied
 # embeddings) with SmolLM2's tokenizer and vocabulary (49152 instead of 128256: random greedy
 # output must stay decodable by the tokenizer both servers load), default rotary (no llama3
-# frequency scaling: the cost is the same). 1.07 B parameters, 4.3 GB as float32.
+# frequency scaling: the cost is the same), a 32k window (issue #47's 16k-token prompts; the
+# real model's is 128k). 1.07 B parameters, 4.3 GB as float32.
 LLAMA_1B_SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-                  "max_position_embeddings": 4096, "tie_word_embeddings": True}
+                  "max_position_embeddings": 32768, "tie_word_embeddings": True}
 
 
 def make_llama_1b_folder(dest: Path, seed: int = 0) -> Path:

@@ -14,10 +14,14 @@ why vLLM is missing.
 
 Lifecycle, per round (--rounds) and dtype (--dtypes): each system in turn, order alternating
 between rounds, alone on the machine: start, warm up, one greedy probe (its text is compared
-across systems), the closed-loop client of bench/serving.py (streamed /v1/completions of random
-token-id prompts, --input-len in / --output-len out, ignore_eos, greedy, --concurrency in
-flight, --num-prompts), stop. Each round records the load average before and after.
-Per system and dtype: output tok/s (median over rounds), mean TTFT and TPOT. `acceptance`
+across systems), then per client sampling of --sampling (greedy: temperature 0; default: no
+temperature sent, so the server's default 1.0; order alternating between rounds) the
+closed-loop client of bench/serving.py (streamed /v1/completions of random token-id prompts,
+--input-len in / --output-len out, ignore_eos, --concurrency in flight, --num-prompts), stop.
+Each measurement records the load average before and after. Results are keyed by dtype for
+greedy and `dtype/default` for the default sampling. Per system and key: output tok/s (median
+over rounds), mean and p99 TTFT and TPOT. `acceptance_47` holds issue #47's ratios (unified
+tok/s per sampling >= --tok-s-target, TTFT with --check-ttft, pdserve's sampled / greedy TPOT). `acceptance`
 holds issue #21's ratios (unified float32 tok/s and TPOT, unified bf16 tok/s, 1P1D tok/s) with
 their targets; `--profile` adds vLLM's own decode-step profile at batch --concurrency
 (bench/vllm_profile.py: GEMM time vs step time). JSON + PNG in bench/results/vs_vllm.*.
@@ -60,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
 from common import Run, alternating, figure, load_note, ratio, save_figure
-from serving import closed_loop, latency_stats, random_prompts
+from serving import SAMPLINGS, closed_loop, latency_stats, random_prompts
 from vllm_launch import VLLM_ENV, make_hf_folder, make_llama_1b_folder, start_system
 
 NAME = "vs_vllm"
@@ -102,37 +106,54 @@ def probe(url: str, prompt: list[int]) -> str:
     return str(r.json()["choices"][0]["text"])
 
 
-def one_round(system: str, dtype: str, args: argparse.Namespace, prompts: list[list[int]]
-              ) -> dict[str, Any]:
+def mode(dtype: str, sampling: str) -> str:
+    """Result key of one dtype and client sampling: the dtype alone for greedy (issue #21's
+    targets), `dtype/default` for the client's default sampling."""
+    return dtype if sampling == "greedy" else f"{dtype}/{sampling}"
+
+
+def one_round(system: str, dtype: str, args: argparse.Namespace, prompts: list[list[int]],
+              rep: int = 0) -> dict[str, dict[str, Any]]:
+    """One start of `system`; each client sampling of --sampling in turn (order alternating by
+    round) on that one server. Per sampling: its round's numbers (or the error)."""
     load_before = os.getloadavg()
     group = start_system(system, args.model_path, dtype, args.vllm_python, args.vllm_bind,
-                         args.vllm_kv_gib, args.vllm_side_ports)
+                         args.vllm_kv_gib, args.vllm_side_ports, args.max_model_len)
+    out: dict[str, dict[str, Any]] = {}
     try:
         startup = group.wait_ready(args.startup_timeout)
         asyncio.run(closed_loop(group.url, prompts[: args.concurrency], 4, args.concurrency))
         text = probe(group.url, prompts[0])
-        results, wall = asyncio.run(closed_loop(group.url, prompts, args.output_len,
-                                                args.concurrency))
+        for sampling in alternating(args.sampling, rep):
+            before = os.getloadavg()
+            results, wall = asyncio.run(closed_loop(group.url, prompts, args.output_len,
+                                                    args.concurrency, sampling))
+            stats = latency_stats(results)
+            out[sampling] = {
+                "tok_s": stats["output_tokens"] / wall, "wall_s": wall, "startup_s": startup,
+                "mean_ttft_s": stats["ttft_s"].get("mean"),
+                "p99_ttft_s": stats["ttft_s"].get("p99"),
+                "mean_tpot_s": stats["tpot_s"].get("mean"),
+                "p99_tpot_s": stats["tpot_s"].get("p99"), "p99_itl_s": stats["itl_s"].get("p99"),
+                "errors": stats["errors"], "error_samples": stats["error_samples"],
+                "probe_text": text, "sampling": sampling, "loadavg_before": list(before),
+                "loadavg_after": list(os.getloadavg()), "logs": group.logs()}
     except (RuntimeError, httpx.HTTPError) as e:
         # one system failing to start or serve must not cost the other systems' numbers
-        return {"error": f"{type(e).__name__}: {e}", "loadavg_before": list(load_before),
-                "loadavg_after": list(os.getloadavg()), "logs": group.logs()}
+        err = {"error": f"{type(e).__name__}: {e}", "loadavg_before": list(load_before),
+               "loadavg_after": list(os.getloadavg()), "logs": group.logs()}
+        return {sm: out.get(sm, {**err, "sampling": sm}) for sm in args.sampling}
     finally:
         group.stop()
-    stats = latency_stats(results)
-    return {"tok_s": stats["output_tokens"] / wall, "wall_s": wall, "startup_s": startup,
-            "mean_ttft_s": stats["ttft_s"].get("mean"), "mean_tpot_s": stats["tpot_s"].get("mean"),
-            "errors": stats["errors"], "error_samples": stats["error_samples"],
-            "probe_text": text, "loadavg_before": list(load_before),
-            "loadavg_after": list(os.getloadavg()), "logs": group.logs()}
+    return out
 
 
 def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"failed_rounds": sum("error" in r for r in rounds)}
     rounds = [r for r in rounds if "error" not in r] or [{"tok_s": None, "mean_ttft_s": None,
                                                           "mean_tpot_s": None, **rounds[0]}]
-    for k in ("tok_s", "mean_ttft_s", "mean_tpot_s"):
-        vals = [r[k] for r in rounds if r[k] is not None]
+    for k in ("tok_s", "mean_ttft_s", "mean_tpot_s", "p99_ttft_s", "p99_tpot_s"):
+        vals = [r[k] for r in rounds if r.get(k) is not None]
         out[k] = statistics.median(vals) if vals else None
     out["loadavg_1m_max"] = max(max(r["loadavg_before"][0], r["loadavg_after"][0])
                                 for r in rounds)
@@ -155,6 +176,36 @@ def acceptance(med: dict[str, dict[str, Any]],
                      "met": same and (r >= target if higher else r <= target)}
         if not same:
             out[name]["why_not"] = "the systems' greedy probe texts differ"
+    return out
+
+
+def acceptance_47(med: dict[str, dict[str, Any]], args: argparse.Namespace,
+                  probes: dict[str, Any]) -> dict[str, Any]:
+    """Issue #47's ratios, pdserve unified over vLLM unified in the first dtype, per client
+    sampling: output tok/s (>= --tok-s-target), mean TTFT (<= 1, with --check-ttft); and
+    pdserve's TPOT sampled over greedy (<= 1.05; the issue names batch 8, i.e. --concurrency 8)."""
+    out: dict[str, Any] = {}
+    d = args.dtypes[0]
+    for sm in args.sampling:
+        a = med.get(mode(d, sm), {}).get("pdserve-unified", {})
+        b = med.get(mode(d, sm), {}).get("vllm-unified", {})
+        same = probes.get(mode(d, sm), {}).get("all_equal", True)
+        checks = [("tok_s", "tok_s", args.tok_s_target, True)]
+        if args.check_ttft:
+            checks.append(("ttft", "mean_ttft_s", 1.0, False))
+        for name, metric, target, higher in checks:
+            if a.get(metric) is None or b.get(metric) is None:
+                continue
+            r = ratio(a[metric], b[metric])
+            out[f"unified_{name}_{sm}"] = {
+                "pdserve": a[metric], "vllm": b[metric], "ratio": r, "target": target,
+                "met": same and (r >= target if higher else r <= target)}
+    g = med.get(mode(d, "greedy"), {}).get("pdserve-unified", {}).get("mean_tpot_s")
+    t = med.get(mode(d, "default"), {}).get("pdserve-unified", {}).get("mean_tpot_s")
+    if g and t:
+        out["pdserve_tpot_sampled_over_greedy"] = {
+            "sampled": t, "greedy": g, "ratio": ratio(t, g), "target": 1.05,
+            "met": ratio(t, g) <= 1.05, "batch": args.concurrency}
     return out
 
 
@@ -197,6 +248,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--sampling", default="greedy,default",
+                    help="comma list of client samplings, each measured on the same server "
+                         "start: greedy (temperature 0) and/or default (no temperature sent: "
+                         "the server's default, 1.0)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="vLLM's --max-model-len (default: input + output rounded up to 256, "
+                         "at least 2048)")
+    ap.add_argument("--tok-s-target", type=float, default=1.3,
+                    help="issue #47's pdserve / vLLM unified output tok/s target (1.3 at "
+                         "128/64 and 512/128; 1.2 for the long contexts)")
+    ap.add_argument("--check-ttft", action="store_true",
+                    help="also hold pdserve's mean TTFT to <= vLLM's (issue #47's long "
+                         "contexts)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile vLLM's decode step at batch --concurrency (float32)")
     ap.add_argument("--profile-steps", type=int, default=32)
@@ -217,6 +281,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         # keep that default (each start compiles: slower start-up, same serving)
         VLLM_ENV.pop("VLLM_USE_AOT_COMPILE", None)
         args.tag = args.tag or f"cap_{args.cap_isa}"
+    args.sampling = [x for x in args.sampling.split(",") if x]
+    if not args.sampling or set(args.sampling) - set(SAMPLINGS):
+        ap.error(f"--sampling: want a comma list of {', '.join(SAMPLINGS)}, got "
+                 f"{','.join(args.sampling) or 'nothing'}")
+    need = args.input_len + args.output_len + 16
+    args.max_model_len = args.max_model_len or max(2048, -(-need // 256) * 256)
+    if args.max_model_len < need:
+        ap.error(f"--max-model-len {args.max_model_len} is below input + output ({need})")
     args.dtypes = [d for d in (args.dtypes or args.dtype).split(",") if d]
     args.pd_dtypes = [d for d in (args.pd_dtypes or ",".join(args.dtypes)).split(",") if d]
     bad = sorted({d for d in args.dtypes + args.pd_dtypes} - {"float32", "bfloat16"})
@@ -252,22 +324,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         skipped.update({s: missing for s in systems if s.startswith("vllm")})
         systems = [s for s in systems if not s.startswith("vllm")]
     prompts = random_prompts(args.num_prompts, args.input_len, vocab(args), seed=0)
+    sys_of = {d: [s for s in systems if "1p1d" not in s or d in args.pd_dtypes]
+              for d in args.dtypes}
     rounds: dict[str, dict[str, list[dict[str, Any]]]] = {
-        d: {s: [] for s in systems if "1p1d" not in s or d in args.pd_dtypes}
-        for d in args.dtypes}
+        mode(d, sm): {s: [] for s in sys_of[d]} for d in args.dtypes for sm in args.sampling}
     t0 = time.monotonic()
     for rep in range(args.rounds):
         for dtype in args.dtypes:
-            for s in alternating(list(rounds[dtype]), rep):
-                r = one_round(s, dtype, args, prompts)
-                rounds[dtype][s].append(r)
-                if "error" in r:
-                    print(f"round {rep} {dtype} {s}: FAILED {r['error']}", flush=True)
-                    continue
-                print(f"round {rep} {dtype} {s}: {r['tok_s']:.1f} tok/s, TPOT "
-                      f"{(r['mean_tpot_s'] or 0) * 1000:.0f} ms, start {r['startup_s']:.0f} s, "
-                      f"load {r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}, "
-                      f"{time.monotonic() - t0:.0f} s in", flush=True)
+            for s in alternating(sys_of[dtype], rep):
+                for sm, r in one_round(s, dtype, args, prompts, rep).items():
+                    rounds[mode(dtype, sm)][s].append(r)
+                    if "error" in r:
+                        print(f"round {rep} {mode(dtype, sm)} {s}: FAILED {r['error']}",
+                              flush=True)
+                        continue
+                    print(f"round {rep} {mode(dtype, sm)} {s}: {r['tok_s']:.1f} tok/s, TTFT "
+                          f"{r['mean_ttft_s'] or 0:.2f} s, TPOT "
+                          f"{(r['mean_tpot_s'] or 0) * 1000:.0f} ms, start "
+                          f"{r['startup_s']:.0f} s, load {r['loadavg_before'][0]:.1f}->"
+                          f"{r['loadavg_after'][0]:.1f}, {time.monotonic() - t0:.0f} s in",
+                          flush=True)
     med = {d: {s: medians(v) for s, v in by_sys.items()} for d, by_sys in rounds.items()}
     profile = None
     if args.profile and "vllm-unified" in systems:
@@ -276,6 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profile = profile_decode(args, prompts)
     data = {"systems": systems, "dtypes": args.dtypes, "skipped": skipped, "rounds": rounds,
             "median": med, "acceptance": acceptance(med, probes_agree(rounds)),
+            "acceptance_47": acceptance_47(med, args, probes_agree(rounds)),
             "probes": probes_agree(rounds),
             "vllm_profile": profile, "vllm_measured": any(s.startswith("vllm") for s in systems)}
     path = run.finish(data, args.out_dir)
@@ -297,6 +374,10 @@ def report(data: dict[str, Any], note: str, path: Path) -> None:
     for k, a in data["acceptance"].items():
         print(f"ACCEPT {k}: {a['ratio']:.2f}x (target {'>=' if 'tpot' not in k else '<='} "
               f"{a['target']}) {'met' if a['met'] else 'NOT met'}")
+    for k, a in data["acceptance_47"].items():
+        lower = "tpot" in k or "ttft" in k
+        print(f"ACCEPT #47 {k}: {a['ratio']:.2f}x (target {'<=' if lower else '>='} "
+              f"{a['target']}) {'met' if a['met'] else 'NOT met'}")
     if data["vllm_profile"]:
         p = data["vllm_profile"]
         print(f"vLLM decode step at batch {p.get('batch')}: {p.get('summary')}")
@@ -317,7 +398,8 @@ def plot(data: dict[str, Any], args: argparse.Namespace, note: str,
     b.set_ylabel("mean TPOT (ms)")
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=6, rotation=20)
-    acc = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in data["acceptance"].items())
+    acc = ", ".join(f"{k} {v['ratio']:.2f}x" for k, v in
+                    {**data["acceptance"], **data["acceptance_47"]}.items())
     cpu = machine.get("cpu", "")
     flags = "+".join(machine.get("cpu_flags", []))
     fig.suptitle(f"{args.name}: {args.input_len} in / {args.output_len} out, concurrency "

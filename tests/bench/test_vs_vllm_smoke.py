@@ -26,10 +26,16 @@ def test_vs_vllm_without_vllm_measures_pdserve_alone(tiny_llama_dir: Path,
     assert not data["vllm_measured"]
     assert data["skipped"] == {"vllm-unified": why, "vllm-1p1d": why}
     for system in ("pdserve-unified", "pdserve-1p1d"):
-        (r,) = data["rounds"]["float32"][system]
-        assert r["errors"] == 0 and r["tok_s"] > 0 and r["mean_tpot_s"] is not None
-        assert r["loadavg_before"] and r["loadavg_after"] and r["probe_text"]
+        # greedy (temperature 0) and the client's default sampling (no temperature sent), both
+        # measured on the one server start
+        for key, sampling in (("float32", "greedy"), ("float32/default", "default")):
+            (r,) = data["rounds"][key][system]
+            assert r["sampling"] == sampling
+            assert r["errors"] == 0 and r["tok_s"] > 0 and r["mean_tpot_s"] is not None
+            assert r["loadavg_before"] and r["loadavg_after"] and r["probe_text"]
     # the same weights and greedy decoding: unified and 1P1D must write the same probe text
     assert data["probes"]["float32"]["all_equal"], data["probes"]
     assert data["acceptance"] == {}  # nothing to compare against without vLLM
+    # issue #47: no vLLM ratio, only pdserve's own sampled / greedy TPOT
+    assert list(data["acceptance_47"]) == ["pdserve_tpot_sampled_over_greedy"]
     assert (tmp_path / "vs_vllm.png").stat().st_size > 0
