@@ -94,10 +94,18 @@ def _placement(args: ServerArgs) -> Placement | None:
     return choose_placement(args.cpu_omp_threads_bind, args.dp_size * args.tp_size)
 
 
-def _default_target() -> SchedulerTarget:
+def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any) -> None:
+    """The scheduler process's entry point (the default target). The spawned child imports the
+    engine here; a target of pdcore.runtime.scheduler_process itself would have to be imported
+    by the HTTP process to be handed to multiprocessing, and with it torch and the whole engine
+    (~200 MiB resident and ~1.5 CPU-seconds per start in a process that runs no tensor op)."""
     from pdcore.runtime.scheduler_process import run_scheduler_process
 
-    return run_scheduler_process
+    run_scheduler_process(args, recv_addr, send_addr, ready_conn)
+
+
+def _default_target() -> SchedulerTarget:
+    return run_scheduler
 
 
 def wait_ready(proc: Any, reader: Any, timeout: float,

@@ -309,6 +309,25 @@ def test_native_kernels_in_metrics(real_server, client):
     assert (grew > 0) if on else grew == 0, (on, grew)
 
 
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch_cpu" in f.read()
+
+
+def test_http_process_runs_without_torch(real_server, client):
+    """The HTTP process runs no tensor op, so it never loads torch (~200 MiB resident and
+    ~1.5 CPU-seconds of every server start): the scheduler's entry point is handed to the
+    spawned child by name and the engine is imported there. Its scheduler does load torch
+    (which proves the check reads the right thing)."""
+    from pdcore.testing.processes import spawned_children
+
+    r = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+    (scheduler,) = spawned_children(real_server.proc.pid)
+    assert _maps_torch(scheduler)
+    assert not _maps_torch(real_server.proc.pid), "the HTTP process loaded torch"
+
+
 def test_killed_server_leaves_no_semaphore_behind(tiny_llama_dir: Path) -> None:
     """A SIGKILLed server (and its scheduler) leaves nothing in /dev/shm: loading the model used
     to create tqdm's multiprocessing lock, a named semaphore only a clean exit removes."""
