@@ -1,8 +1,13 @@
 """Sharded workers: FIFO queues chosen by key, each served by a fixed number of threads.
 
-`submit(key, item)` puts the item on queue crc32(key) % num_queues, so one peer's (or one
-session's) work keeps its order and a slow or dead peer stalls only its own queue while the
-others keep moving. num_threads // num_queues threads serve each queue (at least one). A thread
+`submit(key, item)` puts the item on its key's queue, so one peer's (or one session's) work
+keeps its order and a slow or dead peer stalls only its own queue while the others keep moving.
+A key keeps its queue while it has work submitted and unfinished; a key with none gets the queue
+that fewest such keys hold (ties: from crc32(key) % num_queues on). So two peers share a queue
+only when more peers are busy than there are queues: a peer stuck in a transfer (a partition,
+up to the transfer timeout) holds back no other peer while a queue is free, as a fixed hash of
+the key did whenever two peers hashed alike (#49). num_threads // num_queues threads serve each
+queue (at least one). A thread
 runs `handler(item)` (default: calls the item) and settles the Future submit() returned; a
 raising handler fails that future and is logged, never killing its thread. close() cancels what
 never ran and hands it back, then joins the threads within a bound: a thread stuck inside a
@@ -46,13 +51,22 @@ class ShardedWorkers:
         self._lock = threading.Lock()
         self._closed = False
         self._unfinished = 0
+        self._busy: dict[str, list[int]] = {}  # key -> [its queue, its unfinished items]
 
     def start(self) -> None:
         for t in self.threads:
             t.start()
 
     def shard(self, key: str) -> int:
-        return zlib.crc32(key.encode()) % self.num_queues
+        """The queue `key`'s next item goes to (call with the lock held)."""
+        if (held := self._busy.get(key)) is not None:
+            return held[0]
+        keys = [0] * self.num_queues
+        for q, _ in self._busy.values():
+            keys[q] += 1
+        first = zlib.crc32(key.encode()) % self.num_queues
+        order = [(first + i) % self.num_queues for i in range(self.num_queues)]
+        return min(order, key=keys.__getitem__)
 
     def submit(self, key: str, item: Any) -> Future:
         """Queue `item` behind the earlier items of its shard; TransferError once closed."""
@@ -62,7 +76,9 @@ class ShardedWorkers:
                 raise TransferError(f"{self.label}: the transfer workers are closed; "
                                     f"create a new engine")
             self._unfinished += 1
-            self._queues[self.shard(key)].put((fut, item))
+            q = self.shard(key)
+            self._busy.setdefault(key, [q, 0])[1] += 1
+            self._queues[q].put((fut, key, item))
         return fut
 
     def pending(self) -> int:
@@ -74,16 +90,21 @@ class ShardedWorkers:
         with self._lock:
             return self._unfinished
 
-    def _settled(self) -> None:
+    def _settled(self, key: str) -> None:
         with self._lock:
             self._unfinished -= 1
+            held = self._busy.get(key)
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self._busy[key]
 
     def _run(self, q: queue.Queue) -> None:
         while True:
             entry = q.get()
             if entry is _STOP:
                 return
-            fut, item = entry
+            fut, key, item = entry
             if not fut.set_running_or_notify_cancel():
                 continue  # close() cancelled it (and counted it settled)
             try:
@@ -94,7 +115,7 @@ class ShardedWorkers:
             else:
                 fut.set_result(result)
             finally:
-                self._settled()
+                self._settled(key)
 
     def close(self, timeout: float | None = 5.0) -> list[Any]:
         """Stop the threads; returns the items that never ran (their futures are cancelled) so
@@ -109,11 +130,11 @@ class ShardedWorkers:
         for q in self._queues:
             while True:
                 try:
-                    fut, item = q.get_nowait()
+                    fut, key, item = q.get_nowait()
                 except queue.Empty:
                     break
                 if fut.cancel():
-                    self._settled()
+                    self._settled(key)
                 leftovers.append(item)
         for q in self._queues:
             for _ in range(self.threads_per_queue):

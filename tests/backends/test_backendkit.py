@@ -40,6 +40,35 @@ def test_sharded_workers_keep_each_key_in_order_and_report_results() -> None:
     assert not any(t.is_alive() for t in workers.threads)
 
 
+def test_sharded_workers_a_stuck_peer_stalls_no_other_peer() -> None:
+    """Two peers whose keys hash to the same queue (crc32 % 2 of both is 1): a transfer stuck on
+    one (a partitioned decode server, up to the transfer timeout) must not hold the other's
+    jobs behind it while a queue is idle (#49: a P-D partition stalled every D for 30 s)."""
+    gate, started = threading.Event(), threading.Event()
+
+    def handler(item: tuple[str, int]) -> int:
+        if item[0] == "peer-0":
+            started.set()
+            gate.wait(30)
+        return item[1]
+
+    workers = ShardedWorkers(num_queues=2, num_threads=2, handler=handler)
+    workers.start()
+    try:
+        stuck = workers.submit("peer-0", ("peer-0", 0))
+        assert started.wait(10)
+        others = [workers.submit("peer-1", ("peer-1", i)) for i in range(3)]
+        assert [f.result(timeout=5) for f in others] == [0, 1, 2]
+        queued = workers.submit("peer-0", ("peer-0", 1))  # behind its own stuck job, in order
+        assert not queued.done() and workers.pending() == 1
+        gate.set()
+        assert stuck.result(timeout=10) == 0 and queued.result(timeout=10) == 1
+        assert workers.unfinished() == 0
+    finally:
+        gate.set()
+        workers.close()
+
+
 def test_sharded_workers_close_hands_back_what_never_ran() -> None:
     gate, started = threading.Event(), threading.Event()
     workers = ShardedWorkers(num_queues=1, num_threads=1,

@@ -1,8 +1,10 @@
 """Transfer workers and the per-peer in-flight budget of the mooncake backend.
 
 `TransferWorkers` is the backend kit's TransferJobs (pdcore.backendkit) named for Mooncake:
-1. `submit(key, job)` puts the job on queue crc32(key) % queue_size: one peer's jobs keep their
-   order, different peers share the threads and the bandwidth (SGLANG_DISAGGREGATION_QUEUE_SIZE);
+1. `submit(key, job)` puts the job on its peer's queue: one peer's jobs keep their order, and
+   a peer with jobs in flight shares its queue with no other busy peer while a queue is free
+   (pdcore.backendkit.workers), so a peer frozen mid-transfer holds back only itself; different
+   peers share the threads and the bandwidth (SGLANG_DISAGGREGATION_QUEUE_SIZE);
 2. each queue is served by thread_pool_size // queue_size threads, at least one
    (SGLANG_DISAGGREGATION_THREAD_POOL_SIZE);
 3. a job runs to its end on one thread: it returns None when done, else the failure reason;
