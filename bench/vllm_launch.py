@@ -154,17 +154,19 @@ def check_free(port: int) -> None:
 
 def start_system(system: str, model: str, dtype: str, vllm_python: str | None, vllm_bind: str,
                  kv_gib: int, side_ports: tuple[int, int] = SIDE_PORTS,
-                 max_model_len: int = 2048) -> Group:
+                 max_model_len: int = 2048, pdserve_flags: tuple[str, ...] = ()) -> Group:
+    """`pdserve_flags`: more `pdserve serve` flags for pdserve's systems (e.g. --quantization);
+    vLLM reads a checkpoint's quantization from its config."""
     g, py, port = Group(), sys.executable, free_port()
     if system == "pdserve-unified":
         g.add(Proc([py, "-m", "pdcore", "serve", "--host", "127.0.0.1", "--port", str(port),
-                    "--dtype", dtype, "--model-path", model], f"http://127.0.0.1:{port}",
-                   name="pdserve"))
+                    "--dtype", dtype, "--model-path", model, *pdserve_flags],
+                   f"http://127.0.0.1:{port}", name="pdserve"))
     elif system == "pdserve-1p1d":
         g.add(Proc([py, "-m", "pdcore", "up", "--port", str(port), "--server-port-base",
                     str(free_port()), "--bootstrap-port-base", str(free_port()),
-                    "--model-path", model, "--dtype", dtype], f"http://127.0.0.1:{port}",
-                   name="pdserve-up"))
+                    "--model-path", model, "--dtype", dtype, *pdserve_flags],
+                   f"http://127.0.0.1:{port}", name="pdserve-up"))
     elif system == "vllm-unified":
         assert vllm_python
         g.add(vllm_serve(vllm_python, model, dtype, port, vllm_bind, kv_gib,

@@ -118,7 +118,8 @@ def one_round(system: str, dtype: str, args: argparse.Namespace, prompts: list[l
     round) on that one server. Per sampling: its round's numbers (or the error)."""
     load_before = os.getloadavg()
     group = start_system(system, args.model_path, dtype, args.vllm_python, args.vllm_bind,
-                         args.vllm_kv_gib, args.vllm_side_ports, args.max_model_len)
+                         args.vllm_kv_gib, args.vllm_side_ports, args.max_model_len,
+                         tuple(args.pdserve_flag))
     out: dict[str, dict[str, Any]] = {}
     try:
         startup = group.wait_ready(args.startup_timeout)
@@ -255,6 +256,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="vLLM's --max-model-len (default: input + output rounded up to 256, "
                          "at least 2048)")
+    ap.add_argument("--pdserve-flag", action="append", default=[],
+                    help="a `pdserve serve` flag for pdserve's systems (repeat; e.g. "
+                         "--pdserve-flag=--quantization --pdserve-flag=w8a8_int8)")
+    ap.add_argument("--make-w8a8", type=Path, default=None,
+                    help="write --model-path (a float HF folder) quantized to "
+                         "compressed-tensors W8A8 int8 here (once), serve "
+                         "it: vLLM from its config, pdserve with --quantization w8a8_int8 "
+                         "(issue #48); results go to vs_vllm_w8a8.json unless --tag says")
     ap.add_argument("--tok-s-target", type=float, default=1.3,
                     help="issue #47's pdserve / vLLM unified output tok/s target (1.3 at "
                          "128/64 and 512/128; 1.2 for the long contexts)")
@@ -302,8 +311,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.systems = [s for s in args.systems.split(",") if s]
     if unknown := [s for s in args.systems if s not in SYSTEMS]:
         ap.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
-    if args.make_model and args.make_1b:
-        ap.error("--make-model and --make-1b each make the model served; give one")
+    if sum(x is not None for x in (args.make_model, args.make_1b, args.make_w8a8)) > 1:
+        ap.error("--make-model, --make-1b and --make-w8a8 each make the model served; give one")
     if args.make_model:
         make_hf_folder(args.make_model)
         args.model_path = args.model_path or str(args.make_model)
@@ -311,6 +320,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         make_llama_1b_folder(args.make_1b)
         args.model_path = args.model_path or str(args.make_1b)
         args.tag = args.tag or "1b"
+    if args.make_w8a8:
+        from pdcore.testing.quant_models import make_w8a8_model
+
+        src = args.model_path
+        if not (src and Path(src, "config.json").is_file()):
+            ap.error("--make-w8a8 quantizes --model-path: give the float HF folder")
+        if not (args.make_w8a8 / "config.json").is_file():
+            tmp = args.make_w8a8.with_name(args.make_w8a8.name + ".tmp")
+            make_w8a8_model(src, str(tmp))
+            os.rename(tmp, args.make_w8a8)
+        args.model_path = str(args.make_w8a8)
+        args.pdserve_flag = [*args.pdserve_flag, "--quantization", "w8a8_int8"]
+        args.tag = args.tag or "w8a8"
     args.name = f"{NAME}_{args.tag}" if args.tag else NAME
     return args
 
