@@ -173,6 +173,22 @@ def system_args(ap: argparse.ArgumentParser, name: str) -> None:
     ap.add_argument("--quick", action="store_true")
 
 
+def versus_vllm(systems: dict[str, Any]) -> dict[str, Any]:
+    """Issue #47's mix ratios per concurrency both unified systems ran: pdserve / vLLM output
+    tok/s (>= 1.3 at c32) and p99 TPOT (<= 1)."""
+    ours = (systems.get("pdserve-unified") or {}).get("levels") or {}
+    theirs = (systems.get("vllm-unified") or {}).get("levels") or {}
+    out = {}
+    for c in sorted(set(ours) & set(theirs), key=int):
+        a, b = ours[c], theirs[c]
+        ta, tb = a["tpot_s"].get("p99"), b["tpot_s"].get("p99")
+        out[c] = {"tok_s": [a["output_tok_s"], b["output_tok_s"]],
+                  "tok_s_ratio": a["output_tok_s"] / b["output_tok_s"] if b["output_tok_s"]
+                  else float("nan"), "p99_tpot_s": [ta, tb],
+                  "p99_tpot_ratio": ta / tb if ta and tb else float("nan")}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     shape = QUICK if args.quick else Shape()
@@ -191,6 +207,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for label, system, flags in runs:
         print(f"{label}:", flush=True)
         data["systems"][label] = measure(system, flags, args, shape, voc)
+    data["vs_vllm"] = versus_vllm(data["systems"])
+    for c, v in data["vs_vllm"].items():
+        print(f"c={c}: pdserve / vLLM unified tok/s {v['tok_s_ratio']:.2f}x (target >= 1.3), "
+              f"p99 TPOT {v['p99_tpot_ratio']:.2f}x (target <= 1)", flush=True)
     data["load"] = load_note(run)
     path = run.finish(data, args.out_dir)
     print(f"{data['load']}; wrote {path} and {plot(data, args.name, args.out_dir)}")

@@ -112,10 +112,25 @@ def mode(dtype: str, sampling: str) -> str:
     return dtype if sampling == "greedy" else f"{dtype}/{sampling}"
 
 
-def one_round(system: str, dtype: str, args: argparse.Namespace, prompts: list[list[int]],
-              rep: int = 0) -> dict[str, dict[str, Any]]:
+# prompt sets: the warm-up and probe have their own, and so has each client sampling, so that no
+# measured request finds its prompt in a prefix cache filled by an earlier pass on the same
+# server (pdserve's radix cache answered a repeated pass's prefills at 0.15 s TTFT instead of
+# 1.2 s); every system gets the same sets
+PROMPT_SEEDS = {"greedy": 0, "default": 1, "warm": 1000}
+
+
+def prompt_sets(args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    voc = vocab(args)
+    return {k: random_prompts(args.concurrency if k == "warm" else args.num_prompts,
+                              args.input_len, voc, seed=seed)
+            for k, seed in PROMPT_SEEDS.items()}
+
+
+def one_round(system: str, dtype: str, args: argparse.Namespace,
+              prompts: dict[str, list[list[int]]], rep: int = 0) -> dict[str, dict[str, Any]]:
     """One start of `system`; each client sampling of --sampling in turn (order alternating by
-    round) on that one server. Per sampling: its round's numbers (or the error)."""
+    round) on that one server, each on its own prompts. Per sampling: its round's numbers (or
+    the error)."""
     load_before = os.getloadavg()
     group = start_system(system, args.model_path, dtype, args.vllm_python, args.vllm_bind,
                          args.vllm_kv_gib, args.vllm_side_ports, args.max_model_len,
@@ -123,12 +138,12 @@ def one_round(system: str, dtype: str, args: argparse.Namespace, prompts: list[l
     out: dict[str, dict[str, Any]] = {}
     try:
         startup = group.wait_ready(args.startup_timeout)
-        asyncio.run(closed_loop(group.url, prompts[: args.concurrency], 4, args.concurrency))
-        text = probe(group.url, prompts[0])
+        asyncio.run(closed_loop(group.url, prompts["warm"], 4, args.concurrency))
+        text = probe(group.url, prompts["warm"][0])
         for sampling in alternating(args.sampling, rep):
             before = os.getloadavg()
-            results, wall = asyncio.run(closed_loop(group.url, prompts, args.output_len,
-                                                    args.concurrency, sampling))
+            results, wall = asyncio.run(closed_loop(group.url, prompts[sampling],
+                                                    args.output_len, args.concurrency, sampling))
             stats = latency_stats(results)
             out[sampling] = {
                 "tok_s": stats["output_tokens"] / wall, "wall_s": wall, "startup_s": startup,
@@ -345,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if missing:
         skipped.update({s: missing for s in systems if s.startswith("vllm")})
         systems = [s for s in systems if not s.startswith("vllm")]
-    prompts = random_prompts(args.num_prompts, args.input_len, vocab(args), seed=0)
+    prompts = prompt_sets(args)
     sys_of = {d: [s for s in systems if "1p1d" not in s or d in args.pd_dtypes]
               for d in args.dtypes}
     rounds: dict[str, dict[str, list[dict[str, Any]]]] = {
@@ -371,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile and "vllm-unified" in systems:
         from vllm_profile import profile_decode
 
-        profile = profile_decode(args, prompts)
+        profile = profile_decode(args, prompts["greedy"])
     data = {"systems": systems, "dtypes": args.dtypes, "skipped": skipped, "rounds": rounds,
             "median": med, "acceptance": acceptance(med, probes_agree(rounds)),
             "acceptance_47": acceptance_47(med, args, probes_agree(rounds)),
