@@ -1,18 +1,24 @@
-"""How close a quantized model is to its float32 original (#48 item 3): over a fixed set of
-texts, the top-1 agreement of next-token predictions (every position of every text, teacher
-forced) and the perplexity of each, with their difference.
+"""How close a quantized model is to its float32 original (#48 item 4): over a fixed set of
+texts (bench/quant_accuracy_texts.txt, 3110 scored positions), the top-1 agreement of
+next-token predictions (every position of every text, teacher forced) and the perplexity of
+each, with their difference.
 
-Both run in pdserve's own engine (LLMEngine, in process), each over the same token ids: the
-float32 model is the default SmolLM2-135M's float32 HF folder (its GGUF cache), the W8A8 one
-that folder quantized with compressed-tensors' W8A8 preset (pdcore/testing/quant_models.py:
-int8 weights per output channel, int8 activations per token at run time), the FP8 one that
-folder in DeepSeek-V3's FP8 layout (quant_models.make_fp8_model: e4m3 weights, one scale per
-128x128 block, activations float). The prompt logprobs
-(logprob_start_len 0, top 1) give every position's top-1 token and the logprob of the text's
-own next token.
+Every format runs in pdserve's own engine (LLMEngine, in process, its real loader detecting the
+format from the checkpoint's files) over the same token ids. The float32 model is the default
+SmolLM2-135M's float32 HF folder (its GGUF cache: the packaged Q4_1 file de-quantized, the only
+float weights there are without a model hub). The quantized checkpoints are made from it here
+(pdcore/testing/quant_models.py): compressed-tensors W8A8 (compressed-tensors' own qparams and
+quantize; SmoothQuant and GPTQ as llmcompressor's W8A8 recipe runs them; a layer left float is
+named in the config's `ignore` list), DeepSeek-V3-layout FP8 (e4m3, 128x128 block scales;
+rounded to nearest or by GPTQ), a Q8_0 GGUF written with the `gguf` package (de-quantized at
+load or served packed) and the packaged Q4_1 served packed (FORMATS lists them). The prompt
+logprobs (logprob_start_len 0, top 1) give every position's top-1 token and the logprob of the
+text's own next token.
 
-Run: `python bench/quant_accuracy.py [--model-path FLOAT_HF_FOLDER]`; JSON + PNG in
-bench/results/quant_accuracy.*; CPU flags (avx512_vnni, amx_int8, ...) and load in the JSON.
+Run: `python bench/quant_accuracy.py [--model-path FLOAT_HF_FOLDER] [--formats a,b]
+[--work DIR]`; JSON + PNG in bench/results/quant_accuracy.*; CPU flags and load in the JSON.
+With --work the checkpoints and each format's scores stay in DIR, so a run can be split
+(`--score-only --formats ...` in pieces, then one run that reads them all).
 """
 
 from __future__ import annotations
@@ -29,26 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Run, figure, load_note, save_figure
 
 NAME = "quant_accuracy"
-# the fixed text set: plain prose of several kinds (written for this bench)
-TEXTS = [
-    "The river runs along the edge of the old town, past the mill and under three stone "
-    "bridges, before it turns east toward the marshes where herons wait in the reeds.",
-    "To bake bread, mix flour, water, salt and yeast, knead the dough until it is smooth, let it "
-    "rise for an hour, shape it into a loaf and bake it in a hot oven until the crust is brown.",
-    "A prime number has exactly two divisors: one and itself. The first few are 2, 3, 5, 7, 11 "
-    "and 13, and there are infinitely many of them, as Euclid showed more than two thousand "
-    "years ago.",
-    "The meeting was moved to Thursday afternoon because the projector in the main room was "
-    "broken, and the team wanted to show the new design to the whole department at once.",
-    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total "
-    "/ len(values)\n\nprint(mean([1, 2, 3, 4]))\n",
-    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It happens in "
-    "the chloroplasts of plant cells, which hold the green pigment chlorophyll.",
-    "She opened the letter slowly, read the first line twice, and then sat down by the window "
-    "without a word, holding the page as if it might fly away.",
-    "In a distributed system, a request may fail because a server is down, a network link is "
-    "slow, or a message is lost; good clients retry with a timeout and back off between tries.",
-]
+# the fixed text set (bench/quant_accuracy_texts.txt, written for this bench): 36 passages of
+# prose, dialogue, instructions, a letter, Python, SQL, shell and JSON; 3110 scored positions
+# with SmolLM2's tokenizer, so one token is 0.03% of the agreement
+TEXTS = (Path(__file__).resolve().parent / "quant_accuracy_texts.txt").read_text(
+    encoding="utf-8").split("\n----\n")
 
 
 # SmoothQuant's calibration texts: others than TEXTS (written for this bench)
@@ -64,14 +55,28 @@ CALIBRATION = [
 ]
 
 
-def _score(model_path: str, prompts: list[list[int]]) -> list[list[tuple[float, int]]]:
-    """Per text, per position 1..n-1: (logprob of the text's token, top-1 token id)."""
+def _score(model_path: str, prompts: list[list[int]], dtype: str = "auto",
+           env: dict[str, str] | None = None) -> list[list[tuple[float, int]]]:
+    """Per text, per position 1..n-1: (logprob of the text's token, top-1 token id), from
+    pdserve's engine serving `model_path` (its own loader: the checkpoint's format detected from
+    its files) with `env` set around the load."""
+    import os
+
     from pdcore.config import ServerArgs
     from pdcore.messages.io import SamplingParams
     from pdcore.runtime.llm_engine import LLMEngine
 
-    eng = LLMEngine(ServerArgs(model_path=model_path, max_total_tokens=4096,
-                               disable_radix_cache=True, skip_server_warmup=True))
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        eng = LLMEngine(ServerArgs(model_path=model_path, dtype=dtype, max_total_tokens=8192,
+                                   disable_radix_cache=True, skip_server_warmup=True))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0),
                             return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
@@ -104,44 +109,140 @@ def _metrics(rows: list[list[tuple[float, int]]]) -> dict[str, float]:
     return {"tokens": len(lps), "perplexity": math.exp(-sum(lps) / len(lps))}
 
 
+# every format: (what it is, how its checkpoint is made and served). The makers take (src: the
+# float HF folder, dst: a folder to write, calib: calibration token lists, gguf: the packaged
+# GGUF file) and return (model path, dtype, environment).
+FORMATS: dict[str, str] = {
+    "float32": "the reference: the float32 HF folder (the packaged Q4_1 GGUF de-quantized)",
+    "bf16": "the same folder served with --dtype bfloat16",
+    "w8a8 rtn": "compressed-tensors W8A8 int8, weights rounded to nearest",
+    "w8a8 sq": "W8A8 after SmoothQuant 0.8 on q/k/v and gate/up (llmcompressor's W8A8 recipe "
+               "smooths first)",
+    "w8a8 sq+down gptq": "W8A8, SmoothQuant 0.8 on q/k/v, gate/up and 0.5 on down_proj (from "
+                         "up_proj), GPTQ rounding",
+    "w8a8 sq gptq down_proj float": "W8A8, SmoothQuant 0.8 + GPTQ, down_proj left float by "
+                                       "the checkpoint's ignore list (re:.*down_proj$)",
+    "fp8 block rtn": "FP8 e4m3 weights, 128x128 block scales (DeepSeek-V3 layout), rounded to "
+                     "nearest; activations float",
+    "fp8 block gptq": "FP8 e4m3 weights, 128x128 block scales, GPTQ rounding to the e4m3 grid",
+    "gguf q8_0": "a Q8_0 GGUF made with the gguf package from the float weights, de-quantized "
+                 "at load",
+    "gguf q8_0 packed": "that Q8_0 GGUF served packed (PDCORE_GGUF_PACKED=1)",
+    "gguf q4_1 packed": "the packaged Q4_1 GGUF served packed (the reference is its own "
+                        "de-quantization: this row measures the packed kernels)",
+}
+
+
+def _make(name: str, src: str, dst: Path, calib: list[list[int]], gguf: str,
+          samples) -> tuple[str, str, dict[str, str]]:  # type: ignore[no-untyped-def]
+    from pdcore.testing.quant_models import make_fp8_model, make_gguf_q8_0, make_w8a8_model
+
+    out = str(dst)
+    packed = {"PDCORE_GGUF_PACKED": "1"}
+    if name == "float32":
+        return src, "float32", {}
+    if name == "bf16":
+        return src, "bfloat16", {}
+    if name == "w8a8 rtn":
+        return make_w8a8_model(src, out), "float32", {}
+    if name == "w8a8 sq":
+        return make_w8a8_model(src, out, calibration=calib), "float32", {}
+    if name == "w8a8 sq+down gptq":
+        return make_w8a8_model(src, out, calibration=calib + samples(), alpha_down=0.5,
+                               gptq=True), "float32", {}
+    if name == "w8a8 sq gptq down_proj float":
+        return make_w8a8_model(src, out, calibration=calib + samples(), gptq=True,
+                               keep_float=("down_proj",)), "float32", {}
+    if name == "fp8 block rtn":
+        return make_fp8_model(src, out), "float32", {}
+    if name == "fp8 block gptq":
+        return make_fp8_model(src, out, calibration=calib + samples()), "float32", {}
+    q8 = dst.parent / "q8_0" / (Path(gguf).name.replace("Q4_1", "Q8_0"))
+    if name.startswith("gguf q8_0") and not q8.exists():
+        q8.parent.mkdir(parents=True, exist_ok=True)
+        make_gguf_q8_0(gguf, str(q8) + ".tmp")
+        Path(str(q8) + ".tmp").rename(q8)
+    if name == "gguf q8_0":
+        return str(q8), "float32", {}
+    if name == "gguf q8_0 packed":
+        return str(q8), "float32", packed
+    if name == "gguf q4_1 packed":
+        return gguf, "float32", packed
+    raise KeyError(name)
+
+
+def _rows(name: str, work: Path, build) -> list:  # type: ignore[no-untyped-def]
+    """The format's scores, from `work` when an earlier run of this bench left them there."""
+    import json
+
+    cache = work / "scores" / (name.replace(" ", "_").replace(",", "") + ".json")
+    if cache.exists():
+        return json.loads(cache.read_text())
+    rows = build()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(rows))
+    return rows
+
+
 def main() -> None:
+    import json
+    import os
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-path", default=None,
                     help="float HF folder (default: the default model's float32 GGUF cache)")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"comma-separated subset of: {', '.join(FORMATS)}")
+    ap.add_argument("--work", default=None,
+                    help="folder for the checkpoints and each format's scores, kept between runs "
+                         "(a run skips the formats already scored there; default: a temporary "
+                         "folder)")
+    ap.add_argument("--score-only", action="store_true",
+                    help="score the formats into --work, write no result")
     args = ap.parse_args()
     from pdcore.engine.model.gguf_cache import converted
     from pdcore.engine.model.source import resolve_model
     from pdcore.engine.model.tokenizer import load_tokenizer
-    from pdcore.testing.quant_models import make_fp8_model, make_w8a8_model
 
-    src = args.model_path or converted(resolve_model(None)).path
+    names = [n.strip() for n in args.formats.split(",") if n.strip()]
+    bad = [n for n in names if n not in FORMATS]
+    if bad:
+        ap.error(f"--formats: unknown {bad}; known: {', '.join(FORMATS)}")
+    packaged = resolve_model(None)
+    gguf = os.path.join(packaged.path, packaged.gguf_file or "")
+    src = args.model_path or converted(packaged).path
     tok = load_tokenizer(argparse.Namespace(model_path=src))
     prompts = [tok.encode(t) for t in TEXTS]
-    run = Run(NAME, {"model": src, "texts": len(TEXTS), "calibration_texts": len(CALIBRATION),
-                     "formats": ["float32", "w8a8_int8 (round to nearest)",
-                                 "w8a8_int8 after SmoothQuant 0.8 (llmcompressor's W8A8 recipe "
-                                 "smooths first; calibrated on other texts)",
-                                 "fp8 (e4m3 weights, 128x128 block scales, weight-only)",
-                                 "w8a8_int8 after SmoothQuant 0.8 on q/k/v and gate/up and 0.5 "
-                                 "on down_proj (from up_proj), rounded by GPTQ (calibration: "
-                                 "the 4 texts + 8 x 127 tokens sampled from the float model)"]})
     calib = [tok.encode(t) for t in CALIBRATION]
-    with tempfile.TemporaryDirectory(prefix="pdserve-w8a8-") as tmp:
-        plain = make_w8a8_model(src, str(Path(tmp) / "w8a8"))
-        smooth = make_w8a8_model(src, str(Path(tmp) / "w8a8-smooth"), calibration=calib)
-        fp8 = make_fp8_model(src, str(Path(tmp) / "fp8"))
-        # GPTQ needs more inputs than 4 texts: the float model's own text besides (8 samples
-        # of 127 tokens at temperature 1, seeded)
-        full = make_w8a8_model(src, str(Path(tmp) / "w8a8-smooth-gptq"),
-                               calibration=calib + _samples(src, 8, 127),
-                               alpha_down=0.5, gptq=True)
-        scores = {"float32": _score(src, prompts), "w8a8_int8": _score(plain, prompts),
-                  "w8a8_int8 smoothquant": _score(smooth, prompts),
-                  "w8a8_int8 smoothquant+down, gptq": _score(full, prompts),
-                  "fp8 block 128x128": _score(fp8, prompts)}
+    got: list = []
+
+    def samples() -> list[list[int]]:  # GPTQ needs more inputs than 4 texts: 8 x 127 tokens
+        if not got:  # the float model wrote (temperature 1, seeded)
+            got.extend(_samples(src, 8, 127))
+        return got
+
+    run = Run(NAME, {"model": src, "texts": len(TEXTS), "calibration_texts": len(CALIBRATION),
+                     "formats": {n: FORMATS[n] for n in names}})
+    tmp = tempfile.TemporaryDirectory(prefix="pdserve-quant-acc-")
+    work = Path(args.work or tmp.name)
+    # GGUF conversions (the de-quantized Q8_0) go to the work folder, not the user's cache
+    os.environ.setdefault("PDCORE_CACHE_DIR", str(work / "cache"))
+    scores = {}
+    order = names if args.score_only else ["float32"] + [n for n in names if n != "float32"]
+    for name in order:
+        def build(name: str = name) -> list:  # type: ignore[no-untyped-def]
+            path, dtype, env = _make(name, src, work / "ckpt" / name.replace(" ", "_").replace(
+                ",", ""), calib, gguf, samples)
+            return _score(path, prompts, dtype, env)
+        scores[name] = _rows(name, work, build)
+        print(f"{name}: scored ({load_note(run)})", flush=True)
+    if args.score_only:
+        return
     ref = scores["float32"]
     result: dict[str, Any] = {"formats": {}}
     for name, rows in scores.items():
+        if [len(r) for r in rows] != [len(r) for r in ref]:
+            raise SystemExit(f"{name}: scored other positions than float32 (tokenizer?)")
         same = sum(a[1] == b[1] for ra, rb in zip(rows, ref) for a, b in zip(ra, rb))
         m = _metrics(rows)
         m["top1_agreement"] = same / m["tokens"]
@@ -151,18 +252,24 @@ def main() -> None:
               f"perplexity {m['perplexity']:.3f} ({m['perplexity_diff']:+.3f})", flush=True)
     result["note"] = load_note(run)
     print(run.finish(result))
-    fig, (a1, a2) = figure(2)
+    fig, (a1, a2) = figure(2, width=7.0)
     names = list(result["formats"])
-    a1.bar(names, [100 * result["formats"][n]["top1_agreement"] for n in names])
-    a1.set_ylim(80, 100.5)
-    a1.axhline(97, ls="--", color="gray")
-    a1.tick_params(axis="x", labelsize=7)
-    a2.tick_params(axis="x", labelsize=7)
-    a1.set_ylabel("top-1 agreement with float32 (%)")
-    a2.bar(names, [result["formats"][n]["perplexity"] for n in names])
-    a2.set_ylabel("perplexity over the text set")
+    a1.barh(names, [100 * result["formats"][n]["top1_agreement"] for n in names])
+    a1.set_xlim(85, 100.5)
+    for bar, colour in ((97, "tab:blue"), (98, "tab:orange"), (99, "tab:green")):
+        a1.axvline(bar, ls="--", color=colour, lw=0.8)
+    a1.invert_yaxis()
+    a1.tick_params(axis="y", labelsize=7)
+    a1.set_xlabel(f"top-1 agreement with float32 (%), {result['formats']['float32']['tokens']} "
+                  "positions")
+    a2.barh(names, [result["formats"][n]["perplexity_diff"] for n in names])
+    a2.invert_yaxis()
+    a2.set_yticks([])
+    a2.set_xlabel("perplexity - float32's")
     fig.suptitle(f"{Path(src).name}: quantized vs float32 ({result['note']})", fontsize=9)
+    fig.tight_layout()
     print(save_figure(fig, NAME))
+    tmp.cleanup()
 
 
 if __name__ == "__main__":

@@ -21,12 +21,16 @@ from typing import Any
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def w8a8_quantization_config() -> dict[str, Any]:
-    """compressed-tensors' W8A8 preset as config.json's quantization_config."""
+def w8a8_quantization_config(keep_float: tuple[str, ...] = ()) -> dict[str, Any]:
+    """compressed-tensors' W8A8 preset as config.json's quantization_config; its `ignore` list
+    names the lm_head and, as regular expressions (compressed-tensors' `re:` entries, what
+    llmcompressor writes for a recipe's `ignore: ["re:.*down_proj"]`), the projections in
+    `keep_float`."""
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
+    ignore = ["lm_head"] + [f"re:.*{p}$" for p in keep_float]
     qc = QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("W8A8", ["Linear"])},
-                            ignore=["lm_head"], format="int-quantized",
+                            ignore=ignore, format="int-quantized",
                             quantization_status="compressed")
     return json.loads(json.dumps(qc.model_dump(), default=str))
 
@@ -103,16 +107,27 @@ def gptq_int8(w, hessian, scale, damp: float = 0.01, block: int = 128):
     x W^T closest over the calibration inputs X. Returns int8 [N, K]."""
     import torch
 
+    s = scale.double().reshape(-1, 1).expand(w.shape)
+    q = gptq(w, hessian, s, lambda v: torch.round(v).clamp(-128, 127), damp, block)
+    return q.to(torch.int8)
+
+
+def gptq(w, hessian, scale, rnd, damp: float = 0.01, block: int = 128):  # type: ignore[no-untyped-def]
+    """GPTQ's column loop over w [N, K] with fixed element scales `scale` [N, K] and the grid's
+    rounding `rnd` (values in units of the scale -> the nearest grid value, float): the grid
+    values [N, K] (float64), W ~= result * scale. int8 (gptq_int8) and float8 e4m3 with block
+    scales (make_fp8_model) differ only in `rnd` and `scale`."""
+    import torch
+
     w = w.double().clone()
     h = hessian.double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
     perm = torch.argsort(torch.diag(h), descending=True)
-    w, h = w[:, perm], h[perm][:, perm]
+    w, h, s = w[:, perm], h[perm][:, perm], scale.double()[:, perm]
     h += damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    s = scale.double().reshape(-1)
     q = torch.zeros_like(w)
     k = w.shape[1]
     for i1 in range(0, k, block):
@@ -121,22 +136,40 @@ def gptq_int8(w, hessian, scale, damp: float = 0.01, block: int = 128):
             hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = w1[:, i]
-            qc = torch.round(col / s).clamp(-128, 127)
+            qc = rnd(col / s[:, i1 + i]).double()
             q[:, i1 + i] = qc
-            err = (col - qc * s) / h1[i, i]
+            err = (col - qc * s[:, i1 + i]) / h1[i, i]
             w1[:, i:] -= err[:, None] * h1[i, i:][None, :]
             e1[:, i] = err
         w[:, i2:] -= e1 @ hinv[i1:i2, i2:]
-    return q[:, torch.argsort(perm)].to(torch.int8)
+    return q[:, torch.argsort(perm)]
+
+
+def _hessians(model, calibration: list[list[int]], names: tuple[str, ...]) -> dict:
+    """H = X^T X / T of each projection named in `names` over the `calibration` inputs, by
+    module path (GPTQ's statistics)."""
+    hessians: dict = {}
+    rows: dict[str, int] = {}
+
+    def record(path: str, x) -> None:  # type: ignore[no-untyped-def]
+        x = x.double()
+        hessians[path] = hessians.get(path, 0) + x.t() @ x
+        rows[path] = rows.get(path, 0) + x.shape[0]
+
+    _calibrate(model, calibration, names, record)
+    return {k: h / rows[k] for k, h in hessians.items()}
 
 
 def make_w8a8_model(src: str, dst: str, calibration: list[list[int]] | None = None, *,
-                    alpha_down: float | None = None, gptq: bool = False) -> str:
+                    alpha_down: float | None = None, gptq: bool = False,
+                    keep_float: tuple[str, ...] = ()) -> str:
     """`src` (a float HF folder, one safetensors file) quantized to compressed-tensors W8A8 int8
     in `dst`; returns `dst`. With `calibration` (token id lists) the weights are smoothed first
     (`smooth`, as llmcompressor's W8A8 recipe does; `alpha_down`: down_proj's inputs too) and,
     with `gptq`, rounded by GPTQ over the smoothed model's inputs to each projection (the
-    recipe's second step) instead of to nearest. The format is the same either way."""
+    recipe's second step) instead of to nearest. The projections named in `keep_float` (e.g.
+    ("down_proj",)) stay float, listed in the config's `ignore` (as llmcompressor leaves a
+    recipe's ignored layers). The format is the same either way."""
     import torch
     from compressed_tensors.quantization import preset_name_to_scheme
     from compressed_tensors.quantization.lifecycle.forward import quantize
@@ -159,22 +192,16 @@ def make_w8a8_model(src: str, dst: str, calibration: list[list[int]] | None = No
         smooth(model, calibration, 0.8, alpha_down)
         tensors = _state(model)
         if gptq:
-            rows: dict[str, int] = {}
-
-            def record(path: str, x: torch.Tensor) -> None:
-                x = x.double()
-                hessians[path] = hessians.get(path, 0) + x.t() @ x
-                rows[path] = rows.get(path, 0) + x.shape[0]
-
-            _calibrate(model, calibration, PROJECTIONS, record)
-            hessians = {k: h / rows[k] for k, h in hessians.items()}
+            hessians = _hessians(model, calibration,
+                                 tuple(p for p in PROJECTIONS if p not in keep_float))
         del model
     else:
         tensors = {}
         for f in sorted(x for x in os.listdir(src) if x.endswith(".safetensors")):
             tensors.update(load_file(os.path.join(src, f)))
     for key, w in tensors.items():
-        if key.endswith(".weight") and key.split(".")[-2] in PROJECTIONS:
+        if key.endswith(".weight") and key.split(".")[-2] in PROJECTIONS and \
+                key.split(".")[-2] not in keep_float:
             w = w.float()
             scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True),
                                             args)
@@ -187,7 +214,7 @@ def make_w8a8_model(src: str, dst: str, calibration: list[list[int]] | None = No
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(src, "config.json"), encoding="utf-8") as fh:
         cfg = json.load(fh)
-    cfg["quantization_config"] = w8a8_quantization_config()
+    cfg["quantization_config"] = w8a8_quantization_config(keep_float)
     with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as fh:
         json.dump(cfg, fh, indent=1)
     return dst
@@ -228,8 +255,9 @@ def w8a8_reference(w8a8: str, float_src: str):  # type: ignore[no-untyped-def]
     assert all(k == "lm_head.weight" for k in missing), missing
     if "lm_head.weight" in missing:
         model.tie_weights()
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in PROJECTIONS:
+    for name, mod in model.named_modules():  # the int8 layers' inputs (not `ignore`d ones)
+        w = sd.get(name + ".weight")
+        if isinstance(mod, torch.nn.Linear) and w is not None and w.dtype == torch.int8:
             mod.register_forward_pre_hook(lambda _m, args: (fake_quant_rows(args[0]),))
     return model
 
@@ -273,23 +301,41 @@ def fp8_block_dequantize(q, scale, block: tuple[int, int]):  # type: ignore[no-u
     return q.float() * s
 
 
-def make_fp8_model(src: str, dst: str, block: tuple[int, int] = (128, 128)) -> str:
+def make_fp8_model(src: str, dst: str, block: tuple[int, int] = (128, 128),
+                   calibration: list[list[int]] | None = None) -> str:
     """`src` (a float HF folder) in DeepSeek-V3's FP8 layout in `dst`: every `fp8_target`
     matrix float8 e4m3 with `weight_scale_inv` per `block`, config.json's quantization_config
     {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size}; MoE experts
-    stay per expert (experts.{e}.gate_proj ...), as that checkpoint holds them."""
+    stay per expert (experts.{e}.gate_proj ...), as that checkpoint holds them. With
+    `calibration` (token id lists; a Llama-family dense model) the block scales stay those of
+    rounding to nearest and GPTQ picks each weight's e4m3 value over the inputs each
+    projection sees (`gptq`: llmcompressor's GPTQ step with an FP8 scheme); else each weight
+    rounds to its nearest e4m3 value."""
     import torch
     from safetensors.torch import load_file, save_file
 
     _copy_side_files(src, dst)
+    hessians: dict = {}
+    if calibration:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        hessians = _hessians(model, calibration, PROJECTIONS)
+        del model
     out: dict[str, torch.Tensor] = {}
     for f in sorted(x for x in os.listdir(src) if x.endswith(".safetensors")):
         for key, w in load_file(os.path.join(src, f)).items():
-            if fp8_target(key, w):
-                out[key], out[key[: -len("weight")] + "weight_scale_inv"] = \
-                    fp8_block_quantize(w, block)
-            else:
+            if not fp8_target(key, w):
                 out[key] = w.contiguous()
+                continue
+            q, scale = fp8_block_quantize(w, block)
+            h = hessians.get(key[: -len(".weight")])
+            if h is not None:
+                n, k = w.shape
+                s = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+                q = gptq(w.float(), h, s, lambda v: v.float().clamp(-FP8_MAX, FP8_MAX).to(
+                    torch.float8_e4m3fn).float()).float().to(torch.float8_e4m3fn)
+            out[key], out[key[: -len("weight")] + "weight_scale_inv"] = q.contiguous(), scale
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     _write_config(src, dst, {"quant_method": "fp8", "fmt": "e4m3",
                              "activation_scheme": "dynamic", "weight_block_size": list(block)})
@@ -368,4 +414,42 @@ def make_modelslim_w8a8_dynamic(w8a8: str, dst: str) -> str:
     with open(os.path.join(dst, "quant_model_description.json"), "w", encoding="utf-8") as fh:
         json.dump(desc, fh, indent=1)
     _write_config(w8a8, dst, None)
+    return dst
+
+
+def make_gguf_q8_0(src: str, dst: str) -> str:
+    """The GGUF file `src` rewritten as a Q8_0 file at `dst` (llama.cpp's `--outtype q8_0`
+    layout: every quantized matrix in Q8_0 blocks -- 32 weights, one float16 scale max|w| / 127
+    -- the float tensors, norms, as they are; file_type MOSTLY_Q8_0), made with the `gguf`
+    package's own quantize from `src`'s de-quantized weights (the float weights a Q4_1 file
+    holds). The metadata (architecture, tokenizer, chat template) is copied; returns `dst`."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = gguf.LlamaFileType.MOSTLY_Q8_0
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, field.types[0], sub_type=sub)
+    datas = []
+    for t in reader.tensors:
+        data = t.data
+        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, q8):
+            data = quantize(dequantize(t.data, t.tensor_type), q8)
+        kind = q8 if t.tensor_type != gguf.GGMLQuantizationType.F32 else t.tensor_type
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, kind)
+        datas.append(data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in datas:
+        writer.write_tensor_data(data)
+    writer.close()
     return dst

@@ -110,3 +110,30 @@ def test_gptq_rounds_closer_than_nearest_and_smoothing_keeps_the_model(tiny_llam
         smooth(model, [PROMPTS[0], PROMPTS[1]], 0.8, alpha_down=0.5)
         after = model(ids).logits
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_the_checkpoint_ignores_stays_float(tiny_llama_dir, tmp_path):
+    """A W8A8 checkpoint whose quantization_config `ignore`s down_proj (llmcompressor's
+    `ignore: ["re:.*down_proj"]`; bench/quant_accuracy.py's best W8A8) holds down_proj float:
+    pdserve keeps those layers float (weights and activations), the others int8, and its greedy
+    output equals transformers running that mixed math (vLLM and SGLang honour `ignore` so)."""
+    import json
+
+    path = make_w8a8_model(str(tiny_llama_dir), str(tmp_path / "m"), keep_float=("down_proj",))
+    with open(f"{path}/config.json", encoding="utf-8") as fh:
+        assert "re:.*down_proj$" in json.load(fh)["quantization_config"]["ignore"]
+    model, cfg, _ = load_model(path, torch.float32, torch.device("cpu"))
+    downs = [layer.mlp.down for layer in model.layers]
+    assert all(d.int8 is None and d.weight.dtype == torch.float32 for d in downs)
+    assert weight_layouts(model)["int8"] == 3 * cfg.num_hidden_layers
+    ref = w8a8_reference(path, str(tiny_llama_dir))
+    eng = LLMEngine(ServerArgs(model_path=path, max_total_tokens=1024, page_size=4))
+    try:
+        outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0.0,
+                                                    ignore_eos=True), return_logprob=True)
+    finally:
+        eng.close()
+    verdicts = [check_greedy(out["output_ids"], hf_greedy(ref, prompt, NEW),
+                             [lp for lp, *_ in out["output_logprobs"]], logprob_tol=8e-4)
+                for prompt, out in zip(PROMPTS, outs)]
+    assert verdicts.count("identical") >= 2, verdicts
