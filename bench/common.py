@@ -94,7 +94,23 @@ def machine_info() -> dict[str, Any]:
         "loadavg": list(os.getloadavg()), "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0), "autogroup": _autogroup(),
     }
+
+
+def _autogroup() -> str | None:
+    """This session's scheduling group and its nice ("/autogroup-12 nice -10"), None without
+    autogroups: with them a process's own nice only ranks it inside its session, so a timing
+    run is boosted against other sessions only by its group's nice (servers the bench starts
+    get this session's nice for theirs: pdcore.runtime.lifeline.carry_nice)."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            if f.read().strip() != "1":
+                return None
+        with open("/proc/self/autogroup") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 class Run:

@@ -50,7 +50,7 @@ from pdcore.edge.connections import check_port_free
 from pdcore.env import ENV, child_environ
 from pdcore.env import check as check_env
 from pdcore.errors import ConfigError
-from pdcore.runtime.lifeline import preexec_die_with_parent
+from pdcore.runtime.lifeline import popen_session
 from pdcore.runtime_env import disjoint_cpus, server_threads
 
 GRACE_S = 10.0
@@ -267,8 +267,7 @@ class Deployment:
     def _spawn(self, child: Child) -> None:
         env = child_environ(child.env) if child.env else None
         # SIGTERM when `up` dies, even by SIGKILL: each server then stops its own tree
-        child.proc = subprocess.Popen(child.argv, start_new_session=True, env=env,
-                                      preexec_fn=preexec_die_with_parent())  # noqa: PLW1509
+        child.proc = popen_session(child.argv, env=env)  # at up's nice (lifeline.carry_nice)
         child.started_at = time.monotonic()
         if child not in self.children:
             self.children.append(child)

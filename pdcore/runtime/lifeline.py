@@ -13,6 +13,9 @@
 3. `StepWatchdog`: the scheduler loop marks the start and end of each step; a step that runs
    longer than --watchdog-timeout is logged with the main thread's stack and the process exits
    with EXIT_WATCHDOG, so the HTTP process fails the in-flight requests and exits too.
+4. `popen_session`: a child in a session of its own, with 1.'s death signal and the scheduling
+   weight of this process's session (`carry_nice`: with the kernel's autogroups a session's
+   weight, not a process's nice, decides its share against other sessions).
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +123,38 @@ def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | N
             os._exit(1)
 
     return preexec
+
+def carry_nice(pid: int) -> None:
+    """Give the session of child `pid` (started with start_new_session) the scheduling weight
+    of this process's session. With the kernel's autogroups on
+    (/proc/sys/kernel/sched_autogroup_enabled), each session is one scheduling group, nice 0
+    unless /proc/<pid>/autogroup says otherwise, and a task's own nice only ranks it inside its
+    group: a server in a session of its own competes as nice 0 with every other session, and a
+    timing run that raised its session's weight would otherwise leave its servers unboosted.
+    (A process's own nice is not carried: a `nice -n 19` test in a nice-0 session would starve
+    its servers against everyone else's nice-0 sessions.) A no-op off Linux, where the group
+    is at nice 0, or where the kernel refuses the write."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        with open("/proc/self/autogroup") as f:  # "/autogroup-12 nice 0"
+            nice = int(f.read().split()[-1])
+        if nice:
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(nice))
+    except (OSError, ValueError, IndexError) as e:  # no autogroups, the child gone, or no
+        log.debug("session nice not carried to pid %d: %s", pid, e)  # CAP_SYS_NICE for < 0
+
+
+def popen_session(argv: list[str], sig: int = signal.SIGTERM, **kw: Any) -> subprocess.Popen:
+    """subprocess.Popen(argv, **kw) in a session of its own (its process group is its whole
+    tree), sent `sig` when the starting thread dies (preexec_die_with_parent) and given this
+    process's nice (carry_nice)."""
+    proc = subprocess.Popen(argv, start_new_session=True,  # noqa: PLW1509 - see preexec's doc
+                            preexec_fn=preexec_die_with_parent(sig), **kw)
+    carry_nice(proc.pid)
+    return proc
+
 
 class ParentWatch:
     def __init__(self, on_lost: Callable[[], None], name: str, grace_s: float = STOP_GRACE_S

@@ -17,7 +17,7 @@ import httpx
 
 from pdcore.config import ADMIN_KEY_ENV, CLUSTER_SECRET_ENV, HOST_SERVERS_ENV
 from pdcore.env import ENV, Env, child_environ
-from pdcore.runtime.lifeline import preexec_die_with_parent
+from pdcore.runtime.lifeline import popen_session
 from pdcore.runtime_env import server_threads
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.ports import free_port
@@ -104,11 +104,12 @@ class ServerProcess:
                                                  *filter(None, [env.get("PYTHONPATH")])])
             cwd = str(REPO_ROOT)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        # the preexec_fn only calls prctl, getppid and _exit: safe in a threaded parent; the
+        # server's session gets this process's nice (a nice test or bench reaches it only so)
+        self.proc = popen_session(
             [sys.executable, *self.command, "--host", "127.0.0.1", "--port", str(self.port),
-             *self.flags], stdout=self._log, stderr=subprocess.STDOUT, env=env,
-            # the preexec_fn only calls prctl, getppid and _exit: safe in a threaded parent
-            cwd=cwd, start_new_session=True, preexec_fn=preexec_die_with_parent(signal.SIGKILL))  # noqa: PLW1509
+             *self.flags], signal.SIGKILL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+            cwd=cwd)
         return self
 
     def log(self) -> str:

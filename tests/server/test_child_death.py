@@ -37,3 +37,53 @@ def test_child_gets_sigterm_when_its_starter_is_killed() -> None:
         assert not pid_alive(child), "the child outlived its killed starter"
     finally:
         starter.kill()
+
+
+NICE_STARTER = """
+import subprocess, sys
+from pdcore.testing.processes import ServerProcess
+with open("/proc/self/autogroup", "w") as f:  # this session's weight: nice 3 (no privilege)
+    f.write("3")
+server = ServerProcess(command=("-c", "import time; time.sleep(120)"))
+plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                         start_new_session=True)
+print(server.proc.pid, plain.pid, flush=True)
+try:
+    sys.stdin.read()  # until the test closes it
+finally:
+    plain.kill()
+    server.stop()
+"""
+
+
+def _autogroup_nice(pid: int) -> int:
+    with open(f"/proc/{pid}/autogroup") as f:  # "/autogroup-123 nice 5"
+        return int(f.read().split()[-1])
+
+
+def _autogroups_on() -> bool:
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _autogroups_on(),
+                    reason="the kernel's autogroups are off: a session has no nice of its own")
+def test_a_server_in_its_own_session_keeps_its_starters_nice() -> None:
+    """With autogroups, a new session is a scheduling group at nice 0 whatever its starter's
+    group: ServerProcess (and `pdserve up`) carry the starter session's nice to it
+    (lifeline.carry_nice); a plain start_new_session child shows what happens without."""
+    starter = subprocess.Popen([sys.executable, "-c", NICE_STARTER], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        server, plain = map(int, starter.stdout.readline().split())
+        assert _autogroup_nice(server) == 3
+        assert _autogroup_nice(plain) == 0, "autogroups no longer reset a session's nice?"
+    finally:
+        starter.stdin.close()  # it stops both children
+        try:
+            starter.wait(30)
+        finally:
+            starter.kill()
