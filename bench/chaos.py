@@ -14,7 +14,9 @@ table of recovery times; bench/results/chaos.json (chaos_quick.json for --quick;
 request's latency against its start, faults marked).
 
     python bench/chaos.py --quick                 # 2 minutes, a fault every 15 s
-    python bench/chaos.py --duration-s 1200       # the 20-minute run (a quiet machine)
+    python bench/chaos.py --duration-s 1200 --model-path SmolLM2.gguf   # #49's acceptance run
+    (the default model's file: python -c "from pdcore.engine.model.source import
+    default_model_file; print(default_model_file())")
 """
 
 from __future__ import annotations
