@@ -328,6 +328,49 @@ def test_http_process_runs_without_torch(real_server, client):
     assert not _maps_torch(real_server.proc.pid), "the HTTP process loaded torch"
 
 
+def test_default_sampling_takes_the_native_sampler(real_server, client):
+    """What clients send when they name no temperature (the OpenAI SDK's defaults, explicit
+    neutral knobs: top_p 1, top_k -1, min_p 0, zero penalties) is sampled by the native
+    sampler, one call per batch, never the torch fallback; temperature 0 is one argmax (the
+    /metrics counters of sampler.sample's paths, one count per sampled batch)."""
+    from pdcore.engine import native
+
+    oa = openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
+    model = oa.models.list().data[0].id
+    names = {p: f"pdserve_scheduler_sampler_batches_{p}_total"
+             for p in ("greedy", "native", "torch")}
+
+    def counts() -> dict[str, float]:
+        text = client.get("/metrics").text
+        return {p: _metric(text, n) for p, n in names.items()}
+
+    before = counts()
+    made = oa.completions.create(model=model, prompt="Count: one, two,", max_tokens=4,
+                                 seed=1).usage.completion_tokens
+    made += oa.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=4,
+        ).usage.completion_tokens
+    r = client.post("/v1/completions", json={
+        "model": model, "prompt": "Count: one, two,", "max_tokens": 4, "top_p": 1.0,
+        "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+        "repetition_penalty": 1.0})
+    assert r.status_code == 200, r.text
+    made += r.json()["usage"]["completion_tokens"]
+    r = client.post("/generate", json={"text": "Count: one, two,",
+                                       "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 200, r.text
+    made += r.json()["meta_info"]["completion_tokens"]
+    after = counts()
+    sampled = "native" if native.op("sample_rows") is not None else "torch"
+    # one request at a time: each of its tokens is one sampled batch of one row
+    assert after[sampled] - before[sampled] == made, (before, after, made)
+    assert after == {**before, sampled: after[sampled]}, (before, after)
+    greedy = oa.completions.create(model=model, prompt="Count: one, two,", max_tokens=4,
+                                   temperature=0).usage.completion_tokens
+    end = counts()
+    assert end == {**after, "greedy": after["greedy"] + greedy}, (after, end)
+
+
 def test_killed_server_leaves_no_semaphore_behind(tiny_llama_dir: Path) -> None:
     """A SIGKILLed server (and its scheduler) leaves nothing in /dev/shm: loading the model used
     to create tqdm's multiprocessing lock, a named semaphore only a clean exit removes."""

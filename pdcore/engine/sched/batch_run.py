@@ -76,6 +76,8 @@ class BatchRunner:
     def __init__(self, model_runner: ModelRunner, grammar: GrammarBackend | None = None) -> None:
         self.model_runner = model_runner
         self.grammar = grammar  # structured output (build_engine sets it)
+        # sampled batches by the path they took (sampler.sample; /metrics sampler_batches_*)
+        self.sampler_paths = {"greedy": 0, "native": 0, "torch": 0}
 
     # what the scheduler's neighbours read of the model side
     @property
@@ -209,7 +211,7 @@ class BatchRunner:
             want = [items[i][0].top_logprobs_num if items[i][0].return_logprob else None
                     for i, _ in samp]
             toks, lps, errs = sample(logits[[row for _, row in samp]], states, want,
-                                     self.grammar)
+                                     self.grammar, self.sampler_paths)
             for (i, _), t, lp, err in zip(samp, toks, lps, errs):
                 results[i].token, results[i].logprob, results[i].error = t, lp, err
         for i, (p_first, count, lo, _) in enumerate(plan):

@@ -439,25 +439,29 @@ def _native_batch(o, logits: torch.Tensor, states: list[SampleState],
 
 
 def sample(logits: torch.Tensor, states: list[SampleState], want_logprobs: list[int | None],
-           grammar: GrammarBackend | None = None,
+           grammar: GrammarBackend | None = None, paths: dict[str, int] | None = None,
            ) -> tuple[list[int | None], list[LogprobEntry | None], list[RowError | None]]:
     """logits [R, V] (one row per request). want_logprobs[i]: None (no logprobs) or the number
     of top logprobs to return (0 = only the chosen token's). Returns tokens, logprob entries
     and per-row errors: a row that cannot be sampled gets token None and an error, so one bad
-    request never fails the others of its batch."""
+    request never fails the others of its batch. `paths` counts the batch under the path it
+    took: "greedy" (every row plain greedy: one argmax), "native" (sampler_native) or "torch"
+    (the fallback; /metrics shows them)."""
     n = len(states)
     tokens: list[int | None] = [None] * n
     errors: list[RowError | None] = [None] * n
     lse: list[float] | None = None
     if all(st.plain_greedy for st in states):
-        tokens = list(torch.argmax(logits, -1).tolist())
+        tokens, path = list(torch.argmax(logits, -1).tolist()), "greedy"
     else:
-        o = sampler_native.op()
+        o, path = sampler_native.op(), "native"
         lse = [math.nan] * n if any(w is not None for w in want_logprobs) else None
         if o is None or not _native_batch(o, logits, states, grammar, tokens, errors, lse=lse):
-            lse = None
+            lse, path = None, "torch"
             masked = _grammar_rows(logits, states, grammar, errors)
             _sample_batch(logits, states, masked, tokens, errors)
+    if paths is not None:
+        paths[path] = paths.get(path, 0) + 1
     entries: list[LogprobEntry | None] = [None] * n
     wanted = [i for i, w in enumerate(want_logprobs) if w is not None and errors[i] is None]
     if wanted:

@@ -61,7 +61,7 @@ def scheduler_stats(s: Any, runner: Any, spec: Any) -> StatsReport:
         "forward_decode_seconds_total": c.decode_seconds,
         "forward_extend_steps_total": c.extend_steps,
         "forward_extend_seconds_total": c.extend_seconds})
-    _native_stats(s, runner.model, r)
+    _native_stats(s, runner, r)
     _cache_stats(s, r)
     r.update(s.ext.stats())
     _grammar_stats(s, getattr(runner, "grammar", None), r)  # test runners may have none
@@ -77,14 +77,16 @@ def _grammar_stats(s: Any, g: Any, r: StatsReport) -> None:
     r.add(Kind.LOAD, {"grammar_running_requests": running})
 
 
-def _native_stats(s: Any, model: Any, r: StatsReport) -> None:
+def _native_stats(s: Any, runner: Any, r: StatsReport) -> None:
     """Whether the native kernels serve (1/0) and on which ISA (native_isa_*: 1 for the
     library loaded), how many decode steps took the native layer loop (engine/native; the
-    rest ran the Python loop), and how many GEMM weights sit in each layout
-    (models/layers.py: chosen at load)."""
+    rest ran the Python loop), how many sampled batches took each sampler path (greedy
+    argmax, the native sampler, the torch fallback) and how many GEMM weights sit in each
+    layout (models/layers.py: chosen at load)."""
     from pdcore.engine import native
     from pdcore.engine.model.layers import weight_layouts
 
+    model = runner.model
     if s.gemm_layouts is None:
         s.gemm_layouts = weight_layouts(model)
     isa = native.isa()
@@ -92,6 +94,8 @@ def _native_stats(s: Any, model: Any, r: StatsReport) -> None:
                       **{f"native_isa_{name}": int(isa == name) for name in native.ISAS}})
     r.add(Kind.TOTAL, {"native_decode_steps_total":
                        int(getattr(model, "native_steps", 0))})
+    r.add(Kind.TOTAL, {f"sampler_batches_{path}_total": n  # test runners may not count
+                       for path, n in getattr(runner, "sampler_paths", {}).items()})
     r.add(Kind.INFO, {f"gemm_weights_{k}": v for k, v in s.gemm_layouts.items()})
 
 
