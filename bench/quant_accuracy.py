@@ -225,8 +225,8 @@ def main() -> None:
                      "formats": {n: FORMATS[n] for n in names}})
     tmp = tempfile.TemporaryDirectory(prefix="pdserve-quant-acc-")
     work = Path(args.work or tmp.name)
-    # GGUF conversions (the de-quantized Q8_0) go to the work folder, not the user's cache
-    os.environ.setdefault("PDCORE_CACHE_DIR", str(work / "cache"))
+    # a GGUF's float conversion goes to pdserve's usual cache (gguf_cache.py), where the packaged
+    # Q4_1's already is: converting it again under a loaded machine outran the cache's 900 s lock
     scores = {}
     order = names if args.score_only else ["float32"] + [n for n in names if n != "float32"]
     for name in order:
