@@ -6,9 +6,9 @@ multi-node GPU/NPU deployments. Each stops at exit 2 for one of three reasons, e
 message:
 - a typo in the older page (`---disaggregation-transfer-backend`, three dashes);
 - an NPU line (`--device npu`, the Ascend DeepSeek and MiMo decode lines): the NPU, named first,
-  with what pdserve refuses listed after it (`--quantization modelslim`: a format it does not run
-  yet; several tokenizer workers); `--cuda-graph-bs` is accepted (a warning: no CUDA graphs
-  here) and the speculative flags (built) are never named among them;
+  with what pdserve refuses listed after it (`--quantization modelslim`: the tiny float model is
+  not quantized so; several tokenizer workers); `--cuda-graph-bs` is accepted (a warning: no
+  CUDA graphs here) and the speculative flags (built) are never named among them;
 - otherwise the one hardware-only flag: DeepEP (`--enable-deepep-moe` / `--moe-a2a-backend
   deepep`), which on CPU exits 2 saying to use `--moe-a2a-backend none`. The multi-node DP
   attention lines (`--nnodes 2 --tp-size 16 --dp-size 8 --enable-dp-attention`) stop only there:

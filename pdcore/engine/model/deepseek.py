@@ -36,6 +36,7 @@ from pdcore.engine.model.layers import (
 )
 from pdcore.engine.model.llama import MLP
 from pdcore.engine.model.moe import MoE, RouterSpec
+from pdcore.engine.model.quant import as_float
 
 SUPPORTED_ARCHS = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _REPLICATED = TPInfo()  # layers every rank computes whole (the latent projections)
@@ -132,7 +133,9 @@ class MLAttention(nn.Module):
         self.kv_a.load([get(p + "kv_a_proj_with_mqa.weight")],
                        _bias(opt, p + "kv_a_proj_with_mqa.bias"))
         self.kv_a_norm.weight.copy_(get(p + "kv_a_layernorm.weight"))
-        kv_b = get(p + "kv_b_proj.weight").view(-1, self.nope + self.v_dim, self.lora)
+        # absorbed into the query and the output per head, so kept float (an int8 one
+        # de-quantized here: weight-only int8, as SGLang's MLA does with it)
+        kv_b = as_float(get(p + "kv_b_proj.weight")).view(-1, self.nope + self.v_dim, self.lora)
         mine = kv_b[self.h0 : self.h0 + self.num_heads]
         self.w_uk.copy_(mine[:, : self.nope])
         self.w_uv.copy_(mine[:, self.nope :])

@@ -230,6 +230,10 @@ def quantized_weights(sd: Mapping[str, torch.Tensor], folder: str
     name = quant_config.detect(folder, None).name
     if name == "fp8":
         return Fp8Checkpoint(sd, block_of(folder))
-    if name in ("w8a8_int8", "modelslim"):
+    if name == "modelslim":
+        from pdcore.engine.model.modelslim import modelslim_checkpoint
+
+        return modelslim_checkpoint(sd, folder)
+    if name == "w8a8_int8":
         return Int8Checkpoint(sd)
     return sd

@@ -22,6 +22,7 @@ from pdcore.engine.model.hf_config import read_plain_config
 from pdcore.engine.model import quant_config
 from pdcore.engine.model.layers import TPInfo
 from pdcore.engine.model.fp8 import Fp8Checkpoint, fp8_layers
+from pdcore.engine.model.modelslim import modelslim_checkpoint
 from pdcore.engine.model.quant import Int8Checkpoint
 from pdcore.engine.model.tokenizer import ResolvedModel, resolve_model
 from pdcore.engine.model.weights import SafetensorsWeights
@@ -137,15 +138,18 @@ def _quantization(resolved: ResolvedModel, cfg: Any, load_format: str) -> str | 
                                 resolved.display_path)
     arch = cfg.architectures[0]
     if name in ("w8a8_int8", "modelslim"):
-        if not issubclass(MODEL_CLASSES[arch], llama.LlamaForCausalLM):  # MiMo: a Qwen2 body
+        if not issubclass(MODEL_CLASSES[arch], (llama.LlamaForCausalLM,  # MiMo: a Qwen2 body
+                                                deepseek.DeepseekForCausalLM)):
             raise ConfigError(f"{resolved.display_path}: {name} is built for the dense Llama "
-                              f"families ({', '.join(llama.SUPPORTED_ARCHS)}); {arch} is not "
-                              "yet (its MoE / MLA layers take float weights only)")
-        log.info("quantization %s (%s): the decoder's linear weights stay int8 with "
+                              f"families ({', '.join(llama.SUPPORTED_ARCHS)}) and DeepSeek-V2/V3 "
+                              f"(MLA + MoE); {arch} is not yet")
+        log.info("quantization %s (%s): the decoder's linear weights%s stay int8 with "
                  "per-output-channel scales, activations are quantized per token at run time, "
                  "int8 x int8 -> int32 GEMMs (engine/native's, else torch._int_mm)", name,
-                 "msModelSlim W8A8_DYNAMIC" if name == "modelslim"
-                 else "compressed-tensors W8A8 int8")
+                 quant_config.detect(resolved.path, None).detail if name == "modelslim"
+                 else "compressed-tensors W8A8 int8",
+                 " and MoE experts" if issubclass(MODEL_CLASSES[arch],
+                                                  deepseek.DeepseekForCausalLM) else "")
     return name
 
 
@@ -200,11 +204,14 @@ def _packed_gguf(raw: ResolvedModel, cfg: Any, device: torch.device,
     return sd
 
 
-def _check_int8_loaded(sd: Int8Checkpoint, resolved: ResolvedModel) -> None:
+def _check_int8_loaded(sd: Int8Checkpoint, resolved: ResolvedModel, cfg: Any) -> None:
     """Every int8 weight of the checkpoint went to an int8 linear layer (one read by anything
     else would have been taken as float values)."""
-    # MTP layers (a MiMo's model.mtp_layers.*) load with the draft head, not the model
-    missed = sorted(n for n in sd.int8_weight_names() - sd.int8_names if ".mtp_layers." not in n)
+    # MTP layers (a MiMo's model.mtp_layers.*, DeepSeek's model.layers.{num_hidden_layers}.*)
+    # load with the draft head, not the model
+    mtp = f"model.layers.{cfg.num_hidden_layers}."
+    missed = sorted(n for n in sd.int8_weight_names() - sd.int8_names
+                    if ".mtp_layers." not in n and not n.startswith(mtp))
     if missed:
         raise ModelLoadError(f"{resolved.display_path}: int8 weights this model does not load "
                              f"as W8A8 linear layers: {', '.join(missed[:4])}"
@@ -235,7 +242,9 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     quantization = _quantization(resolved, cfg, load_format)
     if quantization == "modelslim":
         _check_modelslim_offsets(sd, resolved)
-    if quantization in ("w8a8_int8", "modelslim"):
+    if quantization == "modelslim":
+        sd = modelslim_checkpoint(sd, resolved.path, resolved.display_path)
+    elif quantization == "w8a8_int8":
         sd = Int8Checkpoint(sd)
     elif quantization == "fp8":
         sd = Fp8Checkpoint(sd, _fp8_block(cfg))
@@ -246,7 +255,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
         raise ModelLoadError(f"{resolved.display_path} lacks the weight {e} that "
                              f"{cfg.architectures[0]} needs") from e
     if isinstance(sd, Int8Checkpoint):
-        _check_int8_loaded(sd, resolved)
+        _check_int8_loaded(sd, resolved, cfg)
     if isinstance(sd, Fp8Checkpoint):
         lin, moe = fp8_layers(model)
         log.info("quantization fp8 (%s): %d FP8 weights read; %d linear layers and %d MoE "

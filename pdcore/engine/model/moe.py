@@ -30,6 +30,7 @@ from torch import nn
 
 from pdcore.engine.model.fp8 import Fp8Experts, fp8_experts
 from pdcore.engine.model.layers import ColumnLinear, TPInfo, linear, stand_in
+from pdcore.engine.model.quant import Int8Experts, Int8Weight, int8_experts, scale_of
 from pdcore.engine.parallel.dp_gather import gathered
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import span
@@ -95,14 +96,21 @@ class SharedExperts(nn.Module):
         self.gate_up = ColumnLinear(hidden, [inter, inter], False, tp)
         self.first, self.inter = self.gate_up.shards[0]
         self.down = nn.Parameter(torch.empty(hidden, self.inter), requires_grad=False)
+        self.down_int8: Int8Weight | None = None  # an int8 checkpoint's (quant.py)
 
     def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         self.gate_up.load([gate, up])
-        self.down.copy_(down[:, self.first : self.first + self.inter])
+        mine = down[:, self.first : self.first + self.inter]
+        if down.dtype == torch.int8:  # this rank's input features, per-token int8 like RowLinear
+            self.down_int8 = Int8Weight(mine, scale_of(down))
+            self.down = nn.Parameter(stand_in(self.down), requires_grad=False)
+        else:
+            self.down.copy_(mine)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
-        return linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], self.down)
+        h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        return self.down_int8(h) if self.down_int8 is not None else linear(h, self.down)
 
 
 class MoE(nn.Module):
@@ -146,6 +154,7 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n, 2 * self.inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, hidden, self.inter), requires_grad=False)
         self.fp8: Fp8Experts | None = None  # an FP8 checkpoint's experts (fp8.py)
+        self.int8: Int8Experts | None = None  # an int8 (msModelSlim) checkpoint's (quant.py)
         self.shared = SharedExperts(hidden, shared_inter, tp) if shared_inter else None
         self.shared_gate = (nn.Parameter(torch.empty(1, hidden), requires_grad=False)
                             if shared_gate else None)
@@ -159,7 +168,8 @@ class MoE(nn.Module):
         a, n = self.first_expert, self.local_experts
         i0, ni = self.inter_first, self.inter
         self.fp8 = fp8_experts(sd, prefix, a, n, i0, ni)
-        if self.fp8 is not None:  # kept FP8, de-quantized when the layer runs
+        self.int8 = int8_experts(sd, prefix, a, n, i0, ni) if self.fp8 is None else None
+        if self.fp8 is not None or self.int8 is not None:  # kept FP8 / int8
             self.w13 = nn.Parameter(stand_in(self.w13), requires_grad=False)
             self.w2 = nn.Parameter(stand_in(self.w2), requires_grad=False)
         else:
@@ -221,6 +231,14 @@ class MoE(nn.Module):
         order = order[: int(ends[-1])] if len(ends) else order[:0]
         rows = order // k
         xs = x.index_select(0, rows)
+        if self.int8 is not None:  # int8 GEMMs per expert, each row quantized per token
+            ys = torch.empty_like(xs)
+            start = 0
+            for e, c in enumerate(counts.tolist()):
+                if c:
+                    ys[start : start + c] = self.int8.run(e, xs[start : start + c])
+                    start += c
+            return self._combine(x, rows, ys, order, weights)
         w13, w2 = (self.w13, self.w2) if self.fp8 is None else self.fp8.dequantized(x.dtype)
         if GROUPED_MM and x.device.type == "cpu" and len(ends) and self._aligned(x):
             # views of the [E, out, in] weights as [E, in, out]: no copy
@@ -237,6 +255,11 @@ class MoE(nn.Module):
                     h = F.silu(gu[:, : self.inter]) * gu[:, self.inter :]
                     ys[start : start + c] = F.linear(h, w2[e])
                     start += c
+        return self._combine(x, rows, ys, order, weights)
+
+    @staticmethod
+    def _combine(x: torch.Tensor, rows: torch.Tensor, ys: torch.Tensor, order: torch.Tensor,
+                 weights: torch.Tensor | None) -> torch.Tensor:
         if weights is not None:
             ys = ys * weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)

@@ -35,6 +35,7 @@ from pdcore.engine.model.deepseek import DecoderLayer, LatentRotary, load_layer
 from pdcore.engine.model.eagle import TargetShared
 from pdcore.engine.model.layers import RMSNorm
 from pdcore.engine.model.mtp import FLAG, mtp_layer_index, mtp_prefix
+from pdcore.engine.model.quant import as_float
 from pdcore.errors import ConfigError
 
 
@@ -93,7 +94,7 @@ class NextNHead(TargetShared, nn.Module):
 
         self.enorm.weight.copy_(get(p + "enorm.weight"))
         self.hnorm.weight.copy_(get(p + "hnorm.weight"))
-        self.eh_proj.weight.copy_(get(p + "eh_proj.weight"))
+        self.eh_proj.weight.copy_(as_float(get(p + "eh_proj.weight")))  # int8: de-quantized
         self.norm.weight.copy_(get(p + "shared_head.norm.weight"))
         load_layer(self.layer, sd, p)
         # DeepSeek-V3 checkpoints repeat the embedding and lm_head in the MTP layer: kept only

@@ -156,3 +156,54 @@ class Int8Checkpoint(CheckpointView):
     def int8_weight_names(self) -> set[str]:
         return {n for n in self.sd if n.endswith(".weight") and
                 n[: -len("weight")] + "weight_scale" in self.sd}
+
+
+def as_float(weight: torch.Tensor) -> torch.Tensor:
+    """A weight a layer keeps in float (MLA's absorbed kv_b_proj, an MTP layer's eh_proj): an
+    int8 weight Int8Checkpoint handed out de-quantized (w_q * s_w per output channel, float32);
+    any other tensor as it is."""
+    if weight.dtype != torch.int8:
+        return weight
+    return weight.float() * scale_of(weight).float()[:, None]
+
+
+class Int8Experts:
+    """A MoE layer's local experts in int8: per expert gate+up [2I, H] and down [H, I] as
+    Int8Weights (per-output-channel scales, activations quantized per token at run time,
+    engine/native's int8 GEMM where it serves). `run` computes one expert on its rows."""
+
+    def __init__(self, w13: list[Int8Weight], w2: list[Int8Weight]) -> None:
+        self.w13, self.w2 = w13, w2
+
+    def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, then down, for expert `e` on rows x [n, H]."""
+        gu = self.w13[e](x)
+        inter = gu.shape[-1] // 2
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        return self.w2[e](h)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for w in (*self.w13, *self.w2)
+                for t in (w.q if w.packed is None else w.packed, w.scale)]
+
+
+def int8_experts(sd: Mapping[str, torch.Tensor], prefix: str, first_expert: int, n: int,
+                 inter_first: int, inter: int) -> Int8Experts | None:
+    """The experts first_expert..+n of the MoE block at `prefix` kept int8 (intermediate
+    features inter_first..+inter: a TP share), where the checkpoint holds them per expert in
+    int8 with their scales (msModelSlim's layout); None otherwise."""
+    p0 = prefix + f"experts.{first_expert}.gate_proj.weight"
+    if p0 not in sd or sd[p0].dtype != torch.int8:
+        return None
+    w13, w2 = [], []
+    for e in range(first_expert, first_expert + n):
+        p = prefix + f"experts.{e}."
+        gate, up, down = (sd[p + f"{name}.weight"] for name in ("gate_proj", "up_proj",
+                                                                 "down_proj"))
+        if not gate.dtype == up.dtype == down.dtype == torch.int8:
+            raise ValueError(f"{p}: an expert with int8 and float projections")
+        rows = slice(inter_first, inter_first + inter)
+        w13.append(Int8Weight(torch.cat([gate[rows], up[rows]]),
+                              torch.cat([scale_of(gate)[rows], scale_of(up)[rows]])))
+        w2.append(Int8Weight(down[:, rows], scale_of(down)))
+    return Int8Experts(w13, w2)

@@ -32,14 +32,15 @@ RUNS = {
     "gguf": "GGUF files, de-quantized to --dtype at load (PDCORE_GGUF_PACKED=1: Q8_0, Q4_0, "
             "Q4_1, Q4_K and Q6_K kept packed)",
     "modelslim": "msModelSlim W8A8_DYNAMIC folders (int8 weights per output channel, zero "
-                 "offsets; activations per token at run time): the w8a8_int8 GEMMs",
+                 "offsets; activations per token at run time; MLA and MoE included) and "
+                 "W4A8_DYNAMIC MoE experts per channel: the w8a8_int8 GEMMs",
     "fp8": "float8 e4m3 weights with per-tensor, per-channel or block scales (DeepSeek-V3's "
            "128x128 weight_scale_inv), kept FP8 and de-quantized per layer at compute",
 }
 # flag values that name a format the checkpoint's detected one satisfies
 ALIASES = {"compressed-tensors": "w8a8_int8", "w8a8_int8": "w8a8_int8", "gguf": "gguf",
            "fp8": "fp8", "modelslim": "modelslim"}
-MODELSLIM_RUNS = {"W8A8_DYNAMIC"}  # msModelSlim schemes pdserve runs (FLOAT tensors aside)
+MODELSLIM_RUNS = {"W8A8_DYNAMIC", "W4A8_DYNAMIC"}  # msModelSlim schemes pdserve runs (FLOAT tensors aside)
 MODELSLIM_FILE = "quant_model_description.json"
 
 
@@ -109,8 +110,10 @@ def _from_modelslim(folder: str) -> Detected | None:
     # the per-tensor entries (other keys: model_quant_type, version, ...)
     kinds = sorted({v for k, v in desc.items() if isinstance(v, str) and v != "FLOAT"
                     and k.endswith(".weight")}) if isinstance(desc, dict) else []
-    return Detected("modelslim", "msModelSlim " + (", ".join(kinds) or "no quantized tensors"),
-                    path)
+    group = desc.get("group_size") if isinstance(desc, dict) else None
+    per_group = f" (group_size {group})" if isinstance(group, int) and group > 0 else ""
+    return Detected("modelslim", "msModelSlim " + (", ".join(kinds) or "no quantized tensors")
+                    + per_group, path)
 
 
 # GGUF metadata value types (the format's spec): fixed sizes; 8 string, 9 array
@@ -172,6 +175,20 @@ def detect(path: str, gguf_file: str | None) -> Detected:
     return _from_config(path) or _from_modelslim(path) or Detected(None)
 
 
+def _check_modelslim(found: Detected, where: str) -> None:
+    schemes = found.detail.split(" ", 1)[1].split(" (")[0].split(", ")
+    if not set(schemes) <= MODELSLIM_RUNS:
+        raise ConfigError(f"{where} is quantized as modelslim ({found.detail}, read from "
+                          f"{found.source}); of msModelSlim's schemes pdserve runs "
+                          f"{', '.join(sorted(MODELSLIM_RUNS))} only (W8A8 static not yet); it "
+                          f"runs {_runs()}")
+    if "group_size" in found.detail:
+        raise ConfigError(f"{where} is quantized as modelslim ({found.detail}, read from "
+                          f"{found.source}): per-group W4A8 scales are not run (neither "
+                          "vllm-ascend nor pdserve takes them); give a per-channel "
+                          "(group_size 0) W4A8 checkpoint")
+
+
 def _runs() -> str:
     return "; ".join(f"{k} ({v})" for k, v in RUNS.items())
 
@@ -195,12 +212,8 @@ def resolve(flag: str | None, found: Detected, where: str) -> str | None:
                 f"checkpoint quantized so, or drop the flag to serve it in --dtype")
         raise ConfigError(f"--quantization {flag}: pdserve does not run this format; it runs "
                           f"{_runs()}")
-    if found.name == "modelslim" and not set(found.detail.split(" ", 1)[1].split(", ")) <= \
-            MODELSLIM_RUNS:
-        raise ConfigError(f"{where} is quantized as modelslim ({found.detail}, read from "
-                          f"{found.source}); of msModelSlim's schemes pdserve runs "
-                          f"{', '.join(sorted(MODELSLIM_RUNS))} only (W8A8 static and W4A8 not "
-                          f"yet); it runs {_runs()}")
+    if found.name == "modelslim":
+        _check_modelslim(found, where)
     if found.name not in RUNS:
         named = f"--quantization {flag}: " if flag else ""
         raise ConfigError(f"{named}{where} is quantized as {found.name} ({found.detail}, read "
