@@ -37,7 +37,38 @@ def pack_int4_rows(q):  # type: ignore[no-untyped-def]
     return torch.where(b > 127, b - 256, b).to(torch.int8)
 
 
-def make_modelslim_deepseek(src: str, dst: str, w4a8: bool = False) -> str:
+def static_input_ranges(src: str, calibration: list[list[int]]) -> dict[str, Any]:
+    """{linear module path: (input_scale, input_offset)} for each nn.Linear transformers' model
+    of `src` runs outside the routed experts, asymmetric over the `calibration` token ids'
+    inputs: x_q = round(x / scale + offset) spans [-128, 127] (0 exactly representable)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    seen: dict[str, list[float]] = {}
+
+    def record(path: str, x) -> None:  # type: ignore[no-untyped-def]
+        lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+        old = seen.get(path, [0.0, 0.0])
+        seen[path] = [min(old[0], lo), max(old[1], hi)]
+
+    hooks = [m.register_forward_pre_hook(lambda _m, a, path=path: record(path, a[0]))
+             for path, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and ".layers." in path]
+    with torch.inference_mode():
+        for ids in calibration:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    out = {}
+    for path, (lo, hi) in seen.items():
+        scale = max(hi - lo, 1e-6) / 255
+        out[path] = (scale, float(round(-lo / scale) - 128))
+    return out
+
+
+def make_modelslim_deepseek(src: str, dst: str, w4a8: bool = False,
+                            static: dict[str, Any] | None = None) -> str:
     """The float DeepSeek folder `src` quantized into msModelSlim's layout in `dst` (msmodelslim
     does not run on CPU; written to its documented format): every decoder matrix `fp8_target`
     names (MLA's q_a/q_b/kv_a/kv_b/o, dense MLPs, routed and shared experts, the MTP layer's)
@@ -45,7 +76,10 @@ def make_modelslim_deepseek(src: str, dst: str, w4a8: bool = False) -> str:
     zero -- or, with `w4a8`, the routed experts W4A8_DYNAMIC per channel: 4-bit values packed
     two output rows a byte, with `scale_bias` (the NPU kernel's 8 * sum_k q * s term; [out, 1],
     down_proj's in 16 K-slices [out, 16]); the description file names every tensor's scheme,
-    model_quant_type and group_size 0."""
+    model_quant_type and group_size 0. `static` ({module path: (input_scale, input_offset)},
+    static_input_ranges): those modules static W8A8 instead -- `weight` int8 per channel,
+    `input_scale` / `input_offset` [1], `deq_scale` float32 [out] (input_scale x the weight's
+    scale) and `quant_bias` int32 [out] (-input_offset x the row's sum of weights)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -63,6 +97,16 @@ def make_modelslim_deepseek(src: str, dst: str, w4a8: bool = False) -> str:
             base = key[: -len("weight")]
             scheme = "W4A8_DYNAMIC" if w4a8 and ".experts." in key else "W8A8_DYNAMIC"
             q, scale = _int_per_channel(w, 7 if scheme == "W4A8_DYNAMIC" else 127)
+            if static is not None and base[:-1] in static:
+                s_x, off = static[base[:-1]]
+                out[key] = q.contiguous()
+                out[base + "input_scale"] = torch.tensor([s_x])
+                out[base + "input_offset"] = torch.tensor([off])
+                out[base + "deq_scale"] = (scale.reshape(-1) * s_x).float()
+                out[base + "quant_bias"] = (-off * q.long().sum(1)).to(torch.int32)
+                for name in ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias"):
+                    desc[base + name] = "W8A8"
+                continue
             out[base + "weight_scale"] = scale
             out[base + "weight_offset"] = torch.zeros_like(scale)
             if scheme == "W4A8_DYNAMIC":
@@ -97,9 +141,14 @@ def modelslim_dequantized_folder(ms: str, dst: str) -> str:
         sd.update(load_file(os.path.join(ms, f)))
     out = {}
     for key, t in sd.items():
-        if key.endswith((".weight_scale", ".weight_offset", ".scale_bias")):
+        if key.endswith((".weight_scale", ".weight_offset", ".scale_bias", ".input_scale",
+                         ".input_offset", ".deq_scale", ".quant_bias")):
             continue
-        if t.dtype == torch.int8:
+        base = key[: -len("weight")]
+        if t.dtype == torch.int8 and base + "deq_scale" in sd:  # static: s_w = deq / s_x
+            t = t.float() * (sd[base + "deq_scale"].float() / sd[base + "input_scale"].float()
+                             ).reshape(-1, 1)
+        elif t.dtype == torch.int8:
             scale = sd[key[: -len("weight")] + "weight_scale"].float()
             if t.shape[0] * 2 == scale.numel():
                 t = unpack_int4_rows(t)
@@ -112,10 +161,22 @@ def modelslim_dequantized_folder(ms: str, dst: str) -> str:
     return dst
 
 
-def deepseek_int8_reference(dequantized: str):  # type: ignore[no-untyped-def]
+def fake_quant_static(x, scale: float, offset: float):  # type: ignore[no-untyped-def]
+    """x through a static W8A8 layer's activation quantization and back:
+    (clamp(round(x / scale + offset), -128, 127) - offset) * scale."""
+    import torch
+
+    q = torch.round(x.float() / scale + offset).clamp(-128, 127)
+    return ((q - offset) * scale).to(x.dtype)
+
+
+def deepseek_int8_reference(dequantized: str, static: dict[str, Any] | None = None
+                            ):  # type: ignore[no-untyped-def]
     """transformers' DeepSeek on the de-quantized folder with the engine's int8 math in float:
     the input of every DEEPSEEK_ACT_QUANT projection and of each routed expert's gate_up and
-    down fake-quantized per token (fake_quant_rows)."""
+    down fake-quantized per token (fake_quant_rows), or, for the modules in `static` (as
+    make_modelslim_deepseek took it), with their static scale and offset (not kv_b_proj's: the
+    engine de-quantizes it at load, weight-only)."""
     import types
 
     import torch
@@ -123,7 +184,10 @@ def deepseek_int8_reference(dequantized: str):  # type: ignore[no-untyped-def]
 
     model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in DEEPSEEK_ACT_QUANT:
+        if static is not None and name in static and not name.endswith("kv_b_proj"):
+            mod.register_forward_pre_hook(
+                lambda _m, args, sx=static[name]: (fake_quant_static(args[0], *sx),))
+        elif isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in DEEPSEEK_ACT_QUANT:
             mod.register_forward_pre_hook(lambda _m, args: (fake_quant_rows(args[0]),))
         if hasattr(mod, "gate_up_proj") and hasattr(mod, "down_proj"):
             mod.forward = types.MethodType(_fake_quant_experts, mod)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from pdcore.config import ServerArgs
 from pdcore.engine.model.layers import ColumnLinear, RowLinear
-from pdcore.engine.model.modelslim import unpack_int4_rows
+from pdcore.engine.model.modelslim import StaticInt8Weight, unpack_int4_rows
 from pdcore.engine.model.moe import MoE
 from pdcore.engine.model.loader import load_model
 from pdcore.engine.model.quant_config import checked_quantization
@@ -28,7 +28,8 @@ from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.server.startup.args_parser import parse_server_args
 from pdcore.testing.modelslim_models import (
-    deepseek_int8_reference, make_modelslim_deepseek, modelslim_dequantized_folder)
+    deepseek_int8_reference, make_modelslim_deepseek, modelslim_dequantized_folder,
+    static_input_ranges)
 from pdcore.testing.quant_models import (
     MODELSLIM_WEIGHTS, make_modelslim_w8a8_dynamic, make_w8a8_model, w8a8_reference)
 from pdcore.testing.tiny_models import add_mtp_layer, make_tiny_model
@@ -52,15 +53,16 @@ def test_detected_and_checked(folders, tmp_path):
         checked_quantization("w8a8_int8", ms)
     with open(os.path.join(ms, "quant_model_description.json"), encoding="utf-8") as f:
         desc = json.load(f)
-    static = tmp_path / "static"
-    static.mkdir()
+    other = tmp_path / "w8a16"
+    other.mkdir()
     for name in os.listdir(ms):
         if name != "quant_model_description.json":
-            os.symlink(os.path.join(ms, name), static / name)
-    desc["model.layers.0.mlp.down_proj.weight"] = "W8A8"
-    (static / "quant_model_description.json").write_text(json.dumps(desc))
-    with pytest.raises(ConfigError, match="W8A8, W8A8_DYNAMIC.*runs W4A8_DYNAMIC, W8A8_DYNAMIC only"):
-        checked_quantization(None, str(static))
+            os.symlink(os.path.join(ms, name), other / name)
+    desc["model.layers.0.mlp.down_proj.weight"] = "W8A16"
+    (other / "quant_model_description.json").write_text(json.dumps(desc))
+    with pytest.raises(ConfigError, match="W8A16, W8A8_DYNAMIC.*runs W4A8_DYNAMIC, W8A8, "
+                                          "W8A8_DYNAMIC only"):
+        checked_quantization(None, str(other))
 
 
 def test_nonzero_offsets_refused(folders, tmp_path):
@@ -103,8 +105,16 @@ def deepseek(tmp_path_factory):
     root = tmp_path_factory.mktemp("modelslim_ds3")
     src = add_mtp_layer(make_tiny_model(str(root / "float"), arch="deepseek_v3", layers=3,
                                         seed=5))
-    return {s: make_modelslim_deepseek(src, str(root / s), w4a8=s == "w4a8")
-            for s in ("w8a8", "w4a8")}
+    out = {s: make_modelslim_deepseek(src, str(root / s), w4a8=s == "w4a8")
+           for s in ("w8a8", "w4a8")}
+    # static W8A8 for every linear layer transformers runs (MLA, dense MLP, shared experts),
+    # calibrated on two random prompts; the routed experts and the MTP layer W8A8_DYNAMIC
+    g = torch.Generator().manual_seed(1)
+    out["static_ranges"] = static_input_ranges(
+        src, [torch.randint(3, 500, (n,), generator=g).tolist() for n in (40, 60)])
+    out["static"] = make_modelslim_deepseek(src, str(root / "static"),
+                                            static=out["static_ranges"])
+    return out
 
 
 def _linked_copy(src: str, dst, skip: str):  # type: ignore[no-untyped-def]
@@ -116,15 +126,15 @@ def _linked_copy(src: str, dst, skip: str):  # type: ignore[no-untyped-def]
 
 
 def test_deepseek_schemes_checked(deepseek, tmp_path):
-    """W4A8 per channel runs; per group (scales per K-group), W4A8 outside the experts and
-    static W8A8 are refused naming them."""
+    """W4A8 per channel runs; per group (scales per K-group), a scheme not built (W8A16), W4A8
+    outside the experts and static W8A8 experts are refused naming them."""
     ms = deepseek["w4a8"]
     assert checked_quantization(None, ms) == "modelslim"
     with open(os.path.join(ms, "quant_model_description.json"), encoding="utf-8") as f:
         desc = json.load(f)
     cases = [({"group_size": 256}, "group_size 256.*per-group W4A8 scales are not run"),
-             ({"model.layers.1.mlp.experts.0.up_proj.weight": "W8A8"},
-              "W4A8_DYNAMIC, W8A8, W8A8_DYNAMIC.*W8A8 static not yet")]
+             ({"model.layers.1.mlp.experts.0.up_proj.weight": "W8A16"},
+              "W4A8_DYNAMIC, W8A16.*pdserve runs W4A8_DYNAMIC, W8A8, W8A8_DYNAMIC only")]
     for i, (change, match) in enumerate(cases):
         bad = _linked_copy(ms, tmp_path / str(i), "quant_model_description.json")
         (bad / "quant_model_description.json").write_text(json.dumps({**desc, **change}))
@@ -136,6 +146,32 @@ def test_deepseek_schemes_checked(deepseek, tmp_path):
     with pytest.raises(ConfigError, match="o_proj.weight is W4A8_DYNAMIC; pdserve runs "
                                           "msModelSlim's W4A8 for MoE experts only"):
         load_model(str(bad), torch.float32, torch.device("cpu"))
+    bad = _linked_copy(ms, tmp_path / "experts", "quant_model_description.json")
+    (bad / "quant_model_description.json").write_text(json.dumps(
+        {**desc, "model.layers.1.mlp.experts.3.down_proj.weight": "W8A8"}))
+    with pytest.raises(ConfigError, match="experts.3.down_proj.weight is static W8A8; MoE "
+                                          "experts run W8A8_DYNAMIC or W4A8_DYNAMIC"):
+        load_model(str(bad), torch.float32, torch.device("cpu"))
+
+
+def test_static_w8a8_math():
+    """A static W8A8 layer of two fused parts computes msModelSlim's documented formula:
+    x_q = clamp(round(x / input_scale + input_offset), -128, 127) per part,
+    y = (x_q . w_q + quant_bias) * deq_scale, exactly (inputs past the range clamp to -128 and
+    127, which the native GEMM takes as -127 and a correction)."""
+    g = torch.Generator().manual_seed(0)
+    parts, want = [], []
+    x = torch.randn(9, 40, generator=g) * 3
+    for n, s, off in ((24, 0.02, -5.0), (8, 0.05, 7.0)):
+        q = torch.randint(-128, 128, (n, 40), generator=g, dtype=torch.int8)
+        deq = torch.rand(n, generator=g) * 1e-3
+        qbias = torch.randint(-5000, 5000, (n,), generator=g, dtype=torch.int32)
+        parts.append((q, s, off, deq, qbias))
+        xq = torch.round(x / s + off).clamp(-128, 127)
+        assert bool((xq == -128).any()) and bool((xq == 127).any())
+        acc = (xq.long() @ q.long().t()).to(torch.int32)
+        want.append((acc + qbias).float() * deq)
+    torch.testing.assert_close(StaticInt8Weight(parts)(x), torch.cat(want, -1), rtol=0, atol=0)
 
 
 def test_deepseek_weights_stay_int8(deepseek):
@@ -172,13 +208,15 @@ def _generate(path: str, prompts: list[list[int]], args: ServerArgs | None = Non
         eng.close()
 
 
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "static"])
 def test_deepseek_greedy_equals_the_float_reference(scheme, deepseek, tmp_path):
     """Greedy tokens equal transformers' on the de-quantized weights with every int8 GEMM's
-    input fake-quantized per token (the same math in float); logprobs within 8e-4 on at least
-    one of the two prompts (the other may cross a per-token rounding or routing near-tie)."""
+    input fake-quantized per token, or with its static scale and offset (the same math in
+    float); logprobs within 8e-4 on at least one of the two prompts (the other may cross a
+    rounding or routing near-tie)."""
     ms = deepseek[scheme]
-    ref = deepseek_int8_reference(modelslim_dequantized_folder(ms, str(tmp_path / "ref")))
+    ref = deepseek_int8_reference(modelslim_dequantized_folder(ms, str(tmp_path / "ref")),
+                                  deepseek["static_ranges"] if scheme == "static" else None)
     outs = _generate(ms, PROMPTS)
     tokens = [check_greedy(o["output_ids"], hf_greedy(ref, p, NEW)) for p, o in zip(PROMPTS, outs)]
     assert all(v == "identical" or v.startswith("near-tie") for v in tokens), tokens

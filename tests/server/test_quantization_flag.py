@@ -102,12 +102,13 @@ def test_cuda_graph_bs_accepted_with_one_warning(capsys):
 
 
 def test_through_the_cli(tiny_llama_dir, tmp_path):
-    """The real program exits 2 before loading anything for a modelslim checkpoint on CPU."""
+    """The real program exits 2 before loading anything for a modelslim scheme it does not run
+    (W8A16: int8 weights, float activations)."""
     ms = _with_config(tiny_llama_dir, tmp_path / "ms")
     with open(os.path.join(ms, "quant_model_description.json"), "w") as f:
-        json.dump({"model.layers.0.mlp.down_proj.weight": "W8A8"}, f)
+        json.dump({"model.layers.0.mlp.down_proj.weight": "W8A16"}, f)
     r = subprocess.run([sys.executable, "-m", "pdcore", "serve", "--model-path", ms,
                         "--quantization", "modelslim", "--cuda-graph-bs", "1", "2"],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
-    assert "quantized as modelslim (msModelSlim W8A8" in r.stderr and "w8a8_int8" in r.stderr
+    assert "quantized as modelslim (msModelSlim W8A16" in r.stderr and "w8a8_int8" in r.stderr

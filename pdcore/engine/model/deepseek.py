@@ -36,7 +36,7 @@ from pdcore.engine.model.layers import (
 )
 from pdcore.engine.model.llama import MLP
 from pdcore.engine.model.moe import MoE, RouterSpec
-from pdcore.engine.model.quant import as_float
+from pdcore.engine.model.modelslim import as_float
 
 SUPPORTED_ARCHS = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 _REPLICATED = TPInfo()  # layers every rank computes whole (the latent projections)

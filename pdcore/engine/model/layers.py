@@ -24,6 +24,7 @@ from pdcore.env import ENV, Env
 from pdcore.engine.cpu_features import gemm_layout_setting
 from pdcore.engine.model import gguf_packed
 from pdcore.engine.model.fp8 import Fp8Weight, fp8_of
+from pdcore.engine.model.modelslim import StaticInt8Weight, static_of
 from pdcore.engine.model.quant import Int8Weight, scale_of
 from pdcore.errors import ConfigError
 from pdcore.interfaces.geometry import kv_head_span, span  # the split rule P and D share
@@ -346,7 +347,7 @@ class ColumnLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # see pack_linears
-        self.int8: Int8Weight | None = None  # a W8A8 checkpoint's int8 weight (quant.py)
+        self.int8: Int8Weight | StaticInt8Weight | None = None  # W8A8 (quant.py, modelslim.py)
         self.fp8: Fp8Weight | None = None  # an FP8 checkpoint's weight (fp8.py)
 
     def load(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> None:
@@ -355,6 +356,10 @@ class ColumnLinear(nn.Module):
         if all(f is not None for f in fp8):  # FP8 (fp8.py): kept 8-bit with its scales
             self.fp8 = Fp8Weight.cat([f.rows(a, n) for f, (a, n) in zip(fp8, self.shards)])
             self.weight = nn.Parameter(stand_in(self.weight), requires_grad=False)
+        elif all(static_of(w) is not None for w in weights):  # static W8A8 (modelslim.py)
+            self.int8 = StaticInt8Weight.of(weights, self.shards)
+            self.weight = nn.Parameter(stand_in(self.weight), requires_grad=False)
+            self.bias = None  # quant_bias carries it
         elif rows[0].dtype == torch.int8:  # W8A8 (engine/model/quant.py): kept int8 with its scales
             self.int8 = Int8Weight(torch.cat(rows, 0), torch.cat(
                 [scale_of(w)[a : a + n] for w, (a, n) in zip(weights, self.shards)]))
@@ -391,12 +396,18 @@ class RowLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.shard[1]), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # see pack_linears
-        self.int8: Int8Weight | None = None  # a W8A8 checkpoint's int8 weight (quant.py)
+        self.int8: Int8Weight | StaticInt8Weight | None = None  # W8A8 (quant.py, modelslim.py)
         self.fp8: Fp8Weight | None = None  # an FP8 checkpoint's weight (fp8.py)
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         a, n = self.shard
         fp8 = fp8_of(weight)
+        if static_of(weight) is not None:  # static W8A8: quant_bias (and any bias) on rank 0
+            self.int8 = StaticInt8Weight.of([weight], [(0, weight.shape[0])], (a, n),
+                                            self.tp.rank == 0)
+            self.weight = nn.Parameter(stand_in(self.weight), requires_grad=False)
+            self.bias = None
+            return
         if fp8 is not None:  # FP8: this rank's input features (whole K-blocks)
             try:
                 self.fp8 = Fp8Weight.cat([fp8.cols(a, n)])

@@ -30,6 +30,7 @@ from torch import nn
 
 from pdcore.engine.model.fp8 import Fp8Experts, fp8_experts
 from pdcore.engine.model.layers import ColumnLinear, TPInfo, linear, stand_in
+from pdcore.engine.model.modelslim import StaticInt8Weight, static_of
 from pdcore.engine.model.quant import Int8Experts, Int8Weight, int8_experts, scale_of
 from pdcore.engine.parallel.dp_gather import gathered
 from pdcore.errors import ConfigError
@@ -96,12 +97,17 @@ class SharedExperts(nn.Module):
         self.gate_up = ColumnLinear(hidden, [inter, inter], False, tp)
         self.first, self.inter = self.gate_up.shards[0]
         self.down = nn.Parameter(torch.empty(hidden, self.inter), requires_grad=False)
-        self.down_int8: Int8Weight | None = None  # an int8 checkpoint's (quant.py)
+        self.down_int8: Int8Weight | StaticInt8Weight | None = None  # an int8 checkpoint's
+        self.tp_rank = tp.rank
 
     def load(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         self.gate_up.load([gate, up])
         mine = down[:, self.first : self.first + self.inter]
-        if down.dtype == torch.int8:  # this rank's input features, per-token int8 like RowLinear
+        if static_of(down) is not None:  # static W8A8: quant_bias once, on rank 0
+            self.down_int8 = StaticInt8Weight.of([down], [(0, down.shape[0])],
+                                                 (self.first, self.inter), self.tp_rank == 0)
+            self.down = nn.Parameter(stand_in(self.down), requires_grad=False)
+        elif down.dtype == torch.int8:  # this rank's input features, per-token int8 like RowLinear
             self.down_int8 = Int8Weight(mine, scale_of(down))
             self.down = nn.Parameter(stand_in(self.down), requires_grad=False)
         else:

@@ -35,7 +35,7 @@ from pdcore.engine.model.deepseek import DecoderLayer, LatentRotary, load_layer
 from pdcore.engine.model.eagle import TargetShared
 from pdcore.engine.model.layers import RMSNorm
 from pdcore.engine.model.mtp import FLAG, mtp_layer_index, mtp_prefix
-from pdcore.engine.model.quant import as_float
+from pdcore.engine.model.modelslim import as_float
 from pdcore.errors import ConfigError
 
 

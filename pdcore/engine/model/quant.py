@@ -158,15 +158,6 @@ class Int8Checkpoint(CheckpointView):
                 n[: -len("weight")] + "weight_scale" in self.sd}
 
 
-def as_float(weight: torch.Tensor) -> torch.Tensor:
-    """A weight a layer keeps in float (MLA's absorbed kv_b_proj, an MTP layer's eh_proj): an
-    int8 weight Int8Checkpoint handed out de-quantized (w_q * s_w per output channel, float32);
-    any other tensor as it is."""
-    if weight.dtype != torch.int8:
-        return weight
-    return weight.float() * scale_of(weight).float()[:, None]
-
-
 class Int8Experts:
     """A MoE layer's local experts in int8: per expert gate+up [2I, H] and down [H, I] as
     Int8Weights (per-output-channel scales, activations quantized per token at run time,

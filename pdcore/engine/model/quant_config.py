@@ -32,15 +32,17 @@ RUNS = {
     "gguf": "GGUF files, de-quantized to --dtype at load (PDCORE_GGUF_PACKED=1: Q8_0, Q4_0, "
             "Q4_1, Q4_K and Q6_K kept packed)",
     "modelslim": "msModelSlim W8A8_DYNAMIC folders (int8 weights per output channel, zero "
-                 "offsets; activations per token at run time; MLA and MoE included) and "
-                 "W4A8_DYNAMIC MoE experts per channel: the w8a8_int8 GEMMs",
+                 "offsets; activations per token at run time; MLA and MoE included), static "
+                 "W8A8 linear layers (per-tensor input scale and offset, deq_scale, "
+                 "quant_bias) and W4A8_DYNAMIC MoE experts per channel: int8 GEMMs",
     "fp8": "float8 e4m3 weights with per-tensor, per-channel or block scales (DeepSeek-V3's "
            "128x128 weight_scale_inv), kept FP8 and de-quantized per layer at compute",
 }
 # flag values that name a format the checkpoint's detected one satisfies
 ALIASES = {"compressed-tensors": "w8a8_int8", "w8a8_int8": "w8a8_int8", "gguf": "gguf",
            "fp8": "fp8", "modelslim": "modelslim"}
-MODELSLIM_RUNS = {"W8A8_DYNAMIC", "W4A8_DYNAMIC"}  # msModelSlim schemes pdserve runs (FLOAT tensors aside)
+# msModelSlim schemes pdserve runs (FLOAT tensors aside; engine/model/modelslim.py)
+MODELSLIM_RUNS = {"W8A8_DYNAMIC", "W4A8_DYNAMIC", "W8A8"}
 MODELSLIM_FILE = "quant_model_description.json"
 
 
@@ -180,8 +182,7 @@ def _check_modelslim(found: Detected, where: str) -> None:
     if not set(schemes) <= MODELSLIM_RUNS:
         raise ConfigError(f"{where} is quantized as modelslim ({found.detail}, read from "
                           f"{found.source}); of msModelSlim's schemes pdserve runs "
-                          f"{', '.join(sorted(MODELSLIM_RUNS))} only (W8A8 static not yet); it "
-                          f"runs {_runs()}")
+                          f"{', '.join(sorted(MODELSLIM_RUNS))} only; it runs {_runs()}")
     if "group_size" in found.detail:
         raise ConfigError(f"{where} is quantized as modelslim ({found.detail}, read from "
                           f"{found.source}): per-group W4A8 scales are not run (neither "
