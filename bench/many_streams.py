@@ -8,9 +8,9 @@ as bench/vs_vllm.py does); output tok/s, TTFT and TPOT p50 / p99 per concurrency
 defaults are chosen from.
 
 One system at a time (started, warmed up, measured at every concurrency, stopped), so no
-system shares the cores with another. Each concurrency level sends max(--min-requests,
---requests-per-stream x concurrency) requests from the same seeded list (a prefix of it: the
-same requests for every system). The load average is recorded before and after each level:
+system shares the cores with another. Each concurrency level c sends max(--min-requests,
+--requests-per-stream x c) requests drawn with seed --seed + c (the same requests for every
+system; no level finds its prompts in a prefix cache an earlier level filled). The load average is recorded before and after each level:
 on a shared machine, numbers under load are not the system's, and no ratio to vLLM taken under
 load means anything.
 
@@ -92,7 +92,9 @@ def measure(system: str, flags: list[str], args: argparse.Namespace, shape: Shap
         asyncio.run(closed_loop(group.url, warm, 2, args.timeout))
         for c in args.concurrency:
             n = max(args.min_requests, args.requests_per_stream * c)
-            reqs = requests(n, voc, args.seed, shape)
+            # each level its own requests (the same for every system): the levels run on one
+            # server, and a repeated prompt would be answered from the prefix cache
+            reqs = requests(n, voc, args.seed + c, shape)
             load0 = os.getloadavg()
             results, wall = asyncio.run(closed_loop(group.url, reqs, c, args.timeout))
             st = level_stats(results, wall)
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data: dict[str, Any] = {"shape": shape.as_dict(), "systems": {},
                             "lengths": length_stats(requests(
                                 max(args.min_requests, args.requests_per_stream
-                                    * max(args.concurrency)), voc, args.seed, shape))}
+                                    * max(args.concurrency)), voc,
+                                args.seed + max(args.concurrency), shape))}
     runs = [(s, s, list(args.server_flag) if s in PDSERVE else []) for s in args.systems]
     for v in args.variants:
         label, _, flags = v.partition(":")
