@@ -143,12 +143,22 @@ def test_transfer_bytes_agree_with_bench(cluster: PDCluster, harness: ModuleType
     p, d = cluster.prefills[0].url, cluster.decodes[0].url
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 40000) for _ in range(n)] for n in PROMPT_LENS]
-    before = {u: scrape(u) for u in (p, d, cluster.url)}
-    for ids in prompts:
-        r = generate(cluster.url, ids)
-        assert r.status_code == 200, r.text
-        assert len(r.json()["output_ids"]) == NEW
-    after = {u: scrape(u) for u in (p, d, cluster.url)}
+    # A window in which a room failed is measured again (at most 3 windows), as test_pd_n does:
+    # on a loaded machine D's claim can reach P after P's claim timeout, P fails the room, the
+    # router retries, and the transfer counters rightly count the retry. Every answer is checked
+    # in every window; the exact counts below hold for a clean window.
+    for _ in range(3):
+        before = {u: scrape(u) for u in (p, d, cluster.url)}
+        for ids in prompts:
+            r = generate(cluster.url, ids)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["output_ids"]) == NEW
+        after = {u: scrape(u) for u in (p, d, cluster.url)}
+        if not any(value(after[u], "pdserve_kv_failures_total")
+                   - value(before[u], "pdserve_kv_failures_total") for u in (p, d)):
+            break
+    else:
+        raise AssertionError("a room failed in each of 3 windows")
 
     def delta(url: str, name: str, **labels: str) -> float:
         return value(after[url], name, **labels) - value(before[url], name, **labels)
