@@ -1,6 +1,7 @@
 """The default GGUF (SmolLM2-135M Q4_1, Q8_0 embedding) served packed against the same file
 de-quantized to float32 (#48): two real `pdserve serve` servers on loopback, the only difference
-PDCORE_GGUF_PACKED=1 / 0. Measured side by side in one run:
+PDCORE_GGUF_PACKED=1 / 0 (the packed one's GEMM: --dot, PDCORE_GGUF_DOT). Measured side by
+side in one run:
 
 - resident memory: VmRSS of each server's process tree (the HTTP process and the engine), after
   a warm-up request, and the engine's weight bytes (/server_info);
@@ -81,13 +82,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--dot", choices=("int8", "float"), default="float",
+                    help="the packed server's PDCORE_GGUF_DOT (int8: activations quantized per "
+                         "block of 32, integer dot products; float: the de-quantized weights)")
     args = ap.parse_args()
     import httpx
 
     batches = [int(b) for b in args.batches.split(",")]
     run = Run(NAME, vars(args))
     servers = {name: start_unified(None, ("--max-total-tokens", "8192"),
-                                   env={"PDCORE_GGUF_PACKED": v})
+                                   env={"PDCORE_GGUF_PACKED": v, "PDCORE_GGUF_DOT": args.dot})
                for name, v in SYSTEMS.items()}
     out: dict[str, Any] = {"systems": {}}
     samples: dict[str, dict[int, list[float]]] = {}

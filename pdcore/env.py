@@ -312,12 +312,10 @@ class Engine(Group):
         "auto", choice("auto", "off", "avx512", "avx2", listing="auto, avx512, avx2 or off"),
         "which native library: `avx512`, `avx2` (an ISA the CPU lacks: none, and the log says "
         "why) or `off`; auto: the best the CPU has; any other value stops the server (exit 2)")
-    pdserve_native_dir: Var[str | None] = Var(
-        None, text, "where the native library is built (once per machine, under a lock)",
-        shown="~/.cache/pdserve/native")
-    pdcore_decode_kv_view_mb = Var(
-        128.0, _mib_at_least_zero, "MiB of decode K/V kept contiguous per request beside the "
-        "pool; 0 gathers every step")
+    pdserve_native_dir: Var[str | None] = Var(None, text, "where the native library is built "
+        "(once per machine, under a lock)", shown="~/.cache/pdserve/native")
+    pdcore_decode_kv_view_mb = Var(128.0, _mib_at_least_zero, "MiB of decode K/V kept "
+                                   "contiguous per request beside the pool; 0 gathers every step")
     pdserve_cpu_omp_threads_bind = Var(
         "auto", text, "CPU placement of the engine's OpenMP threads (`--cpu-omp-threads-bind`)")
     pdcore_host_servers = Var(
@@ -326,6 +324,8 @@ class Engine(Group):
     pdcore_gguf_cache = Var(True, flag, "load a .gguf model through a converted copy")
     pdcore_gguf_packed = Var(False, flag, "serve a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
                              "weights packed, as the file holds them; 0: de-quantized at load")
+    pdcore_gguf_dot = Var("float", choice("float", "int8", listing="float or int8"), "packed GGUF "
+                          "GEMMs: float32 on de-quantized weights, or `int8` x and integer dots")
     pdcore_cache_dir: Var[str | None] = Var(
         None, text, "where converted GGUF models are kept", shown="~/.cache/pdserve")
     pdserve_spec_gate = Var(

@@ -63,16 +63,117 @@ def test_kernels_equal_the_gguf_packages_dequantize_and_matmul(ops, t: T) -> Non
     for m in (1, 3, 8, 16, 17, 70):  # tiles of 4 rows, a last partial one; two blocks of 64
         x = torch.randn(m, k, generator=g)
         want = x @ ref.T + b
-        got = ops.gguf_linear(x, w, n, b)
+        got = ops.gguf_linear_path(x, w, n, b, FLOAT)  # float activations
         # each row as it would come alone: the same bits (batch-invariant, as the panels)
-        assert torch.equal(got[-1:], ops.gguf_linear(x[-1:], w, n, b)), (t.name, m)
+        assert torch.equal(got[-1:], ops.gguf_linear_path(x[-1:], w, n, b, FLOAT)), (t.name, m)
         tol = 1e-5 * float(want.abs().max()) + 1e-5
         assert (got - want).abs().max() <= tol, (t.name, m)
         assert torch.allclose(gp.linear_fallback(x, w, b), want, atol=tol)
     # other dtypes go through float32 and come back in theirs; leading dims kept
     xb = torch.randn(2, 3, k, generator=g).bfloat16()
-    yb = ops.gguf_linear(xb, w, n, None)
-    assert yb.dtype == torch.bfloat16 and yb.shape == (2, 3, n)
+    for path in (0, FLOAT):
+        yb = ops.gguf_linear_path(xb, w, n, None, path)
+        assert yb.dtype == torch.bfloat16 and yb.shape == (2, 3, n)
+
+
+FLOAT = 3  # gguf_linear_path: float activations; 1 / 2: the AVX2 / VNNI integer dot
+
+
+def int_paths() -> list[int]:
+    """The integer-dot paths this CPU and library run (AVX2 always; VNNI where they can)."""
+    return [1, 2] if native.isa() == "avx512" and "avx512_vnni" in _flags() else [1]
+
+
+def _flags() -> set[str]:
+    from pdcore.engine.cpu_features import cpu_flags
+
+    return cpu_flags()
+
+
+def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's activation quantization in numpy: per block of 32, amax = max|x|,
+    x_q = round_half_even(x * (127 / amax)) (float32 product), d = amax / 127 (float32)."""
+    b = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(b).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv).astype(np.int32)
+    return q.reshape(x.shape), (amax / np.float32(127)).astype(np.float32)
+
+
+def int_dot_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """sum_k w[n, k] * d_x(k) * x_q[m, k] in float64: the integer-dot path's value up to the
+    float rounding of its per-block products and sums."""
+    q, d = quantize_x(x)
+    xhat = (q.reshape(d.shape[0], -1, 32) * d.astype(np.float64)).reshape(x.shape)
+    return xhat @ w.astype(np.float64).T
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_integer_dot_equals_the_numpy_reference(ops, t: T) -> None:
+    """Activations quantized per block of 32 to int8, integer dot products (AVX2 maddubs and
+    AVX-512 VNNI): within float rounding of the same math in numpy, equal to the bit on both
+    paths, a row's output the same whatever batch it came in, and measurably not the float
+    path (the reference would not catch a kernel that skipped the quantization otherwise)."""
+    n, k = 70, 512
+    raw = random_blocks(t, n, k, seed=2)
+    w = gp.typed(torch.from_numpy(raw), int(t))
+    ref_w = dequantize(raw, t).astype(np.float32)
+    g = torch.Generator().manual_seed(3)
+    b = torch.randn(n, generator=g)
+    for m in (1, 3, 8, 17, 70):
+        x = torch.randn(m, k, generator=g)
+        x[0, :32] = 0.0  # a block of zeros: d_x = 0, no NaN
+        want = torch.from_numpy(int_dot_reference(x.numpy(), ref_w)) + b.double()
+        outs = [ops.gguf_linear_path(x, w, n, b, p) for p in int_paths()]
+        for p, got in zip(int_paths(), outs):
+            assert torch.equal(got, outs[0]), (t.name, m, p)  # VNNI == AVX2, to the bit
+            assert torch.equal(got[-1:], ops.gguf_linear_path(x[-1:], w, n, b, p)), (t.name, m)
+            err = float((got.double() - want).abs().max())
+            assert err <= 2e-6 * float(want.abs().max()) + 1e-6, (t.name, m, p, err)
+        float_err = (ops.gguf_linear_path(x, w, n, b, FLOAT).double() - want).abs().max()
+        assert float(float_err) > 1e-4 * float(want.abs().max()), (t.name, m)
+    # gguf_linear takes the process's path (native.gguf_path: PDCORE_GGUF_DOT)
+    assert torch.equal(ops.gguf_linear(x, w, n, b),
+                       ops.gguf_linear_path(x, w, n, b, ops.gguf_set_path(0)))
+
+
+def _exact_blocks(t: T, n: int, k: int, seed: int) -> np.ndarray:
+    """Blocks whose scales make every product exact: d = 1 (and Q4_1's m = -8)."""
+    raw = random_blocks(t, n, k, seed)
+    b = raw.reshape(n, k // 32, -1)
+    b[..., 0:2] = _half(np.ones(b.shape[:2]))
+    if t == T.Q4_1:
+        b[..., 2:4] = _half(np.full(b.shape[:2], -8.0))
+    return raw
+
+
+@pytest.mark.parametrize("t", (T.Q8_0, T.Q4_0, T.Q4_1), ids=lambda t: t.name)
+def test_integer_dot_is_exact_where_the_math_is(ops, t: T) -> None:
+    """With unit scales and activations whose blocks have amax 127 (so d_x = 1), every step is
+    exact: the output is the int64 matmul of the rounded activations (half-way values round to
+    even, as numpy's rint) and the file's integer weights."""
+    n, k = 37, 256
+    raw = _exact_blocks(t, n, k, seed=4)
+    w = gp.typed(torch.from_numpy(raw), int(t))
+    wi = dequantize(raw, t).astype(np.int64)  # integers: d = 1
+    rng = np.random.default_rng(5)
+    x = rng.integers(-254, 255, size=(6, k)).astype(np.float32) / 2  # halves
+    x.reshape(6, -1, 32)[:, :, 0] = 127.0  # amax 127 per block
+    want = np.rint(x).astype(np.int64) @ wi.T
+    for p in int_paths():
+        got = ops.gguf_linear_path(torch.from_numpy(x), w, n, None, p)
+        assert np.array_equal(got.numpy().astype(np.int64), want), p
+        assert np.array_equal(got.numpy(), want.astype(np.float32)), p
+
+
+def test_the_path_is_refused_where_it_cannot_run(ops) -> None:
+    w = gp.typed(torch.from_numpy(random_blocks(T.Q4_1, 8, 64)), int(T.Q4_1))
+    with pytest.raises(RuntimeError, match="GGUF GEMM path"):
+        ops.gguf_linear_path(torch.randn(1, 64), w, 8, None, 7)
+    if 2 not in int_paths() and native.isa() == "avx2":
+        with pytest.raises(RuntimeError, match="VNNI"):
+            ops.gguf_linear_path(torch.randn(1, 64), w, 8, None, 2)
 
 
 def test_bad_weights_are_refused(ops) -> None:

@@ -72,7 +72,10 @@ def dequantize(t: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor
 def _native(name: str):
     from pdcore.engine import native
 
-    return native.op(name)
+    op = native.op(name)
+    if op is not None:
+        native.gguf_path()  # once: PDCORE_GGUF_DOT and the CPU choose the GEMM's path (logged)
+    return op
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, n: int, bias: torch.Tensor | None = None

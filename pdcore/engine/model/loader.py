@@ -201,6 +201,9 @@ def _packed_gguf(raw: ResolvedModel, cfg: Any, device: torch.device,
         log.warning("GGUF weights de-quantized to float at load, not served packed: %s", why)
         return None
     log.info("GGUF weights served packed (%s): %s", raw.display_path, sd.summary())
+    from pdcore.engine import native
+
+    native.gguf_path()  # the GEMM's path, chosen and logged once
     return sd
 
 

@@ -115,6 +115,9 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("isa() -> str", &native_isa);
   m.def("gguf_linear(Tensor x, Tensor w, int n, Tensor? b) -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CompositeExplicitAutograd, &gguf_linear);
+  m.def("gguf_linear_path(Tensor x, Tensor w, int n, Tensor? b, int path) -> Tensor");
+  m.impl("gguf_linear_path", c10::DispatchKey::CompositeExplicitAutograd, &gguf_linear_path);
+  m.def("gguf_set_path(int path) -> int", &gguf_set_path);
   m.def("gguf_rows(Tensor w, Tensor ids) -> Tensor");
   m.impl("gguf_rows", c10::DispatchKey::CompositeExplicitAutograd, &gguf_rows);
   m.def("int8_pack(Tensor q, Tensor scale) -> Tensor");

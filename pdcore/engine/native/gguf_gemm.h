@@ -239,9 +239,9 @@ Tensor gguf_rows(const Tensor& w, const Tensor& ids_in) {
 }
 
 // x [..., K] (float32; other dtypes are computed in float32 and returned in theirs), the typed
-// weight [type, N, row_bytes], b [N] or empty
-Tensor gguf_linear(const Tensor& x_in, const Tensor& w, int64_t N,
-                   const std::optional<Tensor>& b) {
+// weight [type, N, row_bytes], b [N] or empty: float activations against the de-quantized weights
+Tensor gguf_linear_float(const Tensor& x_in, const Tensor& w, int64_t N,
+                         const std::optional<Tensor>& b) {
   const GgufWeight g = gguf_weight(w);
   const int64_t K = x_in.size(-1);
   TORCH_CHECK(g.K == K && g.N == N, "GGUF weight [", g.N, ", ", g.K, "] does not match the input (",
@@ -281,6 +281,379 @@ Tensor gguf_linear(const Tensor& x_in, const Tensor& w, int64_t N,
   auto shape = x_in.sizes().vec();
   shape.back() = N;
   return y.view(shape);
+}
+
+
+// ---- the integer-dot path -------------------------------------------------------------------
+// The activations are quantized per block of 32 (each row of x on its own, like ggml's Q8
+// activations): amax = max|x|, d_x = amax / 127, x_q = round_half_even(x * (127 / amax)) in
+// [-127, 127] (all 0 and d_x = 0 for a block of zeros). Each weight block is read as
+// w = d_w[lane] * q + m_w with q int8 (Q8_0: q; Q4_0: nibble - 8; Q4_1: nibble, m_w = m; Q4_K:
+// nibble, d_w = d * sc, m_w = -dmin * mn per sub-block of 32; Q6_K: q6 - 32, d_w = d * sc per 16
+// weights), d_w per lane of 4 weights. Then
+//   y[m, n] = sum_b sum_lanes d_w * d_x * (exact int32 dot of the lane's 4 q and x_q)
+//           + sum_b m_w[b] * (d_x[b] * sum x_q[b])  (+ bias)
+// The int32 lane dots: VNNI (avx512 library on an avx512_vnni CPU) vpdpbusd of u8 (x_q + 128)
+// and s8 q, started from -128 * (the lane's q sum); AVX2 vpmaddubsw of |q| and x_q with q's sign
+// then vpmaddwd by 1. Both give the same integers; the float part is the same 8-lane code in
+// both (even blocks in one accumulator, odd ones in another, added, then summed 4 + 4, 2 + 2,
+// 1 + 1), so the two paths and both libraries give the same bits, and a row's output does not
+// depend on the batch it came in. Weight rows are unpacked 4 at a time into an L1 buffer (q,
+// d_w per lane, the VNNI correction, m_w) and run against up to 64 rows of x.
+// Paths (gguf_linear_path's `path`): 1 AVX2 int, 2 VNNI int, 3 float activations
+// (gguf_linear_float above), 0 the process default (gguf_set_path; at first the best int path).
+
+constexpr int64_t GQ_FLOAT = 3;
+
+bool gguf_vnni_supported() {
+#if defined(PD_ISA_AVX512)
+  static const bool ok = isa_supported() && __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+int64_t& gguf_default_path() {
+  static int64_t path = gguf_vnni_supported() ? 2 : 1;
+  return path;
+}
+
+int64_t gguf_resolve_path(int64_t path) {
+  if (path == 0) path = gguf_default_path();
+  TORCH_CHECK(path >= 1 && path <= 3, "GGUF GEMM path: 0 (default), 1 (avx2 integer dot), ",
+              "2 (vnni integer dot) or 3 (float activations), got ", path);
+  TORCH_CHECK(path != 2 || gguf_vnni_supported(),
+              "the VNNI GGUF path needs the avx512 library on a CPU with avx512_vnni");
+  return path;
+}
+
+// sets the path gguf_linear (and the decode loop) takes; returns the one in force
+int64_t gguf_set_path(int64_t path) {
+  if (path != 0) gguf_default_path() = gguf_resolve_path(path);
+  return gguf_default_path();
+}
+
+// the 8 lanes summed: 4 + 4, then pairs (the same order everywhere)
+inline float gq_hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_hadd_ps(h, h);
+  h = _mm_hadd_ps(h, h);
+  return _mm_cvtss_f32(h);
+}
+
+// sum_b a[b] * c[b] over n floats: 8 lanes, then the rest one at a time (no FMA for those:
+// -ffp-contract=off)
+inline float gq_dot(const float* a, const float* c, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(c + i), acc);
+  float s = gq_hsum8(acc);
+  for (; i < n; ++i) s += a[i] * c[i];
+  return s;
+}
+
+// x's rows quantized: q [M, K] (x_q, or x_q + 128 as bytes for VNNI), dl [M, K / 4] (d_x per
+// lane), sx [M, K / 32] (d_x * sum x_q per block)
+struct GqX {
+  int8_t* q;
+  float* dl;
+  float* sx;
+  int64_t K;
+};
+
+void gq_quantize(const float* x, int64_t M, int64_t K, bool u8, const GqX& o) {
+  const int64_t nb = K / 32;
+  at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + r * K + 32 * b;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(xb + 8 * i);
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float amax = _mm_cvtss_f32(h);
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+          qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));  // round half to even
+          sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        // int32 x 32 -> int8 x 32 in order (packs work within 128-bit halves: permute back)
+        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        if (u8) p8 = _mm256_xor_si256(p8, _mm256_set1_epi8(static_cast<char>(0x80)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q + r * K + 32 * b), p8);
+        _mm256_storeu_ps(o.dl + r * (K / 4) + 8 * b, _mm256_set1_ps(d));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        o.sx[r * nb + b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+      }
+    }
+  });
+}
+
+// up to 4 weight rows unpacked (row j at j * K, j * K / 4, j * nb)
+struct GqW {
+  int8_t* q;
+  float* dw;
+  int32_t* corr;
+  float* mw;
+  int64_t K;
+  bool has_min;
+};
+
+using GqRowsFn = void (*)(const GqX&, int64_t, const GqW&, int, float*);
+
+inline void gq_fill8(float* p, float v) { _mm256_storeu_ps(p, _mm256_set1_ps(v)); }
+inline void gq_store16(int8_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); }
+
+// one row's nb blocks (of its type) into q, dw, mw
+void gq_unpack(int64_t type, const uint8_t* s, int64_t K, int8_t* q, float* dw, float* mw) {
+  const int64_t nb = K / 32;
+  const __m128i eight = _mm_set1_epi8(8);
+  switch (type) {
+    case GGML_Q8_0:
+      for (int64_t b = 0; b < nb; ++b, s += 34) {
+        std::memcpy(q + 32 * b, s + 2, 32);
+        gq_fill8(dw + 8 * b, gguf_half(s));
+        mw[b] = 0.0f;
+      }
+      return;
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+      const bool one = type == GGML_Q4_1;
+      for (int64_t b = 0; b < nb; ++b, s += one ? 20 : 18) {
+        const __m128i n = load16(s + (one ? 4 : 2));
+        gq_store16(q + 32 * b, one ? lo4(n) : _mm_sub_epi8(lo4(n), eight));
+        gq_store16(q + 32 * b + 16, one ? hi4(n) : _mm_sub_epi8(hi4(n), eight));
+        gq_fill8(dw + 8 * b, gguf_half(s));
+        mw[b] = one ? gguf_half(s + 2) : 0.0f;
+      }
+      return;
+    }
+    case GGML_Q4_K:
+      for (int64_t b = 0; b < nb / 8; ++b, s += 144) {
+        const float d = gguf_half(s), dmin = gguf_half(s + 2);
+        const uint8_t* sc = s + 4;
+        for (int j = 0; j < 8; ++j) {
+          int scale, mn;
+          if (j < 4) {
+            scale = sc[j] & 63;
+            mn = sc[j + 4] & 63;
+          } else {
+            scale = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+            mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+          }
+          const int64_t at = 8 * b + j;
+          const uint8_t* qj = s + 16 + (j / 2) * 32;
+          for (int h = 0; h < 2; ++h) {
+            const __m128i n = load16(qj + 16 * h);
+            gq_store16(q + 32 * at + 16 * h, j % 2 ? hi4(n) : lo4(n));
+          }
+          gq_fill8(dw + 8 * at, d * static_cast<float>(scale));
+          mw[at] = -(dmin * static_cast<float>(mn));
+        }
+      }
+      return;
+    case GGML_Q6_K: {
+      const __m128i three = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
+      for (int64_t b = 0; b < nb / 8; ++b, s += 210) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(s + 192);
+        const float d = gguf_half(s + 208);
+        for (int h = 0; h < 2; ++h) {
+          for (int g = 0; g < 4; ++g) {
+            for (int u = 0; u < 2; ++u) {
+              const __m128i l = load16(s + h * 64 + (g % 2) * 32 + u * 16);
+              __m128i hq = load16(s + 128 + h * 32 + u * 16);
+              hq = _mm_and_si128(_mm_srl_epi16(hq, _mm_cvtsi32_si128(2 * g)), three);
+              const __m128i v = _mm_or_si128(g < 2 ? lo4(l) : hi4(l), _mm_slli_epi16(hq, 4));
+              const int64_t at = 256 * b + h * 128 + g * 32 + u * 16;
+              gq_store16(q + at, _mm_sub_epi8(v, off));
+              const __m128 ds = _mm_set1_ps(d * static_cast<float>(sc[(at % 256) / 16]));
+              _mm_storeu_ps(dw + at / 4, ds);
+            }
+          }
+        }
+        for (int j = 0; j < 8; ++j) mw[8 * b + j] = 0.0f;
+      }
+      return;
+    }
+    default:
+      TORCH_CHECK(false, "GGML type ", type, " has no packed kernel");
+  }
+}
+
+#if defined(PD_ISA_AVX512)
+#define GQ_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+// -128 * (the sum of each lane's 4 q): vpdpbusd's starting value
+GQ_VNNI void gq_corr_vnni(const int8_t* q, int64_t K, int32_t* corr) {
+  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, _mm512_loadu_si512(q + k));
+    _mm512_storeu_si512(corr + k / 4, _mm512_sub_epi32(_mm512_setzero_si512(), s));
+  }
+  if (k < K) {
+    const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm512_castsi512_si256(c128),
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(corr + k / 4),
+                        _mm256_sub_epi32(_mm256_setzero_si256(), s));
+  }
+}
+
+// MT rows of x (u8) against weight row j: out[m] = the scaled lane dots, summed
+template <int MT>
+GQ_VNNI void gq_rows_vnni(const GqX& x, int64_t m0, const GqW& w, int j, float* out) {
+  const int64_t K = w.K, K4 = K / 4, nb = K / 32;
+  const int8_t* q = w.q + j * K;
+  const float* dw = w.dw + j * K4;
+  const int32_t* corr = w.corr + j * K4;
+  __m512 acc[MT];
+  PD_UNROLL for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const __m512i wq = _mm512_loadu_si512(q + 32 * b), c = _mm512_loadu_si512(corr + 8 * b);
+    const __m512 s = _mm512_loadu_ps(dw + 8 * b);
+    PD_UNROLL for (int m = 0; m < MT; ++m) {
+      const int64_t r = m0 + m;
+      const __m512i p = _mm512_dpbusd_epi32(c, _mm512_loadu_si512(x.q + r * K + 32 * b), wq);
+      const __m512 sc = _mm512_mul_ps(s, _mm512_loadu_ps(x.dl + r * K4 + 8 * b));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[m]);
+    }
+  }
+  PD_UNROLL for (int m = 0; m < MT; ++m) {
+    const int64_t r = m0 + m;
+    __m256 lo = _mm512_castps512_ps256(acc[m]);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1));
+    if (b < nb) {  // an odd last block: an even one
+      const __m256i p = _mm256_dpbusd_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + 8 * b)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * K + 32 * b)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b)));
+      const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(dw + 8 * b), _mm256_loadu_ps(x.dl + r * K4 + 8 * b));
+      lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, lo);
+    }
+    out[m] = gq_hsum8(_mm256_add_ps(lo, hi));
+  }
+}
+const GqRowsFn GQ_VNNI_ROWS[4] = {gq_rows_vnni<1>, gq_rows_vnni<2>, gq_rows_vnni<3>,
+                                  gq_rows_vnni<4>};
+#endif
+
+// the same with AVX2 (x_q int8): even blocks in a0, odd ones in a1
+template <int MT>
+void gq_rows_avx2(const GqX& x, int64_t m0, const GqW& w, int j, float* out) {
+  const int64_t K = w.K, K4 = K / 4, nb = K / 32;
+  const int8_t* q = w.q + j * K;
+  const float* dw = w.dw + j * K4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 a[2][MT];
+  PD_UNROLL for (int m = 0; m < MT; ++m) a[0][m] = a[1][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+    const __m256i aw = _mm256_abs_epi8(wq);
+    const __m256 s = _mm256_loadu_ps(dw + 8 * b);
+    const int e = static_cast<int>(b & 1);
+    PD_UNROLL for (int m = 0; m < MT; ++m) {
+      const int64_t r = m0 + m;
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + r * K + 32 * b));
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wq)), ones);
+      const __m256 sc = _mm256_mul_ps(s, _mm256_loadu_ps(x.dl + r * K4 + 8 * b));
+      a[e][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, a[e][m]);
+    }
+  }
+  PD_UNROLL for (int m = 0; m < MT; ++m) out[m] = gq_hsum8(_mm256_add_ps(a[0][m], a[1][m]));
+}
+const GqRowsFn GQ_AVX2_ROWS[4] = {gq_rows_avx2<1>, gq_rows_avx2<2>, gq_rows_avx2<3>,
+                                  gq_rows_avx2<4>};
+
+Tensor gguf_linear_int(const Tensor& x_in, const GgufWeight& g, int64_t N,
+                       const std::optional<Tensor>& b, int64_t path) {
+  const int64_t K = g.K, K4 = K / 4, nb = K / 32;
+  Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  Tensor y = at::empty({M, N}, x.options());
+  Tensor bc;
+  const float* bp = nullptr;
+  if (b.has_value() && b->defined() && b->numel() > 0) {
+    bc = b->to(at::kFloat).contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xl(M * K4 + M * nb);
+  const GqX xs{xq.data(), xl.data(), xl.data() + M * K4, K};
+  gq_quantize(x.data_ptr<float>(), M, K, path == 2, xs);
+  const bool has_min = g.type == GGML_Q4_1 || g.type == GGML_Q4_K;
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += GGUF_ROW_BLOCK) {
+    const int64_t mb = std::min(GGUF_ROW_BLOCK, M - m0);
+    at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t q0, int64_t q1) {
+      std::vector<int8_t> wq(4 * K);
+      std::vector<float> wf(4 * K4 + 4 * nb);
+      std::vector<int32_t> corr(path == 2 ? 4 * K4 : 0);
+      const GqW w{wq.data(), wf.data(), corr.data(), wf.data() + 4 * K4, K, has_min};
+      float dots[4];
+      for (int64_t qq = q0; qq < q1; ++qq) {
+        const int64_t n = 4 * qq, nn = std::min<int64_t>(4, N - n);
+        for (int64_t j = 0; j < nn; ++j) {
+          gq_unpack(g.type, g.data + (n + j) * g.row_bytes, K, w.q + j * K, w.dw + j * K4,
+                    w.mw + j * nb);
+#if defined(PD_ISA_AVX512)
+          if (path == 2) gq_corr_vnni(w.q + j * K, K, w.corr + j * K4);
+#endif
+        }
+        for (int64_t m = m0; m < m0 + mb; m += 4) {
+          const int64_t mt = std::min<int64_t>(4, m0 + mb - m);
+          for (int j = 0; j < nn; ++j) {
+#if defined(PD_ISA_AVX512)
+            if (path == 2) {
+              GQ_VNNI_ROWS[mt - 1](xs, m, w, j, dots);
+            } else
+#endif
+              GQ_AVX2_ROWS[mt - 1](xs, m, w, j, dots);
+            for (int64_t i = 0; i < mt; ++i) {
+              float v = dots[i];
+              if (has_min) v += gq_dot(w.mw + j * nb, xs.sx + (m + i) * nb, nb);
+              if (bp) v += bp[n + j];
+              yp[(m + i) * N + n + j] = v;
+            }
+          }
+        }
+      }
+    });
+  }
+  if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
+  if (x_in.dim() == 2) return y;
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+// the GGUF GEMM on `path` (0: the process default)
+Tensor gguf_linear_path(const Tensor& x_in, const Tensor& w, int64_t N,
+                        const std::optional<Tensor>& b, int64_t path) {
+  path = gguf_resolve_path(path);
+  if (path == GQ_FLOAT) return gguf_linear_float(x_in, w, N, b);
+  const GgufWeight g = gguf_weight(w);
+  const int64_t K = x_in.size(-1);
+  TORCH_CHECK(g.K == K && g.N == N, "GGUF weight [", g.N, ", ", g.K, "] does not match the input (",
+              K, " features) and ", N, " outputs");
+  TORCH_CHECK(isa_supported(), "the GGUF integer dot needs AVX2 and FMA");
+  return gguf_linear_int(x_in, g, N, b, path);
+}
+
+Tensor gguf_linear(const Tensor& x_in, const Tensor& w, int64_t N,
+                   const std::optional<Tensor>& b) {
+  return gguf_linear_path(x_in, w, N, b, 0);
 }
 
 }  // namespace
