@@ -1,11 +1,13 @@
 """Request migration: a committed stream whose decode server dies, freezes or drains past its
 drain timeout goes on on another (P, D) pair, and its client sees no token missing or repeated.
 
-1. Which streams: `/generate`, `/v1/completions` and `/v1/chat/completions` with one prompt,
-   one choice and no logprobs (`migratable`). Their body asks D for `pd_stream_ids`: each SSE
-   event comes after a comment `: pd-ids 5,17` with the token ids it adds (SSE clients ignore
-   comments; the router strips them anyway, so the client's stream is the server's, byte for
-   byte). The router keeps the ids of the events it forwarded: what the client has.
+1. Which streams: `/generate`, `/v1/completions`, `/v1/chat/completions` and `/v1/responses`
+   with one prompt and one choice, logprobs or not (`migratable`; not a completions stream
+   with both echo and logprobs); several choices: migrate_many.py. What a later leg's events
+   need rewritten (native logprob lists, Responses' sequence numbers and ids) is
+   migrate_carry.py's. Their body asks D for `pd_stream_ids`: each SSE event comes after a
+   comment `: pd-ids 5,17` with the token ids it adds (SSE clients ignore comments; the
+   router strips them anyway, so the client's stream is the server's, byte for byte). The router keeps the ids of the events it forwarded: what the client has.
 2. When the stream breaks: the connection resets or ends before `[DONE]` (D's process died),
    D sends an error event of its own side (5xx, `draining`: its scheduler died, or the drain
    timeout aborted it), or nothing comes for --migration-stall-secs and D's /health gives no
@@ -23,7 +25,8 @@ drain timeout goes on on another (P, D) pair, and its client sees no token missi
    D N (GenerateReq.seed_skip) and the text is the undisturbed run's too. Unseeded sampling
    continues from a fresh random state (as any retry would).
 5. A stream moves at most --migration-max times; when no pair can take it (or the resume
-   fails otherwise) the client gets the error event it gets today, then `[DONE]`.
+   fails otherwise) the client gets the error event it gets today, then `[DONE]` (Responses:
+   its `error` and `response.failed` events).
 
 Metrics: `pdrouter_migrations_total{reason,outcome}`, `pdrouter_migration_resume_seconds`
 (break seen -> the resumed leg's first event forwarded).
@@ -39,14 +42,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
+from fastapi.responses import StreamingResponse
 
+from pdcore.router.migrate_carry import Carry, ResponsesCarry
 from pdcore.router.upstream import Deadline, DecodeLeg, UpstreamClients, record, worker_outcome
 from pdcore.router.workers import Worker
 
 log = logging.getLogger("pdcore.router.migrate")
 
 LEG_ONLY = "leg"  # the proxy's commit hands back the decode leg of a resume, not a response
-ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+ROUTES = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
 IDS_PREFIX = b": pd-ids "
 DONE = b"data: [DONE]"
 # an error event of D's own side (its scheduler died, a drain timed out): the request is fine
@@ -59,8 +64,10 @@ Resume = Callable[[list[int]], Awaitable["DecodeLeg | bytes"]]
 def migratable(route: str, body: dict[str, Any], n: int | None, stream: bool,
                logprobs: bool, max_moves: int) -> bool:
     """A stream of one output the router can move (module doc, point 1)."""
-    if not stream or logprobs or n is not None or max_moves <= 0 or route not in ROUTES:
+    if not stream or n is not None or max_moves <= 0 or route not in ROUTES:
         return False
+    if logprobs and route == "/v1/completions" and body.get("echo"):
+        return False  # its first chunk is P's prompt logprobs merged into D's echo chunk
     if body.get("pd_resume_ids") is not None:  # a client's own resume: passed on as it is
         return False
     return body.get("n", 1) in (1, None)
@@ -90,13 +97,28 @@ def _error_code(obj: Any) -> object:
     return err.get("code") if isinstance(err, dict) else None
 
 
+RESPONSES_END = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def _responses_event(obj: Any) -> tuple[bool, bool]:
+    """/v1/responses: (an error of the server's side, the stream's last event)."""
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    return kind == "error" and obj.get("code") == "server_error", kind in RESPONSES_END
+
+
 class StreamCursor:
     """What the client has of one stream: the ids of the events forwarded, whether the output
     finished and whether `[DONE]` went out. `feed` splits bytes into whole events, strips the
     id comments, and raises Broken at an error event of D's side (not forwarded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, responses: bool = False, n: int = 1) -> None:
+        self.responses = responses  # /v1/responses: its own end and error events, no [DONE]
         self.ids: list[int] = []
+        # n > 1 choices (migrate_many.py): each event is one choice's; its ids and whether
+        # it ended, by choice index; `finished` once every choice ended
+        self.n = n
+        self.by_index: dict[int, list[int]] = {}
+        self.ended: set[int] = set()
         self.finished = False
         self.done = False
         # an event came without its ids (a server that does not mark them: not pdserve's):
@@ -139,13 +161,32 @@ class StreamCursor:
                     continue
                 data = True
                 code = _error_code(obj)
-                if code is not None and code in MIGRATE_CODES and not self.finished:
+                ours, last = _responses_event(obj) if self.responses else (False, False)
+                if (ours or (code is not None and code in MIGRATE_CODES)) and not self.finished:
                     raise Broken("error_event", f"decode sent an error event: "
                                  f"{line[5:].strip()[:300].decode('utf-8', 'replace')}")
-                self.finished = self.finished or _finished(obj)
+                if self.n > 1:
+                    self._choice(obj, ids)
+                else:
+                    self.finished = self.finished or _finished(obj) or last
+                self.done = self.done or last
         self.ids.extend(ids)
         self.unmarked = self.unmarked or (data and not marked and not self.finished)
         return kept
+
+
+    def _choice(self, obj: Any, ids: list[int]) -> None:
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if not isinstance(choices, list) or len(choices) != 1 or \
+                not isinstance(choices[0], dict) or not isinstance(choices[0].get("index"), int):
+            if ids:  # ids of no one choice: this client's position is unknown
+                self.unmarked = True
+            return
+        idx = choices[0]["index"]
+        self.by_index.setdefault(idx, []).extend(ids)
+        if choices[0].get("finish_reason") is not None:
+            self.ended.add(idx)
+            self.finished = len(self.ended) >= self.n
 
 
 def error_event(message: str, code: str = "decode_stream_error") -> bytes:
@@ -200,7 +241,7 @@ class Migration:
     """One migratable stream: forwards its legs' events and moves it when a leg breaks."""
 
     def __init__(self, resume: Resume, prober: Prober, metrics: Any, deadline: Deadline,
-                 *, max_moves: int) -> None:
+                 *, max_moves: int, carry: Carry | None = None) -> None:
         self._resume = resume
         self._prober = prober
         self._metrics = metrics
@@ -208,59 +249,89 @@ class Migration:
         self._max_moves = max_moves
         self._stall_s = prober.stall_s
         self.leg: DecodeLeg | None = None
-        self.cursor = StreamCursor()
+        self.cursor = StreamCursor(responses=isinstance(carry, ResponsesCarry))
         self.moves = 0
+        self._carry = carry
 
     async def release(self) -> None:
         if self.leg is not None:
             await self.leg.release()
 
-    async def stream(self, leg: DecodeLeg) -> AsyncIterator[bytes]:
+    async def stream(self, leg: DecodeLeg | None, merger: Any = None, *,
+                     broke: tuple[str, str] = ("", "")) -> AsyncIterator[bytes]:
+        """The client's bytes; `merger` (merge.SSEMerger: P's prompt logprobs of the first leg)
+        rewrites every leg's events. No `leg`: the stream starts by moving (one choice of a
+        stream of several, migrate_many.py), `broke` says why (reason, message)."""
         self.leg = leg
         cur = self.cursor
         broke_at: float | None = None
+        reason, message = broke
         while True:
-            try:
-                async for chunk in self._chunks(self.leg):
-                    out = cur.feed(chunk)
-                    if out:
-                        if broke_at is not None:
-                            self._metrics.migration_resumed(time.monotonic() - broke_at)
-                            broke_at = None
-                        yield out
-                if cur.done:
-                    return
-                raise Broken("broken", f"decode stream from {self.leg.worker.url} ended "
-                             "before [DONE]")
-            except (httpx.HTTPError, Broken) as exc:
-                reason = exc.reason if isinstance(exc, Broken) else "broken"
-                message = f"decode stream from {self.leg.worker.url} broke: " + (
-                    str(exc) if isinstance(exc, Broken) else f"{type(exc).__name__}: {exc}")
-                if reason != "deadline":
-                    self._lost(self.leg, exc)
+            if self.leg is not None:
+                try:
+                    async for chunk in self._chunks(self.leg):
+                        out = cur.feed(chunk)
+                        if out and self._carry is not None:
+                            out = self._carry.feed(out)
+                        if out and merger is not None:
+                            out = merger.feed(out)
+                        if out:
+                            if broke_at is not None:
+                                self._metrics.migration_resumed(time.monotonic() - broke_at)
+                                broke_at = None
+                            yield out
+                    if cur.done:
+                        return
+                    raise Broken("broken", f"decode stream from {self.leg.worker.url} ended "
+                                 "before [DONE]")
+                except (httpx.HTTPError, Broken) as exc:
+                    reason = exc.reason if isinstance(exc, Broken) else "broken"
+                    message = f"decode stream from {self.leg.worker.url} broke: " + (
+                        str(exc) if isinstance(exc, Broken) else f"{type(exc).__name__}: {exc}")
+                    if reason != "deadline":
+                        self._lost(self.leg, exc)
             if cur.finished:  # the output is complete: only [DONE] (and usage) was missing
-                yield DONE + b"\n\n"
+                if not cur.responses:
+                    yield DONE + b"\n\n"
                 return
             if cur.unmarked or self.moves >= self._max_moves or self._deadline.left() <= 0:
                 self._metrics.migration(reason, "gave_up")
                 log.warning("%s; not moved (%d moves made)", message, self.moves)
-                yield error_event(message) + DONE + b"\n\n"
+                yield self._error(message)
                 return
             self.moves += 1
             broke_at = time.monotonic()
+            if self.leg is not None:
+                await self.leg.release()
+            split = self._split(reason, message)
+            if split is not None:  # several choices: each moves on its own
+                async for out in split:
+                    yield out
+                return
             log.warning("%s; moving the stream (%d tokens streamed, move %d)", message,
                         len(cur.ids), self.moves)
-            await self.leg.release()
             got = await self._resume(list(cur.ids))
             if not isinstance(got, DecodeLeg):
                 self._metrics.migration(reason, "failed")
                 log.warning("moving the stream failed: %s", got[:300].decode("utf-8", "replace"))
-                yield error_event(f"{message}; no server could take it over: "
-                                  f"{_message_of(got)}") + DONE + b"\n\n"
+                yield self._error(f"{message}; no server could take it over: "
+                                  f"{_message_of(got)}")
                 return
             self._metrics.migration(reason, "resumed")
             cur.reset()
+            if self._carry is not None:
+                self._carry.new_leg()
             self.leg = got
+
+    def _split(self, reason: str, message: str) -> AsyncIterator[bytes] | None:
+        """One output: it moves whole (migrate_many.py splits a stream of several)."""
+        return None
+
+    def _error(self, message: str) -> bytes:
+        """How a stream that cannot go on ends: the route's error event(s) (then `[DONE]`)."""
+        if isinstance(self._carry, ResponsesCarry):
+            return self._carry.failed(message)
+        return error_event(message) + DONE + b"\n\n"
 
     def _lost(self, leg: DecodeLeg, exc: BaseException) -> None:
         """The worker failed this stream: count it, and out of rotation until its /health is
@@ -301,6 +372,22 @@ class Migration:
                 yield chunk
         finally:
             await it.aclose()
+
+
+class LegResponse(StreamingResponse):
+    """Streaming response that gives the decode leg (or a Migration's legs) back however the
+    send ends."""
+
+    def __init__(self, content: AsyncIterator[bytes], leg: DecodeLeg | Migration,
+                 **kwargs: object) -> None:
+        super().__init__(content, **kwargs)  # type: ignore[arg-type]
+        self._leg = leg
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._leg.release()
 
 
 def _message_of(body: bytes) -> str:

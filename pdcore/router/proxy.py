@@ -34,11 +34,11 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdcore.edge import tracing
 from pdcore.errors import InvalidRequestError
@@ -58,7 +58,8 @@ from pdcore.router.merge import (
     wants_logprobs,
 )
 from pdcore.router.metrics import RouterMetrics, error_code
-from pdcore.router.migrate import LEG_ONLY, Migration, Prober, migratable
+from pdcore.router.migrate import LEG_ONLY, LegResponse, Migration, Prober
+from pdcore.router.migrate_many import mover
 from pdcore.router.policies import DPRanks, Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
@@ -184,21 +185,6 @@ def _start_prefill(
     return task
 
 
-class _LegResponse(StreamingResponse):
-    """Streaming response that gives the decode leg back however the send ends."""
-
-    def __init__(self, content: AsyncIterator[bytes], leg: DecodeLeg | Migration,
-                 **kwargs: object) -> None:
-        super().__init__(content, **kwargs)  # type: ignore[arg-type]
-        self._leg = leg
-
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._leg.release()
-
-
 class Proxy:
     def __init__(
         self,
@@ -276,10 +262,15 @@ class Proxy:
         headers.update(tracing.inject())  # traceparent: P's and D's spans join the router's
         loop = asyncio.get_running_loop()
         deadline = request_deadline(body, self._cfg.request_timeout_secs)
-        mig = None
-        if migratable(route, body, n, stream, logprobs, self._cfg.migration_max):
-            body = {**body, "pd_stream_ids": True}  # D marks each event's token ids
-            mig = self._migration(route, body, text, headers, deadline, request_id)
+        async def resume(sent: dict) -> DecodeLeg | bytes:  # a moved stream's next leg
+            gone = loop.create_future()  # the stream watches the client itself
+            out = await self._attempts(route, sent, None, True, False, text, headers=headers,
+                                       deadline=deadline, request_id=request_id, gone=gone,
+                                       migration=LEG_ONLY)
+            return out if isinstance(out, DecodeLeg) else bytes(out.body)
+        body, mig = mover(route, body, n, stream, logprobs, resume, prober=self._prober,
+                          metrics=self._metrics, deadline=deadline,
+                          max_moves=self._cfg.migration_max)
         gone = loop.create_task(_client_gone(request))
         try:
             return await self._attempts(route, body, n, stream, logprobs, text, headers=headers,
@@ -288,17 +279,6 @@ class Proxy:
         finally:  # a committed stream watches for the disconnect itself (one receiver only)
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
-
-    def _migration(self, route: str, body: dict, text: str, headers: dict[str, str],
-                   deadline: Deadline, request_id: str) -> Migration:
-        async def resume(ids: list[int]) -> DecodeLeg | bytes:  # a fresh pair from the ids on
-            gone = asyncio.get_running_loop().create_future()  # the stream watches the client
-            out = await self._attempts(route, {**body, "pd_resume_ids": ids}, None, True, False,
-                                       text, headers=headers, deadline=deadline,
-                                       request_id=request_id, gone=gone, migration=LEG_ONLY)
-            return out if isinstance(out, DecodeLeg) else bytes(out.body)
-        return Migration(resume, self._prober, self._metrics, deadline,
-                         max_moves=self._cfg.migration_max)
 
     async def _attempts(
         self, route: str, body: dict, n: int | None, stream: bool, logprobs: bool, text: str,
@@ -477,11 +457,11 @@ class Proxy:
                 return Response(merged, leg.status, media_type="application/json", headers=headers)
             return Response(leg.body, leg.status, media_type=leg.content_type, headers=headers)
         merger = (EchoSSEMerger if echo_stream else SSEMerger)(found) if found else None
-        if isinstance(migration, Migration):  # found is empty: no logprobs
-            return _LegResponse(migration.stream(leg), migration, status_code=leg.status,
+        if isinstance(migration, Migration):  # the first leg's merger serves every leg
+            return LegResponse(migration.stream(leg, merger), migration, status_code=leg.status,
                                 media_type=leg.content_type or "text/event-stream",
                                 headers=headers)
-        return _LegResponse(
+        return LegResponse(
             leg.stream(merger, deadline), leg, status_code=leg.status,
             media_type=leg.content_type or "text/event-stream", headers=headers,
         )

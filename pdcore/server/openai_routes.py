@@ -131,6 +131,8 @@ async def _stream(request: Request, engine: EngineHandle, plan: Plan, body: Any,
                     if resumed:
                         echoed.add(i)
                         sent_text[i] = a.resumed_visible
+                        # completions logprobs: text_offset runs on after the tokens sent
+                        lp_pos[i] += sum(len(text_of(t)) for t in a.out.output_ids[:a.resumed])
                         if shapers is not None:  # the shaper's state after the text so far
                             shapers[i].delta(a.out.text[:a.resumed_visible], False, None)
                 if echo_lp and i not in echoed:  # unified: the prompt's entries; PD decode: none

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdcore.edge.schemas import ResponsesRequest
 from pdcore.runtime import EngineHandle
 from pdcore.server.tools.chat_tools import ChoiceShaper, plan_output
-from pdcore.server.generation import SSE_HEADERS, run_items
+from pdcore.server.generation import SSE_HEADERS, ids_comment, run_items
 from pdcore.server.openai_plan import finish_of, plan_openai, usage
 from pdcore.server.openai_routes import chat_prompt, run_plan, shaped
 from pdcore.server.params import needs_text, request_guard
@@ -36,29 +36,46 @@ def _usage(plan: Plan, outs: list) -> dict:  # type: ignore[type-arg]
 
 
 async def _stream(request: Request, engine: EngineHandle, plan: Plan, builder: ResponseBuilder,
-                  shaper: ChoiceShaper, timeout: float | None) -> AsyncIterator[bytes]:
-    for b in builder.start():
-        yield b
+                  shaper: ChoiceShaper, body: ResponsesRequest) -> AsyncIterator[bytes]:
+    # a migrated stream (router/migrate.py): its client has the opening events and the text so
+    # far, which the builder takes in silently (the router maps its ids and sequence numbers
+    # onto the first leg's); `pd_stream_ids`: each event's new token ids in a comment before it
+    resumed = body.pd_resume_ids is not None
+    ids_sent: dict[int, int] | None = {} if body.pd_stream_ids else None
+    none = b"" if ids_sent is None else b": pd-ids \n"  # an event that adds no token
+
+    def marked(events: list[bytes], ids: bytes = b"") -> list[bytes]:
+        return [(ids if k == 0 and ids else none) + b for k, b in enumerate(events)]
+
+    if not resumed:
+        for b in marked(builder.start()):
+            yield b
     try:
         async with contextlib.aclosing(run_items(engine, plan.items, request.app.state.metrics,
-                                                 timeout)) as events:
+                                                 body.timeout)) as events:
             async for ev in events:
                 if ev.error is not None:
-                    for b in builder.failed(str(ev.error), ev.error.status):
+                    for b in marked(builder.failed(str(ev.error), ev.error.status)):
                         yield b
                     return
                 a = ev.asm
+                if resumed:
+                    resumed = False
+                    builder.delta(shaper.delta(a.out.text[:a.resumed_visible], False, None)[0])
                 text = a.out.text if ev.done else a.visible_text()
                 reason = finish_of(a)[0] if ev.done else None
                 fields, reason = (await shaped(shaper.delta, text, True, reason) if ev.done
                                   else shaper.delta(text, False, reason))
-                for b in builder.delta(fields):
-                    yield b
+                out = builder.delta(fields)
                 if ev.done:
-                    for b in builder.finish(_usage(plan, [a]), reason):
-                        yield b
+                    out += builder.finish(_usage(plan, [a]), reason)
+                if not out:  # held back (or nothing new): the next event carries these ids
+                    continue
+                ids = b"" if ids_sent is None else ids_comment(a, ids_sent, ev.index)
+                for b in marked(out, ids):
+                    yield b
     except Exception as e:  # noqa: BLE001 - headers are out already: report in-band
-        for b in builder.failed(f"internal error: {type(e).__name__}: {e}", 500):
+        for b in marked(builder.failed(f"internal error: {type(e).__name__}: {e}", 500)):
             yield b
 
 
@@ -78,7 +95,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     builder = ResponseBuilder(body, plan.rid.replace("resp-", "resp_", 1), plan.model)
     shaper = ChoiceShaper(reasoning, tools)
     if body.stream:
-        return StreamingResponse(_stream(request, engine, plan, builder, shaper, body.timeout),
+        return StreamingResponse(_stream(request, engine, plan, builder, shaper, body),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await run_plan(request, engine, plan, body.timeout)
     if isinstance(outs, Response):

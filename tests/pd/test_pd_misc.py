@@ -71,7 +71,7 @@ def test_profile_prefill_and_decode_separately(tiny_dir, tmp_path):
 
 FLAGS_2P2D = ("--max-total-tokens", "16384", "--page-size", "16", "--chunked-prefill-size", "256")
 # request migration (router/migrate.py): a silent stream's decode server is probed after 1 s
-MIGRATION_FLAGS = ("--migration-stall-secs", "1", "--health-check-timeout-secs", "1")
+MIGRATION_FLAGS = ("--migration-stall-secs", "1", "--health-check-timeout-secs", "3")
 
 
 @pytest.fixture(scope="module")
@@ -157,39 +157,89 @@ def _check_clean_stream(raw: bytes, events: list) -> None:
 
 def test_migration_sigstop_decode_mid_stream_chat(pd2x2):
     """A decode server frozen mid-stream (SIGSTOP): after --migration-stall-secs and a /health
-    probe with no answer the router resumes the chat stream on the other pair; the client gets
-    the undisturbed run's text, one role chunk, one finish, nothing repeated or missing."""
+    probe with no answer the router resumes the chat stream on the other pair. The stream has
+    two greedy choices with logprobs: each choice moves on its own and the client gets the
+    undisturbed run's text and tokens per choice, one role chunk and one finish each, one
+    usage chunk for both, nothing repeated or missing. A /v1/responses stream on the same
+    server moves too."""
     c = pd2x2
     body = {"messages": [{"role": "user", "content": "migrate me " * 20}], "stream": True,
-            "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+            "max_tokens": 200, "temperature": 0, "n": 2, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}
     _, ref = _stream(c.url, "/v1/chat/completions", body)
-    frozen = []
+    # a /v1/responses stream on the same decode server moves with it (round robin: it goes
+    # first, a short request to the other server, then the chat stream)
+    resp_body = {"input": "a response that moves " * 10, "stream": True, "temperature": 0,
+                 "max_output_tokens": 600, "ignore_eos": True}
+    _, resp_ref = _stream(c.url, "/v1/responses", resp_body)
+    frozen, resp_out, streaming = [], [], threading.Event()
 
     def freeze() -> None:
         frozen.append(_freeze_serving_decode(c))
 
+    t = threading.Thread(target=lambda: resp_out.append(_stream(
+        c.url, "/v1/responses", resp_body, at_event=3, fault=streaming.set)))
+    t.start()
+    assert streaming.wait(60), "the responses stream did not start"
+    assert httpx.post(c.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {
+        "max_new_tokens": 1}}, timeout=60).status_code == 200  # to the other decode server
     before = _migrations(c, "stalled")
     try:
-        raw, got = _stream(c.url, "/v1/chat/completions", body, at_event=2, fault=freeze)
+        raw, got = _stream(c.url, "/v1/chat/completions", body, at_event=3, fault=freeze)
+        t.join(120)
     finally:
         for d in frozen:
             os.killpg(d.proc.pid, signal.SIGCONT)
     assert frozen, "the stream ended before the fault"
     _check_clean_stream(raw, got)
+    _check_moved_responses(resp_out, resp_ref)
+
+    def choices(events: list, i: int) -> list:
+        return [ch for e in events[:-1] for ch in e["choices"] if ch["index"] == i]
+
+    for i in (0, 1):
+        mine, theirs = choices(got, i), choices(ref, i)
+        assert "".join(ch["delta"].get("content") or "" for ch in mine) == "".join(
+            ch["delta"].get("content") or "" for ch in theirs), i
+        # logprobs: each chunk carries its own tokens' (a resumed leg's from its first token)
+        lps = [[lp for ch in chs for lp in (ch["logprobs"] or {}).get("content") or []]
+               for chs in (mine, theirs)]
+        assert [lp["token"] for lp in lps[0]] == [lp["token"] for lp in lps[1]]
+        assert len(lps[0]) == 200 and all(len(lp["top_logprobs"]) == 2 for lp in lps[0])
+        assert all(abs(x["logprob"] - y["logprob"]) < 1e-2 for x, y in zip(*lps, strict=True))
+        assert sum("role" in ch["delta"] for ch in mine) == 1
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == ["length"]
+    usage = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ
+    assert sum(bool(e.get("usage")) for e in got[:-1]) == 1 and got[-2]["usage"]
+    assert [got[-2]["usage"][k] for k in usage] == [ref[-2]["usage"][k] for k in usage]
+    assert got[-2]["usage"]["completion_tokens"] == 400
+    assert _migrations(c, "stalled") >= before + 3  # the responses stream, each choice
+    c.wait_pages_free(60)  # the thawed server saw its client go and freed the request
+
+
+def _check_moved_responses(out: list, ref: list) -> None:
+    """A moved /v1/responses stream reads as one: sequence numbers 0, 1, ... with no gap, one
+    response id and created_at, item ids kept, the undisturbed text in the deltas and in the
+    final response object, which is the undisturbed one but for the ids."""
+    assert out, "the responses stream did not end"
+    raw, got = out[0]
+    assert b"pd-ids" not in raw and b"event: error" not in raw and b"[DONE]" not in raw, \
+        raw[-2000:]
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    kinds = [e["type"] for e in got]
+    assert kinds.count("response.created") == 1 and kinds[-1] == "response.incomplete", kinds
+    assert kinds.count("response.output_item.added") == 1, kinds  # the message, once
 
     def text(events: list) -> str:
-        return "".join(c["delta"].get("content") or "" for e in events[:-1]
-                       for c in e["choices"])
+        return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
 
     assert text(got) == text(ref) and text(ref)
-    roles = [e for e in got[:-1] for ch in e["choices"] if "role" in ch["delta"]]
-    finishes = [ch for e in got[:-1] for ch in e["choices"] if ch["finish_reason"]]
-    assert len(roles) == 1 and len(finishes) == 1 and finishes[0]["finish_reason"] == "length"
-    usage = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ
-    assert [got[-2]["usage"][k] for k in usage] == [ref[-2]["usage"][k] for k in usage]
-    assert _migrations(c, "stalled") == before + 1
-    c.wait_pages_free(60)  # the thawed server saw its client go and freed the request
+    first, last = got[0]["response"], got[-1]["response"]
+    assert (last["id"], last["created_at"]) == (first["id"], first["created_at"])
+    item_ids = {e["item_id"] for e in got if "item_id" in e}
+    assert item_ids == {last["output"][0]["id"]}, item_ids
+    assert last["output"][0]["content"][0]["text"] == text(ref)
+    assert last["usage"]["output_tokens"] == ref[-1]["response"]["usage"]["output_tokens"]
 
 
 def test_frozen_decode_before_the_answer_is_retried_whole(pd2x2):
@@ -251,17 +301,42 @@ def test_resume_protocol_continues_the_output(pd2x2, sampling):
 def test_migration_kill_decode_mid_stream_generate(pd2x2):
     """kill -9 of the decode server mid-stream: the connection breaks, the router resumes the
     /generate stream (prompt + streamed ids through a prefill) on the survivor; cumulative ids
-    run on with none repeated or missing and end as the undisturbed run's; no page leaked on
-    the survivors. (Runs last: the killed server stays down.)"""
+    run on with none repeated or missing and end as the undisturbed run's; a request not
+    streamed that was decoding on the same server is run again whole on the survivor (its
+    client had nothing yet) and gets the whole answer; no page leaked on the survivors.
+    (Runs last: the killed server stays down.)"""
     c = pd2x2
     _wait_rotation(c)
-    body = {"input_ids": list(range(5, 60)), "stream": True,
+    body = {"input_ids": list(range(5, 60)), "stream": True, "return_logprob": True,
+            "top_logprobs_num": 2,
             "sampling_params": {"max_new_tokens": 160, "temperature": 0, "ignore_eos": True}}
     _, ref = _stream(c.url, "/generate", body)
-    before = _migrations(c, "broken")
+    before = _migrations(c, "broken") + _migrations(c, "stalled")
+    # a request not streamed on the same decode server (round robin: it goes first, a short
+    # one to the other server, then the stream): its whole answer comes from the survivor
+    whole = {"input_ids": list(range(3, 40)),
+             "sampling_params": {"max_new_tokens": 700, "temperature": 0, "ignore_eos": True}}
+    whole_ref = httpx.post(c.url + "/generate", json=whole, timeout=120).json()
+    assert httpx.post(c.url + "/generate", json=body | {"stream": False},
+                      timeout=120).status_code == 200  # round robin: whole goes where this did not
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(
+        httpx.post(c.url + "/generate", json=whole, timeout=120)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not any(w["worker_type"] == "decode" and w["in_flight"]
+                  for w in httpx.get(c.url + "/workers", timeout=5).json()["workers"]):
+        assert time.monotonic() < deadline and not out, "the whole request was not caught"
+        time.sleep(0.02)
+    spacer = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+    assert httpx.post(c.url + "/generate", json=spacer, timeout=60).status_code == 200
 
     raw, got = _stream(c.url, "/generate", body, at_event=1,
                        fault=lambda: _freeze_serving_decode(c).kill())
+    t.join(120)
+    assert out and out[0].status_code == 200, out and out[0].text
+    assert out[0].json()["output_ids"] == whole_ref["output_ids"]
+    assert out[0].json()["meta_info"]["completion_tokens"] == 700
     _check_clean_stream(raw, got)
     counts = [len(e["output_ids"]) for e in got[:-1]]
     assert counts == sorted(set(counts)), counts  # each event adds tokens, none repeated
@@ -269,7 +344,18 @@ def test_migration_kill_decode_mid_stream_generate(pd2x2):
     assert got[-2]["text"] == ref[-2]["text"]
     assert got[-2]["meta_info"]["completion_tokens"] == 160
     assert got[-2]["meta_info"]["prompt_tokens"] == 55
-    assert _migrations(c, "broken") == before + 1
+    # logprobs run from the first output token in every event, the resumed leg's too: the
+    # prompt's (P's, of the first leg) and the output's, each token with its 2 top entries
+    meta, ref_meta = got[-2]["meta_info"], ref[-2]["meta_info"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == got[-2]["output_ids"]
+    assert len(meta["output_top_logprobs"]) == 160 and all(
+        len(t) == 2 for t in meta["output_top_logprobs"])
+    assert all(abs(x[0] - y[0]) < 1e-2 for x, y in zip(
+        meta["output_token_logprobs"], ref_meta["output_token_logprobs"], strict=True))
+    assert meta["input_token_logprobs"] == ref_meta["input_token_logprobs"]
+    # broken (the reset), or stalled when the frozen-then-killed server's silence was seen
+    # first (a loaded machine)
+    assert _migrations(c, "broken") + _migrations(c, "stalled") == before + 1
     assert sum(d.alive() for d in c.decodes) == 1
     c.wait_pages_free(30)
     # the last decode server killed too: no pair can take the stream, which ends as it did
