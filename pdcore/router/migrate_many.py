@@ -5,8 +5,8 @@
    choice, so the cursor keeps the ids (and whether it ended) per choice index.
 2. When that leg breaks, every choice that has not ended resumes as a request of its own:
    the same body with `n` 1, `pd_resume_ids` the choice's ids, and `seed` + the choice's index
-   when seeded (a server gives choice j the seed + j: so the resumed choice draws what it
-   would have). Each such leg is a Migration of its own (it may move again, within
+   when seeded (a server gives choice j the seed + j; a seeded choice other than 0 does not
+   draw exactly what it would have: docs/migration.md). Each such leg is a Migration of its own (it may move again, within
    --migration-max moves in all for that choice).
 3. Their chunks reach the client as they come, with index 0 set back to the choice's index;
    their own `[DONE]` and usage chunks are held back. When every choice is done: one usage
