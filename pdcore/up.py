@@ -46,7 +46,7 @@ from pdcore.config import (
     admin_api_key,
     cluster_secret,
 )
-from pdcore.edge.connections import check_port_free
+from pdcore.edge.ports import check_port_free
 from pdcore.env import ENV, child_environ
 from pdcore.env import check as check_env
 from pdcore.errors import ConfigError

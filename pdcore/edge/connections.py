@@ -65,9 +65,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import resource
-import socket
 import time
 from collections import Counter, deque
 from typing import Any
@@ -76,7 +74,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdcore.edge.guarded_http import guarded_protocol
 from pdcore.env import ENV, Env
-from pdcore.errors import ConfigError
 
 log = logging.getLogger("pdcore.connections")
 
@@ -405,40 +402,3 @@ def install(app: Any, registry: Any | None = None) -> tuple[PortGate, type]:
     for name in ("asyncio", "uvicorn.error"):
         logging.getLogger(name).addFilter(quiet)
     return gate, guarded_protocol(gate)
-
-
-def tls_settings(certfile: str | None, keyfile: str | None, cert_flag: str,
-                 key_flag: str) -> dict[str, str]:
-    """uvicorn's HTTPS settings for a port (servers: --ssl-certfile/--ssl-keyfile; router:
-    --tls-cert-path/--tls-key-path), checked now: the pair loads as a certificate chain and
-    its key, else ConfigError naming the flags. {} without them (plain HTTP)."""
-    import ssl
-
-    if not certfile and not keyfile:
-        return {}
-    if not certfile or not keyfile:
-        raise ConfigError(f"HTTPS needs both {cert_flag} and {key_flag} (PEM files)")
-    for path, flag in ((certfile, cert_flag), (keyfile, key_flag)):
-        if not os.path.isfile(os.path.expanduser(path)):
-            raise ConfigError(f"{flag} {path}: no such file")
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            os.path.expanduser(certfile), os.path.expanduser(keyfile))
-    except (ssl.SSLError, OSError) as e:
-        raise ConfigError(f"{cert_flag} {certfile} with {key_flag} {keyfile}: not a PEM "
-                          f"certificate chain and its private key ({e})") from None
-    return {"ssl_certfile": os.path.expanduser(certfile),
-            "ssl_keyfile": os.path.expanduser(keyfile)}
-
-
-def check_port_free(host: str, port: int, flag: str = "--port") -> None:
-    """A busy port is exit 2 naming its flag before anything starts (uvicorn's own bind error
-    came after the start-up, with exit 3). Shared by the servers' preflight and the router."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror}); "
-                              f"pick another {flag}") from None

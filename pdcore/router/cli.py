@@ -18,7 +18,7 @@ from dataclasses import MISSING, fields
 import typer
 
 from pdcore.env import check as check_env
-from pdcore.edge.connections import check_port_free
+from pdcore.edge.ports import check_port_free
 from pdcore.errors import ConfigError
 from pdcore.router.config import RouterConfig
 from pdcore.router.discovery import SELECTOR_FLAGS, load_cluster_config, parse_selector
@@ -199,10 +199,10 @@ def run_router(config: RouterConfig) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from pdcore.edge import connections
+    from pdcore.edge import connections, ports
 
-    tls = connections.tls_settings(config.tls_cert_path, config.tls_key_path,
-                                   "--tls-cert-path", "--tls-key-path")
+    tls = ports.tls_settings(config.tls_cert_path, config.tls_key_path,
+                             "--tls-cert-path", "--tls-key-path")
     app = create_app(config)
     # header / body deadlines, a connection limit that evicts the slowest first, quiet logs
     _, protocol = connections.install(app, app.state.router.metrics.registry)

@@ -334,7 +334,7 @@ def check_tls_and_modes(config: RouterConfig) -> None:
         check_available()
     if bool(config.client_cert_path) != bool(config.client_key_path):
         raise ConfigError("mTLS needs both --client-cert-path and --client-key-path")
-    from pdcore.edge.connections import tls_settings
+    from pdcore.edge.ports import tls_settings
 
     tls_settings(config.tls_cert_path, config.tls_key_path, "--tls-cert-path", "--tls-key-path")
     config.upstream_ssl()

@@ -108,11 +108,11 @@ def run_server(args: ServerArgs, **app_kwargs: Any) -> int:
         return run_node(args)
     import uvicorn
 
-    from pdcore.edge import connections
+    from pdcore.edge import connections, ports
     from pdcore.server.app import create_app
 
     configure_logging(args.log_level)
-    tls = connections.tls_settings(args.ssl_certfile, args.ssl_keyfile, "--ssl-certfile",
+    tls = ports.tls_settings(args.ssl_certfile, args.ssl_keyfile, "--ssl-certfile",
                                    "--ssl-keyfile")
     sock = bind_socket(args.host, args.port)
     url = url_of(args.host, args.port, "https" if tls else "http")

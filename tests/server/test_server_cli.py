@@ -120,6 +120,25 @@ def test_real_process_exit_codes(module):
         assert needle in p.stderr
 
 
+HEAVY = ("fastapi", "uvicorn", "transformers", "torch")  # typer itself imports pydantic
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--nope"], ["router", "--nope"],
+                                  ["up", "--help"]])
+def test_command_line_parsing_imports_no_http_stack(argv):
+    """Parsing a command line (a refused flag, --help) imports neither the HTTP stack nor the
+    model libraries: `pdserve serve --nope` spent ~0.4 of its ~0.8 CPU-seconds importing
+    FastAPI through the router's command before saying what was wrong."""
+    code = ("import atexit, sys\n"
+            f"atexit.register(lambda: print([m for m in {HEAVY!r} if m in sys.modules]))\n"
+            f"sys.argv = ['pdserve', *{argv!r}]\n"
+            "from pdcore.cli import main\nmain()")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert p.returncode == (0 if "--help" in argv else 2), p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]", (p.stdout[-500:], p.stderr[-2000:])
+
+
 def test_missing_model_exits_2(tmp_path):
     code, out = serve("--model-path", str(tmp_path / "missing"))
     assert code == 2 and "does not exist" in out, out

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from pdcore.config import DisaggEnv, ServerArgs
 from pdcore.env import environ
-from pdcore.edge.connections import check_port_free
+from pdcore.edge.ports import check_port_free
 from pdcore.errors import ConfigError, PluginError
 from pdcore.plugins.default_backend import FALLBACK_BACKEND, resolve_transfer_backend
 
@@ -54,7 +54,7 @@ def _entry(kind: str, name: str):  # type: ignore[no-untyped-def]
 
 
 def _check_files(args: ServerArgs) -> None:
-    from pdcore.edge.connections import tls_settings
+    from pdcore.edge.ports import tls_settings
 
     tls_settings(args.ssl_certfile, args.ssl_keyfile, "--ssl-certfile", "--ssl-keyfile")
     if args.chat_template:
