@@ -193,7 +193,13 @@ def test_health_fast_during_2000_token_prefill(real_server, pages):
     during = [(a, b) for a, b in latencies if sent <= a and b <= last]
     assert len(during) >= 3, f"prefill too short to measure ({last - sent:.3f}s)"
     worst = max(b - a for a, b in during)
-    assert worst < 0.2, f"/health took {worst * 1000:.0f} ms during prefill"
+    # /health must not wait behind a prefill chunk: a probe queued behind the engine would
+    # take up to one prompt's prefill. The bound is half of one prompt's mean prefill time
+    # (at least 200 ms), so it scales with the machine's load instead of failing at load 20
+    # (412 ms seen there, while each 2000-token prefill took seconds).
+    bound = max(0.2, (last - sent) / len(prompts) / 2)
+    assert worst < bound, (f"/health took {worst * 1000:.0f} ms during prefill "
+                           f"(bound {bound * 1000:.0f} ms)")
 
 
 def test_stream_disconnect_frees_pages(real_server, pages):
