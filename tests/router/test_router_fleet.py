@@ -163,13 +163,15 @@ def test_a_client_side_list_leaves_a_router_that_is_down_or_frozen(fleet) -> Non
     frozen.bind(("127.0.0.1", 0))
     frozen.listen(8)  # never accepts: connects complete, no byte ever comes
     stuck, down = f"http://127.0.0.1:{frozen.getsockname()[1]}", f"http://127.0.0.1:{ports[2]}"
+    # stall_s bounds a wait for the next bytes; a non-streamed answer sends none until it is
+    # done, so 2 s (not 0.5) keeps a healthy but loaded router from counting as frozen
     try:
         with httpx.Client(headers={"authorization": f"Bearer {API}"}) as http:
             for stream in (False, True):
-                got = RouterList([down, stuck, a.url], timeout=10, stall_s=0.5).generate(
+                got = RouterList([down, stuck, a.url], timeout=10, stall_s=2.0).generate(
                     http, {**BODY, "stream": stream})
                 assert (got.status, got.router, got.fell_over) == (200, a.url, 2), got
-            none = RouterList([down, stuck], timeout=10, stall_s=0.5).generate(http, BODY)
+            none = RouterList([down, stuck], timeout=10, stall_s=2.0).generate(http, BODY)
             assert none.status == "hung" and none.router == "" and none.fell_over == 2, none
             bad = RouterList([a.url, down]).generate(http, {"text": 1})
             assert bad.status == 400 and bad.router == a.url and bad.fell_over == 0, bad
