@@ -72,7 +72,8 @@ class LlamaServer:
         self.proc = subprocess.Popen(
             [python, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
              "--port", str(self.port), "--n_threads", str(threads),
-             "--n_threads_batch", str(threads), "--n_ctx", str(ctx), "--verbose", "False"],
+             "--n_threads_batch", str(threads), "--n_ctx", str(ctx), "--verbose", "False",
+             "--interrupt_requests", "False"],  # else a new request cancels the streaming one
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout: float = 300.0) -> LlamaServer:
@@ -153,6 +154,7 @@ def one(url: str, prompts: list[str], new: int, conc: int, extra: dict[str, Any]
             for r in ok if r["tokens"] > 1 and len(r["times"]) > 1]
     toks = sum(r["tokens"] for r in ok)
     return {"errors": [r["error"] for r in res if r.get("error")][:3], "output_tokens": toks,
+            "expected_tokens": len(prompts) * new,
             "wall_s": wall, "tokens_per_s": toks / wall,
             "tpot_ms": 1e3 * statistics.median(tpot) if tpot else None,
             "ttft_ms": 1e3 * statistics.median([r["ttft"] for r in ok if r["ttft"]])
