@@ -42,8 +42,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
-from fastapi.responses import StreamingResponse
 
+from pdcore.edge.streams import ClosingStreamingResponse, finish
 from pdcore.router.migrate_carry import Carry, ResponsesCarry
 from pdcore.router.upstream import Deadline, DecodeLeg, UpstreamClients, record, worker_outcome
 from pdcore.router.workers import Worker
@@ -349,34 +349,37 @@ class Migration:
     async def _chunks(self, leg: DecodeLeg) -> AsyncIterator[bytes]:
         """The leg's bytes; Broken when it stalls and its server does not answer /health."""
         it = leg.raw()
+        nxt: asyncio.Future[bytes] | None = None
         try:
             while True:
                 nxt = asyncio.ensure_future(anext(it, b""))  # type: ignore[arg-type]
-                try:
-                    while True:
-                        done, _ = await asyncio.wait({nxt}, timeout=self._stall_s)
-                        if done:
-                            break
-                        if self._deadline.left() <= 0:
-                            raise Broken("deadline", "request deadline passed while streaming")
-                        if not await self._prober.alive(leg.worker):
-                            raise Broken("stalled", f"no byte for {self._stall_s:g} s and no "
-                                         f"/health answer within {self._prober.probe_s:g} s")
-                finally:
-                    if not nxt.done():
-                        nxt.cancel()
-                        await asyncio.gather(nxt, return_exceptions=True)
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=self._stall_s)
+                    if done:
+                        break
+                    if self._deadline.left() <= 0:
+                        raise Broken("deadline", "request deadline passed while streaming")
+                    if not await self._prober.alive(leg.worker):
+                        raise Broken("stalled", f"no byte for {self._stall_s:g} s and no "
+                                     f"/health answer within {self._prober.probe_s:g} s")
                 chunk = nxt.result()
                 if not chunk:
                     return
                 yield chunk
-        finally:
-            await it.aclose()
+        finally:  # the read stopped first, then the generator closed (not while it runs)
+            await finish(_stop_reading(nxt, it))
 
 
-class LegResponse(StreamingResponse):
-    """Streaming response that gives the decode leg (or a Migration's legs) back however the
-    send ends."""
+async def _stop_reading(nxt: asyncio.Future[bytes] | None, it: AsyncIterator[bytes]) -> None:
+    if nxt is not None and not nxt.done():
+        nxt.cancel()
+        await asyncio.gather(nxt, return_exceptions=True)
+    await it.aclose()  # type: ignore[attr-defined]
+
+
+class LegResponse(ClosingStreamingResponse):
+    """Streaming response that closes its stream and gives the decode leg (or a Migration's
+    legs) back however the send ends."""
 
     def __init__(self, content: AsyncIterator[bytes], leg: DecodeLeg | Migration,
                  **kwargs: object) -> None:
@@ -387,7 +390,7 @@ class LegResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._leg.release()
+            await finish(self._leg.release())
 
 
 def _message_of(body: bytes) -> str:

@@ -36,11 +36,13 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdcore.edge import tracing
+from pdcore.edge.streams import finish
 from pdcore.errors import InvalidRequestError
 from pdcore.messages.codes import ErrorCode, code_of
 from pdcore.route_refusal import DECODE_REFUSED
@@ -89,6 +91,14 @@ async def _client_gone(request: Request) -> None:
     waiting on receive())."""
     while (await request.receive()).get("type") != "http.disconnect":
         pass
+
+
+async def _drop_legs(p_task: asyncio.Task[Any], d_task: asyncio.Task[Any], leg: DecodeLeg) -> None:
+    """An uncommitted attempt's end: both calls cancelled, the decode connection closed."""
+    for task in (p_task, d_task):
+        task.cancel()
+    await asyncio.gather(p_task, d_task, return_exceptions=True)
+    await leg.release()
 
 
 @dataclass
@@ -419,11 +429,8 @@ class Proxy:
             committed = True
         finally:
             frozen.cancel()
-            if not committed:
-                for task in (p_task, d_task):
-                    task.cancel()
-                await asyncio.gather(p_task, d_task, return_exceptions=True)
-                await leg.release()
+            if not committed:  # to its end even under a cancel (a resume inside a stream)
+                await finish(_drop_legs(p_task, d_task, leg))
         return await self._commit(p_task, leg, stream, logprobs, deadline, request_id, echo=echo,
                                   migration=migration)
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from pdcore.edge.streams import finish
 from pdcore.errors import ERROR_ORIGIN_HEADER
 from pdcore.messages.codes import DRAINING_HEADER
 from pdcore.route_auth import SERVER_ID_HEADER
@@ -322,10 +323,15 @@ class DecodeLeg:
             yield b"data: " + json.dumps(event).encode() + b"\n\n"
 
     async def release(self) -> None:
+        """Give back the in-flight count and close the connection; the close runs to its end
+        even when the caller is being cancelled (edge/streams.py says why)."""
         if self._released:
             return
         self._released = True
         self.worker.in_flight -= 1
+        await finish(self._close())
+
+    async def _close(self) -> None:
         if self._next is not None and not self._next.done():
             self._next.cancel()
             await asyncio.gather(self._next, return_exceptions=True)

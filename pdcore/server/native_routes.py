@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdcore.constrained.spec import spec_from_fields
 from pdcore.edge.schemas import GenerateRequest, SamplingParamsIn
+from pdcore.edge.streams import ClosingStreamingResponse
 from pdcore.runtime import EngineError, EngineHandle
 from pdcore.server import logprobs as lpfmt
 from pdcore.server.generation import (
@@ -151,7 +152,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     engine.require_ready()
     plan = planner.plan(generate_input(body, engine), engine, await request_guard(request))
     if body.stream:
-        return StreamingResponse(_stream(engine, plan, body, request, start),
+        return ClosingStreamingResponse(_stream(engine, plan, body, request, start),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         done = await unless_disconnected(

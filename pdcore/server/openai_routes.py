@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdcore.constrained.spec import load_client_json
 from pdcore.edge.schemas import ChatCompletionRequest, CompletionRequest
+from pdcore.edge.streams import ClosingStreamingResponse
 from pdcore.errors import InvalidRequestError
 from pdcore.runtime import EngineError, EngineHandle
 from pdcore.server import logprobs as lpfmt
@@ -212,7 +213,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                         want_logprobs=want, top=body.logprobs or 0, echo=body.echo,
                         id_prefix="cmpl", guard=await request_guard(request))
     if body.stream:
-        return StreamingResponse(_stream(request, engine, plan, body, chat=False),
+        return ClosingStreamingResponse(_stream(request, engine, plan, body, chat=False),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await run_plan(request, engine, plan, body.timeout)
     if isinstance(outs, Response):
@@ -359,7 +360,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     shapers = {it.index: ChoiceShaper(reasoning, tools) for it in plan.items} \
         if (tools and tools.parser) or reasoning else None
     if body.stream:
-        return StreamingResponse(_stream(request, engine, plan, body, chat=True, shapers=shapers),
+        return ClosingStreamingResponse(_stream(request, engine, plan, body, chat=True, shapers=shapers),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await run_plan(request, engine, plan, body.timeout)
     if isinstance(outs, Response):

@@ -14,9 +14,10 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdcore.edge.schemas import ResponsesRequest
+from pdcore.edge.streams import ClosingStreamingResponse
 from pdcore.runtime import EngineHandle
 from pdcore.server.tools.chat_tools import ChoiceShaper, plan_output
 from pdcore.server.generation import SSE_HEADERS, ids_comment, run_items
@@ -95,7 +96,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     builder = ResponseBuilder(body, plan.rid.replace("resp-", "resp_", 1), plan.model)
     shaper = ChoiceShaper(reasoning, tools)
     if body.stream:
-        return StreamingResponse(_stream(request, engine, plan, builder, shaper, body),
+        return ClosingStreamingResponse(_stream(request, engine, plan, builder, shaper, body),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     outs = await run_plan(request, engine, plan, body.timeout)
     if isinstance(outs, Response):

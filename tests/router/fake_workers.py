@@ -41,7 +41,7 @@ class ServerThread:
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
         )
 
-    def start(self, timeout: float = 10.0) -> ServerThread:
+    def start(self, timeout: float = 30.0) -> ServerThread:  # liveness: loaded CI hosts
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
