@@ -208,6 +208,98 @@ def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
             o.decode_attention_paged(q, kp, vp, table, None, 0.125)
 
 
+def _causal_reference(q, kf, vf, slots, scale):
+    """float64 causal attention of q [n, H, D], the last n positions of the context `slots`
+    of kf / vf [S, KVH, D] (already widened to float)."""
+    n, h, ctx, kvh = q.shape[0], q.shape[1], slots.numel(), kf.shape[1]
+    k = kf.double()[slots].transpose(0, 1).repeat_interleave(h // kvh, 0)
+    v = vf.double()[slots].transpose(0, 1).repeat_interleave(h // kvh, 0)
+    mask = torch.arange(ctx)[None] <= torch.arange(ctx - n, ctx)[:, None]
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k, v, attn_mask=mask,
+                                          scale=scale).transpose(0, 1)
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_prefill_attention_matches_float64(pool: torch.dtype) -> None:
+    """The causal prefill kernel over a paged pool (scattered slots, read in place): whole
+    prompts and chunks after a prefix, odd lengths, 1 to 8 query heads per KV head, head_dim
+    32 to 128, queries strided as the qkv pack hands them over; within 1e-4 of float64 (relative
+    to the output's scale), the pool's values widened as the Python path widens them."""
+    o = _panels()
+    g = torch.Generator().manual_seed(47)
+    scales = (0.5, 2.0) if pool == torch.float8_e4m3fn else (1.0, 1.0)
+    for kvh, groups, d, n, ctx in ((3, 3, 64, 2, 2), (3, 3, 64, 37, 37), (3, 3, 64, 100, 357),
+                                   (2, 1, 32, 65, 65), (1, 8, 128, 70, 200),
+                                   (2, 4, 64, 129, 300), (2, 2, 16, 40, 90),
+                                   (3, 3, 64, 515, 1027)):
+        if pool != torch.float32 and ctx > 400:
+            break  # (the last case)
+        h, pages, page = kvh * groups, ctx // 16 + 8, 16
+        kp = torch.randn(pages, page, kvh, d, generator=g)
+        vp = torch.randn(pages, page, kvh, d, generator=g)
+        kp, vp = (kp / scales[0]).to(pool), (vp / scales[1]).to(pool)
+        slots = torch.randperm(pages * page, generator=g)[:ctx]
+        qkv = torch.randn(n, h * d + 2 * kvh * d, generator=g)
+        q = qkv[:, : h * d].view(n, h, d)
+        got = o.prefill_attention_paged(q, kp, vp, slots, d**-0.5, *scales, kvh)
+        assert got.shape == (n, h, d) and got.dtype == torch.float32
+        ref = _causal_reference(q, kp.view(-1, kvh, d).float() * scales[0],
+                                vp.view(-1, kvh, d).float() * scales[1], slots, d**-0.5)
+        err = (got.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-4, (kvh, groups, d, n, ctx, err)
+        if pool == torch.bfloat16:  # bf16 queries (a bf16 model): the result in bf16
+            gb = o.prefill_attention_paged(q.bfloat16(), kp, vp, slots, d**-0.5, 1.0, 1.0, kvh)
+            assert gb.dtype == torch.bfloat16
+            ref = _causal_reference(q.bfloat16().float(), kp.view(-1, kvh, d).float(),
+                                    vp.view(-1, kvh, d).float(), slots, d**-0.5)
+            assert (gb.double() - ref).abs().max().item() < 2e-2
+    for bad in (kp.shape[0] * 16, -1):  # the last pool run: a slot outside it is refused
+        slots[3] = bad
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            o.prefill_attention_paged(q, kp, vp, slots, 0.125, *scales, kp.shape[2])
+    # head_dim 24: no kernel; the gathered rows through SDPA, the same answer
+    kp, vp = torch.randn(8, 16, 2, 24, generator=g), torch.randn(8, 16, 2, 24, generator=g)
+    slots, q = torch.randperm(128, generator=g)[:50], torch.randn(20, 4, 24, generator=g)
+    got = o.prefill_attention_paged(q, kp, vp, slots, 0.2, 1.0, 1.0, 2)
+    ref = _causal_reference(q, kp.view(-1, 2, 24), vp.view(-1, 2, 24), slots, 0.2)
+    assert (got.double() - ref).abs().max().item() < 1e-5
+
+
+def test_prefill_takes_the_native_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt prefilled in two chunks (the second after its prefix), through the model: the
+    native causal kernel serves every chunk (the model counts them for /metrics) and the
+    logits match the SDPA path's."""
+    from pdcore.engine.model import llama
+
+    _panels()
+    model = _llama(torch.float32, monkeypatch)
+    kvh, d, pages, page = 2, 64, 64, 16
+    perm = torch.randperm(pages * page, generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(3, 400, (300,), generator=torch.Generator().manual_seed(4))
+    slots = perm[:300]
+
+    def run() -> list[torch.Tensor]:
+        kv = [(torch.zeros(pages, page, kvh, d), torch.zeros(pages, page, kvh, d))
+              for _ in model.layers]
+        outs = []
+        for a, b in ((0, 173), (173, 300)):  # a first chunk, then one after its prefix
+            batch = ForwardBatch(prompt[a:b], torch.arange(a, b), slots[a:b],
+                                 [SeqSpan(0, b - a, slots[:b])], torch.arange(b - a))
+            outs.append(model(batch, kv))
+        return outs
+
+    before = model.native_prefill_chunks
+    got = run()
+    assert model.native_prefill_chunks - before == 2
+    real = llama._native_op
+    monkeypatch.setattr(llama, "_native_op",
+                        lambda name: None if name == "prefill_attention_paged" else real(name))
+    want = run()
+    assert model.native_prefill_chunks - before == 2  # the SDPA path counts nothing
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_attention_falls_back_to_sdpa_where_it_does_not_apply() -> None:
     o = _ops()
     g = torch.Generator().manual_seed(5)

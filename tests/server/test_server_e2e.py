@@ -308,14 +308,23 @@ def test_native_kernels_in_metrics(real_server, client):
     assert n > 1 and n % 4 == 1 and layouts["plain"] == 0, layouts
     name = "pdserve_scheduler_native_decode_steps_total"
     before = _metric(text, name)
+    pre_name = "pdserve_scheduler_native_prefill_chunks_total"  # the causal prefill kernel
+    pre_before = _metric(text, pre_name)
     body = {"text": "count with me", "sampling_params": {  # long enough to overlap
         "max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         rs = list(pool.map(lambda _: client.post("/generate", json=body), range(2)))
     assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
     assert rs[0].json()["text"] == rs[1].json()["text"]
-    grew = _metric(client.get("/metrics").text, name) - before
+    text = client.get("/metrics").text
+    grew = _metric(text, name) - before
     assert (grew > 0) if on else grew == 0, (on, grew)
+    r = client.post("/generate", json={"text": "a prompt no other test sends, prefilled by "
+                                       "the native causal attention", "sampling_params": {
+                                           "max_new_tokens": 1, "temperature": 0}})
+    assert r.status_code == 200, r.text
+    pre_grew = _metric(client.get("/metrics").text, pre_name) - pre_before
+    assert (pre_grew >= 1) if on else pre_grew == 0, (on, pre_grew)
 
 
 def _maps_torch(pid: int) -> bool:

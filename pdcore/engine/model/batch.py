@@ -35,6 +35,7 @@ class ForwardBatch:
     # what the model leaves on the batch during its forward:
     hidden: torch.Tensor | None = None  # the captured rows ([T, hidden] or [T, k * hidden])
     kv_view: Any = None  # the decode K/V view this forward attends through (llama.py)
+    native_prefill: int = 0  # prefill chunks whose attention took the native kernel (llama.py)
     _decode: DecodeGroup | None = field(default=_UNBUILT, init=False, repr=False)
     _verify: VerifyGroup | None = field(default=_UNBUILT, init=False, repr=False)
 

@@ -46,9 +46,12 @@ SUPPORTED_ARCHS = {
 def _native_op(name: str):
     """pdcore_native::<name> where the native kernels are built, else None; resolved once per
     name (the decode attention, rope_store and silu_mul ops are asked for in every layer of
-    every step)."""
+    every step); the prefill attention off where PDCORE_NATIVE_PREFILL=0."""
     from pdcore.engine import native
+    from pdcore.env import ENV
 
+    if name == "prefill_attention_paged" and not ENV.pdcore_native_prefill:
+        return None
     return native.op(name)
 
 
@@ -77,6 +80,10 @@ def _after_prefix(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch
     w1, w2 = (l1 - m).exp_().unsqueeze(-1), (l2 - m).exp_().unsqueeze(-1)
     o = (o1.float() * w1).add_(o2.float() * w2).div_(w1 + w2)
     return o[0].to(q.dtype)
+
+
+# the pool dtypes the native prefill attention reads in place
+_PREFILL_POOLS = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +169,12 @@ class Attention(nn.Module):
                 qb = q[a:b].reshape(1, kvh, self.num_heads // kvh, self.head_dim)
                 out[a:b] = paged(qb, k_flat, v_flat, s.ctx_slots.contiguous(), None,
                                  self.scale).reshape(1, self.num_heads, self.head_dim)
+                continue
+            native = self._prefill_native(q, k_flat) if n > 1 else None
+            if native is not None:  # the native causal kernel: the pool read in place
+                out[a:b] = native(q[a:b], k_flat, v_flat, s.ctx_slots, self.scale,
+                                  self.k_scale, self.v_scale, self.num_kv_heads)
+                batch.native_prefill += self.layer_id == 0
                 continue
             qi = q[a:b].transpose(0, 1)  # [H, n, d]
             mask = None
@@ -253,6 +266,16 @@ class Attention(nn.Module):
             return None
         return _native_for("decode_attention_paged", q)
 
+    def _prefill_native(self, q: torch.Tensor, k_flat: torch.Tensor):
+        """The native causal prefill attention (engine/native: prefill_attention_paged) where
+        it reads this pool as it is (float32 or bf16 queries; a float32, bf16 or FP8 pool,
+        contiguous; head_dim a multiple of 16) on the CPU, else None (SDPA then)."""
+        if q.dtype not in (torch.float32, torch.bfloat16) or self.head_dim % 16 \
+                or self.num_heads % self.num_kv_heads or k_flat.dtype not in _PREFILL_POOLS \
+                or not k_flat.is_contiguous():
+            return None
+        return _native_for("prefill_attention_paged", q)
+
     def _grouped_sdpa(self, q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
                       g: DecodeGroup) -> torch.Tensor:
         """q [B, H, D] against kb/vb [B, KVH, W, D] -> [B, H, D]."""
@@ -327,6 +350,7 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = self._make_rotary(cfg)
         self.native: dict | None = None  # the native decode step's weight lists (prepare_...)
         self.native_steps = 0  # decode steps that ran the native layer loop
+        self.native_prefill_chunks = 0  # prefill chunks attended by the native kernel
         for i, layer in enumerate(self.layers):
             layer.self_attn.layer_id = i
         a = self.layers[0].self_attn if len(self.layers) else None
@@ -450,6 +474,7 @@ class LlamaForCausalLM(CausalLM):
                                    view=step.view, view_dtype=step.view_dtype)
 
     def end(self, step: LlamaStep) -> None:
+        self.native_prefill_chunks += step.batch.native_prefill
         if self.decode_kv is not None:
             self.decode_kv.end()
 

@@ -1,6 +1,7 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
-(decode_step.cpp with the headers beside it: gemm.h, int8_gemm.h, attention.h, elementwise.h,
-common.h and vec.h, the vector layer they are written against):
+(decode_step.cpp with the headers beside it: gemm.h, int8_gemm.h, attention.h,
+prefill_attention.h, elementwise.h, common.h and vec.h, the vector layer they are written
+against):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
   `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight), kernels
@@ -9,6 +10,10 @@ common.h and vec.h, the vector layer they are written against):
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
   `decode_attention_paged`: the same kernel reading the K/V pool in place through the
   sequences' slot table (no view, no gather: contexts past the view's budget, lone decodes);
+- `pdcore_native::prefill_attention_paged` (prefill_attention.h): a prefill chunk's causal
+  attention over the pool in place (prefix and chunk; float32, bf16 or FP8 pool), flash-style
+  tiles, GQA-grouped, parallel over (KV head, query block); models/llama.py takes it for every
+  chunk of two or more tokens (PDCORE_NATIVE_PREFILL=0: SDPA);
 - `pdcore_native::rope_store`: rotary over q and k with the K/V pool store, in one pass (equal
   to the bit to the aten operators); `silu_mul`: bf16 silu(gate) * up in one pass;
 - `pdcore_native::sample_rows`: a batch's token sampling, one row per task (sampler.h; the

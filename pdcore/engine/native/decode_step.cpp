@@ -11,6 +11,7 @@
 #include "elementwise.h"
 #include "gemm.h"
 #include "int8_gemm.h"
+#include "prefill_attention.h"
 #include "sampler.h"
 
 namespace {
@@ -133,6 +134,10 @@ TORCH_LIBRARY(pdcore_native, m) {
         "Tensor? bias, float scale) -> Tensor");
   m.impl("decode_attention_paged", c10::DispatchKey::CompositeExplicitAutograd,
          &decode_attention_paged);
+  m.def("prefill_attention_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, "
+        "float scale, float k_scale, float v_scale, int kv_heads) -> Tensor");
+  m.impl("prefill_attention_paged", c10::DispatchKey::CompositeExplicitAutograd,
+         &prefill_attention_paged);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor out_slots, int num_heads, int kv_heads, int head_dim) -> Tensor");
   m.impl("rope_store", c10::DispatchKey::CompositeExplicitAutograd, &rope_store);

@@ -80,7 +80,7 @@ def _grammar_stats(s: Any, g: Any, r: StatsReport) -> None:
 def _native_stats(s: Any, runner: Any, r: StatsReport) -> None:
     """Whether the native kernels serve (1/0) and on which ISA (native_isa_*: 1 for the
     library loaded), how many decode steps took the native layer loop (engine/native; the
-    rest ran the Python loop), how many sampled batches took each sampler path (greedy
+    rest ran the Python loop), how many prefill chunks the native causal attention served, how many sampled batches took each sampler path (greedy
     argmax, the native sampler, the torch fallback) and how many GEMM weights sit in each
     layout (models/layers.py: chosen at load)."""
     from pdcore.engine import native
@@ -93,7 +93,9 @@ def _native_stats(s: Any, runner: Any, r: StatsReport) -> None:
     r.add(Kind.INFO, {"native_kernels": int(native.status().startswith("native")),
                       **{f"native_isa_{name}": int(isa == name) for name in native.ISAS}})
     r.add(Kind.TOTAL, {"native_decode_steps_total":
-                       int(getattr(model, "native_steps", 0))})
+                       int(getattr(model, "native_steps", 0)),
+                       "native_prefill_chunks_total":
+                       int(getattr(model, "native_prefill_chunks", 0))})
     r.add(Kind.TOTAL, {f"sampler_batches_{path}_total": n  # test runners may not count
                        for path, n in getattr(runner, "sampler_paths", {}).items()})
     r.add(Kind.INFO, {f"gemm_weights_{k}": v for k, v in s.gemm_layouts.items()})

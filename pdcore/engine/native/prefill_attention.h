@@ -1,0 +1,316 @@
+#pragma once
+#include "common.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <algorithm>
+#include <atomic>
+
+namespace {
+
+// ---- causal prefill (extend) attention over the paged K/V pool ----
+// q [n, H, D]: the chunk's queries, at positions ctx - n .. ctx - 1 of their sequence; the
+// sequence's context is `table` [ctx] (pool slots, the chunk's own K/V already stored there),
+// k_pool / v_pool its layer's pool viewed as slots [S, KVH, D] (float32, bf16 or FP8 with a
+// scale). Query i sees keys 0 .. ctx - n + i. GQA: the H / KVH query heads of a KV head (heads
+// h * G .. h * G + G - 1) go through one task together, so each K/V tile serves all of them.
+//
+// Flash-style, blocked: a task is (KV head, block of QB queries), its rows the G x QB query
+// rows; for each block of PF_KB keys, S = Q K^T (register-blocked: RB rows x 32 keys), the
+// online softmax (running max m and sum l per row, the output rescaled by exp(m_old - m_new)),
+// then O += P V (RB rows x 16 * NC columns). Keys past a row's position weigh 0; key blocks
+// past a task's last query are skipped (the causal half is not computed). Per call, K is
+// packed once per KV head into key blocks transposed ([KB][D][PF_KB], the pool's values as
+// float32: the S kernel's operand), V is read from the pool in place (float32) or widened once
+// (bf16 / FP8). Tasks, heaviest (latest queries) first, are taken from a shared counter by
+// the OpenMP team (static halves of a causal triangle are unequal).
+// Where it does not apply (head_dim not a multiple of 16, other dtypes) the rows are gathered
+// and SDPA runs with the causal mask.
+
+constexpr int PF_KB = 64;  // keys per block (two 32-key halves in the S kernel)
+#if defined(PD_ISA_AVX512)
+constexpr int PF_QK_RB = 6, PF_PV_RB = 4, PF_PV_NC = 4;  // 12 / 16 accumulators of 32 zmm
+#else
+constexpr int PF_QK_RB = 2, PF_PV_RB = 2, PF_PV_NC = 2;  // 8 ymm accumulators of 16
+#endif
+constexpr int PF_ROWS = 96;  // target query rows (G x QB) a task: its tiles stay in L2
+
+// s[r * PF_KB + j0 + (0..31)] = sum_d q[r * D + d] * kt[d * PF_KB + j0 + (0..31)], RB rows
+template <int RB>
+inline void pf_qk(const float* q, int64_t D, const float* kt, int j0, float* s) {
+  V16 acc[RB][2];
+  PD_UNROLL for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t d = 0; d < D; ++d) {
+    const V16 k0 = vload(kt + d * PF_KB + j0), k1 = vload(kt + d * PF_KB + j0 + 16);
+    PD_UNROLL for (int r = 0; r < RB; ++r) {
+      const V16 qv = vset1(q[r * D + d]);
+      acc[r][0] = vfmadd(qv, k0, acc[r][0]);
+      acc[r][1] = vfmadd(qv, k1, acc[r][1]);
+    }
+  }
+  PD_UNROLL for (int r = 0; r < RB; ++r) {
+    vstore(s + r * PF_KB + j0, acc[r][0]);
+    vstore(s + r * PF_KB + j0 + 16, acc[r][1]);
+  }
+}
+
+// o[r * D + c0 + (0 .. 16 NC)] = o[...] * alpha[r] + sum_{j < len} p[r * PF_KB + j] vrow[j][...]
+template <int RB, int NC>
+inline void pf_pv(const float* p, int len, const float* const* vrow, int64_t D, int64_t c0,
+                  const float* alpha, float* o) {
+  V16 acc[RB][NC];
+  PD_UNROLL for (int r = 0; r < RB; ++r) {
+    const V16 a = vset1(alpha[r]);
+    PD_UNROLL for (int c = 0; c < NC; ++c) acc[r][c] = vmul(vload(o + r * D + c0 + 16 * c), a);
+  }
+  for (int j = 0; j < len; ++j) {
+    V16 vv[NC];
+    PD_UNROLL for (int c = 0; c < NC; ++c) vv[c] = vload(vrow[j] + c0 + 16 * c);
+    PD_UNROLL for (int r = 0; r < RB; ++r) {
+      const V16 pj = vset1(p[r * PF_KB + j]);
+      PD_UNROLL for (int c = 0; c < NC; ++c) acc[r][c] = vfmadd(pj, vv[c], acc[r][c]);
+    }
+  }
+  PD_UNROLL for (int r = 0; r < RB; ++r)
+    PD_UNROLL for (int c = 0; c < NC; ++c) vstore(o + r * D + c0 + 16 * c, acc[r][c]);
+}
+
+template <int RB>
+inline void pf_pv_cols(const float* p, int len, const float* const* vrow, int64_t D,
+                       const float* alpha, float* o) {
+  int64_t c0 = 0;
+  for (; c0 + 16 * PF_PV_NC <= D; c0 += 16 * PF_PV_NC)
+    pf_pv<RB, PF_PV_NC>(p, len, vrow, D, c0, alpha, o);
+  for (; c0 < D; c0 += 16) pf_pv<RB, 1>(p, len, vrow, D, c0, alpha, o);
+}
+
+// one row's online-softmax step over a key block: s[0 .. lim) are its scores (the rest of the
+// block's kn keys are masked); p (in place of s) gets exp(s - m_new), zero past lim
+inline float pf_softmax_row(float* s, int lim, int kn, float& m, float& l) {
+  if (lim <= 0) {  // no visible key in this block: the row is unchanged
+    for (int j = 0; j < kn; j += 16) vmask_store(s + j, lane_mask(kn - j), vzero());
+    return 1.0f;
+  }
+  const V16 ninf = vset1(-INFINITY);
+  V16 mx = ninf;
+  for (int j = 0; j < lim; j += 16) mx = vmax(mx, vmask_load(ninf, lane_mask(lim - j), s + j));
+  const float m_new = std::max(m, vreduce_max(mx));
+  const float alpha = std::exp(m - m_new);  // m = -inf (the first block): 0
+  const V16 mv = vset1(m_new);
+  V16 sum = vzero();
+  for (int j = 0; j < kn; j += 16) {
+    const M16 live = lane_mask(lim - j), in = lane_mask(kn - j);
+    const V16 e = vmaskz(live, exp_ps(vsub(vmask_load(mv, live, s + j), mv)));
+    vmask_store(s + j, in, e);
+    sum = vadd(sum, e);
+  }
+  l = l * alpha + vreduce_add(sum);
+  m = m_new;
+  return alpha;
+}
+
+template <typename T>
+inline float pf_widen(T x, float scale) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return static_cast<float>(x);
+  } else {
+    return static_cast<float>(x) * scale;
+  }
+}
+
+// K of KV head h, key block b, as float32 transposed: kt[d * PF_KB + j] (keys past ctx: 0)
+template <typename T>
+void pf_pack_k(const T* pool, const int64_t* tab, int64_t ctx, int64_t KVH, int64_t D,
+               int64_t h, int64_t b, float scale, float* kt) {
+  const int64_t k0 = b * PF_KB, kn = std::min<int64_t>(PF_KB, ctx - k0);
+  if (kn < PF_KB)
+    for (int64_t d = 0; d < D; ++d) std::fill(kt + d * PF_KB + kn, kt + (d + 1) * PF_KB, 0.0f);
+  for (int64_t j = 0; j < kn; ++j) {
+    const T* row = pool + (tab[k0 + j] * KVH + h) * D;
+    for (int64_t d = 0; d < D; ++d) kt[d * PF_KB + j] = pf_widen(row[d], scale);
+  }
+}
+
+struct PfShape {
+  int64_t n, ctx, H, KVH, G, D, QB, nqb, nkb;
+  float scale;
+};
+
+// one task: KV head h, queries q0 .. q0 + nq of the chunk
+void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const float* kt_all,
+             const float* v_in_place, const float* v_wide, const int64_t* tab, int64_t h,
+             int64_t q0, float* out, std::vector<float>& buf) {
+  const int64_t D = s.D, G = s.G, nq = std::min(s.QB, s.n - q0), R = nq * G;
+  buf.resize(R * D * 2 + R * PF_KB + R * 3);
+  float* qp = buf.data();           // [R, D] the queries, times the scale; row r = i * G + g
+  float* o = qp + R * D;            // [R, D] the running output
+  float* sc = o + R * D;            // [R, PF_KB] scores, then weights
+  float* m = sc + R * PF_KB;        // [R] running max
+  float* l = m + R;                 // [R] running sum
+  float* alpha = l + R;             // [R] this block's rescale
+  const float* vrow[PF_KB];          // the block's V rows (float32)
+  const V16 sv = vset1(s.scale);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = q + (q0 + i) * qs0 + (h * G + g) * qs1;
+      float* dst = qp + (i * G + g) * D;
+      for (int64_t d = 0; d < D; d += 16) vstore(dst + d, vmul(vload(src + d), sv));
+    }
+  std::fill(o, o + R * D, 0.0f);
+  std::fill(m, m + R, -INFINITY);
+  std::fill(l, l + R, 0.0f);
+  const int64_t first = s.ctx - s.n + q0;  // the position of the task's first query
+  const int64_t kend = first + nq;         // keys 0 .. kend - 1 are seen by some row
+  for (int64_t b = 0; b * PF_KB < kend; ++b) {
+    const int64_t k0 = b * PF_KB;
+    const int kn = static_cast<int>(std::min<int64_t>(PF_KB, kend - k0));
+    const float* kt = kt_all + (h * s.nkb + b) * D * PF_KB;
+    for (int j = 0; j < kn; ++j)
+      vrow[j] = v_wide ? v_wide + (h * s.ctx + k0 + j) * D
+                       : v_in_place + (tab[k0 + j] * s.KVH + h) * D;
+    int64_t r = 0;
+    for (; r + PF_QK_RB <= R; r += PF_QK_RB) {
+      pf_qk<PF_QK_RB>(qp + r * D, D, kt, 0, sc + r * PF_KB);
+      if (kn > 32) pf_qk<PF_QK_RB>(qp + r * D, D, kt, 32, sc + r * PF_KB);
+    }
+    for (; r < R; ++r) {
+      pf_qk<1>(qp + r * D, D, kt, 0, sc + r * PF_KB);
+      if (kn > 32) pf_qk<1>(qp + r * D, D, kt, 32, sc + r * PF_KB);
+    }
+    for (r = 0; r < R; ++r) {
+      const int64_t pos = first + r / G;
+      const int lim = static_cast<int>(std::clamp<int64_t>(pos - k0 + 1, 0, kn));
+      alpha[r] = pf_softmax_row(sc + r * PF_KB, lim, kn, m[r], l[r]);
+    }
+    for (r = 0; r + PF_PV_RB <= R; r += PF_PV_RB)
+      pf_pv_cols<PF_PV_RB>(sc + r * PF_KB, kn, vrow, D, alpha + r, o + r * D);
+    for (; r < R; ++r) pf_pv_cols<1>(sc + r * PF_KB, kn, vrow, D, alpha + r, o + r * D);
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const V16 inv = vset1(1.0f / l[r]);
+      float* dst = out + ((q0 + i) * s.H + h * G + g) * D;
+      for (int64_t d = 0; d < D; d += 16) vstore(dst + d, vmul(vload(o + r * D + d), inv));
+    }
+}
+
+template <typename T>
+void pf_pack_all(const PfShape& s, const Tensor& k_pool, const Tensor& v_pool,
+                 const int64_t* tab, double k_scale, double v_scale, float* kt_all,
+                 float* v_wide) {
+  const T* kp = reinterpret_cast<const T*>(k_pool.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_pool.data_ptr());
+  at::parallel_for(0, s.KVH * s.nkb, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / s.nkb, b = i % s.nkb;
+      pf_pack_k<T>(kp, tab, s.ctx, s.KVH, s.D, h, b, static_cast<float>(k_scale),
+                   kt_all + i * s.D * PF_KB);
+      if (v_wide != nullptr) {
+        const int64_t k0 = b * PF_KB, kn = std::min<int64_t>(PF_KB, s.ctx - k0);
+        for (int64_t j = 0; j < kn; ++j) {
+          const T* row = vp + (tab[k0 + j] * s.KVH + h) * s.D;
+          float* dst = v_wide + (h * s.ctx + k0 + j) * s.D;
+          for (int64_t d = 0; d < s.D; ++d) dst[d] = pf_widen(row[d], static_cast<float>(v_scale));
+        }
+      }
+    }
+  });
+}
+
+// the gathered rows through SDPA with the causal mask: where the kernel does not apply
+Tensor prefill_attention_sdpa(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool,
+                              const Tensor& table, double scale, double k_scale,
+                              double v_scale, int64_t KVH) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), ctx = table.numel();
+  const auto widen = [&](const Tensor& pool, double sc) {
+    Tensor rows = pool.reshape({-1, KVH, D}).index_select(0, table);
+    const bool fp8 = pool.scalar_type() == at::kFloat8_e4m3fn ||
+                     pool.scalar_type() == at::kFloat8_e5m2;
+    rows = rows.to(q.scalar_type());
+    if (fp8 && sc != 1.0) rows = rows * sc;
+    return rows.transpose(0, 1).repeat_interleave(H / KVH, 0);  // [H, ctx, D]
+  };
+  Tensor pos = at::arange(ctx - n, ctx, table.options()).unsqueeze(1);
+  Tensor mask = at::arange(ctx, table.options()).unsqueeze(0) <= pos;
+  Tensor o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
+                                              widen(k_pool, k_scale).unsqueeze(0),
+                                              widen(v_pool, v_scale).unsqueeze(0), mask, 0.0,
+                                              false, scale);
+  return o[0].transpose(0, 1).contiguous();
+}
+
+Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Tensor& v_pool,
+                               const Tensor& table, double scale, double k_scale,
+                               double v_scale, int64_t kv_heads) {
+  TORCH_CHECK(q_in.dim() == 3 && table.dim() == 1 && table.scalar_type() == at::kLong,
+              "prefill_attention_paged: q [n, H, D], table [ctx] long");
+  const int64_t n = q_in.size(0), H = q_in.size(1), D = q_in.size(2), ctx = table.numel();
+  const int64_t KVH = kv_heads;
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "prefill_attention_paged: ", H,
+              " query heads do not group over ", KVH, " KV heads");
+  TORCH_CHECK(n > 0 && n <= ctx, "prefill_attention_paged: ", n, " queries after a context of ",
+              ctx, " slots");
+  TORCH_CHECK(k_pool.numel() == v_pool.numel() && k_pool.numel() % (KVH * D) == 0 &&
+                  k_pool.scalar_type() == v_pool.scalar_type(),
+              "prefill_attention_paged: the pools are not [slots, kv_heads, head_dim]");
+  const int64_t S = k_pool.numel() / (KVH * D);
+  Tensor tabc = table.contiguous();
+  const int64_t* tab = tabc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ctx; ++i)
+    TORCH_CHECK(tab[i] >= 0 && tab[i] < S, "prefill_attention_paged: slot ", tab[i],
+                " outside the pool (", S, " slots)");
+  const auto pt = k_pool.scalar_type();
+  const bool pool_ok = pt == at::kFloat || pt == at::kBFloat16 || pt == at::kFloat8_e4m3fn ||
+                       pt == at::kFloat8_e5m2;
+  const bool ok = isa_supported() && D % 16 == 0 && pool_ok && k_pool.is_contiguous() &&
+                  v_pool.is_contiguous() &&
+                  (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16);
+  if (!ok) return prefill_attention_sdpa(q_in, k_pool, v_pool, tabc, scale, k_scale, v_scale, KVH);
+  // float32 queries, rows D apart (the pack's q view: strided over tokens and heads)
+  Tensor q = q_in.scalar_type() == at::kFloat && q_in.stride(2) == 1 ? q_in : q_in.to(at::kFloat).contiguous();
+  PfShape s;
+  s.n = n, s.ctx = ctx, s.H = H, s.KVH = KVH, s.G = H / KVH, s.D = D;
+  s.scale = static_cast<float>(scale);
+  s.nkb = (ctx + PF_KB - 1) / PF_KB;
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  // rows a task: ~PF_ROWS, fewer where the chunk is short (four tasks a thread at least)
+  const int64_t want_qb = std::max<int64_t>(1, (4 * nth + KVH - 1) / KVH);
+  s.QB = std::clamp<int64_t>((n + want_qb - 1) / want_qb, 1, std::max<int64_t>(1, PF_ROWS / s.G));
+  s.nqb = (n + s.QB - 1) / s.QB;
+  Tensor kt_all = at::empty({KVH * s.nkb * D * PF_KB}, q.options().dtype(at::kFloat));
+  Tensor v_wide;
+  if (pt != at::kFloat) v_wide = at::empty({KVH * ctx * D}, kt_all.options());
+  float* ktp = kt_all.data_ptr<float>();
+  float* vwp = v_wide.defined() ? v_wide.data_ptr<float>() : nullptr;
+  switch (pt) {
+    case at::kFloat: pf_pack_all<float>(s, k_pool, v_pool, tab, 1.0, 1.0, ktp, vwp); break;
+    case at::kBFloat16:
+      pf_pack_all<c10::BFloat16>(s, k_pool, v_pool, tab, 1.0, 1.0, ktp, vwp);
+      break;
+    case at::kFloat8_e4m3fn:
+      pf_pack_all<c10::Float8_e4m3fn>(s, k_pool, v_pool, tab, k_scale, v_scale, ktp, vwp);
+      break;
+    default: pf_pack_all<c10::Float8_e5m2>(s, k_pool, v_pool, tab, k_scale, v_scale, ktp, vwp);
+  }
+  Tensor out = at::empty({n, H, D}, kt_all.options());
+  const float* qp = q.data_ptr<float>();
+  const float* vip = pt == at::kFloat ? v_pool.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t ntask = KVH * s.nqb;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(nth, ntask), 1, [&](int64_t, int64_t) {
+    std::vector<float> buf;
+    for (int64_t t; (t = next.fetch_add(1)) < ntask;) {
+      const int64_t qb = s.nqb - 1 - t / KVH, h = t % KVH;  // the latest queries first
+      pf_task(s, qp, q.stride(0), q.stride(1), ktp, vip, vwp, tab, h, qb * s.QB, op, buf);
+    }
+  });
+  return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
+}
+
+}  // namespace
