@@ -11,7 +11,7 @@ Two parts (`--parts`, both by default):
   (4 * H * d * n(n+1)/2 for a whole prompt).
 - `engine`: SmolLM2 (the default model) end to end in this process (LLMEngine): the prefill of
   one prompt of each length (fresh tokens every run: no prefix-cache hit), with the native
-  prefill attention on and off (PDCORE_NATIVE_PREFILL), runs alternating; the engine's
+  prefill attention on and off (its op hidden from llama.py), runs alternating; the engine's
   native_prefill_chunks counter proves which path ran.
 
 Writes bench/results/prefill_attention.json. Run it as a timing run:
@@ -21,7 +21,6 @@ Writes bench/results/prefill_attention.json. Run it as a timing run:
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -129,9 +128,11 @@ def engine_part(lengths: list[int], rounds: int, threads: int) -> list[dict[str,
         eng.generate(ps, sp)
         return time.perf_counter() - t
 
-    def switch(on: bool) -> None:
-        os.environ["PDCORE_NATIVE_PREFILL"] = "1" if on else "0"
-        llama._native_op.cache_clear()
+    real = llama._native_op
+
+    def switch(on: bool) -> None:  # this process's model: the kernel's op or none
+        llama._native_op = real if on else (
+            lambda name: None if name == "prefill_attention_paged" else real(name))
 
     try:
         prefill(64)

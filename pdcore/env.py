@@ -312,9 +312,6 @@ class Engine(Group):
         "auto", choice("auto", "off", "avx512", "avx2", listing="auto, avx512, avx2 or off"),
         "which native library: `avx512`, `avx2` (an ISA the CPU lacks: none, and the log says "
         "why) or `off`; auto: the best the CPU has; any other value stops the server (exit 2)")
-    pdcore_native_prefill = Var(
-        True, flag, "prefill chunks attend through the native causal kernel (the paged pool read "
-        "in place; /metrics: `pdserve_scheduler_native_prefill_chunks_total`); 0: torch's SDPA")
     pdserve_native_dir: Var[str | None] = Var(None, text, "where the native library is built "
         "(once per machine, under a lock)", shown="~/.cache/pdserve/native")
     pdcore_decode_kv_view_mb = Var(128.0, _mib_at_least_zero, "MiB of decode K/V kept "

@@ -46,12 +46,9 @@ SUPPORTED_ARCHS = {
 def _native_op(name: str):
     """pdcore_native::<name> where the native kernels are built, else None; resolved once per
     name (the decode attention, rope_store and silu_mul ops are asked for in every layer of
-    every step); the prefill attention off where PDCORE_NATIVE_PREFILL=0."""
+    every step)."""
     from pdcore.engine import native
-    from pdcore.env import ENV
 
-    if name == "prefill_attention_paged" and not ENV.pdcore_native_prefill:
-        return None
     return native.op(name)
 
 
@@ -80,10 +77,6 @@ def _after_prefix(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kc: torch
     w1, w2 = (l1 - m).exp_().unsqueeze(-1), (l2 - m).exp_().unsqueeze(-1)
     o = (o1.float() * w1).add_(o2.float() * w2).div_(w1 + w2)
     return o[0].to(q.dtype)
-
-
-# the pool dtypes the native prefill attention reads in place
-_PREFILL_POOLS = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -271,8 +264,9 @@ class Attention(nn.Module):
         it reads this pool as it is (float32 or bf16 queries; a float32, bf16 or FP8 pool,
         contiguous; head_dim a multiple of 16) on the CPU, else None (SDPA then)."""
         if q.dtype not in (torch.float32, torch.bfloat16) or self.head_dim % 16 \
-                or self.num_heads % self.num_kv_heads or k_flat.dtype not in _PREFILL_POOLS \
-                or not k_flat.is_contiguous():
+                or self.num_heads % self.num_kv_heads or not k_flat.is_contiguous() \
+                or k_flat.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                                        torch.float8_e5m2):
             return None
         return _native_for("prefill_attention_paged", q)
 

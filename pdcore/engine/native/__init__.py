@@ -13,7 +13,7 @@ against):
 - `pdcore_native::prefill_attention_paged` (prefill_attention.h): a prefill chunk's causal
   attention over the pool in place (prefix and chunk; float32, bf16 or FP8 pool), flash-style
   tiles, GQA-grouped, parallel over (KV head, query block); models/llama.py takes it for every
-  chunk of two or more tokens (PDCORE_NATIVE_PREFILL=0: SDPA);
+  chunk of two or more tokens;
 - `pdcore_native::rope_store`: rotary over q and k with the K/V pool store, in one pass (equal
   to the bit to the aten operators); `silu_mul`: bf16 silu(gate) * up in one pass;
 - `pdcore_native::sample_rows`: a batch's token sampling, one row per task (sampler.h; the
