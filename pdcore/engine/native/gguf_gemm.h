@@ -238,6 +238,15 @@ Tensor gguf_rows(const Tensor& w, const Tensor& ids_in) {
   return y;
 }
 
+// y [M, N] in x's dtype and shape ([..., N])
+Tensor gguf_shape(Tensor y, const Tensor& x_in, int64_t N) {
+  if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
+  if (x_in.dim() == 2) return y;
+  auto shape = x_in.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
 // x [..., K] (float32; other dtypes are computed in float32 and returned in theirs), the typed
 // weight [type, N, row_bytes], b [N] or empty: float activations against the de-quantized weights
 Tensor gguf_linear_float(const Tensor& x_in, const Tensor& w, int64_t N,
@@ -276,11 +285,7 @@ Tensor gguf_linear_float(const Tensor& x_in, const Tensor& w, int64_t N,
       }
     });
   }
-  if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
-  if (x_in.dim() == 2) return y;
-  auto shape = x_in.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  return gguf_shape(y, x_in, N);
 }
 
 
@@ -576,6 +581,315 @@ void gq_rows_avx2(const GqX& x, int64_t m0, const GqW& w, int j, float* out) {
 const GqRowsFn GQ_AVX2_ROWS[4] = {gq_rows_avx2<1>, gq_rows_avx2<2>, gq_rows_avx2<3>,
                                   gq_rows_avx2<4>};
 
+// ---- the direct integer dot (Q8_0, Q4_0, Q4_1) -----------------------------------------------
+// The same math as above (per lane of 4 weights: float(int32 dot) * (d_w * d_x), fused-added
+// into 8 lanes, even blocks and odd blocks apart, then 4 + 4, 2 + 2, 1 + 1), but read straight
+// from the file's blocks, two at a time, without the L1 unpack: the nibbles are split in
+// registers, both blocks' f16 (d, m) pairs converted with one vcvtph2ps and multiplied by the
+// row of x's (d_x, d_x * sum x_q) pairs in one product: lanes 0 and 2 are the blocks' lane
+// scales, lanes 1 and 3 their min terms m * d_x * sum x_q (Q4_1), summed apart and added once at
+// the end. Integer dots: Q4_1 nibbles (unsigned) against x_q; Q4_0 the same plus -8 * (the
+// lane's x_q sum), precomputed per row of x; Q8_0 |q| against x_q with q's sign (AVX2 maddubs)
+// or x_q + 128 against q less 128 * (the lane's q sum) (VNNI). Every output is computed by the
+// same code whatever the batch (row-invariant), and the AVX2 and VNNI code give the same bits.
+
+inline bool gd_direct(int64_t type) {
+  return type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0;
+}
+
+// x quantized for the direct kernels: qs [M, K] x_q; qu [M, K] x_q + 128 (VNNI Q8_0); ds
+// [M, 2 nb] (d_x, d_x * sum x_q) per block; c8 [M, K / 4] -8 * (each lane's x_q sum) (Q4_0)
+struct GdX {
+  const int8_t* qs;
+  const uint8_t* qu;
+  const float* ds;
+  const int32_t* c8;
+  int64_t K;
+};
+
+void gd_quantize(const float* x, int64_t M, int64_t K, int8_t* qs, uint8_t* qu, float* ds,
+                 int32_t* c8) {
+  const int64_t nb = K / 32;
+  at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + r * K + 32 * b;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_loadu_ps(xb + 8 * i);
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float amax = _mm_cvtss_f32(h);
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i qi[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+          qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));  // round half to even
+          sum = _mm256_add_epi32(sum, qi[i]);
+        }
+        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + r * K + 32 * b), p8);
+        if (qu != nullptr)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(qu + r * K + 32 * b),
+                              _mm256_xor_si256(p8, _mm256_set1_epi8(static_cast<char>(0x80))));
+        if (c8 != nullptr) {  // -8 * (x_q summed per 4)
+          const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, p8), one16);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(c8 + r * (K / 4) + 8 * b),
+                              _mm256_mullo_epi32(s4, _mm256_set1_epi32(-8)));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        ds[r * 2 * nb + 2 * b] = d;
+        ds[r * 2 * nb + 2 * b + 1] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+      }
+    }
+  });
+}
+
+#define GD_F16C __attribute__((target("f16c")))
+
+// the (f16, f16) pairs at p and p2 (a block's d and m, or d and the first quants) as float
+// [d, m, d2, m2]
+GD_F16C inline __m128 gd_pairs(const uint8_t* p, const uint8_t* p2) {
+  int32_t a, c;
+  std::memcpy(&a, p, 4);
+  std::memcpy(&c, p2, 4);
+  return _mm_cvtph_ps(_mm_setr_epi32(a, c, 0, 0));
+}
+
+// the 32 weights of a Q4 block (16 bytes of nibbles) in order: low nibbles, then high
+inline __m256i gd_nibbles(const uint8_t* p) {
+  const __m128i n = load16(p);
+  return _mm256_set_m128i(hi4(n), lo4(n));
+}
+
+// AVX2: one block's 8 lane dots of weights w against x_q (int32)
+template <int64_t TYPE>
+inline __m256i gd_dot8(__m256i w, const int8_t* xq, const int32_t* c8) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (TYPE == GGML_Q8_0)
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+  if (TYPE == GGML_Q4_0)
+    return _mm256_add_epi32(p, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c8)));
+  return p;
+}
+
+template <int64_t TYPE>
+constexpr int64_t gd_bytes() {
+  return TYPE == GGML_Q8_0 ? 34 : TYPE == GGML_Q4_1 ? 20 : 18;
+}
+template <int64_t TYPE>
+constexpr int64_t gd_qoff() {
+  return TYPE == GGML_Q4_1 ? 4 : 2;
+}
+
+template <int64_t TYPE>
+inline __m256i gd_weights(const uint8_t* s) {
+  if (TYPE == GGML_Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2));
+  return gd_nibbles(s + gd_qoff<TYPE>());
+}
+
+// the lane scales of the pair (lanes 0, 2 of pr) as 8-lane vectors
+inline __m256 gd_lo(__m128 pr) { return _mm256_broadcastss_ps(pr); }
+inline __m256 gd_hi(__m128 pr) { return _mm256_broadcastss_ps(_mm_movehl_ps(pr, pr)); }
+
+// the last (odd) block's (d_x, d_x * sum) pair as [a, b, 0, 0]
+inline __m128 gd_ds_tail(const float* p) {
+  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+}
+
+// finishes a row's output: 8 lanes summed, the min terms (lanes 1 and 3), the bias
+inline float gd_finish(__m256 acc, __m128 mins, bool has_min, const float* b) {
+  float v = gq_hsum8(acc);
+  if (has_min) {
+    alignas(16) float m4[4];
+    _mm_store_ps(m4, mins);
+    v += m4[1] + m4[3];
+  }
+  if (b) v += *b;
+  return v;
+}
+
+// AVX2: weight row s (nb blocks) against MT rows of x from m0: y[m * ldy]
+template <int64_t TYPE, int MT>
+GD_F16C void gd_row_avx2(const uint8_t* s, int64_t nb, const GdX& x, int64_t m0, float* y,
+                         int64_t ldy, const float* b) {
+  constexpr int64_t BY = gd_bytes<TYPE>();
+  const int64_t K = x.K, K4 = K / 4;
+  __m256 a0[MT], a1[MT];
+  __m128 mins[MT];
+  PD_UNROLL for (int m = 0; m < MT; ++m) {
+    a0[m] = a1[m] = _mm256_setzero_ps();
+    mins[m] = _mm_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 2 <= nb; k += 2, s += 2 * BY) {
+    const __m128 wd = gd_pairs(s, s + BY);
+    const __m256i w0 = gd_weights<TYPE>(s), w1 = gd_weights<TYPE>(s + BY);
+    PD_UNROLL for (int m = 0; m < MT; ++m) {
+      const int64_t r = m0 + m;
+      const __m128 pr = _mm_mul_ps(wd, _mm_loadu_ps(x.ds + r * 2 * nb + 2 * k));
+      mins[m] = _mm_add_ps(mins[m], pr);
+      const int8_t* xq = x.qs + r * K + 32 * k;
+      const int32_t* c8 = x.c8 ? x.c8 + r * K4 + 8 * k : nullptr;
+      a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gd_dot8<TYPE>(w0, xq, c8)), gd_lo(pr), a0[m]);
+      a1[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gd_dot8<TYPE>(w1, xq + 32, c8 ? c8 + 8 : nullptr)),
+                              gd_hi(pr), a1[m]);
+    }
+  }
+  if (k < nb) {
+    const __m128 wd = gd_pairs(s, s);
+    const __m256i w0 = gd_weights<TYPE>(s);
+    PD_UNROLL for (int m = 0; m < MT; ++m) {
+      const int64_t r = m0 + m;
+      const __m128 pr = _mm_mul_ps(wd, gd_ds_tail(x.ds + r * 2 * nb + 2 * k));
+      mins[m] = _mm_add_ps(mins[m], pr);
+      const int32_t* c8 = x.c8 ? x.c8 + r * K4 + 8 * k : nullptr;
+      a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gd_dot8<TYPE>(w0, x.qs + r * K + 32 * k, c8)),
+                              gd_lo(pr), a0[m]);
+    }
+  }
+  PD_UNROLL for (int m = 0; m < MT; ++m)
+    y[m * ldy] = gd_finish(_mm256_add_ps(a0[m], a1[m]), mins[m], TYPE == GGML_Q4_1, b);
+}
+
+#if defined(PD_ISA_AVX512)
+#define GD_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")))
+
+// two blocks' 64 weights: block k in the low 256 bits, k + 1 in the high
+template <int64_t TYPE>
+GD_VNNI inline __m512i gd_weights2(const uint8_t* s) {
+  constexpr int64_t BY = gd_bytes<TYPE>(), QO = gd_qoff<TYPE>();
+  if (TYPE == GGML_Q8_0)
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(
+                                  reinterpret_cast<const __m256i*>(s + QO))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + BY + QO)), 1);
+  const __m256i n = _mm256_set_m128i(load16(s + BY + QO), load16(s + QO));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(n, mask), hi = _mm256_and_si256(_mm256_srli_epi16(n, 4), mask);
+  // [lo k, lo k+1, hi k, hi k+1] -> [lo k, hi k, lo k+1, hi k+1]
+  const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+template <int64_t TYPE, int MT>
+GD_VNNI void gd_row_vnni(const uint8_t* s, int64_t nb, const GdX& x, int64_t m0, float* y,
+                         int64_t ldy, const float* b) {
+  constexpr int64_t BY = gd_bytes<TYPE>();
+  const int64_t K = x.K, K4 = K / 4;
+  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i sel = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  __m512 acc[MT];
+  __m128 mins[MT];
+  PD_UNROLL for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    mins[m] = _mm_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 2 <= nb; k += 2, s += 2 * BY) {
+    const __m128 wd = gd_pairs(s, s + BY);
+    const __m512i w = gd_weights2<TYPE>(s);
+    __m512i cw;
+    if (TYPE == GGML_Q8_0) cw = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, w);
+    PD_UNROLL for (int m = 0; m < MT; ++m) {
+      const int64_t r = m0 + m;
+      const __m128 pr = _mm_mul_ps(wd, _mm_loadu_ps(x.ds + r * 2 * nb + 2 * k));
+      mins[m] = _mm_add_ps(mins[m], pr);
+      __m512i p;
+      if (TYPE == GGML_Q8_0) {
+        p = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                 _mm512_loadu_si512(x.qu + r * K + 32 * k), w), cw);
+      } else {
+        const __m512i init = TYPE == GGML_Q4_0 ? _mm512_loadu_si512(x.c8 + r * K4 + 8 * k)
+                                               : _mm512_setzero_si512();
+        p = _mm512_dpbusd_epi32(init, w, _mm512_loadu_si512(x.qs + r * K + 32 * k));
+      }
+      const __m512 sc = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(pr));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[m]);
+    }
+  }
+  __m256 lo[MT];
+  PD_UNROLL for (int m = 0; m < MT; ++m) lo[m] = _mm512_castps512_ps256(acc[m]);
+  if (k < nb) {  // an odd last block: an even one (the same code as AVX2's)
+    const __m128 wd = gd_pairs(s, s);
+    const __m256i w0 = gd_weights<TYPE>(s);
+    PD_UNROLL for (int m = 0; m < MT; ++m) {
+      const int64_t r = m0 + m;
+      const __m128 pr = _mm_mul_ps(wd, gd_ds_tail(x.ds + r * 2 * nb + 2 * k));
+      mins[m] = _mm_add_ps(mins[m], pr);
+      const int32_t* c8 = x.c8 ? x.c8 + r * K4 + 8 * k : nullptr;
+      lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gd_dot8<TYPE>(w0, x.qs + r * K + 32 * k, c8)),
+                              gd_lo(pr), lo[m]);
+    }
+  }
+  PD_UNROLL for (int m = 0; m < MT; ++m) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1));
+    y[m * ldy] = gd_finish(_mm256_add_ps(lo[m], hi), mins[m], TYPE == GGML_Q4_1, b);
+  }
+}
+#endif
+
+using GdRowFn = void (*)(const uint8_t*, int64_t, const GdX&, int64_t, float*, int64_t,
+                         const float*);
+
+template <int64_t TYPE>
+GdRowFn gd_row_fn(bool vnni, int mt) {
+#if defined(PD_ISA_AVX512)
+  if (vnni) {
+    static const GdRowFn f[4] = {gd_row_vnni<TYPE, 1>, gd_row_vnni<TYPE, 2>,
+                                 gd_row_vnni<TYPE, 3>, gd_row_vnni<TYPE, 4>};
+    return f[mt - 1];
+  }
+#endif
+  static const GdRowFn f[4] = {gd_row_avx2<TYPE, 1>, gd_row_avx2<TYPE, 2>, gd_row_avx2<TYPE, 3>,
+                               gd_row_avx2<TYPE, 4>};
+  return f[mt - 1];
+}
+
+GdRowFn gd_pick(int64_t type, bool vnni, int mt) {
+  switch (type) {
+    case GGML_Q4_0: return gd_row_fn<GGML_Q4_0>(vnni, mt);
+    case GGML_Q4_1: return gd_row_fn<GGML_Q4_1>(vnni, mt);
+    default: return gd_row_fn<GGML_Q8_0>(vnni, mt);
+  }
+}
+
+// y [M, N] for a Q8_0 / Q4_0 / Q4_1 weight: x quantized once; then up to 64 rows of x at a
+// time, each weight row read once per 4 of them (parallel over the weight's rows)
+void gd_linear(const float* xp, int64_t M, const GgufWeight& g, int64_t N, const float* bp,
+               float* yp, bool vnni) {
+  const int64_t K = g.K, nb = K / 32;
+  std::vector<int8_t> qs(M * K);
+  std::vector<uint8_t> qu(vnni && g.type == GGML_Q8_0 ? M * K : 0);
+  std::vector<float> ds(M * 2 * nb);
+  std::vector<int32_t> c8(g.type == GGML_Q4_0 ? M * (K / 4) : 0);
+  gd_quantize(xp, M, K, qs.data(), qu.empty() ? nullptr : qu.data(), ds.data(),
+              c8.empty() ? nullptr : c8.data());
+  const GdX xs{qs.data(), qu.empty() ? nullptr : qu.data(), ds.data(),
+               c8.empty() ? nullptr : c8.data(), K};
+  for (int64_t m0 = 0; m0 < M; m0 += GGUF_ROW_BLOCK) {
+    const int64_t mb = std::min(GGUF_ROW_BLOCK, M - m0);
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t m = m0; m < m0 + mb; m += 4) {
+        const int mt = static_cast<int>(std::min<int64_t>(4, m0 + mb - m));
+        const GdRowFn fn = gd_pick(g.type, vnni, mt);
+        for (int64_t n = n0; n < n1; ++n)
+          fn(g.data + n * g.row_bytes, nb, xs, m, yp + m * N + n, N, bp ? bp + n : nullptr);
+      }
+    });
+  }
+}
+
 Tensor gguf_linear_int(const Tensor& x_in, const GgufWeight& g, int64_t N,
                        const std::optional<Tensor>& b, int64_t path) {
   const int64_t K = g.K, K4 = K / 4, nb = K / 32;
@@ -588,12 +902,16 @@ Tensor gguf_linear_int(const Tensor& x_in, const GgufWeight& g, int64_t N,
     bc = b->to(at::kFloat).contiguous();
     bp = bc.data_ptr<float>();
   }
+  float* yp = y.data_ptr<float>();
+  if (gd_direct(g.type)) {
+    gd_linear(x.data_ptr<float>(), M, g, N, bp, yp, path == 2);
+    return gguf_shape(y, x_in, N);
+  }
   std::vector<int8_t> xq(M * K);
   std::vector<float> xl(M * K4 + M * nb);
   const GqX xs{xq.data(), xl.data(), xl.data() + M * K4, K};
   gq_quantize(x.data_ptr<float>(), M, K, path == 2, xs);
   const bool has_min = g.type == GGML_Q4_1 || g.type == GGML_Q4_K;
-  float* yp = y.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += GGUF_ROW_BLOCK) {
     const int64_t mb = std::min(GGUF_ROW_BLOCK, M - m0);
     at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t q0, int64_t q1) {
@@ -631,11 +949,7 @@ Tensor gguf_linear_int(const Tensor& x_in, const GgufWeight& g, int64_t N,
       }
     });
   }
-  if (x_in.scalar_type() != at::kFloat) y = y.to(x_in.scalar_type());
-  if (x_in.dim() == 2) return y;
-  auto shape = x_in.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  return gguf_shape(y, x_in, N);
 }
 
 // the GGUF GEMM on `path` (0: the process default)
