@@ -324,7 +324,7 @@ class Engine(Group):
     pdcore_gguf_cache = Var(True, flag, "load a .gguf model through a converted copy")
     pdcore_gguf_packed = Var(False, flag, "serve a .gguf model's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
                              "weights packed, as the file holds them; 0: de-quantized at load")
-    pdcore_gguf_dot = Var("float", choice("float", "int8", listing="float or int8"), "packed GGUF "
+    pdcore_gguf_dot = Var("int8", choice("float", "int8", listing="float or int8"), "packed GGUF "
                           "GEMMs: float32 on de-quantized weights, or `int8` x and integer dots")
     pdcore_cache_dir: Var[str | None] = Var(
         None, text, "where converted GGUF models are kept", shown="~/.cache/pdserve")

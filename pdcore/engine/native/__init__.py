@@ -311,10 +311,18 @@ GGUF_PATHS = {2: "avx512_vnni int8 dot", 1: "avx2 int8 dot", 3: "float activatio
               0: "the gguf package (no native kernels)"}  # gguf_path()'s values and names
 
 
+def _gguf_vnni(o) -> bool:
+    """Whether the library runs the VNNI GGUF path (whatever path is set now)."""
+    try:
+        return int(o.gguf_set_path(2)) == 2
+    except RuntimeError:
+        return False
+
+
 def gguf_path() -> int:
     """The packed GGUF GEMM's path (gguf_gemm.h), chosen once, set in the library (the decode
     loop's GEMMs take it too) and logged: 3, float activations against de-quantized weights
-    (PDCORE_GGUF_DOT=float, the default); with PDCORE_GGUF_DOT=int8, 2, activations quantized
+    (PDCORE_GGUF_DOT=float); with PDCORE_GGUF_DOT=int8 (the default), 2, activations quantized
     per block of 32 and integer dot products with AVX-512 VNNI (the avx512 library on a CPU
     with avx512_vnni, as cpu_features sees it: PDCORE_CPU_ISA=avx2 hides it) or 1, the same
     integers with AVX2; 0 where no native library serves (gguf_packed.linear_fallback)."""
@@ -327,8 +335,8 @@ def gguf_path() -> int:
     if o is None:
         path, why = 0, f"native kernels off: {_state.get('why')}"
     elif ENV.pdcore_gguf_dot == "float":
-        path, why = 3, "PDCORE_GGUF_DOT=float, the default"
-    elif isa() == "avx512" and "avx512_vnni" in cpu_flags() and int(o.gguf_set_path(0)) == 2:
+        path, why = 3, "PDCORE_GGUF_DOT=float"
+    elif isa() == "avx512" and "avx512_vnni" in cpu_flags() and _gguf_vnni(o):
         path, why = 2, "the avx512 library on a CPU with avx512_vnni"
     else:
         path, why = 1, (f"the {isa()} library" + ("" if isa() == "avx2" else
