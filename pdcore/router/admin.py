@@ -147,6 +147,8 @@ def build_admin_router(state: RouterState) -> APIRouter:
         workers = [w.snapshot() for w in state.registry]
         counts = {t: len(state.registry.of_type(t)) for t in ("prefill", "decode")}
         body: dict[str, Any] = {"workers": workers, "total": len(workers), "stats": counts}
+        # the prefill-decode pairs that failed since they last closed (router/pairs.py)
+        body["pairs"] = state.proxy.pairs.snapshot() if state.proxy is not None else []
         if state.fleet is not None:  # --peer-routers: who this router relays to, what it took
             body["fleet"] = state.fleet.snapshot()
         return JSONResponse(body)

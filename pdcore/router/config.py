@@ -84,7 +84,18 @@ class RouterConfig:
     cb_failure_threshold: int = field(default=10, metadata=_opt("consecutive failures -> open"))
     cb_success_threshold: int = field(default=3, metadata=_opt("half-open successes -> closed"))
     cb_timeout_duration_secs: float = field(default=60.0, metadata=_opt("open -> half-open after"))
-    disable_circuit_breaker: bool = field(default=False, metadata=_opt("never open circuits"))
+    disable_circuit_breaker: bool = field(default=False, metadata=_opt(
+        "never open circuits (worker and pair circuits)"))
+    # per-(P, D) pair circuits (router/pairs.py, docs/faults.md): a P-D partition
+    pair_cb_failure_threshold: int = field(default=3, metadata=_opt(
+        "consecutive peer-fault reports (502 from P or D: the transfer between them failed) on "
+        "one prefill-decode pair -> that pair is avoided while another pairing is available"))
+    pair_cb_success_threshold: int = field(default=1, metadata=_opt(
+        "successful trial requests on a half-open pair -> closed"))
+    pair_cb_timeout_duration_secs: float = field(default=30.0, metadata=_opt(
+        "an open pair turns half-open after this: one request at a time may try it"))
+    disable_pair_circuit_breaker: bool = field(default=False, metadata=_opt(
+        "never avoid a prefill-decode pair (worker circuits stay on)"))
     # misc
     mini_lb: bool = field(
         default=False, metadata=_opt("minimal mode: random pairs, no health checks/retries/circuits")
@@ -207,6 +218,10 @@ class RouterConfig:
     def circuit_breaker_enabled(self) -> bool:
         return not (self.mini_lb or self.disable_circuit_breaker)
 
+    @property
+    def pair_circuit_enabled(self) -> bool:
+        return self.circuit_breaker_enabled and not self.disable_pair_circuit_breaker
+
     def role_selectors(self) -> dict[str, dict[str, str]]:
         """--service-discovery: each role's pod labels (the shared --selector included)."""
         return {"prefill": {**self.selector, **self.prefill_selector},
@@ -275,12 +290,14 @@ class RouterConfig:
             "health_check_interval_secs", "health_check_timeout_secs", "worker_startup_timeout_secs",
             "cb_timeout_duration_secs", "request_timeout_secs", "load_check_interval_secs",
             "retry_backoff_multiplier", "balance_rel_threshold", "migration_stall_secs",
+            "pair_cb_timeout_duration_secs",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0")
         for name in (
             "health_failure_threshold", "health_success_threshold", "retry_max_retries",
             "cb_failure_threshold", "cb_success_threshold", "max_tree_size",
+            "pair_cb_failure_threshold", "pair_cb_success_threshold",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")

@@ -24,6 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdcore.router.circuit import CircuitState
+from pdcore.router.pairs import PairCircuits
 from pdcore.router.workers import WorkerRegistry
 
 _CIRCUIT_CODE = {CircuitState.CLOSED: 0, CircuitState.OPEN: 1, CircuitState.HALF_OPEN: 2}
@@ -99,6 +100,7 @@ class RouterMetrics:
             "pdrouter_migration_resume_seconds", "From a stream's break to the first event of "
             "its resumed leg", buckets=_BUCKETS, registry=r)
         self._workers: WorkerRegistry | None = None
+        self.pairs: PairCircuits | None = None  # the proxy's pair circuits (router/pairs.py)
         r.register(_WorkerCollector(self))
 
     def bind(self, workers: WorkerRegistry, policies: dict[str, str]) -> None:
@@ -192,3 +194,26 @@ class _WorkerCollector:
             pool.add_metric([role, "http", "default"], float(n))
         yield from fams.values()
         yield from (outcomes, load, pool)
+        if self._m.pairs is not None:
+            yield from _pair_metrics(self._m.pairs)
+
+
+def _pair_metrics(pairs: PairCircuits) -> Iterator[Metric]:
+    """The prefill-decode pair circuits (router/pairs.py): how many are open now, each tracked
+    pair's state (only pairs of current workers that failed since they last closed), totals."""
+    counts = pairs.counts()
+    open_now = GaugeMetricFamily("pdrouter_pair_circuits_open", "Prefill-decode pairs avoided "
+                                 "now (their pair circuit is open)")
+    open_now.add_metric([], float(counts[CircuitState.OPEN.value]))
+    state = GaugeMetricFamily("pdrouter_pair_circuit_state", "Pair circuit state of each pair "
+                              "that failed since it last closed (0=closed, 1=open, 2=half_open)",
+                              labels=["prefill", "decode"])
+    for row in pairs.snapshot():
+        state.add_metric([str(row["prefill"]), str(row["decode"])],
+                         float(_CIRCUIT_CODE[CircuitState(row["state"])]))
+    failures = CounterMetricFamily("pdrouter_pair_failures", "Peer-fault reports counted "
+                                   "against a prefill-decode pair")
+    failures.add_metric([], float(pairs.total_failures))
+    opened = CounterMetricFamily("pdrouter_pair_circuit_opened", "Times a pair circuit opened")
+    opened.add_metric([], float(pairs.total_opened))
+    yield from (open_now, state, failures, opened)

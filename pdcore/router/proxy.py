@@ -34,7 +34,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,7 @@ from pdcore.router.merge import (
 from pdcore.router.metrics import RouterMetrics, error_code
 from pdcore.router.migrate import LEG_ONLY, LegResponse, Migration, Prober
 from pdcore.router.migrate_many import mover
+from pdcore.router.pairs import PairCircuits, PairKey
 from pdcore.router.policies import DPRanks, Policy, routing_text
 from pdcore.router.upstream import (
     PEER_FAULT,
@@ -107,6 +108,17 @@ class Failure:
     code: str
     message: str
     retriable: bool
+    pair: bool = False  # a peer-fault report: the pair failed (router/pairs.py)
+
+
+def _pair_outcome(outcome: object) -> bool | None:
+    """How an attempt counts on its pair's circuit (router/pairs.py): True it committed with a
+    good answer, False a pair failure, None neither."""
+    if isinstance(outcome, Failure):
+        return False if outcome.pair else None
+    if isinstance(outcome, DecodeLeg):
+        return True
+    return True if isinstance(outcome, Response) and outcome.status_code < 400 else None
 
 
 def _failed_role(failure: Failure | None) -> str:
@@ -135,12 +147,13 @@ def _client_timeout() -> Failure:
     return Failure(504, "request_timeout", CLIENT_TIMEOUT, retriable=False)
 
 
-def _upstream_failure(role: str, worker: Worker, status: int, body: bytes) -> Failure:
+def _upstream_failure(role: str, worker: Worker, status: int, body: bytes,
+                      pair: bool = False) -> Failure:
     text = body[:800].decode("utf-8", "replace")
     return Failure(
         status, f"{role}_{_KIND.get(status, 'error')}",
         f"{role.capitalize()} server error ({status}) from {worker.url}: {text}",
-        retriable=status in RETRY_STATUSES,
+        retriable=status in RETRY_STATUSES, pair=pair,
     )
 
 
@@ -165,8 +178,8 @@ def _prefill_outcome(metrics: RouterMetrics, p: Worker, d: Worker, res: PrefillR
             return _client_timeout()
         d.circuit.record(False)
         metrics.worker_error("decode", "peer_fault")
-        return _upstream_failure("decode", d, res.status,
-                                 b"(reported by prefill " + p.url.encode() + b") " + res.body)
+        return _upstream_failure("decode", d, res.status, b"(reported by prefill " +
+                                 p.url.encode() + b") " + res.body, pair=True)
     if res.client_caused and res.status is None:
         return _client_timeout()
     if res.status is None:
@@ -225,17 +238,18 @@ class Proxy:
         self._background: set[asyncio.Task[PrefillResult]] = set()
         self._prober = Prober(clients, stall_s=config.migration_stall_secs,
                               probe_s=config.health_check_timeout_secs)
+        self.pairs = metrics.pairs = PairCircuits(
+            config.pair_cb_failure_threshold, config.pair_cb_success_threshold,
+            config.pair_cb_timeout_duration_secs, enabled=config.pair_circuit_enabled)
+        registry.add_remove_listener(self.pairs.forget)
 
-    def select_pair(self, text: str) -> tuple[Worker, Worker] | str:
-        """A (P, D) pair, or the reason there is none."""
-        chosen = []
-        for role in ("prefill", "decode"):
-            workers = self._registry.available(role)
-            if not workers:
-                return f"No available {role} workers (all unhealthy or circuits open)"
-            chosen.append(self._policies[role].select(workers, text))
-            self._metrics.selected(role)
-        return chosen[0], chosen[1]
+    def select_pair(self, text: str,
+                    avoid: Collection[PairKey] = ()) -> tuple[Worker, Worker] | str:
+        """A (P, D) pair (open pair circuits and `avoid` last: router/pairs.py), or why none."""
+        pair = self.pairs.choose(self._registry, self._policies, text, avoid)
+        if not isinstance(pair, str):
+            self._metrics.selected("prefill"), self._metrics.selected("decode")
+        return pair
 
     def backoff_s(self, retry: int) -> float:
         cfg = self._cfg
@@ -296,13 +310,14 @@ class Proxy:
         migration: Migration | str | None = None,
     ) -> Response | DecodeLeg:
         failure: Failure | None = None
+        failed_pairs: set[PairKey] = set()  # this request's retries try other pairings first
         for attempt in range(self._cfg.max_attempts):
             if attempt:
                 self._metrics.retry(_failed_role(failure), route)
                 await asyncio.sleep(min(self.backoff_s(attempt), deadline.left()))
             if deadline.left() <= 0:
                 break
-            pair = self.select_pair(text)
+            pair = self.select_pair(text, failed_pairs)
             if isinstance(pair, str):
                 last = f"; last error: {failure.message}" if failure else ""
                 return error_response(
@@ -313,11 +328,17 @@ class Proxy:
                 await self.before_decode(d)
             content = json.dumps(inject_bootstrap({**body, **self._dp.fields(p, d)}, p, n,
                                                   self._cfg.route_key, d.server_id)).encode()
-            outcome = await self._attempt(
-                route, p, d, content, headers, stream, logprobs=logprobs, deadline=deadline,
-                request_id=request_id, gone=gone,
-                echo=route == "/v1/completions" and bool(body.get("echo")), migration=migration,
-            )
+            ticket, outcome = self.pairs.begin(p, d), None
+            try:
+                outcome = await self._attempt(
+                    route, p, d, content, headers, stream, logprobs=logprobs, deadline=deadline,
+                    request_id=request_id, gone=gone, migration=migration,
+                    echo=route == "/v1/completions" and bool(body.get("echo")))
+            finally:  # also when cancelled: a half-open pair's trial slot is freed
+                self.pairs.end(ticket, verdict := _pair_outcome(outcome),
+                               outcome.message if isinstance(outcome, Failure) else "")
+            if verdict is False:
+                failed_pairs.add(ticket.key)
             if isinstance(outcome, (Response, DecodeLeg)):
                 return outcome
             failure = outcome
@@ -396,13 +417,15 @@ class Proxy:
                             if deadline.client_expired():  # P gave up on the client's timeout
                                 record(p, None, self._metrics, "timeout")
                                 return _client_timeout()
-                            if code_of(leg.body) == ErrorCode.PEER_RESTARTED:  # not the one now
+                            restarted = code_of(leg.body) == ErrorCode.PEER_RESTARTED
+                            if restarted:  # not the one now
                                 self._metrics.worker_error("prefill", "peer_restarted")
                             else:
                                 p.circuit.record(False)
                                 self._metrics.worker_error("prefill", "peer_fault")
                             return _upstream_failure("prefill", p, leg.status, b"(reported by "
-                                                     b"decode " + d.url.encode() + b") " + leg.body)
+                                                     b"decode " + d.url.encode() + b") " + leg.body,
+                                                     pair=not restarted)
                         if leg.status in RETRY_STATUSES:
                             return _upstream_failure("decode", d, leg.status, leg.body)
                         return Response(leg.body, leg.status, media_type=leg.content_type,

@@ -22,6 +22,7 @@ import zmq
 
 from pdcore.disagg.control import MAX_PEERS, ControlPlane
 from pdcore.route_auth import SERVER_ID_HEADER, body_digest, route_key, sign_route
+from pdcore.testing.fault_proxy import FaultProxy
 from pdcore.testing.greedy import check_greedy, hf_greedy
 from pdcore.testing.pages import load_at_rest
 from pdcore.testing.processes import ADMIN_HEADERS, PDCluster, ServerProcess, free_port
@@ -286,6 +287,62 @@ def test_secret_never_goes_to_an_address_that_cannot_prove_it(signed_pair) -> No
     assert all(SECRET.encode() not in b"".join(f) for f in frames)
     metrics = httpx.get(c.decodes[0].url + "/metrics", timeout=10).text
     assert "pdserve_scheduler_kv_pairing_refused_total" in metrics
+    c.wait_pages_free()
+
+
+def _pairs_and_metric(url: str) -> tuple[list[dict[str, Any]], float]:
+    pairs = httpx.get(url + "/workers", timeout=10).json()["pairs"]
+    opened = [line for line in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+              if line.startswith("pdrouter_pair_circuits_open ")]
+    return pairs, float(opened[0].split()[1])
+
+
+def test_a_cut_prefill_decode_link_is_avoided(signed_pair) -> None:
+    """A P-D partition (router/pairs.py, #49): the router reaches the prefill server also as a
+    second worker through fault proxies on its HTTP and bootstrap ports; that bootstrap link
+    is cut (D is refused there; D and the router stay healthy to each other). D fails that
+    pair's rooms (502 peer_failed), the router retries them on the direct pairing, and after
+    the default --pair-cb-failure-threshold (3) it no longer tries the cut pair (one trial per
+    --pair-cb-timeout-duration-secs, 30 s). Every answer is 200 with the same greedy ids."""
+    c, _ = signed_pair
+    http_proxy = FaultProxy("127.0.0.1", free_port(), "127.0.0.1", c.prefills[0].port).start()
+    boot = FaultProxy("127.0.0.1", free_port(), "127.0.0.1", c.bootstrap_ports[0]).start()
+    boot.refuse = True
+    cut = f"http://127.0.0.1:{http_proxy.listen[1]}"
+    r = httpx.post(c.url + "/workers", json={"url": cut, "worker_type": "prefill",
+                                             "bootstrap_port": boot.listen[1]},
+                   headers=ADMIN_HEADERS, timeout=60)
+    assert r.status_code == 200, r.text
+    want: list[int] | None = None
+
+    def serve() -> None:
+        nonlocal want
+        r = httpx.post(c.url + "/generate", json=ROUTES["/generate"], timeout=120)
+        assert r.status_code == 200, (r.text, c.router.log()[-3000:])
+        want = want or r.json()["output_ids"]
+        assert r.json()["output_ids"] == want
+
+    try:
+        for _ in range(12):  # round robin: the cut pair comes every other request
+            began = time.monotonic()  # the pair opens after this
+            serve()
+            pairs, _ = _pairs_and_metric(c.url)
+            if pairs and pairs[0]["state"] == "open":
+                break
+        (pair,) = pairs
+        assert (pair["prefill"], pair["state"], pair["total_failures"]) == (cut, "open", 3), pair
+        assert "cannot bootstrap" in pair["last_error"], pair  # D's reason, through P's name
+        for _ in range(5):
+            serve()
+        (pair,), open_now = _pairs_and_metric(c.url)
+        # nothing tried the cut pair since, but one trial per 30 s cool-down that passed
+        assert pair["total_failures"] - 3 <= (time.monotonic() - began) // 30, pair
+        assert open_now == (pair["state"] == "open") and pair["state"] != "closed"
+    finally:
+        httpx.delete(c.url + "/workers", params={"url": cut}, headers=ADMIN_HEADERS, timeout=30)
+        http_proxy.stop()
+        boot.stop()
+    assert _pairs_and_metric(c.url) == ([], 0.0)  # the removed worker's pairs went with it
     c.wait_pages_free()
 
 

@@ -71,6 +71,10 @@ class FakeWorker:
     fail_code: str | int | None = None  # the failures' error code (default: the status)
     fail_headers: dict[str, str] = field(default_factory=dict)  # on the injected failures
     fail_delay: float = 0.0  # before answering an injected failure
+    # decode: a 502 `peer_failed` (its prefill peer failed the room, as a real decode server
+    # answers when it cannot reach that prefill) for a request naming one of these bootstrap
+    # ports: a cut link between this decode and that prefill (router/pairs.py)
+    cut_from_ports: set[int] = field(default_factory=set)
     delay: float = 0.0  # before answering a generation request
     hang_until_disconnect: bool = False
     health_status: int = 200
@@ -137,6 +141,10 @@ class FakeWorker:
             code = status if self.fail_code is None else self.fail_code
             return JSONResponse({"error": {"message": message, "code": code}}, status,
                                 headers=self.fail_headers)
+        if body.get("bootstrap_port") in self.cut_from_ports:
+            return JSONResponse({"error": {"message": f"{self.name}: cannot reach prefill at "
+                                           f"port {body['bootstrap_port']}",
+                                           "code": "peer_failed"}}, 502)
         if self.hang_until_disconnect:
             while not await request.is_disconnected():
                 await asyncio.sleep(0.02)

@@ -33,6 +33,10 @@ def test_a_peer_fault_opens_only_the_peers_circuit(fake_worker, router, reporter
         assert err["code"] == f"{peer}_bad_gateway" and reporter_w.url in err["message"], err
     assert r.worker_state(reporter_w.url)["circuit"]["state"] == "closed"
     assert r.worker_state(peer_w.url)["circuit"]["state"] == "open"
+    # and against the pair (router/pairs.py): 2 of the default 3, not open yet
+    (pair,) = r.client.get("/workers").json()["pairs"]
+    assert (pair["prefill"], pair["decode"], pair["total_failures"]) == (p.url, d.url, 2)
+    assert pair["state"] == "closed", pair
     if reporter == "prefill":
         from prometheus_client.parser import text_string_to_metric_families
 
@@ -60,6 +64,7 @@ def test_a_prefill_restart_reported_by_decode_blames_nobody(fake_worker, router)
     for w in (p, d):
         assert r.worker_state(w.url)["circuit"]["state"] == "closed"
     assert 'error_type="peer_restarted"' in r.client.get("/metrics").text
+    assert r.client.get("/workers").json()["pairs"] == []  # nor the pair
 
 
 def test_client_gone_before_first_byte_aborts_both_legs(fake_worker, router):
