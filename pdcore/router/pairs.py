@@ -120,18 +120,18 @@ class PairCircuits:
             c.trial = True
         return Ticket(key, trial)
 
-    def end(self, ticket: Ticket, outcome: bool | None, error: str = "") -> None:
+    def end(self, ticket: Ticket, outcome: bool | None, error: str = "") -> bool | None:
         """Settle an attempt: True the pair worked, False a pair failure, None neither (another
-        failure, the client went away): a trial's slot is freed for the next request."""
+        failure, the client went away): a trial's slot is freed for the next request. Returns
+        `outcome`."""
         c = self._pairs.get(ticket.key)
         if ticket.trial and c is not None:
             c.trial = False
-        if outcome is None:
-            return
         if outcome:
             self._success(ticket.key, c)
-        else:
+        elif outcome is False:
             self._failure(ticket.key, c, error)
+        return outcome
 
     def _success(self, key: PairKey, c: _Pair | None) -> None:
         if c is None:

@@ -111,14 +111,12 @@ class Failure:
     pair: bool = False  # a peer-fault report: the pair failed (router/pairs.py)
 
 
-def _pair_outcome(outcome: object) -> bool | None:
-    """How an attempt counts on its pair's circuit (router/pairs.py): True it committed with a
-    good answer, False a pair failure, None neither."""
+def _pair_outcome(outcome: object) -> tuple[bool | None, str]:
+    """On the pair's circuit (router/pairs.py): True committed well, False a pair failure."""
     if isinstance(outcome, Failure):
-        return False if outcome.pair else None
-    if isinstance(outcome, DecodeLeg):
-        return True
-    return True if isinstance(outcome, Response) and outcome.status_code < 400 else None
+        return (False if outcome.pair else None), outcome.message
+    ok = isinstance(outcome, DecodeLeg) or getattr(outcome, "status_code", 500) < 400
+    return (True if ok else None), ""
 
 
 def _failed_role(failure: Failure | None) -> str:
@@ -335,10 +333,8 @@ class Proxy:
                     request_id=request_id, gone=gone, migration=migration,
                     echo=route == "/v1/completions" and bool(body.get("echo")))
             finally:  # also when cancelled: a half-open pair's trial slot is freed
-                self.pairs.end(ticket, verdict := _pair_outcome(outcome),
-                               outcome.message if isinstance(outcome, Failure) else "")
-            if verdict is False:
-                failed_pairs.add(ticket.key)
+                if self.pairs.end(ticket, *_pair_outcome(outcome)) is False:
+                    failed_pairs.add(ticket.key)
             if isinstance(outcome, (Response, DecodeLeg)):
                 return outcome
             failure = outcome
@@ -417,15 +413,14 @@ class Proxy:
                             if deadline.client_expired():  # P gave up on the client's timeout
                                 record(p, None, self._metrics, "timeout")
                                 return _client_timeout()
-                            restarted = code_of(leg.body) == ErrorCode.PEER_RESTARTED
-                            if restarted:  # not the one now
-                                self._metrics.worker_error("prefill", "peer_restarted")
-                            else:
+                            gone_p = code_of(leg.body) == ErrorCode.PEER_RESTARTED  # not P now
+                            if not gone_p:
                                 p.circuit.record(False)
-                                self._metrics.worker_error("prefill", "peer_fault")
+                            self._metrics.worker_error("prefill", ("peer_restarted" if gone_p
+                                                                   else "peer_fault"))
                             return _upstream_failure("prefill", p, leg.status, b"(reported by "
-                                                     b"decode " + d.url.encode() + b") " + leg.body,
-                                                     pair=not restarted)
+                                                     b"decode " + d.url.encode() + b") " +
+                                                     leg.body, pair=not gone_p)
                         if leg.status in RETRY_STATUSES:
                             return _upstream_failure("decode", d, leg.status, leg.body)
                         return Response(leg.body, leg.status, media_type=leg.content_type,
