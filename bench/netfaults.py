@@ -28,6 +28,8 @@ bench/results/netfaults.json + .png (netfaults_<backend> for another backend). N
     python bench/netfaults.py               # 30 s faults, a tiny random model
     python bench/netfaults.py --quick       # 8 s faults
     python bench/netfaults.py --model-path /path/model --backend mooncake
+    python bench/netfaults.py --only "partition P-D" --tag pd_cut_before \
+        --router-flags=--disable-pair-circuit-breaker   # the router's pair circuits off
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class Cluster:
                        "--prefill", f"http://{lab.addr('p')}:{PROXY_HTTP}", str(PROXY_BOOT)]
         for d in self.decodes:
             router += ["--decode", f"http://{lab.addr(d)}:{PROXY_HTTP}"]
-        self._spawn("r", router)
+        self._spawn("r", router + self.args.router_flags.split())
         self.wait_health([self.url], 120)
 
     @property
@@ -262,6 +264,9 @@ def main() -> int:
     ap.add_argument("--recovery-limit-s", type=float, default=120.0)
     ap.add_argument("--only", nargs="*", default=[], help="scenario names containing these")
     ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--router-flags", default="",
+                    help="more flags for the router, e.g. '--disable-pair-circuit-breaker'")
+    ap.add_argument("--tag", default="", help="a suffix for the result files' name")
     args = ap.parse_args()
     if args.quick:
         args.fault_s = 8.0
@@ -270,6 +275,7 @@ def main() -> int:
         print(f"netfaults: skipped: {why}")
         return 0
     name = "netfaults" if args.backend == "tcp" else f"netfaults_{args.backend}"
+    name += f"_{args.tag}" if args.tag else ""
     run = Run(name, vars(args))
     logs = Path(tempfile.mkdtemp(prefix="pdserve-netfaults-"))
     model = args.model_path
