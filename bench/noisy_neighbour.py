@@ -3,7 +3,8 @@ serves 128 in / 64 out at concurrency 8. Does pdserve lose in proportion to the 
 neighbour takes, or collapse (an OpenMP team whose threads spin at each barrier waiting for a
 peer the kernel descheduled)?
 
-Per variant (one server each: pdserve's defaults, and thread / wait-policy variants given
+Per variant (one server each: pdserve's defaults, whose thread team adapts to the neighbour
+at run time, `no adapt` (PDSERVE_CPU_TEAM_ADAPT=0), and thread / wait-policy variants given
 as environment or flags), rounds alternate "alone" and "neighbour" (`python -c 'while 1:
 pass'` pinned to --neighbour-cpu, in a session of its own at the bench's session weight, the
 way the server is: with the kernel's autogroups, nice is per session). Per round: output tok/s,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import statistics
 import sys
 import time
@@ -37,7 +39,8 @@ from pdcore.runtime.lifeline import popen_session
 NAME = "noisy_neighbour"
 # name -> (server flags, server environment)
 VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
-    "default": ((), {}),
+    "default": ((), {}),  # the team adapts at run time (pdcore/runtime/cpu_team.py)
+    "no adapt": ((), {"PDSERVE_CPU_TEAM_ADAPT": "0"}),  # the team as placed
     "passive": ((), {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}),
     "spin 2M": ((), {"GOMP_SPINCOUNT": "2000000"}),
     "1 thread": (("--cpu-omp-threads-bind", "0"), {}),
@@ -50,9 +53,19 @@ def neighbour(cpu: int) -> Any:
     return popen_session(["taskset", "-c", str(cpu), sys.executable, "-c", "while 1: pass"])
 
 
+def team(url: str) -> dict[str, float]:
+    """The server's pdserve_scheduler_cpu_team_* values (threads now, changes, probes)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {k: float(v) for k, v in re.findall(r"^pdserve_scheduler_(cpu_team_\w+) (\S+)$", text,
+                                               re.MULTILINE)}
+
+
 def one_round(url: str, prompts: list[list[int]], args: argparse.Namespace, pid: int,
               busy: int | None) -> dict[str, Any]:
     hog = neighbour(busy) if busy is not None else None
+    team0 = team(url)
     try:
         time.sleep(0.5 if hog else 0)  # it is running before the first request
         hog_cpu0 = cpu_seconds(hog.pid) if hog else 0.0
@@ -65,7 +78,9 @@ def one_round(url: str, prompts: list[list[int]], args: argparse.Namespace, pid:
             hog.kill()
             hog.wait(10)
     st = latency_stats(results)
-    return {"neighbour": busy is not None, "wall_s": wall,
+    team1 = team(url)
+    return {"neighbour": busy is not None, "wall_s": wall, "team_before": team0,
+            "team_after": team1,
             "tok_s": st["output_tokens"] / wall, "errors": st["errors"],
             "tpot_ms_p50": st["tpot_s"]["p50"] * 1e3 if st["tpot_s"] else None,
             "ttft_s_p50": st["ttft_s"]["p50"] if st["ttft_s"] else None,
@@ -90,16 +105,20 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 rounds.append(r)
                 print(f"{name} round {rnd} {'neighbour' if busy is not None else 'alone'}: "
                       f"{r['tok_s']:.1f} tok/s, TPOT {r['tpot_ms_p50']:.0f} ms, server "
-                      f"{r['server_cores']:.2f} cores, neighbour {r['neighbour_cores']:.2f} "
+                      f"{r['server_cores']:.2f} cores, neighbour {r['neighbour_cores']:.2f}, "
+                      f"team {r['team_after'].get('cpu_team_threads')} threads, "
+                      f"{r['team_after'].get('cpu_team_changes_total')} changes "
                       f"(load {r['loadavg'][0]:.1f})", flush=True)
         affinity = tree_affinity(pid)
+        team_log = [line for line in server.log().splitlines() if "CPU team" in line]
     finally:
         server.stop()
     alone = statistics.median(r["tok_s"] for r in rounds if not r["neighbour"])
     with_n = statistics.median(r["tok_s"] for r in rounds if r["neighbour"])
     taken = statistics.median(r["neighbour_cores"] for r in rounds if r["neighbour"])
     cpus = len(os.sched_getaffinity(0))
-    return {"flags": flags, "env": env, "placement_log": placement, "affinity": affinity,
+    return {"flags": flags, "env": env, "placement_log": placement, "team_log": team_log,
+            "affinity": affinity,
             "rounds": rounds, "tok_s_alone": alone, "tok_s_neighbour": with_n,
             "ratio": with_n / alone, "neighbour_cores": taken,
             "proportional_ratio": (cpus - min(taken, 1.0)) / cpus}

@@ -300,10 +300,9 @@ class Engine(Group):
         "which packed layout: `auto` times both on each weight shape at load (decode-sized rows "
         "weighted 16:1 against a 256-row prefill chunk) and keeps the faster; `panels` or "
         "`onednn` fix it (/metrics: `pdserve_scheduler_gemm_weights_*`)")
-    pdcore_cpu_isa = Var(
-        "", _cpu_isa, "run as a CPU with less than this one: `avx2` (no AVX-512, no bf16 "
-        "hardware: AMD Zen 2) or `avx512` (AVX-512 with BF16, no AMX: AMD Zen 4); torch's "
-        "kernels, oneDNN's and the `--dtype bfloat16` check follow it", shown="auto")
+    pdcore_cpu_isa = Var("", _cpu_isa, "run as a CPU with less than this one: `avx2` (no "
+        "AVX-512, no bf16 hardware: AMD Zen 2) or `avx512` (AVX-512 with BF16, no AMX: AMD Zen "
+        "4); torch's kernels, oneDNN's and the `--dtype bfloat16` check follow it", shown="auto")
     pdcore_cpuinfo = Var("/proc/cpuinfo", text, "the CPU description to read (tests)")
     pdcore_native = Var(
         True, flag, "the engine's native kernels (panel GEMMs, decode attention, decode layer "
@@ -318,6 +317,7 @@ class Engine(Group):
                                    "contiguous per request beside the pool; 0 gathers every step")
     pdserve_cpu_omp_threads_bind = Var(
         "auto", text, "CPU placement of the engine's OpenMP threads (`--cpu-omp-threads-bind`)")
+    pdserve_cpu_team_adapt = Var(True, flag, "shrink the OpenMP team off busy cores (docs/cpu.md)")
     pdcore_host_servers = Var(
         1, _host_count, "servers sharing this host's KV budget (`pdserve up` sets it)")
     pdcore_tp_timeout = Var(600.0, number, "seconds a TP collective may wait")

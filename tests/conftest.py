@@ -23,9 +23,16 @@ from typing import Any
 
 import pytest
 
+from pdcore.env import ENV as _ENV
+from pdcore.env import put as _put
 from pdcore.runtime_env import apply as _apply_runtime_env
 
 _apply_runtime_env()  # before any test module loads torch
+# a server's OpenMP team adapts to the machine's load at run time (pdcore/runtime/cpu_team.py):
+# on a loaded CI machine its thread count would change under tests that compare outputs across
+# requests, so servers keep the team as placed unless a test turns it on (or you set it)
+if not _ENV.is_set("PDSERVE_CPU_TEAM_ADAPT"):
+    _put({"PDSERVE_CPU_TEAM_ADAPT": "0"})
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make pdserve_testing importable
 

@@ -33,6 +33,7 @@ from pdcore.config import ServerArgs
 from pdcore.messages.io import ControlKind, ControlReq, ControlResp
 from pdcore.engine.sched.scheduler import DecodeLog
 from pdcore.engine.sched.stats import StatsReport
+from pdcore.runtime.cpu_team import CpuTeam
 from pdcore.runtime.grammar_gate import GrammarGate
 from pdcore.runtime.group import agree_started
 from pdcore.runtime.lifeline import (
@@ -68,6 +69,11 @@ class SchedulerLoop:
         self.grammar = GrammarGate(self.sched.grammar_backend)
         self.watchdog = StepWatchdog(watchdog_timeout)
         self.decode_log = DecodeLog(decode_log_interval)  # --decode-log-interval
+        import torch
+
+        # the OpenMP team off cores a busy neighbour takes (built here: this thread is its master)
+        self.team = CpuTeam.start(engine.args.device, torch.get_num_threads(),
+                                  torch.set_num_threads)
 
     def handle(self, msg: Any) -> None:
         if not isinstance(msg, ControlReq):
@@ -87,6 +93,7 @@ class SchedulerLoop:
             dp = self.lockstep.dp  # DP attention: forwards run only for the other DP ranks
             if dp is not None:
                 report.add_named(dp.stats())
+            report.add_named(self.team.stats())
             return report if msg.kind == ControlKind.STATS else report.as_dict()
         if msg.kind == ControlKind.FLUSH_CACHE:
             return s.flush_cache()
@@ -158,6 +165,7 @@ class SchedulerLoop:
             self.stop = self.stop or self.lockstep.stopped  # DP attention: a DP rank stopped
             self.watchdog.end()
             self.sched.log_decode(self.decode_log)
+            self.team.tick(timeout != IDLE_POLL_MS)
             for out in outs:
                 self.send.send(pickle.dumps(out))
             if self.profiler is not None:
