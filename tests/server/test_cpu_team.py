@@ -209,7 +209,7 @@ def _wait_for(server, name: str, value: float) -> None:
 
 
 def _shrinks_and_grows_back(server, pair: tuple[int, int]) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 30
     while -1 in (busy := [_metric(server.url, f"cpu_team_contention_cpu{c}", -1) for c in pair]) \
             and time.monotonic() < deadline:
         time.sleep(0.5)  # a window measured under load
