@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 
-def _wait(predicate, timeout: float = 15.0) -> None:
+def _wait(predicate, timeout: float = 15.0, state=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
+        assert time.monotonic() < deadline, f"condition not reached in time {state()}"
         time.sleep(0.02)
 
 
@@ -50,14 +50,16 @@ def test_stream_whose_prefill_fails_after_decode_began_is_retried(fake_worker, r
 
 def test_stream_committed_once_tokens_flow(fake_worker, router):
     """Once decode streams past its first event it has the KV: a prefill answer arriving later
-    (even a failure) changes nothing, and nothing waits for it."""
-    p = fake_worker("prefill", fail_statuses=[500], fail_delay=1.5)
+    (even a failure) changes nothing, and nothing waits for it: the stream ends long before
+    the prefill's failure comes (10 s; the stream took 2.4 s once at load 12, 1.4 s was its
+    bound then)."""
+    p = fake_worker("prefill", fail_statuses=[500], fail_delay=10)
     d = fake_worker("decode", stream_interval=0.05)
     r = router([(p, None)], [d], retry_initial_backoff_ms=1)
     started = time.monotonic()
     resp = r.client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert resp.status_code == 200 and "[DONE]" in resp.text and '"error"' not in resp.text
-    assert time.monotonic() - started < 1.4 and len(d.received) == 1
+    assert time.monotonic() - started < 8 and len(d.received) == 1
 
 
 def test_decode_503_retried_then_success(fake_worker, router):
@@ -103,8 +105,12 @@ def test_request_timeout_frees_both_legs(fake_worker, router):
     resp = r.client.post("/generate", json={"text": "x"})
     assert resp.status_code == 504 and resp.json()["error"]["code"] == "request_timeout"
     assert p.received or d.received, "no leg reached a worker in 2 s"
-    _wait(lambda: p.disconnects == len(p.received) and d.disconnects == len(d.received))
-    _wait(lambda: r.worker_state(d.url)["in_flight"] == 0 and r.worker_state(p.url)["in_flight"] == 0)
+    # (failed 2 of ~25 runs at load 5-8, not reproduced since: the state says which wait)
+    _wait(lambda: p.disconnects == len(p.received) and d.disconnects == len(d.received),
+          state=lambda: f"disconnects/received: P {p.disconnects}/{len(p.received)}, "
+                        f"D {d.disconnects}/{len(d.received)}")
+    _wait(lambda: r.worker_state(d.url)["in_flight"] == 0 and r.worker_state(p.url)["in_flight"] == 0,
+          state=lambda: f"router: D {r.worker_state(d.url)}, P {r.worker_state(p.url)}")
 
 
 def test_unreachable_decode_is_out_of_rotation_at_once(fake_worker, router):
