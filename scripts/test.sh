@@ -141,15 +141,17 @@ plugin_entries() {  # every plugin's matrix entries, one after another, once its
 # suite's last 12 minutes (clean clone of 282bc6a: done at +1143 s, the core at +1883 s), so the
 # core's own fault suites (tests/faults/: freezes, timeouts, slow and flooding clients) end it,
 # as the entry core-faults, off the core's two workers, with the fault scenarios that live beside
-# the code they test (lane_extra: kills, freezes and migrations on tiny models, mostly waits).
-# Clean clone of a8ab52a: the lane done at +1502 s, the core at +1913 s (1835 s of pytest, its
-# two workers ending within 10 s of each other); lane_extra's 201 s of core worker time moved to
-# the lane ends both near +1800 s. Each background entry's output is printed whole once the
-# core is done.
+# the code they test (lane_extra: kills, freezes, restarts and migrations, mostly waits).
+# Clean clone of a8ab52a: the lane done at +1502 s, the core at +1913 s (1835 s of pytest for
+# 3561 s of tests on its two workers, ending within 10 s of each other); lane_extra's 263 s of
+# core worker time moved to the lane should end both near +1770 s. Each background entry's
+# output is printed whole once the core is done.
 matrix=$root/tests/faults/test_fault_matrix.py
 lane_tail=$root/tests/faults  # the matrix apart, it is an entry of its own
 lane_extra=("$root/tests/pd/test_pd_misc.py" "$root/tests/pd/test_pd_faults.py"
-            "$root/tests/tp/test_tp_faults.py")
+            "$root/tests/tp/test_tp_faults.py" "$root/tests/pd/test_up_supervision.py"
+            "$root/tests/server/test_engine_death.py"
+            "$root/tests/router/test_router_resilience.py")
 checkov_entry() {
   wait_for checkov
   if [ -e "$work/checkov.ok" ]; then
