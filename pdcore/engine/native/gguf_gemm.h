@@ -605,10 +605,11 @@ struct GdX {
   const float* ds;
   const int32_t* c8;
   int64_t K;
+  const float* dl;  // [M, K / 4] d_x per lane (VNNI Q8_0 / Q4_0)
 };
 
 void gd_quantize(const float* x, int64_t M, int64_t K, int8_t* qs, uint8_t* qu, float* ds,
-                 int32_t* c8) {
+                 int32_t* c8, float* dl) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -647,6 +648,7 @@ void gd_quantize(const float* x, int64_t M, int64_t K, int8_t* qs, uint8_t* qu, 
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_hadd_epi32(s4, s4);
         s4 = _mm_hadd_epi32(s4, s4);
+        if (dl != nullptr) _mm256_storeu_ps(dl + r * (K / 4) + 8 * b, _mm256_set1_ps(d));
         ds[r * 2 * nb + 2 * b] = d;
         ds[r * 2 * nb + 2 * b + 1] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
       }
@@ -799,23 +801,33 @@ GD_VNNI void gd_row_vnni(const uint8_t* s, int64_t nb, const GdX& x, int64_t m0,
   for (; k + 2 <= nb; k += 2, s += 2 * BY) {
     const __m128 wd = gd_pairs(s, s + BY);
     const __m512i w = gd_weights2<TYPE>(s);
-    __m512i cw;
-    if (TYPE == GGML_Q8_0) cw = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, w);
-    PD_UNROLL for (int m = 0; m < MT; ++m) {
-      const int64_t r = m0 + m;
-      const __m128 pr = _mm_mul_ps(wd, _mm_loadu_ps(x.ds + r * 2 * nb + 2 * k));
-      mins[m] = _mm_add_ps(mins[m], pr);
-      __m512i p;
-      if (TYPE == GGML_Q8_0) {
-        p = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                 _mm512_loadu_si512(x.qu + r * K + 32 * k), w), cw);
-      } else {
-        const __m512i init = TYPE == GGML_Q4_0 ? _mm512_loadu_si512(x.c8 + r * K4 + 8 * k)
-                                               : _mm512_setzero_si512();
-        p = _mm512_dpbusd_epi32(init, w, _mm512_loadu_si512(x.qs + r * K + 32 * k));
+    if (TYPE == GGML_Q4_1) {  // the min terms: (d, m) x (d_x, d_x * sum) in one product
+      PD_UNROLL for (int m = 0; m < MT; ++m) {
+        const int64_t r = m0 + m;
+        const __m128 pr = _mm_mul_ps(wd, _mm_loadu_ps(x.ds + r * 2 * nb + 2 * k));
+        mins[m] = _mm_add_ps(mins[m], pr);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w,
+                                              _mm512_loadu_si512(x.qs + r * K + 32 * k));
+        const __m512 sc = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(pr));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[m]);
       }
-      const __m512 sc = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(pr));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[m]);
+    } else {  // no mins: the blocks' d once as 16 lanes, times x's d_x lanes (the same product)
+      const __m512 dw = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(wd));
+      __m512i ncw;  // Q8_0: -128 * (each lane's q sum), vpdpbusd's start
+      if (TYPE == GGML_Q8_0)
+        ncw = _mm512_sub_epi32(_mm512_setzero_si512(),
+                               _mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, w));
+      PD_UNROLL for (int m = 0; m < MT; ++m) {
+        const int64_t r = m0 + m;
+        __m512i p;
+        if (TYPE == GGML_Q8_0)
+          p = _mm512_dpbusd_epi32(ncw, _mm512_loadu_si512(x.qu + r * K + 32 * k), w);
+        else
+          p = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.c8 + r * K4 + 8 * k), w,
+                                  _mm512_loadu_si512(x.qs + r * K + 32 * k));
+        const __m512 sc = _mm512_mul_ps(dw, _mm512_loadu_ps(x.dl + r * K4 + 8 * k));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[m]);
+      }
     }
   }
   __m256 lo[MT];
@@ -846,8 +858,10 @@ template <int64_t TYPE>
 GdRowFn gd_row_fn(bool vnni, int mt) {
 #if defined(PD_ISA_AVX512)
   if (vnni) {
-    static const GdRowFn f[4] = {gd_row_vnni<TYPE, 1>, gd_row_vnni<TYPE, 2>,
-                                 gd_row_vnni<TYPE, 3>, gd_row_vnni<TYPE, 4>};
+    static const GdRowFn f[8] = {gd_row_vnni<TYPE, 1>, gd_row_vnni<TYPE, 2>,
+                                 gd_row_vnni<TYPE, 3>, gd_row_vnni<TYPE, 4>,
+                                 gd_row_vnni<TYPE, 5>, gd_row_vnni<TYPE, 6>,
+                                 gd_row_vnni<TYPE, 7>, gd_row_vnni<TYPE, 8>};
     return f[mt - 1];
   }
 #endif
@@ -865,7 +879,7 @@ GdRowFn gd_pick(int64_t type, bool vnni, int mt) {
 }
 
 // y [M, N] for a Q8_0 / Q4_0 / Q4_1 weight: x quantized once; then up to 64 rows of x at a
-// time, each weight row read once per 4 of them (parallel over the weight's rows)
+// time, each weight row read once per 8 of them (VNNI; 4 with AVX2), parallel over its rows
 void gd_linear(const float* xp, int64_t M, const GgufWeight& g, int64_t N, const float* bp,
                float* yp, bool vnni) {
   const int64_t K = g.K, nb = K / 32;
@@ -873,15 +887,17 @@ void gd_linear(const float* xp, int64_t M, const GgufWeight& g, int64_t N, const
   std::vector<uint8_t> qu(vnni && g.type == GGML_Q8_0 ? M * K : 0);
   std::vector<float> ds(M * 2 * nb);
   std::vector<int32_t> c8(g.type == GGML_Q4_0 ? M * (K / 4) : 0);
+  std::vector<float> dl(vnni && g.type != GGML_Q4_1 ? M * (K / 4) : 0);
   gd_quantize(xp, M, K, qs.data(), qu.empty() ? nullptr : qu.data(), ds.data(),
-              c8.empty() ? nullptr : c8.data());
+              c8.empty() ? nullptr : c8.data(), dl.empty() ? nullptr : dl.data());
   const GdX xs{qs.data(), qu.empty() ? nullptr : qu.data(), ds.data(),
-               c8.empty() ? nullptr : c8.data(), K};
+               c8.empty() ? nullptr : c8.data(), K, dl.empty() ? nullptr : dl.data()};
+  const int64_t group = vnni ? 8 : 4;  // rows of x a weight row's unpacked blocks serve
   for (int64_t m0 = 0; m0 < M; m0 += GGUF_ROW_BLOCK) {
     const int64_t mb = std::min(GGUF_ROW_BLOCK, M - m0);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t m = m0; m < m0 + mb; m += 4) {
-        const int mt = static_cast<int>(std::min<int64_t>(4, m0 + mb - m));
+      for (int64_t m = m0; m < m0 + mb; m += group) {
+        const int mt = static_cast<int>(std::min<int64_t>(group, m0 + mb - m));
         const GdRowFn fn = gd_pick(g.type, vnni, mt);
         for (int64_t n = n0; n < n1; ++n)
           fn(g.data + n * g.row_bytes, nb, xs, m, yp + m * N + n, N, bp ? bp + n : nullptr);
