@@ -9,7 +9,8 @@ before its retry. The rule (applied by proxy.py):
   decode peer failed the room, D saying its prefill peer did; never `peer_restarted` (that
   instance is gone) nor a failure once the client's own `timeout` passed. It counts on the
   blamed worker's circuit as before, and on the pair's;
-- a **pair success** is an attempt that committed (D had the KV, or streamed on);
+- a **pair success** is P's good answer (P answers once the KV went to D), in the background
+  too; not a commit (a stream may commit on D's first event and an error event);
 - closed -> open after `failure_threshold` consecutive pair failures; open: the pair is avoided
   for `timeout_s`; then half-open: one request at a time may try it (the trial); a successful
   trial (`success_threshold` in a row) closes it, a failed one opens it again for `timeout_s`;
@@ -122,8 +123,8 @@ class PairCircuits:
 
     def end(self, ticket: Ticket, outcome: bool | None, error: str = "") -> bool | None:
         """Settle an attempt: True the pair worked, False a pair failure, None neither (another
-        failure, the client went away): a trial's slot is freed for the next request. Returns
-        `outcome`."""
+        failure, the client went away, P's answer still to come: `ok`): a trial's slot is
+        freed for the next request. Returns `outcome`."""
         c = self._pairs.get(ticket.key)
         if ticket.trial and c is not None:
             c.trial = False
@@ -132,6 +133,11 @@ class PairCircuits:
         elif outcome is False:
             self._failure(ticket.key, c, error)
         return outcome
+
+    def ok(self, prefill: Worker, decode: Worker) -> None:
+        """The pair worked: P answered well (it sent the KV), whenever that came."""
+        key = (prefill.key, decode.key)
+        self._success(key, self._pairs.get(key))
 
     def _success(self, key: PairKey, c: _Pair | None) -> None:
         if c is None:

@@ -112,11 +112,9 @@ class Failure:
 
 
 def _pair_outcome(outcome: object) -> tuple[bool | None, str]:
-    """On the pair's circuit (router/pairs.py): True committed well, False a pair failure."""
-    if isinstance(outcome, Failure):
-        return (False if outcome.pair else None), outcome.message
-    ok = isinstance(outcome, DecodeLeg) or getattr(outcome, "status_code", 500) < 400
-    return (True if ok else None), ""
+    """A pair failure (router/pairs.py), or None: P's good answer is the pair's success."""
+    failed = isinstance(outcome, Failure) and outcome.pair
+    return (False, getattr(outcome, "message", "")) if failed else (None, "")
 
 
 def _failed_role(failure: Failure | None) -> str:
@@ -191,16 +189,16 @@ def _prefill_outcome(metrics: RouterMetrics, p: Worker, d: Worker, res: PrefillR
 
 def _start_prefill(
     clients: UpstreamClients, metrics: RouterMetrics, p: Worker, url: str, content: bytes,
-    headers: dict[str, str], *, deadline: Deadline,
+    headers: dict[str, str], *, deadline: Deadline, on_ok: Callable[[], object],
 ) -> asyncio.Task[PrefillResult]:
     p.in_flight += 1
     task = asyncio.get_running_loop().create_task(
-        call_prefill(clients.get(p), p, url, content, headers, deadline,
-                     metrics=metrics)
-    )
+        call_prefill(clients.get(p), p, url, content, headers, deadline, metrics=metrics))
 
-    def _done(_: asyncio.Task[PrefillResult], worker: Worker = p) -> None:
+    def _done(t: asyncio.Task[PrefillResult], worker: Worker = p) -> None:
         worker.in_flight -= 1
+        if not t.cancelled() and t.exception() is None and t.result().ok:
+            on_ok()  # P sent the KV: the pair works (router/pairs.py)
 
     task.add_done_callback(_done)
     return task
@@ -357,7 +355,7 @@ class Proxy:
     ) -> Response | DecodeLeg | Failure:
         loop = asyncio.get_running_loop()
         p_task = _start_prefill(self._clients, self._metrics, p, p.url + route, content,
-                                headers, deadline=deadline)
+                                headers, deadline=deadline, on_ok=lambda: self.pairs.ok(p, d))
         leg = DecodeLeg(d, self._metrics)
         d_task = loop.create_task(
             leg.open(self._clients.get(d), d.url + route, content, headers, deadline, first_only=stream)

@@ -138,7 +138,9 @@ def test_a_cut_pair_is_avoided_then_tried_again(fake_worker, router, caplog) -> 
     P0 (and each failed one was retried there: the client sees 200 throughout); the pair is
     open on /workers and /metrics; after the cool-down one trial finds the link healed and
     closes it. (The pair circuits run on a fake clock: a loaded machine is no cool-down.)"""
-    p0, p1 = fake_worker("prefill"), fake_worker("prefill")
+    # a real P answers only after the KV went out (its answer is the pair's success): P1 is
+    # slow, so D's report comes first and the router cancels P1's call
+    p0, p1 = fake_worker("prefill"), fake_worker("prefill", delay=0.3)
     d = fake_worker("decode", cut_from_ports={7002})
     r = router([(p0, 7001), (p1, 7002)], [d], pair_cb_failure_threshold=2,
                pair_cb_timeout_duration_secs=30, cb_failure_threshold=50)
@@ -165,10 +167,13 @@ def test_a_cut_pair_is_avoided_then_tried_again(fake_worker, router, caplog) -> 
         if _pairs(r)[0]["state"] == "open":
             break
     assert _pairs(r)[0]["state"] == "open" and _pairs(r)[0]["times_opened"] == 2
-    d.cut_from_ports.clear()  # healed: the next trial closes it
+    d.cut_from_ports.clear()  # healed: the next trial closes it (once P1 answered well)
     clock.now = 60.0
     for _ in range(4):
         assert r.client.post("/generate", json={"text": "x"}).status_code == 200
+    deadline = time.monotonic() + 10
+    while _pairs(r) and time.monotonic() < deadline:  # P1's answer comes after decode's
+        time.sleep(0.05)
     assert _pairs(r) == [] and _metrics(r)["pdrouter_pair_circuits_open"] == 0
     assert len([b for b in d.bodies() if b["bootstrap_port"] == 7002]) >= 4
     assert any("pair circuit closed" in rec.message for rec in caplog.records)
@@ -177,7 +182,7 @@ def test_a_cut_pair_is_avoided_then_tried_again(fake_worker, router, caplog) -> 
 def test_a_retry_leaves_the_pair_that_failed_it(fake_worker, router) -> None:
     """cache_aware sends a known prompt back to the same prefill server: its retry after a
     peer fault goes to the other pairing anyway, below the circuit's threshold."""
-    p0, p1 = fake_worker("prefill"), fake_worker("prefill")
+    p0, p1 = fake_worker("prefill", delay=0.3), fake_worker("prefill", delay=0.3)
     d = fake_worker("decode")
     r = router([(p0, 7001), (p1, 7002)], [d], policy="cache_aware")
     assert r.client.post("/generate", json={"text": "the same prompt"}).status_code == 200
@@ -196,7 +201,7 @@ def test_a_retry_leaves_the_pair_that_failed_it(fake_worker, router) -> None:
 def test_the_only_pairing_is_still_tried(fake_worker, router, disable) -> None:
     """1P1D with the link cut: the pair opens but is never refused (503): every request is
     tried and fails with decode's reason; --disable-pair-circuit-breaker never opens it."""
-    p, d = fake_worker("prefill"), fake_worker("decode", cut_from_ports={7001})
+    p, d = fake_worker("prefill", delay=0.3), fake_worker("decode", cut_from_ports={7001})
     kw = {"disable_pair_circuit_breaker": True} if disable else {}
     r = router([(p, 7001)], [d], pair_cb_failure_threshold=1, retry_max_retries=2,
                cb_failure_threshold=50, **kw)
