@@ -141,9 +141,10 @@ class FakeWorker:
             code = status if self.fail_code is None else self.fail_code
             return JSONResponse({"error": {"message": message, "code": code}}, status,
                                 headers=self.fail_headers)
-        if body.get("bootstrap_port") in self.cut_from_ports:
+        ports = body.get("bootstrap_port")  # one per prompt for a batch
+        if set(ports if isinstance(ports, list) else [ports]) & self.cut_from_ports:
             return JSONResponse({"error": {"message": f"{self.name}: cannot reach prefill at "
-                                           f"port {body['bootstrap_port']}",
+                                           f"port {ports}",
                                            "code": "peer_failed"}}, 502)
         if self.hang_until_disconnect:
             while not await request.is_disconnected():
