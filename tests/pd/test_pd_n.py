@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +107,11 @@ def one_transfer_per_prompt(c: PDCluster, send: Callable[[], None], prompts: int
         except AssertionError:
             # the real sglang-router does not retry: a room that failed under load reaches
             # the client as an error event. Only a window with a failed room is tried again.
+            # the error event can reach the client before P or D has counted the room's
+            # failure: give the counters a moment to show it (else it was no failed room)
+            deadline = time.monotonic() + 15
+            while not failed_rooms(before, counters(c)) and time.monotonic() < deadline:
+                time.sleep(0.2)
             if not failed_rooms(before, counters(c)):
                 raise
             after = counters(c)
