@@ -20,6 +20,7 @@ import torch
 from pdcore.engine import native
 
 NATIVE_TESTS = Path(__file__).with_name("test_native.py")
+ATTENTION_TESTS = Path(__file__).with_name("test_native_attention.py")  # split from it
 SAMPLER_TESTS = Path(__file__).with_name("test_sampler_native.py")
 INT8_TESTS = Path(__file__).with_name("test_native_int8.py")  # the W8A8 int8 GEMM's paths
 # /proc/cpuinfo's flags line of an AMD Zen 2 (AVX2 and FMA, no AVX-512)
@@ -55,8 +56,8 @@ def test_the_native_tests_on_every_isa(isa: str) -> None:
         pytest.skip(f"{isa} is what test_native.py loads in a plain run")
     env = {**os.environ, native.ISA_ENV: isa}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-p", "no:xdist", str(NATIVE_TESTS), str(SAMPLER_TESTS),
-                        str(INT8_TESTS)],
+                        "-p", "no:xdist", str(NATIVE_TESTS), str(ATTENTION_TESTS),
+                        str(SAMPLER_TESTS), str(INT8_TESTS)],
                        env=env, capture_output=True, text=True,
                        timeout=900, check=False, cwd=NATIVE_TESTS.parent)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -1,0 +1,136 @@
+"""The native attention kernels against float64 references: decode attention (dense and over
+the paged pool, read in place) and the causal prefill kernel over the paged pool. Split from
+test_native.py (its helpers are shared); test_native_isa.py runs this file on every ISA too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_native import _ops, _panels
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("groups", [1, 3, 8])
+def test_decode_attention_matches_float64(d: int, groups: int) -> None:
+    o = _panels()
+    g = torch.Generator().manual_seed(d + groups)
+    b, h, cap = 5, 2, 96
+    for width in (1, 17, 80):
+        q = torch.randn(b, h, groups, d, generator=g)
+        # K/V as the decode view hands them over: a slice of wider buffers (strided rows)
+        k = torch.randn(b, h, cap, d, generator=g)[:, :, :width]
+        v = torch.randn(b, h, cap, d, generator=g)[:, :, :width]
+        lens = torch.randint(1, width + 1, (b,), generator=g)
+        lens[0] = width
+        bias = torch.zeros(b, 1, 1, width).masked_fill_(
+            ~(torch.arange(width)[None] < lens[:, None])[:, None, None, :], float("-inf"))
+        # padded positions hold garbage (NaN must not leak through a zero weight either way)
+        for mask in (None, bias):
+            ref = F.scaled_dot_product_attention(
+                q.double(), k.double(), v.double(),
+                attn_mask=None if mask is None else mask.double(), scale=d**-0.5)
+            got = o.decode_attention(q, k, v, mask, d**-0.5)
+            assert got.shape == (b, h, groups, d)
+            assert (got.double() - ref).abs().max().item() < 2e-6, (width, mask is None)
+
+
+@pytest.mark.parametrize("groups", [1, 3, 4])
+def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
+    """At a long context (3,000 slots, scattered in a paged pool), the paged kernel equals to
+    the bit the kernel over the gathered rows (the view's path), and float64 SDPA closely; a
+    padded batch masked alike; a slot outside the pool is an error, not a read."""
+    o = _panels()
+    g = torch.Generator().manual_seed(groups)
+    kvh, d, pages, page = 2, 64, 400, 8
+    kp = torch.randn(pages, page, kvh, d, generator=g)
+    vp = torch.randn(pages, page, kvh, d, generator=g)
+    kf, vf = kp.view(-1, kvh, d), vp.view(-1, kvh, d)
+    for lens in ([3000], [3000, 17, 1500]):
+        b, w = len(lens), max(lens)
+        table = torch.zeros(b, w, dtype=torch.long)
+        for i, n in enumerate(lens):
+            table[i, :n] = torch.randperm(pages * page, generator=g)[:n]
+        table = table.view(-1)
+        bias = None if b == 1 else torch.zeros(b, 1, 1, w).masked_fill_(
+            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
+            float("-inf"))
+        q = torch.randn(b, kvh, groups, d, generator=g)
+        kb = kf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
+        vb = vf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
+        got = o.decode_attention_paged(q, kp, vp, table, bias, d**-0.5)
+        assert torch.equal(got, o.decode_attention(q, kb, vb, bias, d**-0.5)), lens
+        ref = F.scaled_dot_product_attention(
+            q.double(), kb.double(), vb.double(),
+            attn_mask=None if bias is None else bias.double(), scale=d**-0.5)
+        assert (got.double() - ref).abs().max().item() < 2e-6, lens
+    # a bf16 pool: gathered and widened, then the same kernel
+    q = torch.randn(1, kvh, groups, d, generator=g)
+    table = torch.randperm(pages * page, generator=g)[:700]
+    kh, vh = kp.bfloat16(), vp.bfloat16()
+    kb = kh.view(-1, kvh, d)[table].float().view(1, 700, kvh, d).transpose(1, 2)
+    vb = vh.view(-1, kvh, d)[table].float().view(1, 700, kvh, d).transpose(1, 2)
+    assert torch.equal(o.decode_attention_paged(q, kh, vh, table, None, 0.125),
+                       o.decode_attention(q, kb, vb, None, 0.125))
+    for bad in (pages * page, -1):
+        table[5] = bad
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            o.decode_attention_paged(q, kp, vp, table, None, 0.125)
+
+
+def _causal_reference(q, kf, vf, slots, scale):
+    """float64 causal attention of q [n, H, D], the last n positions of the context `slots`
+    of kf / vf [S, KVH, D] (already widened to float)."""
+    n, h, ctx, kvh = q.shape[0], q.shape[1], slots.numel(), kf.shape[1]
+    k = kf.double()[slots].transpose(0, 1).repeat_interleave(h // kvh, 0)
+    v = vf.double()[slots].transpose(0, 1).repeat_interleave(h // kvh, 0)
+    mask = torch.arange(ctx)[None] <= torch.arange(ctx - n, ctx)[:, None]
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k, v, attn_mask=mask,
+                                          scale=scale).transpose(0, 1)
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_prefill_attention_matches_float64(pool: torch.dtype) -> None:
+    """The causal prefill kernel over a paged pool (scattered slots, read in place): whole
+    prompts and chunks after a prefix, odd lengths, 1 to 8 query heads per KV head, head_dim
+    32 to 128, queries strided as the qkv pack hands them over; within 1e-4 of float64 (relative
+    to the output's scale), the pool's values widened as the Python path widens them."""
+    o = _panels()
+    g = torch.Generator().manual_seed(47)
+    scales = (0.5, 2.0) if pool == torch.float8_e4m3fn else (1.0, 1.0)
+    for kvh, groups, d, n, ctx in ((3, 3, 64, 2, 2), (3, 3, 64, 37, 37), (3, 3, 64, 100, 357),
+                                   (2, 1, 32, 65, 65), (1, 8, 128, 70, 200),
+                                   (2, 4, 64, 129, 300), (2, 2, 16, 40, 90),
+                                   (3, 3, 64, 515, 1027)):
+        if pool != torch.float32 and ctx > 400:
+            break  # (the last case)
+        h, pages, page = kvh * groups, ctx // 16 + 8, 16
+        kp = torch.randn(pages, page, kvh, d, generator=g)
+        vp = torch.randn(pages, page, kvh, d, generator=g)
+        kp, vp = (kp / scales[0]).to(pool), (vp / scales[1]).to(pool)
+        slots = torch.randperm(pages * page, generator=g)[:ctx]
+        qkv = torch.randn(n, h * d + 2 * kvh * d, generator=g)
+        q = qkv[:, : h * d].view(n, h, d)
+        got = o.prefill_attention_paged(q, kp, vp, slots, d**-0.5, *scales, kvh)
+        assert got.shape == (n, h, d) and got.dtype == torch.float32
+        ref = _causal_reference(q, kp.view(-1, kvh, d).float() * scales[0],
+                                vp.view(-1, kvh, d).float() * scales[1], slots, d**-0.5)
+        err = (got.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-4, (kvh, groups, d, n, ctx, err)
+        if pool == torch.bfloat16:  # bf16 queries (a bf16 model): the result in bf16
+            gb = o.prefill_attention_paged(q.bfloat16(), kp, vp, slots, d**-0.5, 1.0, 1.0, kvh)
+            assert gb.dtype == torch.bfloat16
+            ref = _causal_reference(q.bfloat16().float(), kp.view(-1, kvh, d).float(),
+                                    vp.view(-1, kvh, d).float(), slots, d**-0.5)
+            assert (gb.double() - ref).abs().max().item() < 2e-2
+    for bad in (kp.shape[0] * 16, -1):  # the last pool run: a slot outside it is refused
+        slots[3] = bad
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            o.prefill_attention_paged(q, kp, vp, slots, 0.125, *scales, kp.shape[2])
+    # head_dim 24: no kernel; the gathered rows through SDPA, the same answer
+    kp, vp = torch.randn(8, 16, 2, 24, generator=g), torch.randn(8, 16, 2, 24, generator=g)
+    slots, q = torch.randperm(128, generator=g)[:50], torch.randn(20, 4, 24, generator=g)
+    got = o.prefill_attention_paged(q, kp, vp, slots, 0.2, 1.0, 1.0, 2)
+    ref = _causal_reference(q, kp.view(-1, 2, 24), vp.view(-1, 2, 24), slots, 0.2)
+    assert (got.double() - ref).abs().max().item() < 1e-5
