@@ -367,40 +367,48 @@ struct GqX {
   int64_t K;
 };
 
+// one 32-value block of x to int8 (scale amax / 127, round half to even), in order: the bytes;
+// d its scale, qsum the sum of its int8 values (both quantizers below share it)
+static inline __m256i gq_block(const float* xb, float& d, int32_t& qsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], mx = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(xb + 8 * i);
+    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  const float amax = _mm_cvtss_f32(h);
+  d = amax / 127.0f;
+  const __m256 vid = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  __m256i qi[4], sum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));  // round half to even
+    sum = _mm256_add_epi32(sum, qi[i]);
+  }
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_hadd_epi32(s4, s4);
+  s4 = _mm_hadd_epi32(s4, s4);
+  qsum = _mm_cvtsi128_si32(s4);
+  // int32 x 32 -> int8 x 32 in order (packs work within 128-bit halves: permute back)
+  const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 void gq_quantize(const float* x, int64_t M, int64_t K, bool u8, const GqX& o) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + r * K + 32 * b;
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          v[i] = _mm256_loadu_ps(xb + 8 * i);
-          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-        const float amax = _mm_cvtss_f32(h);
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const __m256 vid = _mm256_set1_ps(id);
-        __m256i qi[4], sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; ++i) {
-          qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));  // round half to even
-          sum = _mm256_add_epi32(sum, qi[i]);
-        }
-        // int32 x 32 -> int8 x 32 in order (packs work within 128-bit halves: permute back)
-        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
-        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        if (u8) p8 = _mm256_xor_si256(p8, _mm256_set1_epi8(static_cast<char>(0x80)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q + r * K + 32 * b), p8);
+        float d;
+        int32_t qsum;
+        const __m256i p8 = gq_block(x + r * K + 32 * b, d, qsum);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.q + r * K + 32 * b),
+                            u8 ? _mm256_xor_si256(p8, _mm256_set1_epi8(static_cast<char>(0x80))) : p8);
         _mm256_storeu_ps(o.dl + r * (K / 4) + 8 * b, _mm256_set1_ps(d));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        s4 = _mm_hadd_epi32(s4, s4);
-        o.sx[r * nb + b] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+        o.sx[r * nb + b] = d * static_cast<float>(qsum);
       }
     }
   });
@@ -612,30 +620,12 @@ void gd_quantize(const float* x, int64_t M, int64_t K, int8_t* qs, uint8_t* qu, 
                  int32_t* c8, float* dl) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + r * K + 32 * b;
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-          v[i] = _mm256_loadu_ps(xb + 8 * i);
-          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
-        }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-        const float amax = _mm_cvtss_f32(h);
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const __m256 vid = _mm256_set1_ps(id);
-        __m256i qi[4], sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; ++i) {
-          qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));  // round half to even
-          sum = _mm256_add_epi32(sum, qi[i]);
-        }
-        const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
-        __m256i p8 = _mm256_packs_epi16(p16a, p16b);
-        p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        float d;
+        int32_t qsum;
+        const __m256i p8 = gq_block(x + r * K + 32 * b, d, qsum);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + r * K + 32 * b), p8);
         if (qu != nullptr)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(qu + r * K + 32 * b),
@@ -645,12 +635,9 @@ void gd_quantize(const float* x, int64_t M, int64_t K, int8_t* qs, uint8_t* qu, 
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(c8 + r * (K / 4) + 8 * b),
                               _mm256_mullo_epi32(s4, _mm256_set1_epi32(-8)));
         }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_hadd_epi32(s4, s4);
-        s4 = _mm_hadd_epi32(s4, s4);
         if (dl != nullptr) _mm256_storeu_ps(dl + r * (K / 4) + 8 * b, _mm256_set1_ps(d));
         ds[r * 2 * nb + 2 * b] = d;
-        ds[r * 2 * nb + 2 * b + 1] = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+        ds[r * 2 * nb + 2 * b + 1] = d * static_cast<float>(qsum);
       }
     }
   });
