@@ -709,6 +709,24 @@ inline float gd_finish(__m256 acc, __m128 mins, bool has_min, const float* b) {
   return v;
 }
 
+// an odd last block k of weight row s against MT rows of x from m0: lo[m] += its dot, mins[m]
+// += its min terms (the tail of both the AVX2 and the VNNI kernel)
+template <int64_t TYPE, int MT>
+GD_F16C inline void gd_tail(const uint8_t* s, int64_t nb, int64_t k, const GdX& x, int64_t m0,
+                            __m256* lo, __m128* mins) {
+  const int64_t K = x.K, K4 = K / 4;
+  const __m128 wd = gd_pairs(s, s);
+  const __m256i w0 = gd_weights<TYPE>(s);
+  PD_UNROLL for (int m = 0; m < MT; ++m) {
+    const int64_t r = m0 + m;
+    const __m128 pr = _mm_mul_ps(wd, gd_ds_tail(x.ds + r * 2 * nb + 2 * k));
+    mins[m] = _mm_add_ps(mins[m], pr);
+    const int32_t* c8 = x.c8 ? x.c8 + r * K4 + 8 * k : nullptr;
+    lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gd_dot8<TYPE>(w0, x.qs + r * K + 32 * k, c8)),
+                            gd_lo(pr), lo[m]);
+  }
+}
+
 // AVX2: weight row s (nb blocks) against MT rows of x from m0: y[m * ldy]
 template <int64_t TYPE, int MT>
 GD_F16C void gd_row_avx2(const uint8_t* s, int64_t nb, const GdX& x, int64_t m0, float* y,
@@ -736,18 +754,7 @@ GD_F16C void gd_row_avx2(const uint8_t* s, int64_t nb, const GdX& x, int64_t m0,
                               gd_hi(pr), a1[m]);
     }
   }
-  if (k < nb) {
-    const __m128 wd = gd_pairs(s, s);
-    const __m256i w0 = gd_weights<TYPE>(s);
-    PD_UNROLL for (int m = 0; m < MT; ++m) {
-      const int64_t r = m0 + m;
-      const __m128 pr = _mm_mul_ps(wd, gd_ds_tail(x.ds + r * 2 * nb + 2 * k));
-      mins[m] = _mm_add_ps(mins[m], pr);
-      const int32_t* c8 = x.c8 ? x.c8 + r * K4 + 8 * k : nullptr;
-      a0[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gd_dot8<TYPE>(w0, x.qs + r * K + 32 * k, c8)),
-                              gd_lo(pr), a0[m]);
-    }
-  }
+  if (k < nb) gd_tail<TYPE, MT>(s, nb, k, x, m0, a0, mins);
   PD_UNROLL for (int m = 0; m < MT; ++m)
     y[m * ldy] = gd_finish(_mm256_add_ps(a0[m], a1[m]), mins[m], TYPE == GGML_Q4_1, b);
 }
@@ -819,18 +826,7 @@ GD_VNNI void gd_row_vnni(const uint8_t* s, int64_t nb, const GdX& x, int64_t m0,
   }
   __m256 lo[MT];
   PD_UNROLL for (int m = 0; m < MT; ++m) lo[m] = _mm512_castps512_ps256(acc[m]);
-  if (k < nb) {  // an odd last block: an even one (the same code as AVX2's)
-    const __m128 wd = gd_pairs(s, s);
-    const __m256i w0 = gd_weights<TYPE>(s);
-    PD_UNROLL for (int m = 0; m < MT; ++m) {
-      const int64_t r = m0 + m;
-      const __m128 pr = _mm_mul_ps(wd, gd_ds_tail(x.ds + r * 2 * nb + 2 * k));
-      mins[m] = _mm_add_ps(mins[m], pr);
-      const int32_t* c8 = x.c8 ? x.c8 + r * K4 + 8 * k : nullptr;
-      lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gd_dot8<TYPE>(w0, x.qs + r * K + 32 * k, c8)),
-                              gd_lo(pr), lo[m]);
-    }
-  }
+  if (k < nb) gd_tail<TYPE, MT>(s, nb, k, x, m0, lo, mins);  // an odd last block
   PD_UNROLL for (int m = 0; m < MT; ++m) {
     const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1));
     y[m * ldy] = gd_finish(_mm256_add_ps(lo[m], hi), mins[m], TYPE == GGML_Q4_1, b);
