@@ -28,9 +28,10 @@ from pdcore.env import put as _put
 from pdcore.runtime_env import apply as _apply_runtime_env
 
 _apply_runtime_env()  # before any test module loads torch
-# a server's OpenMP team adapts to the machine's load at run time (pdcore/runtime/cpu_team.py):
-# on a loaded CI machine its thread count would change under tests that compare outputs across
-# requests, so servers keep the team as placed unless a test turns it on (or you set it)
+# a server's OpenMP team adapts to the machine's load at run time (pdcore/runtime/cpu_team.py).
+# A resize leaves the numbers alone (tests/engine/test_thread_invariance.py), but on a loaded CI
+# machine it would move threads under tests that time or count steps; servers keep the team as
+# placed unless a test turns it on (or you set it)
 if not _ENV.is_set("PDSERVE_CPU_TEAM_ADAPT"):
     _put({"PDSERVE_CPU_TEAM_ADAPT": "0"})
 
