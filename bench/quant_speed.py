@@ -45,9 +45,10 @@ def _time(eng: Any, batch: int, prompt: int, new: int) -> float:
     return time.perf_counter() - t0
 
 
-def _streamed_bytes(model: Any) -> int:
+def _streamed_bytes(model: Any) -> tuple[int, int]:
     """Bytes a decode step reads of the weights: every linear layer's GEMM weight (int8 panels,
-    float panels or oneDNN's) and the lm_head's (the embedding is read a few rows a step)."""
+    float panels or oneDNN's) and the lm_head's (the embedding is read a few rows a step); and
+    the lm_head's part of them."""
     from pdcore.engine.model.layers import ColumnLinear, RowLinear
 
     def size(t: Any) -> int:
@@ -59,7 +60,8 @@ def _streamed_bytes(model: Any) -> int:
             total += size(m.packed if m.packed is not None else
                           m.int8.matrix() if m.int8 is not None else m.weight)
     head = getattr(model, "lm_head_packed", None)
-    return total + size(head if head is not None else model.lm_head)
+    head_bytes = size(head if head is not None else model.lm_head)
+    return total + head_bytes, head_bytes
 
 
 def _bandwidth() -> float:
@@ -82,6 +84,11 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--w8a8-path", default=None,
+                    help="an existing compressed-tensors W8A8 folder (e.g. the one vs_vllm.py "
+                         "serves to vLLM) instead of quantizing --model-path afresh")
+    ap.add_argument("--systems", default="float32,w8a8_int8")
+    ap.add_argument("--tag", default=None, help="results in quant_speed_<tag>.json / .png")
     args = ap.parse_args()
     from pdcore.config import ServerArgs
     from pdcore.engine.model.gguf_cache import converted
@@ -91,10 +98,14 @@ def main() -> None:
 
     src = args.model_path or converted(resolve_model(None)).path
     batches = [int(b) for b in args.batches.split(",")]
-    run = Run(NAME, {**vars(args), "model": src})
+    res_name = f"{NAME}_{args.tag}" if args.tag else NAME
+    run = Run(res_name, {**vars(args), "model": src})
     samples: dict[str, dict[int, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-w8a8-") as tmp:
-        paths = {"float32": src, "w8a8_int8": make_w8a8_model(src, str(Path(tmp) / "w8a8"))}
+        paths = {"float32": src, "w8a8_int8": args.w8a8_path}
+        paths = {k: v for k, v in paths.items() if k in args.systems.split(",")}
+        if "w8a8_int8" in paths and not paths["w8a8_int8"]:
+            paths["w8a8_int8"] = make_w8a8_model(src, str(Path(tmp) / "w8a8"))
         engines = {k: LLMEngine(ServerArgs(model_path=p, max_total_tokens=4096,
                                            disable_radix_cache=True))
                    for k, p in paths.items()}
@@ -120,9 +131,10 @@ def main() -> None:
                            "bandwidth_gb_s_rounds": [b / 1e9 for b in bandwidth],
                            "systems": {}}
     for name, per in samples.items():
-        floor = 1e3 * streamed[name] / bw
+        total, head = streamed[name]
+        floor = 1e3 * total / bw
         out["systems"][name] = {
-            "streamed_mb": streamed[name] / 1e6, "floor_tpot_ms": floor,
+            "streamed_mb": total / 1e6, "lm_head_mb": head / 1e6, "floor_tpot_ms": floor,
             **{str(b): {"tpot_ms": 1e3 * statistics.median(v),
                         "tokens_per_s": b / statistics.median(v),
                         "tpot_over_floor": 1e3 * statistics.median(v) / floor,
@@ -134,7 +146,8 @@ def main() -> None:
             m = per[str(b)]
             print(f"{name} batch {b}: TPOT {m['tpot_ms']:.1f} ms ({m['tpot_over_floor']:.2f}x "
                   f"its floor {per['floor_tpot_ms']:.1f} ms: {per['streamed_mb']:.0f} MB a "
-                  f"step), {m['tokens_per_s']:.1f} tok/s", flush=True)
+                  f"step, lm_head {per['lm_head_mb']:.0f} MB), {m['tokens_per_s']:.1f} tok/s",
+                  flush=True)
     print(run.finish(out))
     fig, (a1, a2) = figure(2, width=6)
     names = list(out["systems"])
@@ -148,7 +161,7 @@ def main() -> None:
         a2.axhline(out["systems"][n]["floor_tpot_ms"], ls="--", color=f"C{i}",
                    label=f"{n} floor")
     a2.legend(fontsize=8)
-    print(save_figure(fig, NAME))
+    print(save_figure(fig, res_name))
 
 
 if __name__ == "__main__":

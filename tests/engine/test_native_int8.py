@@ -10,6 +10,7 @@ PDCORE_NATIVE_ISA=avx2 (the AVX2 library, built without AVX-512)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +52,9 @@ def test_int32_sums_equal_int_mm_on_every_path():
             xq[0] = -127
             xq[-1, : k // 2] = 127
         want = torch._int_mm(xq, q.t()) if m else torch.zeros(0, n, dtype=torch.int32)
+        # the integer math itself, in int64 numpy, besides torch's int8 GEMM
+        assert np.array_equal(want.numpy(), xq.numpy().astype(np.int64)
+                              @ q.numpy().astype(np.int64).T), (m, n, k)
         for path in paths:
             got = o.int8_gemm(xq, packed, n, path)
             assert got.dtype == torch.int32 and torch.equal(got, want), (m, n, k, path)

@@ -105,6 +105,17 @@ struct I8Out {
 };
 
 #if defined(PD_ISA_AVX512)
+// acc + the 4-byte dot products of u (unsigned) and s (signed) per 32-bit lane (vpdpbusd), in
+// inline assembly: with the intrinsic, GCC 12 copied each of a 12-row tile's 24 accumulators
+// through another register and stored it to the stack on every step of the k loop (spilling
+// from 8 rows up; measured 180 GOPS a core at M = 512 against oneDNN's 290), while the
+// instruction itself updates its accumulator in place
+__attribute__((target("avx512f,avx512vnni"))) inline __m512i i8_dpbusd(__m512i acc, __m512i u,
+                                                                          __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+  return acc;
+}
+
 // MB rows (u8: x_q + 128, rows Kp bytes apart) down one panel
 template <int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))) void i8_tile_vnni(
@@ -121,8 +132,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))) void i8
       int32_t four;
       std::memcpy(&four, x + m * Kp + 4 * g, sizeof(four));
       const __m512i xv = _mm512_set1_epi32(four);
-      acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], xv, w0);
-      acc[m][1] = _mm512_dpbusd_epi32(acc[m][1], xv, w1);
+      acc[m][0] = i8_dpbusd(acc[m][0], xv, w0);
+      acc[m][1] = i8_dpbusd(acc[m][1], xv, w1);
     }
   }
   const int32_t* comp = reinterpret_cast<const int32_t*>(panel + Kp * I8_PANEL);
