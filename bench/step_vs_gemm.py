@@ -42,7 +42,8 @@ def gemm_only(model: Any, rows: int) -> Any:
     calls = []
     for m in model.modules():
         if isinstance(m, (ColumnLinear, RowLinear)):
-            x = torch.randn(rows, m.weight.shape[1], dtype=m.weight.dtype)
+            x = torch.randn(rows, m.weight.shape[1],  # a W8A8 layer takes float rows
+                            dtype=torch.float32 if m.int8 is not None else m.weight.dtype)
             calls.append((x, m))
     head = model.lm_head
     hx = torch.randn(rows, head.shape[1], dtype=head.dtype)
@@ -50,7 +51,8 @@ def gemm_only(model: Any, rows: int) -> Any:
     @torch.inference_mode()
     def run() -> None:
         for x, m in calls:
-            m(x) if isinstance(m, ColumnLinear) else linear(x, m.weight, None, m.packed)
+            m(x) if isinstance(m, ColumnLinear) or m.int8 is not None \
+                else linear(x, m.weight, None, m.packed)
         linear(hx, head, None, getattr(model, "lm_head_packed", None))
 
     return run
