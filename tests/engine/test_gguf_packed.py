@@ -174,6 +174,55 @@ def test_integer_dot_is_exact_where_the_math_is(ops, t: T) -> None:
         assert np.array_equal(got.numpy(), want.astype(np.float32)), p
 
 
+@pytest.mark.parametrize("t", (T.Q8_0, T.Q4_0, T.Q4_1), ids=lambda t: t.name)
+def test_sixteen_row_layout(ops, t: T) -> None:
+    """The blocks regrouped 16 rows at a time (gguf_repack, engine/native/gguf_x16.h: what a
+    served model's Q8_0 / Q4_0 / Q4_1 layers hold under the integer dot): the same weights to
+    the bit (rows, float path); its integer dot within float rounding of the numpy reference,
+    equal to the bit on AVX2 and VNNI, a row's output whatever its batch, exact where the
+    math is; a layout the kernels cannot regroup is refused."""
+    n = 48
+    for k in (512, 544):  # 544: an odd number of blocks
+        raw = random_blocks(t, n, k, seed=6)
+        w = gp.typed(torch.from_numpy(raw), int(t))
+        wx = ops.gguf_repack(w)
+        assert gp.type_of(wx) == int(t) + gp.X16 and gp.base_type(wx) == int(t)
+        assert gp.in_features(wx) == k and wx.shape[1:] == w.shape[1:]
+        ref_w = dequantize(raw, t).astype(np.float32)
+        assert torch.equal(gp.dequantize(wx), torch.from_numpy(ref_w))
+        ids = torch.tensor([[47, 0], [17, 17]])
+        assert torch.equal(gp.rows(wx, ids), torch.from_numpy(ref_w)[ids])
+        g = torch.Generator().manual_seed(7)
+        b = torch.randn(n, generator=g)
+        for m in (1, 3, 8, 9, 17, 70):
+            x = torch.randn(m, k, generator=g)
+            x[0, :32] = 0.0
+            assert torch.equal(ops.gguf_linear_path(x, wx, n, b, FLOAT),
+                               ops.gguf_linear_path(x, w, n, b, FLOAT))
+            want = torch.from_numpy(int_dot_reference(x.numpy(), ref_w)) + b.double()
+            outs = [ops.gguf_linear_path(x, wx, n, b, p) for p in int_paths()]
+            for p, got in zip(int_paths(), outs):
+                assert torch.equal(got, outs[0]), (t.name, k, m, p)  # VNNI == AVX2
+                for r in (0, m - 1):
+                    assert torch.equal(got[r:r + 1],
+                                       ops.gguf_linear_path(x[r:r + 1], wx, n, b, p)), (t.name, m)
+                err = float((got.double() - want).abs().max())
+                assert err <= 2e-6 * float(want.abs().max()) + 1e-6, (t.name, k, m, p, err)
+    raw = _exact_blocks(t, n, 256, seed=8)
+    wx = ops.gguf_repack(gp.typed(torch.from_numpy(raw), int(t)))
+    wi = dequantize(raw, t).astype(np.int64)
+    x = np.random.default_rng(9).integers(-254, 255, size=(5, 256)).astype(np.float32) / 2
+    x.reshape(5, -1, 32)[:, :, 0] = 127.0
+    want = np.rint(x).astype(np.int64) @ wi.T
+    for p in int_paths():
+        got = ops.gguf_linear_path(torch.from_numpy(x), wx, n, None, p)
+        assert np.array_equal(got.numpy().astype(np.int64), want), p
+    with pytest.raises(RuntimeError, match="multiple of"):
+        ops.gguf_repack(gp.typed(torch.from_numpy(random_blocks(t, 40, 64)), int(t)))
+    with pytest.raises(RuntimeError, match="file's layout"):
+        ops.gguf_repack(wx)
+
+
 def test_the_path_is_refused_where_it_cannot_run(ops) -> None:
     w = gp.typed(torch.from_numpy(random_blocks(T.Q4_1, 8, 64)), int(T.Q4_1))
     with pytest.raises(RuntimeError, match="GGUF GEMM path"):
@@ -228,7 +277,7 @@ def test_the_default_model_loads_packed(packed_smollm2) -> None:
     for i in (0, n - 1):
         a, m = model.layers[i].self_attn, model.layers[i].mlp
         p = f"model.layers.{i}."
-        assert gp.TYPE_NAMES[gp.type_of(a.qkv.packed)] == "Q4_1"
+        assert gp.TYPE_NAMES[gp.base_type(a.qkv.packed)] == "Q4_1"
         want = torch.cat([sd[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
         assert torch.equal(gp.dequantize(a.qkv.packed), want)
         assert torch.equal(gp.dequantize(a.o_proj.packed), sd[p + "self_attn.o_proj.weight"])
@@ -237,7 +286,10 @@ def test_the_default_model_loads_packed(packed_smollm2) -> None:
         assert torch.equal(gp.dequantize(m.down.packed), sd[p + "mlp.down_proj.weight"])
     ids = torch.tensor([[0, 17], [49151, 17]])
     assert torch.equal(model.embed_tokens(ids), sd["model.embed_tokens.weight"][ids])
-    assert gp.TYPE_NAMES[gp.type_of(model.lm_head_packed)] == "Q8_0"
+    assert gp.TYPE_NAMES[gp.base_type(model.lm_head_packed)] == "Q8_0"
+    # the integer dot (the default) reads them regrouped 16 rows at a time (gguf_x16.h)
+    int_dot = native.ops() is not None and native.gguf_path() in (1, 2)
+    assert (gp.type_of(model.lm_head_packed) >= gp.X16) == int_dot
     assert model.lm_head_packed is model.embed_tokens.packed
     float_bytes = sum(sd[k].numel() * 4 for k in sd.keys())
     assert weight_bytes(model) < float_bytes / 5, (weight_bytes(model), float_bytes)

@@ -116,7 +116,7 @@ class CausalLM(nn.Module):
         """GGUF blocks kept packed (gguf_packed.py): the embedding looks up de-quantized rows;
         the lm_head reads its own blocks, or the embedding's same tensor when tied."""
         def packed(t: torch.Tensor) -> torch.Tensor | None:
-            return gguf_packed.typed(t, getattr(t, gguf_packed.TYPE_ATTR)) \
+            return gguf_packed.for_gemm(gguf_packed.typed(t, getattr(t, gguf_packed.TYPE_ATTR))) \
                 if t.dtype == torch.uint8 else None
 
         embed_packed = packed(embed)

@@ -47,6 +47,30 @@ def type_of(t: torch.Tensor) -> int:
     return t.shape[0]
 
 
+X16 = 64  # + a ggml type: its blocks regrouped 16 rows at a time for the integer dot (`for_gemm`)
+X16_TYPES = frozenset((GGML_TYPES["Q4_0"], GGML_TYPES["Q4_1"], GGML_TYPES["Q8_0"]))
+
+
+def base_type(t: torch.Tensor) -> int:
+    """The ggml type of a packed weight's blocks (in the file's layout or regrouped)."""
+    return type_of(t) % X16
+
+
+def for_gemm(t: torch.Tensor) -> torch.Tensor:
+    """The packed weight as the decode GEMM reads it fastest: where the native kernels serve
+    with the integer dot (native.gguf_path() 1 or 2) and the weight is Q8_0, Q4_0 or Q4_1 with a
+    multiple of 16 rows, its blocks regrouped 16 rows at a time (engine/native/gguf_x16.h: the
+    same bytes in another order, the file's layout freed); else `t` as it is."""
+    if type_of(t) not in X16_TYPES or t.shape[1] % 16:
+        return t
+    from pdcore.engine import native
+
+    op = native.op("gguf_repack")
+    if op is None or native.gguf_path() not in (1, 2):
+        return t
+    return op(t)
+
+
 def rows_of(t: torch.Tensor) -> torch.Tensor:
     return t[0]
 
@@ -55,7 +79,7 @@ def in_features(t: torch.Tensor) -> int:
     """K: the weights in one row."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(type_of(t))]
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(base_type(t))]
     return t.shape[2] // size * block
 
 
@@ -64,6 +88,11 @@ def dequantize(t: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
+    if type_of(t) >= X16:  # regrouped (for_gemm): made, and so read, by the native kernels
+        from pdcore.engine import native
+
+        ids = torch.arange(t.shape[1]) if ids is None else ids.reshape(-1).long()
+        return native.op("gguf_rows")(t, ids)
     rows = rows_of(t) if ids is None else rows_of(t).index_select(0, ids.reshape(-1).long())
     out = gguf_dequantize(rows.numpy(), GGMLQuantizationType(type_of(t)))
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
@@ -280,7 +309,7 @@ def packed_parts(weights: list[torch.Tensor], rows: list[torch.Tensor]) -> torch
     types = {getattr(w, TYPE_ATTR, None) for w in weights}
     if len(types) != 1 or None in types:
         return None
-    return typed(torch.cat(rows, 0) if len(rows) > 1 else rows[0], types.pop())
+    return for_gemm(typed(torch.cat(rows, 0) if len(rows) > 1 else rows[0], types.pop()))
 
 
 def float_rows(weights: list[torch.Tensor], rows: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -121,6 +121,8 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("gguf_set_path(int path) -> int", &gguf_set_path);
   m.def("gguf_rows(Tensor w, Tensor ids) -> Tensor");
   m.impl("gguf_rows", c10::DispatchKey::CompositeExplicitAutograd, &gguf_rows);
+  m.def("gguf_repack(Tensor w) -> Tensor");
+  m.impl("gguf_repack", c10::DispatchKey::CompositeExplicitAutograd, &gguf_repack);
   m.def("int8_pack(Tensor q, Tensor scale) -> Tensor");
   m.impl("int8_pack", c10::DispatchKey::CompositeExplicitAutograd, &int8_pack);
   m.def("int8_linear(Tensor x, Tensor packed, int n, Tensor? b, int path) -> Tensor");

@@ -25,8 +25,10 @@ constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, G
 struct GgufBlock {
   int64_t weights, bytes;
 };
+// GGUF_X16 + a ggml type: the same blocks regrouped 16 rows at a time (gguf_x16.h)
+constexpr int64_t GGUF_X16 = 64;
 inline GgufBlock gguf_block(int64_t type) {
-  switch (type) {
+  switch (type >= GGUF_X16 ? type - GGUF_X16 : type) {
     case GGML_Q4_0: return {32, 18};
     case GGML_Q4_1: return {32, 20};
     case GGML_Q8_0: return {32, 34};
@@ -203,37 +205,58 @@ using GgufTileFn = void (*)(const float*, int64_t, const float*, float*, int64_t
                             const float*);
 const GgufTileFn GGUF_TILES[4] = {gguf_tile<1>, gguf_tile<2>, gguf_tile<3>, gguf_tile<4>};
 
-// the typed weight's (type, N, row bytes, K), checked
+// the typed weight's (type, N, row bytes, K), checked; x16: regrouped (gguf_x16.h), `base`
+// the ggml type of its blocks
 struct GgufWeight {
   int64_t type, N, row_bytes, K;
   GgufDequantFn fn;
   const uint8_t* data;
+  bool x16;
+  int64_t base;
 };
+inline bool gguf_x16_type(int64_t base) {
+  return base == GGML_Q4_0 || base == GGML_Q4_1 || base == GGML_Q8_0;
+}
 GgufWeight gguf_weight(const Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.stride(0) == 0 &&
                   w.stride(2) == 1 && w.stride(1) == w.size(2),
               "a GGUF weight is uint8 [type, N, row_bytes] with the type dimension of stride 0");
-  GgufWeight g{w.size(0), w.size(1), w.size(2), 0, gguf_dequant_fn(w.size(0)),
-               w.data_ptr<uint8_t>()};
+  const bool x16 = w.size(0) >= GGUF_X16;
+  const int64_t base = x16 ? w.size(0) - GGUF_X16 : w.size(0);
+  GgufWeight g{w.size(0), w.size(1), w.size(2), 0, gguf_dequant_fn(base), w.data_ptr<uint8_t>(),
+               x16, base};
   const GgufBlock blk = gguf_block(g.type);
-  TORCH_CHECK(g.fn != nullptr, "GGML type ", g.type, " has no packed kernel");
+  TORCH_CHECK(g.fn != nullptr && (!x16 || gguf_x16_type(base)), "GGML type ", g.type,
+              " has no packed kernel");
+  TORCH_CHECK(!x16 || g.N % 16 == 0, "a 16-row GGUF weight has ", g.N, " rows");
   TORCH_CHECK(g.row_bytes % blk.bytes == 0, "row of ", g.row_bytes, " bytes is not whole blocks");
   g.K = g.row_bytes / blk.bytes * blk.weights;
   return g;
+}
+
+// row n of the 16-row layout de-quantized (gguf_x16.h)
+void gx_dequant_row(const GgufWeight& g, int64_t n, float* y);
+
+// row n de-quantized into y (K floats), as the `gguf` package computes it
+inline void gguf_row(const GgufWeight& g, int64_t n, float* y) {
+  if (g.x16)
+    gx_dequant_row(g, n, y);
+  else
+    g.fn(g.data + n * g.row_bytes, g.K / gguf_block(g.type).weights, y);
 }
 
 // rows `ids` of the weight de-quantized: float32 [R, K] (an embedding's lookup; tests)
 Tensor gguf_rows(const Tensor& w, const Tensor& ids_in) {
   const GgufWeight g = gguf_weight(w);
   const Tensor ids = ids_in.reshape({-1}).to(at::kLong).contiguous();
-  const int64_t R = ids.numel(), nb = g.K / gguf_block(g.type).weights;
+  const int64_t R = ids.numel();
   Tensor y = at::empty({R, g.K}, at::kFloat);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)
     TORCH_CHECK(ip[r] >= 0 && ip[r] < g.N, "row ", ip[r], " outside [0, ", g.N, ")");
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) g.fn(g.data + ip[r] * g.row_bytes, nb, yp + r * g.K);
+    for (int64_t r = r0; r < r1; ++r) gguf_row(g, ip[r], yp + r * g.K);
   });
   return y;
 }
@@ -256,7 +279,7 @@ Tensor gguf_linear_float(const Tensor& x_in, const Tensor& w, int64_t N,
   TORCH_CHECK(g.K == K && g.N == N, "GGUF weight [", g.N, ", ", g.K, "] does not match the input (",
               K, " features) and ", N, " outputs");
   Tensor x = x_in.reshape({-1, K}).to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), nb = K / gguf_block(g.type).weights;
+  const int64_t M = x.size(0);
   Tensor y = at::empty({M, N}, x.options());
   Tensor bc;
   const float* bp = nullptr;
@@ -277,7 +300,7 @@ Tensor gguf_linear_float(const Tensor& x_in, const Tensor& w, int64_t N,
       float* wr = buf.data();
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t n = 4 * q, nn = std::min<int64_t>(4, N - n);
-        for (int64_t j = 0; j < nn; ++j) g.fn(g.data + (n + j) * g.row_bytes, nb, wr + j * K);
+        for (int64_t j = 0; j < nn; ++j) gguf_row(g, n + j, wr + j * K);
         for (int64_t m = m0; m < m0 + mb; m += 4) {
           const int64_t mt = std::min<int64_t>(4, m0 + mb - m);
           GGUF_TILES[mt - 1](xp + m * K, K, wr, yp + m * N + n, N, nn, bp ? bp + n : nullptr);
@@ -889,6 +912,8 @@ void gd_linear(const float* xp, int64_t M, const GgufWeight& g, int64_t N, const
   }
 }
 
+#include "gguf_x16.h"  // the 16-row layout's kernels (they use gd_quantize's helpers)
+
 Tensor gguf_linear_int(const Tensor& x_in, const GgufWeight& g, int64_t N,
                        const std::optional<Tensor>& b, int64_t path) {
   const int64_t K = g.K, K4 = K / 4, nb = K / 32;
@@ -902,6 +927,10 @@ Tensor gguf_linear_int(const Tensor& x_in, const GgufWeight& g, int64_t N,
     bp = bc.data_ptr<float>();
   }
   float* yp = y.data_ptr<float>();
+  if (g.x16) {
+    gx_linear(x.data_ptr<float>(), M, g, N, bp, yp, path == 2);
+    return gguf_shape(y, x_in, N);
+  }
   if (gd_direct(g.type)) {
     gd_linear(x.data_ptr<float>(), M, g, N, bp, yp, path == 2);
     return gguf_shape(y, x_in, N);
