@@ -79,6 +79,41 @@ def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
             o.decode_attention_paged(q, kp, vp, table, None, 0.125)
 
 
+@pytest.mark.parametrize("kvh,d", [(1, 64), (8, 64), (2, 128)])
+def test_long_decode_attention_in_parts_matches_float64(kvh: int, d: int) -> None:
+    """Past two parts of keys (attention.h: da_part_len, 512 / 128 / 256 keys for these
+    shapes), where (sequence, KV head) tasks are fewer than two a thread (one KV head alone:
+    always), a sequence's keys are attended in parts joined by their max and sum: at the edge
+    of the rule and past it, for one long sequence alone and a padded batch whose short rows
+    leave whole parts masked, the view's kernel and the paged one agree to the bit and both
+    stay within 2e-6 of float64 (whole or in parts)."""
+    o = _panels()
+    g = torch.Generator().manual_seed(kvh * d)
+    part = max(64, (256 * 1024 // (2 * kvh * d * 4)) // 16 * 16)
+    slots = 4 * part + 50
+    kp = torch.randn(slots, kvh, d, generator=g)
+    vp = torch.randn(slots, kvh, d, generator=g)
+    for lens in ([2 * part - 1], [2 * part], [4 * part + 7], [4 * part + 7, 5, part + 1]):
+        b, w = len(lens), max(lens)
+        table = torch.zeros(b, w, dtype=torch.long)
+        for i, n in enumerate(lens):
+            table[i, :n] = torch.randperm(slots, generator=g)[:n]
+        table = table.view(-1)
+        bias = None if b == 1 else torch.zeros(b, 1, 1, w).masked_fill_(
+            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
+            float("-inf"))
+        q = torch.randn(b, kvh, 4, d, generator=g)
+        kb = kp.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
+        vb = vp.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
+        got = o.decode_attention_paged(q, kp, vp, table, bias, d**-0.5)
+        assert torch.equal(got, o.decode_attention(q, kb, vb, bias, d**-0.5)), lens
+        ref = F.scaled_dot_product_attention(
+            q.double(), kb.double(), vb.double(),
+            attn_mask=None if bias is None else bias.double(), scale=d**-0.5)
+        assert (got.double() - ref).abs().max().item() < 2e-6, lens
+        assert not got.isnan().any(), lens
+
+
 def _causal_reference(q, kf, vf, slots, scale):
     """float64 causal attention of q [n, H, D], the last n positions of the context `slots`
     of kf / vf [S, KVH, D] (already widened to float)."""

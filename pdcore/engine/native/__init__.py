@@ -10,6 +10,8 @@ against):
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
   `decode_attention_paged`: the same kernel reading the K/V pool in place through the
   sequences' slot table (no view, no gather: contexts past the view's budget, lone decodes);
+  both split a long context into parts joined by their max and sum (flash-decoding) where
+  the (sequence, KV head) tasks are fewer than two a thread;
 - `pdcore_native::prefill_attention_paged` (prefill_attention.h): a prefill chunk's causal
   attention over the pool in place (prefix and chunk; float32, bf16 or FP8 pool), flash-style
   tiles, GQA-grouped, parallel over (KV head, query block); models/llama.py takes it for every

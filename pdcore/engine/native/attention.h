@@ -17,7 +17,7 @@ template <int DV, int G, bool PAGED>
 void attend_one(
     const float* q, const float* k, int64_t ksw, const float* v, int64_t vsw,
     const int64_t* tab, const float* bias, int64_t W, float scale, float* out,
-    float* scores) {
+    float* scores, float* ml) {
   const auto row = [tab](int64_t w) { return PAGED ? tab[w] : w; };
   // paged rows are KVH x D apart (or anywhere): the hardware prefetchers miss them, so the
   // row PF ahead is asked for (its D floats: DV lines of 64 bytes)
@@ -69,7 +69,8 @@ void attend_one(
     V16 mx = ninf;
     for (int64_t i = 0; i < wfull; i += 16) mx = vmax(mx, vload(s + i));
     if (tail) mx = vmax(mx, vmask_load(ninf, tail, s + wfull));
-    const V16 m = vset1(vreduce_max(mx));
+    const float ms = vreduce_max(mx);
+    const V16 m = vset1(ms);
     V16 sum = vzero();
     for (int64_t i = 0; i < wfull; i += 16) {
       const V16 e = exp_ps(vsub(vload(s + i), m));
@@ -82,7 +83,9 @@ void attend_one(
       vmask_store(s + wfull, tail, e);
       sum = vadd(sum, e);
     }
-    const V16 inv = vset1(1.0f / vreduce_add(sum));
+    const float total = vreduce_add(sum);
+    if (ml != nullptr) ml[2 * g] = ms, ml[2 * g + 1] = total;
+    const V16 inv = vset1(1.0f / total);
     for (int64_t i = 0; i < wfull; i += 16)
       vstore(s + i, vmul(vload(s + i), inv));
     if (tail)
@@ -106,7 +109,68 @@ void attend_one(
 }
 
 using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int64_t,
-                          const int64_t*, const float*, int64_t, float, float*, float*);
+                          const int64_t*, const float*, int64_t, float, float*, float*, float*);
+
+// ---- long contexts: the keys in parts (flash-decoding) ----
+// Past two parts' worth of keys, a task is (sequence, part of DA_PART_BYTES of K and V): every
+// KV head of the part in turn (the part's slots stay in L2 from one head to the next, so a slot
+// row of all heads is read from memory once), each head's softmax normalised within the part,
+// its max and sum kept (ml); a second pass joins the parts of each (sequence, head, query)
+// weighing part p by l_p exp(m_p - max). At batch x KV heads below the thread count (one long
+// sequence) every thread still works. The view's kernel and the paged one take the same rule
+// (da_use_parts): equal to the bit still.
+constexpr int64_t DA_PART_BYTES = 256 * 1024;
+
+inline int64_t da_part_len(int64_t H, int64_t D) {
+  const int64_t keys = DA_PART_BYTES / (2 * H * D * int64_t(sizeof(float)));
+  return std::max<int64_t>(64, keys / 16 * 16);
+}
+
+// parts only where the (sequence, KV head) tasks leave threads idle or unevenly loaded (fewer
+// than two a thread) and the context is two parts or more: measured on the 2-core Zen 4 (#47),
+// SmolLM2's lone 4k-token decode (3 tasks) took 11.2 ms a step in parts vs 14.6 whole, while
+// 4 x 4k (12 tasks) and the 1B shape's one 16k sequence (8 tasks) were 12-14% slower in parts
+inline bool da_use_parts(int64_t B, int64_t H, int64_t W, int64_t part) {
+  return W >= 2 * part && B * H < 2 * static_cast<int64_t>(at::get_num_threads());
+}
+
+// per (b, p) task: run(b, p, w0, wn, o, ml) with o [H, G, D], ml [H, G, 2] of the part; then
+// the parts joined into out [B, H, G, D]
+template <typename Run>
+void da_split(int64_t B, int64_t H, int64_t G, int64_t D, int64_t W, int64_t part, float* out,
+              const Run& run) {
+  const int64_t P = (W + part - 1) / part;
+  std::vector<float> po(B * P * H * G * D), pml(B * P * H * G * 2);
+  at::parallel_for(0, B * P, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / P, p = i % P, w0 = p * part;
+      run(b, w0, std::min(part, W - w0), po.data() + i * H * G * D, pml.data() + i * H * G * 2);
+    }
+  });
+  at::parallel_for(0, B * H * G, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> wt(P);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / (H * G), hg = r % (H * G);
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < P; ++p) mx = std::max(mx, pml[((b * P + p) * H * G + hg) * 2]);
+      float den = 0.0f;
+      for (int64_t p = 0; p < P; ++p) {  // a part of masked keys only (max -inf) weighs 0
+        const float* ml = pml.data() + ((b * P + p) * H * G + hg) * 2;
+        wt[p] = ml[0] == -INFINITY ? 0.0f : ml[1] * std::exp(ml[0] - mx);
+        den += wt[p];
+      }
+      float* dst = out + r * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        V16 acc = vzero();
+        for (int64_t p = 0; p < P; ++p)
+          if (wt[p] != 0.0f)
+            acc = vfmadd(vset1(wt[p] / den), vload(po.data() + ((b * P + p) * H * G + hg) * D + d),
+                         acc);
+        vstore(dst + d, acc);
+      }
+    }
+  });
+}
 
 template <int DV, bool PAGED>
 AttendFn attend_g(int64_t G) {
@@ -158,13 +222,24 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
   float* op = out.data_ptr<float>();
   const int64_t ksb = k.stride(0), ksh = k.stride(1), ksw = k.stride(2);
   const int64_t vsb = v.stride(0), vsh = v.stride(1), vsw = v.stride(2);
+  const int64_t part = da_part_len(H, D);
+  if (da_use_parts(B, H, W, part)) {
+    da_split(B, H, G, D, W, part, op, [&](int64_t b, int64_t w0, int64_t wn, float* o, float* ml) {
+      std::vector<float> scores(G * wn);
+      for (int64_t h = 0; h < H; ++h)
+        fn(qp + (b * H + h) * G * D, kp + b * ksb + h * ksh + w0 * ksw, ksw,
+           vp + b * vsb + h * vsh + w0 * vsw, vsw, nullptr, bp ? bp + b * W + w0 : nullptr, wn,
+           static_cast<float>(scale), o + h * G * D, scores.data(), ml + h * G * 2);
+    });
+    return out;
+  }
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(G * W);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
       fn(qp + i * G * D, kp + b * ksb + h * ksh, ksw, vp + b * vsb + h * vsh, vsw, nullptr,
          bp ? bp + b * W : nullptr, W, static_cast<float>(scale), op + i * G * D,
-         scores.data());
+         scores.data(), nullptr);
     }
   });
   return out;
@@ -218,13 +293,24 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   const float* vp = v_pool.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  const int64_t part = da_part_len(H, D);
+  if (da_use_parts(B, H, W, part)) {
+    da_split(B, H, G, D, W, part, op, [&](int64_t b, int64_t w0, int64_t wn, float* o, float* ml) {
+      std::vector<float> scores(G * wn);
+      for (int64_t h = 0; h < H; ++h)
+        fn(qp + (b * H + h) * G * D, kp + h * D, H * D, vp + h * D, H * D, tp + b * W + w0,
+           bp ? bp + b * W + w0 : nullptr, wn, static_cast<float>(scale), o + h * G * D,
+           scores.data(), ml + h * G * 2);
+    });
+    return out;
+  }
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(G * W);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
       fn(qp + i * G * D, kp + h * D, H * D, vp + h * D, H * D, tp + b * W,
          bp ? bp + b * W : nullptr, W, static_cast<float>(scale), op + i * G * D,
-         scores.data());
+         scores.data(), nullptr);
     }
   });
   return out;
