@@ -142,8 +142,10 @@ def one_round(system: str, dtype: str, args: argparse.Namespace,
         text = probe(group.url, prompts["warm"][0])
         for sampling in alternating(args.sampling, rep):
             before = os.getloadavg()
+            steps0 = server_steps(group.url, system)
             results, wall = asyncio.run(closed_loop(group.url, prompts[sampling],
                                                     args.output_len, args.concurrency, sampling))
+            steps = step_split(steps0, server_steps(group.url, system), wall)
             stats = latency_stats(results)
             out[sampling] = {
                 "tok_s": stats["output_tokens"] / wall, "wall_s": wall, "startup_s": startup,
@@ -153,7 +155,8 @@ def one_round(system: str, dtype: str, args: argparse.Namespace,
                 "p99_tpot_s": stats["tpot_s"].get("p99"), "p99_itl_s": stats["itl_s"].get("p99"),
                 "errors": stats["errors"], "error_samples": stats["error_samples"],
                 "probe_text": text, "sampling": sampling, "loadavg_before": list(before),
-                "loadavg_after": list(os.getloadavg()), "logs": group.logs()}
+                "loadavg_after": list(os.getloadavg()), "logs": group.logs(),
+                "server_steps": steps}
     except (RuntimeError, httpx.HTTPError) as e:
         # one system failing to start or serve must not cost the other systems' numbers
         err = {"error": f"{type(e).__name__}: {e}", "loadavg_before": list(load_before),
@@ -162,6 +165,39 @@ def one_round(system: str, dtype: str, args: argparse.Namespace,
     finally:
         group.stop()
     return out
+
+
+STEP_COUNTERS = ("forward_decode_steps_total", "forward_decode_seconds_total",
+                 "forward_extend_steps_total", "forward_extend_seconds_total")
+
+
+def server_steps(url: str, system: str) -> dict[str, float] | None:
+    """pdserve's forward-step counters from /metrics (None for other systems)."""
+    if not system.startswith("pdserve-unified"):
+        return None
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in STEP_COUNTERS:
+            if line.startswith(f"pdserve_scheduler_{name}"):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def step_split(before: dict[str, float] | None, after: dict[str, float] | None,
+               wall: float) -> dict[str, float] | None:
+    """Where the server's wall time went during one client run: decode and extend forwards
+    (count, seconds, mean ms) and the rest (scheduling, streaming, HTTP: wall - forwards)."""
+    if before is None or after is None or not after:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in STEP_COUNTERS}
+    dec_n, dec_s = d["forward_decode_steps_total"], d["forward_decode_seconds_total"]
+    ext_n, ext_s = d["forward_extend_steps_total"], d["forward_extend_seconds_total"]
+    return {"decode_steps": dec_n, "decode_s": dec_s,
+            "decode_ms": dec_s / dec_n * 1e3 if dec_n else None,
+            "extend_steps": ext_n, "extend_s": ext_s,
+            "extend_ms": ext_s / ext_n * 1e3 if ext_n else None,
+            "outside_forward_s": wall - dec_s - ext_s}
 
 
 def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:

@@ -33,6 +33,13 @@ def test_vs_vllm_without_vllm_measures_pdserve_alone(tiny_llama_dir: Path,
             assert r["sampling"] == sampling
             assert r["errors"] == 0 and r["tok_s"] > 0 and r["mean_tpot_s"] is not None
             assert r["loadavg_before"] and r["loadavg_after"] and r["probe_text"]
+            # where the unified server's wall time went (its /metrics step counters)
+            st = r["server_steps"]
+            if system == "pdserve-unified":
+                assert st["decode_steps"] > 0 and st["extend_steps"] > 0
+                assert 0 < st["decode_s"] + st["extend_s"] < r["wall_s"]
+            else:
+                assert st is None
     # the same weights and greedy decoding: unified and 1P1D must write the same probe text
     assert data["probes"]["float32"]["all_equal"], data["probes"]
     assert data["acceptance"] == {}  # nothing to compare against without vLLM
