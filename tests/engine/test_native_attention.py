@@ -36,6 +36,26 @@ def test_decode_attention_matches_float64(d: int, groups: int) -> None:
             assert (got.double() - ref).abs().max().item() < 2e-6, (width, mask is None)
 
 
+def _paged_equals_gathered(o, kp, vp, kf, vf, table, lens, groups, g):  # type: ignore
+    """Random queries over the slots `table` names (rows of `lens`, padded and masked): the
+    paged kernel equals to the bit the kernel over the gathered rows, and float64 SDPA within
+    2e-6. The paged kernel's output."""
+    b, w, kvh, d = len(lens), max(lens), kf.shape[-2], kf.shape[-1]
+    bias = None if b == 1 else torch.zeros(b, 1, 1, w).masked_fill_(
+        ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
+        float("-inf"))
+    q = torch.randn(b, kvh, groups, d, generator=g)
+    kb = kf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
+    vb = vf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
+    got = o.decode_attention_paged(q, kp, vp, table, bias, d**-0.5)
+    assert torch.equal(got, o.decode_attention(q, kb, vb, bias, d**-0.5)), lens
+    ref = F.scaled_dot_product_attention(
+        q.double(), kb.double(), vb.double(),
+        attn_mask=None if bias is None else bias.double(), scale=d**-0.5)
+    assert (got.double() - ref).abs().max().item() < 2e-6, lens
+    return got
+
+
 @pytest.mark.parametrize("groups", [1, 3, 4])
 def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
     """At a long context (3,000 slots, scattered in a paged pool), the paged kernel equals to
@@ -52,19 +72,7 @@ def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
         table = torch.zeros(b, w, dtype=torch.long)
         for i, n in enumerate(lens):
             table[i, :n] = torch.randperm(pages * page, generator=g)[:n]
-        table = table.view(-1)
-        bias = None if b == 1 else torch.zeros(b, 1, 1, w).masked_fill_(
-            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
-            float("-inf"))
-        q = torch.randn(b, kvh, groups, d, generator=g)
-        kb = kf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
-        vb = vf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
-        got = o.decode_attention_paged(q, kp, vp, table, bias, d**-0.5)
-        assert torch.equal(got, o.decode_attention(q, kb, vb, bias, d**-0.5)), lens
-        ref = F.scaled_dot_product_attention(
-            q.double(), kb.double(), vb.double(),
-            attn_mask=None if bias is None else bias.double(), scale=d**-0.5)
-        assert (got.double() - ref).abs().max().item() < 2e-6, lens
+        _paged_equals_gathered(o, kp, vp, kf, vf, table.view(-1), lens, groups, g)
     # a bf16 pool: gathered and widened, then the same kernel
     q = torch.randn(1, kvh, groups, d, generator=g)
     table = torch.randperm(pages * page, generator=g)[:700]
@@ -98,19 +106,7 @@ def test_long_decode_attention_in_parts_matches_float64(kvh: int, d: int) -> Non
         table = torch.zeros(b, w, dtype=torch.long)
         for i, n in enumerate(lens):
             table[i, :n] = torch.randperm(slots, generator=g)[:n]
-        table = table.view(-1)
-        bias = None if b == 1 else torch.zeros(b, 1, 1, w).masked_fill_(
-            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
-            float("-inf"))
-        q = torch.randn(b, kvh, 4, d, generator=g)
-        kb = kp.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
-        vb = vp.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
-        got = o.decode_attention_paged(q, kp, vp, table, bias, d**-0.5)
-        assert torch.equal(got, o.decode_attention(q, kb, vb, bias, d**-0.5)), lens
-        ref = F.scaled_dot_product_attention(
-            q.double(), kb.double(), vb.double(),
-            attn_mask=None if bias is None else bias.double(), scale=d**-0.5)
-        assert (got.double() - ref).abs().max().item() < 2e-6, lens
+        got = _paged_equals_gathered(o, kp, vp, kp, vp, table.view(-1), lens, 4, g)
         assert not got.isnan().any(), lens
 
 
