@@ -9,7 +9,7 @@ the run's wall time splits into extend and decode steps; the same run is repeate
 TPOT per setting (--timeline keeps every step: [start s, prefill tokens, decode rows, ms]).
 
 Run (timing: under the quiet lock):
-  python bench/wave_c4.py --model-path /work/smollm2-hf --chunk 2048,512,128,32 --timeline
+  python bench/wave_c4.py --model-path DIR --chunk 2048,512,128,32 --timeline
 Writes bench/results/wave_<tag>.json. Findings (s6, SmolLM2 f32, 2 threads): an extend step
 costs ~20 ms + 1.36 ms per prompt token at every chunk size, a decode step of 1-4 rows ~24 ms
 (the memory floor), so chunk sizes 128..2048 give the same tok/s at 512/128 c4.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, figure, machine_info, save_figure  # noqa: E402
+from common import RESULTS, Run, figure, save_figure  # noqa: E402
 
 
 def plot(data: dict, out_dir: Path) -> Path:
@@ -117,7 +117,7 @@ def run_wave(eng, chunk, prompts, out_len, conc, sampling):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model-path", default="/work/smollm2-hf")
+    ap.add_argument("--model-path", default=None, help="default: SmolLM2 (float32)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -143,8 +143,8 @@ def main() -> None:
     vocab = eng.engine.hf_config.vocab_size
     sched = eng.scheduler
     chunks = [int(c) for c in args.chunk.split(",")]
-    out = {"name": f"wave_{args.tag}", "config": vars(args), "machine": machine_info(),
-           "runs": [], "timelines": {}}
+    run = Run(f"wave_{args.tag}", vars(args))
+    out: dict = {"runs": [], "timelines": {}}
     print(f"load before: {os.getloadavg()}", flush=True)
     # warm-up: one short wave
     sched.cfg.chunk_size = 2048
@@ -170,10 +170,9 @@ def main() -> None:
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                                   for k, v in s.items()}), flush=True)
     eng.close()
-    out["machine"]["loadavg_end"] = os.getloadavg()
-    path = Path(args.out_dir) / f"wave_{args.tag}.json"
-    path.write_text(json.dumps(out, indent=1))
-    print("wrote", path, plot(out, path.parent) if out["timelines"] else "")
+    path = run.finish(out, Path(args.out_dir))
+    drawn = plot(json.loads(path.read_text()), path.parent) if out["timelines"] else ""
+    print("wrote", path, drawn)
 
 
 if __name__ == "__main__":
