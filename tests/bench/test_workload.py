@@ -50,3 +50,28 @@ def test_goodput_search_brackets_the_limit(monkeypatch) -> None:
     out = goodput.search("http://unused", args, workload.Shape(), 100)
     assert tried[:3] == [0.5, 1.0, 2.0] and len(tried) == 6
     assert 1.5 <= out["goodput_req_s"] <= 1.7 < out["first_missed_req_s"] <= 2.0
+
+
+def test_a_trial_is_judged_by_p99s_or_by_attainment(monkeypatch) -> None:
+    """Ten requests, one of them slow to start: its TTFT is the p99, so the p99 rule misses the
+    rate while DistServe's rule at 90% attainment serves it (and at 95% does not)."""
+    from serving import Result
+
+    def result(ttft: float) -> Result:  # 11 tokens 50 ms apart: TPOT 50 ms
+        return Result(prompt_len=8, start=0.0, ttft=ttft, tokens=11, end=ttft + 0.5,
+                      chunk_times=[ttft + 0.05 * i for i in range(11)])
+
+    results = [result(0.2)] * 9 + [result(5.0)]
+
+    async def fake_loop(url, reqs, timeout):
+        return results, 10.0
+
+    monkeypatch.setattr(goodput, "open_loop", fake_loop)
+    verdicts = {}
+    for rule in ([], ["--attainment", "0.9"], ["--attainment", "0.95"]):
+        args = goodput.parse_args(["--requests", "10", *rule])
+        verdicts[tuple(rule)] = goodput.trial("http://unused", 1.0, args, workload.QUICK, 1000)
+    assert verdicts[()]["ttft_p99_s"] > 3.0 and not verdicts[()]["served"]
+    assert verdicts[("--attainment", "0.9")]["attainment"] == 0.9
+    assert verdicts[("--attainment", "0.9")]["served"]
+    assert not verdicts[("--attainment", "0.95")]["served"]
