@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Run, figure, load_note, save_figure
 
 NAME = "quant_accuracy"
+LM_HEAD_ENV = "PDCORE_W8A8_LM_HEAD"
 # the fixed text set (bench/quant_accuracy_texts.txt, written for this bench): 36 passages of
 # prose, dialogue, instructions, a letter, Python, SQL, shell and JSON; 3110 scored positions
 # with SmolLM2's tokenizer, so one token is 0.03% of the agreement
@@ -122,6 +123,10 @@ FORMATS: dict[str, str] = {
                          "up_proj), GPTQ rounding",
     "w8a8 sq gptq down_proj float": "W8A8, SmoothQuant 0.8 + GPTQ, down_proj left float by "
                                        "the checkpoint's ignore list (re:.*down_proj$)",
+    "w8a8 rtn + int8 lm_head": "w8a8 rtn with its float lm_head quantized to int8 at load "
+                              "(per output channel, compressed-tensors' qparams; "
+                              "PDCORE_W8A8_LM_HEAD=int8)",
+    "w8a8 sq gptq down_proj float + int8 lm_head": "that best W8A8 with the int8 lm_head",
     "fp8 block rtn": "FP8 e4m3 weights, 128x128 block scales (DeepSeek-V3 layout), rounded to "
                      "nearest; activations float",
     "fp8 block gptq": "FP8 e4m3 weights, 128x128 block scales, GPTQ rounding to the e4m3 grid",
@@ -133,16 +138,11 @@ FORMATS: dict[str, str] = {
 }
 
 
-def _make(name: str, src: str, dst: Path, calib: list[list[int]], gguf: str,
-          samples) -> tuple[str, str, dict[str, str]]:  # type: ignore[no-untyped-def]
-    from pdcore.testing.quant_models import make_fp8_model, make_gguf_q8_0, make_w8a8_model
+def _make_plain(name: str, src: str, out: str, calib: list[list[int]],
+                samples) -> tuple[str, str, dict[str, str]]:  # type: ignore[no-untyped-def]
+    """The W8A8 checkpoints (their lm_head float, as llmcompressor leaves it)."""
+    from pdcore.testing.quant_models import make_w8a8_model
 
-    out = str(dst)
-    packed = {"PDCORE_GGUF_PACKED": "1"}
-    if name == "float32":
-        return src, "float32", {}
-    if name == "bf16":
-        return src, "bfloat16", {}
     if name == "w8a8 rtn":
         return make_w8a8_model(src, out), "float32", {}
     if name == "w8a8 sq":
@@ -153,6 +153,29 @@ def _make(name: str, src: str, dst: Path, calib: list[list[int]], gguf: str,
     if name == "w8a8 sq gptq down_proj float":
         return make_w8a8_model(src, out, calibration=calib + samples(), gptq=True,
                                keep_float=("down_proj",)), "float32", {}
+    raise KeyError(name)
+
+
+def _make(name: str, src: str, dst: Path, calib: list[list[int]], gguf: str,
+          samples) -> tuple[str, str, dict[str, str]]:  # type: ignore[no-untyped-def]
+    from pdcore.testing.quant_models import make_fp8_model, make_gguf_q8_0
+
+    out = str(dst)
+    packed = {"PDCORE_GGUF_PACKED": "1"}
+    if name.endswith(" + int8 lm_head"):  # the same checkpoint as the format it names
+        base = name[: -len(" + int8 lm_head")]
+        base_dst = dst.with_name(base.replace(" ", "_"))
+        if (base_dst / "config.json").is_file():
+            return str(base_dst), "float32", {LM_HEAD_ENV: "int8"}
+        path, dtype, _ = _make(base, src, base_dst, calib, gguf, samples)
+        return path, dtype, {LM_HEAD_ENV: "int8"}
+    if name.startswith("w8a8"):  # as the checkpoint stores the lm_head: float
+        path, dtype, _ = _make_plain(name, src, out, calib, samples)
+        return path, dtype, {LM_HEAD_ENV: "float"}
+    if name == "float32":
+        return src, "float32", {}
+    if name == "bf16":
+        return src, "bfloat16", {}
     if name == "fp8 block rtn":
         return make_fp8_model(src, out), "float32", {}
     if name == "fp8 block gptq":
@@ -197,6 +220,7 @@ def main() -> None:
                     help="folder for the checkpoints and each format's scores, kept between runs "
                          "(a run skips the formats already scored there; default: a temporary "
                          "folder)")
+    ap.add_argument("--tag", default=None, help="results in quant_accuracy_<tag>.json / .png")
     ap.add_argument("--score-only", action="store_true",
                     help="score the formats into --work, write no result")
     args = ap.parse_args()
@@ -221,7 +245,8 @@ def main() -> None:
             got.extend(_samples(src, 8, 127))
         return got
 
-    run = Run(NAME, {"model": src, "texts": len(TEXTS), "calibration_texts": len(CALIBRATION),
+    res_name = f"{NAME}_{args.tag}" if args.tag else NAME
+    run = Run(res_name, {"model": src, "texts": len(TEXTS), "calibration_texts": len(CALIBRATION),
                      "formats": {n: FORMATS[n] for n in names}})
     tmp = tempfile.TemporaryDirectory(prefix="pdserve-quant-acc-")
     work = Path(args.work or tmp.name)
@@ -231,8 +256,8 @@ def main() -> None:
     order = names if args.score_only else ["float32"] + [n for n in names if n != "float32"]
     for name in order:
         def build(name: str = name) -> list:  # type: ignore[no-untyped-def]
-            path, dtype, env = _make(name, src, work / "ckpt" / name.replace(" ", "_").replace(
-                ",", ""), calib, gguf, samples)
+            path, dtype, env = _make(name, src, work / "ckpt" / name.replace(" ", "_"), calib,
+                                     gguf, samples)
             return _score(path, prompts, dtype, env)
         scores[name] = _rows(name, work, build)
         print(f"{name}: scored ({load_note(run)})", flush=True)
@@ -268,7 +293,7 @@ def main() -> None:
     a2.set_xlabel("perplexity - float32's")
     fig.suptitle(f"{Path(src).name}: quantized vs float32 ({result['note']})", fontsize=9)
     fig.tight_layout()
-    print(save_figure(fig, NAME))
+    print(save_figure(fig, res_name))
     tmp.cleanup()
 
 

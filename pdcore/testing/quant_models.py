@@ -232,11 +232,14 @@ def fake_quant_rows(x):  # type: ignore[no-untyped-def]
     return (torch.round(xf / scale).clamp(-127, 127) * scale).to(x.dtype)
 
 
-def w8a8_reference(w8a8: str, float_src: str):  # type: ignore[no-untyped-def]
+def w8a8_reference(w8a8: str, float_src: str,  # type: ignore[no-untyped-def]
+                   int8_lm_head: bool = False):
     """transformers' model of `float_src`'s config with the W8A8 checkpoint's weights
     de-quantized (w_q * s_w, float32) and every quantized projection's input fake-quantized per
     token (`fake_quant_rows`): the same quantized math in float arithmetic, for greedy
-    comparisons."""
+    comparisons. `int8_lm_head`: the lm_head too, its weights quantized per output channel by
+    compressed-tensors' qparams and quantize (what pdserve does at load by default,
+    engine/model/quant.int8_lm_head), its input per token."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -255,6 +258,17 @@ def w8a8_reference(w8a8: str, float_src: str):  # type: ignore[no-untyped-def]
     assert all(k == "lm_head.weight" for k in missing), missing
     if "lm_head.weight" in missing:
         model.tie_weights()
+    if int8_lm_head:
+        from compressed_tensors.quantization import preset_name_to_scheme
+        from compressed_tensors.quantization.lifecycle.forward import quantize
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        args = preset_name_to_scheme("W8A8", ["Linear"]).weights
+        w = model.lm_head.weight.detach().float()
+        scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
+        q = quantize(w, scale, zero, args, dtype=torch.int8)
+        model.lm_head.weight = torch.nn.Parameter(q.float() * scale, requires_grad=False)
+        model.lm_head.register_forward_pre_hook(lambda _m, args: (fake_quant_rows(args[0]),))
     for name, mod in model.named_modules():  # the int8 layers' inputs (not `ignore`d ones)
         w = sd.get(name + ".weight")
         if isinstance(mod, torch.nn.Linear) and w is not None and w.dtype == torch.int8:

@@ -246,7 +246,8 @@ def weight_layouts(model: nn.Module) -> dict[str, int]:
     if hasattr(model, "lm_head_packed"):
         packed.append(model.lm_head_packed)
     for p in packed:
-        out["plain" if p is None else "gguf" if gguf_packed.is_packed(p)
+        out["plain" if p is None else "int8" if isinstance(p, Int8Weight)
+            else "gguf" if gguf_packed.is_packed(p)
             else "panels" if p.layout == torch.strided else "onednn"] += 1
     return out
 
@@ -273,11 +274,14 @@ def stand_in(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: torch.Tensor | Int8Weight | None = None) -> torch.Tensor:
     """F.linear, through the packed weight when there is one (then `weight` may be its
-    stand-in and is only asked for its shape)."""
+    stand-in and is only asked for its shape); an Int8Weight (a W8A8 model's int8 lm_head,
+    quant.int8_lm_head) computes its int8 GEMM."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if isinstance(packed, Int8Weight):
+        return packed(x, bias)
     if gguf_packed.is_packed(packed):  # GGUF blocks (gguf_packed.py)
         return gguf_packed.linear(x, packed, weight.shape[0], bias)
     if packed.layout == torch.strided:  # panels: float32 [P, K, 32], bf16 [P, K/2, 32, 2]
