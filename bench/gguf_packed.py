@@ -3,8 +3,10 @@ de-quantized to float32 (#48): two real `pdserve serve` servers on loopback, the
 PDCORE_GGUF_PACKED=1 / 0 (the packed one's GEMM: --dot, PDCORE_GGUF_DOT). Measured side by
 side in one run:
 
-- resident memory: VmRSS of each server's process tree (the HTTP process and the engine), after
-  a warm-up request, and the engine's weight bytes (/server_info);
+- resident memory of each server's process tree (the HTTP process, the engine, multiprocessing's
+  resource tracker) after a warm-up request and after the runs, three ways (tree_memory_mib):
+  'resident', the headline ratio: anonymous pages plus each mapped file once per tree; PSS; and
+  the VmRSS sum earlier runs reported. Also the engine's weight bytes (/server_info);
 - decode TPOT at batch 1 and 8: B concurrent /generate requests of --prompt tokens (greedy,
   ignore_eos), once with 1 new token and once with 1 + --new; TPOT = (t_long - t_short) / --new.
   Rounds alternate the servers' order; the median is reported, every round is kept.
@@ -33,20 +35,59 @@ NAME = "gguf_packed"
 SYSTEMS = {"float32": "0", "packed": "1"}
 
 
-def tree_rss_mib(pid: int) -> dict[str, float]:
-    """VmRSS (MiB) of pid and each descendant, by pid, and their sum under 'total'."""
-    out, todo = {}, [pid]
+def _smaps(pid: int) -> tuple[float, float, dict[str, float]]:
+    """(Rss, Pss, {mapped file: its resident KiB}) of pid from /proc/pid/smaps, KiB; the
+    anonymous pages (heap, private copies of a library's pages) are under the key ''."""
+    rss = pss = 0.0
+    files: dict[str, float] = {}
+    name = ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if not head.endswith(":"):  # a mapping: address perms offset dev inode [path]
+            fields = line.split(maxsplit=5)
+            name = f"{fields[3]}:{fields[4]}" if fields[4] != "0" else ""
+        elif head == "Rss:":
+            rss += int(rest.split()[0])
+            files[name] = files.get(name, 0.0) + int(rest.split()[0])
+        elif head == "Pss:":
+            pss += int(rest.split()[0])
+        elif head == "Anonymous:" and name:  # a file mapping's copied-on-write pages
+            files[name] -= int(rest.split()[0])
+            files[""] = files.get("", 0.0) + int(rest.split()[0])
+    return rss, pss, files
+
+
+def tree_memory_mib(pid: int) -> dict[str, Any]:
+    """Resident memory (MiB) of pid's process tree (the HTTP process, the engine, the resource
+    tracker), three ways, each per pid and summed under 'total':
+
+    - 'resident' (the headline): every process's anonymous pages plus each mapped file's
+      resident pages once per tree: what this server alone keeps in RAM, whatever else runs on
+      the machine;
+    - 'pss': proportional set size, a shared page split among all processes mapping it (on a
+      shared machine it moves with the neighbours: the other server's libtorch, say);
+    - 'rss': VmRSS, libraries the processes share counted in each (what earlier runs reported).
+    """
+    out: dict[str, Any] = {"rss": {}, "pss": {}, "resident": {}}
+    once: dict[str, float] = {}
+    todo = [pid]
     while todo:
         p = todo.pop()
         try:
-            status = Path(f"/proc/{p}/status").read_text()
+            rss, pss, files = _smaps(p)
         except OSError:
             continue
-        kb = next((int(line.split()[1]) for line in status.splitlines()
-                   if line.startswith("VmRSS:")), 0)
-        out[str(p)] = kb / 1024
         todo += _children(p)
-    out["total"] = sum(out.values())
+        anon = files.pop("", 0.0)
+        out["rss"][str(p)], out["pss"][str(p)] = rss / 1024, pss / 1024
+        # a file's pages count once: a process is charged only what it holds beyond the most
+        # any earlier process of the tree held of that file
+        out["resident"][str(p)] = (anon + sum(max(0.0, v - once.get(k, 0.0))
+                                              for k, v in files.items())) / 1024
+        for k, v in files.items():
+            once[k] = max(once.get(k, 0.0), v)
+    for v in out.values():
+        v["total"] = sum(v.values())
     return out
 
 
@@ -82,7 +123,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--dot", choices=("int8", "float"), default="float",
+    ap.add_argument("--dot", choices=("int8", "float"), default="int8",
                     help="the packed server's PDCORE_GGUF_DOT (int8: activations quantized per "
                          "block of 32, integer dot products; float: the de-quantized weights)")
     args = ap.parse_args()
@@ -100,7 +141,7 @@ def main() -> None:
             _timed(s.url, 8, args.prompt, 4)  # warm-up: every batch size's buffers
             info = httpx.get(s.url + "/server_info", timeout=30).json()
             out["systems"][name] = {
-                "rss_mib": tree_rss_mib(s.proc.pid),
+                "memory_mib": tree_memory_mib(s.proc.pid),
                 "weight_bytes": info.get("weight_bytes"),
                 "gemm_weights_gguf": _metric(s.url, "pdserve_scheduler_gemm_weights_gguf"),
             }
@@ -113,7 +154,7 @@ def main() -> None:
                     samples.setdefault(name, {}).setdefault(b, []).append(
                         max(long - short, 1e-9) / args.new)
         for name, s in servers.items():  # after the runs too: the peak working set
-            out["systems"][name]["rss_mib_after"] = tree_rss_mib(s.proc.pid)
+            out["systems"][name]["memory_mib_after"] = tree_memory_mib(s.proc.pid)
     finally:
         for s in servers.values():
             s.stop()
@@ -123,19 +164,24 @@ def main() -> None:
                      "tpot_ms_rounds": [1e3 * x for x in v]} for b, v in per.items()}
     f, p = out["systems"]["float32"], out["systems"]["packed"]
     out["ratios"] = {
-        "rss_packed_over_float32": p["rss_mib_after"]["total"] / f["rss_mib_after"]["total"],
+        **{f"{k}_packed_over_float32": p["memory_mib_after"][k]["total"]
+           / f["memory_mib_after"][k]["total"] for k in ("resident", "pss", "rss")},
         **{f"tpot_packed_over_float32_batch{b}":
            p["decode"][str(b)]["tpot_ms"] / f["decode"][str(b)]["tpot_ms"] for b in batches}}
     out["note"] = load_note(run)
     for name, m in out["systems"].items():
-        print(f"{name}: RSS {m['rss_mib_after']['total']:.0f} MiB, " + ", ".join(
+        mem = m["memory_mib_after"]
+        print(f"{name}: resident {mem['resident']['total']:.0f} MiB (PSS "
+              f"{mem['pss']['total']:.0f}, RSS {mem['rss']['total']:.0f}), " + ", ".join(
             f"batch {b} TPOT {m['decode'][str(b)]['tpot_ms']:.1f} ms" for b in batches),
               flush=True)
     print({k: round(v, 3) for k, v in out["ratios"].items()})
     print(run.finish(out))
     fig, (ax1, ax2) = figure(2, width=5)
-    bar_groups(ax1, ["server RSS"], {n: [out["systems"][n]["rss_mib_after"]["total"]]
-                                     for n in SYSTEMS}, "MiB", "resident memory")
+    bar_groups(ax1, ["resident", "PSS", "RSS"],
+               {n: [out["systems"][n]["memory_mib_after"][k]["total"]
+                    for k in ("resident", "pss", "rss")] for n in SYSTEMS},
+               "MiB (server's processes)", "memory")
     bar_groups(ax2, [f"batch {b}" for b in batches],
                {n: [out["systems"][n]["decode"][str(b)]["tpot_ms"] for b in batches]
                 for n in SYSTEMS}, "decode TPOT (ms)", f"TPOT ({out['note']})")

@@ -64,25 +64,28 @@ def _score(model_path: str, prompts: list[list[int]], dtype: str = "auto",
     import os
 
     from pdcore.config import ServerArgs
+    from pdcore.engine import native
     from pdcore.messages.io import SamplingParams
     from pdcore.runtime.llm_engine import LLMEngine
 
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
-    try:
+    native._state.pop("gguf", None)  # the packed GEMM's path is chosen once a process: again
+    try:  # `env` stays set through the scoring
         eng = LLMEngine(ServerArgs(model_path=model_path, dtype=dtype, max_total_tokens=8192,
                                    disable_radix_cache=True, skip_server_warmup=True))
+        try:
+            outs = eng.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0),
+                                return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+        finally:
+            eng.close()
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    try:
-        outs = eng.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0),
-                            return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
-    finally:
-        eng.close()
+        native._state.pop("gguf", None)
     rows = []
     for out in outs:
         entries = [e for e in (out["input_logprobs"] or []) if e[0] is not None]
@@ -131,10 +134,14 @@ FORMATS: dict[str, str] = {
                      "nearest; activations float",
     "fp8 block gptq": "FP8 e4m3 weights, 128x128 block scales, GPTQ rounding to the e4m3 grid",
     "gguf q8_0": "a Q8_0 GGUF made with the gguf package from the float weights, de-quantized "
-                 "at load",
-    "gguf q8_0 packed": "that Q8_0 GGUF served packed (PDCORE_GGUF_PACKED=1)",
-    "gguf q4_1 packed": "the packaged Q4_1 GGUF served packed (the reference is its own "
-                        "de-quantization: this row measures the packed kernels)",
+                 "at load (PDCORE_GGUF_PACKED=0)",
+    "gguf q8_0 packed": "that Q8_0 GGUF served packed, float activations (PDCORE_GGUF_DOT=float)",
+    "gguf q4_1 packed": "the packaged Q4_1 GGUF served packed, the default integer dot "
+                        "(PDCORE_GGUF_DOT=int8: activations rounded to int8 per block of 32; the "
+                        "reference is the file's own de-quantization: this row measures the "
+                        "packed kernels)",
+    "gguf q4_1 packed float": "the same, float activations against the de-quantized blocks "
+                              "(PDCORE_GGUF_DOT=float)",
 }
 
 
@@ -161,7 +168,8 @@ def _make(name: str, src: str, dst: Path, calib: list[list[int]], gguf: str,
     from pdcore.testing.quant_models import make_fp8_model, make_gguf_q8_0
 
     out = str(dst)
-    packed = {"PDCORE_GGUF_PACKED": "1"}
+    packed = {"PDCORE_GGUF_PACKED": "1", "PDCORE_GGUF_DOT": "int8"}
+    packed_float = {**packed, "PDCORE_GGUF_DOT": "float"}
     if name.endswith(" + int8 lm_head"):  # the same checkpoint as the format it names
         base = name[: -len(" + int8 lm_head")]
         base_dst = dst.with_name(base.replace(" ", "_"))
@@ -186,11 +194,13 @@ def _make(name: str, src: str, dst: Path, calib: list[list[int]], gguf: str,
         make_gguf_q8_0(gguf, str(q8) + ".tmp")
         Path(str(q8) + ".tmp").rename(q8)
     if name == "gguf q8_0":
-        return str(q8), "float32", {}
+        return str(q8), "float32", {"PDCORE_GGUF_PACKED": "0"}
     if name == "gguf q8_0 packed":
-        return str(q8), "float32", packed
+        return str(q8), "float32", packed_float
     if name == "gguf q4_1 packed":
         return gguf, "float32", packed
+    if name == "gguf q4_1 packed float":
+        return gguf, "float32", packed_float
     raise KeyError(name)
 
 

@@ -50,7 +50,7 @@ from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
 from pdcore.runtime.journal import RequestJournal
 from pdcore.runtime.lifeline import IPC_DIR_PREFIX, describe_exit, interrupts_ignored_by_children
 from pdcore.runtime.tokenizer_export import tokenizer_dir
-from pdcore.runtime_env import Placement, choose_placement, spawning_with
+from pdcore.runtime_env import Placement, choose_placement, spawning_with, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,10 @@ class EngineClient:
         self.info.tokenizer_path = await asyncio.to_thread(
             tokenizer_dir, self.tokenizer, self.info.tokenizer_path
             or self.info.model_path or self.args.tokenizer_path or self.args.model_path)
+        # loading the tokenizer (on a worker thread, hence in its own malloc arena) parses
+        # tokenizer.json into objects it then frees: ~30 MiB of this process that glibc would
+        # keep resident for reuse
+        trim_heap()
         self._tasks = [asyncio.create_task(self._recv_loop(), name="pdserve-recv"),
                        asyncio.create_task(self._watchdog(), name="pdserve-watchdog")]
         self.state = EngineState.READY
