@@ -82,17 +82,21 @@ def test_panel_linear_matches_float64(m: int, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("m", [13, 200, 401])
-def test_panel_linear_rows_equal_one_row_gemms(m: int) -> None:
-    """A GEMM of many rows (x copied tile by tile into k-major order, rows in balanced blocks)
-    gives each row the same bits as that row's GEMM alone (x read as it is): every output sums
-    over k in the same order, so a prompt's prefill and a decode step agree exactly."""
+@pytest.mark.parametrize("n", [70, 100])
+def test_panel_linear_rows_equal_one_row_gemms(m: int, n: int) -> None:
+    """A GEMM of many rows (AVX-512: 6-row tiles down pairs of panels, an odd count's last
+    panel alone; AVX2: x copied tile by tile into k-major order; rows in balanced blocks) gives
+    each row the same bits as that row's GEMM alone (one panel at a time, x read as it is):
+    every output sums over k in the same order, so a prompt's prefill and a decode step agree
+    exactly."""
     o = _panels()
-    g = torch.Generator().manual_seed(m)
-    w = torch.randn(100, 1024, generator=g)  # K a multiple of 1024: x's rows alias in L1
+    g = torch.Generator().manual_seed(m + n)
+    w = torch.randn(n, 1024, generator=g)  # K a multiple of 1024: x's rows alias in L1
+    b = torch.randn(n, generator=g)
     x = torch.randn(m, 1024, generator=g)
     panels = layers.pack_panels(w)
-    whole = o.linear(x, panels, 100, None)
-    rows = torch.cat([o.linear(x[i:i + 1], panels, 100, None) for i in range(m)])
+    whole = o.linear(x, panels, n, b)
+    rows = torch.cat([o.linear(x[i:i + 1], panels, n, b) for i in range(m)])
     assert torch.equal(whole, rows)
 
 
