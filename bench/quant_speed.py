@@ -8,7 +8,8 @@ tokens, generated once with 1 new token (prefill) and once with 1 + --new tokens
 greedy); TPOT = (t_long - t_short) / --new, tokens/s = B * --new / (t_long - t_short).
 
 The floor: a decode step reads every GEMM weight once (the linear layers' int8 panels or float
-panels, the lm_head: float32 in both, as the W8A8 checkpoint leaves it) and, at batch 1-8, is
+panels, the lm_head: float32 in both, as the W8A8 checkpoint leaves it, or int8 in the system
+w8a8_int8_head, PDCORE_W8A8_LM_HEAD=int8) and, at batch 1-8, is
 bound by the memory's read bandwidth; bytes / bandwidth is the fastest a step can be. The
 bandwidth is measured in each round beside the systems (a sum over a 512 MiB float32 buffer on
 the engine's threads, best of 3). The W8A8 engine's int8 GEMM path (native VNNI / AVX2, or
@@ -22,6 +23,7 @@ bench/results/quant_speed.*.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -52,6 +54,8 @@ def _streamed_bytes(model: Any) -> tuple[int, int]:
     from pdcore.engine.model.layers import ColumnLinear, RowLinear
 
     def size(t: Any) -> int:
+        if hasattr(t, "tensors") and not hasattr(t, "numel"):  # an int8 lm_head (Int8Weight)
+            return sum(size(x) for x in t.tensors())
         return t.numel() * t.element_size()
 
     total = 0
@@ -87,7 +91,9 @@ def main() -> None:
     ap.add_argument("--w8a8-path", default=None,
                     help="an existing compressed-tensors W8A8 folder (e.g. the one vs_vllm.py "
                          "serves to vLLM) instead of quantizing --model-path afresh")
-    ap.add_argument("--systems", default="float32,w8a8_int8")
+    ap.add_argument("--systems", default="float32,w8a8_int8",
+                    help="of float32, w8a8_int8 (the lm_head float, as stored) and "
+                         "w8a8_int8_head (PDCORE_W8A8_LM_HEAD=int8)")
     ap.add_argument("--tag", default=None, help="results in quant_speed_<tag>.json / .png")
     args = ap.parse_args()
     from pdcore.config import ServerArgs
@@ -102,13 +108,16 @@ def main() -> None:
     run = Run(res_name, {**vars(args), "model": src})
     samples: dict[str, dict[int, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-w8a8-") as tmp:
-        paths = {"float32": src, "w8a8_int8": args.w8a8_path}
+        paths = {"float32": src, "w8a8_int8": args.w8a8_path, "w8a8_int8_head": args.w8a8_path}
         paths = {k: v for k, v in paths.items() if k in args.systems.split(",")}
-        if "w8a8_int8" in paths and not paths["w8a8_int8"]:
-            paths["w8a8_int8"] = make_w8a8_model(src, str(Path(tmp) / "w8a8"))
-        engines = {k: LLMEngine(ServerArgs(model_path=p, max_total_tokens=4096,
-                                           disable_radix_cache=True))
-                   for k, p in paths.items()}
+        if any(k.startswith("w8a8") for k in paths) and not args.w8a8_path:
+            made = make_w8a8_model(src, str(Path(tmp) / "w8a8"))
+            paths = {k: made if k.startswith("w8a8") else v for k, v in paths.items()}
+        engines = {}
+        for k, p in paths.items():  # w8a8_int8_head: its lm_head int8 too (read at load)
+            os.environ["PDCORE_W8A8_LM_HEAD"] = "int8" if k == "w8a8_int8_head" else "float"
+            engines[k] = LLMEngine(ServerArgs(model_path=p, max_total_tokens=4096,
+                                              disable_radix_cache=True))
         streamed = {k: _streamed_bytes(e.engine.model) for k, e in engines.items()}
         from pdcore.engine import native
 
