@@ -1,7 +1,7 @@
 """The default GGUF (SmolLM2-135M Q4_1, Q8_0 embedding) served packed against the same file
-de-quantized to float32 (#48): two real `pdserve serve` servers on loopback, the only difference
-PDCORE_GGUF_PACKED=1 / 0 (the packed one's GEMM: --dot, PDCORE_GGUF_DOT). Measured side by
-side in one run:
+de-quantized to float32 (#48): real `pdserve serve` servers on loopback, the only differences
+PDCORE_GGUF_PACKED=0 / 1 and, packed, the GEMM (--dots: one server per PDCORE_GGUF_DOT).
+Measured side by side in one run:
 
 - resident memory of each server's process tree (the HTTP process, the engine, multiprocessing's
   resource tracker) after a warm-up request and after the runs, three ways (tree_memory_mib):
@@ -32,7 +32,8 @@ from common import Run, _children, alternating, bar_groups, figure, load_note, s
     start_unified
 
 NAME = "gguf_packed"
-SYSTEMS = {"float32": "0", "packed": "1"}
+# the servers: the GGUF de-quantized at load, and served packed with each GEMM of --dots
+FLOAT32 = {"PDCORE_GGUF_PACKED": "0"}
 
 
 def _smaps(pid: int) -> tuple[float, float, dict[str, float]]:
@@ -123,17 +124,21 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--dot", choices=("int8", "float"), default="int8",
-                    help="the packed server's PDCORE_GGUF_DOT (int8: activations quantized per "
-                         "block of 32, integer dot products; float: the de-quantized weights)")
+    ap.add_argument("--dots", default="float,int8",
+                    help="the packed servers, one per PDCORE_GGUF_DOT named (float, the default: "
+                         "float activations against the de-quantized blocks; int8: activations "
+                         "quantized per block of 32, integer dot products)")
     args = ap.parse_args()
     import httpx
 
     batches = [int(b) for b in args.batches.split(",")]
+    systems = {"float32": FLOAT32, **{f"packed {d}": {"PDCORE_GGUF_PACKED": "1",
+                                                       "PDCORE_GGUF_DOT": d}
+                                      for d in args.dots.split(",")}}
     run = Run(NAME, vars(args))
     servers = {name: start_unified(None, ("--max-total-tokens", "8192"),
-                                   env={"PDCORE_GGUF_PACKED": v, "PDCORE_GGUF_DOT": args.dot})
-               for name, v in SYSTEMS.items()}
+                                   env=env)
+               for name, env in systems.items()}
     out: dict[str, Any] = {"systems": {}}
     samples: dict[str, dict[int, list[float]]] = {}
     try:
@@ -162,12 +167,15 @@ def main() -> None:
         out["systems"][name]["decode"] = {
             str(b): {"tpot_ms": 1e3 * statistics.median(v), "tokens_per_s": b / statistics.median(v),
                      "tpot_ms_rounds": [1e3 * x for x in v]} for b, v in per.items()}
-    f, p = out["systems"]["float32"], out["systems"]["packed"]
-    out["ratios"] = {
-        **{f"{k}_packed_over_float32": p["memory_mib_after"][k]["total"]
-           / f["memory_mib_after"][k]["total"] for k in ("resident", "pss", "rss")},
-        **{f"tpot_packed_over_float32_batch{b}":
-           p["decode"][str(b)]["tpot_ms"] / f["decode"][str(b)]["tpot_ms"] for b in batches}}
+    f = out["systems"]["float32"]
+    out["ratios"] = {}
+    for name in list(systems)[1:]:
+        p, tag = out["systems"][name], name.replace(" ", "_")
+        out["ratios"].update({
+            **{f"{k}_{tag}_over_float32": p["memory_mib_after"][k]["total"]
+               / f["memory_mib_after"][k]["total"] for k in ("resident", "pss", "rss")},
+            **{f"tpot_{tag}_over_float32_batch{b}":
+               p["decode"][str(b)]["tpot_ms"] / f["decode"][str(b)]["tpot_ms"] for b in batches}})
     out["note"] = load_note(run)
     for name, m in out["systems"].items():
         mem = m["memory_mib_after"]
@@ -180,11 +188,11 @@ def main() -> None:
     fig, (ax1, ax2) = figure(2, width=5)
     bar_groups(ax1, ["resident", "PSS", "RSS"],
                {n: [out["systems"][n]["memory_mib_after"][k]["total"]
-                    for k in ("resident", "pss", "rss")] for n in SYSTEMS},
+                    for k in ("resident", "pss", "rss")] for n in systems},
                "MiB (server's processes)", "memory")
     bar_groups(ax2, [f"batch {b}" for b in batches],
                {n: [out["systems"][n]["decode"][str(b)]["tpot_ms"] for b in batches]
-                for n in SYSTEMS}, "decode TPOT (ms)", f"TPOT ({out['note']})")
+                for n in systems}, "decode TPOT (ms)", f"TPOT ({out['note']})")
     print(save_figure(fig, NAME))
 
 

@@ -13,12 +13,18 @@ from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.tiny_models import make_tiny_model
 
 
-def test_smollm2_gguf_matches_transformers(smollm2_greedy_refs):
+def test_smollm2_gguf_matches_transformers(smollm2_greedy_refs, monkeypatch):
     """The 8 prompts, 24 tokens each (tests/conftest.py: transformers' references, shared with
-    test_tp_engine; their generate is this test's cost)."""
+    test_tp_engine; their generate is this test's cost). The GGUF de-quantized at load
+    (PDCORE_GGUF_PACKED=0: transformers' own numerics; served packed, the default, its integer
+    dot is llama.cpp's, test_gguf_packed)."""
+    from pdcore.engine.model.layers import weight_layouts
+
+    monkeypatch.setenv("PDCORE_GGUF_PACKED", "0")
     prompts, refs, new = smollm2_greedy_refs
     eng = LLMEngine(ServerArgs(max_total_tokens=16384, page_size=16, chunked_prefill_size=256))
     try:
+        assert weight_layouts(eng.loop.runner.model)["gguf"] == 0
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=new, temperature=0.0),
                             return_logprob=True)
         assert pages_at_rest(eng.scheduler)

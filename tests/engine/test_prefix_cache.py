@@ -418,7 +418,9 @@ def test_aborts_of_shared_prefix_requests_leave_the_pool_at_rest(models) -> None
         assert again.ids == off.one(prompts[2]).ids
 
 
-def test_smollm2_shared_system_prompt_matches_transformers(smollm2_hf, smollm2_tokenizer):
+def test_smollm2_shared_system_prompt_matches_transformers(smollm2_hf, smollm2_tokenizer,
+                                                           monkeypatch):
+    monkeypatch.setenv("PDCORE_GGUF_PACKED", "0")  # de-quantized: transformers' numerics
     system = {"role": "system", "content": "You are a careful assistant. Answer in one short "
               "sentence, and never use more words than the question needs."}
     questions = ["What is the capital of France?", "Name a primary color.",
