@@ -134,6 +134,14 @@ PANEL = 32  # output features per panel (pdcore_native::linear)
 # one prefill chunk of PREFILL_ROWS tokens (a chat turn of ~128 tokens in and ~64 out at batch 8
 # runs ~8 decode steps per 0.5 such chunks: decode-heavy)
 DECODE_ROWS, PREFILL_ROWS, DECODE_WEIGHT = 8, 256, 16
+# oneDNN's layout replaces the panels only when its weighted cost is at least this much lower:
+# the timing runs once at load, on whatever else the machine is doing, and a near tie is
+# noise. On this project's Zen 4 (2 cores, shared), 45 SmolLM2 float32 server starts of
+# bench/vs_vllm.py logged all 121 weights in panels 40 times, and 1, 30 or 60 of them (whole
+# shapes) in oneDNN's layout 5 times, whose decode steps are the slower (5.6 against 3.2 ms a
+# layer at 8 rows). Where oneDNN really wins (AMX: bf16 1.4 against 3.2 ms, float32 4.5
+# against 5.6) it wins by more than this.
+ONEDNN_MARGIN = 0.10
 STREAM_BYTES = 32 << 20  # layout_cost's decode timing reads at least this much weight
 _layout_choice: dict[tuple, str] = {}
 
@@ -220,7 +228,8 @@ def choose_layout(weight: torch.Tensor, panels: torch.Tensor, onednn: torch.Tens
                   prefill: bool = True) -> str:
     """'panels' or 'onednn' for this weight's (dtype, N, K), decided once per process: the
     cheaper of DECODE_WEIGHT decode GEMMs of DECODE_ROWS rows plus (`prefill`) one of
-    PREFILL_ROWS rows, timed (layout_cost). An lm_head only ever sees decode-sized row counts."""
+    PREFILL_ROWS rows, timed (layout_cost), oneDNN's only when cheaper by ONEDNN_MARGIN. An
+    lm_head only ever sees decode-sized row counts."""
     n, k = weight.shape
     key = (weight.dtype, n, k, prefill)
     if key not in _layout_choice:
@@ -228,7 +237,8 @@ def choose_layout(weight: torch.Tensor, panels: torch.Tensor, onednn: torch.Tens
         for rows, w in ((DECODE_ROWS, DECODE_WEIGHT), (PREFILL_ROWS, 1))[: 2 if prefill else 1]:
             for name, ms in layout_cost(weight, panels, onednn, rows).items():
                 cost[name] += w * ms
-        _layout_choice[key] = min(cost, key=cost.get)
+        _layout_choice[key] = ("onednn" if cost["onednn"] < (1 - ONEDNN_MARGIN) * cost["panels"]
+                               else "panels")
         log.debug("GEMM layout for %s [%d, %d]: %s (weighted ms %s)", weight.dtype, n, k,
                   _layout_choice[key], {a: round(b, 3) for a, b in cost.items()})
     return _layout_choice[key]
