@@ -8,7 +8,7 @@ the time until the last answer. Fresh prompts each time, so no prefix cache help
 medians, and ms per prompt token (the wall time over the prompt tokens), next to the GFLOP/s
 of the model's linear layers that rate implies (2 x parameters-in-GEMMs FLOP per token).
 
-Run: `python bench/prefill_ttft.py --vllm-python /work/venv-vllm/bin/python`.
+Run: `python bench/prefill_ttft.py --model-path DIR --vllm-python PATH`.
 """
 
 from __future__ import annotations
@@ -81,8 +81,10 @@ def one_system(system: str, a: argparse.Namespace, vocab: int) -> dict[str, Any]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model-path", default="/work/smollm2-hf")
-    ap.add_argument("--vllm-python", default="/work/venv-vllm/bin/python")
+    ap.add_argument("--model-path", required=True,
+                    help="a float32 HF folder both systems load (SmolLM2's: the default GGUF's "
+                         "converted folder under ~/.cache/pdserve/gguf)")
+    ap.add_argument("--vllm-python", required=True, help="a Python with vllm installed")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
