@@ -89,8 +89,10 @@ installer=$!
 
 out=$work/junit
 mkdir -p "$out" "$work/run"
+# PDSERVE_TEST_REQUIRE_NATIVE: a native build that fails or times out fails the native tests
+# instead of skipping them (tests/engine/test_native.py's _ops)
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} UCX_NET_DEVICES=lo UCX_MODULES=^ib \
-  MC_LOG_LEVEL=WARNING PYTHONUNBUFFERED=1
+  MC_LOG_LEVEL=WARNING PYTHONUNBUFFERED=1 PDSERVE_TEST_REQUIRE_NATIVE=1
 run() {  # name, environment dir, then pytest arguments; the outcome goes to files under $out
   local name=$1 env=$2; shift 2
   say "matrix entry: $name"
