@@ -117,6 +117,15 @@ def one_transfer_per_prompt(c: PDCluster, send: Callable[[], None], prompts: int
             after = counters(c)
             continue
         after = counters(c)
+        deadline = time.monotonic() + 15
+        while (not failed_rooms(before, after) and after[0]["disagg_requests_total"]
+               - before[0]["disagg_requests_total"] != prompts
+               and time.monotonic() < deadline):
+            # P counted a retried request while no room has failed yet: the first room fails
+            # at P's claim timeout, which can come after the retry's answer (a CI run saw P's
+            # requests rise by 2 with no failure counted): give the counters time to show it
+            time.sleep(0.2)
+            after = counters(c)
         if failed_rooms(before, after):
             continue
         (p0, d0), (p1, d1) = before, after
