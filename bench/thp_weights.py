@@ -17,16 +17,15 @@ bench/results/thp_weights[_T].*.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Run, bar_groups, figure, load_note, save_figure, start_unified
-from grammar_overhead import _stream
+from common import Run, _children, bar_groups, figure, load_note, save_figure, start_unified
+from tpot_floor import served_tpot
 
 NAME = "thp_weights"
 SETTINGS = {"4k": {"THP_MEM_ALLOC_ENABLE": "0"}, "2m": {"THP_MEM_ALLOC_ENABLE": "1"}}
@@ -34,32 +33,15 @@ SETTINGS = {"4k": {"THP_MEM_ALLOC_ENABLE": "0"}, "2m": {"THP_MEM_ALLOC_ENABLE": 
 
 def huge_kib(pid: int) -> int:
     """AnonHugePages of a process tree (the engine runs in a child of the HTTP process)."""
-    pids, total, i = [pid], 0, 0
-    while i < len(pids):
-        try:
-            pids += [int(k) for k in
-                     Path(f"/proc/{pids[i]}/task/{pids[i]}/children").read_text().split()]
-        except OSError:
-            pass
-        i += 1
-    for p in pids:
-        try:
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
             for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
                 if line.startswith("AnonHugePages:"):
                     total += int(line.split()[1])
-        except OSError:
-            continue
+        todo += _children(p)
     return total
-
-
-def tpot(url: str, batch: int, sampling: str) -> float:
-    params: dict[str, Any] = {"max_new_tokens": 64, "ignore_eos": True}
-    if sampling == "greedy":
-        params["temperature"] = 0
-    body = {"text": "Tell me a long story about a lighthouse keeper.", "sampling_params": params}
-    with ThreadPoolExecutor(batch) as pool:
-        return statistics.median(r["tpot_ms"] for r in
-                                 pool.map(lambda _: _stream(url, body), range(batch)))
 
 
 def main() -> None:
@@ -78,11 +60,11 @@ def main() -> None:
         for key in order:
             server = start_unified(a.model_path, env=SETTINGS[key])
             try:
-                tpot(server.url, 2, "greedy")  # warm-up
+                served_tpot(server.url, 2, rounds=1)  # warm-up
                 huge[key].append(huge_kib(server.proc.pid))
                 for c in cases:
                     sampling, b = c.split("/b")
-                    raw[key][c].append(tpot(server.url, int(b), sampling))
+                    raw[key][c].append(served_tpot(server.url, int(b), 1, sampling))
             finally:
                 server.stop()
             print(f"round {r} {key}: " + ", ".join(f"{c} {raw[key][c][-1]:.1f} ms"
