@@ -238,8 +238,8 @@ def w8a8_reference(w8a8: str, float_src: str,  # type: ignore[no-untyped-def]
     de-quantized (w_q * s_w, float32) and every quantized projection's input fake-quantized per
     token (`fake_quant_rows`): the same quantized math in float arithmetic, for greedy
     comparisons. `int8_lm_head`: the lm_head too, its weights quantized per output channel by
-    compressed-tensors' qparams and quantize (what pdserve does at load by default,
-    engine/model/quant.int8_lm_head), its input per token."""
+    compressed-tensors' qparams and quantize (what pdserve does at load with
+    PDCORE_W8A8_LM_HEAD=int8, engine/model/quant.int8_lm_head), its input per token."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -46,8 +46,8 @@ def test_bf16_is_close_to_float32_teacher_forced(smollm2_tokenizer, monkeypatch)
     from pdcore.runtime.llm_engine import LLMEngine
     from pdcore.testing.prompts import prompt_token_ids
 
-    # the GGUF de-quantized at load: only the dtype differs (served packed, the default, both
-    # dtypes would round activations to int8 per block, llama.cpp's numerics)
+    # the GGUF de-quantized at load: only the dtype differs (served packed, PDCORE_GGUF_PACKED=1,
+    # both dtypes would round activations to int8 per block, llama.cpp's numerics)
     monkeypatch.setenv("PDCORE_GGUF_PACKED", "0")
     prompts = prompt_token_ids(smollm2_tokenizer)
     scores = {}

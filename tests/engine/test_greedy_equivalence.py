@@ -16,8 +16,8 @@ from pdcore.testing.tiny_models import make_tiny_model
 def test_smollm2_gguf_matches_transformers(smollm2_greedy_refs, monkeypatch):
     """The 8 prompts, 24 tokens each (tests/conftest.py: transformers' references, shared with
     test_tp_engine; their generate is this test's cost). The GGUF de-quantized at load
-    (PDCORE_GGUF_PACKED=0: transformers' own numerics; served packed, the default, its integer
-    dot is llama.cpp's, test_gguf_packed)."""
+    (PDCORE_GGUF_PACKED=0, pinned: transformers' own numerics; served packed, its integer dot is
+    llama.cpp's, test_gguf_packed)."""
     from pdcore.engine.model.layers import weight_layouts
 
     monkeypatch.setenv("PDCORE_GGUF_PACKED", "0")

@@ -207,14 +207,14 @@ def _packed_gguf(raw: ResolvedModel, cfg: Any, device: torch.device,
     return sd
 
 
-def _w8a8_lm_head(model: torch.nn.Module, device: torch.device | str) -> None:
+def _w8a8_lm_head(model: torch.nn.Module) -> None:
     """With PDCORE_W8A8_LM_HEAD=int8, a W8A8 model's float lm_head quantized to int8 like the
     body on the CPU (quant.int8_lm_head); logged either way."""
     if ENV.pdcore_w8a8_lm_head != "int8":
         log.info("W8A8 lm_head: float as the checkpoint stores it (PDCORE_W8A8_LM_HEAD=int8 "
                  "quantizes it: a quarter of its bytes, less accurate; docs/quantization.md)")
         return
-    done = torch.device(device).type == "cpu" and int8_lm_head(model)
+    done = int8_lm_head(model)  # False off the CPU
     log.info("W8A8 lm_head: %s (PDCORE_W8A8_LM_HEAD=int8)",
              "int8 per output channel, quantized at load" if done else
              "float: not a float matrix on the CPU")
@@ -272,7 +272,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                              f"{cfg.architectures[0]} needs") from e
     if isinstance(sd, Int8Checkpoint):
         _check_int8_loaded(sd, resolved, cfg)
-        _w8a8_lm_head(model, device)
+        _w8a8_lm_head(model)
     if isinstance(sd, Fp8Checkpoint):
         lin, moe = fp8_layers(model)
         log.info("quantization fp8 (%s): %d FP8 weights read; %d linear layers and %d MoE "
