@@ -1,9 +1,15 @@
 """Page allocator with reference counts: a page returns to the free list when its last holder
-frees it (parallel samples share their prompt's pages; see pdcore.engine.sched.fork)."""
+frees it (parallel samples share their prompt's pages; see pdcore.engine.sched.fork).
+
+The free list is a stack (LIFO): the page freed last is handed out first, and pages never used
+come in ascending order after every freed one. A host KV pool is untouched zeros (the kernel's
+zero pages, builtin/torch_pool.py), so with LIFO a server keeps resident only the pages its
+busiest moment needed; a FIFO queue walked the whole pool (every page faulted in) before it
+reused any. A reused page holds its last owner's K/V: the new owner writes each position
+before attention reads it (prefill and decode store K/V first; attention reads positions
+below the sequence's length only), tests/engine/test_kv_lifo.py attacks exactly that."""
 
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 
@@ -14,7 +20,7 @@ class BlockManager:
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is next
         self._ref = [0] * num_pages
 
     @property
@@ -34,7 +40,7 @@ class BlockManager:
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"need {n} KV pages, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
         for p in out:
             self._ref[p] = 1
         return out
