@@ -128,6 +128,8 @@ def main() -> None:
                     help="the packed servers, one per PDCORE_GGUF_DOT named (float, the default: "
                          "float activations against the de-quantized blocks; int8: activations "
                          "quantized per block of 32, integer dot products)")
+    ap.add_argument("--suffix", default="",
+                    help="added to the result files' name (bench/results/gguf_packed<suffix>.*)")
     args = ap.parse_args()
     import httpx
 
@@ -135,7 +137,7 @@ def main() -> None:
     systems = {"float32": FLOAT32, **{f"packed {d}": {"PDCORE_GGUF_PACKED": "1",
                                                        "PDCORE_GGUF_DOT": d}
                                       for d in args.dots.split(",")}}
-    run = Run(NAME, vars(args))
+    run = Run(NAME + args.suffix, vars(args))
     servers = {name: start_unified(None, ("--max-total-tokens", "8192"),
                                    env=env)
                for name, env in systems.items()}
@@ -193,7 +195,7 @@ def main() -> None:
     bar_groups(ax2, [f"batch {b}" for b in batches],
                {n: [out["systems"][n]["decode"][str(b)]["tpot_ms"] for b in batches]
                 for n in systems}, "decode TPOT (ms)", f"TPOT ({out['note']})")
-    print(save_figure(fig, NAME))
+    print(save_figure(fig, NAME + args.suffix))
 
 
 if __name__ == "__main__":
