@@ -373,7 +373,8 @@ def test_layout_is_chosen_by_the_weighted_cost(dtype: torch.dtype,
     monkeypatch.setattr(layers, "_layout_choice", {})
     w = torch.randn(64, 32).to(dtype)
     real = layers.layout_cost(w, layers._panel_packer(w)(w), layers._onednn(w), 8)
-    assert set(real) == {"panels", "onednn"} and min(real.values()) > 0  # both layouts ran
+    assert set(real) == {"panels", "onednn"}  # both layouts ran, every rep
+    assert all(len(v) == layers.LAYOUT_REPS and min(v) > 0 for v in real.values())
     # panels: 1 ms per call at decode rows, 30 at prefill rows; oneDNN: 2 and 8
     cost = {layers.DECODE_ROWS: {"panels": 1.0, "onednn": 2.0},
             layers.PREFILL_ROWS: {"panels": 30.0, "onednn": 8.0}}
@@ -382,7 +383,7 @@ def test_layout_is_chosen_by_the_weighted_cost(dtype: torch.dtype,
     def fake_cost(weight, panels, onednn, rows):
         assert panels.layout == torch.strided and onednn.layout != torch.strided
         timed.append(rows)
-        return cost[rows]
+        return {name: [ms] * layers.LAYOUT_REPS for name, ms in cost[rows].items()}
 
     monkeypatch.setattr(layers, "layout_cost", fake_cost)
     # 16 x 1 + 30 = 46 against 16 x 2 + 8 = 40 (13% less): oneDNN

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +144,10 @@ DECODE_ROWS, PREFILL_ROWS, DECODE_WEIGHT = 8, 256, 16
 # against 5.6) it wins by more than this.
 ONEDNN_MARGIN = 0.10
 STREAM_BYTES = 32 << 20  # layout_cost's decode timing reads at least this much weight
+# reps of each layout per row count, interleaved with the other layout's (cheap: once per shape;
+# odd, so the median of the paired ratios is one pair's)
+LAYOUT_REPS = 7
+_clock = time.perf_counter  # layout_cost's clock (tests stand in a clock of their own)
 _layout_choice: dict[tuple, str] = {}
 
 
@@ -194,53 +199,62 @@ def _onednn(weight: torch.Tensor) -> torch.Tensor:
 
 
 def layout_cost(weight: torch.Tensor, panels: torch.Tensor, onednn: torch.Tensor,
-                rows: int) -> dict[str, float]:
-    """Milliseconds of one GEMM of `rows` random rows in each layout (best of 3 after a warm
-    call: oneDNN builds its primitive on first use). At decode sizes a step streams each weight
-    from memory once, so the timing cycles through copies of the weight that together exceed
-    the caches nearest the core (STREAM_BYTES); a weight that stays in L2 would flatter the
-    kernel that computes best over data the core already holds."""
+                rows: int, reps: int = LAYOUT_REPS) -> dict[str, list[float]]:
+    """Milliseconds of one GEMM of `rows` random rows in each layout, `reps` times each, the two
+    layouts interleaved rep by rep (after a warm call of each: oneDNN builds its primitive on
+    first use), so a burst of other load on the machine hits both layouts' reps alike and
+    choose_layout can compare them pair by pair. The order within a pair alternates (A B, B A)
+    so neither layout always runs second. At decode sizes a step streams each weight from memory
+    once, so the timing cycles through copies of the weight that together exceed the caches
+    nearest the core (STREAM_BYTES); a weight that stays in L2 would flatter the kernel that
+    computes best over data the core already holds."""
     copies = 1
     if rows <= DECODE_ROWS:
         copies = max(1, min(8, -(-STREAM_BYTES // (weight.numel() * weight.element_size()))))
     x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
-    copy = {"panels": torch.Tensor.clone, "onednn": lambda _: _onednn(weight)}
-    out = {}
+    ws = {"panels": [panels] + [panels.clone() for _ in range(copies - 1)],
+          "onednn": [onednn] + [_onednn(weight) for _ in range(copies - 1)]}
+    out: dict[str, list[float]] = {"panels": [], "onednn": []}
+
+    def run(name: str) -> float:
+        t = _clock()
+        for w in ws[name]:
+            linear(x, weight, None, w)
+        return (_clock() - t) * 1e3 / copies
+
     with torch.inference_mode():
-        for name, packed in (("panels", panels), ("onednn", onednn)):  # one layout at a time
-            ws = [packed] + [copy[name](packed) for _ in range(copies - 1)]
-            out[name] = _best_ms(lambda ws=ws: [linear(x, weight, None, w) for w in ws]) / copies
-            del ws  # this layout's copies go before the next layout's are made
+        run("panels"), run("onednn")  # warm
+        for i in range(reps):
+            for name in (("panels", "onednn") if i % 2 == 0 else ("onednn", "panels")):
+                out[name].append(run(name))
     return out
-
-
-def _best_ms(run, reps: int = 3) -> float:
-    run()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def choose_layout(weight: torch.Tensor, panels: torch.Tensor, onednn: torch.Tensor,
                   prefill: bool = True) -> str:
-    """'panels' or 'onednn' for this weight's (dtype, N, K), decided once per process: the
-    cheaper of DECODE_WEIGHT decode GEMMs of DECODE_ROWS rows plus (`prefill`) one of
-    PREFILL_ROWS rows, timed (layout_cost), oneDNN's only when cheaper by ONEDNN_MARGIN. An
-    lm_head only ever sees decode-sized row counts."""
+    """'panels' or 'onednn' for this weight's (dtype, N, K), decided once per process from the
+    cost of DECODE_WEIGHT decode GEMMs of DECODE_ROWS rows plus (`prefill`) one of PREFILL_ROWS
+    rows, each rep of the two layouts timed side by side (layout_cost). oneDNN's layout only
+    when it is cheaper by ONEDNN_MARGIN both in the ratio of the layouts' best reps and in the
+    median of the per-rep ratios: a burst of load that slows some of one layout's reps moves
+    neither (the best reps are the quiet ones; the median outvotes the burst's pairs), and one
+    that lasts the whole timing slows both layouts alike. An lm_head only ever sees
+    decode-sized row counts."""
     n, k = weight.shape
     key = (weight.dtype, n, k, prefill)
     if key not in _layout_choice:
-        cost = {"panels": 0.0, "onednn": 0.0}
+        cost = {"panels": [0.0] * LAYOUT_REPS, "onednn": [0.0] * LAYOUT_REPS}
         for rows, w in ((DECODE_ROWS, DECODE_WEIGHT), (PREFILL_ROWS, 1))[: 2 if prefill else 1]:
             for name, ms in layout_cost(weight, panels, onednn, rows).items():
-                cost[name] += w * ms
-        _layout_choice[key] = ("onednn" if cost["onednn"] < (1 - ONEDNN_MARGIN) * cost["panels"]
-                               else "panels")
-        log.debug("GEMM layout for %s [%d, %d]: %s (weighted ms %s)", weight.dtype, n, k,
-                  _layout_choice[key], {a: round(b, 3) for a, b in cost.items()})
+                cost[name] = [c + w * m for c, m in zip(cost[name], ms)]
+        best = min(cost["onednn"]) / min(cost["panels"])
+        median = statistics.median(o / p for o, p in zip(cost["onednn"], cost["panels"]))
+        win = best < 1 - ONEDNN_MARGIN and median < 1 - ONEDNN_MARGIN
+        _layout_choice[key] = "onednn" if win else "panels"
+        log.info("GEMM layout for %s [%d, %d]%s: %s (oneDNN/panels weighted cost: best %.2f, "
+                 "median of %d paired reps %.2f; oneDNN needs both < %.2f)", weight.dtype, n, k,
+                 "" if prefill else " (decode rows only)", _layout_choice[key], best,
+                 LAYOUT_REPS, median, 1 - ONEDNN_MARGIN)
     return _layout_choice[key]
 
 
