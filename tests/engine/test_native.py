@@ -130,6 +130,22 @@ def test_linear_routes_float32_through_panels(monkeypatch: pytest.MonkeyPatch) -
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("m", [1, 8, 13, 200])
+@pytest.mark.parametrize("n,k", [(31, 15), (70, 577), (960, 576)])
+def test_bf16_weight_panels_equal_the_widened_float_panels(m: int, n: int, k: int) -> None:
+    """Panels of bf16 weights with float32 x (a W8A8 bf16 lm_head, loader.bf16_lm_head): each
+    weight widened as it is read, so every tile path gives the float32 panels' bits on the
+    widened matrix."""
+    o = _panels()
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x, b = (torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g),
+               torch.randn(n, generator=g))
+    for bias in (b, None):
+        got = o.linear(x, layers.pack_panels(w), n, bias)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert torch.equal(got, o.linear(x, layers.pack_panels(w.float()), n, bias))
+
+
 @pytest.mark.parametrize("m", [1, 8, 13, 40])
 @pytest.mark.parametrize("n,k", [(1, 2), (31, 16), (70, 578), (960, 576)])
 def test_bf16_panel_linear_matches_float64(m: int, n: int, k: int) -> None:

@@ -128,6 +128,7 @@ q41 = gp.typed(nib.view(100, -1), 3)
 xg = torch.randn(13, 128, generator=g)
 qi = torch.randint(-128, 128, (100, 68), dtype=torch.int8, generator=g)
 torch.save({"linear": o.linear(x, layers.pack_panels(w), 100, b),
+            "linear_bf16_weights": o.linear(x, layers.pack_panels(w.bfloat16()), 100, b),
             "int8_linear": o.int8_linear(torch.randn(13, 68, generator=g),
                                          o.int8_pack(qi, torch.rand(100, generator=g)), 100, b, 0),
             "gguf_q8_0": o.gguf_linear(xg, q8, 100, b), "gguf_q4_1": o.gguf_linear(xg[:5], q41, 100, None),

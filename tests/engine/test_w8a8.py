@@ -73,11 +73,35 @@ def test_weights_stay_int8(w8a8_dir, tiny_llama_dir, monkeypatch):
     assert weight_bytes(ref) - weight_bytes(model) >= 3 * lin_bytes - extra
 
 
+def test_the_bf16_lm_head_holds_the_rounded_weights(w8a8_dir, tiny_llama_dir, monkeypatch):
+    """PDCORE_W8A8_LM_HEAD=bf16: the float lm_head becomes bf16 panels of its weights rounded
+    to nearest (half the bytes), read by the native float panel GEMM; where that GEMM does not
+    serve it stays float."""
+    from pdcore.engine import native
+    from pdcore.engine.model.layers import linear, pack_panels
+
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "bf16")
+    model, cfg, _ = load_model(w8a8_dir, torch.float32, torch.device("cpu"))
+    ref = w8a8_reference(w8a8_dir, str(tiny_llama_dir), bf16_lm_head=True).lm_head.weight
+    head = model.lm_head_packed
+    if not native.panel_gemm():
+        assert model.lm_head.dtype == torch.float32 and head is None
+        return
+    assert head.dtype == torch.bfloat16 and torch.equal(head, pack_panels(ref.bfloat16()))
+    assert model.lm_head.dtype == torch.int8 and model.lm_head.stride() == (0, 0)
+    assert weight_layouts(model)["panels"] == 1
+    h = torch.randn(3, cfg.hidden_size)
+    torch.testing.assert_close(linear(h, model.lm_head, None, head), h @ ref.t(),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["int8", "bf16"])
 def test_greedy_equals_the_float_reference_of_the_same_math(w8a8_dir, tiny_llama_dir,
-                                                            monkeypatch):
-    """With the int8 lm_head (PDCORE_W8A8_LM_HEAD=int8; the float one: the next test)."""
-    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "int8")
-    ref = w8a8_reference(w8a8_dir, str(tiny_llama_dir), int8_lm_head=True)
+                                                            monkeypatch, head):
+    """With the int8 or bf16 lm_head (PDCORE_W8A8_LM_HEAD; the float one: the next test)."""
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", head)
+    ref = w8a8_reference(w8a8_dir, str(tiny_llama_dir), int8_lm_head=head == "int8",
+                         bf16_lm_head=head == "bf16")
     eng = LLMEngine(ServerArgs(model_path=w8a8_dir, max_total_tokens=1024, page_size=4))
     try:
         outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0.0,

@@ -20,7 +20,7 @@ from pdcore.engine.model.gguf_cache import converted
 from pdcore.engine.model.gguf_packed import GGUFCheckpoint
 from pdcore.engine.model.hf_config import read_plain_config
 from pdcore.engine.model import quant_config
-from pdcore.engine.model.layers import TPInfo
+from pdcore.engine.model.layers import TPInfo, pack_panels
 from pdcore.engine.model.fp8 import Fp8Checkpoint, fp8_layers
 from pdcore.engine.model.modelslim import modelslim_checkpoint
 from pdcore.engine.model.quant import Int8Checkpoint, int8_lm_head
@@ -207,17 +207,40 @@ def _packed_gguf(raw: ResolvedModel, cfg: Any, device: torch.device,
     return sd
 
 
+def bf16_lm_head(model: torch.nn.Module) -> bool:
+    """Replace a W8A8 model's float32 lm_head by bf16 weight panels (layers.pack_panels of the
+    matrix rounded to bf16, half its bytes) as its `lm_head_packed`: the native panel GEMM
+    widens each weight as it reads it (exact) and multiplies the float32 activations, so the
+    logits are the float32 kernel's on the rounded matrix. The matrix becomes an int8 stand-in
+    of its shape (no bytes; see int8_lm_head). False where the lm_head is already packed, is not
+    a float32 matrix on the CPU, or the native panel GEMM does not serve here."""
+    from pdcore.engine import native
+
+    head = model.lm_head
+    if (getattr(model, "lm_head_packed", None) is not None or head.dim() != 2
+            or head.dtype != torch.float32 or head.device.type != "cpu"
+            or not native.panel_gemm()):
+        return False
+    model.lm_head_packed = pack_panels(head.detach().to(torch.bfloat16))
+    model.lm_head = torch.nn.Parameter(
+        torch.empty_strided(head.shape, (0, 0), dtype=torch.int8), requires_grad=False)
+    return True
+
+
 def _w8a8_lm_head(model: torch.nn.Module) -> None:
-    """With PDCORE_W8A8_LM_HEAD=int8, a W8A8 model's float lm_head quantized to int8 like the
-    body on the CPU (quant.int8_lm_head); logged either way."""
-    if ENV.pdcore_w8a8_lm_head != "int8":
-        log.info("W8A8 lm_head: float as the checkpoint stores it (PDCORE_W8A8_LM_HEAD=int8 "
-                 "quantizes it: a quarter of its bytes, less accurate; docs/quantization.md)")
+    """PDCORE_W8A8_LM_HEAD: a W8A8 model's float lm_head kept as the checkpoint stores it
+    (float), quantized to int8 like the body (quant.int8_lm_head) or rounded to bf16 weights
+    (bf16_lm_head), on the CPU; logged either way."""
+    how = ENV.pdcore_w8a8_lm_head
+    if how == "float":
+        log.info("W8A8 lm_head: float as the checkpoint stores it (PDCORE_W8A8_LM_HEAD=bf16 "
+                 "halves its bytes, int8 quarters them, less accurate; docs/quantization.md)")
         return
-    done = int8_lm_head(model)  # False off the CPU
-    log.info("W8A8 lm_head: %s (PDCORE_W8A8_LM_HEAD=int8)",
-             "int8 per output channel, quantized at load" if done else
-             "float: not a float matrix on the CPU")
+    done = (int8_lm_head if how == "int8" else bf16_lm_head)(model)
+    log.info("W8A8 lm_head: %s (PDCORE_W8A8_LM_HEAD=%s)",
+             ("int8 per output channel, quantized at load" if how == "int8" else
+              "bf16 weights, float32 activations") if done else
+             "float: not a float32 matrix on the CPU or no native panel GEMM here", how)
 
 
 def _check_int8_loaded(sd: Int8Checkpoint, resolved: ResolvedModel, cfg: Any) -> None:

@@ -47,20 +47,30 @@ constexpr int TILE = 12;
 #define PD_AVX2_ROWS 3
 #endif
 
+// Panels hold float32 or bf16 weights (WT: float or uint16_t, the same [ceil(N / 32), K, 32]
+// layout; a W8A8 model's bf16 lm_head, loader.bf16_lm_head). A bf16 weight is widened to float32
+// as it is loaded (a shift: exact) and multiplied by float32 x, so its outputs are the float
+// kernel's on the widened matrix, to the bit. Prefetching stays 2 KB ahead either way.
+inline V16 wload(const float* p) { return vload(p); }
+inline V16 wload(const uint16_t* p) { return vload_bf16(p); }
+template <typename WT>
+inline void wprefetch(const WT* w, int64_t k) {
+  const char* p = reinterpret_cast<const char*>(w + (k + PD_PF * 4 / sizeof(WT)) * PANEL);
+  _mm_prefetch(p, _MM_HINT_T0);
+  if constexpr (sizeof(WT) == 4) _mm_prefetch(p + 64, _MM_HINT_T0);
+}
+
 
 // MB rows down k in [k0, k1) of one panel: per k, the panel's two 16-lane halves (one 128-byte
 // stretch, read in order) and one broadcast of x[m, k] per row, two FMAs per row into the 2 x MB
 // accumulators `acc`. x is row-major (x[m * K + k]) or, PK, k-major with `ld` rows per k
 // (x[k * ld + m]). PF: prefetch the panel PD_PF k ahead.
-template <int MB, bool PK, bool PF>
-inline void rows_fma(V16 (&acc)[MB][2], const float* x, int64_t K, int64_t ld, const float* w,
+template <int MB, bool PK, bool PF, typename WT>
+inline void rows_fma(V16 (&acc)[MB][2], const float* x, int64_t K, int64_t ld, const WT* w,
                      int64_t k0, int64_t k1) {
   for (int64_t k = k0; k < k1; ++k) {
-    if (PF) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + PD_PF) * PANEL + 16), _MM_HINT_T0);
-    }
-    const V16 w0 = vload(w + k * PANEL), w1 = vload(w + k * PANEL + 16);
+    if (PF) wprefetch(w, k);
+    const V16 w0 = wload(w + k * PANEL), w1 = wload(w + k * PANEL + 16);
     const float* xk = PK ? x + k * ld : x + k;
     PD_UNROLL for (int m = 0; m < MB; ++m) {
       const V16 xv = vset1(PK ? xk[m] : xk[m * K]);
@@ -90,8 +100,8 @@ struct PanelOut {
 };
 
 // MB rows down a whole panel into y (+ b)
-template <int MB, bool PK>
-void panel_rows(const float* x, int64_t K, int64_t ld, const float* w, float* y, int64_t N,
+template <int MB, bool PK, typename WT>
+void panel_rows(const float* x, int64_t K, int64_t ld, const WT* w, float* y, int64_t N,
                 int64_t n0, const float* b) {
   V16 acc[MB][2];
   PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = vzero();
@@ -102,8 +112,8 @@ void panel_rows(const float* x, int64_t K, int64_t ld, const float* w, float* y,
 
 #if defined(PD_ISA_AVX512)
 // AVX-512: the whole tile at once, 2 x MB accumulators (24 at 12 rows) of the 32 registers
-template <int MB, bool PK>
-void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+template <int MB, bool PK, typename WT>
+void panel_tile(const float* x, int64_t K, const WT* w, float* y, int64_t N, int64_t n0,
                 const float* b) {
   panel_rows<MB, PK>(x, K, MB, w, y, N, n0, b);
 }
@@ -120,8 +130,8 @@ void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, 
 // bias: the same bits as the one-panel tiles and the decode path.
 constexpr int PAIR_ROWS = 6;
 
-template <int MB>
-void pair_tile(const float* x, int64_t K, const float* w0p, const float* w1p, float* y, int64_t N,
+template <int MB, typename WT>
+void pair_tile(const float* x, int64_t K, const WT* w0p, const WT* w1p, float* y, int64_t N,
                int64_t n0, const float* b) {
   if (w1p == nullptr) {  // an odd panel count's last panel
     panel_rows<MB, false>(x, K, MB, w0p, y, N, n0, b);
@@ -130,12 +140,10 @@ void pair_tile(const float* x, int64_t K, const float* w0p, const float* w1p, fl
   V16 acc[MB][4];
   PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = vzero();
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0p + (k + PD_PF) * PANEL), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w0p + (k + PD_PF) * PANEL + 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1p + (k + PD_PF) * PANEL), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1p + (k + PD_PF) * PANEL + 16), _MM_HINT_T0);
-    const V16 a0 = vload(w0p + k * PANEL), a1 = vload(w0p + k * PANEL + 16);
-    const V16 c0 = vload(w1p + k * PANEL), c1 = vload(w1p + k * PANEL + 16);
+    wprefetch(w0p, k);
+    wprefetch(w1p, k);
+    const V16 a0 = wload(w0p + k * PANEL), a1 = wload(w0p + k * PANEL + 16);
+    const V16 c0 = wload(w1p + k * PANEL), c1 = wload(w1p + k * PANEL + 16);
     PD_UNROLL for (int m = 0; m < MB; ++m) {
       const V16 xv = vset1(x[m * K + k]);
       acc[m][0] = vfmadd(a0, xv, acc[m][0]);
@@ -151,10 +159,13 @@ void pair_tile(const float* x, int64_t K, const float* w0p, const float* w1p, fl
   }
 }
 
-using PairFn = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t,
-                        int64_t, const float*);
-constexpr PairFn PAIRS[PAIR_ROWS] = {pair_tile<1>, pair_tile<2>, pair_tile<3>,
-                                     pair_tile<4>, pair_tile<5>, pair_tile<6>};
+template <typename WT>
+struct Pairs {
+  using Fn = void (*)(const float*, int64_t, const WT*, const WT*, float*, int64_t, int64_t,
+                      const float*);
+  static constexpr Fn FN[PAIR_ROWS] = {pair_tile<1, WT>, pair_tile<2, WT>, pair_tile<3, WT>,
+                                       pair_tile<4, WT>, pair_tile<5, WT>, pair_tile<6, WT>};
+};
 #else
 // AVX2 has 16 registers, and a V16 is two of them: the tile runs as passes of up to ROWS2 rows
 // (4 x ROWS2 accumulators, the panel's 4 registers, one broadcast), each reading the panel's
@@ -168,8 +179,8 @@ constexpr int64_t KBLOCK = 64;  // k per block of a many-pass tile: 8 KB of the 
 // MB rows down k in [k0, k1) of one panel, the 2 x MB accumulators carried in acc (MB x 32
 // floats) from one block to the next; PF: this pass prefetches the panel (the first pass of a
 // block reads it from memory, the others find it in L1)
-template <int MB, bool PK, bool PF>
-void panel_rows_block(const float* x, int64_t K, int64_t ld, const float* w, int64_t k0,
+template <int MB, bool PK, bool PF, typename WT>
+void panel_rows_block(const float* x, int64_t K, int64_t ld, const WT* w, int64_t k0,
                       int64_t k1, float* acc) {
   V16 a[MB][2];
   PD_UNROLL for (int m = 0; m < MB; ++m) {
@@ -182,11 +193,12 @@ void panel_rows_block(const float* x, int64_t K, int64_t ld, const float* w, int
     vstore(acc + m * PANEL + 16, a[m][1]);
   }
 }
-using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float*);
-template <bool PK, bool PF>
+template <bool PK, bool PF, typename WT>
 struct Passes {
-  static constexpr BlockFn ROWS[3] = {panel_rows_block<1, PK, PF>, panel_rows_block<2, PK, PF>,
-                                      panel_rows_block<3, PK, PF>};
+  using Fn = void (*)(const float*, int64_t, int64_t, const WT*, int64_t, int64_t, float*);
+  static constexpr Fn ROWS[3] = {panel_rows_block<1, PK, PF, WT>,
+                                 panel_rows_block<2, PK, PF, WT>,
+                                 panel_rows_block<3, PK, PF, WT>};
 };
 
 // A tile of more than ROWS2 rows runs its passes block by block of KBLOCK k: each block of the
@@ -194,8 +206,8 @@ struct Passes {
 // FMAs overlap the stream instead of following it (whole-K passes: a decode step's 8 rows read
 // memory in one pass, then computed two more from L2 with no read in flight). The accumulators
 // go through memory between blocks unrounded: every output sums as the AVX-512 tile sums it.
-template <int MB, bool PK>
-void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t n0,
+template <int MB, bool PK, typename WT>
+void panel_tile(const float* x, int64_t K, const WT* w, float* y, int64_t N, int64_t n0,
                 const float* b) {
   if constexpr (MB <= ROWS2) {
     panel_rows<MB, PK>(x, K, MB, w, y, N, n0, b);
@@ -206,7 +218,7 @@ void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, 
       for (int m = 0; m < MB; m += ROWS2) {
         const int rows = MB - m < ROWS2 ? MB - m : ROWS2;
         const float* xm = PK ? x + m : x + m * K;
-        (m == 0 ? Passes<PK, true>::ROWS : Passes<PK, false>::ROWS)[rows - 1](
+        (m == 0 ? Passes<PK, true, WT>::ROWS : Passes<PK, false, WT>::ROWS)[rows - 1](
             xm, K, MB, w, k0, k1, acc + m * PANEL);
       }
     }
@@ -217,14 +229,14 @@ void panel_tile(const float* x, int64_t K, const float* w, float* y, int64_t N, 
 }
 #endif
 
-using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t,
-                        const float*);
-template <bool PK>
+template <bool PK, typename WT>
 struct Tiles {
-  static constexpr TileFn FN[TILE] = {
-      panel_tile<1, PK>, panel_tile<2, PK>, panel_tile<3, PK>,   panel_tile<4, PK>,
-      panel_tile<5, PK>, panel_tile<6, PK>, panel_tile<7, PK>,   panel_tile<8, PK>,
-      panel_tile<9, PK>, panel_tile<10, PK>, panel_tile<11, PK>, panel_tile<12, PK>};
+  using Fn = void (*)(const float*, int64_t, const WT*, float*, int64_t, int64_t, const float*);
+  static constexpr Fn FN[TILE] = {
+      panel_tile<1, PK, WT>, panel_tile<2, PK, WT>,  panel_tile<3, PK, WT>,
+      panel_tile<4, PK, WT>, panel_tile<5, PK, WT>,  panel_tile<6, PK, WT>,
+      panel_tile<7, PK, WT>, panel_tile<8, PK, WT>,  panel_tile<9, PK, WT>,
+      panel_tile<10, PK, WT>, panel_tile<11, PK, WT>, panel_tile<12, PK, WT>};
 };
 
 // How an M-row GEMM's rows split: blocks of at most 16 tiles, equal in size (256 rows run as
@@ -300,47 +312,56 @@ Tensor with_lead(const Tensor& y, const Tensor& x_in) {
   return y.view(shape);
 }
 
-// x [..., K] float32, panels [ceil(N / 32), K, 32], b [N] or empty
-Tensor panel_linear(const Tensor& x_in, const Tensor& panels, int64_t N,
-                    const std::optional<Tensor>& b) {
-  const int64_t K = x_in.size(-1);
-  TORCH_CHECK(panel_gemm_supported(), "the panel GEMM needs AVX2 and FMA");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
-              "the panel GEMM is float32");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K && panels.size(2) == PANEL &&
-                  panels.size(0) * PANEL >= N && panels.is_contiguous(),
-              "panels do not match the input");
-  Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0), P = panels.size(0);
-  Tensor y = at::empty({M, N}, x.options());
-  const float* bp = nullptr;
-  Tensor bc;
-  if (b.has_value() && b->defined() && b->numel() > 0) {
-    bc = b->contiguous();
-    bp = bc.data_ptr<float>();
-  }
-  const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// y [M, N] = x [M, K] float32 down panels of WT (float32 or bf16 widened), + b (null: none)
+template <typename WT>
+void panel_gemm(Tensor x, const WT* wp, int64_t P, float* yp, int64_t N, const float* bp) {
+  const int64_t K = x.size(1), M = x.size(0);
 #if defined(PD_ISA_AVX512)
   if (M > TILE) {  // more than one tile: pairs of panels (pair_tile)
     const float* xr = x.data_ptr<float>();
     const int64_t pairs = (P + 1) / 2;
     for_tiles(Tiling(M, PAIR_ROWS), pairs, [&](int64_t m, int64_t rows, int64_t q) {
-      const float* w0p = wp + 2 * q * K * PANEL;
-      PAIRS[rows - 1](xr + m * K, K, w0p, 2 * q + 1 < P ? w0p + K * PANEL : nullptr,
-                      yp + m * N, N, 2 * q * PANEL, bp);
+      const WT* w0p = wp + 2 * q * K * PANEL;
+      Pairs<WT>::FN[rows - 1](xr + m * K, K, w0p, 2 * q + 1 < P ? w0p + K * PANEL : nullptr,
+                              yp + m * N, N, 2 * q * PANEL, bp);
     });
-    return with_lead(y, x_in);
+    return;
   }
 #endif
   const Tiling tiling(M);
   const bool pk = tiling.tiles.size() > 1;  // one tile (a decode step) reads x as it is
   if (pk) x = pack_tiles(x, tiling);
   const float* xp = x.data_ptr<float>();
-  const TileFn* fn = pk ? Tiles<true>::FN : Tiles<false>::FN;
+  const auto* fn = pk ? Tiles<true, WT>::FN : Tiles<false, WT>::FN;
   for_tiles(tiling, P, [&](int64_t m, int64_t rows, int64_t p) {
     fn[rows - 1](xp + m * K, K, wp + p * K * PANEL, yp + m * N, N, p * PANEL, bp);
   });
+}
+
+// x [..., K] float32, panels [ceil(N / 32), K, 32] float32 or bf16, b [N] or empty
+Tensor panel_linear(const Tensor& x_in, const Tensor& panels, int64_t N,
+                    const std::optional<Tensor>& b) {
+  const int64_t K = x_in.size(-1);
+  TORCH_CHECK(panel_gemm_supported(), "the panel GEMM needs AVX2 and FMA");
+  const auto wt = panels.scalar_type();
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && (wt == at::kFloat || wt == at::kBFloat16),
+              "the panel GEMM takes float32 x and float32 or bf16 panels");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K && panels.size(2) == PANEL &&
+                  panels.size(0) * PANEL >= N && panels.is_contiguous(),
+              "panels do not match the input");
+  Tensor x = x_in.reshape({-1, K}).contiguous();
+  Tensor y = at::empty({x.size(0), N}, x.options());
+  const float* bp = nullptr;
+  Tensor bc;
+  if (b.has_value() && b->defined() && b->numel() > 0) {
+    bc = b->to(at::kFloat).contiguous();
+    bp = bc.data_ptr<float>();
+  }
+  if (wt == at::kFloat)
+    panel_gemm(x, panels.data_ptr<float>(), panels.size(0), y.data_ptr<float>(), N, bp);
+  else
+    panel_gemm(x, reinterpret_cast<const uint16_t*>(panels.data_ptr()), panels.size(0),
+               y.data_ptr<float>(), N, bp);
   return with_lead(y, x_in);
 }
 
