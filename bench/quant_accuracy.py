@@ -130,6 +130,9 @@ FORMATS: dict[str, str] = {
                               "(per output channel, compressed-tensors' qparams; "
                               "PDCORE_W8A8_LM_HEAD=int8)",
     "w8a8 sq gptq down_proj float + int8 lm_head": "that best W8A8 with the int8 lm_head",
+    "w8a8 rtn + bf16 lm_head": "w8a8 rtn with its float lm_head's weights rounded to bf16 at "
+                              "load, float32 activations (PDCORE_W8A8_LM_HEAD=bf16)",
+    "w8a8 sq gptq down_proj float + bf16 lm_head": "that best W8A8 with the bf16 lm_head",
     "fp8 block rtn": "FP8 e4m3 weights, 128x128 block scales (DeepSeek-V3 layout), rounded to "
                      "nearest; activations float",
     "fp8 block gptq": "FP8 e4m3 weights, 128x128 block scales, GPTQ rounding to the e4m3 grid",
@@ -170,13 +173,14 @@ def _make(name: str, src: str, dst: Path, calib: list[list[int]], gguf: str,
     out = str(dst)
     packed = {"PDCORE_GGUF_PACKED": "1", "PDCORE_GGUF_DOT": "int8"}
     packed_float = {**packed, "PDCORE_GGUF_DOT": "float"}
-    if name.endswith(" + int8 lm_head"):  # the same checkpoint as the format it names
-        base = name[: -len(" + int8 lm_head")]
+    head = name.rsplit(" + ", 1)[-1] if name.endswith(" lm_head") else None
+    if head is not None:  # the same checkpoint as the format it names, its lm_head so
+        base, how = name[: -len(" + " + head)], head.split()[0]
         base_dst = dst.with_name(base.replace(" ", "_"))
         if (base_dst / "config.json").is_file():
-            return str(base_dst), "float32", {LM_HEAD_ENV: "int8"}
+            return str(base_dst), "float32", {LM_HEAD_ENV: how}
         path, dtype, _ = _make(base, src, base_dst, calib, gguf, samples)
-        return path, dtype, {LM_HEAD_ENV: "int8"}
+        return path, dtype, {LM_HEAD_ENV: how}
     if name.startswith("w8a8"):  # as the checkpoint stores the lm_head: float
         path, dtype, _ = _make_plain(name, src, out, calib, samples)
         return path, dtype, {LM_HEAD_ENV: "float"}

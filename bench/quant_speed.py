@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Run, alternating, bar_groups, figure, load_note, save_figure
 
 NAME = "quant_speed"
+# the W8A8 systems: PDCORE_W8A8_LM_HEAD of each
+HEADS = {"w8a8_int8": "float", "w8a8_int8_head": "int8", "w8a8_int8_bf16head": "bf16"}
 
 
 def _time(eng: Any, batch: int, prompt: int, new: int) -> float:
@@ -92,8 +94,9 @@ def main() -> None:
                     help="an existing compressed-tensors W8A8 folder (e.g. the one vs_vllm.py "
                          "serves to vLLM) instead of quantizing --model-path afresh")
     ap.add_argument("--systems", default="float32,w8a8_int8",
-                    help="of float32, w8a8_int8 (the lm_head float, as stored) and "
-                         "w8a8_int8_head (PDCORE_W8A8_LM_HEAD=int8)")
+                    help="of float32, w8a8_int8 (the lm_head float, as stored), "
+                         "w8a8_int8_head (PDCORE_W8A8_LM_HEAD=int8) and w8a8_int8_bf16head "
+                         "(PDCORE_W8A8_LM_HEAD=bf16)")
     ap.add_argument("--tag", default=None, help="results in quant_speed_<tag>.json / .png")
     args = ap.parse_args()
     from pdcore.config import ServerArgs
@@ -108,14 +111,14 @@ def main() -> None:
     run = Run(res_name, {**vars(args), "model": src})
     samples: dict[str, dict[int, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-w8a8-") as tmp:
-        paths = {"float32": src, "w8a8_int8": args.w8a8_path, "w8a8_int8_head": args.w8a8_path}
+        paths = {"float32": src, **{k: args.w8a8_path for k in HEADS}}
         paths = {k: v for k, v in paths.items() if k in args.systems.split(",")}
         if any(k.startswith("w8a8") for k in paths) and not args.w8a8_path:
             made = make_w8a8_model(src, str(Path(tmp) / "w8a8"))
             paths = {k: made if k.startswith("w8a8") else v for k, v in paths.items()}
         engines = {}
-        for k, p in paths.items():  # w8a8_int8_head: its lm_head int8 too (read at load)
-            os.environ["PDCORE_W8A8_LM_HEAD"] = "int8" if k == "w8a8_int8_head" else "float"
+        for k, p in paths.items():  # the W8A8 lm_head as HEADS says (read at load)
+            os.environ["PDCORE_W8A8_LM_HEAD"] = HEADS.get(k, "float")
             engines[k] = LLMEngine(ServerArgs(model_path=p, max_total_tokens=4096,
                                               disable_radix_cache=True))
         streamed = {k: _streamed_bytes(e.engine.model) for k, e in engines.items()}

@@ -1,8 +1,9 @@
 """A W8A8 decode step at batch 8 taken apart, against its weight-streaming floors (#48).
 
 The same compressed-tensors W8A8 checkpoint in pdserve's engine twice, in process: its lm_head
-float as the checkpoint stores it (the default, PDCORE_W8A8_LM_HEAD=float) and quantized to
-int8 at load (PDCORE_W8A8_LM_HEAD=int8, engine/model/quant.int8_lm_head). For each,
+float as the checkpoint stores it (the default, PDCORE_W8A8_LM_HEAD=float), quantized to
+int8 at load (PDCORE_W8A8_LM_HEAD=int8, engine/model/quant.int8_lm_head) and rounded to bf16
+weights (PDCORE_W8A8_LM_HEAD=bf16, loader.bf16_lm_head; --heads picks). For each,
 wall-clock milliseconds on the engine's threads (medians over --iters, the two engines
 alternating):
 
@@ -45,7 +46,7 @@ from quant_speed import _bandwidth
 from step_vs_gemm import decode_steps
 
 NAME = "w8a8_step"
-HEADS = ("float", "int8")
+HEADS = ("float", "int8", "bf16")
 KINDS = ("qkv", "o_proj", "gate_up", "down")
 
 
@@ -129,8 +130,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--heads", default=",".join(HEADS),
+                    help=f"PDCORE_W8A8_LM_HEAD values to run, of {HEADS} (float and int8 "
+                         "always: the floors)")
     ap.add_argument("--tag", default=None, help="results in w8a8_step_<tag>.json / .png")
     a = ap.parse_args()
+    heads = [h for h in HEADS if h in ("float", "int8") or h in a.heads.split(",")]
     from pdcore.config import ServerArgs
     from pdcore.engine import native
     from pdcore.runtime.llm_engine import LLMEngine
@@ -139,17 +144,17 @@ def main() -> None:
     run = Run(name, vars(a))
     engines, parts = {}, {}
     try:
-        for head in HEADS:
+        for head in heads:
             os.environ["PDCORE_W8A8_LM_HEAD"] = head  # read at load
             engines[head] = LLMEngine(ServerArgs(
                 model_path=a.model_path, max_total_tokens=a.batch * (a.ctx + a.steps + 128),
                 disable_radix_cache=True, log_level="warning"))
             parts[head] = Parts(engines[head], a.batch, a.ctx, a.steps)
-        samples: dict[str, dict[str, list[float]]] = {h: {} for h in HEADS}
+        samples: dict[str, dict[str, list[float]]] = {h: {} for h in heads}
         bandwidth = []
         for r in range(a.iters):
             bandwidth.append(_bandwidth())
-            for head in alternating(list(HEADS), r):
+            for head in alternating(heads, r):
                 parts[head].once(samples[head], a.new)
     finally:
         for e in engines.values():
@@ -164,9 +169,9 @@ def main() -> None:
                               "bandwidth_gb_s": bw / 1e9,
                               "bandwidth_gb_s_rounds": [b / 1e9 for b in bandwidth],
                               "body_bytes": {k: v for k, v in parts["int8"].kind_bytes.items()},
-                              "lm_head_bytes": {h: parts[h].head_bytes for h in HEADS},
+                              "lm_head_bytes": {h: parts[h].head_bytes for h in heads},
                               "floor": floors, "heads": {}}
-    for head in HEADS:
+    for head in heads:
         m = {k: statistics.median(v) for k, v in samples[head].items()}
         gemms = sum(m[f"gemm_{k}"] for k in KINDS)
         m["body_gemms"] = gemms
@@ -182,7 +187,7 @@ def main() -> None:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; int8 GEMM {result['int8_gemm']}; floors: as "
           f"stored {stored / 1e6:.0f} MB {floors['as_stored']['ms']:.2f} ms, int8 "
           f"{int8_only / 1e6:.0f} MB {floors['int8']['ms']:.2f} ms")
-    for head in HEADS:
+    for head in heads:
         m = result["heads"][head]["ms"]
         print(f"lm_head {head}: " + ", ".join(
             f"{k} {m[k]:.2f}" for k in ("body_gemms", "attention_and_rest", "lm_head",
@@ -193,7 +198,7 @@ def main() -> None:
     fig, (ax,) = figure(1, width=7)
     stack = ("body_gemms", "attention_and_rest", "norm_and_logits", "sampler_greedy",
              "python_and_scheduler")
-    for i, head in enumerate(HEADS):
+    for i, head in enumerate(heads):
         m, bottom = result["heads"][head]["ms"], 0.0
         for j, k in enumerate(stack):
             ax.bar(i, m[k], bottom=bottom, color=f"C{j}", label=k if i == 0 else None)
@@ -202,7 +207,7 @@ def main() -> None:
         ax.axhline(floors[f]["ms"], ls=style, color="k", label=f"floor {f}")
         ax.axhline(1.6 * floors["int8"]["ms"], ls="-.", color="r",
                    label="1.6x int8 floor") if f == "int8" else None
-    ax.set_xticks(range(len(HEADS)), [f"lm_head {h}" for h in HEADS])
+    ax.set_xticks(range(len(heads)), [f"lm_head {h}" for h in heads])
     ax.set_ylabel(f"ms per decode step, batch {a.batch}")
     ax.set_title(f"W8A8 decode step ({result['note']})", fontsize=9)
     ax.legend(fontsize=7)
