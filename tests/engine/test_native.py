@@ -242,8 +242,9 @@ def test_rope_store_equals_the_aten_formula(dtype: torch.dtype, pool: torch.dtyp
 
 def test_silu_mul_matches_aten() -> None:
     """bf16 silu(gate) * up in one pass: equal to aten's two operators but for rare last-bit
-    ties (its exp and reciprocal differ from aten's by float32 ulps); float32 and a width the
-    kernel does not take run aten's operators (equal to the bit)."""
+    ties (its exp and reciprocal differ from aten's by float32 ulps); float32 (its kernel, or
+    aten's operators where the width is no multiple of 32) and a bf16 width the kernel does not
+    take equal to the bit (test_native_elementwise.py: more float32 widths)."""
     o = _panels()
     g = torch.Generator().manual_seed(5)
     gu = (torch.randn(67, 2 * 96 + 4, generator=g) * 4).bfloat16()[:, 4:]  # strided rows

@@ -149,9 +149,16 @@ def test_prefill_attention_matches_float64(pool: torch.dtype) -> None:
                                 vp.view(-1, kvh, d).float() * scales[1], slots, d**-0.5)
         err = (got.double() - ref).abs().max().item() / ref.abs().max().item()
         assert err < 1e-4, (kvh, groups, d, n, ctx, err)
+        rows = torch.full((n + 3, h, d), float("nan"))  # `out`: rows 1 .. n of a step's output
+        o.prefill_attention_paged(q, kp, vp, slots, d**-0.5, *scales, kvh, rows[1 : n + 1])
+        assert torch.equal(rows[1 : n + 1], got) and rows[0].isnan().all() \
+            and rows[n + 1 :].isnan().all()
         if pool == torch.bfloat16:  # bf16 queries (a bf16 model): the result in bf16
             gb = o.prefill_attention_paged(q.bfloat16(), kp, vp, slots, d**-0.5, 1.0, 1.0, kvh)
             assert gb.dtype == torch.bfloat16
+            gout = torch.zeros(n, h, d, dtype=torch.bfloat16)
+            o.prefill_attention_paged(q.bfloat16(), kp, vp, slots, d**-0.5, 1.0, 1.0, kvh, gout)
+            assert torch.equal(gout, gb)
             ref = _causal_reference(q.bfloat16().float(), kp.view(-1, kvh, d).float(),
                                     vp.view(-1, kvh, d).float(), slots, d**-0.5)
             assert (gb.double() - ref).abs().max().item() < 2e-2
@@ -165,3 +172,8 @@ def test_prefill_attention_matches_float64(pool: torch.dtype) -> None:
     got = o.prefill_attention_paged(q, kp, vp, slots, 0.2, 1.0, 1.0, 2)
     ref = _causal_reference(q, kp.view(-1, 2, 24), vp.view(-1, 2, 24), slots, 0.2)
     assert (got.double() - ref).abs().max().item() < 1e-5
+    out = torch.zeros(20, 4, 24)
+    o.prefill_attention_paged(q, kp, vp, slots, 0.2, 1.0, 1.0, 2, out)
+    assert torch.equal(out, got)
+    with pytest.raises(RuntimeError, match="out is not"):
+        o.prefill_attention_paged(q, kp, vp, slots, 0.2, 1.0, 1.0, 2, torch.zeros(20, 4, 25))

@@ -138,7 +138,11 @@ torch.save({"linear": o.linear(x, layers.pack_panels(w), 100, b),
             "gguf_x16_q4_1": o.gguf_linear(xg[:5], o.gguf_repack(gp.typed(nib.view(100, -1)[:96], 3)),
                                            96, None),
             "attention": o.decode_attention(q, k, v, bias, 0.125),
-            "silu_mul": o.silu_mul(torch.randn(67, 192, generator=g).bfloat16(), 96)},
+            "silu_mul": o.silu_mul(torch.randn(67, 192, generator=g).bfloat16(), 96),
+            "silu_mul_f32": o.silu_mul(torch.randn(67, 192, generator=g) * 4, 96),
+            "add_rms_norm": o.add_rms_norm(torch.randn(37, 2048, generator=g),
+                                           torch.randn(37, 2048, generator=g),
+                                           torch.randn(2048, generator=g), 1e-5)},
            sys.argv[1])
 """
 

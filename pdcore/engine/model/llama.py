@@ -165,8 +165,8 @@ class Attention(nn.Module):
                 continue
             native = self._prefill_native(q, k_flat) if n > 1 else None
             if native is not None:  # the native causal kernel: the pool read in place
-                out[a:b] = native(q[a:b], k_flat, v_flat, s.ctx_slots, self.scale,
-                                  self.k_scale, self.v_scale, self.num_kv_heads)
+                native(q[a:b], k_flat, v_flat, s.ctx_slots, self.scale, self.k_scale,
+                       self.v_scale, self.num_kv_heads, out[a:b])  # written in place
                 batch.native_prefill += self.layer_id == 0
                 continue
             qi = q[a:b].transpose(0, 1)  # [H, n, d]

@@ -17,7 +17,9 @@ against):
   tiles, GQA-grouped, parallel over (KV head, query block); models/llama.py takes it for every
   chunk of two or more tokens;
 - `pdcore_native::rope_store`: rotary over q and k with the K/V pool store, in one pass (equal
-  to the bit to the aten operators); `silu_mul`: bf16 silu(gate) * up in one pass;
+  to the bit to the aten operators); `silu_mul`: silu(gate) * up in one pass (float32: equal to
+  the bit to aten's two operators); `add_rms_norm`: the residual add and the next RMSNorm in
+  one pass over each row (float32, equal to the bit to aten's add_ and rms_norm);
 - `pdcore_native::sample_rows`: a batch's token sampling, one row per task (sampler.h; the
   torch path of engine/sched/sampler.py where the library is not built);
 - `pdcore_native::int8_linear` / `int8_pack` / `int8_gemm`: the W8A8 int8 GEMM (int8_gemm.h:

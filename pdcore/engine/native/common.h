@@ -7,6 +7,7 @@
 
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>

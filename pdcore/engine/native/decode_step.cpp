@@ -42,8 +42,11 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
   const int64_t L = static_cast<int64_t>(ln1.size());
   const std::optional<Tensor> attn_bias = opt(bias);
   Tensor residual = residual_in;
+  // each layer's input norm: the first's here, the others' fused with the residual add before
+  // them (add_rms_norm, equal to the bit to add_ then at::rms_norm)
+  Tensor normed = L > 0 ? at::rms_norm(residual, {hidden}, ln1[0], eps) : Tensor();
   for (int64_t i = 0; i < L; ++i) {
-    Tensor x = at::rms_norm(residual, {hidden}, ln1[i], eps);
+    Tensor x = normed;
     // attention
     Tensor qkv = any_linear(lin, x, qkv_w[i], qs + 2 * ks, opt(qkv_b[i]));
     Tensor o;
@@ -88,12 +91,16 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
     }
     o = o.view({T, num_heads, head_dim}).to(qkv.scalar_type());
     x = any_linear(lin, o.view({T, -1}), o_w[i], hidden, std::nullopt);
-    residual = i == 0 ? residual + x : residual.add_(x);
+    if (i == 0) residual = residual.clone();  // the caller's embedding is not written
     // MLP
-    x = at::rms_norm(residual, {hidden}, ln2[i], eps);
+    x = add_rms_norm(residual, x, ln2[i], eps);
     Tensor gu = any_linear(lin, x, gu_w[i], 2 * inter, std::nullopt);
     Tensor a = silu_mul(gu, inter);
-    residual.add_(any_linear(lin, a, down_w[i], hidden, std::nullopt));
+    Tensor down = any_linear(lin, a, down_w[i], hidden, std::nullopt);
+    if (i + 1 < L)
+      normed = add_rms_norm(residual, down, ln1[i + 1], eps);
+    else
+      residual.add_(down);
   }
   return residual;
 }
@@ -137,7 +144,7 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.impl("decode_attention_paged", c10::DispatchKey::CompositeExplicitAutograd,
          &decode_attention_paged);
   m.def("prefill_attention_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, "
-        "float scale, float k_scale, float v_scale, int kv_heads) -> Tensor");
+        "float scale, float k_scale, float v_scale, int kv_heads, Tensor(a!)? out=None) -> Tensor");
   m.impl("prefill_attention_paged", c10::DispatchKey::CompositeExplicitAutograd,
          &prefill_attention_paged);
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
@@ -145,6 +152,8 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.impl("rope_store", c10::DispatchKey::CompositeExplicitAutograd, &rope_store);
   m.def("silu_mul(Tensor gate_up, int inter) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CompositeExplicitAutograd, &silu_mul);
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("add_rms_norm", c10::DispatchKey::CompositeExplicitAutograd, &add_rms_norm);
   m.def("sample_rows(Tensor logits, Tensor knobs, Tensor mask_rows, Tensor bitmask, "
         "Tensor edit_ptr, Tensor edit_tok, Tensor edit_kind, Tensor edit_val, "
         "Tensor(a!)? probs, Tensor(b!)? lse) -> Tensor");

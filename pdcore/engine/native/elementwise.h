@@ -241,13 +241,17 @@ Tensor rope_store(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const
   return out;
 }
 
-// ---- SiLU(gate) * up, bf16 ------------------------------------------------------------------
-// gu [M, 2I] bf16 (the gate_up GEMM's output: gate | up) -> [M, I] = silu(gate) * up in one pass
-// instead of aten's silu over the strided half, then mul (measured here, 1024 x 1536: 0.6 ms a
-// layer for the two). silu(x) = x / (1 + exp(-x)) in float32, this file's exp and a refined
-// reciprocal (a few float32 ulps from aten's, far below bf16's last bit), rounded to bf16 before
-// the product as aten's two operators round. float32 keeps aten's operators (the float32 model
-// stays equal to transformers' to the token).
+// ---- SiLU(gate) * up -------------------------------------------------------------------------
+// gu [M, 2I] (the gate_up GEMM's output: gate | up) -> [M, I] = silu(gate) * up in one pass
+// instead of aten's silu over the strided half, then mul (two passes, two [M, I] tensors).
+// bf16: silu(x) = x / (1 + exp(-x)) in float32, this file's exp and a refined reciprocal (a few
+// float32 ulps from aten's, far below bf16's last bit), rounded to bf16 before the product as
+// aten's two operators round (measured here, 1024 x 1536: 0.6 ms a layer for the two).
+// float32: equal to the bit to aten's silu then mul (the float32 model stays equal to
+// transformers' to the token): aten's vector form of silu, x / (1 + exp(-x)) with the same
+// Sleef exp its Vectorized<float> calls (libtorch_cpu exports it), a true division, then the
+// product, each rounded once. aten runs its scalar form (std::exp) on the last < 32 elements of
+// a row, so rows whose I is not a multiple of 32 keep aten's operators.
 void silu_mul_rows(const c10::BFloat16* gu, int64_t ld, c10::BFloat16* out, int64_t I,
                    int64_t m0, int64_t m1) {
   using L = Lanes<c10::BFloat16>;
@@ -265,16 +269,129 @@ void silu_mul_rows(const c10::BFloat16* gu, int64_t ld, c10::BFloat16* out, int6
   }
 }
 
+void silu_mul_rows_f32(const float* gu, int64_t ld, float* out, int64_t I, int64_t m0,
+                       int64_t m1) {
+  const V16 one = vset1(1.0f);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* g = gu + m * ld;
+    const float* u = g + I;
+    float* o = out + m * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const V16 x = vload(g + i);
+      const V16 sl = vdiv(x, vadd(one, aten_exp(vneg(x))));
+      vstore(o + i, vmul(sl, vload(u + i)));
+    }
+  }
+}
+
 Tensor silu_mul(const Tensor& gu, int64_t I) {
-  const bool ok = panel_gemm_supported() && gu.scalar_type() == at::kBFloat16 &&
-                  gu.dim() == 2 && gu.size(1) == 2 * I && gu.stride(1) == 1 && I % 16 == 0;
+  const auto t = gu.scalar_type();
+  const bool ok = panel_gemm_supported() && (t == at::kBFloat16 || t == at::kFloat) &&
+                  gu.dim() == 2 && gu.size(1) == 2 * I && gu.stride(1) == 1 &&
+                  I % (t == at::kFloat ? 32 : 16) == 0;
   if (!ok) return at::silu(gu.slice(1, 0, I)) * gu.slice(1, I);
   const int64_t M = gu.size(0), ld = gu.stride(0);
   Tensor out = at::empty({M, I}, gu.options());
+  if (t == at::kFloat) {
+    const float* src = gu.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
+      silu_mul_rows_f32(src, ld, dst, I, m0, m1);
+    });
+    return out;
+  }
   const auto* src = gu.data_ptr<c10::BFloat16>();
   auto* dst = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
     silu_mul_rows(src, ld, dst, I, m0, m1);
+  });
+  return out;
+}
+
+// ---- residual add + RMSNorm, float32 --------------------------------------------------------
+// residual += x (in place), then rms_norm(residual) * weight, in one pass over each row (the
+// row stays in L1) instead of aten's add_ and the six operators of its CPU rms_norm (pow, sum,
+// div_, add_, rsqrt, mul, mul: six passes and five [T, hidden] tensors). Equal to the bit to
+// them: the squares summed in aten's order for a contiguous row (its sum kernel's cascade: W-lane
+// vectors interleaved four ways in levels of 16, then the scalar tail, then the lanes in order;
+// W = 8: on x86 aten runs that kernel's AVX2 build under every capability, AVX-512 included, as
+// measured here and checked by tests/engine/test_native.py), the mean a true division,
+// 1 / sqrt(mean + eps), then (r * inv) * weight.
+template <int W>
+float aten_row_sum(const float* x, int64_t n) {
+  float acc[4][4][W] = {};  // [level][partial][lane]
+  const int64_t nvec = n / W, size = nvec / 4;
+  int64_t lp = 1;  // aten's CeilLog2(size) / 4, at least 4
+  while ((int64_t{1} << lp) < size) ++lp;
+  lp = std::max<int64_t>(4, (size <= 2 ? 1 : lp) / 4);
+  const int64_t step = int64_t{1} << lp, mask = step - 1;
+  const auto add_row = [&](int64_t i) {
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < W; ++l) acc[0][k][l] += x[(i * 4 + k) * W + l];
+  };
+  int64_t i = 0;
+  while (i + step <= size) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(i);
+    for (int j = 1; j < 4; ++j) {
+      for (int k = 0; k < 4; ++k)
+        for (int l = 0; l < W; ++l) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0.0f;
+      if ((i & (mask << (j * lp))) != 0) break;
+    }
+  }
+  for (; i < size; ++i) add_row(i);
+  for (int j = 1; j < 4; ++j)
+    for (int k = 0; k < 4; ++k)
+      for (int l = 0; l < W; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = size * 4; v < nvec; ++v)
+    for (int l = 0; l < W; ++l) acc[0][0][l] += x[v * W + l];
+  for (int k = 1; k < 4; ++k)
+    for (int l = 0; l < W; ++l) acc[0][0][l] += acc[0][k][l];
+  float f = 0.0f;
+  for (int64_t t = nvec * W; t < n; ++t) f += x[t];
+  for (int l = 0; l < W; ++l) f += acc[0][0][l];
+  return f;
+}
+
+constexpr int ATEN_SUM_LANES = 8;
+
+// pdcore_native::add_rms_norm: residual [T, H] += x [T, H] (x may be empty: no add), returns
+// rms_norm(residual) * weight [T, H]; float32, contiguous (else aten's operators)
+Tensor add_rms_norm(const Tensor& residual, const Tensor& x, const Tensor& weight, double eps) {
+  const bool add = x.numel() > 0;
+  const int64_t H = residual.size(-1);
+  const bool ok = isa_supported() && residual.scalar_type() == at::kFloat && residual.dim() == 2 &&
+                  residual.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous() && weight.numel() == H && H % 16 == 0 &&
+                  (!add || (x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                            x.sizes() == residual.sizes()));
+  if (!ok) {
+    if (add) residual.add_(x);
+    return at::rms_norm(residual, {H}, weight, eps);
+  }
+  const int64_t T = residual.size(0);
+  Tensor out = at::empty_like(residual);
+  float* rp = residual.data_ptr<float>();
+  const float* xp = add ? x.data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps), hn = static_cast<float>(H);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> sq(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      float* r = rp + t * H;
+      for (int64_t i = 0; i < H; i += 16) {
+        V16 v = vload(r + i);
+        if (xp != nullptr) {
+          v = vadd(v, vload(xp + t * H + i));
+          vstore(r + i, v);
+        }
+        vstore(sq.data() + i, vmul(v, v));
+      }
+      const float sum = aten_row_sum<ATEN_SUM_LANES>(sq.data(), H);
+      const V16 inv = vset1(1.0f / std::sqrt(sum / hn + e));
+      for (int64_t i = 0; i < H; i += 16)
+        vstore(op + t * H + i, vmul(vmul(vload(r + i), inv), vload(wp + i)));
+    }
   });
   return out;
 }

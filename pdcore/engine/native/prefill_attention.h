@@ -244,9 +244,12 @@ Tensor prefill_attention_sdpa(const Tensor& q, const Tensor& k_pool, const Tenso
   return o[0].transpose(0, 1).contiguous();
 }
 
+// `out` (optional): [n, H, D] in q's dtype, written and returned (the caller's rows of the
+// step's attention output: no copy of a returned tensor into them)
 Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Tensor& v_pool,
                                const Tensor& table, double scale, double k_scale,
-                               double v_scale, int64_t kv_heads) {
+                               double v_scale, int64_t kv_heads,
+                               const std::optional<Tensor>& out_opt) {
   TORCH_CHECK(q_in.dim() == 3 && table.dim() == 1 && table.scalar_type() == at::kLong,
               "prefill_attention_paged: q [n, H, D], table [ctx] long");
   const int64_t n = q_in.size(0), H = q_in.size(1), D = q_in.size(2), ctx = table.numel();
@@ -270,7 +273,14 @@ Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const T
   const bool ok = isa_supported() && D % 16 == 0 && pool_ok && k_pool.is_contiguous() &&
                   v_pool.is_contiguous() &&
                   (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16);
-  if (!ok) return prefill_attention_sdpa(q_in, k_pool, v_pool, tabc, scale, k_scale, v_scale, KVH);
+  const bool has_out = out_opt.has_value() && out_opt->defined();
+  if (has_out)
+    TORCH_CHECK(out_opt->sizes() == q_in.sizes() && out_opt->scalar_type() == q_in.scalar_type(),
+                "prefill_attention_paged: out is not [n, H, D] in q's dtype");
+  if (!ok) {
+    Tensor r = prefill_attention_sdpa(q_in, k_pool, v_pool, tabc, scale, k_scale, v_scale, KVH);
+    return has_out ? out_opt->copy_(r) : r;
+  }
   // float32 queries, rows D apart (the pack's q view: strided over tokens and heads)
   Tensor q = q_in.scalar_type() == at::kFloat && q_in.stride(2) == 1 ? q_in : q_in.to(at::kFloat).contiguous();
   PfShape s;
@@ -297,7 +307,8 @@ Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const T
       break;
     default: pf_pack_all<c10::Float8_e5m2>(s, k_pool, v_pool, tab, k_scale, v_scale, ktp, vwp);
   }
-  Tensor out = at::empty({n, H, D}, kt_all.options());
+  const bool direct = has_out && q_in.scalar_type() == at::kFloat && out_opt->is_contiguous();
+  Tensor out = direct ? *out_opt : at::empty({n, H, D}, kt_all.options());
   const float* qp = q.data_ptr<float>();
   const float* vip = pt == at::kFloat ? v_pool.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
@@ -310,7 +321,9 @@ Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const T
       pf_task(s, qp, q.stride(0), q.stride(1), ktp, vip, vwp, tab, h, qb * s.QB, op, buf);
     }
   });
-  return q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
+  if (direct) return out;
+  Tensor r = q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
+  return has_out ? out_opt->copy_(r) : r;
 }
 
 }  // namespace

@@ -9,6 +9,16 @@
 
 #include <cstdint>
 
+// aten's exp for Vectorized<float> (Sleef, exported by libtorch_cpu): kernels that must equal
+// an aten operator to the bit call it (elementwise.h: float32 silu)
+extern "C" {
+#if defined(PD_ISA_AVX512)
+__m512 Sleef_expf16_u10(__m512);
+#else
+__m256 Sleef_expf8_u10(__m256);
+#endif
+}
+
 #if !defined(PD_ISA_AVX512) && !defined(PD_ISA_AVX2)
 #error "build with -DPD_ISA_AVX512 or -DPD_ISA_AVX2 (native/__init__.py does)"
 #endif
@@ -52,6 +62,7 @@ inline V16 vround(V16 a) {
   return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
 }
 inline V16 vscalef(V16 p, V16 n) { return {_mm512_scalef_ps(p.v, n.v)}; }
+inline V16 aten_exp(V16 a) { return {Sleef_expf16_u10(a.v)}; }
 inline V16 rcp_refined(V16 d) {  // 1 / d: the estimate and one Newton step (~1 ulp)
   __m512 r = _mm512_rcp14_ps(d.v);
   return {_mm512_mul_ps(r, _mm512_fnmadd_ps(d.v, r, _mm512_set1_ps(2.0f)))};
@@ -160,6 +171,7 @@ inline __m256 scalef8(__m256 p, __m256 n) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline V16 vscalef(V16 p, V16 n) { return {scalef8(p.lo, n.lo), scalef8(p.hi, n.hi)}; }
+inline V16 aten_exp(V16 a) { return {Sleef_expf8_u10(a.lo), Sleef_expf8_u10(a.hi)}; }
 inline V16 rcp_refined(V16 d) {
   const __m256 two = _mm256_set1_ps(2.0f);
   const __m256 a = _mm256_rcp_ps(d.lo), b = _mm256_rcp_ps(d.hi);
