@@ -9,12 +9,17 @@ medians, and ms per prompt token (the wall time over the prompt tokens), next to
 of the model's linear layers that rate implies (2 x parameters-in-GEMMs FLOP per token).
 
 Run: `python bench/prefill_ttft.py --model-path DIR --vllm-python PATH`.
+
+Two pdserve trees side by side (a change against main): `--trees old=/work/main,new=DIR` runs
+pdserve-unified from each tree's code (PYTHONPATH), --starts servers of each, the trees'
+order alternating from one start to the next; the reported medians pool every start's reps.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -24,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
-from common import Run
+from common import Run, alternating
 from serving import random_prompts, stream_completion
 from vllm_launch import start_system
 
@@ -52,8 +57,17 @@ async def timed(url: str, prompts: list[list[int]]) -> float:
     return wall
 
 
-def one_system(system: str, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    g = start_system(system, a.model_path, "float32", a.vllm_python, "0-1", 1)
+def one_system(system: str, a: argparse.Namespace, vocab: int,
+               tree: str | None = None) -> dict[str, Any]:
+    old_path = os.environ.get("PYTHONPATH")
+    if tree:
+        os.environ["PYTHONPATH"] = tree
+    try:
+        g = start_system(system, a.model_path, "float32", a.vllm_python, "0-1", 1)
+    finally:
+        if tree:
+            os.environ.pop("PYTHONPATH") if old_path is None else os.environ.update(
+                PYTHONPATH=old_path)
     try:
         startup = g.wait_ready(600)
         seed = 1000
@@ -68,8 +82,12 @@ def one_system(system: str, a: argparse.Namespace, vocab: int) -> dict[str, Any]
                 seed += 1
     finally:
         g.stop()
+    return summarize(a, {"startup_s": [round(startup, 1)]}, runs)
+
+
+def summarize(a: argparse.Namespace, out: dict[str, Any], runs: dict[str, list[float]]
+              ) -> dict[str, Any]:
     flop = gemm_flop_per_token(a.model_path)
-    out: dict[str, Any] = {"startup_s": round(startup, 1)}
     for n, ws in runs.items():
         med = statistics.median(ws)
         per_tok = med / (int(n) * a.input_len)
@@ -90,12 +108,29 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--systems", default="pdserve-unified,vllm-unified")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--trees", default="", help="name=dir,...: pdserve from each tree's code")
+    ap.add_argument("--starts", type=int, default=2, help="servers per tree (--trees)")
     a = ap.parse_args()
     run = Run(NAME + (f"_{a.tag}" if a.tag else ""), vars(a))
     import json
 
     vocab = json.loads((Path(a.model_path) / "config.json").read_text())["vocab_size"]
-    res = {s: one_system(s, a, vocab) for s in a.systems.split(",")}
+    if a.trees:
+        trees = dict(t.split("=", 1) for t in a.trees.split(","))
+        raw: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+        for start in range(a.starts):
+            for name in alternating(list(trees), start):
+                raw[name].append(one_system("pdserve-unified", a, vocab, trees[name]))
+                print(name, start, {k: v["median_s"] for k, v in raw[name][-1].items()
+                                    if k.startswith("x")}, flush=True)
+        res = {}
+        for name, outs in raw.items():
+            runs = {k[1:]: [w for o in outs for w in o[k]["wall_s"]]
+                    for k in outs[0] if k.startswith("x")}
+            res[name] = summarize(a, {"tree": trees[name], "startup_s": [
+                s for o in outs for s in o["startup_s"]], "per_start": outs}, runs)
+    else:
+        res = {s: one_system(s, a, vocab) for s in a.systems.split(",")}
     for s, r in res.items():
         print(s, {k: (v["median_s"], v["ms_per_prompt_token"], v["implied_gemm_gflops"])
                   for k, v in r.items() if k.startswith("x")})
