@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -68,15 +69,18 @@ def _cpu_line(line: str, model: str) -> tuple[str, ...]:
     return (*swap_values(strip_flags(loopback_argv(line, model), NPU_ONLY), CPU_VALUES), *POOL)
 
 
-def _serve_and_check(c: PDCluster, prompts: list[list[int]], want: list[list[int]]) -> None:
-    """Each prompt through the router, prompt i on P's DP rank i % 2: the tokens, and what every
-    DP rank of both sides did."""
+def _serve_and_check(c: PDCluster, prompts: list[list[int]], want: list[list[int]],
+                     after_each: Callable[[list[int]], None] | None = None) -> None:
+    """Each prompt through the router, prompt i on P's DP rank i % 2: the tokens (then
+    `after_each(ids)`), and what every DP rank of both sides did."""
     for i, (ids, ref) in enumerate(zip(prompts, want)):
         body = {"input_ids": ids, "disagg_prefill_dp_rank": i % 2, "sampling_params": {
             "max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}}
         r = httpx.post(c.url + "/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == ref, i
+        if after_each is not None:
+            after_each(ids)
     p, d = c.prefills[0].loads(), c.decodes[0].loads()
     assert [x["dp_rank"] for x in p] == [x["dp_rank"] for x in d] == [0, 1]
     for x in p:  # each P rank ran the head over its prompts, drafted nothing, sent each start
@@ -125,14 +129,23 @@ def test_eagle_with_dp_attention_over_shm_moves_the_head_kv(tmp_path) -> None:
             "--speculative-num-steps", "3")
     c = PDCluster("shm", model_path=path, flags=(*POOL, *DPA, *spec),
                   env={**ENV, "PDCORE_SHM_MODE": "segment"})
+    width = kv_heads * head_dim
+    seen: set[bytes] = set()
+
+    def moved(ids: list[int]) -> None:
+        # one new K row per prompt position (DP attention over 2 ranks: each rank's attention
+        # group is one rank, holding every KV head), all of them in D's segments too. Read
+        # after each prompt: the free list hands a freed page out again first (LIFO), so a
+        # later prompt may overwrite an earlier one's rows in either pool
+        nonlocal seen
+        p_rows = draft_rows(c.prefills[0], width)
+        new = p_rows - seen
+        assert len(new) == len(ids), (len(new), len(ids))
+        assert new <= draft_rows(c.decodes[0], width)
+        seen = p_rows
+
     try:
         c.start()
-        _serve_and_check(c, prompts, want)
-        # one K row per prompt position (DP attention over 2 ranks: each rank's attention
-        # group is one rank, holding every KV head), all of them in D's segments too
-        width = kv_heads * head_dim
-        p_rows = draft_rows(c.prefills[0], width)
-        assert len(p_rows) == sum(len(ids) for ids in prompts), len(p_rows)
-        assert p_rows <= draft_rows(c.decodes[0], width)
+        _serve_and_check(c, prompts, want, moved)
     finally:
         c.stop()
