@@ -23,7 +23,7 @@ from pdcore.engine.model import quant_config
 from pdcore.engine.model.layers import TPInfo, pack_panels
 from pdcore.engine.model.fp8 import Fp8Checkpoint, fp8_layers
 from pdcore.engine.model.modelslim import modelslim_checkpoint
-from pdcore.engine.model.quant import Int8Checkpoint, int8_lm_head
+from pdcore.engine.model.quant import Int8Checkpoint, int8_lm_head, lm_head_stand_in
 from pdcore.engine.model.tokenizer import ResolvedModel, resolve_model
 from pdcore.engine.model.weights import SafetensorsWeights
 from pdcore.env import ENV
@@ -212,7 +212,7 @@ def bf16_lm_head(model: torch.nn.Module) -> bool:
     matrix rounded to bf16, half its bytes) as its `lm_head_packed`: the native panel GEMM
     widens each weight as it reads it (exact) and multiplies the float32 activations, so the
     logits are the float32 kernel's on the rounded matrix. The matrix becomes an int8 stand-in
-    of its shape (no bytes; see int8_lm_head). False where the lm_head is already packed, is not
+    of its shape (quant.lm_head_stand_in). False where the lm_head is already packed, is not
     a float32 matrix on the CPU, or the native panel GEMM does not serve here."""
     from pdcore.engine import native
 
@@ -222,8 +222,7 @@ def bf16_lm_head(model: torch.nn.Module) -> bool:
             or not native.panel_gemm()):
         return False
     model.lm_head_packed = pack_panels(head.detach().to(torch.bfloat16))
-    model.lm_head = torch.nn.Parameter(
-        torch.empty_strided(head.shape, (0, 0), dtype=torch.int8), requires_grad=False)
+    model.lm_head = lm_head_stand_in(head)
     return True
 
 

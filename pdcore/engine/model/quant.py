@@ -141,11 +141,16 @@ def int8_lm_head(model: torch.nn.Module) -> bool:
         return False
     q, scale = quantize_weight(head.detach())
     model.lm_head_packed = Int8Weight(q, scale)
-    # int8, like the body's stand-ins: a model.to(dtype) leaves it be (a float stand-in would
-    # be materialized at full size by a dtype conversion)
-    model.lm_head = torch.nn.Parameter(
-        torch.empty_strided(head.shape, (0, 0), dtype=torch.int8), requires_grad=False)
+    model.lm_head = lm_head_stand_in(head)
     return True
+
+
+def lm_head_stand_in(head: torch.Tensor) -> torch.nn.Parameter:
+    """What stays of an lm_head matrix packed elsewhere: its shape, no bytes (zero strides).
+    int8, like the body's stand-ins: a model.to(dtype) leaves it be (a float stand-in would be
+    materialized at full size by a dtype conversion)."""
+    return torch.nn.Parameter(torch.empty_strided(head.shape, (0, 0), dtype=torch.int8),
+                              requires_grad=False)
 
 
 def scale_of(weight: torch.Tensor) -> torch.Tensor:
