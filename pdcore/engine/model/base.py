@@ -22,6 +22,9 @@ from pdcore.engine.model.weights import adopt
 
 @functools.cache
 def _native_op(name: str):
+    """pdcore_native::<name> where the native kernels are built, else None; resolved once per
+    name (the decode attention, rope_store, silu_mul and add_rms_norm ops are asked for in every
+    layer of every step; llama.py uses it too)."""
     from pdcore.engine import native
 
     return native.op(name)

@@ -13,7 +13,6 @@ to everything cached before it.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdcore.engine.kv.fp8 import dequantize, is_fp8, store_rows
-from pdcore.engine.model.base import CausalLM
+from pdcore.engine.model.base import CausalLM, _native_op
 from pdcore.engine.model.batch import DecodeGroup, ForwardBatch, VerifyGroup
 from pdcore.engine.model.decode_view import DecodeKV
 from pdcore.engine.model.layers import (
@@ -40,16 +39,6 @@ SUPPORTED_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-
-
-@functools.cache
-def _native_op(name: str):
-    """pdcore_native::<name> where the native kernels are built, else None; resolved once per
-    name (the decode attention, rope_store and silu_mul ops are asked for in every layer of
-    every step)."""
-    from pdcore.engine import native
-
-    return native.op(name)
 
 
 def _native_for(name: str, x: torch.Tensor):
