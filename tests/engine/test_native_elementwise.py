@@ -1,6 +1,8 @@
 """The float32 elementwise kernels that replace aten's operators in every forward (silu * up;
 the residual add fused with the next RMSNorm): equal to aten's bits, checked in a child
-process per aten capability (ATEN_CPU_CAPABILITY is read once, at torch's import)."""
+process per aten capability (ATEN_CPU_CAPABILITY is read once, at torch's import); the W8A8
+decode loop's add + norm quantized in the same pass (int8_act.h) equal to aten's norm then
+quant.quantize_rows."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from test_native import _panels
 ATEN_EQUAL = r"""
 import sys, torch, torch.nn.functional as F
 from pdcore.engine import native
+from pdcore.engine.model.quant import quantize_rows
 o = native.ops()
 assert o is not None, native.status()
 g = torch.Generator().manual_seed(3)
@@ -30,10 +33,18 @@ for t, h in ((1, 576), (512, 576), (37, 2048), (5, 4096), (3, 16384), (7, 80), (
         w, eps = torch.randn(h, generator=g), 1e-5 if scale == 1.0 else 1e-6
         want_res = res + x
         want = F.rms_norm(want_res, (h,), w, eps)
+        res0 = res.clone()
         got = o.add_rms_norm(res, x, w, eps)  # res in place
         bad += [] if torch.equal(res, want_res) and torch.equal(got, want) else [("add", t, h)]
         alone = o.add_rms_norm(want_res.clone(), torch.empty(0), w, eps)
         bad += [] if torch.equal(alone, want) else [("norm", t, h)]
+        if h % 16 == 0:  # the W8A8 loop's fused pass (int8_act.h): aten's norm, quantized
+            wq = quantize_rows(want)
+            for path in ([1, 2] if int(o.int8_best_path()) == 2 else [1]):
+                r = res0.clone()
+                q = o.add_rms_norm_quant(r, x, w, eps, path)
+                ok = torch.equal(r, want_res) and all(map(torch.equal, q, wq))
+                bad += [] if ok else [("norm_quant", t, h, path)]
 assert not bad, bad
 print(torch.backends.cpu.get_cpu_capability())
 """

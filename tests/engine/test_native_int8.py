@@ -113,3 +113,46 @@ def test_int8_weight_runs_the_chosen_path_and_keeps_one_copy():
     assert torch.equal(w.matrix(), q) and w.shape == (70, 90)
     x = torch.randn(9, 90, generator=g)
     assert torch.equal(w(x), _reference(x, q, s, None))
+
+
+def test_fused_norm_and_silu_quantization_equal_the_separate_operators():
+    """The W8A8 decode loop's fused passes (int8_act.h): the residual add + RMSNorm and silu * up
+    each quantized per row in the pass that makes the row give the x_q and s_x that
+    quant.quantize_rows gives for add_rms_norm's / silu_mul's output, on every path (the
+    VNNI path's bytes carry x_q + 128), with the residual updated as add_rms_norm updates it;
+    tensors the passes do not take are refused, not quantized some other way."""
+    paths = _paths()
+    g = torch.Generator().manual_seed(5)
+    o = torch.ops.pdcore_native
+    for t, h in ((1, 576), (8, 576), (13, 64), (5, 80), (3, 4096)):
+        for scale in (1.0, 300.0):
+            res = torch.randn(t, h, generator=g) * scale
+            x = torch.randn(t, h, generator=g) * scale
+            x[0, 3] = 40 * scale  # one large activation sets a row's scale (the lm_head case)
+            w = torch.randn(h, generator=g)
+            want_res = res.clone()
+            want = quantize_rows(o.add_rms_norm(want_res, x, w, 1e-5))
+            alone = quantize_rows(o.add_rms_norm(want_res.clone(), torch.empty(0), w, 1e-5))
+            for path in paths:
+                got_res = res.clone()
+                got = o.add_rms_norm_quant(got_res, x, w, 1e-5, path)
+                assert torch.equal(got_res, want_res), (t, h, path)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (t, h, scale, path)
+                assert got[0].dtype == torch.int8 and got[0].shape == (t, h)
+                before = want_res.clone()
+                got = o.add_rms_norm_quant(want_res, torch.empty(0), w, 1e-5, path)
+                assert torch.equal(want_res, before)  # no add: the residual is only read
+                assert all(torch.equal(a, b) for a, b in zip(got, alone)), (t, h, path)
+    for m, inter in ((1, 1536), (8, 1536), (9, 32), (3, 96)):
+        gu = torch.randn(m, 2 * inter + 4, generator=g)[:, 4:] * 6  # strided rows, as sliced
+        gu[:, 0] = 0.0
+        want = quantize_rows(o.silu_mul(gu, inter))
+        for path in paths:
+            got = o.silu_mul_quant(gu, inter, path)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (m, inter, path)
+    with pytest.raises(RuntimeError, match="does not apply"):
+        o.add_rms_norm_quant(torch.randn(2, 24), torch.randn(2, 24), torch.ones(24), 1e-5, 0)
+    with pytest.raises(RuntimeError, match="does not apply"):
+        o.silu_mul_quant(torch.randn(2, 2 * 48), 48, 0)
+    with pytest.raises(RuntimeError, match="does not apply"):
+        o.add_rms_norm_quant(torch.randn(2, 64).bfloat16(), torch.empty(0), torch.ones(64), 1e-5, 0)

@@ -178,3 +178,33 @@ def test_a_layer_the_checkpoint_ignores_stays_float(tiny_llama_dir, tmp_path, mo
                              [lp for lp, *_ in out["output_logprobs"]], logprob_tol=8e-4)
                 for prompt, out in zip(PROMPTS, outs)]
     assert verdicts.count("identical") >= 2, verdicts
+
+
+@pytest.mark.parametrize("keep_float", [(), ("down_proj",)])
+def test_the_fused_int8_inputs_leave_the_decode_steps_bits(w8a8_dir, tiny_llama_dir, tmp_path,
+                                                          monkeypatch, keep_float):
+    """The native decode loop quantizes qkv's and gate_up's inputs in the add + RMSNorm pass and
+    down's in the silu * up pass (int8_act.h); its logprobs equal, to the bit, the loop that
+    runs those operators apart (int8_fused off), also where a float down_proj (the
+    checkpoint's `ignore`) leaves its input to the separate silu_mul."""
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "float")
+    path = w8a8_dir if not keep_float else make_w8a8_model(
+        str(tiny_llama_dir), str(tmp_path / "m"), keep_float=keep_float)
+    eng = LLMEngine(ServerArgs(model_path=path, max_total_tokens=1024, page_size=4,
+                               disable_radix_cache=True))
+    try:
+        model = eng.engine.model
+        if model.native is None:
+            pytest.skip("no native decode loop here")
+        runs = []
+        for fused in (True, False, True):
+            model.native["int8_fused"] = fused
+            steps = model.native_steps
+            outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0.0,
+                                                        ignore_eos=True), return_logprob=True)
+            assert model.native_steps > steps
+            runs.append([(o["output_ids"], [lp for lp, *_ in o["output_logprobs"]])
+                         for o in outs])
+    finally:
+        eng.close()
+    assert runs[0] == runs[1] == runs[2]

@@ -396,6 +396,9 @@ class LlamaForCausalLM(CausalLM):
                                for x in layers),
             "shape": (a0.num_heads, a0.num_kv_heads, a0.head_dim, layers[0].mlp.inter,
                       float(layers[0].input_layernorm.eps), float(a0.scale)),
+            # W8A8: the int8 GEMMs' inputs quantized in the norm / silu_mul pass that makes
+            # them (native int8_act.h, the same bits); False: the separate operators (benches)
+            "int8_fused": True,
         }
 
     def _native_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -416,7 +419,7 @@ class LlamaForCausalLM(CausalLM):
             [] if view is None else view.k, [] if view is None else view.v,
             batch.out_slots, view.rows if append else empty, view.cols if append else empty,
             empty if append else g.table, bias if bias is not None else torch.empty(0),
-            mode, g.width, *p["shape"])
+            mode, g.width, *p["shape"], int(p["int8_fused"]))
 
     @staticmethod
     def _make_rotary(cfg) -> nn.Module:

@@ -1,5 +1,5 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
-(decode_step.cpp with the headers beside it: gemm.h, int8_gemm.h, attention.h,
+(decode_step.cpp with the headers beside it: gemm.h, int8_gemm.h, int8_act.h, attention.h,
 prefill_attention.h, elementwise.h, common.h and vec.h, the vector layer they are written
 against):
 
@@ -24,6 +24,8 @@ against):
   torch path of engine/sched/sampler.py where the library is not built);
 - `pdcore_native::int8_linear` / `int8_pack` / `int8_gemm`: the W8A8 int8 GEMM (int8_gemm.h:
   AVX-512 VNNI or AVX2, `int8_path()`), equal to the bit to engine/model/quant.py's torch path;
+  `add_rms_norm_quant` / `silu_mul_quant` (int8_act.h): the decode loop's int8 GEMM inputs
+  quantized in the pass that makes them (x_q and s_x equal to the separate operators');
 - `pdcore_native::decode_layers`: a Llama-family decode step's layer loop, the same operators
   in the same order as the Python loop in models/llama.py (equal to the bit); what it saves is
   the interpreter between ~25 small operators a layer.

@@ -10,6 +10,7 @@
 #include "common.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "int8_act.h"
 #include "int8_gemm.h"
 #include "prefill_attention.h"
 #include "sampler.h"
@@ -26,6 +27,9 @@ std::optional<Tensor> opt(const Tensor& t) {
 // the pool's K/V buffers [pages, page_size, kv_heads, head_dim], the view's K/V buffers.
 // mode 0: append (rows, cols: each row's new column), 1: fill (table: [B * width] slots),
 // 2: no view (view lists empty): attention reads the pool through table (paged).
+// int8_fused (W8A8, int8 panels): qkv's and gate_up's inputs quantized in the add_rms_norm pass
+// that makes them, down's in the silu_mul pass (int8_act.h: the same bits); 0: the separate
+// operators (the bench's "before").
 Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor& sin,
                      at::TensorList ln1, at::TensorList ln2, at::TensorList qkv_w,
                      at::TensorList qkv_b, at::TensorList o_w, at::TensorList gu_w,
@@ -34,7 +38,7 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
                      const Tensor& rows, const Tensor& cols, const Tensor& table,
                      const Tensor& bias, int64_t mode, int64_t width, int64_t num_heads,
                      int64_t kv_heads, int64_t head_dim, int64_t inter, double eps,
-                     double scale) {
+                     double scale, int64_t int8_fused) {
   static const auto lin = c10::Dispatcher::singleton().findSchemaOrThrow(
       "mkldnn::_linear_pointwise", "");
   const int64_t T = residual_in.size(0), hidden = residual_in.size(1);
@@ -42,13 +46,23 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
   const int64_t L = static_cast<int64_t>(ln1.size());
   const std::optional<Tensor> attn_bias = opt(bias);
   Tensor residual = residual_in;
+  const auto fused = [&](const Tensor& w) {
+    return int8_fused != 0 && w.scalar_type() == at::kChar;
+  };
   // each layer's input norm: the first's here, the others' fused with the residual add before
-  // them (add_rms_norm, equal to the bit to add_ then at::rms_norm)
-  Tensor normed = L > 0 ? at::rms_norm(residual, {hidden}, ln1[0], eps) : Tensor();
+  // them (add_rms_norm, equal to the bit to add_ then at::rms_norm); quantized in that pass for
+  // an int8 qkv (nq)
+  Tensor normed;
+  I8Rows nq;
+  if (L > 0 && fused(qkv_w[0]))
+    nq = add_rms_norm_i8(residual, at::empty({0}, residual.options()), ln1[0], eps, 0);
+  if (L > 0 && !nq.defined()) normed = at::rms_norm(residual, {hidden}, ln1[0], eps);
   for (int64_t i = 0; i < L; ++i) {
-    Tensor x = normed;
+    Tensor x;
     // attention
-    Tensor qkv = any_linear(lin, x, qkv_w[i], qs + 2 * ks, opt(qkv_b[i]));
+    Tensor qkv = nq.defined() ? int8_linear_rows(nq, qkv_w[i], qs + 2 * ks, opt(qkv_b[i]))
+                              : any_linear(lin, normed, qkv_w[i], qs + 2 * ks, opt(qkv_b[i]));
+    nq = I8Rows();
     Tensor o;
     if (mode == 2) {  // no view: attention reads the pool in place
       Tensor qk = rope_store(qkv, cos, sin, k_pool[i], v_pool[i], out_slots, num_heads, kv_heads,
@@ -93,13 +107,19 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
     x = any_linear(lin, o.view({T, -1}), o_w[i], hidden, std::nullopt);
     if (i == 0) residual = residual.clone();  // the caller's embedding is not written
     // MLP
-    x = add_rms_norm(residual, x, ln2[i], eps);
-    Tensor gu = any_linear(lin, x, gu_w[i], 2 * inter, std::nullopt);
-    Tensor a = silu_mul(gu, inter);
-    Tensor down = any_linear(lin, a, down_w[i], hidden, std::nullopt);
-    if (i + 1 < L)
+    I8Rows mq = fused(gu_w[i]) ? add_rms_norm_i8(residual, x, ln2[i], eps, 0) : I8Rows();
+    Tensor gu = mq.defined() ? int8_linear_rows(mq, gu_w[i], 2 * inter, std::nullopt)
+                             : any_linear(lin, add_rms_norm(residual, x, ln2[i], eps), gu_w[i],
+                                          2 * inter, std::nullopt);
+    I8Rows aq = fused(down_w[i]) ? silu_mul_i8(gu, inter, 0) : I8Rows();
+    Tensor down = aq.defined() ? int8_linear_rows(aq, down_w[i], hidden, std::nullopt)
+                               : any_linear(lin, silu_mul(gu, inter), down_w[i], hidden,
+                                            std::nullopt);
+    if (i + 1 < L && fused(qkv_w[i + 1]))
+      nq = add_rms_norm_i8(residual, down, ln1[i + 1], eps, 0);
+    if (i + 1 < L && !nq.defined())
       normed = add_rms_norm(residual, down, ln1[i + 1], eps);
-    else
+    else if (i + 1 == L)
       residual.add_(down);
   }
   return residual;
@@ -112,7 +132,8 @@ TORCH_LIBRARY(pdcore_native, m) {
         "Tensor[] qkv_w, Tensor[] qkv_b, Tensor[] o_w, Tensor[] gu_w, Tensor[] down_w, "
         "Tensor[] k_pool, Tensor[] v_pool, Tensor[] view_k, Tensor[] view_v, Tensor out_slots, "
         "Tensor rows, Tensor cols, Tensor table, Tensor bias, int mode, int width, "
-        "int num_heads, int kv_heads, int head_dim, int inter, float eps, float scale) -> Tensor");
+        "int num_heads, int kv_heads, int head_dim, int inter, float eps, float scale, "
+        "int int8_fused=1) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CompositeExplicitAutograd, &decode_layers);
   m.def("linear(Tensor x, Tensor panels, int n, Tensor? b) -> Tensor");
   m.impl("linear", c10::DispatchKey::CompositeExplicitAutograd, &panel_linear);
@@ -137,6 +158,11 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("int8_gemm(Tensor xq, Tensor packed, int n, int path) -> Tensor");
   m.impl("int8_gemm", c10::DispatchKey::CompositeExplicitAutograd, &int8_gemm);
   m.def("int8_best_path() -> int", &int8_best_path);
+  m.def("add_rms_norm_quant(Tensor(a!) residual, Tensor x, Tensor weight, float eps, int path) "
+        "-> (Tensor, Tensor)");
+  m.impl("add_rms_norm_quant", c10::DispatchKey::CompositeExplicitAutograd, &add_rms_norm_quant);
+  m.def("silu_mul_quant(Tensor gate_up, int inter, int path) -> (Tensor, Tensor)");
+  m.impl("silu_mul_quant", c10::DispatchKey::CompositeExplicitAutograd, &silu_mul_quant);
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CompositeExplicitAutograd, &decode_attention);
   m.def("decode_attention_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, "

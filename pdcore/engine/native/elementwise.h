@@ -354,17 +354,39 @@ float aten_row_sum(const float* x, int64_t n) {
 
 constexpr int ATEN_SUM_LANES = 8;
 
+// One row of add_rms_norm: r += x (x null: no add; r in place), out = rms_norm(r) * w; sq: H
+// floats of scratch. The int8 GEMM's fused input (int8_gemm.h: add_rms_norm_i8) runs it too.
+inline void add_rms_norm_row(float* r, const float* x, const float* w, int64_t H, float eps,
+                             float* sq, float* out) {
+  for (int64_t i = 0; i < H; i += 16) {
+    V16 v = vload(r + i);
+    if (x != nullptr) {
+      v = vadd(v, vload(x + i));
+      vstore(r + i, v);
+    }
+    vstore(sq + i, vmul(v, v));
+  }
+  const float sum = aten_row_sum<ATEN_SUM_LANES>(sq, H);
+  const V16 inv = vset1(1.0f / std::sqrt(sum / static_cast<float>(H) + eps));
+  for (int64_t i = 0; i < H; i += 16) vstore(out + i, vmul(vmul(vload(r + i), inv), vload(w + i)));
+}
+
+// Whether add_rms_norm's pass applies: float32, contiguous, H a multiple of 16 (x empty: no add)
+bool add_rms_norm_fits(const Tensor& residual, const Tensor& x, const Tensor& weight) {
+  const int64_t H = residual.size(-1);
+  return isa_supported() && residual.scalar_type() == at::kFloat && residual.dim() == 2 &&
+         residual.is_contiguous() && weight.scalar_type() == at::kFloat &&
+         weight.is_contiguous() && weight.numel() == H && H % 16 == 0 &&
+         (x.numel() == 0 || (x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                             x.sizes() == residual.sizes()));
+}
+
 // pdcore_native::add_rms_norm: residual [T, H] += x [T, H] (x may be empty: no add), returns
 // rms_norm(residual) * weight [T, H]; float32, contiguous (else aten's operators)
 Tensor add_rms_norm(const Tensor& residual, const Tensor& x, const Tensor& weight, double eps) {
   const bool add = x.numel() > 0;
   const int64_t H = residual.size(-1);
-  const bool ok = isa_supported() && residual.scalar_type() == at::kFloat && residual.dim() == 2 &&
-                  residual.is_contiguous() && weight.scalar_type() == at::kFloat &&
-                  weight.is_contiguous() && weight.numel() == H && H % 16 == 0 &&
-                  (!add || (x.scalar_type() == at::kFloat && x.is_contiguous() &&
-                            x.sizes() == residual.sizes()));
-  if (!ok) {
+  if (!add_rms_norm_fits(residual, x, weight)) {
     if (add) residual.add_(x);
     return at::rms_norm(residual, {H}, weight, eps);
   }
@@ -374,24 +396,11 @@ Tensor add_rms_norm(const Tensor& residual, const Tensor& x, const Tensor& weigh
   const float* xp = add ? x.data_ptr<float>() : nullptr;
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float e = static_cast<float>(eps), hn = static_cast<float>(H);
+  const float e = static_cast<float>(eps);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> sq(H);
-    for (int64_t t = t0; t < t1; ++t) {
-      float* r = rp + t * H;
-      for (int64_t i = 0; i < H; i += 16) {
-        V16 v = vload(r + i);
-        if (xp != nullptr) {
-          v = vadd(v, vload(xp + t * H + i));
-          vstore(r + i, v);
-        }
-        vstore(sq.data() + i, vmul(v, v));
-      }
-      const float sum = aten_row_sum<ATEN_SUM_LANES>(sq.data(), H);
-      const V16 inv = vset1(1.0f / std::sqrt(sum / hn + e));
-      for (int64_t i = 0; i < H; i += 16)
-        vstore(op + t * H + i, vmul(vmul(vload(r + i), inv), vload(wp + i)));
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      add_rms_norm_row(rp + t * H, xp ? xp + t * H : nullptr, wp, H, e, sq.data(), op + t * H);
   });
   return out;
 }

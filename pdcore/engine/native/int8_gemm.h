@@ -228,51 +228,53 @@ using I8Avx2Fn = void (*)(const int8_t*, int64_t, const int8_t*, const I8Out&, i
                           bool);
 const I8Avx2Fn I8_AVX2[I8_ROWS2] = {i8_rows_avx2<1>, i8_rows_avx2<2>, i8_rows_avx2<3>};
 
-// Each row of x [M, K] float32 quantized into xq [M, Kp] (x_q, or x_q + 128 as bytes for VNNI;
-// the padding k hold 0 / 128, against zero weights) and xs [M] (s_x), as quant.quantize_rows:
+// One row x [K] float32 quantized into out [Kp] (x_q, or x_q + 128 as bytes for VNNI; the
+// padding k hold 0 / 128, against zero weights), returning s_x; as quant.quantize_rows:
 // amax = max|x|, s = amax > 0 ? amax / 127 : 1, x_q = clamp(round_half_even(x / s), -127, 127)
+inline float i8_quantize_row(const float* row, int64_t K, int64_t Kp, bool u8, int8_t* out) {
+  alignas(64) int32_t tmp[16];
+  V16 vmaxabs = vzero();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const V16 v = vload(row + k);
+    vmaxabs = vmax(vmaxabs, vmax(v, vneg(v)));
+  }
+  float amax = vreduce_max(vmaxabs);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
+  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const int32_t off = u8 ? 128 : 0;
+  const V16 vs = vset1(s), lo = vset1(-127.0f), hi = vset1(127.0f);
+  for (k = 0; k + 16 <= K; k += 16) {
+    const V16 v = vload(row + k);
+#if defined(PD_ISA_AVX512)
+    const V16 q = vmin(vmax(vround({_mm512_div_ps(v.v, vs.v)}), lo), hi);
+    const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(q.v), _mm512_set1_epi32(off));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(qi));
+#else
+    const V16 q = vmin(vmax(vround({_mm256_div_ps(v.lo, vs.lo), _mm256_div_ps(v.hi, vs.hi)}),
+                            lo), hi);
+    const __m256i o8 = _mm256_set1_epi32(off);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp),
+                       _mm256_add_epi32(_mm256_cvtps_epi32(q.lo), o8));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 8),
+                       _mm256_add_epi32(_mm256_cvtps_epi32(q.hi), o8));
+    for (int i = 0; i < 16; ++i) out[k + i] = static_cast<int8_t>(tmp[i]);
+#endif
+  }
+  (void)tmp;
+  for (; k < K; ++k) {
+    const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] / s)));
+    out[k] = static_cast<int8_t>(static_cast<int32_t>(q) + off);
+  }
+  for (k = K; k < Kp; ++k) out[k] = static_cast<int8_t>(off);
+  return s;
+}
+
+// Each row of x [M, K] float32 quantized into xq [M, Kp] and xs [M] (i8_quantize_row)
 void i8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, bool u8, int8_t* xq,
                       float* xs) {
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    alignas(64) int32_t tmp[16];
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* row = x + r * K;
-      int8_t* out = xq + r * Kp;
-      V16 vmaxabs = vzero();
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {
-        const V16 v = vload(row + k);
-        vmaxabs = vmax(vmaxabs, vmax(v, vneg(v)));
-      }
-      float amax = vreduce_max(vmaxabs);
-      for (; k < K; ++k) amax = std::max(amax, std::fabs(row[k]));
-      const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-      xs[r] = s;
-      const int32_t off = u8 ? 128 : 0;
-      const V16 vs = vset1(s), lo = vset1(-127.0f), hi = vset1(127.0f);
-      for (k = 0; k + 16 <= K; k += 16) {
-        const V16 v = vload(row + k);
-#if defined(PD_ISA_AVX512)
-        const V16 q = vmin(vmax(vround({_mm512_div_ps(v.v, vs.v)}), lo), hi);
-        const __m512i qi = _mm512_add_epi32(_mm512_cvtps_epi32(q.v), _mm512_set1_epi32(off));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(qi));
-#else
-        const V16 q = vmin(vmax(vround({_mm256_div_ps(v.lo, vs.lo), _mm256_div_ps(v.hi, vs.hi)}),
-                                lo), hi);
-        const __m256i o8 = _mm256_set1_epi32(off);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp),
-                           _mm256_add_epi32(_mm256_cvtps_epi32(q.lo), o8));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp + 8),
-                           _mm256_add_epi32(_mm256_cvtps_epi32(q.hi), o8));
-        for (int i = 0; i < 16; ++i) out[k + i] = static_cast<int8_t>(tmp[i]);
-#endif
-      }
-      for (; k < K; ++k) {
-        const float q = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] / s)));
-        out[k] = static_cast<int8_t>(static_cast<int32_t>(q) + off);
-      }
-      for (k = K; k < Kp; ++k) out[k] = static_cast<int8_t>(off);
-    }
+    for (int64_t r = r0; r < r1; ++r) xs[r] = i8_quantize_row(x + r * K, K, Kp, u8, xq + r * Kp);
   });
 }
 
