@@ -74,13 +74,13 @@ def test_weights_stay_int8(w8a8_dir, tiny_llama_dir, monkeypatch):
 
 
 def test_the_bf16_lm_head_holds_the_rounded_weights(w8a8_dir, tiny_llama_dir, monkeypatch):
-    """PDCORE_W8A8_LM_HEAD=bf16: the float lm_head becomes bf16 panels of its weights rounded
-    to nearest (half the bytes), read by the native float panel GEMM; where that GEMM does not
-    serve it stays float."""
+    """PDCORE_W8A8_LM_HEAD=bf16, the default: the float lm_head becomes bf16 panels of its
+    weights rounded to nearest (half the bytes), read by the native float panel GEMM; where
+    that GEMM does not serve it stays float."""
     from pdcore.engine import native
     from pdcore.engine.model.layers import linear, pack_panels
 
-    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "bf16")
+    monkeypatch.delenv("PDCORE_W8A8_LM_HEAD", raising=False)  # the default
     model, cfg, _ = load_model(w8a8_dir, torch.float32, torch.device("cpu"))
     ref = w8a8_reference(w8a8_dir, str(tiny_llama_dir), bf16_lm_head=True).lm_head.weight
     head = model.lm_head_packed
@@ -154,10 +154,11 @@ def test_a_layer_the_checkpoint_ignores_stays_float(tiny_llama_dir, tmp_path, mo
     `ignore: ["re:.*down_proj"]`; bench/quant_accuracy.py's best W8A8) holds down_proj float:
     pdserve keeps those layers float (weights and activations), the others int8, and its greedy
     output equals transformers running that mixed math (vLLM and SGLang honour `ignore` so).
-    The lm_head stays float too, as the checkpoint stores it (PDCORE_W8A8_LM_HEAD's default)."""
+    The lm_head stays float too, as the checkpoint stores it, with PDCORE_W8A8_LM_HEAD=float
+    (the float head's math, as the reference runs it)."""
     import json
 
-    monkeypatch.delenv("PDCORE_W8A8_LM_HEAD", raising=False)
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "float")
     path = make_w8a8_model(str(tiny_llama_dir), str(tmp_path / "m"), keep_float=("down_proj",))
     with open(f"{path}/config.json", encoding="utf-8") as fh:
         assert "re:.*down_proj$" in json.load(fh)["quantization_config"]["ignore"]

@@ -227,13 +227,13 @@ def bf16_lm_head(model: torch.nn.Module) -> bool:
 
 
 def _w8a8_lm_head(model: torch.nn.Module) -> None:
-    """PDCORE_W8A8_LM_HEAD: a W8A8 model's float lm_head kept as the checkpoint stores it
-    (float), quantized to int8 like the body (quant.int8_lm_head) or rounded to bf16 weights
-    (bf16_lm_head), on the CPU; logged either way."""
+    """PDCORE_W8A8_LM_HEAD: a W8A8 model's float lm_head rounded to bf16 weights (bf16_lm_head,
+    the default), kept as the checkpoint stores it (float) or quantized to int8 like the body
+    (quant.int8_lm_head), on the CPU; logged either way."""
     how = ENV.pdcore_w8a8_lm_head
     if how == "float":
-        log.info("W8A8 lm_head: float as the checkpoint stores it (PDCORE_W8A8_LM_HEAD=bf16 "
-                 "halves its bytes, int8 quarters them, less accurate; docs/quantization.md)")
+        log.info("W8A8 lm_head: float as the checkpoint stores it (PDCORE_W8A8_LM_HEAD=float; "
+                 "the default bf16 halves its bytes; docs/quantization.md)")
         return
     done = (int8_lm_head if how == "int8" else bf16_lm_head)(model)
     log.info("W8A8 lm_head: %s (PDCORE_W8A8_LM_HEAD=%s)",

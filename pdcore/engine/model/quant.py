@@ -21,7 +21,9 @@ attached (`SCALE_ATTR`) and keeps it as an `Int8Weight` instead of a float matri
 
 The checkpoint leaves the lm_head float (compressed-tensors' `ignore: ["lm_head"]`, as
 llmcompressor writes it): on SmolLM2-135M its tied 49152 x 576 float32 matrix is half the bytes
-a decode step reads. With PDCORE_W8A8_LM_HEAD=int8, `int8_lm_head` quantizes it at load the way
+a decode step reads. By default (PDCORE_W8A8_LM_HEAD=bf16) loader.bf16_lm_head rounds its weights
+to bf16 (half the bytes; float32 activations); =float keeps it as stored. With
+PDCORE_W8A8_LM_HEAD=int8, `int8_lm_head` quantizes it at load the way
 the body is quantized (one symmetric scale per output channel with compressed-tensors' qparams;
 activations per token at run time), so it runs through the same int8 GEMM at a quarter of the
 bytes. Opt-in: on SmolLM2 it costs top-1 agreement with float32 (bench/quant_accuracy.py: 90.3%
