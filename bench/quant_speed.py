@@ -13,7 +13,9 @@ w8a8_int8_head, PDCORE_W8A8_LM_HEAD=int8) and, at batch 1-8, is
 bound by the memory's read bandwidth; bytes / bandwidth is the fastest a step can be. The
 bandwidth is measured in each round beside the systems (a sum over a 512 MiB float32 buffer on
 the engine's threads, best of 3). The W8A8 engine's int8 GEMM path (native VNNI / AVX2, or
-torch) and the CPU's flags are in the JSON. On a shared box record the load: the numbers are
+torch) and the CPU's flags are in the JSON. A W8A8 system named with the suffix _unfused is its twin whose native decode loop
+quantizes the int8 GEMMs' inputs apart from the norm / silu_mul passes that make them (the loop
+before engine/native/int8_act.h: before and after in one run). On a shared box record the load: the numbers are
 what the machine gave, not what the code can do.
 
 Run: `python bench/quant_speed.py [--rounds 2] [--new 32]`; JSON + PNG in
@@ -38,6 +40,21 @@ from common import Run, alternating, bar_groups, figure, load_note, save_figure
 NAME = "quant_speed"
 # the W8A8 systems: PDCORE_W8A8_LM_HEAD of each
 HEADS = {"w8a8_int8": "float", "w8a8_int8_head": "int8", "w8a8_int8_bf16head": "bf16"}
+
+UNFUSED = "_unfused"  # a system's twin with the native plan's int8_fused off
+
+
+def unfuse(eng: Any, name: str) -> None:
+    """For a system named ...UNFUSED: its native decode loop quantizes the int8 GEMMs' inputs
+    apart (int8_fused off); exit 2 where it has no native loop to change."""
+    if not name.endswith(UNFUSED):
+        return
+    plan = eng.engine.model.native
+    if plan is None:
+        print(f"{name}: this engine has no native decode loop (native kernels off?)",
+              file=sys.stderr)
+        sys.exit(2)
+    plan["int8_fused"] = False
 
 
 def _time(eng: Any, batch: int, prompt: int, new: int) -> float:
@@ -96,7 +113,8 @@ def main() -> None:
     ap.add_argument("--systems", default="float32,w8a8_int8",
                     help="of float32, w8a8_int8 (the lm_head float, as stored), "
                          "w8a8_int8_head (PDCORE_W8A8_LM_HEAD=int8) and w8a8_int8_bf16head "
-                         "(PDCORE_W8A8_LM_HEAD=bf16)")
+                         "(PDCORE_W8A8_LM_HEAD=bf16); a W8A8 one + '_unfused': its twin with "
+                         "the activation quantization apart (the loop before int8_act.h)")
     ap.add_argument("--tag", default=None, help="results in quant_speed_<tag>.json / .png")
     args = ap.parse_args()
     from pdcore.config import ServerArgs
@@ -111,16 +129,20 @@ def main() -> None:
     run = Run(res_name, {**vars(args), "model": src})
     samples: dict[str, dict[int, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-w8a8-") as tmp:
-        paths = {"float32": src, **{k: args.w8a8_path for k in HEADS}}
-        paths = {k: v for k, v in paths.items() if k in args.systems.split(",")}
+        paths = {}
+        for k in args.systems.split(","):
+            if k != "float32" and k.removesuffix(UNFUSED) not in HEADS:
+                ap.error(f"--systems: unknown system {k!r}")  # exit 2
+            paths[k] = src if k == "float32" else args.w8a8_path
         if any(k.startswith("w8a8") for k in paths) and not args.w8a8_path:
             made = make_w8a8_model(src, str(Path(tmp) / "w8a8"))
             paths = {k: made if k.startswith("w8a8") else v for k, v in paths.items()}
         engines = {}
         for k, p in paths.items():  # the W8A8 lm_head as HEADS says (read at load)
-            os.environ["PDCORE_W8A8_LM_HEAD"] = HEADS.get(k, "float")
+            os.environ["PDCORE_W8A8_LM_HEAD"] = HEADS.get(k.removesuffix(UNFUSED), "float")
             engines[k] = LLMEngine(ServerArgs(model_path=p, max_total_tokens=4096,
                                               disable_radix_cache=True))
+            unfuse(engines[k], k)
         streamed = {k: _streamed_bytes(e.engine.model) for k, e in engines.items()}
         from pdcore.engine import native
 

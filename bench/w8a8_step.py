@@ -1,9 +1,9 @@
 """A W8A8 decode step at batch 8 taken apart, against its weight-streaming floors (#48).
 
 The same compressed-tensors W8A8 checkpoint in pdserve's engine twice, in process: its lm_head
-float as the checkpoint stores it (the default, PDCORE_W8A8_LM_HEAD=float), quantized to
+float as the checkpoint stores it (PDCORE_W8A8_LM_HEAD=float), quantized to
 int8 at load (PDCORE_W8A8_LM_HEAD=int8, engine/model/quant.int8_lm_head) and rounded to bf16
-weights (PDCORE_W8A8_LM_HEAD=bf16, loader.bf16_lm_head; --heads picks). For each,
+weights (PDCORE_W8A8_LM_HEAD=bf16, the default since s9, loader.bf16_lm_head; --heads picks). For each,
 wall-clock milliseconds on the engine's threads (medians over --iters, the two engines
 alternating):
 
@@ -18,6 +18,10 @@ alternating):
 - engine step (TPOT): (T(1 + N new tokens) - T(1)) / N of B prompts through LLMEngine
   (scheduler, batch building, forward, sampling, detokenizing); "Python and the scheduler" =
   TPOT - forward - greedy sampler.
+
+--unfused adds, for each head, a twin engine whose native decode loop quantizes the int8 GEMMs'
+inputs apart from the norm / silu_mul passes that make them (the model's native plan's
+int8_fused off: the loop before engine/native/int8_act.h), timed alternating with the others.
 
 Floors, with the read bandwidth measured in the run (a sum over 512 MiB of float32 on the
 engine's threads, best of 4, as bench/quant_speed.py): "as stored" counts the bytes the step
@@ -42,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from common import Run, alternating, figure, load_note, save_figure
-from quant_speed import _bandwidth
+from quant_speed import UNFUSED, _bandwidth, unfuse
 from step_vs_gemm import decode_steps
 
 NAME = "w8a8_step"
@@ -133,9 +137,13 @@ def main() -> None:
     ap.add_argument("--heads", default=",".join(HEADS),
                     help=f"PDCORE_W8A8_LM_HEAD values to run, of {HEADS} (float and int8 "
                          "always: the floors)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="each head also as '<head>_unfused': the activation quantization apart "
+                         "from the norm / silu_mul passes (the loop before int8_act.h)")
     ap.add_argument("--tag", default=None, help="results in w8a8_step_<tag>.json / .png")
     a = ap.parse_args()
     heads = [h for h in HEADS if h in ("float", "int8") or h in a.heads.split(",")]
+    heads += [h + UNFUSED for h in heads] if a.unfused else []
     from pdcore.config import ServerArgs
     from pdcore.engine import native
     from pdcore.runtime.llm_engine import LLMEngine
@@ -145,10 +153,11 @@ def main() -> None:
     engines, parts = {}, {}
     try:
         for head in heads:
-            os.environ["PDCORE_W8A8_LM_HEAD"] = head  # read at load
+            os.environ["PDCORE_W8A8_LM_HEAD"] = head.removesuffix(UNFUSED)  # read at load
             engines[head] = LLMEngine(ServerArgs(
                 model_path=a.model_path, max_total_tokens=a.batch * (a.ctx + a.steps + 128),
                 disable_radix_cache=True, log_level="warning"))
+            unfuse(engines[head], head)
             parts[head] = Parts(engines[head], a.batch, a.ctx, a.steps)
         samples: dict[str, dict[str, list[float]]] = {h: {} for h in heads}
         bandwidth = []
