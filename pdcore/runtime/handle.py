@@ -220,7 +220,7 @@ class EngineClient:
         if self.tokenizer is None:
             from pdcore.engine.model.tokenizer import load_tokenizer
 
-            tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.args))
+            tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.args, True))
         try:
             msg = await asyncio.to_thread(wait_ready, self._proc, reader, self.ready_timeout,
                                           lambda: self._stopping)

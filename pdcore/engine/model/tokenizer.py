@@ -1,9 +1,10 @@
-"""Tokenizer loading (transformers); where the model is: pdcore.engine.model.source (its names
+"""Tokenizer loading (transformers, or thin_tokenizer in the HTTP process); where the model is: pdcore.engine.model.source (its names
 are importable from here too)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -16,6 +17,8 @@ from pdcore.engine.model.source import (  # noqa: F401 - re-exported: the model'
     resolve_model,
 )
 from pdcore.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 # tokenizer_config.json classes that are exactly the generic `tokenizers` backend: loaded
 # directly, they keep the process free of torch (see _light_tokenizer)
@@ -42,16 +45,32 @@ def _light_tokenizer(folder: str) -> Any | None:
     return TokenizersBackend.from_pretrained(folder)
 
 
-def load_tokenizer(args: Any) -> Any:
-    """The transformers tokenizer (with chat template) for args.tokenizer_path or model_path."""
+def load_tokenizer(args: Any, thin: bool = False) -> Any:
+    """The tokenizer (with chat template) for args.tokenizer_path or model_path: transformers',
+    or with `thin` (the HTTP process) thin_tokenizer's where it reproduces transformers' exactly
+    (logged either way, with the reason transformers is needed)."""
     from pdcore.engine.model.gguf_cache import converted
 
     resolved = converted(resolve_model(getattr(args, "tokenizer_path", None) or args.model_path))
     remote = bool(getattr(args, "trust_remote_code", False))
     slow = getattr(args, "tokenizer_mode", "auto") == "slow"  # --tokenizer-mode slow
     try:
-        tokenizer = None if remote or slow or resolved.gguf_file else \
-            _light_tokenizer(resolved.path)
+        tokenizer = None
+        if thin:
+            why = ("--trust-remote-code" if remote else "--tokenizer-mode slow" if slow
+                   else "a GGUF file" if resolved.gguf_file else "")
+            if not why:
+                from pdcore.engine.model.thin_tokenizer import thin_tokenizer
+
+                tokenizer, why = thin_tokenizer(resolved.path)
+            if tokenizer is not None:
+                log.info("tokenizer: thin (tokenizers + jinja2, no transformers) from %s",
+                         resolved.display_path)
+            else:
+                log.info("tokenizer: transformers from %s (the thin one cannot: %s)",
+                         resolved.display_path, why)
+        if tokenizer is None and not (remote or slow or resolved.gguf_file):
+            tokenizer = _light_tokenizer(resolved.path)
         if tokenizer is None:
             from transformers import AutoTokenizer
 

@@ -120,7 +120,7 @@ class DPEngineClient:
             from pdcore.engine.model.tokenizer import load_tokenizer  # lazy imports race in threads
 
             try:
-                tok = await asyncio.to_thread(load_tokenizer, self.args)
+                tok = await asyncio.to_thread(load_tokenizer, self.args, True)
             except PDError as e:  # the start fails with the reason (never a silent hang)
                 for c in self.replicas:
                     c.state, c.error = EngineState.FAILED, str(e)

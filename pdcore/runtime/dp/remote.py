@@ -66,7 +66,7 @@ class RemoteEngineClient(EngineClient):
         if self.tokenizer is None:
             from pdcore.engine.model.tokenizer import load_tokenizer
 
-            tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.args))
+            tok_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.args, True))
         try:
             msg = await asyncio.wait_for(self._handshake(), self.ready_timeout)
         except asyncio.TimeoutError:
