@@ -171,9 +171,13 @@ class RadixCache:
                     heapq.heappush(heap, (parent.last_use, parent.seq, parent))
         return freed
 
-    def evictable(self) -> int:
+    def evictable(self, at_least: int | None = None) -> int:
         """Pages eviction could free now: a node's unlocked tail counts once every child
-        subtree below it is wholly unlocked (evicting them makes the node a leaf)."""
+        subtree below it is wholly unlocked (evicting them makes the node a leaf).
+
+        With `at_least`, the count stops as soon as it reaches that many (the answer is then
+        >= at_least exactly when the full count is): an allocation at a full pool asks this
+        for every page it needs, and the full count reads every cached page's reference."""
         order, stack = [], [self.root]
         while stack:  # parents before children; walked backwards, children come first
             node = stack.pop()
@@ -187,6 +191,8 @@ class RadixCache:
                 continue
             tail = self._free_tail(node)
             total += tail
+            if at_least is not None and total >= at_least:
+                return total
             whole[id(node)] = tail == len(node.pages)
         return total
 
