@@ -364,3 +364,45 @@ def test_integer_dot_greedy_against_float_activations(smollm2_greedy_refs) -> No
     print(f"int8 dot vs float references: common prefix {agree} of {new}, parting gaps {gaps}")
     # measured here: [5, 24, 1, 1, 2, 8, 10, 1] of 24, every parting at a gap under 0.26
     assert all(g < GREEDY_GAP for g in gaps), (agree, gaps)
+
+
+def test_integer_dot_rows_equal_alone_batched_and_teacher_forced(smollm2_tokenizer) -> None:
+    """#48: int8 activations turn a last-bit difference in attention into a whole rounding
+    step, so every attention path sums in one order (native/attn_block.h). With the integer
+    dot, a request's tokens and logprobs have the same bits alone and inside a batch (decode
+    groups; steps mixed with other prompts' chunks), and teacher-forced (its own tokens fed
+    back as a prompt: prefill rows where decode steps computed them); one prompt is past two
+    decode parts (attention.h: alone, its decode steps take the keys in parts)."""
+    from pdcore.config import ServerArgs
+    from pdcore.messages.io import SamplingParams
+    from pdcore.runtime.llm_engine import LLMEngine
+    from pdcore.testing.prompts import prompt_token_ids
+
+    if native.ops() is None:
+        pytest.skip(f"native kernels unavailable: {native.status()}")
+    base = prompt_token_ids(smollm2_tokenizer)
+    prompts = base[:5] + [(sum(base, []) * 8)[:420]]
+    new = 12
+    sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    with packed_with("int8"):
+        eng = LLMEngine(ServerArgs(max_total_tokens=8192, page_size=16, chunked_prefill_size=64,
+                                   disable_radix_cache=True))
+        try:
+            batched = eng.generate(prompts, sp, return_logprob=True)
+            alone = {i: eng.generate([prompts[i]], sp, return_logprob=True)[0] for i in (0, 5)}
+            cuts = [(i, k) for i in (0, 3, 5) for k in (1, new // 2, new - 1)]
+            forced = eng.generate([prompts[i] + batched[i]["output_ids"][:k] for i, k in cuts],
+                                  one, return_logprob=True)
+        finally:
+            eng.close()
+
+    def lps(o: dict) -> list[float]:
+        return [lp[0] for lp in o["output_logprobs"]]
+
+    for i, o in alone.items():
+        assert o["output_ids"] == batched[i]["output_ids"], i
+        assert lps(o) == lps(batched[i]), i
+    for (i, k), o in zip(cuts, forced):
+        assert o["output_ids"] == batched[i]["output_ids"][k : k + 1], (i, k)
+        assert lps(o) == lps(batched[i])[k : k + 1], (i, k)

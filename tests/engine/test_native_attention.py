@@ -97,7 +97,7 @@ def test_long_decode_attention_in_parts_matches_float64(kvh: int, d: int) -> Non
     stay within 2e-6 of float64 (whole or in parts)."""
     o = _panels()
     g = torch.Generator().manual_seed(kvh * d)
-    part = max(64, (256 * 1024 // (2 * kvh * d * 4)) // 16 * 16)
+    part = max(64, (256 * 1024 // (2 * kvh * d * 4)) // 64 * 64)
     slots = 4 * part + 50
     kp = torch.randn(slots, kvh, d, generator=g)
     vp = torch.randn(slots, kvh, d, generator=g)
@@ -177,3 +177,52 @@ def test_prefill_attention_matches_float64(pool: torch.dtype) -> None:
     assert torch.equal(out, got)
     with pytest.raises(RuntimeError, match="out is not"):
         o.prefill_attention_paged(q, kp, vp, slots, 0.2, 1.0, 1.0, 2, torch.zeros(20, 4, 25))
+
+
+@pytest.mark.parametrize("kvh,groups,d,ctx", [(3, 3, 64, 400), (1, 8, 64, 1100), (2, 4, 128, 300),
+                                              (2, 1, 32, 130)])
+def test_a_rows_attention_has_the_same_bits_in_every_phase(kvh, groups, d, ctx) -> None:
+    """Batch- and phase-invariant attention (#48: int8 activations turn a last-bit difference
+    into a whole rounding step): the query at position p gets the same bits whether the causal
+    prefill kernel computes it (the whole prompt, or a chunk after a prefix), the paged decode
+    kernel alone (a long context: in parts, attention.h), in a padded decode group among
+    longer and shorter contexts, or the view's dense kernel (strided rows)."""
+    o = _panels()
+    g = torch.Generator().manual_seed(ctx + d)
+    h, page = kvh * groups, 16
+    pages = (2 * ctx + 100) // page
+    kp = torch.randn(pages, page, kvh, d, generator=g)
+    vp = torch.randn(pages, page, kvh, d, generator=g)
+    kf, vf = kp.view(-1, kvh, d), vp.view(-1, kvh, d)
+    perm = torch.randperm(pages * page, generator=g)
+    slots, other = perm[:ctx], perm[ctx : 2 * ctx + 40]  # another, longer sequence's slots
+    q = torch.randn(ctx, h + 2 * kvh, d, generator=g)[:, :h]  # strided, as the qkv pack
+    scale = d**-0.5
+    whole = o.prefill_attention_paged(q, kp, vp, slots, scale, 1.0, 1.0, kvh)
+    for cut in (1, 64, ctx // 2 + 5):  # a chunk after a prefix of `cut` positions
+        part = o.prefill_attention_paged(q[cut:], kp, vp, slots, scale, 1.0, 1.0, kvh)
+        assert torch.equal(part, whole[cut:]), cut
+    for pos in (0, 15, 63, 64, 200, ctx - 1):
+        if pos >= ctx:
+            continue
+        want = whole[pos].view(1, kvh, groups, d)
+        qb = q[pos].reshape(1, kvh, groups, d)
+        lone = o.decode_attention_paged(qb, kp, vp, slots[: pos + 1], None, scale)
+        assert torch.equal(lone, want), ("lone decode", pos)
+        # a decode group: a longer context, this one, a shorter one (padded, masked)
+        lens = [pos + 40, pos + 1, max(1, pos // 3)]
+        w = max(lens)
+        table = torch.zeros(3, w, dtype=torch.long)
+        table[0], table[1, : pos + 1] = other[:w], slots[: pos + 1]
+        table[2, : lens[2]] = other[: lens[2]].flip(0)
+        bias = torch.zeros(3, 1, 1, w).masked_fill_(
+            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
+            float("-inf"))
+        qg = torch.randn(3, kvh, groups, d, generator=g)
+        qg[1] = qb[0]
+        grp = o.decode_attention_paged(qg, kp, vp, table.view(-1), bias, scale)
+        assert torch.equal(grp[1:2], want), ("decode group", pos)
+        kb = kf.index_select(0, table.view(-1)).view(3, w, kvh, d).transpose(1, 2)
+        vb = vf.index_select(0, table.view(-1)).view(3, w, kvh, d).transpose(1, 2)
+        dense = o.decode_attention(qg, kb, vb, bias, scale)
+        assert torch.equal(dense[1:2], want), ("the view's kernel", pos)

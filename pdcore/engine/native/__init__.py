@@ -1,7 +1,7 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
 (decode_step.cpp with the headers beside it: gemm.h, int8_gemm.h, int8_act.h, attention.h,
-prefill_attention.h, elementwise.h, common.h and vec.h, the vector layer they are written
-against):
+prefill_attention.h, attn_block.h, elementwise.h, common.h and vec.h, the vector layer they are
+written against):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
   `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight), kernels
@@ -10,8 +10,10 @@ against):
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
   `decode_attention_paged`: the same kernel reading the K/V pool in place through the
   sequences' slot table (no view, no gather: contexts past the view's budget, lone decodes);
-  both split a long context into parts joined by their max and sum (flash-decoding) where
-  the (sequence, KV head) tasks are fewer than two a thread;
+  both split a long context into parts (flash-decoding) where the (sequence, KV head) tasks
+  are fewer than two a thread; every attention path sums in one order (attn_block.h: blocks
+  of 64 keys joined in order), so a row has the same bits in prefill, alone, in a decode
+  group or in parts (int8 activations would turn a last-bit difference into a whole step);
 - `pdcore_native::prefill_attention_paged` (prefill_attention.h): a prefill chunk's causal
   attention over the pool in place (prefix and chunk; float32, bf16 or FP8 pool), flash-style
   tiles, GQA-grouped, parallel over (KV head, query block); models/llama.py takes it for every

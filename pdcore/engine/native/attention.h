@@ -1,23 +1,29 @@
 #pragma once
+#include "attn_block.h"
 #include "common.h"
 
 namespace {
 
 // ---- decode attention: q [B, KVH, G, D] against k, v [B, KVH, W, D] (+ bias [B, 1, 1, W]) ----
 // One query token per sequence, the G query heads of a KV head together: per (sequence, KV
-// head) the scores of every key against the G queries (one pass over K), a softmax per query,
-// then one pass over V. CPU SDPA took 145-200 us a layer for SmolLM2 at batch 8 (~150-token
-// contexts); this runs in a fraction of it (the closing notes of #21 have the numbers). -inf
-// scores (masked positions) weigh exactly 0 (exp_ps, common.h).
+// head) and block of AB_KB keys, the scores of every key against the G queries (one pass over
+// the block's K), a softmax per query within the block, then one pass over its V; the blocks
+// joined in order (attn_block.h: the order every attention path shares, so a row has the same
+// bits in prefill, alone, in a group or in parts). CPU SDPA took 145-200 us a layer for
+// SmolLM2 at batch 8 (~150-token contexts); this runs in a fraction of it (the closing notes
+// of #21 have the numbers). -inf scores (masked positions) weigh exactly 0 (exp_ps, vec.h).
 
 // kernels for head_dim 32 / 64 / 128 / 256 and 1-8 query heads per KV head; SDPA otherwise.
 // PAGED: key / value w is row tab[w] (a pool slot) of k / v, read in place; else row w.
+// blocks == nullptr: out [G, D] gets the rows' outputs; else each block's (mb, lb, ob) goes to
+// blocks [nblocks, G, D + 2] (a block with no visible key: mb = -inf), joined later (da_split).
 
 template <int DV, int G, bool PAGED>
 void attend_one(
     const float* q, const float* k, int64_t ksw, const float* v, int64_t vsw,
     const int64_t* tab, const float* bias, int64_t W, float scale, float* out,
-    float* scores, float* ml) {
+    float* scores, float* blocks) {
+  constexpr int64_t D = DV * 16;
   const auto row = [tab](int64_t w) { return PAGED ? tab[w] : w; };
   // paged rows are KVH x D apart (or anywhere): the hardware prefetchers miss them, so the
   // row PF ahead is asked for (its D floats: DV lines of 64 bytes)
@@ -28,84 +34,90 @@ void attend_one(
       PD_UNROLL for (int d = 0; d < DV; ++d) _mm_prefetch(p + d * 64, _MM_HINT_T0);
     }
   };
-  // scores[g * W + w]: KB keys at a time against the G queries (KB x G independent sums)
+  alignas(64) float qs[G * D];  // the queries times the scale (as the prefill kernel's)
+  const V16 sv = vset1(scale);
+  PD_UNROLL for (int i = 0; i < G * DV; ++i) vstore(qs + i * 16, vmul(vload(q + i * 16), sv));
+  float M[G], L[G];
+  if (blocks == nullptr) {
+    std::fill(out, out + G * D, 0.0f);
+    std::fill(M, M + G, -INFINITY);
+    std::fill(L, L + G, 0.0f);
+  }
+  alignas(64) float ob[D];
+  // scores[g * AB_KB + j]: KB keys at a time against the G queries (KB x G independent sums)
   constexpr int KB = G <= 4 ? 4 : 2;
-  int64_t w = 0;
-  for (; w + KB <= W; w += KB) {
-    PD_UNROLL for (int j = 0; j < KB; ++j) prefetch(k, ksw, w + j + PF);
-    V16 acc[KB][G];
-    PD_UNROLL for (int j = 0; j < KB; ++j)
-      PD_UNROLL for (int g = 0; g < G; ++g) acc[j][g] = vzero();
-    PD_UNROLL for (int d = 0; d < DV; ++d) {
-      PD_UNROLL for (int j = 0; j < KB; ++j) {
-        const V16 kv = vload(k + row(w + j) * ksw + d * 16);
+  for (int64_t b0 = 0; b0 < W; b0 += AB_KB) {
+    const int kn = static_cast<int>(std::min<int64_t>(AB_KB, W - b0));
+    int j = 0;
+    for (; j + KB <= kn; j += KB) {
+      const int64_t w = b0 + j;
+      PD_UNROLL for (int i = 0; i < KB; ++i) prefetch(k, ksw, w + i + PF);
+      V16 acc[KB][G];
+      PD_UNROLL for (int i = 0; i < KB; ++i)
+        PD_UNROLL for (int g = 0; g < G; ++g) acc[i][g] = vzero();
+      PD_UNROLL for (int d = 0; d < DV; ++d) {
+        PD_UNROLL for (int i = 0; i < KB; ++i) {
+          const V16 kv = vload(k + row(w + i) * ksw + d * 16);
+          PD_UNROLL for (int g = 0; g < G; ++g)
+            acc[i][g] = vfmadd(kv, vload(qs + (g * DV + d) * 16), acc[i][g]);
+        }
+      }
+      PD_UNROLL for (int i = 0; i < KB; ++i) {
+        const float add = bias ? bias[w + i] : 0.0f;
         PD_UNROLL for (int g = 0; g < G; ++g)
-          acc[j][g] = vfmadd(kv, vload(q + (g * DV + d) * 16), acc[j][g]);
+          scores[g * AB_KB + j + i] = vreduce_add(acc[i][g]) + add;
       }
     }
-    PD_UNROLL for (int j = 0; j < KB; ++j) {
-      const float add = bias ? bias[w + j] : 0.0f;
-      PD_UNROLL for (int g = 0; g < G; ++g)
-        scores[g * W + w + j] = vreduce_add(acc[j][g]) * scale + add;
+    for (; j < kn; ++j) {
+      const int64_t w = b0 + j;
+      V16 acc[G];
+      PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = vzero();
+      PD_UNROLL for (int d = 0; d < DV; ++d) {
+        const V16 kv = vload(k + row(w) * ksw + d * 16);
+        PD_UNROLL for (int g = 0; g < G; ++g)
+          acc[g] = vfmadd(kv, vload(qs + (g * DV + d) * 16), acc[g]);
+      }
+      const float add = bias ? bias[w] : 0.0f;
+      PD_UNROLL for (int g = 0; g < G; ++g) scores[g * AB_KB + j] = vreduce_add(acc[g]) + add;
     }
-  }
-  for (; w < W; ++w) {
-    V16 acc[G];
-    PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = vzero();
-    PD_UNROLL for (int d = 0; d < DV; ++d) {
-      const V16 kv = vload(k + row(w) * ksw + d * 16);
-      PD_UNROLL for (int g = 0; g < G; ++g)
-        acc[g] = vfmadd(kv, vload(q + (g * DV + d) * 16), acc[g]);
-    }
-    const float add = bias ? bias[w] : 0.0f;
-    PD_UNROLL for (int g = 0; g < G; ++g)
-      scores[g * W + w] = vreduce_add(acc[g]) * scale + add;
-  }
-  const int64_t wfull = W & ~int64_t(15);
-  const M16 tail = static_cast<M16>((1u << (W - wfull)) - 1u);
-  const V16 ninf = vset1(-INFINITY);
-  for (int g = 0; g < G; ++g) {
-    float* s = scores + g * W;
-    V16 mx = ninf;
-    for (int64_t i = 0; i < wfull; i += 16) mx = vmax(mx, vload(s + i));
-    if (tail) mx = vmax(mx, vmask_load(ninf, tail, s + wfull));
-    const float ms = vreduce_max(mx);
-    const V16 m = vset1(ms);
-    V16 sum = vzero();
-    for (int64_t i = 0; i < wfull; i += 16) {
-      const V16 e = exp_ps(vsub(vload(s + i), m));
-      vstore(s + i, e);
-      sum = vadd(sum, e);
-    }
-    if (tail) {
-      const V16 e = vmaskz(
-          tail, exp_ps(vsub(vmask_load(ninf, tail, s + wfull), m)));
-      vmask_store(s + wfull, tail, e);
-      sum = vadd(sum, e);
-    }
-    const float total = vreduce_add(sum);
-    if (ml != nullptr) ml[2 * g] = ms, ml[2 * g + 1] = total;
-    const V16 inv = vset1(1.0f / total);
-    for (int64_t i = 0; i < wfull; i += 16)
-      vstore(s + i, vmul(vload(s + i), inv));
-    if (tail)
-      vmask_store(s + wfull, tail, vmul(vmaskz_load(tail, s + wfull), inv));
-  }
-  V16 acc[G][DV];
-  PD_UNROLL for (int g = 0; g < G; ++g)
-    PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vzero();
-  for (int64_t i = 0; i < W; ++i) {
-    V16 vr[DV];
-    prefetch(v, vsw, i + PF);
-    const float* vi = v + row(i) * vsw;
-    PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = vload(vi + d * 16);
+    float mb[G], lb[G];
+    bool vis[G], any = false;
     PD_UNROLL for (int g = 0; g < G; ++g) {
-      const V16 p = vset1(scores[g * W + i]);
-      PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vfmadd(vr[d], p, acc[g][d]);
+      vis[g] = ab_softmax(scores + g * AB_KB, kn, kn, mb[g], lb[g]);
+      any = any || vis[g];
+    }
+    float* bp = blocks ? blocks + (b0 / AB_KB) * G * (D + 2) : nullptr;
+    if (!any) {  // padding only: nothing to add
+      if (bp) PD_UNROLL for (int g = 0; g < G; ++g) bp[g * (D + 2)] = -INFINITY;
+      continue;
+    }
+    V16 acc[G][DV];
+    PD_UNROLL for (int g = 0; g < G; ++g)
+      PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vzero();
+    for (int i = 0; i < kn; ++i) {
+      V16 vr[DV];
+      prefetch(v, vsw, b0 + i + PF);
+      const float* vi = v + row(b0 + i) * vsw;
+      PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = vload(vi + d * 16);
+      PD_UNROLL for (int g = 0; g < G; ++g) {
+        const V16 p = vset1(scores[g * AB_KB + i]);
+        PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vfmadd(vr[d], p, acc[g][d]);
+      }
+    }
+    PD_UNROLL for (int g = 0; g < G; ++g) {
+      if (bp) {
+        float* dst = bp + g * (D + 2);
+        dst[0] = vis[g] ? mb[g] : -INFINITY;
+        dst[1] = lb[g];
+        PD_UNROLL for (int d = 0; d < DV; ++d) vstore(dst + 2 + d * 16, acc[g][d]);
+      } else if (vis[g]) {
+        PD_UNROLL for (int d = 0; d < DV; ++d) vstore(ob + d * 16, acc[g][d]);
+        ab_join(M[g], L[g], out + g * D, D, mb[g], lb[g], ob);
+      }
     }
   }
-  PD_UNROLL for (int g = 0; g < G; ++g)
-    PD_UNROLL for (int d = 0; d < DV; ++d) vstore(out + (g * DV + d) * 16, acc[g][d]);
+  if (blocks == nullptr)
+    PD_UNROLL for (int g = 0; g < G; ++g) ab_finish(out + g * D, D, L[g], out + g * D);
 }
 
 using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int64_t,
@@ -114,16 +126,17 @@ using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int
 // ---- long contexts: the keys in parts (flash-decoding) ----
 // Past two parts' worth of keys, a task is (sequence, part of DA_PART_BYTES of K and V): every
 // KV head of the part in turn (the part's slots stay in L2 from one head to the next, so a slot
-// row of all heads is read from memory once), each head's softmax normalised within the part,
-// its max and sum kept (ml); a second pass joins the parts of each (sequence, head, query)
-// weighing part p by l_p exp(m_p - max). At batch x KV heads below the thread count (one long
-// sequence) every thread still works. The view's kernel and the paged one take the same rule
-// (da_use_parts): equal to the bit still.
+// row of all heads is read from memory once), each block's (mb, lb, ob) kept; a second pass
+// joins the blocks of each (sequence, head, query) in order, as the kernel does in one pass
+// (attn_block.h): the same bits in parts or whole. At batch x KV heads below the thread count
+// (one long sequence) every thread still works. The view's kernel and the paged one take the
+// same rule (da_use_parts).
 constexpr int64_t DA_PART_BYTES = 256 * 1024;
 
+// a whole number of blocks
 inline int64_t da_part_len(int64_t H, int64_t D) {
   const int64_t keys = DA_PART_BYTES / (2 * H * D * int64_t(sizeof(float)));
-  return std::max<int64_t>(64, keys / 16 * 16);
+  return std::max<int64_t>(AB_KB, keys / AB_KB * AB_KB);
 }
 
 // parts only where the (sequence, KV head) tasks leave threads idle or unevenly loaded (fewer
@@ -134,40 +147,30 @@ inline bool da_use_parts(int64_t B, int64_t H, int64_t W, int64_t part) {
   return W >= 2 * part && B * H < 2 * static_cast<int64_t>(at::get_num_threads());
 }
 
-// per (b, p) task: run(b, p, w0, wn, o, ml) with o [H, G, D], ml [H, G, 2] of the part; then
-// the parts joined into out [B, H, G, D]
+// per (b, p) task: run(b, w0, wn, blk, hstride): head h's blocks of the part go to
+// blk + h * hstride ([blocks, G, D + 2]); then each (b, h, g) row's blocks joined into out
 template <typename Run>
 void da_split(int64_t B, int64_t H, int64_t G, int64_t D, int64_t W, int64_t part, float* out,
               const Run& run) {
-  const int64_t P = (W + part - 1) / part;
-  std::vector<float> po(B * P * H * G * D), pml(B * P * H * G * 2);
+  const int64_t P = (W + part - 1) / part, NB = (W + AB_KB - 1) / AB_KB, bs = G * (D + 2);
+  std::vector<float> pb(B * H * NB * bs);
   at::parallel_for(0, B * P, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / P, p = i % P, w0 = p * part;
-      run(b, w0, std::min(part, W - w0), po.data() + i * H * G * D, pml.data() + i * H * G * 2);
+      const int64_t b = i / P, w0 = (i % P) * part;
+      run(b, w0, std::min(part, W - w0), pb.data() + (b * H * NB + w0 / AB_KB) * bs, NB * bs);
     }
   });
   at::parallel_for(0, B * H * G, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> wt(P);
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (H * G), hg = r % (H * G);
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < P; ++p) mx = std::max(mx, pml[((b * P + p) * H * G + hg) * 2]);
-      float den = 0.0f;
-      for (int64_t p = 0; p < P; ++p) {  // a part of masked keys only (max -inf) weighs 0
-        const float* ml = pml.data() + ((b * P + p) * H * G + hg) * 2;
-        wt[p] = ml[0] == -INFINITY ? 0.0f : ml[1] * std::exp(ml[0] - mx);
-        den += wt[p];
+      const int64_t bh = r / G, g = r % G;
+      float* o = out + r * D;
+      std::fill(o, o + D, 0.0f);
+      float M = -INFINITY, L = 0.0f;
+      for (int64_t n = 0; n < NB; ++n) {
+        const float* blk = pb.data() + (bh * NB + n) * bs + g * (D + 2);
+        if (blk[0] != -INFINITY) ab_join(M, L, o, D, blk[0], blk[1], blk + 2);
       }
-      float* dst = out + r * D;
-      for (int64_t d = 0; d < D; d += 16) {
-        V16 acc = vzero();
-        for (int64_t p = 0; p < P; ++p)
-          if (wt[p] != 0.0f)
-            acc = vfmadd(vset1(wt[p] / den), vload(po.data() + ((b * P + p) * H * G + hg) * D + d),
-                         acc);
-        vstore(dst + d, acc);
-      }
+      ab_finish(o, D, L, o);
     }
   });
 }
@@ -224,17 +227,18 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
   const int64_t vsb = v.stride(0), vsh = v.stride(1), vsw = v.stride(2);
   const int64_t part = da_part_len(H, D);
   if (da_use_parts(B, H, W, part)) {
-    da_split(B, H, G, D, W, part, op, [&](int64_t b, int64_t w0, int64_t wn, float* o, float* ml) {
-      std::vector<float> scores(G * wn);
+    da_split(B, H, G, D, W, part, op,
+             [&](int64_t b, int64_t w0, int64_t wn, float* blk, int64_t hstride) {
+      std::vector<float> scores(G * AB_KB);
       for (int64_t h = 0; h < H; ++h)
         fn(qp + (b * H + h) * G * D, kp + b * ksb + h * ksh + w0 * ksw, ksw,
            vp + b * vsb + h * vsh + w0 * vsw, vsw, nullptr, bp ? bp + b * W + w0 : nullptr, wn,
-           static_cast<float>(scale), o + h * G * D, scores.data(), ml + h * G * 2);
+           static_cast<float>(scale), nullptr, scores.data(), blk + h * hstride);
     });
     return out;
   }
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(G * W);
+    std::vector<float> scores(G * AB_KB);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
       fn(qp + i * G * D, kp + b * ksb + h * ksh, ksw, vp + b * vsb + h * vsh, vsw, nullptr,
@@ -295,17 +299,18 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   float* op = out.data_ptr<float>();
   const int64_t part = da_part_len(H, D);
   if (da_use_parts(B, H, W, part)) {
-    da_split(B, H, G, D, W, part, op, [&](int64_t b, int64_t w0, int64_t wn, float* o, float* ml) {
-      std::vector<float> scores(G * wn);
+    da_split(B, H, G, D, W, part, op,
+             [&](int64_t b, int64_t w0, int64_t wn, float* blk, int64_t hstride) {
+      std::vector<float> scores(G * AB_KB);
       for (int64_t h = 0; h < H; ++h)
         fn(qp + (b * H + h) * G * D, kp + h * D, H * D, vp + h * D, H * D, tp + b * W + w0,
-           bp ? bp + b * W + w0 : nullptr, wn, static_cast<float>(scale), o + h * G * D,
-           scores.data(), ml + h * G * 2);
+           bp ? bp + b * W + w0 : nullptr, wn, static_cast<float>(scale), nullptr,
+           scores.data(), blk + h * hstride);
     });
     return out;
   }
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(G * W);
+    std::vector<float> scores(G * AB_KB);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
       fn(qp + i * G * D, kp + h * D, H * D, vp + h * D, H * D, tp + b * W,

@@ -1,4 +1,5 @@
 #pragma once
+#include "attn_block.h"
 #include "common.h"
 
 #include <c10/util/BFloat16.h>
@@ -18,9 +19,10 @@ namespace {
 // h * G .. h * G + G - 1) go through one task together, so each K/V tile serves all of them.
 //
 // Flash-style, blocked: a task is (KV head, block of QB queries), its rows the G x QB query
-// rows; for each block of PF_KB keys, S = Q K^T (register-blocked: RB rows x 32 keys), the
-// online softmax (running max m and sum l per row, the output rescaled by exp(m_old - m_new)),
-// then O += P V (RB rows x 16 * NC columns). Keys past a row's position weigh 0; key blocks
+// rows; for each block of PF_KB keys, S = Q K^T (register-blocked: RB rows x 16 NH keys), the
+// block's softmax, P V (RB rows x 16 * NC columns) joined into the row's output, all in the
+// order every attention path shares (attn_block.h), so a row has the bits the decode kernel
+// gives it. Keys past a row's position weigh 0; key blocks
 // past a task's last query are skipped (the causal half is not computed). Per call, K is
 // packed once per KV head into key blocks transposed ([KB][D][PF_KB], the pool's values as
 // float32: the S kernel's operand), V is read from the pool in place (float32) or widened once
@@ -29,42 +31,61 @@ namespace {
 // Where it does not apply (head_dim not a multiple of 16, other dtypes) the rows are gathered
 // and SDPA runs with the causal mask.
 
-constexpr int PF_KB = 64;  // keys per block (two 32-key halves in the S kernel)
+constexpr int PF_KB = AB_KB;  // keys per block (attn_block.h: the blocks every path shares)
 #if defined(PD_ISA_AVX512)
-constexpr int PF_QK_RB = 6, PF_PV_RB = 4, PF_PV_NC = 4;  // 12 / 16 accumulators of 32 zmm
+constexpr int PF_QK_RB = 2, PF_QK_NH = 2;  // 2 rows x 32 keys: 20 partials + 2 keys of 32 zmm
+constexpr int PF_PV_RB = 4, PF_PV_NC = 4;  // 16 accumulators
 #else
-constexpr int PF_QK_RB = 2, PF_PV_RB = 2, PF_PV_NC = 2;  // 8 ymm accumulators of 16
+constexpr int PF_QK_RB = 1, PF_QK_NH = 1;  // 5 partials (10 ymm) of 16
+constexpr int PF_PV_RB = 2, PF_PV_NC = 2;  // 8 ymm accumulators
 #endif
 constexpr int PF_ROWS = 96;  // target query rows (G x QB) a task: its tiles stay in L2
 
-// s[r * PF_KB + j0 + (0..31)] = sum_d q[r * D + d] * kt[d * PF_KB + j0 + (0..31)], RB rows
-template <int RB>
+// s[r * PF_KB + j0 + (0 .. 16 NH)]: RB rows' scores of 16 NH keys, summed as the decode kernel
+// sums a score (attn_block.h): lane partial l = sum over c of q[16c + l] kt[16c + l][key] (FMAs
+// from zero, c ascending), taken for l in bit-reversed order so that a binary counter folds
+// them in vreduce_add's tree: (l, l+8), then (l, l+4), (l, l+2), (0, 1)
+template <int RB, int NH>
 inline void pf_qk(const float* q, int64_t D, const float* kt, int j0, float* s) {
-  V16 acc[RB][2];
-  PD_UNROLL for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = vzero();
-  for (int64_t d = 0; d < D; ++d) {
-    const V16 k0 = vload(kt + d * PF_KB + j0), k1 = vload(kt + d * PF_KB + j0 + 16);
-    PD_UNROLL for (int r = 0; r < RB; ++r) {
-      const V16 qv = vset1(q[r * D + d]);
-      acc[r][0] = vfmadd(qv, k0, acc[r][0]);
-      acc[r][1] = vfmadd(qv, k1, acc[r][1]);
+  V16 st[4][RB][NH], cur[RB][NH];
+  PD_UNROLL for (int idx = 0; idx < 16; ++idx) {
+    const int l = ((idx & 1) << 3) | ((idx & 2) << 1) | ((idx & 4) >> 1) | ((idx & 8) >> 3);
+    PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int h = 0; h < NH; ++h)
+      cur[r][h] = vzero();
+    for (int64_t c = l; c < D; c += 16) {
+      V16 kv[NH];
+      PD_UNROLL for (int h = 0; h < NH; ++h) kv[h] = vload(kt + c * PF_KB + j0 + 16 * h);
+      PD_UNROLL for (int r = 0; r < RB; ++r) {
+        const V16 qv = vset1(q[r * D + c]);
+        PD_UNROLL for (int h = 0; h < NH; ++h) cur[r][h] = vfmadd(qv, kv[h], cur[r][h]);
+      }
     }
+    int lv = 0;
+    PD_UNROLL for (; lv < 4 && ((idx >> lv) & 1); ++lv)
+      PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int h = 0; h < NH; ++h)
+        cur[r][h] = vadd(st[lv][r][h], cur[r][h]);
+    if (lv < 4)
+      PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int h = 0; h < NH; ++h)
+        st[lv][r][h] = cur[r][h];
   }
-  PD_UNROLL for (int r = 0; r < RB; ++r) {
-    vstore(s + r * PF_KB + j0, acc[r][0]);
-    vstore(s + r * PF_KB + j0 + 16, acc[r][1]);
-  }
+  PD_UNROLL for (int r = 0; r < RB; ++r)
+    PD_UNROLL for (int h = 0; h < NH; ++h) vstore(s + r * PF_KB + j0 + 16 * h, cur[r][h]);
 }
 
-// o[r * D + c0 + (0 .. 16 NC)] = o[...] * alpha[r] + sum_{j < len} p[r * PF_KB + j] vrow[j][...]
+// a block's scores for rows r0 .. r0 + RB, keys 0 .. kn
+template <int RB>
+inline void pf_qk_block(const float* q, int64_t D, const float* kt, int kn, float* s) {
+  for (int j0 = 0; j0 < kn; j0 += 16 * PF_QK_NH) pf_qk<RB, PF_QK_NH>(q, D, kt, j0, s);
+}
+
+// o[r * D + c0 + (0 .. 16 NC)] = ab_mix(o, sum_{j < len} p[r * PF_KB + j] vrow[j][...], a[r],
+// c[r]): the block's output (FMAs from zero in key order) joined into the row's
 template <int RB, int NC>
 inline void pf_pv(const float* p, int len, const float* const* vrow, int64_t D, int64_t c0,
-                  const float* alpha, float* o) {
+                  const float* a, const float* cw, float* o) {
   V16 acc[RB][NC];
-  PD_UNROLL for (int r = 0; r < RB; ++r) {
-    const V16 a = vset1(alpha[r]);
-    PD_UNROLL for (int c = 0; c < NC; ++c) acc[r][c] = vmul(vload(o + r * D + c0 + 16 * c), a);
-  }
+  PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int c = 0; c < NC; ++c)
+    acc[r][c] = vzero();
   for (int j = 0; j < len; ++j) {
     V16 vv[NC];
     PD_UNROLL for (int c = 0; c < NC; ++c) vv[c] = vload(vrow[j] + c0 + 16 * c);
@@ -73,42 +94,22 @@ inline void pf_pv(const float* p, int len, const float* const* vrow, int64_t D, 
       PD_UNROLL for (int c = 0; c < NC; ++c) acc[r][c] = vfmadd(pj, vv[c], acc[r][c]);
     }
   }
-  PD_UNROLL for (int r = 0; r < RB; ++r)
-    PD_UNROLL for (int c = 0; c < NC; ++c) vstore(o + r * D + c0 + 16 * c, acc[r][c]);
+  PD_UNROLL for (int r = 0; r < RB; ++r) {
+    const V16 av = vset1(a[r]), cv = vset1(cw[r]);
+    PD_UNROLL for (int c = 0; c < NC; ++c) {
+      float* dst = o + r * D + c0 + 16 * c;
+      vstore(dst, ab_mix(vload(dst), acc[r][c], av, cv));
+    }
+  }
 }
 
 template <int RB>
 inline void pf_pv_cols(const float* p, int len, const float* const* vrow, int64_t D,
-                       const float* alpha, float* o) {
+                       const float* a, const float* cw, float* o) {
   int64_t c0 = 0;
   for (; c0 + 16 * PF_PV_NC <= D; c0 += 16 * PF_PV_NC)
-    pf_pv<RB, PF_PV_NC>(p, len, vrow, D, c0, alpha, o);
-  for (; c0 < D; c0 += 16) pf_pv<RB, 1>(p, len, vrow, D, c0, alpha, o);
-}
-
-// one row's online-softmax step over a key block: s[0 .. lim) are its scores (the rest of the
-// block's kn keys are masked); p (in place of s) gets exp(s - m_new), zero past lim
-inline float pf_softmax_row(float* s, int lim, int kn, float& m, float& l) {
-  if (lim <= 0) {  // no visible key in this block: the row is unchanged
-    for (int j = 0; j < kn; j += 16) vmask_store(s + j, lane_mask(kn - j), vzero());
-    return 1.0f;
-  }
-  const V16 ninf = vset1(-INFINITY);
-  V16 mx = ninf;
-  for (int j = 0; j < lim; j += 16) mx = vmax(mx, vmask_load(ninf, lane_mask(lim - j), s + j));
-  const float m_new = std::max(m, vreduce_max(mx));
-  const float alpha = std::exp(m - m_new);  // m = -inf (the first block): 0
-  const V16 mv = vset1(m_new);
-  V16 sum = vzero();
-  for (int j = 0; j < kn; j += 16) {
-    const M16 live = lane_mask(lim - j), in = lane_mask(kn - j);
-    const V16 e = vmaskz(live, exp_ps(vsub(vmask_load(mv, live, s + j), mv)));
-    vmask_store(s + j, in, e);
-    sum = vadd(sum, e);
-  }
-  l = l * alpha + vreduce_add(sum);
-  m = m_new;
-  return alpha;
+    pf_pv<RB, PF_PV_NC>(p, len, vrow, D, c0, a, cw, o);
+  for (; c0 < D; c0 += 16) pf_pv<RB, 1>(p, len, vrow, D, c0, a, cw, o);
 }
 
 template <typename T>
@@ -145,13 +146,14 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
              const float* v_in_place, const float* v_wide, const int64_t* tab, int64_t h,
              int64_t q0, float* out, std::vector<float>& buf) {
   const int64_t D = s.D, G = s.G, nq = std::min(s.QB, s.n - q0), R = nq * G;
-  buf.resize(R * D * 2 + R * PF_KB + R * 3);
+  buf.resize(R * D * 2 + R * PF_KB + R * 4);
   float* qp = buf.data();           // [R, D] the queries, times the scale; row r = i * G + g
   float* o = qp + R * D;            // [R, D] the running output
   float* sc = o + R * D;            // [R, PF_KB] scores, then weights
   float* m = sc + R * PF_KB;        // [R] running max
   float* l = m + R;                 // [R] running sum
-  float* alpha = l + R;             // [R] this block's rescale
+  float* alpha = l + R;             // [R] this block's weights: the row's so far (a)
+  float* cw = alpha + R;            // [R] and the block's (c), attn_block.h
   const float* vrow[PF_KB];          // the block's V rows (float32)
   const V16 sv = vset1(s.scale);
   for (int64_t i = 0; i < nq; ++i)
@@ -173,30 +175,24 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
       vrow[j] = v_wide ? v_wide + (h * s.ctx + k0 + j) * D
                        : v_in_place + (tab[k0 + j] * s.KVH + h) * D;
     int64_t r = 0;
-    for (; r + PF_QK_RB <= R; r += PF_QK_RB) {
-      pf_qk<PF_QK_RB>(qp + r * D, D, kt, 0, sc + r * PF_KB);
-      if (kn > 32) pf_qk<PF_QK_RB>(qp + r * D, D, kt, 32, sc + r * PF_KB);
-    }
-    for (; r < R; ++r) {
-      pf_qk<1>(qp + r * D, D, kt, 0, sc + r * PF_KB);
-      if (kn > 32) pf_qk<1>(qp + r * D, D, kt, 32, sc + r * PF_KB);
-    }
-    for (r = 0; r < R; ++r) {
+    for (; r + PF_QK_RB <= R; r += PF_QK_RB)
+      pf_qk_block<PF_QK_RB>(qp + r * D, D, kt, kn, sc + r * PF_KB);
+    for (; r < R; ++r) pf_qk_block<1>(qp + r * D, D, kt, kn, sc + r * PF_KB);
+    for (r = 0; r < R; ++r) {  // a row with no visible key here: a = 1, c = 0 (unchanged)
       const int64_t pos = first + r / G;
       const int lim = static_cast<int>(std::clamp<int64_t>(pos - k0 + 1, 0, kn));
-      alpha[r] = pf_softmax_row(sc + r * PF_KB, lim, kn, m[r], l[r]);
+      float mb, lb;
+      alpha[r] = 1.0f, cw[r] = 0.0f;
+      if (ab_softmax(sc + r * PF_KB, lim, kn, mb, lb))
+        ab_weights(m[r], l[r], mb, lb, alpha[r], cw[r]);
     }
     for (r = 0; r + PF_PV_RB <= R; r += PF_PV_RB)
-      pf_pv_cols<PF_PV_RB>(sc + r * PF_KB, kn, vrow, D, alpha + r, o + r * D);
-    for (; r < R; ++r) pf_pv_cols<1>(sc + r * PF_KB, kn, vrow, D, alpha + r, o + r * D);
+      pf_pv_cols<PF_PV_RB>(sc + r * PF_KB, kn, vrow, D, alpha + r, cw + r, o + r * D);
+    for (; r < R; ++r) pf_pv_cols<1>(sc + r * PF_KB, kn, vrow, D, alpha + r, cw + r, o + r * D);
   }
   for (int64_t i = 0; i < nq; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const V16 inv = vset1(1.0f / l[r]);
-      float* dst = out + ((q0 + i) * s.H + h * G + g) * D;
-      for (int64_t d = 0; d < D; d += 16) vstore(dst + d, vmul(vload(o + r * D + d), inv));
-    }
+    for (int64_t g = 0; g < G; ++g)
+      ab_finish(o + (i * G + g) * D, D, l[i * G + g], out + ((q0 + i) * s.H + h * G + g) * D);
 }
 
 template <typename T>

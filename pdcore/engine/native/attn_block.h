@@ -1,0 +1,76 @@
+#pragma once
+// One summation order for every attention path (#48): a query row's output has the same bits
+// whether the causal prefill kernel (prefill_attention.h) computes it, or the decode kernel
+// (attention.h) alone, in a padded group, in parts (flash-decoding) or over the view's rows.
+// Rounding activations to int8 (the packed GGUF's integer dot) turns a last-bit difference on a
+// rounding boundary into a whole step, so the paths must agree to the bit, not closely.
+//
+// The order, for a row q (times the scale, one vmul) against keys 0 .. n - 1:
+// - a score: 16 lane partials, lane l summing q[16c + l] k[16c + l] over c ascending (FMAs from
+//   zero), the lanes then added in vreduce_add's tree ((l, l+8), (l, l+4), (l, l+2), (0, 1));
+//   the decode kernel's row form does exactly that, the prefill kernel folds 16 partials of
+//   transposed keys in the same tree (pf_qk); a bias (0 or -inf) is added after;
+// - keys in blocks of AB_KB at fixed positions (block b: keys 64b .. 64b + 63); a block on its
+//   own: its max mb, e_j = exp(s_j - mb) (masked: 0), lb = sum of e (16 lanes over its chunks
+//   in order, then vreduce_add), ob = sum_j e_j v_j (FMAs in key order from zero);
+// - the blocks joined in key order into (M, L, O) (ab_weights, ab_mix): a block with no
+//   visible key leaves the row as it is; the row's output is O * (1 / L).
+// Blocks are independent until the join, so a long context can be computed in parts by
+// several threads and joined after in the same order (attention.h: da_split).
+#include "common.h"
+
+namespace {
+
+constexpr int AB_KB = 64;  // keys per block
+
+// one row's block: s[0, lim) its visible scores (s[lim, kn) masked; any may be -inf, masked by a
+// bias): e in place (0 where masked), mb and lb; false (s zeroed) when no key is visible
+inline bool ab_softmax(float* s, int lim, int kn, float& mb, float& lb) {
+  const V16 ninf = vset1(-INFINITY);
+  V16 mx = ninf;
+  for (int j = 0; j < lim; j += 16) mx = vmax(mx, vmask_load(ninf, lane_mask(lim - j), s + j));
+  mb = lim > 0 ? vreduce_max(mx) : -INFINITY;
+  if (mb == -INFINITY) {
+    for (int j = 0; j < kn; j += 16) vmask_store(s + j, lane_mask(kn - j), vzero());
+    return false;
+  }
+  const V16 mv = vset1(mb);
+  V16 sum = vzero();
+  for (int j = 0; j < kn; j += 16) {
+    const M16 live = lane_mask(lim - j), in = lane_mask(kn - j);
+    const V16 e = vmaskz(live, exp_ps(vsub(vmask_load(mv, live, s + j), mv)));
+    vmask_store(s + j, in, e);
+    sum = vadd(sum, e);
+  }
+  lb = vreduce_add(sum);
+  return true;
+}
+
+// a visible block (mb, lb) into the row's running max M and sum L; a and c weigh the row's
+// output so far and the block's: O = ab_mix(O, ob, a, c)
+inline void ab_weights(float& M, float& L, float mb, float lb, float& a, float& c) {
+  const float m2 = std::max(M, mb);
+  a = std::exp(M - m2);  // M = -inf (the first block): 0
+  c = std::exp(mb - m2);
+  L = L * a + lb * c;
+  M = m2;
+}
+
+inline V16 ab_mix(V16 o, V16 ob, V16 a, V16 c) { return vfmadd(ob, c, vmul(o, a)); }
+
+// a visible block's output ob [D] into the row's O [D]
+inline void ab_join(float& M, float& L, float* O, int64_t D, float mb, float lb,
+                    const float* ob) {
+  float a, c;
+  ab_weights(M, L, mb, lb, a, c);
+  const V16 av = vset1(a), cv = vset1(c);
+  for (int64_t d = 0; d < D; d += 16) vstore(O + d, ab_mix(vload(O + d), vload(ob + d), av, cv));
+}
+
+// the row's output: O / L into dst (may be O)
+inline void ab_finish(const float* O, int64_t D, float L, float* dst) {
+  const V16 inv = vset1(1.0f / L);
+  for (int64_t d = 0; d < D; d += 16) vstore(dst + d, vmul(vload(O + d), inv));
+}
+
+}  // namespace
