@@ -354,6 +354,10 @@ class Tests(Group):
     pdcore_test_hold_gate: Var[str | None] = Var(
         None, text, "the gate file of `python -m pdcore.testing.held_transfer` (required "
         "there): its tcp sends wait while the file reads `hold`")
+    pdserve_test_stall_after_send_s = Var(
+        0.0, number, "fault tests: the HTTP process blocks this long after each request it "
+        "hands its scheduler (as if the OS preempted it between two sends); 0: off",
+        shown="0")
 
 
 GROUPS: tuple[type[Group], ...] = (Disagg, Secrets, Backends, Engine, Http, Libraries, System,

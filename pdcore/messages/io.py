@@ -118,6 +118,9 @@ class GenerateReq:
     # `seed_skip` draws, so the continuation draws what the undisturbed run would have
     resumed: int = 0
     seed_skip: int = 0
+    # PD decode, n > 1: samples 1..n-1 of this prompt (each with `route.fork_of` = this rid)
+    # travel in this message, so the scheduler parks them on it at once, whatever the timing
+    forks: list[GenerateReq] = field(default_factory=list)
 
 
 @dataclass

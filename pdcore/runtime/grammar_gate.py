@@ -61,14 +61,17 @@ class GrammarGate:
                 self.held = [h for h in self.held if h.req.rid != m.rid]
                 for h in gone:
                     self._cancel(h.future)
-                ended.append(TokenOut(m.rid, [], finished=True,
-                                      finish_reason={"type": "abort", "message": m.reason}))
+                    ended += [_aborted(f.rid, m.reason) for f in h.req.forks]
+                ended.append(_aborted(m.rid, m.reason))
+            elif isinstance(m, AbortReq) and self._drop_fork(m.rid):
+                # a parallel sample held inside its sample 0's message (GenerateReq.forks)
+                ended.append(_aborted(m.rid, m.reason))
             elif self._needs_wait(m):
                 assert self.backend is not None
                 try:
                     fut = self.backend.prepare(m.sampling.grammar)
                 except InvalidRequestError as e:  # --grammar-backend none
-                    ended.append(_refused(m.rid, str(e)))
+                    ended += _refused(m, str(e))
                     continue
                 self.held.append(_Held(m, fut, now))
             else:
@@ -85,18 +88,18 @@ class GrammarGate:
                 if e is None:
                     out.append(h.req)
                 elif isinstance(e, InvalidRequestError):
-                    ended.append(_refused(h.req.rid, str(e)))
+                    ended += _refused(h.req, str(e))
                 else:
                     log.error("grammar of %s failed to compile: %r", h.req.rid, e)
-                    ended.append(_refused(h.req.rid, f"grammar failed: {e}", 500))
+                    ended += _refused(h.req, f"grammar failed: {e}", 500)
             elif now - h.since > self.timeout_s:
                 self.timed_out += 1
                 dropped.append(h.future)
                 field = h.req.sampling.grammar.field  # type: ignore[union-attr]
                 log.warning("grammar of %s still compiling after %.0fs: refused", h.req.rid,
                             self.timeout_s)
-                ended.append(_refused(h.req.rid, f"{field} took longer than {self.timeout_s:g}s "
-                                      f"to compile ({TIMEOUT_ENV}); simplify it"))
+                ended += _refused(h.req, f"{field} took longer than {self.timeout_s:g}s to "
+                                  f"compile ({TIMEOUT_ENV}); simplify it")
             else:
                 still.append(h)
         self.held = still
@@ -104,6 +107,13 @@ class GrammarGate:
             self._cancel(fut)
         return out, ended
 
+    def _drop_fork(self, rid: str) -> bool:
+        for h in self.held:
+            kept = [f for f in h.req.forks if f.rid != rid]
+            if len(kept) != len(h.req.forks):
+                h.req.forks = kept
+                return True
+        return False
 
     def _cancel(self, fut: Future) -> None:
         """Cancel a compile that has not started, unless a held request still waits on it
@@ -112,6 +122,12 @@ class GrammarGate:
             fut.cancel()
 
 
-def _refused(rid: str, message: str, status: int = 400) -> TokenOut:
-    return TokenOut(rid, [], finished=True, error=message, error_status=status,
-                    finish_reason={"type": "abort", "message": message})
+def _refused(req: GenerateReq, message: str, status: int = 400) -> list[TokenOut]:
+    """The answers of a request refused here and of the parallel samples it carries."""
+    return [TokenOut(r.rid, [], finished=True, error=message, error_status=status,
+                     finish_reason={"type": "abort", "message": message})
+            for r in (req, *req.forks)]
+
+
+def _aborted(rid: str, reason: str) -> TokenOut:
+    return TokenOut(rid, [], finished=True, finish_reason={"type": "abort", "message": reason})

@@ -14,6 +14,8 @@ Lifecycle:
    engine must not linger answering 503, a supervisor restarts it);
 4. `generate()` registers a queue, sends GenerateReq and yields TokenOut until finished; leaving
    early (stop string, client gone, timeout, error) sends AbortReq so the scheduler frees pages;
+   a decode server's parallel samples go in sample 0's message (`forks`), each sample's own
+   generate() then only takes the queue registered for it;
 5. `shutdown()` cancels the loops, terminates (then kills) the scheduler, removes the temp dir.
 """
 
@@ -36,6 +38,7 @@ import zmq
 import zmq.asyncio
 
 from pdcore.config import ServerArgs
+from pdcore.env import ENV
 from pdcore.messages.info import EngineInfo
 from pdcore.messages.io import (
     AbortReq,
@@ -156,11 +159,13 @@ class EngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._push: zmq.Socket | None = None
         self._reqs: dict[str, asyncio.Queue[TokenOut | None]] = {}
+        self._carried: dict[str, asyncio.Queue[TokenOut | None]] = {}  # open_queues
         self.journal = RequestJournal(args)  # --log-requests, --show-time-cost, crash dumps
         self._calls: dict[str, asyncio.Future[ControlResp]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.on_dead: Callable[[str], None] | None = None  # called once the scheduler died
+        self._stall_s = ENV.pdserve_test_stall_after_send_s  # fault tests only (pdcore.env)
 
     # ---- lifecycle -------------------------------------------------------------------------
     @property
@@ -339,10 +344,13 @@ class EngineClient:
         if self._push is None:
             raise EngineError("engine is not running", 503)
         self._push.send_pyobj(obj, flags=zmq.NOBLOCK)
+        if self._stall_s and isinstance(obj, GenerateReq):
+            time.sleep(self._stall_s)  # blocks the event loop: nothing else is sent meanwhile
 
     def abort(self, rid: str, reason: str = "aborted") -> None:
         """Ask the scheduler to drop `rid` and free its pages (no-op when not running)."""
         self._reqs.pop(rid, None)
+        self._carried.pop(rid, None)
         if self.state is EngineState.READY and self._push is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._send(AbortReq(rid=rid, reason=reason))
@@ -351,24 +359,25 @@ class EngineClient:
                        ) -> AsyncIterator[TokenOut]:
         """Yield the scheduler's messages for `req` until finished. Use under
         `contextlib.aclosing` so that leaving early aborts the request at once. `timeout`: the
-        request's own (its client's; the 504 when it passes is marked so), None: the server's."""
+        request's own (its client's; the 504 when it passes is marked so), None: the server's.
+        Parallel samples on a decode server (`req.forks`): sample 0's call sends them all in
+        one message; each sample's own call (made right after) yields its messages."""
         self.require_ready()
-        if req.rid in self._reqs:
-            raise EngineError(f"rid {req.rid!r} is already in flight; use a unique rid", 400)
-        q: asyncio.Queue[TokenOut | None] = asyncio.Queue()
-        self._reqs[req.rid] = q  # type: ignore[assignment]
+        q = open_queues(self._reqs, self._carried, req)
         # The deadline puts None in the queue. Not asyncio.wait_for: on Python < 3.12 it can
         # swallow a cancellation that races with a token arriving, and then a disconnected
         # client's request would keep running.
         timer = asyncio.get_running_loop().call_later(
             timeout or self.request_timeout, q.put_nowait, None)
-        done, out_ids, first_at = False, [], None
+        done, out_ids, first_at, sent = False, [], None, False
         started, outcome = time.monotonic(), "aborted"
         self.journal.start(req)
         try:
-            if not req.arrival_time:
-                req.arrival_time = time.time()
-            self._send(req)
+            if req.route is None or req.route.fork_of is None:  # else sample 0 sent it
+                for r in (req, *req.forks):
+                    r.arrival_time = r.arrival_time or time.time()
+                self._send(req)
+                sent = True
             while True:
                 out = await q.get()
                 if out is None:
@@ -391,6 +400,9 @@ class EngineClient:
                     return
         finally:
             timer.cancel()
+            for rid in forget_carried(self._reqs, self._carried, req):
+                if sent:  # its scheduler request would decode for no one
+                    self.abort(rid)
             self.journal.end(req, out_ids, started, first_at, outcome)
             if done:
                 self._reqs.pop(req.rid, None)
@@ -427,6 +439,39 @@ class EngineClient:
         if not resp.ok:
             raise EngineError(resp.error or f"{kind} failed", 500)
         return resp.data
+
+
+Queues = dict[str, "asyncio.Queue[TokenOut | None]"]
+
+
+def open_queues(reqs: Queues, carried: Queues, req: GenerateReq) -> asyncio.Queue[TokenOut | None]:
+    """Register the queues of `req` and of the parallel samples it carries (`forks`) before
+    anything is sent; a carried sample's queue waits in `carried` for its own generate() call.
+    A parallel sample (`route.fork_of`) is never sent alone: it takes its queue from there."""
+    fork_of = req.route.fork_of if req.route is not None else None
+    if fork_of is not None:
+        q = carried.pop(req.rid, None)
+        if q is None:
+            raise EngineError(f"parallel sample {req.rid} was not sent with sample {fork_of!r} "
+                              "of its prompt (that one never reached the scheduler)", 500)
+        return q
+    for rid in (req.rid, *(f.rid for f in req.forks)):
+        if rid in reqs:
+            raise EngineError(f"rid {rid!r} is already in flight; use a unique rid", 400)
+    q: asyncio.Queue[TokenOut | None] = asyncio.Queue()
+    reqs[req.rid] = q
+    for f in req.forks:
+        reqs[f.rid] = carried[f.rid] = asyncio.Queue()
+    return q
+
+
+def forget_carried(reqs: Queues, carried: Queues, req: GenerateReq) -> list[str]:
+    """Sample 0 ended: the samples it carried whose generate() never took their queue (none in
+    practice: their tasks start right after its own) are forgotten; their rids."""
+    gone = [f.rid for f in req.forks if carried.pop(f.rid, None) is not None]
+    for rid in gone:
+        reqs.pop(rid, None)
+    return gone
 
 
 def engine_info(value: object) -> EngineInfo:

@@ -59,7 +59,9 @@ class Lockstep:
         self.peers_busy = False  # DP attention: some DP rank ran at the last agreement
 
     def _apply(self, msgs: list[Any]) -> None:
-        for m in msgs:
+        # a decode server's parallel samples come inside sample 0's message (`forks`): they
+        # enter right after it, in this same step, so they are parked on it before its KV
+        for m in (x for msg in msgs for x in (msg, *getattr(msg, "forks", ()))):
             try:
                 if isinstance(m, GenerateReq):
                     self.sched.submit(m)

@@ -229,11 +229,14 @@ def make_req(rid: str, ids: list[int], sampling: SamplingParams, pd: PDInfo, *,
 def sample_item(index: int, req: GenerateReq, leader: Item | None, mode: str) -> Item:
     """The item of one sample; `leader` is sample 0 of the same prompt (None for sample 0).
     A prefill server sends only sample 0 and answers it for every sample (P makes the prompt's
-    KV and one token, once); a decode server sends every sample, the others forking from
-    sample 0, which alone runs the KV transfer; a unified server runs each on its own."""
+    KV and one token, once); a decode server serves every sample, the others forking from
+    sample 0, which alone runs the KV transfer: they travel in sample 0's message (its
+    `forks`), so its KV can never arrive before they do; a unified server runs each on its
+    own."""
     if leader is None or mode == "null":
         return Item(index, req)
     if mode == "prefill":
         return Item(index, leader.req, copy_of=leader.index)
     req.route = dataclasses.replace(req.route or PDRoute(), fork_of=leader.req.rid)
+    leader.req.forks.append(req)
     return Item(index, req)

@@ -7,6 +7,8 @@ them), writes the aux row with the first token, and reports Success, as the wire
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -14,7 +16,9 @@ from pdcore.config import ServerArgs
 from pdcore.disagg.aux import AuxBuffers, AuxRow
 from pdcore.disagg.decode.sched import DecodeExtension
 from pdcore.disagg.states import KVPoll
-from pdcore.messages.io import AbortReq, GenerateReq, PDRoute, SamplingParams
+from pdcore.errors import InvalidRequestError
+from pdcore.messages.io import AbortReq, GenerateReq, GrammarSpec, PDRoute, SamplingParams
+from pdcore.runtime.grammar_gate import GrammarGate
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.sched.fork import fork, shared_pages
 from pdcore.engine.sched.request import Phase, Req
@@ -117,6 +121,14 @@ def group(prompt: list[int], n: int, room: int = 7, seed: int | None = None
         route = PDRoute("127.0.0.1", 1, room, fork_of=f"s{room}-0" if j else None)
         out.append(GenerateReq(f"s{room}-{j}", list(prompt), sp, route=route))
     return out
+
+
+def one_message(prompt: list[int], n: int, room: int = 7) -> GenerateReq:
+    """What the HTTP layer of a decode server sends for one prompt with n samples since s9:
+    sample 0 carrying the others (GenerateReq.forks), so none can arrive after its KV."""
+    lead, *rest = group(prompt, n, room)
+    lead.forks = rest
+    return lead
 
 
 def deliver(eng: LLMEngine, mgr: StandInP, aux: AuxBuffers, room: int, prompt: list[int],
@@ -353,3 +365,63 @@ def test_a_cached_prefix_without_an_aux_row_is_given_back_until_one_is_free(tiny
         assert pages_at_rest(sched)
     finally:
         eng.close()
+
+
+def test_samples_carried_in_sample_0s_message_are_parked_on_it(dec, unified):
+    eng, mgr, aux = dec
+    eng.lockstep.lead([one_message(PROMPT_7, 3)])
+    assert [(r.rid, r.phase) for r in eng.scheduler.reqs.values()] == [
+        (f"s7-{j}", Phase.HELD) for j in range(3)]
+    assert len(mgr.dest) == 1
+    deliver(eng, mgr, aux, 7, PROMPT_7)
+    outs = drain(eng, {})
+    assert [outs[f"s7-{j}"]["ids"] for j in range(3)] == [unified(PROMPT_7)] * 3
+    assert eng.loop.stats()["disagg_forks_total"] == 2
+    assert pages_at_rest(eng.scheduler)
+
+
+class HeldGrammar:
+    """A grammar backend whose one compile finishes when the test says."""
+
+    def __init__(self) -> None:
+        self.fut: Future = Future()
+
+    def ready(self, spec) -> bool:
+        return False
+
+    def prepare(self, spec) -> Future:
+        return self.fut
+
+
+def test_the_grammar_gate_holds_and_answers_the_carried_samples_with_sample_0():
+    """A constrained prompt's samples wait in the gate inside sample 0's message: admitted
+    with it, refused with it, aborted with it; an abort of one carried sample ends it alone."""
+    spec = GrammarSpec("regex", "a+")
+
+    def msg(n: int) -> GenerateReq:
+        lead = one_message(PROMPT_7, n)
+        for r in (lead, *lead.forks):
+            r.sampling.grammar = spec
+        return lead
+
+    backend = HeldGrammar()
+    gate, lead = GrammarGate(backend, timeout_s=60), msg(3)
+    assert gate.admit([lead]) == ([], [])
+    _, ended = gate.admit([AbortReq("s7-1", "a stop string")])
+    assert [o.rid for o in ended] == ["s7-1"] and [f.rid for f in lead.forks] == ["s7-2"]
+    backend.fut.set_result(None)
+    assert gate.admit([]) == ([lead], [])
+
+    backend = HeldGrammar()
+    gate = GrammarGate(backend, timeout_s=60)
+    gate.admit([msg(3)])
+    backend.fut.set_exception(InvalidRequestError("no such regex", "regex"))
+    ready, ended = gate.admit([])
+    assert not ready and sorted(o.rid for o in ended) == ["s7-0", "s7-1", "s7-2"]
+    assert all(o.error_status == 400 and o.finished for o in ended)
+
+    gate = GrammarGate(HeldGrammar(), timeout_s=60)
+    gate.admit([msg(2)])
+    _, ended = gate.admit([AbortReq("s7-0", "client went away")])
+    assert sorted(o.rid for o in ended) == ["s7-0", "s7-1"] and not gate.pending
+    assert all(o.finished and o.finish_reason["type"] == "abort" for o in ended)

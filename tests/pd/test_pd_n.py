@@ -335,3 +335,37 @@ def test_tp2_decode_forks_on_every_rank(model_dir, unified):
         assert_engines_up(c)
     finally:
         c.stop()
+
+
+def test_every_sample_is_served_however_late_the_http_process_sends(model_dir, unified):
+    """The attack on s8c's fork race. Each server's HTTP process blocks 1.5 s after every request
+    it hands its scheduler (PDSERVE_TEST_STALL_AFTER_SEND_S, as if the OS preempted it between
+    two sends). Were the samples of a prompt sent one by one, samples 1..n-1 would reach D's
+    scheduler after sample 0's KV arrived and its 8 tokens were done, and fail. Every sample
+    of a prompt travels in sample 0's message, so all are parked together and served."""
+    tok, run = unified
+    c = PDCluster("tcp", model_path=model_dir, flags=FLAGS,
+                  env={"PDSERVE_TEST_STALL_AFTER_SEND_S": "1.5"}).start()
+    try:
+        model = httpx.get(c.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        ids = [list(tok.encode(p)) for p in PROMPTS]
+        want = [run(x) for x in ids]
+
+        def generate() -> None:
+            body = {"input_ids": ids[0], "sampling_params": {"n": 3, "max_new_tokens": NEW,
+                                                             "temperature": 0,
+                                                             "ignore_eos": True}}
+            assert texts(c.url, "/generate", body, True) == [want[0]] * 3
+
+        def completions() -> None:  # two prompts: a message each, with its samples
+            body = {"model": model, "prompt": PROMPTS, "n": 2, "max_tokens": NEW,
+                    "temperature": 0, "ignore_eos": True}
+            got = texts(c.url, "/v1/completions", body, False)
+            assert got == [tok.decode(w, skip_special_tokens=True) for w in want for _ in "ab"]
+
+        one_transfer_per_prompt(c, generate, 1, 3)
+        one_transfer_per_prompt(c, completions, 2, 4)
+        assert c.load(c.decodes[0])["disagg_forks_total"] == 2 + 2
+        assert_engines_up(c)
+    finally:
+        c.stop()

@@ -76,7 +76,8 @@ def run_fake_scheduler(args: Any, recv_addr: str, send_addr: str, ready_conn: An
             timeout_ms = 0
             msg = pull.recv_pyobj()
             if isinstance(msg, GenerateReq):
-                running[msg.rid] = _Running(msg)
+                for r in (msg, *msg.forks):  # a decode server's parallel samples ride along
+                    running[r.rid] = _Running(r)
                 seen.append(msg)
                 del seen[:-64]
             elif isinstance(msg, AbortReq):

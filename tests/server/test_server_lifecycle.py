@@ -196,6 +196,45 @@ def test_prefill_mode_returns_one_token(tiny_llama_dir):
         server.stop()
 
 
+def test_decode_mode_sends_the_samples_of_a_prompt_in_one_message(tiny_llama_dir):
+    """n > 1 on a decode server: samples 1..n-1 travel inside sample 0's GenerateReq (`forks`,
+    each forking from it), one message per prompt, so the scheduler parks them before sample
+    0's KV can arrive (s8c's race: sent one by one, a late sibling failed)."""
+    server = FakeServer(tiny_llama_dir, disaggregation_mode="decode")
+    try:
+        before = len(server.last_requests())
+        r = server.client.post("/generate", json={
+            "text": ["one", "two"], "sampling_params": {"n": 3, "max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
+        assert len(r.json()) == 6 and all(o["meta_info"]["completion_tokens"] == 2
+                                          for o in r.json())
+        sent = server.last_requests()[before:]
+        assert len(sent) == 2 and sent[0]["input_ids"] != sent[1]["input_ids"]  # one a prompt
+        for m in sent:
+            assert m["route"] is None and len(m["forks"]) == 2
+            assert all(f.route.fork_of == m["rid"] and f.input_ids == m["input_ids"]
+                       for f in m["forks"])
+        ids = {o["meta_info"]["id"] for o in r.json()}
+        assert ids == {m["rid"] for m in sent} | {f.rid for m in sent for f in m["forks"]}
+    finally:
+        server.stop()
+
+
+def test_decode_mode_sends_the_samples_to_sample_0s_dp_replica(tiny_llama_dir):
+    """--dp-size 2 on a decode server: each sample's own generate() call finds the queue sample
+    0's replica registered for it (the balancer alternates, so a sample picking its own
+    replica would find none and answer 500)."""
+    server = FakeServer(tiny_llama_dir, disaggregation_mode="decode", dp_size=2)
+    try:
+        for _ in range(3):
+            r = server.client.post("/generate", json={
+                "text": "one", "sampling_params": {"n": 3, "max_new_tokens": 2}})
+            assert r.status_code == 200, r.text
+            assert [o["meta_info"]["completion_tokens"] for o in r.json()] == [2] * 3
+    finally:
+        server.stop()
+
+
 def test_decode_mode_always_has_input_logprobs(tiny_llama_dir):
     server = FakeServer(tiny_llama_dir, disaggregation_mode="decode")
     try:

@@ -12,8 +12,10 @@
    start (checked: vocabulary, position, finite values) makes its first decode step draft;
 4. on Failed (P died, timeout, abort): free pages and aux slot; the client gets the reason.
 
-Parallel samples (n > 1): the HTTP layer sends sample 0 of a prompt with the room and samples
-1..n-1 with `fork_of` = sample 0's rid. Only sample 0 runs the protocol; the others wait parked
+Parallel samples (n > 1): the HTTP layer sends sample 0 of a prompt with the room and, in the
+same message (GenerateReq.forks), samples 1..n-1 with `fork_of` = sample 0's rid, so they always
+enter before sample 0's KV can arrive (sent one by one, a sibling could come after it: s8c's
+race). Only sample 0 runs the protocol; the others wait parked
 on it (their pages are part of its reservation) and, when its KV arrives, fork from its prompt
 pages (pdcore.engine.sched.fork) before sample 0's first token is pushed (that token may finish it and
 free its pages). Sample 0 keeps P's first token; each other sample recomputes the last prompt

@@ -185,7 +185,9 @@ class DPEngineClient:
         self.require_ready()
         if req.rid in self._where:
             raise EngineError(f"rid {req.rid!r} is already in flight; use a unique rid", 400)
-        rank = self._rank_for(req)
+        fork_of = req.route.fork_of if req.route is not None else None
+        # a parallel sample went in sample 0's message, to sample 0's replica
+        rank = self._where.get(fork_of, 0) if fork_of is not None else self._rank_for(req)
         tokens = len(req.input_ids) + int(req.sampling.max_new_tokens or 0)
         self._where[req.rid] = rank
         self.balancer.start(rank, tokens)
