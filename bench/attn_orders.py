@@ -54,7 +54,8 @@ def child(reps: int, engine_reps: int) -> dict:
     slots = 8192 + 64
     kp = torch.randn(slots // 16, 16, KVH, D, generator=g)
     vp = torch.randn(slots // 16, 16, KVH, D, generator=g)
-    out: dict = {"isa": native.isa(), "threads": torch.get_num_threads()}
+    out: dict = {"isa": native.isa(), "threads": torch.get_num_threads(),
+                 "source": str(native.SOURCE)}
     for b, ctx in ((1, 512), (1, 4096), (8, 512)):
         table = torch.cat([torch.randperm(slots, generator=g)[:ctx] for _ in range(b)])
         q = torch.randn(b, KVH, G, D, generator=g)
