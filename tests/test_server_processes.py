@@ -116,7 +116,9 @@ def test_no_socket_folder_outlives_its_server(tiny_llama_dir: Path) -> None:
                 else:
                     server.stop()
                 assert not _wait_gone(pgid, timeout=20), "the scheduler outlived its server"
-                assert not ipc.exists(), f"left behind: {list(ipc.iterdir())}"
+                assert not ipc.exists(), (
+                    f"{'HTTP process killed' if kill else 'stopped'} (exit {server.proc.returncode}):"
+                    f" left behind {sorted(p.name for p in ipc.iterdir())}\n{server.log()[-3000:]}")
             finally:
                 server.stop()
     finally:

@@ -87,6 +87,16 @@ def remove_orphaned_ipc(*addrs: str) -> None:
                 os.rmdir(folder)  # once both sockets are gone
 
 
+_parent_lost_hooks: list[Callable[[], None]] = []
+
+
+def when_parent_lost(hook: Callable[[], None]) -> None:
+    """Run `hook` in this process as soon as a ParentWatch sees the parent gone, before the
+    (possibly slow) stop it asks for and before any hard exit: what only matters while the
+    parent lives (its socket files) goes first, whatever happens to the rest of the shutdown."""
+    _parent_lost_hooks.append(hook)
+
+
 _libc: ctypes.CDLL | None = None
 
 
@@ -179,6 +189,11 @@ class ParentWatch:
                 continue
             self.lost.set()
             log.warning("%s: parent process %d exited; stopping", self.name, self.parent)
+            for hook in list(_parent_lost_hooks):
+                try:
+                    hook()
+                except Exception:  # noqa: BLE001 - a cleanup must not keep the stop from coming
+                    log.exception("%s: a parent-lost cleanup failed", self.name)
             self.on_lost()
             if not self._done.wait(self.grace_s):
                 log.error("%s: still running %.0fs after its parent exited; exiting now",

@@ -41,6 +41,7 @@ from pdcore.runtime.lifeline import (
     StepWatchdog,
     die_with_parent,
     remove_orphaned_ipc,
+    when_parent_lost,
 )
 from pdcore.runtime.lockstep import Lockstep
 from pdcore.runtime.ranks import RankGroup
@@ -175,6 +176,9 @@ class SchedulerLoop:
 
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, ready_conn: Any) -> None:
     die_with_parent()  # SIGTERM (a clean stop) when the HTTP process dies, even by SIGKILL
+    # the sockets go at once when the HTTP process is gone: a stop slower than ParentWatch's
+    # grace ends in a hard exit that skips the `finally` below
+    when_parent_lost(lambda: remove_orphaned_ipc(recv_addr, send_addr))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
     ctx = zmq.Context()

@@ -87,3 +87,44 @@ def test_a_server_in_its_own_session_keeps_its_starters_nice() -> None:
             starter.wait(30)
         finally:
             starter.kill()
+
+
+STUCK_STARTER = """
+import multiprocessing, sys, threading, time
+from pdcore.runtime import lifeline
+
+def scheduler(folder):  # what run_scheduler_process registers, and a stop that never comes
+    lifeline.when_parent_lost(lambda: lifeline.remove_orphaned_ipc(
+        f"ipc://{folder}/to_scheduler", f"ipc://{folder}/from_scheduler"))
+    lifeline.ParentWatch(lambda: None, "stuck", grace_s=0.5).start()
+    print("ready", flush=True)
+    threading.Event().wait(120)
+
+if __name__ == "__main__":
+    multiprocessing.get_context("fork").Process(target=scheduler, args=(sys.argv[1],)).start()
+    time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_scheduler_stuck_in_its_stop_still_removes_the_socket_folder(tmp_path) -> None:
+    """The HTTP process SIGKILLed, its scheduler's stop slower than ParentWatch's grace: the
+    hard exit skips every `finally`, so the socket folder goes first (when_parent_lost), not
+    last (CI stop 54 found a folder left behind under load)."""
+    folder = tmp_path / "pdserve-ipc-x"
+    folder.mkdir()
+    for name in ("to_scheduler", "from_scheduler"):
+        (folder / name).touch()
+    starter = subprocess.Popen([sys.executable, "-c", STUCK_STARTER, str(folder)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert starter.stdout.readline().strip() == "ready"
+        assert folder.exists()  # nothing removed while the parent lives
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.wait(10)
+        deadline = time.monotonic() + 20
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not folder.exists(), f"left behind: {sorted(p.name for p in folder.iterdir())}"
+    finally:
+        starter.kill()
