@@ -70,13 +70,15 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
 IPC_DIR_PREFIX = "pdserve-ipc-"  # the HTTP process's private (0700) socket folder: runtime/handle
 
 
-def remove_orphaned_ipc(*addrs: str) -> None:
-    """The HTTP process removes its socket folder when it stops; killed (SIGKILL, the OOM
-    killer) it cannot, so its scheduler, which outlives it by the SIGTERM of die_with_parent,
-    removes the sockets and the folder instead. Nothing while the HTTP process lives, and only
-    inside a folder named IPC_DIR_PREFIX..."""
-    if os.getppid() == parent_pid():
-        return
+def remove_ipc_sockets(*addrs: str) -> None:
+    """The scheduler removes its socket files, and the folder once empty, when it stops.
+
+    The HTTP process removes the folder on its own stop; SIGKILLed (the OOM killer) it cannot.
+    The scheduler cannot reliably tell that its parent is gone: a SIGKILLed multi-threaded
+    parent sends die_with_parent's SIGTERM once per exiting thread while getppid() still names
+    it, so the scheduler may finish its whole stop before it is re-parented. It does not need
+    to: a scheduler never restarts into the same folder (its death ends the server), so its
+    stop is always the end of these sockets. Only inside a folder named IPC_DIR_PREFIX..."""
     for addr in addrs:
         path = addr.removeprefix("ipc://")
         folder = os.path.dirname(path)

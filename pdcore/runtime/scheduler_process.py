@@ -40,7 +40,7 @@ from pdcore.runtime.lifeline import (
     ParentWatch,
     StepWatchdog,
     die_with_parent,
-    remove_orphaned_ipc,
+    remove_ipc_sockets,
     when_parent_lost,
 )
 from pdcore.runtime.lockstep import Lockstep
@@ -178,7 +178,7 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
     die_with_parent()  # SIGTERM (a clean stop) when the HTTP process dies, even by SIGKILL
     # the sockets go at once when the HTTP process is gone: a stop slower than ParentWatch's
     # grace ends in a hard exit that skips the `finally` below
-    when_parent_lost(lambda: remove_orphaned_ipc(recv_addr, send_addr))
+    when_parent_lost(lambda: remove_ipc_sockets(recv_addr, send_addr))
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -190,7 +190,7 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, read
     try:
         serve_scheduler(args, ctx, recv, send, ready_conn)
     finally:
-        remove_orphaned_ipc(recv_addr, send_addr)
+        remove_ipc_sockets(recv_addr, send_addr)
 
 
 def serve_scheduler(args: ServerArgs, ctx: zmq.Context, recv: zmq.Socket, send: zmq.Socket,

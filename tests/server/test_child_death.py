@@ -94,7 +94,7 @@ import multiprocessing, sys, threading, time
 from pdcore.runtime import lifeline
 
 def scheduler(folder):  # what run_scheduler_process registers, and a stop that never comes
-    lifeline.when_parent_lost(lambda: lifeline.remove_orphaned_ipc(
+    lifeline.when_parent_lost(lambda: lifeline.remove_ipc_sockets(
         f"ipc://{folder}/to_scheduler", f"ipc://{folder}/from_scheduler"))
     lifeline.ParentWatch(lambda: None, "stuck", grace_s=0.5).start()
     print("ready", flush=True)
