@@ -9,9 +9,13 @@ import logging
 import multiprocessing
 import os
 import stat
+import time
 from pathlib import Path
 
+import pytest
+
 from pdcore.engine import native
+from pdcore.testing.processes import pid_alive
 
 FAKE_CXX = """#!/bin/sh
 echo "$$" >> "{runs}"
@@ -59,4 +63,31 @@ def test_two_processes_build_once_and_the_second_waits(tmp_path: Path, monkeypat
     # a third start finds the library: no compiler run, no lock wait
     native._build("avx2")
     assert len(runs.read_text().split()) == 1
+    assert not [f for f in os.listdir(tmp_path / "native") if f.startswith("building-")]
+
+
+HANGING_CXX = """#!/bin/sh
+sleep 120 &
+echo "$!" > "{child}"
+wait
+"""
+
+
+def test_a_build_past_its_timeout_leaves_no_compiler_running(tmp_path: Path, monkeypatch) -> None:
+    """g++ runs cc1plus as a child: a timeout that kills only g++ left cc1plus compiling on,
+    orphaned, for minutes (s9: two found on a loaded box). The whole compiler group goes."""
+    child = tmp_path / "child"
+    cxx = tmp_path / "hanging-g++"
+    cxx.write_text(HANGING_CXX.format(child=child))
+    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path / "native"))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 1.0)
+    with pytest.raises(RuntimeError, match="did not finish in 1 s"):
+        native._build("avx2")
+    pid = int(child.read_text())
+    deadline = time.monotonic() + 10
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(pid), "the compiler's child outlived the build's timeout"
     assert not [f for f in os.listdir(tmp_path / "native") if f.startswith("building-")]

@@ -58,6 +58,7 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -138,17 +139,39 @@ def _build(isa: str) -> Path:
             log.info("building the native kernels for %s (once per machine, 15 s to a few "
                         "minutes on a busy machine): %s", isa, target)
             t0 = time.monotonic()
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
-                               check=False)
-            if r.returncode != 0:
-                raise RuntimeError(f"{cmd[0]} failed (exit {r.returncode}): "
-                                   f"{r.stderr.strip()[-800:]}")
+            code, err = _compile(cmd)
+            if code != 0:
+                raise RuntimeError(f"{cmd[0]} failed (exit {code}): {err.strip()[-800:]}")
             os.replace(tmp, target)  # atomic: a reader never sees half a library
             log.info("native kernels for %s built in %.0f s", isa, time.monotonic() - t0)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return target
+
+
+def _compile(cmd: list[str]) -> tuple[int, str]:
+    """Run the compiler in a process group of its own: g++ runs cc1plus as a child, and a
+    timeout that killed only g++ left cc1plus compiling on, orphaned, for minutes."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise RuntimeError(f"{cmd[0]} did not finish in {BUILD_TIMEOUT_S:.0f} s (the machine "
+                           "is busy, or the compiler is stuck): the native kernels were not "
+                           "built") from None
+    except BaseException:  # Ctrl-C: no compiler outlives the build either
+        _kill_group(proc)
+        raise
+    return proc.returncode, err
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
 
 
 @contextlib.contextmanager
