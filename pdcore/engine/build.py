@@ -245,6 +245,13 @@ def _speculator(args: ServerArgs, model: Any = None, blocks: BlockManager | None
     return Speculator(cfg, drafter)
 
 
+def compute_param(module: torch.nn.Module) -> torch.Tensor:
+    """A parameter whose dtype and device are the module's compute ones: the first floating
+    one (a quantized model's first parameter may be an int8 matrix, or the int8 stand-in of an
+    lm_head packed elsewhere: quant.lm_head_stand_in)."""
+    return next(p for p in module.parameters() if p.is_floating_point())
+
+
 def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockManager | None,
                   model_dir: str | None, kv: KVCache | None = None, *,
                   runner: ModelRunner | None = None):
@@ -261,7 +268,7 @@ def _head_drafter(args: ServerArgs, cfg: SpecConfig, model: Any, blocks: BlockMa
     assert model is not None and blocks is not None
     from pdcore.engine.model.mtp import is_mimo
 
-    p = next(model.parameters())
+    p = compute_param(model)
     drafter_class = HeadDrafter
     if args.enable_multi_layer_eagle or (cfg.algorithm == "NEXTN" and is_mimo(model.cfg)):
         from pdcore.engine.model.mimo import load_mimo_head
@@ -361,7 +368,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     model_runner.capture_layers = getattr(head, "aux_layers", None)
     chain = None  # a draft head's chain starts: what PD's aux rows carry and adopt
     if head is not None:
-        p = next(head.parameters())
+        p = compute_param(head)
         chain = HeadChain(p.dtype, p.device, speculator.cfg.max_drafts)  # type: ignore[union-attr]
     sched = Scheduler(blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,

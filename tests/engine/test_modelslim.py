@@ -79,7 +79,9 @@ def test_nonzero_offsets_refused(folders, tmp_path):
         load_model(str(bad), torch.float32, torch.device("cpu"))
 
 
-def test_greedy_equals_the_float_reference_of_the_same_math(folders, tiny_llama_dir):
+def test_greedy_equals_the_float_reference_of_the_same_math(folders, tiny_llama_dir,
+                                                           monkeypatch):
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "float")  # the reference's lm_head: float32
     w8a8, ms = folders
     model, cfg, _ = load_model(ms, torch.float32, torch.device("cpu"))
     linears = [m for m in model.modules() if isinstance(m, (ColumnLinear, RowLinear))]
@@ -209,11 +211,13 @@ def _generate(path: str, prompts: list[list[int]], args: ServerArgs | None = Non
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a8", "static"])
-def test_deepseek_greedy_equals_the_float_reference(scheme, deepseek, tmp_path):
+def test_deepseek_greedy_equals_the_float_reference(scheme, deepseek, tmp_path, monkeypatch):
     """Greedy tokens equal transformers' on the de-quantized weights with every int8 GEMM's
     input fake-quantized per token, or with its static scale and offset (the same math in
     float); logprobs within 8e-4 on at least one of the two prompts (the other may cross a
-    rounding or routing near-tie)."""
+    rounding or routing near-tie). The lm_head stays float32, as the reference's
+    (PDCORE_W8A8_LM_HEAD=float; the default rounds it to bf16)."""
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "float")
     ms = deepseek[scheme]
     ref = deepseek_int8_reference(modelslim_dequantized_folder(ms, str(tmp_path / "ref")),
                                   deepseek["static_ranges"] if scheme == "static" else None)

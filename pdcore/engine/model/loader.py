@@ -226,11 +226,16 @@ def bf16_lm_head(model: torch.nn.Module) -> bool:
     return True
 
 
-def _w8a8_lm_head(model: torch.nn.Module) -> None:
+def _w8a8_lm_head(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """PDCORE_W8A8_LM_HEAD: a W8A8 model's float lm_head rounded to bf16 weights (bf16_lm_head,
-    the default), kept as the checkpoint stores it (float) or quantized to int8 like the body
+    the default, where the model computes in float32: the panel GEMM takes float32
+    activations), kept as the checkpoint stores it (float) or quantized to int8 like the body
     (quant.int8_lm_head), on the CPU; logged either way."""
     how = ENV.pdcore_w8a8_lm_head
+    if how == "bf16" and dtype != torch.float32:
+        log.info("W8A8 lm_head: as the checkpoint stores it (the bf16-weight head serves "
+                 "float32 activations; this model computes in %s)", dtype)
+        return
     if how == "float":
         log.info("W8A8 lm_head: float as the checkpoint stores it (PDCORE_W8A8_LM_HEAD=float; "
                  "the default bf16 halves its bytes; docs/quantization.md)")
@@ -294,7 +299,7 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
                              f"{cfg.architectures[0]} needs") from e
     if isinstance(sd, Int8Checkpoint):
         _check_int8_loaded(sd, resolved, cfg)
-        _w8a8_lm_head(model)
+        _w8a8_lm_head(model, dtype)
     if isinstance(sd, Fp8Checkpoint):
         lin, moe = fp8_layers(model)
         log.info("quantization fp8 (%s): %d FP8 weights read; %d linear layers and %d MoE "
