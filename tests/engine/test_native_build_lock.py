@@ -25,6 +25,15 @@ echo built > "$last"
 """
 
 
+def _stand_in_compiler(script: str, tmp_path: Path, monkeypatch) -> None:
+    """CXX is `script`; the libraries go under tmp_path/native."""
+    cxx = tmp_path / "fake-g++"
+    cxx.write_text(script)
+    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path / "native"))
+
+
 def _build_in_child(isa: str, log_file: str, start: multiprocessing.synchronize.Event) -> None:
     handler = logging.FileHandler(log_file)
     native.log.addHandler(handler)
@@ -38,11 +47,7 @@ def _build_in_child(isa: str, log_file: str, start: multiprocessing.synchronize.
 
 def test_two_processes_build_once_and_the_second_waits(tmp_path: Path, monkeypatch) -> None:
     runs = tmp_path / "runs"
-    cxx = tmp_path / "fake-g++"
-    cxx.write_text(FAKE_CXX.format(runs=runs))
-    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("CXX", str(cxx))
-    monkeypatch.setenv(native.DIR_ENV, str(tmp_path / "native"))
+    _stand_in_compiler(FAKE_CXX.format(runs=runs), tmp_path, monkeypatch)
     ctx = multiprocessing.get_context("fork")
     start = ctx.Event()
     logs = [str(tmp_path / f"p{i}.log") for i in range(2)]
@@ -77,11 +82,7 @@ def test_a_build_past_its_timeout_leaves_no_compiler_running(tmp_path: Path, mon
     """g++ runs cc1plus as a child: a timeout that kills only g++ left cc1plus compiling on,
     orphaned, for minutes (s9: two found on a loaded box). The whole compiler group goes."""
     child = tmp_path / "child"
-    cxx = tmp_path / "hanging-g++"
-    cxx.write_text(HANGING_CXX.format(child=child))
-    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("CXX", str(cxx))
-    monkeypatch.setenv(native.DIR_ENV, str(tmp_path / "native"))
+    _stand_in_compiler(HANGING_CXX.format(child=child), tmp_path, monkeypatch)
     monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 1.0)
     with pytest.raises(RuntimeError, match="did not finish in 1 s"):
         native._build("avx2")
