@@ -33,18 +33,9 @@ NAME = "attn_orders"
 KVH, G, D = 3, 3, 64
 
 
-def _median_time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def child(reps: int, engine_reps: int) -> dict:
     import torch
+    from common import timed
 
     from pdcore.engine import native
 
@@ -59,12 +50,12 @@ def child(reps: int, engine_reps: int) -> dict:
     for b, ctx in ((1, 512), (1, 4096), (8, 512)):
         table = torch.cat([torch.randperm(slots, generator=g)[:ctx] for _ in range(b)])
         q = torch.randn(b, KVH, G, D, generator=g)
-        out[f"decode_b{b}_{ctx}_us"] = 1e6 * _median_time(
+        out[f"decode_b{b}_{ctx}_us"] = 1e6 * timed(
             lambda: o.decode_attention_paged(q, kp, vp, table, None, D**-0.5), reps)
     for n in (512, 2048):
         table = torch.randperm(slots, generator=g)[:n]
         q = torch.randn(n, KVH * G, D, generator=g)
-        out[f"prefill_{n}_ms"] = 1e3 * _median_time(
+        out[f"prefill_{n}_ms"] = 1e3 * timed(
             lambda: o.prefill_attention_paged(q, kp, vp, table, D**-0.5, 1.0, 1.0, KVH),
             max(3, reps // 20))
     if engine_reps:

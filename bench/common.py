@@ -191,6 +191,17 @@ def bar_groups(ax: Any, groups: Sequence[str], series: dict[str, Sequence[float]
     ax.legend(fontsize=8)
 
 
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    """Median wall seconds of `reps` calls after one warm-up."""
+    fn()
+    xs = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        xs.append(time.perf_counter() - t)
+    return statistics.median(xs)
+
+
 def timed_map(fn: Callable[[Any], Any], items: Sequence[Any], concurrency: int) -> tuple[float, list[Any]]:
     """fn over items on `concurrency` client threads: (wall seconds, results in order)."""
     from concurrent.futures import ThreadPoolExecutor

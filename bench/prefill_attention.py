@@ -26,27 +26,16 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from common import Run, load_note
+from common import Run, load_note, timed
 
 NAME = "prefill_attention"
 KVH, G, D = 3, 3, 64  # SmolLM2-135M
-
-
-def timed(fn: Callable[[], Any], reps: int) -> float:
-    """Median wall seconds of `reps` calls after one warm-up."""
-    fn()
-    xs = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        xs.append(time.perf_counter() - t)
-    return statistics.median(xs)
 
 
 def kernel_part(lengths: list[int], threads: list[int], reps: int) -> list[dict[str, Any]]:

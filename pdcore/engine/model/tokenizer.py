@@ -1,5 +1,5 @@
-"""Tokenizer loading (transformers, or thin_tokenizer in the HTTP process); where the model is: pdcore.engine.model.source (its names
-are importable from here too)."""
+"""Tokenizer loading (transformers, or thin_tokenizer in the HTTP process); where the model is:
+pdcore.engine.model.source (its names are importable from here too)."""
 
 from __future__ import annotations
 
