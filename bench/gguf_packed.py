@@ -11,6 +11,12 @@ Measured side by side in one run:
   ignore_eos), once with 1 new token and once with 1 + --new; TPOT = (t_long - t_short) / --new.
   Rounds alternate the servers' order; the median is reported, every round is kept.
 
+- `--before TREE`: one more packed server per --dots running TREE's code (PYTHONPATH=TREE, e.g.
+  a checkout of main), so a change is measured against what it replaces in the same run, the
+  servers' order alternating per round; the ratios are then given for both.
+
+Where each server's resident memory goes (`breakdown`, the same rule as 'resident': a file's
+pages once per tree): the heap, other anonymous pages, torch's libraries, other files.
 The CPU's flags and the machine's load (start, end) are in the JSON: on a shared box the
 numbers are a first look. Run: `python bench/gguf_packed.py [--rounds 3] [--new 32]`; JSON + PNG
 in bench/results/gguf_packed.*.
@@ -36,9 +42,11 @@ NAME = "gguf_packed"
 FLOAT32 = {"PDCORE_GGUF_PACKED": "0"}
 
 
-def _smaps(pid: int) -> tuple[float, float, dict[str, float]]:
+def _smaps(pid: int, paths: dict[str, str] | None = None
+           ) -> tuple[float, float, dict[str, float]]:
     """(Rss, Pss, {mapped file: its resident KiB}) of pid from /proc/pid/smaps, KiB; the
-    anonymous pages (heap, private copies of a library's pages) are under the key ''."""
+    anonymous pages (private copies of a library's pages among them) are under the key '', the
+    heap's under '[heap]'. `paths` (if given) gets each file key's path."""
     rss = pss = 0.0
     files: dict[str, float] = {}
     name = ""
@@ -47,15 +55,24 @@ def _smaps(pid: int) -> tuple[float, float, dict[str, float]]:
         if not head.endswith(":"):  # a mapping: address perms offset dev inode [path]
             fields = line.split(maxsplit=5)
             name = f"{fields[3]}:{fields[4]}" if fields[4] != "0" else ""
+            if not name and len(fields) > 5 and fields[5].strip() == "[heap]":
+                name = "[heap]"
+            if paths is not None and name and name != "[heap]":
+                paths[name] = fields[5].strip() if len(fields) > 5 else "?"
         elif head == "Rss:":
             rss += int(rest.split()[0])
             files[name] = files.get(name, 0.0) + int(rest.split()[0])
         elif head == "Pss:":
             pss += int(rest.split()[0])
-        elif head == "Anonymous:" and name:  # a file mapping's copied-on-write pages
+        elif head == "Anonymous:" and name and name != "[heap]":  # copied-on-write pages
             files[name] -= int(rest.split()[0])
             files[""] = files.get("", 0.0) + int(rest.split()[0])
     return rss, pss, files
+
+
+def _kind(path: str) -> str:
+    """A mapped file's breakdown category."""
+    return "torch libraries" if "/torch/lib/" in path else "other files"
 
 
 def tree_memory_mib(pid: int) -> dict[str, Any]:
@@ -67,28 +84,35 @@ def tree_memory_mib(pid: int) -> dict[str, Any]:
       the machine;
     - 'pss': proportional set size, a shared page split among all processes mapping it (on a
       shared machine it moves with the neighbours: the other server's libtorch, say);
-    - 'rss': VmRSS, libraries the processes share counted in each (what earlier runs reported).
+    - 'rss': VmRSS, libraries the processes share counted in each (what earlier runs reported);
+    and 'breakdown': 'resident' per process by kind (heap, other anonymous pages, torch's
+    libraries, other files).
     """
     out: dict[str, Any] = {"rss": {}, "pss": {}, "resident": {}}
+    breakdown: dict[str, dict[str, float]] = {}
     once: dict[str, float] = {}
+    paths: dict[str, str] = {}
     todo = [pid]
     while todo:
         p = todo.pop()
         try:
-            rss, pss, files = _smaps(p)
+            rss, pss, files = _smaps(p, paths)
         except OSError:
             continue
         todo += _children(p)
-        anon = files.pop("", 0.0)
+        kinds = {"heap": files.pop("[heap]", 0.0) / 1024, "anonymous": files.pop("", 0.0) / 1024}
         out["rss"][str(p)], out["pss"][str(p)] = rss / 1024, pss / 1024
         # a file's pages count once: a process is charged only what it holds beyond the most
         # any earlier process of the tree held of that file
-        out["resident"][str(p)] = (anon + sum(max(0.0, v - once.get(k, 0.0))
-                                              for k, v in files.items())) / 1024
         for k, v in files.items():
+            kind = _kind(paths.get(k, ""))
+            kinds[kind] = kinds.get(kind, 0.0) + max(0.0, v - once.get(k, 0.0)) / 1024
             once[k] = max(once.get(k, 0.0), v)
+        out["resident"][str(p)] = sum(kinds.values())
+        breakdown[str(p)] = kinds
     for v in out.values():
         v["total"] = sum(v.values())
+    out["breakdown"] = breakdown
     return out
 
 
@@ -118,6 +142,18 @@ def _metric(url: str, name: str) -> float | None:
     return None
 
 
+def _start_tree(tree: str, env: dict[str, str]) -> Any:
+    """`pdserve serve` running `tree`'s pdcore: ServerProcess puts this checkout first on the
+    server's PYTHONPATH, so the tree goes first on its sys.path (which multiprocessing's spawn
+    hands the engine process)."""
+    from pdcore.testing.processes import ServerProcess
+
+    boot = (f"import runpy, sys; sys.path.insert(0, {str(Path(tree).resolve())!r}); "
+            "runpy.run_module('pdcore', run_name='__main__', alter_sys=True)")
+    return ServerProcess("--max-total-tokens", "8192", command=("-c", boot, "serve"),
+                         env=env).wait_healthy(600.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -128,6 +164,9 @@ def main() -> None:
                     help="the packed servers, one per PDCORE_GGUF_DOT named (float, the default: "
                          "float activations against the de-quantized blocks; int8: activations "
                          "quantized per block of 32, integer dot products)")
+    ap.add_argument("--before", default=None, metavar="TREE",
+                    help="also a packed server per --dots running TREE's code (PYTHONPATH), "
+                         "named '<name> before'")
     ap.add_argument("--suffix", default="",
                     help="added to the result files' name (bench/results/gguf_packed<suffix>.*)")
     args = ap.parse_args()
@@ -137,9 +176,13 @@ def main() -> None:
     systems = {"float32": FLOAT32, **{f"packed {d}": {"PDCORE_GGUF_PACKED": "1",
                                                        "PDCORE_GGUF_DOT": d}
                                       for d in args.dots.split(",")}}
+    if args.before:
+        if not (Path(args.before) / "pdcore").is_dir():
+            ap.error(f"--before {args.before}: no pdcore/ there")
+        systems.update({f"{name} before": env for name, env in list(systems.items())[1:]})
     run = Run(NAME + args.suffix, vars(args))
-    servers = {name: start_unified(None, ("--max-total-tokens", "8192"),
-                                   env=env)
+    servers = {name: start_unified(None, ("--max-total-tokens", "8192"), env=env)
+               if not name.endswith(" before") else _start_tree(args.before, env)
                for name, env in systems.items()}
     out: dict[str, Any] = {"systems": {}}
     samples: dict[str, dict[int, list[float]]] = {}
