@@ -25,6 +25,8 @@ SAMPLER_TESTS = Path(__file__).with_name("test_sampler_native.py")
 INT8_TESTS = Path(__file__).with_name("test_native_int8.py")  # the W8A8 int8 GEMM's paths
 # the default model's logprobs bit-equal at 1 and 2 threads (the team may resize mid-request)
 THREAD_TESTS = Path(__file__).with_name("test_thread_invariance.py")
+# a lone decode through the native loop equal to the old per-sequence path (#48)
+LONE_TESTS = Path(__file__).with_name("test_lone_decode.py")
 # /proc/cpuinfo's flags line of an AMD Zen 2 (AVX2 and FMA, no AVX-512)
 ZEN2_FLAGS = "flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2\n"
 
@@ -59,7 +61,8 @@ def test_the_native_tests_on_every_isa(isa: str) -> None:
     env = {**os.environ, native.ISA_ENV: isa}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-p", "no:xdist", str(NATIVE_TESTS), str(ATTENTION_TESTS),
-                        str(SAMPLER_TESTS), str(INT8_TESTS), str(THREAD_TESTS)],
+                        str(SAMPLER_TESTS), str(INT8_TESTS), str(THREAD_TESTS),
+                        str(LONE_TESTS)],
                        env=env, capture_output=True, text=True,
                        timeout=900, check=False, cwd=NATIVE_TESTS.parent)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -41,10 +41,11 @@ class ForwardBatch:
 
     def decode_group(self) -> DecodeGroup | None:
         """The step's one-token sequences as one padded batch (built once, used by every layer),
-        or None when fewer than two sequences decode."""
+        or None when none decodes. A lone decode is a group of one (#48): it takes the decode
+        K/V view and the native layer loop as a batch does."""
         if self._decode is _UNBUILT:
             dec = [s for s in self.seqs if s.q_len == 1 and not s.verify]
-            group = DecodeGroup.build(dec) if len(dec) >= 2 else None
+            group = DecodeGroup.build(dec) if dec else None
             if group is not None and len(dec) == len(self.seqs) == len(self.input_ids):
                 group.whole = all(s.q_start == i for i, s in enumerate(dec))
             self._decode = group

@@ -157,6 +157,8 @@ class MLAttention(nn.Module):
         qq = torch.cat((q_lat, q_pe), dim=-1)
         out = torch.empty(T, self.num_heads, self.latent_dim, dtype=qq.dtype, device=qq.device)
         group = batch.decode_group()
+        if group is not None and len(group.seqs) < 2:
+            group = None  # a lone decode: per sequence, below (as before groups of one)
         if group is not None:
             self._decode_attention(qq, flat, group, out)
         for s in batch.seqs:

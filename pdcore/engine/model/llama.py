@@ -146,7 +146,9 @@ class Attention(nn.Module):
             n, ctx = s.q_len, len(s.ctx_slots)
             a, b = s.q_start, s.q_start + n
             paged = self._paged(q, k_flat) if n == 1 else None
-            if paged is not None:  # a lone decode: its context read in place, not gathered
+            # a decode outside a group (only where decode_group is switched off: bench/
+            # engine_profile's per-sequence attention): its context read in place
+            if paged is not None:
                 kvh = self.num_kv_heads
                 qb = q[a:b].reshape(1, kvh, self.num_heads // kvh, self.head_dim)
                 out[a:b] = paged(qb, k_flat, v_flat, s.ctx_slots.contiguous(), None,
