@@ -15,7 +15,9 @@ bandwidth is measured in each round beside the systems (a sum over a 512 MiB flo
 the engine's threads, best of 3). The W8A8 engine's int8 GEMM path (native VNNI / AVX2, or
 torch) and the CPU's flags are in the JSON. A W8A8 system named with the suffix _unfused is its twin whose native decode loop
 quantizes the int8 GEMMs' inputs apart from the norm / silu_mul passes that make them (the loop
-before engine/native/int8_act.h: before and after in one run). On a shared box record the load: the numbers are
+before engine/native/int8_act.h: before and after in one run); one with the suffix _lonepy
+(after any other) is its twin whose lone decode runs the Python loop, decode_group's rule
+before #48 (batch 1 only; batch 8 is the same code). On a shared box record the load: the numbers are
 what the machine gave, not what the code can do.
 
 Run: `python bench/quant_speed.py [--rounds 2] [--new 32]`; JSON + PNG in
@@ -25,13 +27,14 @@ bench/results/quant_speed.*.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -42,12 +45,40 @@ NAME = "quant_speed"
 HEADS = {"w8a8_int8": "float", "w8a8_int8_head": "int8", "w8a8_int8_bf16head": "bf16"}
 
 UNFUSED = "_unfused"  # a system's twin with the native plan's int8_fused off
+# a system's twin whose lone decode (batch 1) runs the Python loop: decode_group's rule before
+# #48 (a group needs two sequences), set around that twin's calls only
+LONE_PY = "_lonepy"
+
+
+def _base(name: str) -> str:
+    return name.removesuffix(LONE_PY).removesuffix(UNFUSED)
+
+
+@contextlib.contextmanager
+def lone_rule(name: str) -> Iterator[None]:
+    """For a system named ...LONE_PY: ForwardBatch.decode_group leaves a lone decode alone."""
+    if not name.endswith(LONE_PY):
+        yield
+        return
+    from pdcore.engine.model.batch import ForwardBatch
+
+    real = ForwardBatch.decode_group
+
+    def old(self: Any) -> Any:
+        g = real(self)
+        return g if g is not None and len(g.seqs) >= 2 else None
+
+    ForwardBatch.decode_group = old  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ForwardBatch.decode_group = real  # type: ignore[method-assign]
 
 
 def unfuse(eng: Any, name: str) -> None:
     """For a system named ...UNFUSED: its native decode loop quantizes the int8 GEMMs' inputs
     apart (int8_fused off); exit 2 where it has no native loop to change."""
-    if not name.endswith(UNFUSED):
+    if not name.removesuffix(LONE_PY).endswith(UNFUSED):
         return
     plan = eng.engine.model.native
     if plan is None:
@@ -114,7 +145,9 @@ def main() -> None:
                     help="of float32, w8a8_int8 (the lm_head float, as stored), "
                          "w8a8_int8_head (PDCORE_W8A8_LM_HEAD=int8) and w8a8_int8_bf16head "
                          "(PDCORE_W8A8_LM_HEAD=bf16); a W8A8 one + '_unfused': its twin with "
-                         "the activation quantization apart (the loop before int8_act.h)")
+                         "the activation quantization apart (the loop before int8_act.h); "
+                         "any + '_lonepy': its twin whose lone decode runs the Python loop "
+                         "(before #48)")
     ap.add_argument("--tag", default=None, help="results in quant_speed_<tag>.json / .png")
     args = ap.parse_args()
     from pdcore.config import ServerArgs
@@ -131,15 +164,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pdserve-w8a8-") as tmp:
         paths = {}
         for k in args.systems.split(","):
-            if k != "float32" and k.removesuffix(UNFUSED) not in HEADS:
+            if _base(k) != "float32" and _base(k) not in HEADS:
                 ap.error(f"--systems: unknown system {k!r}")  # exit 2
-            paths[k] = src if k == "float32" else args.w8a8_path
+            paths[k] = src if _base(k) == "float32" else args.w8a8_path
         if any(k.startswith("w8a8") for k in paths) and not args.w8a8_path:
             made = make_w8a8_model(src, str(Path(tmp) / "w8a8"))
             paths = {k: made if k.startswith("w8a8") else v for k, v in paths.items()}
         engines = {}
         for k, p in paths.items():  # the W8A8 lm_head as HEADS says (read at load)
-            os.environ["PDCORE_W8A8_LM_HEAD"] = HEADS.get(k.removesuffix(UNFUSED), "float")
+            os.environ["PDCORE_W8A8_LM_HEAD"] = HEADS.get(_base(k), "float")
             engines[k] = LLMEngine(ServerArgs(model_path=p, max_total_tokens=4096,
                                               disable_radix_cache=True))
             unfuse(engines[k], k)
@@ -153,8 +186,9 @@ def main() -> None:
                 bandwidth.append(_bandwidth())
                 for name in alternating(list(paths), r):
                     for b in batches:
-                        short = _time(engines[name], b, args.prompt, 1)
-                        long = _time(engines[name], b, args.prompt, 1 + args.new)
+                        with lone_rule(name):
+                            short = _time(engines[name], b, args.prompt, 1)
+                            long = _time(engines[name], b, args.prompt, 1 + args.new)
                         samples.setdefault(name, {}).setdefault(b, []).append(
                             max(long - short, 1e-9) / args.new)
         finally:
