@@ -293,7 +293,7 @@ def test_forward_time_by_kind_in_metrics(real_server, client):
 
 def test_native_kernels_in_metrics(real_server, client):
     """/metrics says whether the native kernels serve, and two requests decoding together take
-    the native layer loop (a batch of one has no decode group and runs the Python loop)."""
+    the native layer loop (as a lone one does since #48: a decode group of one)."""
     from pdcore.engine import native
 
     text = client.get("/metrics").text
