@@ -90,11 +90,11 @@ def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
 @pytest.mark.parametrize("kvh,d", [(1, 64), (8, 64), (2, 128)])
 def test_long_decode_attention_in_parts_matches_float64(kvh: int, d: int) -> None:
     """Past two parts of keys (attention.h: da_part_len, 512 / 128 / 256 keys for these
-    shapes), where (sequence, KV head) tasks are fewer than two a thread (one KV head alone:
-    always), a sequence's keys are attended in parts joined by their max and sum: at the edge
-    of the rule and past it, for one long sequence alone and a padded batch whose short rows
-    leave whole parts masked, the view's kernel and the paged one agree to the bit and both
-    stay within 2e-6 of float64 (whole or in parts)."""
+    shapes, for the view's kernel; dp_part_len for the paged one), where tasks are fewer than
+    two a thread (one KV head alone: always), a sequence's keys are attended in parts joined by
+    their max and sum: at the edge of the view's rule and past it, for one long sequence alone
+    and a padded batch whose short rows leave whole parts masked, the view's kernel and the
+    paged one agree to the bit and both stay within 2e-6 of float64 (whole or in parts)."""
     o = _panels()
     g = torch.Generator().manual_seed(kvh * d)
     part = max(64, (256 * 1024 // (2 * kvh * d * 4)) // 64 * 64)
@@ -108,6 +108,35 @@ def test_long_decode_attention_in_parts_matches_float64(kvh: int, d: int) -> Non
             table[i, :n] = torch.randperm(slots, generator=g)[:n]
         got = _paged_equals_gathered(o, kp, vp, kp, vp, table.view(-1), lens, 4, g)
         assert not got.isnan().any(), lens
+
+
+@pytest.mark.parametrize("kvh,groups,d", [(8, 4, 64), (3, 3, 64), (2, 1, 128)])
+def test_paged_decode_attention_has_the_same_bits_at_any_thread_count(kvh, groups, d) -> None:
+    """The paged kernel reads all KV heads of a slot row at once (attention.h: attend_heads),
+    a task per sequence, in parts where sequences are fewer than two a thread (dp_use_parts,
+    parts sized by the thread count): at 1, 2 and 3 threads, one long sequence (in parts) and
+    a padded batch of five (whole at 1-2 threads, in parts at 3) over scattered slots give the
+    same bits as each other and as the view's kernel over the gathered rows (head by head)."""
+    o = _panels()
+    g = torch.Generator().manual_seed(kvh * groups * d)
+    slots = 3000
+    kp = torch.randn(slots, kvh, d, generator=g)
+    vp = torch.randn(slots, kvh, d, generator=g)
+    before = torch.get_num_threads()
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for lens in ([2100], [700, 5, 64, 1300, 129]):
+                gq = torch.Generator().manual_seed(len(lens))
+                table = torch.zeros(len(lens), max(lens), dtype=torch.long)
+                for i, n in enumerate(lens):
+                    table[i, :n] = torch.randperm(slots, generator=gq)[:n]
+                got = _paged_equals_gathered(o, kp, vp, kp, vp, table.view(-1), lens, groups, gq)
+                key = tuple(lens)
+                assert torch.equal(got, seen.setdefault(key, got)), (threads, lens)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _causal_reference(q, kf, vf, slots, scale):

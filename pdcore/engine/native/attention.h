@@ -14,26 +14,14 @@ namespace {
 // of #21 have the numbers). -inf scores (masked positions) weigh exactly 0 (exp_ps, vec.h).
 
 // kernels for head_dim 32 / 64 / 128 / 256 and 1-8 query heads per KV head; SDPA otherwise.
-// PAGED: key / value w is row tab[w] (a pool slot) of k / v, read in place; else row w.
 // blocks == nullptr: out [G, D] gets the rows' outputs; else each block's (mb, lb, ob) goes to
 // blocks [nblocks, G, D + 2] (a block with no visible key: mb = -inf), joined later (da_split).
 
-template <int DV, int G, bool PAGED>
+template <int DV, int G>
 void attend_one(
     const float* q, const float* k, int64_t ksw, const float* v, int64_t vsw,
-    const int64_t* tab, const float* bias, int64_t W, float scale, float* out,
-    float* scores, float* blocks) {
+    const float* bias, int64_t W, float scale, float* out, float* scores, float* blocks) {
   constexpr int64_t D = DV * 16;
-  const auto row = [tab](int64_t w) { return PAGED ? tab[w] : w; };
-  // paged rows are KVH x D apart (or anywhere): the hardware prefetchers miss them, so the
-  // row PF ahead is asked for (its D floats: DV lines of 64 bytes)
-  constexpr int64_t PF = 16;
-  const auto prefetch = [&](const float* base, int64_t stride, int64_t w) {
-    if (PAGED && w < W) {
-      const char* p = reinterpret_cast<const char*>(base + row(w) * stride);
-      PD_UNROLL for (int d = 0; d < DV; ++d) _mm_prefetch(p + d * 64, _MM_HINT_T0);
-    }
-  };
   alignas(64) float qs[G * D];  // the queries times the scale (as the prefill kernel's)
   const V16 sv = vset1(scale);
   PD_UNROLL for (int i = 0; i < G * DV; ++i) vstore(qs + i * 16, vmul(vload(q + i * 16), sv));
@@ -51,13 +39,12 @@ void attend_one(
     int j = 0;
     for (; j + KB <= kn; j += KB) {
       const int64_t w = b0 + j;
-      PD_UNROLL for (int i = 0; i < KB; ++i) prefetch(k, ksw, w + i + PF);
       V16 acc[KB][G];
       PD_UNROLL for (int i = 0; i < KB; ++i)
         PD_UNROLL for (int g = 0; g < G; ++g) acc[i][g] = vzero();
       PD_UNROLL for (int d = 0; d < DV; ++d) {
         PD_UNROLL for (int i = 0; i < KB; ++i) {
-          const V16 kv = vload(k + row(w + i) * ksw + d * 16);
+          const V16 kv = vload(k + (w + i) * ksw + d * 16);
           PD_UNROLL for (int g = 0; g < G; ++g)
             acc[i][g] = vfmadd(kv, vload(qs + (g * DV + d) * 16), acc[i][g]);
         }
@@ -73,7 +60,7 @@ void attend_one(
       V16 acc[G];
       PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = vzero();
       PD_UNROLL for (int d = 0; d < DV; ++d) {
-        const V16 kv = vload(k + row(w) * ksw + d * 16);
+        const V16 kv = vload(k + w * ksw + d * 16);
         PD_UNROLL for (int g = 0; g < G; ++g)
           acc[g] = vfmadd(kv, vload(qs + (g * DV + d) * 16), acc[g]);
       }
@@ -96,8 +83,7 @@ void attend_one(
       PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vzero();
     for (int i = 0; i < kn; ++i) {
       V16 vr[DV];
-      prefetch(v, vsw, b0 + i + PF);
-      const float* vi = v + row(b0 + i) * vsw;
+      const float* vi = v + (b0 + i) * vsw;
       PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = vload(vi + d * 16);
       PD_UNROLL for (int g = 0; g < G; ++g) {
         const V16 p = vset1(scores[g * AB_KB + i]);
@@ -120,8 +106,129 @@ void attend_one(
     PD_UNROLL for (int g = 0; g < G; ++g) ab_finish(out + g * D, D, L[g], out + g * D);
 }
 
+// ---- paged: every KV head of a sequence at once, a slot row read in address order ----
+// A pool slot row holds every KV head's D floats side by side. Read head by head (attend_one
+// over the slots, KVH x D floats apart, with software prefetch), the 1B shape's lone 16k-token
+// decode read its pool at 16-18 GB/s where a plain sum of the same bytes reads 41-56 (#47).
+// Here a block's K pass goes key by key through whole slot rows (all H heads' scores of the
+// key: the sums of attend_one) and asks for the key's V row meanwhile; the V pass then runs
+// head by head over rows in cache. The same blocks, sums and join as attend_one: the same bits.
+// out [H, G, D] (joined here) or blocks (head h's at blocks + h * hstride, joined by da_split);
+// work: H * G * (D + AB_KB + 2) floats.
+template <int DV, int G>
+void attend_heads(const float* q, const float* kp, const float* vp, int64_t H,
+                  const int64_t* tab, const float* bias, int64_t W, float scale, float* out,
+                  float* blocks, int64_t hstride, float* work) {
+  constexpr int64_t D = DV * 16;
+  const int64_t rs = H * D, HG = H * G;
+  float* qs = work;                // [H, G, D] the queries times the scale
+  float* sc = qs + HG * D;         // [H, G, AB_KB] a block's scores, then weights
+  float* M = sc + HG * AB_KB;      // [H, G] running max and sum (out != nullptr)
+  float* L = M + HG;
+  const V16 sv = vset1(scale);
+  for (int64_t i = 0; i < HG * DV; ++i) vstore(qs + i * 16, vmul(vload(q + i * 16), sv));
+  if (out != nullptr) {
+    std::fill(out, out + HG * D, 0.0f);
+    std::fill(M, M + HG, -INFINITY);
+    std::fill(L, L + HG, 0.0f);
+  }
+  alignas(64) float ob[D];
+  for (int64_t b0 = 0; b0 < W; b0 += AB_KB) {
+    const int kn = static_cast<int>(std::min<int64_t>(AB_KB, W - b0));
+    for (int j = 0; j < kn; ++j) {
+      const float* kr = kp + tab[b0 + j] * rs;
+      // the V row the V pass reads next (K rows: the hardware follows; asking for K rows
+      // ahead too measured slower)
+      const char* vr = reinterpret_cast<const char*>(vp + tab[b0 + j] * rs);
+      for (int64_t l = 0; l < rs * 4; l += 64) _mm_prefetch(vr + l, _MM_HINT_T0);
+      const float add = bias ? bias[b0 + j] : 0.0f;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* kh = kr + h * D;
+        const float* qh = qs + h * G * D;
+        V16 acc[G];
+        PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = vzero();
+        PD_UNROLL for (int d = 0; d < DV; ++d) {
+          const V16 kv = vload(kh + d * 16);
+          PD_UNROLL for (int g = 0; g < G; ++g)
+            acc[g] = vfmadd(kv, vload(qh + (g * DV + d) * 16), acc[g]);
+        }
+        PD_UNROLL for (int g = 0; g < G; ++g)
+          sc[(h * G + g) * AB_KB + j] = vreduce_add(acc[g]) + add;
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float* sh = sc + h * G * AB_KB;
+      float mb[G], lb[G];
+      bool vis[G], any = false;
+      PD_UNROLL for (int g = 0; g < G; ++g) {
+        vis[g] = ab_softmax(sh + g * AB_KB, kn, kn, mb[g], lb[g]);
+        any = any || vis[g];
+      }
+      float* bp = blocks ? blocks + h * hstride + (b0 / AB_KB) * G * (D + 2) : nullptr;
+      if (!any) {  // padding only: nothing to add
+        if (bp) PD_UNROLL for (int g = 0; g < G; ++g) bp[g * (D + 2)] = -INFINITY;
+        continue;
+      }
+      V16 acc[G][DV];
+      PD_UNROLL for (int g = 0; g < G; ++g)
+        PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vzero();
+      for (int i = 0; i < kn; ++i) {
+        V16 vr[DV];
+        const float* vi = vp + tab[b0 + i] * rs + h * D;
+        PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = vload(vi + d * 16);
+        PD_UNROLL for (int g = 0; g < G; ++g) {
+          const V16 p = vset1(sh[g * AB_KB + i]);
+          PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vfmadd(vr[d], p, acc[g][d]);
+        }
+      }
+      PD_UNROLL for (int g = 0; g < G; ++g) {
+        if (bp) {
+          float* dst = bp + g * (D + 2);
+          dst[0] = vis[g] ? mb[g] : -INFINITY;
+          dst[1] = lb[g];
+          PD_UNROLL for (int d = 0; d < DV; ++d) vstore(dst + 2 + d * 16, acc[g][d]);
+        } else if (vis[g]) {
+          const int64_t r = h * G + g;
+          PD_UNROLL for (int d = 0; d < DV; ++d) vstore(ob + d * 16, acc[g][d]);
+          ab_join(M[r], L[r], out + r * D, D, mb[g], lb[g], ob);
+        }
+      }
+    }
+  }
+  if (out != nullptr)
+    for (int64_t r = 0; r < HG; ++r) ab_finish(out + r * D, D, L[r], out + r * D);
+}
+
+using HeadsFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*,
+                         const float*, int64_t, float, float*, float*, int64_t, float*);
+
+template <int DV>
+HeadsFn heads_g(int64_t G) {
+  switch (G) {
+    case 1: return attend_heads<DV, 1>;
+    case 2: return attend_heads<DV, 2>;
+    case 3: return attend_heads<DV, 3>;
+    case 4: return attend_heads<DV, 4>;
+    case 5: return attend_heads<DV, 5>;
+    case 6: return attend_heads<DV, 6>;
+    case 7: return attend_heads<DV, 7>;
+    case 8: return attend_heads<DV, 8>;
+    default: return nullptr;
+  }
+}
+
+inline HeadsFn heads_for(int64_t D, int64_t G) {
+  switch (D) {
+    case 32: return heads_g<2>(G);
+    case 64: return heads_g<4>(G);
+    case 128: return heads_g<8>(G);
+    case 256: return heads_g<16>(G);
+    default: return nullptr;
+  }
+}
+
 using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int64_t,
-                          const int64_t*, const float*, int64_t, float, float*, float*, float*);
+                          const float*, int64_t, float, float*, float*, float*);
 
 // ---- long contexts: the keys in parts (flash-decoding) ----
 // Past two parts' worth of keys, a task is (sequence, part of DA_PART_BYTES of K and V): every
@@ -129,8 +236,8 @@ using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int
 // row of all heads is read from memory once), each block's (mb, lb, ob) kept; a second pass
 // joins the blocks of each (sequence, head, query) in order, as the kernel does in one pass
 // (attn_block.h): the same bits in parts or whole. At batch x KV heads below the thread count
-// (one long sequence) every thread still works. The view's kernel and the paged one take the
-// same rule (da_use_parts).
+// (one long sequence) every thread still works. The view's kernel takes da_use_parts, the
+// paged one dp_use_parts (its tasks are whole sequences).
 constexpr int64_t DA_PART_BYTES = 256 * 1024;
 
 // a whole number of blocks
@@ -145,6 +252,18 @@ inline int64_t da_part_len(int64_t H, int64_t D) {
 // 4 x 4k (12 tasks) and the 1B shape's one 16k sequence (8 tasks) were 12-14% slower in parts
 inline bool da_use_parts(int64_t B, int64_t H, int64_t W, int64_t part) {
   return W >= 2 * part && B * H < 2 * static_cast<int64_t>(at::get_num_threads());
+}
+
+// the paged kernel's (attend_heads: a task is a sequence, every head): parts where sequences
+// are fewer than two a thread, of about a quarter of a thread's share of the keys (whole
+// blocks, 256 keys or more; 1024 and 4096 keys measured alike at the 1B shape's 16k)
+inline int64_t dp_part_len(int64_t W) {
+  const int64_t T = at::get_num_threads(), keys = (W + 4 * T - 1) / (4 * T);
+  return std::max<int64_t>(4 * AB_KB, (keys + AB_KB - 1) / AB_KB * AB_KB);
+}
+
+inline bool dp_use_parts(int64_t B, int64_t W, int64_t part) {
+  return W >= 2 * part && B < 2 * static_cast<int64_t>(at::get_num_threads());
 }
 
 // per (b, p) task: run(b, w0, wn, blk, hstride): head h's blocks of the part go to
@@ -175,28 +294,27 @@ void da_split(int64_t B, int64_t H, int64_t G, int64_t D, int64_t W, int64_t par
   });
 }
 
-template <int DV, bool PAGED>
+template <int DV>
 AttendFn attend_g(int64_t G) {
   switch (G) {
-    case 1: return attend_one<DV, 1, PAGED>;
-    case 2: return attend_one<DV, 2, PAGED>;
-    case 3: return attend_one<DV, 3, PAGED>;
-    case 4: return attend_one<DV, 4, PAGED>;
-    case 5: return attend_one<DV, 5, PAGED>;
-    case 6: return attend_one<DV, 6, PAGED>;
-    case 7: return attend_one<DV, 7, PAGED>;
-    case 8: return attend_one<DV, 8, PAGED>;
+    case 1: return attend_one<DV, 1>;
+    case 2: return attend_one<DV, 2>;
+    case 3: return attend_one<DV, 3>;
+    case 4: return attend_one<DV, 4>;
+    case 5: return attend_one<DV, 5>;
+    case 6: return attend_one<DV, 6>;
+    case 7: return attend_one<DV, 7>;
+    case 8: return attend_one<DV, 8>;
     default: return nullptr;
   }
 }
 
-template <bool PAGED>
-AttendFn attend_for(int64_t D, int64_t G) {
+inline AttendFn attend_for(int64_t D, int64_t G) {
   switch (D) {
-    case 32: return attend_g<2, PAGED>(G);
-    case 64: return attend_g<4, PAGED>(G);
-    case 128: return attend_g<8, PAGED>(G);
-    case 256: return attend_g<16, PAGED>(G);
+    case 32: return attend_g<2>(G);
+    case 64: return attend_g<4>(G);
+    case 128: return attend_g<8>(G);
+    case 256: return attend_g<16>(G);
     default: return nullptr;
   }
 }
@@ -205,7 +323,7 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
                         const std::optional<Tensor>& bias_in, double scale) {
   const int64_t B = q_in.size(0), H = q_in.size(1), G = q_in.size(2), D = q_in.size(3);
   const int64_t W = k.size(2);
-  const AttendFn fn = attend_for<false>(D, G);
+  const AttendFn fn = attend_for(D, G);
   const bool ok = fn != nullptr && panel_gemm_supported() &&
                   q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat && k.stride(3) == 1 && v.stride(3) == 1 &&
@@ -232,7 +350,7 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
       std::vector<float> scores(G * AB_KB);
       for (int64_t h = 0; h < H; ++h)
         fn(qp + (b * H + h) * G * D, kp + b * ksb + h * ksh + w0 * ksw, ksw,
-           vp + b * vsb + h * vsh + w0 * vsw, vsw, nullptr, bp ? bp + b * W + w0 : nullptr, wn,
+           vp + b * vsb + h * vsh + w0 * vsw, vsw, bp ? bp + b * W + w0 : nullptr, wn,
            static_cast<float>(scale), nullptr, scores.data(), blk + h * hstride);
     });
     return out;
@@ -241,7 +359,7 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
     std::vector<float> scores(G * AB_KB);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / H, h = i % H;
-      fn(qp + i * G * D, kp + b * ksb + h * ksh, ksw, vp + b * vsb + h * vsh, vsw, nullptr,
+      fn(qp + i * G * D, kp + b * ksb + h * ksh, ksw, vp + b * vsb + h * vsh, vsw,
          bp ? bp + b * W : nullptr, W, static_cast<float>(scale), op + i * G * D,
          scores.data(), nullptr);
     }
@@ -249,7 +367,7 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
   return out;
 }
 
-// ---- paged decode attention: the same kernel reading the K/V pool in place ----
+// ---- paged decode attention: the same sums reading the K/V pool in place (attend_heads) ----
 // q [B, KVH, G, D]; k_pool, v_pool: the layer's pool, contiguous, viewed as slots [S, KVH, D]
 // ([pages, page_size, KVH, D] is that); table [B * W] long: the slots of each sequence's
 // context, padded to W (padding masked by bias [B, W], or no padding). No gather, no copy
@@ -270,7 +388,7 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   TORCH_CHECK(k_pool.numel() == v_pool.numel() && k_pool.numel() % (H * D) == 0,
               "decode_attention_paged: the pools are not [slots, kv_heads, head_dim]");
   const int64_t S = k_pool.numel() / (H * D);
-  const AttendFn fn = attend_for<true>(D, G);
+  const HeadsFn fn = heads_for(D, G);
   const bool ok = fn != nullptr && panel_gemm_supported() && q_in.scalar_type() == at::kFloat &&
                   k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() &&
@@ -297,26 +415,22 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   const float* vp = v_pool.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t part = da_part_len(H, D);
-  if (da_use_parts(B, H, W, part)) {
+  const int64_t part = dp_part_len(W), wsz = H * G * (D + AB_KB + 2);
+  const float sc = static_cast<float>(scale);
+  if (dp_use_parts(B, W, part)) {
     da_split(B, H, G, D, W, part, op,
              [&](int64_t b, int64_t w0, int64_t wn, float* blk, int64_t hstride) {
-      std::vector<float> scores(G * AB_KB);
-      for (int64_t h = 0; h < H; ++h)
-        fn(qp + (b * H + h) * G * D, kp + h * D, H * D, vp + h * D, H * D, tp + b * W + w0,
-           bp ? bp + b * W + w0 : nullptr, wn, static_cast<float>(scale), nullptr,
-           scores.data(), blk + h * hstride);
+      std::vector<float> work(wsz);
+      fn(qp + b * H * G * D, kp, vp, H, tp + b * W + w0, bp ? bp + b * W + w0 : nullptr, wn,
+         sc, nullptr, blk, hstride, work.data());
     });
     return out;
   }
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(G * AB_KB);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H;
-      fn(qp + i * G * D, kp + h * D, H * D, vp + h * D, H * D, tp + b * W,
-         bp ? bp + b * W : nullptr, W, static_cast<float>(scale), op + i * G * D,
-         scores.data(), nullptr);
-    }
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> work(wsz);
+    for (int64_t b = b0; b < b1; ++b)
+      fn(qp + b * H * G * D, kp, vp, H, tp + b * W, bp ? bp + b * W : nullptr, W, sc,
+         op + b * H * G * D, nullptr, 0, work.data());
   });
   return out;
 }
