@@ -37,6 +37,10 @@ def child(reps: int, engine_reps: int) -> dict:
     import torch
     from common import timed
 
+    # the parent's tree (PYTHONPATH) before the one common.py puts first: this script's own
+    tree = os.environ.get("PYTHONPATH", "").split(os.pathsep)[0]
+    if tree:
+        sys.path.insert(0, tree)
     from pdcore.engine import native
 
     o = native.ops()
