@@ -33,7 +33,7 @@ namespace {
 
 constexpr int PF_KB = AB_KB;  // keys per block (attn_block.h: the blocks every path shares)
 #if defined(PD_ISA_AVX512)
-constexpr int PF_QK_RB = 2, PF_QK_NH = 2;  // 2 rows x 32 keys: 20 partials + 2 keys of 32 zmm
+constexpr int PF_QK_RB = 4, PF_QK_NH = 2;  // 4 rows x 32 keys: 24 partials + 2 keys of 32 zmm
 constexpr int PF_PV_RB = 4, PF_PV_NC = 4;  // 16 accumulators
 #else
 constexpr int PF_QK_RB = 1, PF_QK_NH = 1;  // 5 partials (10 ymm) of 16
@@ -44,15 +44,20 @@ constexpr int PF_ROWS = 96;  // target query rows (G x QB) a task: its tiles sta
 // s[r * PF_KB + j0 + (0 .. 16 NH)]: RB rows' scores of 16 NH keys, summed as the decode kernel
 // sums a score (attn_block.h): lane partial l = sum over c of q[16c + l] kt[16c + l][key] (FMAs
 // from zero, c ascending), taken for l in bit-reversed order so that a binary counter folds
-// them in vreduce_add's tree: (l, l+8), then (l, l+4), (l, l+2), (0, 1)
-template <int RB, int NH>
-inline void pf_qk(const float* q, int64_t D, const float* kt, int j0, float* s) {
-  V16 st[4][RB][NH], cur[RB][NH];
+// them in vreduce_add's tree: (l, l+8), then (l, l+4), (l, l+2), (0, 1). DD: the head dim as a
+// constant (the c loop unrolled, each K vector loaded once for the RB rows) or 0 (D at run
+// time). The counter's two upper levels (one vector each per 4 and per 8 partials) wait in
+// `spill` [2][RB][NH][16] (L1), so that the registers hold RB x NH x 3 accumulators: a tile of
+// 4 x 2 (8 FMAs a K vector and a broadcast each) instead of 2 x 2.
+template <int RB, int NH, int DD>
+inline void pf_qk(const float* q, int64_t Drt, const float* kt, int j0, float* s, float* spill) {
+  const int64_t D = DD > 0 ? DD : Drt;
+  V16 st[2][RB][NH], cur[RB][NH];
   PD_UNROLL for (int idx = 0; idx < 16; ++idx) {
     const int l = ((idx & 1) << 3) | ((idx & 2) << 1) | ((idx & 4) >> 1) | ((idx & 8) >> 3);
     PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int h = 0; h < NH; ++h)
       cur[r][h] = vzero();
-    for (int64_t c = l; c < D; c += 16) {
+    PD_UNROLL for (int64_t c = l; c < D; c += 16) {
       V16 kv[NH];
       PD_UNROLL for (int h = 0; h < NH; ++h) kv[h] = vload(kt + c * PF_KB + j0 + 16 * h);
       PD_UNROLL for (int r = 0; r < RB; ++r) {
@@ -62,11 +67,18 @@ inline void pf_qk(const float* q, int64_t D, const float* kt, int j0, float* s) 
     }
     int lv = 0;
     PD_UNROLL for (; lv < 4 && ((idx >> lv) & 1); ++lv)
-      PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int h = 0; h < NH; ++h)
-        cur[r][h] = vadd(st[lv][r][h], cur[r][h]);
+      PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int h = 0; h < NH; ++h) {
+        const V16 below = lv < 2 ? st[lv & 1][r][h]
+                                 : vload(spill + (((lv - 2) * RB + r) * NH + h) * 16);
+        cur[r][h] = vadd(below, cur[r][h]);
+      }
     if (lv < 4)
-      PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int h = 0; h < NH; ++h)
-        st[lv][r][h] = cur[r][h];
+      PD_UNROLL for (int r = 0; r < RB; ++r) PD_UNROLL for (int h = 0; h < NH; ++h) {
+        if (lv < 2)
+          st[lv & 1][r][h] = cur[r][h];
+        else
+          vstore(spill + (((lv - 2) * RB + r) * NH + h) * 16, cur[r][h]);
+      }
   }
   PD_UNROLL for (int r = 0; r < RB; ++r)
     PD_UNROLL for (int h = 0; h < NH; ++h) vstore(s + r * PF_KB + j0 + 16 * h, cur[r][h]);
@@ -74,8 +86,13 @@ inline void pf_qk(const float* q, int64_t D, const float* kt, int j0, float* s) 
 
 // a block's scores for rows r0 .. r0 + RB, keys 0 .. kn
 template <int RB>
-inline void pf_qk_block(const float* q, int64_t D, const float* kt, int kn, float* s) {
-  for (int j0 = 0; j0 < kn; j0 += 16 * PF_QK_NH) pf_qk<RB, PF_QK_NH>(q, D, kt, j0, s);
+inline void pf_qk_block(const float* q, int64_t D, const float* kt, int kn, float* s,
+                        float* spill) {
+  if (D == 64) {
+    for (int j0 = 0; j0 < kn; j0 += 16 * PF_QK_NH) pf_qk<RB, PF_QK_NH, 64>(q, D, kt, j0, s, spill);
+  } else {
+    for (int j0 = 0; j0 < kn; j0 += 16 * PF_QK_NH) pf_qk<RB, PF_QK_NH, 0>(q, D, kt, j0, s, spill);
+  }
 }
 
 // o[r * D + c0 + (0 .. 16 NC)] = ab_mix(o, sum_{j < len} p[r * PF_KB + j] vrow[j][...], a[r],
@@ -146,7 +163,7 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
              const float* v_in_place, const float* v_wide, const int64_t* tab, int64_t h,
              int64_t q0, float* out, std::vector<float>& buf) {
   const int64_t D = s.D, G = s.G, nq = std::min(s.QB, s.n - q0), R = nq * G;
-  buf.resize(R * D * 2 + R * PF_KB + R * 4);
+  buf.resize(R * D * 2 + R * PF_KB + R * 4 + 2 * PF_QK_RB * PF_QK_NH * 16);
   float* qp = buf.data();           // [R, D] the queries, times the scale; row r = i * G + g
   float* o = qp + R * D;            // [R, D] the running output
   float* sc = o + R * D;            // [R, PF_KB] scores, then weights
@@ -154,6 +171,7 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
   float* l = m + R;                 // [R] running sum
   float* alpha = l + R;             // [R] this block's weights: the row's so far (a)
   float* cw = alpha + R;            // [R] and the block's (c), attn_block.h
+  float* spill = cw + R;            // pf_qk's upper levels
   const float* vrow[PF_KB];          // the block's V rows (float32)
   const V16 sv = vset1(s.scale);
   for (int64_t i = 0; i < nq; ++i)
@@ -176,8 +194,8 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
                        : v_in_place + (tab[k0 + j] * s.KVH + h) * D;
     int64_t r = 0;
     for (; r + PF_QK_RB <= R; r += PF_QK_RB)
-      pf_qk_block<PF_QK_RB>(qp + r * D, D, kt, kn, sc + r * PF_KB);
-    for (; r < R; ++r) pf_qk_block<1>(qp + r * D, D, kt, kn, sc + r * PF_KB);
+      pf_qk_block<PF_QK_RB>(qp + r * D, D, kt, kn, sc + r * PF_KB, spill);
+    for (; r < R; ++r) pf_qk_block<1>(qp + r * D, D, kt, kn, sc + r * PF_KB, spill);
     for (r = 0; r < R; ++r) {  // a row with no visible key here: a = 1, c = 0 (unchanged)
       const int64_t pos = first + r / G;
       const int lim = static_cast<int>(std::clamp<int64_t>(pos - k0 + 1, 0, kn));
