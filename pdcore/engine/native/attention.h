@@ -202,31 +202,6 @@ void attend_heads(const float* q, const float* kp, const float* vp, int64_t H,
 using HeadsFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*,
                          const float*, int64_t, float, float*, float*, int64_t, float*);
 
-template <int DV>
-HeadsFn heads_g(int64_t G) {
-  switch (G) {
-    case 1: return attend_heads<DV, 1>;
-    case 2: return attend_heads<DV, 2>;
-    case 3: return attend_heads<DV, 3>;
-    case 4: return attend_heads<DV, 4>;
-    case 5: return attend_heads<DV, 5>;
-    case 6: return attend_heads<DV, 6>;
-    case 7: return attend_heads<DV, 7>;
-    case 8: return attend_heads<DV, 8>;
-    default: return nullptr;
-  }
-}
-
-inline HeadsFn heads_for(int64_t D, int64_t G) {
-  switch (D) {
-    case 32: return heads_g<2>(G);
-    case 64: return heads_g<4>(G);
-    case 128: return heads_g<8>(G);
-    case 256: return heads_g<16>(G);
-    default: return nullptr;
-  }
-}
-
 using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int64_t,
                           const float*, int64_t, float, float*, float*, float*);
 
@@ -294,36 +269,49 @@ void da_split(int64_t B, int64_t H, int64_t G, int64_t D, int64_t W, int64_t par
   });
 }
 
-template <int DV>
-AttendFn attend_g(int64_t G) {
+// the kernel Family::at<DV, G>() for head_dim D (DV vectors of 16) and G query heads per KV
+// head (1-8), or nullptr (SDPA serves the rest): one table for both decode kernels
+template <typename Family, int DV>
+typename Family::Fn by_group(int64_t G) {
   switch (G) {
-    case 1: return attend_one<DV, 1>;
-    case 2: return attend_one<DV, 2>;
-    case 3: return attend_one<DV, 3>;
-    case 4: return attend_one<DV, 4>;
-    case 5: return attend_one<DV, 5>;
-    case 6: return attend_one<DV, 6>;
-    case 7: return attend_one<DV, 7>;
-    case 8: return attend_one<DV, 8>;
+    case 1: return Family::template at<DV, 1>();
+    case 2: return Family::template at<DV, 2>();
+    case 3: return Family::template at<DV, 3>();
+    case 4: return Family::template at<DV, 4>();
+    case 5: return Family::template at<DV, 5>();
+    case 6: return Family::template at<DV, 6>();
+    case 7: return Family::template at<DV, 7>();
+    case 8: return Family::template at<DV, 8>();
     default: return nullptr;
   }
 }
 
-inline AttendFn attend_for(int64_t D, int64_t G) {
+template <typename Family>
+typename Family::Fn kernel_for(int64_t D, int64_t G) {
   switch (D) {
-    case 32: return attend_g<2>(G);
-    case 64: return attend_g<4>(G);
-    case 128: return attend_g<8>(G);
-    case 256: return attend_g<16>(G);
+    case 32: return by_group<Family, 2>(G);
+    case 64: return by_group<Family, 4>(G);
+    case 128: return by_group<Family, 8>(G);
+    case 256: return by_group<Family, 16>(G);
     default: return nullptr;
   }
 }
+
+struct OneHead {  // the view's kernel: a (sequence, KV head) a call
+  using Fn = AttendFn;
+  template <int DV, int G> static Fn at() { return attend_one<DV, G>; }
+};
+
+struct AllHeads {  // the paged kernel: every KV head of a sequence a call
+  using Fn = HeadsFn;
+  template <int DV, int G> static Fn at() { return attend_heads<DV, G>; }
+};
 
 Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
                         const std::optional<Tensor>& bias_in, double scale) {
   const int64_t B = q_in.size(0), H = q_in.size(1), G = q_in.size(2), D = q_in.size(3);
   const int64_t W = k.size(2);
-  const AttendFn fn = attend_for(D, G);
+  const AttendFn fn = kernel_for<OneHead>(D, G);
   const bool ok = fn != nullptr && panel_gemm_supported() &&
                   q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
                   v.scalar_type() == at::kFloat && k.stride(3) == 1 && v.stride(3) == 1 &&
@@ -388,7 +376,7 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   TORCH_CHECK(k_pool.numel() == v_pool.numel() && k_pool.numel() % (H * D) == 0,
               "decode_attention_paged: the pools are not [slots, kv_heads, head_dim]");
   const int64_t S = k_pool.numel() / (H * D);
-  const HeadsFn fn = heads_for(D, G);
+  const HeadsFn fn = kernel_for<AllHeads>(D, G);
   const bool ok = fn != nullptr && panel_gemm_supported() && q_in.scalar_type() == at::kFloat &&
                   k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() &&
