@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import time
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdcore.config import ServerArgs
@@ -105,6 +106,7 @@ class RankGroup:
         self.args = args
         self.children: list[multiprocessing.process.BaseProcess] = []
         self.tp = TPInfo()
+        self.method = ""  # where the ranks met; a file store is removed at close
 
     def start(self) -> TPInfo:
         """Spawn ranks 1..k-1 of node 0 and join the group as rank 0."""
@@ -115,13 +117,14 @@ class RankGroup:
         if active(self.args):  # this DP rank's ranks
 
             ranks = list(replica_ranks(self.args))
-            self.children = spawn_ranks(self.args, self.args.dp_attention_init, ranks[1:])
+            self.method = self.args.dp_attention_init
+            self.children = spawn_ranks(self.args, self.method, ranks[1:])
             self.tp = join_group(self.args, ranks[0], self.args.dp_attention_init)
             return self.tp
-        method = init_method(self.args)
-        self.children = spawn_ranks(self.args, method,
+        self.method = init_method(self.args)
+        self.children = spawn_ranks(self.args, self.method,
                                     [r for r in local_ranks(self.args) if r != 0])
-        self.tp = join_group(self.args, 0, method)
+        self.tp = join_group(self.args, 0, self.method)
         return self.tp
 
     def close(self) -> None:
@@ -132,6 +135,8 @@ class RankGroup:
         terminate(self.children)
         if self.tp.size > 1 or getattr(self.tp, "world", None) is not None:
             leave_group()
+        if self.method.startswith("file://"):  # left behind when a rank died before leaving
+            Path(self.method.removeprefix("file://")).unlink(missing_ok=True)
 
 
 def terminate(procs: list[multiprocessing.process.BaseProcess]) -> None:

@@ -4,9 +4,8 @@ ranks meet."""
 
 from __future__ import annotations
 
-import socket
-
 from pdcore.config import ServerArgs
+from pdcore.engine.parallel.dp_attention_args import new_init_method
 from pdcore.errors import ConfigError
 from pdcore.runtime.dp.args import check_dp_args
 
@@ -47,6 +46,4 @@ def init_method(args: ServerArgs) -> str:
         if args.dp_size > 1 and not args.enable_dp_attention:
             port += args.dp_rank  # each replica's TP group meets at its own port
         return f"tcp://{host}:{port}"
-    with socket.socket() as s:  # one node: any free loopback port, passed to the children
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return new_init_method()  # one node: a file store, passed to the children

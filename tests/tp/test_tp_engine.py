@@ -99,3 +99,26 @@ def test_bad_parallel_flags_exit_2(argv, needle, capsys):
         parse_server_args(argv)
     assert e.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_one_host_ranks_meet_at_a_fresh_file_store_not_a_port(tmp_path, monkeypatch):
+    """The ranks of one host met at a loopback port picked free and bound later by rank 0: in
+    between, any other process could take it (CI saw a TP-2 server die of EADDRINUSE). They now
+    meet at a file store under a new name each time, which a closed group leaves behind no more."""
+    import tempfile
+
+    from pdcore.runtime.ranks import RankGroup
+    from pdcore.runtime.topology import init_method
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = ServerArgs(model_path="m", tp_size=2)
+    a, b = init_method(args), init_method(args)
+    assert a != b and a.startswith(f"file://{tmp_path}/") and b.startswith(f"file://{tmp_path}/")
+    assert init_method(ServerArgs(model_path="m", tp_size=2, nnodes=2, dist_init_addr="h:7")
+                       ) == "tcp://h:7"  # several hosts: the address the user named
+    left = tmp_path / a.removeprefix(f"file://{tmp_path}/")
+    left.write_text("a rank died before leaving")
+    group = RankGroup(args)
+    group.method = a
+    group.close()
+    assert not left.exists()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
+import tempfile
+import uuid
 from pathlib import Path
 
 from pdcore.config import ServerArgs
@@ -66,10 +67,11 @@ def replica_ranks(args: ServerArgs) -> range:
 
 
 def new_init_method() -> str:
-    """Where every rank of every DP rank meets (one loopback port, chosen by the controller)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    """Where the ranks of one host meet: a file store under a fresh, unguessable name. Not a
+    loopback port: a port picked free here and bound later by rank 0 can be taken in between by
+    any other process of the host (EADDRINUSE at start-up, seen in CI). The store removes its
+    file when its last rank leaves the group."""
+    return "file://" + os.path.join(tempfile.gettempdir(), f"pdserve-rdzv-{uuid.uuid4().hex}")
 
 
 def replica_args(args: ServerArgs, dp_rank: int, init_method: str,
