@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("xgrammar", "none")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # response_format json_object
+# a JSON string's character in xgrammar's EBNF: as it writes a bounded one, and as JSON allows
+_LAX_CHARS = r'[^\"\\\r\n]'
+_STRICT_CHARS = r'[^\0-\x1f\"\\\r\n]'
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag", "tool_call")
 COMPILED_KEPT = 128  # compiled grammars kept for reuse (LRU), per scheduler process
 COMPILE_THREADS = 2  # one slow grammar leaves a thread for the others
@@ -144,9 +147,9 @@ class GrammarBackend:
         comp = self.compiler()
         if spec.kind == "json_object":  # a JSON object, as OpenAI and SGLang force it (the
             # builtin JSON grammar let any value through: langchain's json_mode got `[1]`)
-            return comp.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=self.any_whitespace)
+            return comp.compile_grammar(self._schema(JSON_OBJECT_SCHEMA))
         if spec.kind == "json_schema":
-            return comp.compile_json_schema(spec.source, any_whitespace=self.any_whitespace)
+            return comp.compile_grammar(self._schema(spec.source))
         if spec.kind == "regex":
             return comp.compile_regex(spec.source)
         if spec.kind == "ebnf":
@@ -166,6 +169,18 @@ class GrammarBackend:
             return comp.compile_structural_tag(spec.source)
         raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", spec.field)
 
+    def _schema(self, source: str) -> Any:
+        """The grammar of a JSON schema, its strings closed to raw control characters: xgrammar
+        0.2 writes the characters of a string with maxLength / minLength as anything but a quote,
+        a backslash, CR and LF, which lets U+0000-U+001F through (strict JSON refuses them: a
+        forced tool call was read back as plain content, a response_format answer did not load)."""
+        g = self._xgr().Grammar
+        grammar = g.from_json_schema(source, any_whitespace=self.any_whitespace)
+        text = str(grammar)
+        if _LAX_CHARS not in text:
+            return grammar
+        return g.from_ebnf(text.replace(_LAX_CHARS, _STRICT_CHARS))
+
     def _tool_call(self, src: dict[str, Any]) -> Any:
         """One of the alternatives, each a fixed prefix, JSON following a schema and a fixed
         suffix (server/tools/tool_parsers.py: ToolParser.forced)."""
@@ -174,8 +189,7 @@ class GrammarBackend:
         for prefix, schema, suffix in src["alternatives"]:
             parts = [g.from_ebnf("root ::= " + json.dumps(prefix, ensure_ascii=False))] \
                 if prefix else []
-            parts.append(g.from_json_schema(json.dumps(schema),
-                                            any_whitespace=self.any_whitespace))
+            parts.append(self._schema(json.dumps(schema)))
             if suffix:
                 parts.append(g.from_ebnf("root ::= " + json.dumps(suffix, ensure_ascii=False)))
             alts.append(g.concat(*parts) if len(parts) > 1 else parts[0])

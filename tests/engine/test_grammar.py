@@ -273,3 +273,33 @@ def test_ambiguous_grammar_fails_its_row_before_it_stalls_the_scheduler(backend,
     assert bad.constraint is not None and bad.constraint.too_slow > 0.005
     assert good.constraint is not None and not good.constraint.too_slow
     assert time.monotonic() - start < 60, "liveness: the cut came long after the bound"
+
+
+def test_strings_hold_no_raw_control_characters_even_with_a_max_length(backend, tok) -> None:
+    """xgrammar (0.2.x) writes a string with maxLength / minLength as `[^"\\\r\n]{0,N}`, which lets
+    raw control characters (U+0000-U+001F) through: strict JSON parsers refuse them, so a forced
+    tool call came back as plain content (CI, the README tour: `{"city": ":\x1e ..."}`) and a
+    response_format answer did not load. A model that wants nothing else must still write JSON."""
+    controls = [i for i in range(len(tok)) if (s := tok.decode([i]))
+                and all(ord(c) < 0x20 and c not in "\t\n\r" for c in s)]
+    assert controls, "the vocabulary lost its control-character byte tokens"
+    prop = {"type": "string", "maxLength": 12}
+    schema = {"type": "object", "properties": {"city": prop}, "required": ["city"]}
+    tool = {"alternatives": [["", schema, ""]]}
+    for spec in (GrammarSpec("json_schema", json.dumps(schema)),
+                 GrammarSpec("tool_call", json.dumps(tool))):
+        for seed in range(2):
+            st = SampleState.create(SamplingParams(temperature=1.0, seed=seed, grammar=spec), [1])
+            out: list[int] = []
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(64):
+                logits = torch.randn(1, len(tok), generator=g)
+                logits[0, controls] = 50.0  # a model that writes control characters if it may
+                [t], _, errs = sample(logits, [st], [None], backend)
+                assert errs == [None], errs
+                if t == tok.eos_token_id or st.grammar_done:
+                    break
+                out.append(t)
+            text = tok.decode(out)
+            assert st.grammar_done, text
+            assert set(json.loads(text)) == {"city"}, text  # strict: no raw control character
