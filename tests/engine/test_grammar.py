@@ -58,6 +58,24 @@ def _run(backend: GrammarBackend, tok, specs: list[GrammarSpec], steps: int = 48
     return [tok.decode(ids) for ids in out]
 
 
+def _one_row(backend: GrammarBackend, tok, spec: GrammarSpec, seed: int, favoured: list[int],
+             boost: float, scale: float = 1.0, temperature: float = 0.0) -> tuple[str, bool]:
+    """One row decoded under `spec` from random logits with `favoured` tokens pushed to `boost`
+    (a model that writes them wherever the grammar lets it): its text and whether it completed."""
+    st = SampleState.create(SamplingParams(temperature=temperature, seed=seed, grammar=spec), [1])
+    out: list[int] = []
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(64):
+        logits = torch.randn(1, len(tok), generator=g) * scale
+        logits[0, favoured] = boost
+        [t], _, errs = sample(logits, [st], [None], backend)
+        assert errs == [None], errs
+        if t == tok.eos_token_id or st.grammar_done:
+            break
+        out.append(t)
+    return tok.decode(out), st.grammar_done
+
+
 def test_regex_ebnf_json_schema_followed_from_random_logits(backend, tok) -> None:
     schema = {"type": "object", "properties": {
         "ok": {"type": "boolean"}, "level": {"enum": ["low", "high"]},
@@ -80,21 +98,11 @@ def test_json_object_is_an_object_even_where_the_model_wants_a_list(backend, tok
     (the builtin JSON grammar let `[1]` through, which langchain's json_mode got)."""
     spec = GrammarSpec("json_object", "")
     opener = tok.encode("[", add_special_tokens=False)[0]
-    for seed in range(3):
-        st = SampleState.create(SamplingParams(temperature=0.0, seed=seed, grammar=spec), [1])
-        out: list[int] = []
-        g = torch.Generator().manual_seed(seed)
-        for _ in range(64):
-            logits = torch.randn(1, len(tok), generator=g) * 5
-            logits[0, opener] = 100.0  # a model that opens a list if it may
-            [t], _, errs = sample(logits, [st], [None], backend)
-            assert errs == [None], errs
-            if t == tok.eos_token_id or st.grammar_done:
-                break
-            out.append(t)
-        text = tok.decode(out).strip()
+    for seed in range(3):  # a model that opens a list if it may
+        text, done = _one_row(backend, tok, spec, seed, [opener], 100.0, scale=5.0)
+        text = text.strip()
         assert text.startswith("{"), text
-        if st.grammar_done:
+        if done:
             assert isinstance(json.loads(text), dict), text
 
 
@@ -288,18 +296,7 @@ def test_strings_hold_no_raw_control_characters_even_with_a_max_length(backend, 
     tool = {"alternatives": [["", schema, ""]]}
     for spec in (GrammarSpec("json_schema", json.dumps(schema)),
                  GrammarSpec("tool_call", json.dumps(tool))):
-        for seed in range(2):
-            st = SampleState.create(SamplingParams(temperature=1.0, seed=seed, grammar=spec), [1])
-            out: list[int] = []
-            g = torch.Generator().manual_seed(seed)
-            for _ in range(64):
-                logits = torch.randn(1, len(tok), generator=g)
-                logits[0, controls] = 50.0  # a model that writes control characters if it may
-                [t], _, errs = sample(logits, [st], [None], backend)
-                assert errs == [None], errs
-                if t == tok.eos_token_id or st.grammar_done:
-                    break
-                out.append(t)
-            text = tok.decode(out)
-            assert st.grammar_done, text
+        for seed in range(2):  # a model that writes control characters if it may
+            text, done = _one_row(backend, tok, spec, seed, controls, 50.0, temperature=1.0)
+            assert done, text
             assert set(json.loads(text)) == {"city"}, text  # strict: no raw control character
