@@ -6,14 +6,17 @@ Measured side by side in one run:
 - resident memory of each server's process tree (the HTTP process, the engine, multiprocessing's
   resource tracker) after a warm-up request and after the runs, three ways (tree_memory_mib):
   'resident', the headline ratio: anonymous pages plus each mapped file once per tree; PSS; and
-  the VmRSS sum earlier runs reported. Also the engine's weight bytes (/server_info);
+  the VmRSS sum earlier runs reported. Also the engine's weight bytes (/server_info) and
+  `memory_mib_peak`: the most 'resident' seen while a batch-8 request set decodes (sampled
+  before the timed rounds: the decode K/V view, when a server keeps one, lives only then);
 - decode TPOT at batch 1 and 8: B concurrent /generate requests of --prompt tokens (greedy,
   ignore_eos), once with 1 new token and once with 1 + --new; TPOT = (t_long - t_short) / --new.
   Rounds alternate the servers' order; the median is reported, every round is kept.
 
-- `--before TREE`: one more packed server per --dots running TREE's code (PYTHONPATH=TREE, e.g.
-  a checkout of main), so a change is measured against what it replaces in the same run, the
-  servers' order alternating per round; the ratios are then given for both.
+- `--before TREE`: one more server per system (float32 and each packed --dots) running TREE's
+  code (PYTHONPATH=TREE, e.g. a checkout of main), so a change is measured against what it
+  replaces in the same run, the servers' order alternating per round; the ratios are then given
+  for both trees, each tree's packed servers over its own float32.
 
 Where each server's resident memory goes (`breakdown`, the same rule as 'resident': a file's
 pages once per tree): the heap, other anonymous pages, torch's libraries, other files.
@@ -133,6 +136,19 @@ def _timed(url: str, batch: int, prompt: int, new: int) -> float:
     return time.perf_counter() - t0
 
 
+def peak_memory_mib(pid: int, url: str, prompt: int, new: int) -> float:
+    """The most 'resident' (tree_memory_mib) seen while 8 requests of `prompt` tokens decode
+    `new` tokens each, sampled every 50 ms."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(_timed, url, 8, prompt, new)
+        peak = 0.0
+        while not done.done():
+            peak = max(peak, tree_memory_mib(pid)["resident"]["total"])
+            time.sleep(0.05)
+        done.result()
+    return peak
+
+
 def _metric(url: str, name: str) -> float | None:
     import httpx
 
@@ -165,8 +181,8 @@ def main() -> None:
                          "float activations against the de-quantized blocks; int8: activations "
                          "quantized per block of 32, integer dot products)")
     ap.add_argument("--before", default=None, metavar="TREE",
-                    help="also a packed server per --dots running TREE's code (PYTHONPATH), "
-                         "named '<name> before'")
+                    help="also a server per system (float32, each --dots) running TREE's code "
+                         "(PYTHONPATH), named '<name> before'")
     ap.add_argument("--suffix", default="",
                     help="added to the result files' name (bench/results/gguf_packed<suffix>.*)")
     args = ap.parse_args()
@@ -179,7 +195,7 @@ def main() -> None:
     if args.before:
         if not (Path(args.before) / "pdcore").is_dir():
             ap.error(f"--before {args.before}: no pdcore/ there")
-        systems.update({f"{name} before": env for name, env in list(systems.items())[1:]})
+        systems.update({f"{name} before": env for name, env in list(systems.items())})
     run = Run(NAME + args.suffix, vars(args))
     servers = {name: start_unified(None, ("--max-total-tokens", "8192"), env=env)
                if not name.endswith(" before") else _start_tree(args.before, env)
@@ -194,6 +210,8 @@ def main() -> None:
                 "memory_mib": tree_memory_mib(s.proc.pid),
                 "weight_bytes": info.get("weight_bytes"),
                 "gemm_weights_gguf": _metric(s.url, "pdserve_scheduler_gemm_weights_gguf"),
+                "memory_mib_peak": peak_memory_mib(s.proc.pid, s.url, args.prompt,
+                                                  1 + args.new),
             }
         for r in range(args.rounds):
             for name in alternating(list(servers), r):
@@ -212,28 +230,33 @@ def main() -> None:
         out["systems"][name]["decode"] = {
             str(b): {"tpot_ms": 1e3 * statistics.median(v), "tokens_per_s": b / statistics.median(v),
                      "tpot_ms_rounds": [1e3 * x for x in v]} for b, v in per.items()}
-    f = out["systems"]["float32"]
     out["ratios"] = {}
-    for name in list(systems)[1:]:
-        p, tag = out["systems"][name], name.replace(" ", "_")
+    for name in systems:
+        if name.startswith("float32"):
+            continue
+        base = "float32 before" if name.endswith(" before") else "float32"
+        p, tag, btag = out["systems"][name], name.replace(" ", "_"), base.replace(" ", "_")
+        f = out["systems"][base]
         out["ratios"].update({
-            **{f"{k}_{tag}_over_float32": p["memory_mib_after"][k]["total"]
+            **{f"{k}_{tag}_over_{btag}": p["memory_mib_after"][k]["total"]
                / f["memory_mib_after"][k]["total"] for k in ("resident", "pss", "rss")},
-            **{f"tpot_{tag}_over_float32_batch{b}":
+            **{f"tpot_{tag}_over_{btag}_batch{b}":
                p["decode"][str(b)]["tpot_ms"] / f["decode"][str(b)]["tpot_ms"] for b in batches}})
     out["note"] = load_note(run)
     for name, m in out["systems"].items():
         mem = m["memory_mib_after"]
-        print(f"{name}: resident {mem['resident']['total']:.0f} MiB (PSS "
+        print(f"{name}: resident {mem['resident']['total']:.0f} MiB (peak "
+              f"{m['memory_mib_peak']:.0f}, PSS "
               f"{mem['pss']['total']:.0f}, RSS {mem['rss']['total']:.0f}), " + ", ".join(
             f"batch {b} TPOT {m['decode'][str(b)]['tpot_ms']:.1f} ms" for b in batches),
               flush=True)
     print({k: round(v, 3) for k, v in out["ratios"].items()})
     print(run.finish(out))
     fig, (ax1, ax2) = figure(2, width=5)
-    bar_groups(ax1, ["resident", "PSS", "RSS"],
+    bar_groups(ax1, ["resident", "PSS", "RSS", "peak resident"],
                {n: [out["systems"][n]["memory_mib_after"][k]["total"]
-                    for k in ("resident", "pss", "rss")] for n in systems},
+                    for k in ("resident", "pss", "rss")] + [out["systems"][n]["memory_mib_peak"]]
+                for n in systems},
                "MiB (server's processes)", "memory")
     bar_groups(ax2, [f"batch {b}" for b in batches],
                {n: [out["systems"][n]["decode"][str(b)]["tpot_ms"] for b in batches]

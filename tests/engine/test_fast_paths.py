@@ -250,6 +250,34 @@ def test_decode_kv_view_matches_gathering(monkeypatch: pytest.MonkeyPatch) -> No
     step(16, "fill")
 
 
+def test_a_float32_pool_is_read_in_place_not_viewed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`prefer_pool` (a packed GGUF model's, s11): a float32 model over a float32 pool keeps no
+    decode K/V view, the paged kernel reads the pool in place, nothing is allocated beside it,
+    and the logits are the viewed twin's (the default), step after step."""
+    from pdcore.engine.model.decode_view import reads_in_place
+
+    model = _tiny_model(packed=True, monkeypatch=monkeypatch)
+    viewed = _tiny_model(packed=True, monkeypatch=monkeypatch)  # same seed: same weights
+    model.decode_kv.prefer_pool = True
+    _, kv = _mixed_step()
+    if not reads_in_place(torch.zeros(1), kv[0][0]):
+        pytest.skip("no native paged decode kernel here: the view serves as before")
+    kv1, kv2 = [(k.clone(), v.clone()) for k, v in kv], [(k.clone(), v.clone()) for k, v in kv]
+    tables, spare, _ = _decode_run()
+    spare = iter(spare.tolist())
+    for j in range(3):
+        got = model(_decode_batch(tables, ["a", "b", "c"], j), kv1)
+        want = viewed(_decode_batch(tables, ["a", "b", "c"], j), kv2)
+        assert model.decode_kv.mode == "" and not model.decode_kv.k
+        assert viewed.decode_kv.mode == ("fill" if j == 0 else "append")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for t in tables:
+            t.append(next(spare))
+    # a bf16 activation or pool is not read in place: those keep the view
+    assert not reads_in_place(torch.zeros(1, dtype=torch.bfloat16), kv[0][0])
+    assert not reads_in_place(torch.zeros(1), kv[0][0].to(torch.bfloat16))
+
+
 def test_decode_kv_view_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     from pdcore.engine.model import decode_view
 

@@ -93,13 +93,13 @@ def _equal_runs(model, pool_dtype: torch.dtype, ctx: int, steps: int = 4) -> lis
 @pytest.mark.parametrize("view", [True, False])
 def test_float32_lone_decode_equals_the_old_path(view: bool, ctx: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """view False: over the view's budget, the loop reads the pool in place (mode 2), as the
-    old path's paged kernel did. ctx 600: past two parts of 256 keys (split attention)."""
+    """view False (`prefer_pool`, as a packed GGUF model has it since s11): the loop reads the
+    pool in place (mode 2), as the old path's paged kernel did; view True (the default): through
+    the decode K/V view. ctx 600: past two parts of 256 keys (split attention)."""
     _ops()
     model = _llama(torch.float32, monkeypatch)
     assert model.native is not None, native.status()
-    if not view:
-        model.decode_kv.budget = 0
+    model.decode_kv.prefer_pool = not view
     modes = _equal_runs(model, torch.float32, ctx)
     assert modes == (["fill"] + ["append"] * 3 if view else [""] * 4)
 
@@ -171,7 +171,9 @@ def test_packed_gguf_lone_decode_equals_the_old_path() -> None:
     with packed_with("int8"):
         model, _, _ = load_model(None, torch.float32, torch.device("cpu"))
         assert model.lm_head_packed.dtype == torch.uint8 and model.native is not None
-        assert _equal_runs(model, torch.float32, 300, steps=3) == ["fill", "append", "append"]
+        # served packed, its float32 pool is read in place (the loader's prefer_pool): no view
+        assert model.decode_kv.prefer_pool
+        assert _equal_runs(model, torch.float32, 300, steps=3) == [""] * 3
 
 
 def test_a_seeded_lone_request_keeps_its_text(head64_dir) -> None:

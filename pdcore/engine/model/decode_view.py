@@ -12,10 +12,16 @@ as before), so a long chunked prefill does not interrupt appending. Measured
 on SmolLM2 at batch 8 (1 thread): gathering K/V out of the pool took about 40% of attention.
 
 The buffers cost B x capacity tokens of K/V beside the pool; above `budget` bytes
-(PDCORE_DECODE_KV_VIEW_MB, default 128; 0 turns the view off) a float32 pool is read in
-place by the native paged kernel (engine/native: decode_attention_paged; at 8k tokens of
-context 1.7-11x faster than gathering, 2-4x slower than the view's contiguous rows), other
-pools are gathered as before.
+(PDCORE_DECODE_KV_VIEW_MB, default 128; 0 turns the view off) other pools are gathered as
+before. With `prefer_pool` (the loader sets it for a GGUF model served packed) a float32 pool
+of a float32 model is not viewed at all: the native paged kernel (engine/native:
+decode_attention_paged, attend_heads since s10) reads it in place with the view kernel's bits.
+Served side by side (s11, Zen 5, quiet lock, 64-token prompts, TPOT with the view / without):
+packed Q4_1 SmolLM2 batch 8 10.2 / 9.8 ms, batch 1 4.8 / 4.3 (bench/results/gguf_packed_s11.json,
+load ~5; probes at load ~11: batch 8 10-19% lower without), peak resident 508 / 458 MiB; but
+the float32 models gained nothing: SmolLM2 batch 8 21.7 / 19.8, batch 1 16.4 / 17.1, the
+1B-shaped model batch 8 112.8 / 118.0, batch 1 105.8 / 112.2 (decode_view_s11_1b.json, load
+~10), so they keep the view.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ class DecodeKV:
                  budget: int | None = None) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.budget = budget_bytes() if budget is None else budget
+        # True: a pool the paged kernel reads in place is read so, no view (the loader sets it
+        # for a GGUF model served packed: measured faster there, not for float32 weights)
+        self.prefer_pool = False
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.keys: tuple[object, ...] | None = None  # request keys of the rows, in order
@@ -55,12 +64,13 @@ class DecodeKV:
         self.cols = torch.empty(0, dtype=torch.long)  # append: each row's new column
         self.rows = torch.empty(0, dtype=torch.long)
 
-    def begin(self, batch: ForwardBatch, dtype: torch.dtype) -> str:
+    def begin(self, batch: ForwardBatch, dtype: torch.dtype, *, in_place: bool = False) -> str:
         """Decide how this forward uses the view; call once per forward, before the layers.
+        `in_place`: the paged kernel reads this forward's pool as it is (`reads_in_place`).
         The view stays invalid until `end` (a forward that fails midway leaves it so)."""
         was_valid, self.valid, self.mode = self.valid, False, ""
         group = batch.decode_group()
-        if self.budget <= 0 or group is None:
+        if self.budget <= 0 or group is None or (in_place and self.prefer_pool):
             return ""
         keys = tuple(s.key for s in group.seqs)
         if any(k is None for k in keys):
@@ -134,6 +144,17 @@ class DecodeKV:
                 rows = flat.index_select(0, g.table).view(shape).transpose(1, 2)
                 buf[:, :, :W].copy_(dequantize(rows, buf.dtype, sc))
         return kb[:, :, :W], vb[:, :, :W]
+
+
+def reads_in_place(h: torch.Tensor, pool: torch.Tensor) -> bool:
+    """The native paged decode kernel reads `pool` as it is for a model whose activations are
+    `h`'s: both float32 on the CPU, the pool contiguous, the kernels built."""
+    if h.dtype != torch.float32 or pool.dtype != torch.float32 or pool.device.type != "cpu" \
+            or h.device.type != "cpu" or not pool.is_contiguous():
+        return False
+    from pdcore.engine.model.base import _native_op
+
+    return _native_op("decode_attention_paged") is not None
 
 
 def _through(x: torch.Tensor, pool: torch.dtype, view: torch.dtype, scale: float

@@ -22,7 +22,7 @@ from torch import nn
 from pdcore.engine.kv.fp8 import dequantize, is_fp8, store_rows
 from pdcore.engine.model.base import CausalLM, _native_op
 from pdcore.engine.model.batch import DecodeGroup, ForwardBatch, VerifyGroup
-from pdcore.engine.model.decode_view import DecodeKV
+from pdcore.engine.model.decode_view import DecodeKV, reads_in_place
 from pdcore.engine.model.layers import (
     ColumnLinear,
     RMSNorm,
@@ -439,7 +439,8 @@ class LlamaForCausalLM(CausalLM):
         # attention then rounds once instead of per step
         view_dtype = torch.float32 if h.dtype in (torch.bfloat16, torch.float16) else h.dtype
         view = None
-        if self.decode_kv is not None and self.decode_kv.begin(batch, view_dtype):
+        if self.decode_kv is not None and self.decode_kv.begin(
+                batch, view_dtype, in_place=bool(kv) and reads_in_place(h, kv[0][0])):
             view = batch.kv_view = self.decode_kv
         return LlamaStep(cos, sin, kv, batch, view, view_dtype)
 

@@ -312,6 +312,8 @@ def load_model(model_path: str | None, dtype: torch.dtype, device: torch.device,
     with torch.inference_mode():
         model = model.to(device=device, dtype=dtype).eval()
         model.prepare_for_inference()
+    if isinstance(sd, GGUFCheckpoint) and getattr(model, "decode_kv", None) is not None:
+        model.decode_kv.prefer_pool = True  # its float32 pool read in place (decode_view.py)
     if torch.device(device).type == "cpu":
         from pdcore.engine.model.layers import weight_layouts
 
