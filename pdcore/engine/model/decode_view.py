@@ -18,10 +18,10 @@ of a float32 model is not viewed at all: the native paged kernel (engine/native:
 decode_attention_paged, attend_heads since s10) reads it in place with the view kernel's bits.
 Served side by side (s11, Zen 5, quiet lock, 64-token prompts, TPOT with the view / without):
 packed Q4_1 SmolLM2 batch 8 9.9 / 9.5 ms, batch 1 4.0 / 3.8 (bench/results/gguf_packed_s11.json,
-load ~7; probes at load ~11: batch 8 10-19% lower without), peak resident 510 / 457 MiB; but
-the float32 models gained nothing: SmolLM2 batch 8 21.7 / 19.8, batch 1 16.4 / 17.1, the
-1B-shaped model batch 8 112.8 / 118.0, batch 1 105.8 / 112.2 (decode_view_s11_1b.json, load
-~10), so they keep the view.
+load ~7; probes at load ~11: batch 8 10-19% lower without), peak resident 510 / 457 MiB; the
+float32 models were within noise (SmolLM2 batch 8 21.7 / 19.8, batch 1 16.4 / 17.1; the
+1B-shaped model batch 8 111.1 / 109.5, batch 1 104.2 / 106.4, bench/decode_view.py,
+decode_view_s11_1b.json, load ~11; an earlier run 1.05-1.06x slower without), so they keep it.
 """
 
 from __future__ import annotations
