@@ -17,6 +17,8 @@ namespace {
 // blocks == nullptr: out [G, D] gets the rows' outputs; else each block's (mb, lb, ob) goes to
 // blocks [nblocks, G, D + 2] (a block with no visible key: mb = -inf), joined later (da_split).
 
+constexpr int64_t AT_PFK = 8;  // attend_one's K prefetch distance in keys
+
 template <int DV, int G>
 void attend_one(
     const float* q, const float* k, int64_t ksw, const float* v, int64_t vsw,
@@ -39,6 +41,17 @@ void attend_one(
     int j = 0;
     for (; j + KB <= kn; j += KB) {
       const int64_t w = b0 + j;
+      // the V rows this block's V pass reads, and K rows AT_PFK keys ahead: the view's K/V
+      // of a batch-8 step (~40 MB at SmolLM2's 100-token contexts) come from memory, and the
+      // K pass stalled on its loads without (#48, s11: a W8A8 step 7.75 -> 7.13 ms)
+      PD_UNROLL for (int i = 0; i < KB; ++i) {
+        const char* vr = reinterpret_cast<const char*>(v + (w + i) * vsw);
+        const char* kr = reinterpret_cast<const char*>(k + (w + i + AT_PFK) * ksw);
+        PD_UNROLL for (int l = 0; l < DV; ++l) {
+          _mm_prefetch(vr + 64 * l, _MM_HINT_T0);
+          _mm_prefetch(kr + 64 * l, _MM_HINT_T0);
+        }
+      }
       V16 acc[KB][G];
       PD_UNROLL for (int i = 0; i < KB; ++i)
         PD_UNROLL for (int g = 0; g < G; ++g) acc[i][g] = vzero();

@@ -30,7 +30,12 @@ namespace {
 constexpr int64_t I8_PANEL = 32;               // output channels per panel
 constexpr int64_t I8_TAIL = I8_PANEL * 4 * 2;  // per panel after the weights: int32 x 32, float x 32
 constexpr int I8_ROWS2 = 3;                    // rows per AVX2 pass
-constexpr int64_t I8_PF = 8;                   // prefetch distance in groups of 4 k (1 KB)
+// prefetch distance in groups of 4 k: 8 KB ahead, into the thread's next panel near a panel's
+// end. At 1 KB (8 groups) a decode step's GEMMs stalled on their weight loads (perf: two thirds
+// of i8_tile_vnni<8>'s samples on the panel's two loads); SmolLM2 W8A8 batch 8 on a loaded Zen 5
+// (#48, s11), the 120 body GEMMs of a step: 4.66 ms at 1 KB, 3.92 at 4 KB, 3.63-3.77 at 8 KB,
+// 3.97 at 16 KB (medians of 14, alternating in one process). Prefetching changes no sum.
+constexpr int64_t I8_PF = 64;
 
 inline int64_t i8_kp(int64_t K) { return (K + 3) / 4 * 4; }
 inline int64_t i8_panel_bytes(int64_t K) { return i8_kp(K) * I8_PANEL + I8_TAIL; }
