@@ -373,6 +373,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     sched = Scheduler(blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
+        decode_step_prefill=(args.decode_step_prefill_tokens
+                             if args.decode_step_prefill_tokens > 0 else None),
         eos_ids=eos_ids,
         schedule_policy=args.schedule_policy,
         conservativeness=args.schedule_conservativeness), cache=_prefix_cache(args, blocks),

@@ -6,7 +6,9 @@ Each step:
    when the pool runs out the prefix cache gives back its least recently used unlocked pages,
    then the newest running request is preempted (its pages go to the cache, it is recomputed
    later from its prompt + output, starting from whatever of it is still cached);
-3. the prefill budget (`--chunked-prefill-size`, `--max-prefill-tokens`) is spent on partly
+3. the prefill budget (`--chunked-prefill-size`, `--max-prefill-tokens`; no more than
+   `--decode-step-prefill-tokens` when the step also runs decodes, so their gap between tokens
+   stays bounded while a lone prompt still prefills in whole chunks) is spent on partly
    filled requests, then on waiting ones (up to `--max-running-requests`, in arrival order or,
    with `--schedule-policy lpm`, longest cached prefix first); a request taken from the queue
    first takes the cached pages of its prompt's longest prefix (pdcore.engine.kv.radix) and
@@ -49,6 +51,9 @@ class SchedulerConfig:
     max_running: int = 64
     chunk_size: int = 2048
     max_prefill_tokens: int = 8192
+    # --decode-step-prefill-tokens: the prefill budget of a step that also runs decodes (None:
+    # the same as a step without: the chunk)
+    decode_step_prefill: int | None = None
     context_length: int = 8192
     eos_ids: frozenset[int] = frozenset()
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
@@ -215,8 +220,11 @@ class Scheduler:
 
     def schedule_prefills(self, items: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
         """`items` (the decodes) plus the prefill budget spent on partly filled requests, then
-        on waiting ones."""
+        on waiting ones; a step with decodes spends at most cfg.decode_step_prefill. The
+        partly filled ones go first, so a long prompt progresses every step."""
         budget = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
+        if items and self.cfg.decode_step_prefill is not None:
+            budget = min(budget, self.cfg.decode_step_prefill)
         scheduled = {id(r) for r, _ in items}
         for req in [r for r in self.running if r.remaining > 1 and id(r) not in scheduled]:
             if budget <= 0:

@@ -103,6 +103,9 @@ HELP: dict[str, str] = {
     "max_running_requests": "largest running batch",
     "chunked_prefill_size": "prefill chunk in tokens (-1: no chunking)",
     "max_prefill_tokens": "token budget of one prefill batch",
+    "decode_step_prefill_tokens": "prefill tokens a step may carry while it also runs decodes "
+                                  "(bounds their gap between tokens; a step with no decodes "
+                                  "takes --chunked-prefill-size; -1: the chunk size there too)",
     "disable_radix_cache": "turn the prefix cache (RadixAttention) off: every prompt is "
                            "computed in full",
     "schedule_policy": "queue order: fcfs (arrival) or lpm (longest cached prefix first)",
