@@ -112,19 +112,19 @@ async def closed_loop(url: str, reqs: list[Request], concurrency: int, timeout: 
 
 async def open_loop(url: str, reqs: list[Request], timeout: float) -> tuple[list[Any], float]:
     """Each request sent at its arrival time whatever is in flight (Poisson: an open loop);
-    (results, wall seconds until the last one ended)."""
+    (results in the order of `reqs`, wall seconds until the last one ended)."""
     from serving import stream_completion
 
-    results: list[Any] = []
+    results: list[Any] = [None] * len(reqs)
     async with _client(len(reqs)) as client:
         t0 = time.perf_counter()
 
-        async def one(r: Request) -> None:
+        async def one(i: int, r: Request) -> None:
             delay = t0 + r.arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            results.append(await stream_completion(client, url, r.prompt, r.max_tokens,
-                                                   timeout=timeout))
+            results[i] = await stream_completion(client, url, r.prompt, r.max_tokens,
+                                                 timeout=timeout)
 
-        await asyncio.gather(*(one(r) for r in reqs))
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
         return results, time.perf_counter() - t0

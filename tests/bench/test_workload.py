@@ -75,3 +75,57 @@ def test_a_trial_is_judged_by_p99s_or_by_attainment(monkeypatch) -> None:
     assert verdicts[("--attainment", "0.9")]["attainment"] == 0.9
     assert verdicts[("--attainment", "0.9")]["served"]
     assert not verdicts[("--attainment", "0.95")]["served"]
+
+
+def test_a_trial_of_several_seeds_is_one_stream_judged_per_seed(monkeypatch) -> None:
+    """--seeds 3: three request sets back to back in one Poisson stream (the first is the
+    one-seed trial's set); attainment is the mean of the sets' shares, their spread kept."""
+    from serving import Result
+
+    sent = []
+
+    def result(ttft: float) -> Result:
+        return Result(prompt_len=8, start=0.0, ttft=ttft, tokens=11, end=ttft + 0.5,
+                      chunk_times=[ttft + 0.05 * i for i in range(11)])
+
+    async def fake_loop(url, reqs, timeout):
+        sent.extend(reqs)
+        # the second set's requests all start late: that set attains 0, the others 1
+        return [result(5.0 if 4 <= i < 8 else 0.2) for i in range(len(reqs))], 10.0
+
+    monkeypatch.setattr(goodput, "open_loop", fake_loop)
+    args = goodput.parse_args(["--requests", "4", "--seeds", "3", "--attainment", "0.9"])
+    out = goodput.trial("http://unused", 2.0, args, workload.QUICK, 1000)
+    assert len(sent) == 12 and out["requests"] == 12
+    times = [r.arrival for r in sent]
+    assert all(b > a for a, b in zip(times, times[1:]))
+    one = workload.requests(4, 1000, goodput.seeds_at(2.0, args)[0], workload.QUICK, rate=2.0)
+    assert [r.prompt for r in sent[:4]] == [r.prompt for r in one]
+    assert len(set(goodput.seeds_at(2.0, args))) == 3
+    assert out["attainment_per_seed"] == [1.0, 0.0, 1.0]
+    assert abs(out["attainment"] - 2 / 3) < 1e-9 and not out["served"]
+
+
+def test_the_quiet_lock_waits_for_its_holder(tmp_path) -> None:
+    import fcntl
+    import os
+
+    import pytest
+
+    path = str(tmp_path / "quiet.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(RuntimeError, match="busy"):
+            with goodput.quiet(path, timeout=1.2):
+                pass
+    finally:
+        os.close(fd)
+    with goodput.quiet(path, timeout=1.2) as waited:
+        assert waited < 1.0
+        other = os.open(path, os.O_RDWR)
+        try:  # held now: another holder is refused
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
