@@ -192,6 +192,18 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
     for (int j = 0; j < kn; ++j)
       vrow[j] = v_wide ? v_wide + (h * s.ctx + k0 + j) * D
                        : v_in_place + (tab[k0 + j] * s.KVH + h) * D;
+    // the next block's K tile and V rows toward L2 while this block computes (V rows sit in
+    // pool slots KVH x D floats apart, in no order the hardware prefetcher follows)
+    if (k0 + PF_KB < kend) {
+      const int64_t k1 = k0 + PF_KB, kn1 = std::min<int64_t>(PF_KB, kend - k1);
+      const char* ktn = reinterpret_cast<const char*>(kt + D * PF_KB);
+      for (int64_t x = 0; x < D * PF_KB * 4; x += 64) _mm_prefetch(ktn + x, _MM_HINT_T1);
+      for (int64_t j = 0; j < kn1; ++j) {
+        const char* vr = reinterpret_cast<const char*>(
+            v_wide ? v_wide + (h * s.ctx + k1 + j) * D : v_in_place + (tab[k1 + j] * s.KVH + h) * D);
+        for (int64_t x = 0; x < D * 4; x += 64) _mm_prefetch(vr + x, _MM_HINT_T1);
+      }
+    }
     int64_t r = 0;
     for (; r + PF_QK_RB <= R; r += PF_QK_RB)
       pf_qk_block<PF_QK_RB>(qp + r * D, D, kt, kn, sc + r * PF_KB, spill);
