@@ -98,6 +98,17 @@ class Constraint:
         return [int(t) for t in self.m.find_jump_forward_tokens()]
 
 
+def _strict(xgr: Any, grammar: Any) -> Any:
+    """`grammar` with its JSON strings closed to raw control characters: xgrammar 0.2 writes the
+    characters of a string with maxLength / minLength as anything but a quote, a backslash, CR and
+    LF, which lets U+0000-U+001F through (strict JSON refuses them: a forced tool call was read
+    back as plain content, a response_format answer did not load)."""
+    text = str(grammar)
+    if _LAX_CHARS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LAX_CHARS, _STRICT_CHARS))
+
+
 class GrammarBackend:
     """Compiles grammars for one model's vocabulary and makes matchers; thread-safe building."""
 
@@ -165,21 +176,15 @@ class GrammarBackend:
                     begin=s["begin"], end=s["end"],
                     schema=s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"]))
                     for s in tag["structures"]]
-                return comp.compile_structural_tag(items, list(tag.get("triggers") or []))
-            return comp.compile_structural_tag(spec.source)
+                grammar = xgr.Grammar.from_structural_tag(items, list(tag.get("triggers") or []))
+            else:
+                grammar = self._xgr().Grammar.from_structural_tag(spec.source)
+            return comp.compile_grammar(_strict(self._xgr(), grammar))
         raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", spec.field)
 
     def _schema(self, source: str) -> Any:
-        """The grammar of a JSON schema, its strings closed to raw control characters: xgrammar
-        0.2 writes the characters of a string with maxLength / minLength as anything but a quote,
-        a backslash, CR and LF, which lets U+0000-U+001F through (strict JSON refuses them: a
-        forced tool call was read back as plain content, a response_format answer did not load)."""
-        g = self._xgr().Grammar
-        grammar = g.from_json_schema(source, any_whitespace=self.any_whitespace)
-        text = str(grammar)
-        if _LAX_CHARS not in text:
-            return grammar
-        return g.from_ebnf(text.replace(_LAX_CHARS, _STRICT_CHARS))
+        xgr = self._xgr()
+        return _strict(xgr, xgr.Grammar.from_json_schema(source, any_whitespace=self.any_whitespace))
 
     def _tool_call(self, src: dict[str, Any]) -> Any:
         """One of the alternatives, each a fixed prefix, JSON following a schema and a fixed

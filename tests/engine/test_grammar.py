@@ -300,3 +300,23 @@ def test_strings_hold_no_raw_control_characters_even_with_a_max_length(backend, 
             text, done = _one_row(backend, tok, spec, seed, controls, 50.0, temperature=1.0)
             assert done, text
             assert set(json.loads(text)) == {"city"}, text  # strict: no raw control character
+
+
+def test_structural_tags_close_bounded_strings_to_control_characters_too(backend) -> None:
+    """Both structural-tag forms (SGLang's begin / schema / end with triggers, and xgrammar's
+    `format`) compile their schemas through the same JSON rules: a raw control character inside
+    a bounded string of a tag's JSON is refused, a plain one and free text outside tags are not."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+              "required": ["city"]}
+    sglang_form = {"structures": [{"begin": "<f=w>", "schema": schema, "end": "</f>"}],
+                   "triggers": ["<f="]}
+    format_form = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<f="],
+        "tags": [{"begin": "<f=w>", "content": {"type": "json_schema", "json_schema": schema},
+                  "end": "</f>"}]}}
+    for tag in (sglang_form, format_form):
+        compiled = backend.compiled_grammar(GrammarSpec("structural_tag", json.dumps(tag)))
+        assert xgr.GrammarMatcher(compiled).accept_string('hi <f=w>{"city": "Paris"}</f> ok')
+        assert not xgr.GrammarMatcher(compiled).accept_string('hi <f=w>{"city": "a\x1eb"}</f>')
