@@ -66,11 +66,12 @@ class DecodeKV:
 
     def begin(self, batch: ForwardBatch, dtype: torch.dtype, *, in_place: bool = False) -> str:
         """Decide how this forward uses the view; call once per forward, before the layers.
-        `in_place`: the paged kernel reads this forward's pool as it is (`reads_in_place`).
+        `in_place`: no view, the paged kernel reads this forward's pool as it is (the caller
+        passes it when `prefer_pool` and `reads_in_place` both hold).
         The view stays invalid until `end` (a forward that fails midway leaves it so)."""
         was_valid, self.valid, self.mode = self.valid, False, ""
         group = batch.decode_group()
-        if self.budget <= 0 or group is None or (in_place and self.prefer_pool):
+        if self.budget <= 0 or group is None or in_place:
             return ""
         keys = tuple(s.key for s in group.seqs)
         if any(k is None for k in keys):

@@ -439,8 +439,9 @@ class LlamaForCausalLM(CausalLM):
         # attention then rounds once instead of per step
         view_dtype = torch.float32 if h.dtype in (torch.bfloat16, torch.float16) else h.dtype
         view = None
-        if self.decode_kv is not None and self.decode_kv.begin(
-                batch, view_dtype, in_place=bool(kv) and reads_in_place(h, kv[0][0])):
+        dkv = self.decode_kv
+        if dkv is not None and dkv.begin(batch, view_dtype, in_place=dkv.prefer_pool and bool(kv)
+                                         and reads_in_place(h, kv[0][0])):
             view = batch.kv_view = self.decode_kv
         return LlamaStep(cos, sin, kv, batch, view, view_dtype)
 
