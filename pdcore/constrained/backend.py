@@ -168,18 +168,17 @@ class GrammarBackend:
         if spec.kind == "tool_call":  # server/tools/chat_tools.py: forced tool calls
             return comp.compile_grammar(self._tool_call(json.loads(spec.source)))
         if spec.kind == "structural_tag":
-            tag = json.loads(spec.source)
+            tag, xgr = json.loads(spec.source), self._xgr()
             if isinstance(tag, dict) and "structures" in tag and "format" not in tag:
                 # SGLang's form: {"structures": [{begin, schema, end}], "triggers": [...]}
-                xgr = self._xgr()
                 items = [xgr.StructuralTagItem(
                     begin=s["begin"], end=s["end"],
                     schema=s["schema"] if isinstance(s["schema"], str) else json.dumps(s["schema"]))
                     for s in tag["structures"]]
                 grammar = xgr.Grammar.from_structural_tag(items, list(tag.get("triggers") or []))
             else:
-                grammar = self._xgr().Grammar.from_structural_tag(spec.source)
-            return comp.compile_grammar(_strict(self._xgr(), grammar))
+                grammar = xgr.Grammar.from_structural_tag(spec.source)
+            return comp.compile_grammar(_strict(xgr, grammar))
         raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", spec.field)
 
     def _schema(self, source: str) -> Any:

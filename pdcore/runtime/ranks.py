@@ -119,7 +119,7 @@ class RankGroup:
             ranks = list(replica_ranks(self.args))
             self.method = self.args.dp_attention_init
             self.children = spawn_ranks(self.args, self.method, ranks[1:])
-            self.tp = join_group(self.args, ranks[0], self.args.dp_attention_init)
+            self.tp = join_group(self.args, ranks[0], self.method)
             return self.tp
         self.method = init_method(self.args)
         self.children = spawn_ranks(self.args, self.method,
