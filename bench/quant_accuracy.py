@@ -133,6 +133,11 @@ FORMATS: dict[str, str] = {
     "w8a8 rtn + bf16 lm_head": "w8a8 rtn with its float lm_head's weights rounded to bf16 at "
                               "load, float32 activations (PDCORE_W8A8_LM_HEAD=bf16)",
     "w8a8 sq gptq down_proj float + bf16 lm_head": "that best W8A8 with the bf16 lm_head",
+    "w8a8 rtn + bf16_dot lm_head": "w8a8 rtn with the bf16 lm_head's weights and its input "
+                                  "rounded to bf16, bf16 dot products, float32 logits "
+                                  "(PDCORE_W8A8_LM_HEAD=bf16_dot; AVX-512 BF16)",
+    "w8a8 sq gptq down_proj float + bf16_dot lm_head": "that best W8A8 with the bf16_dot "
+                                                       "lm_head",
     "fp8 block rtn": "FP8 e4m3 weights, 128x128 block scales (DeepSeek-V3 layout), rounded to "
                      "nearest; activations float",
     "fp8 block gptq": "FP8 e4m3 weights, 128x128 block scales, GPTQ rounding to the e4m3 grid",

@@ -42,7 +42,8 @@ from common import Run, alternating, bar_groups, figure, load_note, save_figure
 
 NAME = "quant_speed"
 # the W8A8 systems: PDCORE_W8A8_LM_HEAD of each
-HEADS = {"w8a8_int8": "float", "w8a8_int8_head": "int8", "w8a8_int8_bf16head": "bf16"}
+HEADS = {"w8a8_int8": "float", "w8a8_int8_head": "int8", "w8a8_int8_bf16head": "bf16",
+         "w8a8_int8_bf16dot": "bf16_dot"}
 
 UNFUSED = "_unfused"  # a system's twin with the native plan's int8_fused off
 # a system's twin whose lone decode (batch 1) runs the Python loop: decode_group's rule before
@@ -143,8 +144,9 @@ def main() -> None:
                          "serves to vLLM) instead of quantizing --model-path afresh")
     ap.add_argument("--systems", default="float32,w8a8_int8",
                     help="of float32, w8a8_int8 (the lm_head float, as stored), "
-                         "w8a8_int8_head (PDCORE_W8A8_LM_HEAD=int8) and w8a8_int8_bf16head "
-                         "(PDCORE_W8A8_LM_HEAD=bf16); a W8A8 one + '_unfused': its twin with "
+                         "w8a8_int8_head (PDCORE_W8A8_LM_HEAD=int8), w8a8_int8_bf16head "
+                         "(PDCORE_W8A8_LM_HEAD=bf16) and w8a8_int8_bf16dot "
+                         "(PDCORE_W8A8_LM_HEAD=bf16_dot); a W8A8 one + '_unfused': its twin with "
                          "the activation quantization apart (the loop before int8_act.h); "
                          "any + '_lonepy': its twin whose lone decode runs the Python loop "
                          "(before #48)")

@@ -252,12 +252,14 @@ class Engine(Group):
                              "weights packed, as the file holds them; 0: de-quantized at load")
     pdcore_gguf_dot = Var("int8", choice("float", "int8", listing="float or int8"), "packed GGUF "
                           "GEMMs: float32 on de-quantized weights, or `int8` x and integer dots")
-    pdcore_w8a8_lm_head = Var("bf16", choice("float", "bf16", "int8",
-                                             listing="float, bf16 or int8"),
+    pdcore_w8a8_lm_head = Var("bf16", choice("float", "bf16", "bf16_dot", "int8",
+                                             listing="float, bf16, bf16_dot or int8"),
                               "a W8A8 model's lm_head: `bf16` weights (half the bytes of the "
-                              "float one the checkpoint stores; float32 activations), `float` "
-                              "as the checkpoint stores it, or `int8` per output channel like "
-                              "the body (a quarter, less accurate)")
+                              "float one the checkpoint stores; float32 activations), "
+                              "`bf16_dot` bf16 weights and activations with AVX-512 BF16 dot "
+                              "products (float32 logits; elsewhere `bf16`), `float` as the "
+                              "checkpoint stores it, or `int8` per output channel like the "
+                              "body (a quarter, less accurate)")
     pdcore_cache_dir: Var[str | None] = Var(
         None, text, "where converted GGUF models are kept", shown="~/.cache/pdserve")
     pdserve_spec_gate = Var(

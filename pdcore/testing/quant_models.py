@@ -233,14 +233,16 @@ def fake_quant_rows(x):  # type: ignore[no-untyped-def]
 
 
 def w8a8_reference(w8a8: str, float_src: str,  # type: ignore[no-untyped-def]
-                   int8_lm_head: bool = False, bf16_lm_head: bool = False):
+                   int8_lm_head: bool = False, bf16_lm_head: bool = False,
+                   bf16_input: bool = False):
     """transformers' model of `float_src`'s config with the W8A8 checkpoint's weights
     de-quantized (w_q * s_w, float32) and every quantized projection's input fake-quantized per
     token (`fake_quant_rows`): the same quantized math in float arithmetic, for greedy
     comparisons. `int8_lm_head`: the lm_head too, its weights quantized per output channel by
     compressed-tensors' qparams and quantize (what pdserve does at load with
     PDCORE_W8A8_LM_HEAD=int8, engine/model/quant.int8_lm_head), its input per token;
-    `bf16_lm_head`: its weights rounded to bf16, its input float (PDCORE_W8A8_LM_HEAD=bf16)."""
+    `bf16_lm_head`: its weights rounded to bf16, its input float (PDCORE_W8A8_LM_HEAD=bf16);
+    with `bf16_input` its input rounded to bf16 too (PDCORE_W8A8_LM_HEAD=bf16_dot)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -273,6 +275,9 @@ def w8a8_reference(w8a8: str, float_src: str,  # type: ignore[no-untyped-def]
     elif bf16_lm_head:
         w = model.lm_head.weight.detach()
         model.lm_head.weight = torch.nn.Parameter(w.bfloat16().float(), requires_grad=False)
+        if bf16_input:
+            model.lm_head.register_forward_pre_hook(
+                lambda _m, args: (args[0].bfloat16().to(args[0].dtype),))
     for name, mod in model.named_modules():  # the int8 layers' inputs (not `ignore`d ones)
         w = sd.get(name + ".weight")
         if isinstance(mod, torch.nn.Linear) and w is not None and w.dtype == torch.int8:

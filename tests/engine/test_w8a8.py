@@ -95,13 +95,119 @@ def test_the_bf16_lm_head_holds_the_rounded_weights(w8a8_dir, tiny_llama_dir, mo
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head", ["int8", "bf16"])
+def _bf16_dot_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    """(x rounded to bf16) @ (w rounded to bf16)^T (+ b) in float64, and the bound on float32
+    summation error over K terms (|x| @ |w|^T, K ulps of the largest partial sum)."""
+    xb, wb = x.bfloat16().double(), w.bfloat16().double()
+    y = xb @ wb.t() + (0 if b is None else b.double())
+    bound = (xb.abs() @ wb.abs().t() + (0 if b is None else b.double().abs())) \
+        * x.shape[-1] * 2.0 ** -23
+    return y, bound
+
+
+def test_the_bf16_dot_head_is_the_bf16_rounded_math():
+    """linear_bf16_f32 (bf16_head.h): float32 x rounded to bf16, bf16 pair panels, float32
+    logits: within float32 summation error of (x rounded) @ (W rounded)^T, not rounded to bf16
+    after, a row's bits the same alone as in any batch (tiles of 1-12 rows, more than one tile,
+    a partial last panel), with a float32 bias; layers.linear takes it for float32 x."""
+    from pdcore.engine.model.layers import linear, pack_panels_bf16, stand_in
+    from pdcore.engine.model.loader import bf16_dot_support
+
+    if why := bf16_dot_support():
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(1)
+    n, k = 100, 96
+    w = torch.randn(n, k, generator=g) / 8
+    x = torch.randn(30, k, generator=g) * torch.logspace(-2, 2, 30)[:, None]
+    b = torch.randn(n, generator=g)
+    panels = pack_panels_bf16(w.bfloat16())
+    op = torch.ops.pdcore_native.linear_bf16_f32
+    for rows in (1, 3, 8, 12, 13, 30):
+        for bias in (None, b):
+            y = op(x[:rows], panels, n, bias)
+            assert y.dtype == torch.float32 and y.shape == (rows, n)
+            want, bound = _bf16_dot_reference(x[:rows], w, bias)
+            assert bool(((y.double() - want).abs() <= bound + 1e-30).all()), rows
+    # float32 out: most logits are not bf16 values; unrounded x would miss the bound
+    y = op(x, panels, n, None)
+    assert (y != y.bfloat16().float()).float().mean() > 0.9
+    want, bound = _bf16_dot_reference(x, w)
+    assert bool(((x.double() @ w.bfloat16().double().t() - want).abs() > bound).any())
+    for r in (0, 7, 29):  # a row alone: the same bits as in the batch of 30
+        assert torch.equal(op(x[r : r + 1], panels, n, b)[0], op(x, panels, n, b)[r])
+    assert torch.equal(linear(x.view(5, 6, k), stand_in(w), None, panels), y.view(5, 6, n))
+    assert torch.equal(op(x.bfloat16(), panels, n, None), y)  # bf16 x: the same
+    assert op(x[:0], panels, n, None).shape == (0, n)
+
+
+def test_the_bf16_dot_head_holds_pair_panels(w8a8_dir, tiny_llama_dir, monkeypatch):
+    """PDCORE_W8A8_LM_HEAD=bf16_dot where the CPU has AVX-512 BF16: the float lm_head becomes
+    bf16 pair panels of its rounded weights (the bytes of the bf16 head) and the logits are the
+    bf16-rounded math in float32."""
+    from pdcore.engine.model.layers import linear, pack_panels_bf16
+    from pdcore.engine.model.loader import bf16_dot_support
+
+    if why := bf16_dot_support():
+        pytest.skip(why)
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "bf16_dot")
+    model, cfg, _ = load_model(w8a8_dir, torch.float32, torch.device("cpu"))
+    ref = w8a8_reference(w8a8_dir, str(tiny_llama_dir), bf16_lm_head=True).lm_head.weight
+    head = model.lm_head_packed
+    assert head.dtype == torch.bfloat16 and torch.equal(head, pack_panels_bf16(ref.bfloat16()))
+    assert model.lm_head.dtype == torch.int8 and model.lm_head.stride() == (0, 0)
+    assert weight_layouts(model)["panels"] == 1
+    h = torch.randn(3, cfg.hidden_size)
+    want, bound = _bf16_dot_reference(h, ref.detach())
+    got = linear(h, model.lm_head, None, head)
+    assert got.dtype == torch.float32 and bool(((got.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("lacks", ["cpu_isa_avx2", "cpuinfo_no_bf16", "library_no_bf16"])
+def test_the_bf16_dot_head_falls_back_to_the_bf16_one(w8a8_dir, tiny_llama_dir, monkeypatch,
+                                                      tmp_path, caplog, lacks):
+    """Where the CPU lacks AVX-512 BF16 (PDCORE_CPU_ISA=avx2 forcing it down; an AVX-512 CPU
+    without it, a Skylake-SP's flags in PDCORE_CPUINFO; a native library without the bf16 GEMM,
+    as the avx2 one) PDCORE_W8A8_LM_HEAD=bf16_dot serves the bf16-weight head, and says so."""
+    import logging
+
+    from pdcore.engine import native
+    from pdcore.engine.model.layers import pack_panels
+    from pdcore.engine.model.loader import bf16_dot_support
+
+    if lacks == "cpu_isa_avx2":
+        monkeypatch.setenv("PDCORE_CPU_ISA", "avx2")
+    elif lacks == "cpuinfo_no_bf16":
+        info = tmp_path / "cpuinfo"
+        info.write_text("flags\t\t: fpu sse4_2 avx f16c fma avx2 avx512f avx512dq avx512bw "
+                        "avx512vl avx512_vnni\n")
+        monkeypatch.setenv("PDCORE_CPUINFO", str(info))
+    else:
+        native.bf16_gemm()  # resolved first, then answered as the avx2 library answers
+        monkeypatch.setitem(native._state, "bf16", False)
+    assert bf16_dot_support()
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "bf16_dot")
+    with caplog.at_level(logging.INFO, logger="pdcore.engine.model.loader"):
+        model, _, _ = load_model(w8a8_dir, torch.float32, torch.device("cpu"))
+    assert "the bf16_dot head does not serve here" in caplog.text
+    head = model.lm_head_packed
+    if not native.panel_gemm():
+        assert model.lm_head.dtype == torch.float32 and head is None
+        return
+    ref = w8a8_reference(w8a8_dir, str(tiny_llama_dir), bf16_lm_head=True).lm_head.weight
+    assert head.dim() == 3 and torch.equal(head, pack_panels(ref.bfloat16()))
+
+
+@pytest.mark.parametrize("head", ["int8", "bf16", "bf16_dot"])
 def test_greedy_equals_the_float_reference_of_the_same_math(w8a8_dir, tiny_llama_dir,
                                                             monkeypatch, head):
-    """With the int8 or bf16 lm_head (PDCORE_W8A8_LM_HEAD; the float one: the next test)."""
+    """With the int8, bf16 or bf16_dot lm_head (PDCORE_W8A8_LM_HEAD; the float one: the next
+    test; bf16_dot's reference rounds the head's input to bf16 where it serves)."""
+    from pdcore.engine.model.loader import bf16_dot_support
+
     monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", head)
     ref = w8a8_reference(w8a8_dir, str(tiny_llama_dir), int8_lm_head=head == "int8",
-                         bf16_lm_head=head == "bf16")
+                         bf16_lm_head=head.startswith("bf16"),
+                         bf16_input=head == "bf16_dot" and not bf16_dot_support())
     eng = LLMEngine(ServerArgs(model_path=w8a8_dir, max_total_tokens=1024, page_size=4))
     try:
         outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0.0,
@@ -109,6 +215,8 @@ def test_greedy_equals_the_float_reference_of_the_same_math(w8a8_dir, tiny_llama
         # where the native int8 GEMM serves, the decode steps ran the native layer loop over it
         model = eng.engine.model
         assert (model.native_steps > 0) == (model.native is not None)
+        if head == "bf16_dot" and not bf16_dot_support():  # the bf16 dot-product head served
+            assert model.lm_head_packed.dim() == 4
     finally:
         eng.close()
     # the logprobs agree to 3e-3 (3e-4 seen with the float lm_head, 1.5e-3 with the int8 one:

@@ -301,7 +301,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: torch.Tensor | Int8Weight | None = None) -> torch.Tensor:
     """F.linear, through the packed weight when there is one (then `weight` may be its
     stand-in and is only asked for its shape); an Int8Weight (a W8A8 model's int8 lm_head,
-    quant.int8_lm_head) computes its int8 GEMM."""
+    quant.int8_lm_head) computes its int8 GEMM; bf16 pair panels under float32 x (a W8A8
+    model's bf16_dot lm_head) give float32 out."""
     if packed is None:
         return F.linear(x, weight, bias)
     if isinstance(packed, Int8Weight):
@@ -309,8 +310,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if gguf_packed.is_packed(packed):  # GGUF blocks (gguf_packed.py)
         return gguf_packed.linear(x, packed, weight.shape[0], bias)
     if packed.layout == torch.strided:  # panels: float32 [P, K, 32], bf16 [P, K/2, 32, 2]
-        op = torch.ops.pdcore_native.linear if packed.dim() == 3 \
-            else torch.ops.pdcore_native.linear_bf16
+        ops = torch.ops.pdcore_native
+        # bf16 pair panels under float32 x: a W8A8 model's bf16_dot lm_head (x rounded to
+        # bf16, float32 out: loader.bf16_dot_lm_head)
+        op = ops.linear if packed.dim() == 3 else ops.linear_bf16 \
+            if x.dtype == torch.bfloat16 else ops.linear_bf16_f32
         return op(x, packed, weight.shape[0], bias)
     lead = x.shape[:-1]
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none",

@@ -20,7 +20,7 @@ from pdcore.engine.model.gguf_cache import converted
 from pdcore.engine.model.gguf_packed import GGUFCheckpoint
 from pdcore.engine.model.hf_config import read_plain_config
 from pdcore.engine.model import quant_config
-from pdcore.engine.model.layers import TPInfo, pack_panels
+from pdcore.engine.model.layers import TPInfo, pack_panels, pack_panels_bf16
 from pdcore.engine.model.fp8 import Fp8Checkpoint, fp8_layers
 from pdcore.engine.model.modelslim import modelslim_checkpoint
 from pdcore.engine.model.quant import Int8Checkpoint, int8_lm_head, lm_head_stand_in
@@ -226,20 +226,59 @@ def bf16_lm_head(model: torch.nn.Module) -> bool:
     return True
 
 
+def bf16_dot_support() -> str:
+    """'' where the bf16 dot-product lm_head serves (the native bf16 GEMM: the avx512 library
+    on a CPU with AVX-512 BF16, as cpu_features sees it, so PDCORE_CPU_ISA=avx2 and
+    PDCORE_CPUINFO hide it too), else why not."""
+    from pdcore.engine import native
+    from pdcore.engine.cpu_features import cpu_flags
+
+    if "avx512_bf16" not in cpu_flags():
+        return "this CPU has no avx512_bf16"
+    if not native.bf16_gemm():
+        return f"no native bf16 GEMM ({native.status() or 'native kernels off'})"
+    return ""
+
+
+def bf16_dot_lm_head(model: torch.nn.Module) -> bool:
+    """Replace a W8A8 model's float32 lm_head by bf16 pair panels (layers.pack_panels_bf16 of
+    the matrix rounded to bf16) as its `lm_head_packed`: layers.linear hands float32 x with them
+    to the native bf16 dot-product head (bf16_head.h: x rounded to bf16, vdpbf16ps, float32
+    logits). The caller checks bf16_dot_support first. False where the lm_head is already
+    packed or is not a float32 matrix of even width on the CPU."""
+    head = model.lm_head
+    if (getattr(model, "lm_head_packed", None) is not None or head.dim() != 2
+            or head.dtype != torch.float32 or head.device.type != "cpu" or head.shape[1] % 2):
+        return False
+    model.lm_head_packed = pack_panels_bf16(head.detach().to(torch.bfloat16))
+    model.lm_head = lm_head_stand_in(head)
+    return True
+
+
 def _w8a8_lm_head(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """PDCORE_W8A8_LM_HEAD: a W8A8 model's float lm_head rounded to bf16 weights (bf16_lm_head,
-    the default, where the model computes in float32: the panel GEMM takes float32
-    activations), kept as the checkpoint stores it (float) or quantized to int8 like the body
-    (quant.int8_lm_head), on the CPU; logged either way."""
+    where the model computes in float32: the panel GEMM takes float32 activations), with its
+    activations rounded to bf16 too and bf16 dot products (bf16_dot_lm_head, where the CPU has
+    AVX-512 BF16; elsewhere the bf16 one), kept as the checkpoint stores it (float) or
+    quantized to int8 like the body (quant.int8_lm_head), on the CPU; logged either way."""
     how = ENV.pdcore_w8a8_lm_head
-    if how == "bf16" and dtype != torch.float32:
-        log.info("W8A8 lm_head: as the checkpoint stores it (the bf16-weight head serves "
-                 "float32 activations; this model computes in %s)", dtype)
+    if how in ("bf16", "bf16_dot") and dtype != torch.float32:
+        log.info("W8A8 lm_head: as the checkpoint stores it (the %s head serves float32 "
+                 "activations; this model computes in %s)", how, dtype)
         return
     if how == "float":
         log.info("W8A8 lm_head: float as the checkpoint stores it (PDCORE_W8A8_LM_HEAD=float; "
-                 "the default bf16 halves its bytes; docs/quantization.md)")
+                 "bf16 or bf16_dot halves its bytes; docs/quantization.md)")
         return
+    if how == "bf16_dot":
+        why = bf16_dot_support()
+        if not why and bf16_dot_lm_head(model):
+            log.info("W8A8 lm_head: bf16 weights and activations, bf16 dot products, float32 "
+                     "logits (PDCORE_W8A8_LM_HEAD=bf16_dot)")
+            return
+        log.info("W8A8 lm_head: the bf16_dot head does not serve here (%s); the bf16 one "
+                 "instead", why or "not a float32 matrix of even width on the CPU")
+        how = "bf16"
     done = (int8_lm_head if how == "int8" else bf16_lm_head)(model)
     log.info("W8A8 lm_head: %s (PDCORE_W8A8_LM_HEAD=%s)",
              ("int8 per output channel, quantized at load" if how == "int8" else

@@ -22,7 +22,9 @@ attached (`SCALE_ATTR`) and keeps it as an `Int8Weight` instead of a float matri
 The checkpoint leaves the lm_head float (compressed-tensors' `ignore: ["lm_head"]`, as
 llmcompressor writes it): on SmolLM2-135M its tied 49152 x 576 float32 matrix is half the bytes
 a decode step reads. By default (PDCORE_W8A8_LM_HEAD=bf16) loader.bf16_lm_head rounds its weights
-to bf16 (half the bytes; float32 activations); =float keeps it as stored. With
+to bf16 (half the bytes; float32 activations); =float keeps it as stored; =bf16_dot (opt-in,
+AVX-512 BF16) rounds its input to bf16 too for bf16 dot products with float32 logits
+(loader.bf16_dot_lm_head: no step gain measured on Zen 5, docs/quantization.md). With
 PDCORE_W8A8_LM_HEAD=int8, `int8_lm_head` quantizes it at load the way
 the body is quantized (one symmetric scale per output channel with compressed-tensors' qparams;
 activations per token at run time), so it runs through the same int8 GEMM at a quarter of the

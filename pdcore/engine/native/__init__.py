@@ -1,12 +1,14 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
-(decode_step.cpp with the headers beside it: gemm.h, int8_gemm.h, int8_act.h, attention.h,
-prefill_attention.h, attn_block.h, elementwise.h, common.h and vec.h, the vector layer they are
-written against):
+(decode_step.cpp with the headers beside it: gemm.h, bf16_head.h, int8_gemm.h, int8_act.h,
+attention.h, prefill_attention.h, attn_block.h, elementwise.h, common.h and vec.h, the vector
+layer they are written against):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
   `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight), kernels
   that read each weight byte once per decode step (bf16: AVX-512 BF16 only); models/layers.py
   routes a weight through them where they measured faster than oneDNN at load;
+  `linear_bf16_f32` (bf16_head.h): float32 x rounded to bf16 against bf16 pair panels,
+  float32 out (a W8A8 model's lm_head with PDCORE_W8A8_LM_HEAD=bf16_dot; AVX-512 BF16 only);
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
   `decode_attention_paged`: the same kernel reading the K/V pool in place through the
   sequences' slot table (no view, no gather: contexts past the view's budget, lone decodes);

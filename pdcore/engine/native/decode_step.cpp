@@ -1,5 +1,6 @@
 // The engine's native kernels (see native/__init__.py), one translation unit: float32 and bf16
-// GEMMs over weight panels (gemm.h), decode attention over the decode K/V view (attention.h),
+// GEMMs over weight panels (gemm.h; bf16_head.h: a float32 model's lm_head over bf16 weights
+// with bf16 dot products), decode attention over the decode K/V view (attention.h),
 // the fused rotary + K/V stores and bf16 silu * up (elementwise.h), token sampling
 // (sampler.h), and here the Llama-family
 // decode layer loop and the operators' registration. The loop calls the same operators (these
@@ -7,6 +8,7 @@
 // models/llama.py for a decode-only step through the view, so the result is the same to the
 // bit; what it removes is the interpreter between ~25 small operators a layer.
 #include "attention.h"
+#include "bf16_head.h"
 #include "common.h"
 #include "elementwise.h"
 #include "gemm.h"
@@ -141,6 +143,8 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("linear_bf16(Tensor x, Tensor panels, int n, Tensor? b) -> Tensor");
   m.impl("linear_bf16", c10::DispatchKey::CompositeExplicitAutograd, &panel_linear_bf16);
   m.def("bf16_gemm_supported() -> bool", &bf16_gemm_supported);
+  m.def("linear_bf16_f32(Tensor x, Tensor panels, int n, Tensor? b) -> Tensor");
+  m.impl("linear_bf16_f32", c10::DispatchKey::CompositeExplicitAutograd, &panel_linear_bf16_f32);
   m.def("isa() -> str", &native_isa);
   m.def("gguf_linear(Tensor x, Tensor w, int n, Tensor? b) -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CompositeExplicitAutograd, &gguf_linear);
