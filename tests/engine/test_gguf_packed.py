@@ -5,7 +5,11 @@ embedding) served packed against its de-quantized float32 self."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,6 +262,39 @@ def packed_smollm2():
     finally:
         mp.undo()
     return model, resolved
+
+
+def test_the_local_type_table_is_ggmls() -> None:
+    """The block sizes and names a packed load reads without the `gguf` package are its own."""
+    for t, size in gp.QUANT_SIZES.items():
+        assert size == GGML_QUANT_SIZES[T(t)], T(t).name
+        assert gp.type_name(t) == T(t).name
+        assert gp.quant_size(t) == size
+    assert gp.quant_size(int(T.Q5_0)) == GGML_QUANT_SIZES[T.Q5_0]  # another type: the package's
+    assert gp.type_name(int(T.Q5_0)) == "Q5_0"
+
+
+def test_a_packed_load_does_not_import_the_gguf_package(smollm2_gguf) -> None:
+    """Reading the default GGUF packed (its tensors, their types, an embedding's width) leaves
+    `gguf` (and its `yaml`) out of the process: ~2 MiB an engine would keep resident (#48).
+    Failed before: read_tensors imported it for the block sizes."""
+    code = f"""
+import sys, types
+from pdcore.engine.model import gguf_packed as gp
+cfg = types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3)
+sd = gp.GGUFCheckpoint({str(smollm2_gguf)!r}, cfg)
+assert sd.summary().startswith("Q4_1"), sd.summary()
+emb = sd["model.embed_tokens.weight"]
+q = sd["model.layers.0.self_attn.q_proj.weight"]
+assert gp.in_features(gp.typed(emb, getattr(emb, gp.TYPE_ATTR))) == 576
+assert gp.in_features(gp.typed(q, getattr(q, gp.TYPE_ATTR))) == 576
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("gguf", "yaml")))
+"""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_the_default_model_loads_packed(packed_smollm2) -> None:

@@ -26,6 +26,32 @@ from torch import nn
 GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 PACKED_TYPES = frozenset(GGML_TYPES.values())
 TYPE_NAMES = {v: k for k, v in GGML_TYPES.items()}
+# (weights per block, bytes per block) of the packed and float types, as ggml defines them (the
+# `gguf` package's GGML_QUANT_SIZES; a test holds them equal): a packed model's load reads a
+# file of these types without importing `gguf`, which with its `yaml` costs the engine ~2 MiB
+# resident for good; another type asks the package (`quant_size`)
+QUANT_SIZES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144),
+               14: (256, 210), 30: (1, 2)}
+FLOAT_NAMES = {0: "F32", 1: "F16", 30: "BF16"}
+
+
+def quant_size(ggml_type: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a ggml type."""
+    if ggml_type in QUANT_SIZES:
+        return QUANT_SIZES[ggml_type]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+
+
+def type_name(ggml_type: int) -> str:
+    """A ggml type's name (Q4_1, F32, ...)."""
+    name = TYPE_NAMES.get(ggml_type) or FLOAT_NAMES.get(ggml_type)
+    if name is None:
+        from gguf import GGMLQuantizationType
+
+        name = GGMLQuantizationType(ggml_type).name
+    return name
 
 
 def typed(rows: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -77,9 +103,7 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
 
 def in_features(t: torch.Tensor) -> int:
     """K: the weights in one row."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(base_type(t))]
+    block, size = quant_size(base_type(t))
     return t.shape[2] // size * block
 
 
@@ -192,8 +216,6 @@ def read_tensors(path: str) -> tuple[str, dict[str, TensorInfo]]:
     import mmap
     import struct
 
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     from pdcore.engine.model.quant_config import gguf_skip_value
 
     arch, align = "?", 32
@@ -224,7 +246,7 @@ def read_tensors(path: str) -> tuple[str, dict[str, TensorInfo]]:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     tensors = {}
     for name, shape, qtype, offset in infos:
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        block, size = quant_size(qtype)
         if qtype in (0, 1):  # F32, F16
             dt = np.float32 if qtype == 0 else np.float16
             n = int(np.prod(shape))
@@ -258,19 +280,18 @@ class GGUFCheckpoint:
         self.dequantized: set[str] = set()
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from gguf import GGMLQuantizationType
-
         t = self.tensors[name]
         qtype = t.qtype
         if qtype in PACKED_TYPES:
             out = torch.from_numpy(np.array(t.data, copy=True))  # owned: not the mapped file
         else:
             data = t.data
-            if qtype not in (int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16)):
+            if qtype not in (0, 1):  # F32, F16
+                from gguf import GGMLQuantizationType
                 from gguf.quants import dequantize as gguf_dequantize
 
                 data = gguf_dequantize(data, GGMLQuantizationType(qtype))
-                self.dequantized.add(f"{name} ({GGMLQuantizationType(qtype).name})")
+                self.dequantized.add(f"{name} ({type_name(qtype)})")
             out = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
         suffix = name.split(".", 3)[-1]
         heads = self.heads.get(suffix) if name.startswith("model.layers.") else None
@@ -284,9 +305,7 @@ class GGUFCheckpoint:
         """How many tensors of each ggml type, e.g. 'Q4_1 210, Q8_0 1, F32 61'."""
         from collections import Counter
 
-        from gguf import GGMLQuantizationType
-
-        counts = Counter(GGMLQuantizationType(t.qtype).name for t in self.tensors.values())
+        counts = Counter(type_name(t.qtype) for t in self.tensors.values())
         return ", ".join(f"{k} {v}" for k, v in counts.most_common())
 
     def get(self, name: str, default=None):
