@@ -27,6 +27,7 @@ from pdcore.env import ENV
 from pdcore.messages.codes import DRAINING_HEADER, ErrorCode
 from pdcore.messages.io import ControlKind
 from pdcore.messages.stats import PD_QUEUES, RankLoad
+from pdcore.runtime_env import trim_heap
 
 log = logging.getLogger("pdcore.server.drain")
 
@@ -104,7 +105,10 @@ def refusal() -> tuple[int, dict[str, Any], dict[str, str]]:
 
 class DrainMiddleware:
     """Pure ASGI: counts generate requests until their response's last byte (streams
-    included) and refuses new ones while draining."""
+    included) and refuses new ones while draining. When the last one ends, the heap the
+    requests freed goes back to the OS (`trim_heap`, on the loop's next turn, as the engine
+    does when it goes idle): glibc keeps it for reuse otherwise, ~7 MiB of this process after
+    a batch of 8 that stayed resident at rest (#48)."""
 
     def __init__(self, app: Any, drain: Drain, routes: set[str] | frozenset[str]) -> None:
         self.app, self.drain, self.routes = app, drain, routes
@@ -129,3 +133,9 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.drain.in_flight -= 1
+            if self.drain.in_flight == 0:
+                asyncio.get_running_loop().call_soon(self._trim_if_idle)
+
+    def _trim_if_idle(self) -> None:
+        if self.drain.in_flight == 0:  # none began since
+            trim_heap()

@@ -75,3 +75,50 @@ def test_post_drain_refuses_new_work_and_exits_once_idle(tiny_llama_dir: Path) -
         assert exits == [True]
         again = c.post("/drain", headers={"authorization": f"Bearer {ADMIN}"})
         assert again.json()["already"] is True
+
+
+def test_the_heap_is_trimmed_when_the_last_request_ends(monkeypatch) -> None:
+    """DrainMiddleware hands the freed heap back (trim_heap) once nothing is in flight, on the
+    loop's next turn: not while a request still runs, once when two overlapping ones end, and
+    not when a request began before that turn (#48: ~7 MiB the HTTP process kept after a
+    batch). Other routes trim nothing."""
+    import asyncio
+
+    from pdcore.server import drain as drain_mod
+
+    trims: list[int] = []
+    d = drain_mod.Drain(30.0)
+    monkeypatch.setattr(drain_mod, "trim_heap", lambda: trims.append(d.in_flight))
+    gates: dict[str, asyncio.Event] = {}
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["path"] == "/generate":
+            await gates[scope["rid"]].wait()
+
+    mw = drain_mod.DrainMiddleware(app, d, {"/generate"})
+
+    async def main() -> None:
+        def call(rid: str) -> asyncio.Task:
+            gates[rid] = asyncio.Event()
+            return asyncio.create_task(mw({"type": "http", "path": "/generate", "rid": rid},
+                                          None, None))
+
+        a, b = call("a"), call("b")
+        await asyncio.sleep(0.01)
+        assert d.in_flight == 2
+        gates["a"].set()
+        await a
+        await asyncio.sleep(0.01)
+        assert trims == [] and d.in_flight == 1  # b still runs
+        gates["b"].set()
+        await b
+        await asyncio.sleep(0.01)
+        assert trims == [0] and d.in_flight == 0
+        await mw({"type": "http", "path": "/health"}, None, None)
+        await asyncio.sleep(0.01)
+        assert trims == [0]
+        d.in_flight = 1  # a request began after the last one ended, before the trim's turn
+        mw._trim_if_idle()
+        assert trims == [0]
+
+    asyncio.run(main())
