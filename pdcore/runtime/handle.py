@@ -51,7 +51,8 @@ from pdcore.messages.io import (
 from pdcore.messages.stats import StatsReport
 from pdcore.errors import ERROR_ORIGIN_HEADER, PDError
 from pdcore.runtime.journal import RequestJournal
-from pdcore.runtime.lifeline import IPC_DIR_PREFIX, describe_exit, interrupts_ignored_by_children
+from pdcore.runtime.lifeline import (IPC_DIR_PREFIX, describe_exit, interrupts_ignored_by_children,
+                                     no_resource_tracker)
 from pdcore.runtime.tokenizer_export import tokenizer_dir
 from pdcore.runtime_env import Placement, choose_placement, spawning_with, trim_heap
 
@@ -212,6 +213,7 @@ class EngineClient:
         self._proc = mp.Process(target=target, args=(self.args, recv_addr, send_addr, writer),
                                 name="pdserve-scheduler", daemon=False)
         placement = _placement(self.args)
+        no_resource_tracker()
         with spawning_with(placement) if placement else contextlib.nullcontext(), \
                 interrupts_ignored_by_children():  # Ctrl-C is the HTTP process's to handle
             self._proc.start()  # OpenMP reads the placement when the child starts torch

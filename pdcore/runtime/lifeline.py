@@ -118,6 +118,27 @@ def interrupts_ignored_by_children():
         signal.signal(signal.SIGINT, previous)
 
 
+def no_resource_tracker() -> bool:
+    """Spawn this process's children without multiprocessing's resource tracker, a Python
+    process of its own that spawn starts beside the first child (6.4 MiB resident per server,
+    #48) to unlink the named semaphores and shared memory multiprocessing made if their
+    process dies. pdserve makes none (its segments are its own, builtin/shm_segment.py; the
+    loader gives tqdm a thread lock): the tracker's end of the pipe is /dev/null, so a child's
+    register / unregister messages go nowhere. Nothing changes where a tracker already runs
+    (started by something else in this process). False where this Python's multiprocessing
+    has no such attributes (then spawn starts its tracker as before)."""
+    try:
+        from multiprocessing import resource_tracker
+
+        tracker = resource_tracker._resource_tracker
+        with tracker._lock:
+            if tracker._fd is None:
+                tracker._fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
 def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     """A `preexec_fn` for subprocess.Popen: the kernel sends `sig` to the child when the thread
     that started it (keep that the main thread) dies. libc is loaded here, in the parent: between

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdcore.config import ServerArgs
 from pdcore.runtime.group import agree_started, join_group, leave_group
+from pdcore.runtime.lifeline import no_resource_tracker
 from pdcore.runtime.topology import init_method, local_ranks
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ def start_spawned(target: Any, jobs: dict[str, tuple], daemon: bool = True
     """One spawned process per job (name -> target's arguments), started in order."""
     mp = multiprocessing.get_context("spawn")
     procs = [mp.Process(target=target, args=a, name=n, daemon=daemon) for n, a in jobs.items()]
+    no_resource_tracker()
     for p in procs:
         p.start()
     return procs

@@ -128,3 +128,39 @@ def test_a_scheduler_stuck_in_its_stop_still_removes_the_socket_folder(tmp_path)
         assert not folder.exists(), f"left behind: {sorted(p.name for p in folder.iterdir())}"
     finally:
         starter.kill()
+
+
+def test_spawned_children_start_no_resource_tracker() -> None:
+    """no_resource_tracker (called before the engine and TP ranks are spawned): spawn starts
+    no multiprocessing resource tracker beside the child (a Python process of its own, 6.4
+    MiB resident per server, #48), and the child still starts, runs and exits. Without it the
+    same script has a tracker child."""
+    from pathlib import Path
+
+    code = """
+import multiprocessing, os, sys, time
+from pdcore.runtime.lifeline import no_resource_tracker
+if sys.argv[1] == "off":
+    assert no_resource_tracker()
+p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0.5,))
+p.start()
+kids = []
+for e in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{e}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        with open(f"/proc/{e}/cmdline", "rb") as f:
+            cmd = f.read()
+    except (OSError, ValueError):
+        continue
+    if ppid == os.getpid():
+        kids.append("tracker" if b"resource_tracker" in cmd else "child")
+p.join(30)
+print(sorted(kids), p.exitcode)
+"""
+    root = Path(__file__).resolve().parents[2]
+    for mode, want in (("off", "['child'] 0"), ("on", "['child', 'tracker'] 0")):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
+                             timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == want, (mode, out.stdout, out.stderr)
