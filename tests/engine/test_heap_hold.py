@@ -86,9 +86,10 @@ def test_held_heap_reuses_freed_activations():
     # the mechanism, the same in every run: glibc maps the first 12 MiB block and unmaps it on
     # free; held, it comes from the heap and stays there, free, for the next step
     assert plain["first_mmapped"] is True, plain
-    # (less the few KiB that the interpreter's and torch's own small allocations between the
-    # free and the count may take from it, which vary with what was imported: 6 KiB once)
-    assert held["first_mmapped"] is False and held["kept"] >= block - (64 << 10), held
+    # (less what the interpreter's and torch's own small allocations between the free and the
+    # count take from it, which varies with what was imported: 6 KiB once, 86-88 KiB in s12
+    # with the same code on the same box; unheld, the block is unmapped and none of it is kept)
+    assert held["first_mmapped"] is False and held["kept"] >= block - (256 << 10), held
     # the steady state: after the warm-up, 20 steps take (almost) nothing more from the kernel
     # (glibc's own count, mallinfo2; one step's peak is ~30 MiB). Without it, what glibc takes
     # varies from run to run (0 when its dynamic thresholds adapt to the first frees, ~800 MiB
