@@ -204,3 +204,41 @@ def test_a_seeded_lone_request_keeps_its_text(head64_dir) -> None:
     (ids_old, lp_old, n_old), (ids_new, lp_new, n_new) = runs
     assert n_old == 0 and n_new == 11, (n_old, n_new)
     assert ids_new == ids_old and lp_new == lp_old
+
+
+def test_a_bf16_model_decodes_alike_without_its_view(head64_dir) -> None:
+    """#47 (s12): a bf16 model's float32 decode view goes off past its budget (4 x 4k tokens of
+    SmolLM2); its native decode loop then reads the bf16 pool in place (each value widened as
+    read: the sums over the view's float32 copies), where it used to leave the loop for a
+    gather and bf16 SDPA. Greedy tokens and logprobs of a batch (one context past two
+    attention parts) equal the view's run token for token, every page freed after each."""
+    from pdcore.config import ServerArgs
+    from pdcore.messages.io import SamplingParams
+    from pdcore.runtime.llm_engine import LLMEngine
+    from test_native import _bf16_model
+
+    _ops()
+    _bf16_model(torch.bfloat16)
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 2048, (n,), generator=g).tolist() for n in (650, 9, 70)]
+    eng = LLMEngine(ServerArgs(model_path=str(head64_dir), dtype="bfloat16",
+                               max_total_tokens=2048, page_size=4, disable_radix_cache=True))
+    try:
+        model, blocks = eng.engine.model, eng.scheduler.blocks
+        if model.native is None:
+            pytest.skip(f"no native decode loop here ({native.status()})")
+        budget, runs = model.decode_kv.budget, []
+        for view in (True, False):
+            model.decode_kv.budget = budget if view else 0
+            before = model.native_steps
+            outs = eng.generate(prompts, sp, return_logprob=True)
+            runs.append(([o["output_ids"] for o in outs],
+                         [[lp for lp, *_ in o["output_logprobs"]] for o in outs],
+                         model.native_steps - before))
+            assert blocks.num_free == blocks.num_pages
+    finally:
+        eng.close()
+    (ids_v, lp_v, n_v), (ids_p, lp_p, n_p) = runs
+    assert n_v >= 9 and n_p >= 9, (n_v, n_p)  # both decoded in the native loop
+    assert ids_p == ids_v and lp_p == lp_v

@@ -147,10 +147,24 @@ class DecodeKV:
         return kb[:, :, :W], vb[:, :, :W]
 
 
+# the dtypes the native paged decode kernel takes, of queries and of the pool (a bf16 pool's
+# values widened as they are read: the sums over a float32 view's copies of them)
+PAGED = (torch.float32, torch.bfloat16)
+
+
+def widened(fn):
+    """The paged decode kernel `fn` for bf16 queries: run in float32 (its mask too), the output
+    back in the queries' dtype, as a bf16 model's attention through its float32 view."""
+    def run(q, k_flat, v_flat, table, bias, scale):
+        o = fn(q.float(), k_flat, v_flat, table, None if bias is None else bias.float(), scale)
+        return o.to(q.dtype)
+    return run
+
+
 def reads_in_place(h: torch.Tensor, pool: torch.Tensor) -> bool:
     """The native paged decode kernel reads `pool` as it is for a model whose activations are
-    `h`'s: both float32 on the CPU, the pool contiguous, the kernels built."""
-    if h.dtype != torch.float32 or pool.dtype != torch.float32 or pool.device.type != "cpu" \
+    `h`'s: each of PAGED on the CPU, the pool contiguous, the kernels built."""
+    if h.dtype not in PAGED or pool.dtype not in PAGED or pool.device.type != "cpu" \
             or h.device.type != "cpu" or not pool.is_contiguous():
         return False
     from pdcore.engine.model.base import _native_op

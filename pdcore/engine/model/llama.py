@@ -22,7 +22,7 @@ from torch import nn
 from pdcore.engine.kv.fp8 import dequantize, is_fp8, store_rows
 from pdcore.engine.model.base import CausalLM, _native_op
 from pdcore.engine.model.batch import DecodeGroup, ForwardBatch, VerifyGroup
-from pdcore.engine.model.decode_view import DecodeKV, reads_in_place
+from pdcore.engine.model.decode_view import PAGED as _PAGED, DecodeKV, reads_in_place, widened
 from pdcore.engine.model.layers import (
     ColumnLinear,
     RMSNorm,
@@ -243,12 +243,14 @@ class Attention(nn.Module):
 
     @staticmethod
     def _paged(q: torch.Tensor, k_flat: torch.Tensor):
-        """The native paged decode attention where it reads this pool as it is (float32 model
-        and pool on the CPU), else None."""
-        if q.dtype != torch.float32 or k_flat.dtype != torch.float32 \
-                or not k_flat.is_contiguous():
+        """The native paged decode attention where it reads this pool as it is (on the CPU, a
+        float32 or bf16 model, a contiguous float32 or bf16 pool: bf16 values widened as they
+        are read), else None. bf16 queries go in as float32 and the output comes back in bf16,
+        as through a bf16 model's float32 decode view: the same bits."""
+        if q.dtype not in _PAGED or k_flat.dtype not in _PAGED or not k_flat.is_contiguous():
             return None
-        return _native_for("decode_attention_paged", q)
+        fn = _native_for("decode_attention_paged", q)
+        return fn if fn is None or q.dtype == torch.float32 else widened(fn)
 
     def _prefill_native(self, q: torch.Tensor, k_flat: torch.Tensor):
         """The native causal prefill attention (engine/native: prefill_attention_paged) where
@@ -408,8 +410,8 @@ class LlamaForCausalLM(CausalLM):
                        g: DecodeGroup, *, view: DecodeKV | None, view_dtype: torch.dtype
                        ) -> torch.Tensor:
         """The layer loop of a decode-only step through the decode K/V view, or without one
-        (view None: a float32 pool read in place), in C++: the residual stream after the last
-        layer, equal to the Python loop's to the bit."""
+        (view None: a float32 or bf16 pool read in place), in C++: the residual stream after
+        the last layer, equal to the Python loop's to the bit."""
         p = self.native
         bias = g.bias(view_dtype)
         empty = torch.empty(0, dtype=torch.long)
@@ -452,13 +454,13 @@ class LlamaForCausalLM(CausalLM):
     def fast_layers(self, h: torch.Tensor, step: LlamaStep) -> torch.Tensor | None:
         """The native decode step (engine/native: run_layers fused for the dense layer, equal
         to it to the bit) for a decode-only step, through the decode K/V view or (no view: over
-        its budget, or turned off) reading a float32 pool in place."""
+        its budget, or turned off) reading a float32 or bf16 pool in place."""
         group = step.batch.decode_group()
         if self.native is None or group is None or not group.whole \
                 or (not self.native["unit_scales"] and is_fp8(step.kv[0][0].dtype)):
             return None
-        if step.view is None and (step.kv[0][0].dtype != torch.float32 or h.dtype != torch.float32):
-            return None  # no view: the paged kernel reads float32 pools only
+        if step.view is None and (step.kv[0][0].dtype not in _PAGED or h.dtype not in _PAGED):
+            return None  # no view: the paged kernel reads float32 and bf16 pools only
         self.native_steps += 1
         return self._native_layers(h, step.cos, step.sin, step.kv, step.batch, group,
                                    view=step.view, view_dtype=step.view_dtype)

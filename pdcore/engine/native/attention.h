@@ -127,9 +127,13 @@ void attend_one(
 // key: the sums of attend_one) and asks for the key's V row meanwhile; the V pass then runs
 // head by head over rows in cache. The same blocks, sums and join as attend_one: the same bits.
 // out [H, G, D] (joined here) or blocks (head h's at blocks + h * hstride, joined by da_split);
-// work: H * G * (D + AB_KB + 2) floats.
-template <int DV, int G>
-void attend_heads(const float* q, const float* kp, const float* vp, int64_t H,
+// work: H * G * (D + AB_KB + 2) floats. T: the pool's element, float or bf16 (uint16_t, each
+// lane widened exactly as it is loaded: the sums of float32 copies of it, the same bits).
+inline V16 kv_load(const float* p) { return vload(p); }
+inline V16 kv_load(const uint16_t* p) { return vload_bf16(p); }
+
+template <typename T, int DV, int G>
+void attend_heads(const float* q, const T* kp, const T* vp, int64_t H,
                   const int64_t* tab, const float* bias, int64_t W, float scale, float* out,
                   float* blocks, int64_t hstride, float* work) {
   constexpr int64_t D = DV * 16;
@@ -149,19 +153,19 @@ void attend_heads(const float* q, const float* kp, const float* vp, int64_t H,
   for (int64_t b0 = 0; b0 < W; b0 += AB_KB) {
     const int kn = static_cast<int>(std::min<int64_t>(AB_KB, W - b0));
     for (int j = 0; j < kn; ++j) {
-      const float* kr = kp + tab[b0 + j] * rs;
+      const T* kr = kp + tab[b0 + j] * rs;
       // the V row the V pass reads next (K rows: the hardware follows; asking for K rows
       // ahead too measured slower)
       const char* vr = reinterpret_cast<const char*>(vp + tab[b0 + j] * rs);
-      for (int64_t l = 0; l < rs * 4; l += 64) _mm_prefetch(vr + l, _MM_HINT_T0);
+      for (int64_t l = 0; l < rs * int64_t(sizeof(T)); l += 64) _mm_prefetch(vr + l, _MM_HINT_T0);
       const float add = bias ? bias[b0 + j] : 0.0f;
       for (int64_t h = 0; h < H; ++h) {
-        const float* kh = kr + h * D;
+        const T* kh = kr + h * D;
         const float* qh = qs + h * G * D;
         V16 acc[G];
         PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = vzero();
         PD_UNROLL for (int d = 0; d < DV; ++d) {
-          const V16 kv = vload(kh + d * 16);
+          const V16 kv = kv_load(kh + d * 16);
           PD_UNROLL for (int g = 0; g < G; ++g)
             acc[g] = vfmadd(kv, vload(qh + (g * DV + d) * 16), acc[g]);
         }
@@ -187,8 +191,8 @@ void attend_heads(const float* q, const float* kp, const float* vp, int64_t H,
         PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vzero();
       for (int i = 0; i < kn; ++i) {
         V16 vr[DV];
-        const float* vi = vp + tab[b0 + i] * rs + h * D;
-        PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = vload(vi + d * 16);
+        const T* vi = vp + tab[b0 + i] * rs + h * D;
+        PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = kv_load(vi + d * 16);
         PD_UNROLL for (int g = 0; g < G; ++g) {
           const V16 p = vset1(sh[g * AB_KB + i]);
           PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vfmadd(vr[d], p, acc[g][d]);
@@ -212,7 +216,8 @@ void attend_heads(const float* q, const float* kp, const float* vp, int64_t H,
     for (int64_t r = 0; r < HG; ++r) ab_finish(out + r * D, D, L[r], out + r * D);
 }
 
-using HeadsFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*,
+template <typename T>
+using HeadsFn = void (*)(const float*, const T*, const T*, int64_t, const int64_t*,
                          const float*, int64_t, float, float*, float*, int64_t, float*);
 
 using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int64_t,
@@ -315,9 +320,10 @@ struct OneHead {  // the view's kernel: a (sequence, KV head) a call
   template <int DV, int G> static Fn at() { return attend_one<DV, G>; }
 };
 
-struct AllHeads {  // the paged kernel: every KV head of a sequence a call
-  using Fn = HeadsFn;
-  template <int DV, int G> static Fn at() { return attend_heads<DV, G>; }
+template <typename T>
+struct AllHeads {  // the paged kernel: every KV head of a sequence a call, a T pool
+  using Fn = HeadsFn<T>;
+  template <int DV, int G> static Fn at() { return attend_heads<T, DV, G>; }
 };
 
 Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
@@ -368,9 +374,34 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
   return out;
 }
 
+// the paged kernel's tasks (whole sequences, or parts joined by da_split) over a T pool
+template <typename T>
+void paged_run(HeadsFn<T> fn, const float* qp, const T* kp, const T* vp, const int64_t* tp,
+               const float* bp, float* op, int64_t B, int64_t H, int64_t G, int64_t D,
+               int64_t W, double scale) {
+  const int64_t part = dp_part_len(W), wsz = H * G * (D + AB_KB + 2);
+  const float sc = static_cast<float>(scale);
+  if (dp_use_parts(B, W, part)) {
+    da_split(B, H, G, D, W, part, op,
+             [&](int64_t b, int64_t w0, int64_t wn, float* blk, int64_t hstride) {
+      std::vector<float> work(wsz);
+      fn(qp + b * H * G * D, kp, vp, H, tp + b * W + w0, bp ? bp + b * W + w0 : nullptr, wn,
+         sc, nullptr, blk, hstride, work.data());
+    });
+    return;
+  }
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> work(wsz);
+    for (int64_t b = b0; b < b1; ++b)
+      fn(qp + b * H * G * D, kp, vp, H, tp + b * W, bp ? bp + b * W : nullptr, W, sc,
+         op + b * H * G * D, nullptr, 0, work.data());
+  });
+}
+
 // ---- paged decode attention: the same sums reading the K/V pool in place (attend_heads) ----
-// q [B, KVH, G, D]; k_pool, v_pool: the layer's pool, contiguous, viewed as slots [S, KVH, D]
-// ([pages, page_size, KVH, D] is that); table [B * W] long: the slots of each sequence's
+// q [B, KVH, G, D] float32; k_pool, v_pool: the layer's pool (float32, or bf16 widened as it
+// is read: a bf16 model's q cast to float32, as its float32 view holds the pool's values),
+// contiguous, viewed as slots [S, KVH, D] ([pages, page_size, KVH, D] is that); table [B * W] long: the slots of each sequence's
 // context, padded to W (padding masked by bias [B, W], or no padding). No gather, no copy
 // per step: what the decode K/V view saves, without its second copy of the contexts (it
 // stops at its memory budget; this has none). Equal to the bit to decode_attention over
@@ -389,9 +420,11 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   TORCH_CHECK(k_pool.numel() == v_pool.numel() && k_pool.numel() % (H * D) == 0,
               "decode_attention_paged: the pools are not [slots, kv_heads, head_dim]");
   const int64_t S = k_pool.numel() / (H * D);
-  const HeadsFn fn = kernel_for<AllHeads>(D, G);
-  const bool ok = fn != nullptr && panel_gemm_supported() && q_in.scalar_type() == at::kFloat &&
-                  k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
+  const auto pt = k_pool.scalar_type();
+  const bool bf16 = pt == at::kBFloat16;
+  const bool ok = kernel_for<AllHeads<float>>(D, G) != nullptr && panel_gemm_supported() &&
+                  q_in.scalar_type() == at::kFloat && (pt == at::kFloat || bf16) &&
+                  v_pool.scalar_type() == pt &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   table.scalar_type() == at::kLong && table.is_contiguous() &&
                   (!bias_in.has_value() ||
@@ -411,28 +444,15 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   Tensor bias;
   if (bias_in.has_value()) bias = bias_in->contiguous();
   Tensor out = at::empty({B, H, G, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  const int64_t part = dp_part_len(W), wsz = H * G * (D + AB_KB + 2);
-  const float sc = static_cast<float>(scale);
-  if (dp_use_parts(B, W, part)) {
-    da_split(B, H, G, D, W, part, op,
-             [&](int64_t b, int64_t w0, int64_t wn, float* blk, int64_t hstride) {
-      std::vector<float> work(wsz);
-      fn(qp + b * H * G * D, kp, vp, H, tp + b * W + w0, bp ? bp + b * W + w0 : nullptr, wn,
-         sc, nullptr, blk, hstride, work.data());
-    });
-    return out;
-  }
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> work(wsz);
-    for (int64_t b = b0; b < b1; ++b)
-      fn(qp + b * H * G * D, kp, vp, H, tp + b * W, bp ? bp + b * W : nullptr, W, sc,
-         op + b * H * G * D, nullptr, 0, work.data());
-  });
+  if (bf16)
+    paged_run(kernel_for<AllHeads<uint16_t>>(D, G), q.data_ptr<float>(),
+              reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+              reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), tp, bp,
+              out.data_ptr<float>(), B, H, G, D, W, scale);
+  else
+    paged_run(kernel_for<AllHeads<float>>(D, G), q.data_ptr<float>(), k_pool.data_ptr<float>(),
+              v_pool.data_ptr<float>(), tp, bp, out.data_ptr<float>(), B, H, G, D, W, scale);
   return out;
 }
 
