@@ -1,7 +1,7 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
-(decode_step.cpp with the headers beside it: gemm.h, bf16_head.h, int8_gemm.h, int8_act.h,
-attention.h, prefill_attention.h, attn_block.h, elementwise.h, common.h and vec.h, the vector
-layer they are written against):
+(decode_step.cpp with the headers beside it: gemm.h, panel_gemm.h, bf16_head.h, int8_gemm.h,
+int8_act.h, attention.h, prefill_attention.h, attn_block.h, elementwise.h, common.h and vec.h,
+the vector layer they are written against):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
   `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight), kernels
@@ -9,6 +9,7 @@ layer they are written against):
   routes a weight through them where they measured faster than oneDNN at load;
   `linear_bf16_f32` (bf16_head.h): float32 x rounded to bf16 against bf16 pair panels,
   float32 out (a W8A8 model's lm_head with PDCORE_W8A8_LM_HEAD=bf16_dot; AVX-512 BF16 only);
+  `panel_tuning`: the float32 prefill GEMM's blocking (of K and of rows; a bench's knob);
 - `pdcore_native::decode_attention`: one query token per sequence against the decode K/V view;
   `decode_attention_paged`: the same kernel reading the K/V pool in place through the
   sequences' slot table (no view, no gather: contexts past the view's budget, lone decodes);

@@ -140,6 +140,7 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("linear(Tensor x, Tensor panels, int n, Tensor? b) -> Tensor");
   m.impl("linear", c10::DispatchKey::CompositeExplicitAutograd, &panel_linear);
   m.def("panel_gemm_supported() -> bool", &panel_gemm_supported);
+  m.def("panel_tuning(int kblock, int block_tiles, int group) -> int[]", &panel_tuning);
   m.def("linear_bf16(Tensor x, Tensor panels, int n, Tensor? b) -> Tensor");
   m.impl("linear_bf16", c10::DispatchKey::CompositeExplicitAutograd, &panel_linear_bf16);
   m.def("bf16_gemm_supported() -> bool", &bf16_gemm_supported);
