@@ -22,6 +22,7 @@ class BlockManager:
         self.page_size = page_size
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # a stack: pop() is next
         self._ref = [0] * num_pages
+        self._written: set[int] = set()  # handed out since the last take_free_written()
 
     @property
     def num_free(self) -> int:
@@ -43,6 +44,7 @@ class BlockManager:
         out = [self._free.pop() for _ in range(n)]
         for p in out:
             self._ref[p] = 1
+        self._written.update(out)
         return out
 
     def ref(self, pages: list[int]) -> list[int]:
@@ -61,6 +63,14 @@ class BlockManager:
             self._ref[p] -= 1
             if self._ref[p] == 0:
                 self._free.append(p)
+
+    def take_free_written(self) -> list[int]:
+        """The pages handed out since the last call that are free now (written K/V nobody
+        holds: engine/kv/giveback.py hands them back at idle); pages still held stay noted."""
+        ref = self._ref
+        done = [p for p in self._written if ref[p] == 0]
+        self._written.difference_update(done)
+        return done
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Pool slot index of every position in [start, end) of a sequence with `pages`."""

@@ -10,14 +10,18 @@ sampling, verify and sharing the results over the TP group happen above it, in t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.cache import KVCache
+from pdcore.engine.kv.giveback import give_back
 from pdcore.engine.model.batch import ForwardBatch
 from pdcore.engine.model.layers import TPInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,12 +44,18 @@ class ModelRunner:
         # EAGLE3: hand each row instead the residual streams entering these target layers,
         # concatenated ([n, len * hidden]; CausalLM.forward, engine/model/eagle3.py)
         self.capture_layers: tuple[int, ...] | None = None
+        self.given_back = 0  # bytes of free KV pages advised away at idle, in all
 
     def release_caches(self) -> None:
         """Going idle: drop what only a running batch uses (the decode K/V view)."""
         view = getattr(self.model, "decode_kv", None)
         if view is not None:
             view.release()
+        if self.blocks is not None:  # the free pages the steps wrote (engine/kv/giveback.py)
+            given = give_back(self.kv, self.blocks.take_free_written())
+            self.given_back += given
+            if given:
+                log.debug("gave %d bytes of free KV pages back to the kernel", given)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOut:

@@ -1,0 +1,119 @@
+"""#48: at idle the engine hands the KV pool's free, written pages back to the kernel
+(engine/kv/giveback.py, ModelRunner.release_caches). The attacks: the pool's resident pages drop
+(mincore), a page the prefix cache holds keeps its K/V to the bit and still serves a hit, and
+the next request after the give-back generates what a fresh engine does."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import torch
+
+from pdcore.config import ServerArgs
+from pdcore.engine.kv.blocks import BlockManager
+from pdcore.engine.kv.giveback import runs
+from pdcore.messages.io import SamplingParams
+from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.testing.pages import pages_at_rest
+from pdcore.testing.tiny_models import make_tiny_model
+
+PS = 16  # 16 positions x 2 KV heads x head_dim 64 x 4 bytes: 8 KiB, two whole OS pages
+SP = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def resident_pages(t: torch.Tensor) -> int:
+    """OS pages of tensor `t`'s memory resident now (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    end = t.data_ptr() + t.numel() * t.element_size()
+    n = -(-(end - start) // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(n)
+    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw)
+
+
+def pool_resident(eng: LLMEngine) -> int:
+    return sum(resident_pages(k) + resident_pages(v) for k, v in eng.engine.kv.layers)
+
+
+def _model(tmp_path) -> str:
+    return make_tiny_model(str(tmp_path / "m"), arch="llama", vocab_size=512, seed=5,
+                           hidden=256, heads=4, kv_heads=2)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(9)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (150, 61, 23)]
+
+
+def test_runs_and_written_pages() -> None:
+    assert runs([5, 1, 2, 3, 9, 8]) == [(1, 4), (5, 6), (8, 10)]
+    b = BlockManager(8, 4)
+    a = b.alloc(3)
+    b.ref([a[1]])
+    b.free(a)
+    assert sorted(b.take_free_written()) == [a[0], a[2]]  # a[1] is still held
+    assert b.take_free_written() == []
+    b.free([a[1]])
+    assert b.take_free_written() == [a[1]]
+
+
+def test_idle_gives_free_pages_back_and_the_next_request_is_unchanged(tmp_path) -> None:
+    path = _model(tmp_path)
+    big, _, small = _prompts()
+    args = dict(model_path=path, max_total_tokens=2048, page_size=PS, disable_radix_cache=True)
+    fresh = LLMEngine(ServerArgs(**args))
+    try:
+        want = fresh.generate([small], SP, return_logprob=True)[0]
+    finally:
+        fresh.close()
+    eng = LLMEngine(ServerArgs(**args))
+    try:
+        eng.generate([big, big[::-1]], SP)
+        assert pages_at_rest(eng.scheduler)
+        before = pool_resident(eng)
+        # 2 x 162 tokens of K/V in 2 layers x (K, V), 8 KiB a page: 2 x 11 pages x 4 buffers x 2
+        assert before >= 2 * 10 * 4 * 2, before
+        eng.loop.release_caches()
+        after = pool_resident(eng)
+        assert after <= 4, (before, after)  # all pages are free: nothing written stays
+        assert eng.loop.runner.model_runner.given_back >= (before - after) * mmap.PAGESIZE
+        got = eng.generate([small], SP, return_logprob=True)[0]
+        assert pages_at_rest(eng.scheduler)
+    finally:
+        eng.close()
+    assert got["output_ids"] == want["output_ids"]
+    assert got["output_logprobs"] == want["output_logprobs"]
+
+
+def test_pages_the_prefix_cache_holds_keep_their_kv(tmp_path) -> None:
+    path = _model(tmp_path)
+    big, mid, _ = _prompts()
+    args = dict(model_path=path, max_total_tokens=2048, page_size=PS)
+    fresh = LLMEngine(ServerArgs(**args, disable_radix_cache=True))
+    try:
+        want = fresh.generate([big + mid], SP)[0]
+    finally:
+        fresh.close()
+    eng = LLMEngine(ServerArgs(**args))
+    try:
+        eng.generate([big, mid], SP)
+        blocks, kv = eng.scheduler.blocks, eng.engine.kv
+        held = [p for p in range(blocks.num_pages) if blocks.refcount(p) > 0]
+        assert held and pages_at_rest(eng.scheduler)
+        snap = [(k[held].clone(), v[held].clone()) for k, v in kv.layers]
+        assert all(k.abs().sum() > 0 for k, _ in snap)
+        before = pool_resident(eng)
+        eng.loop.release_caches()
+        assert eng.loop.runner.model_runner.given_back > 0  # the unaligned tails were free pages
+        assert pool_resident(eng) < before
+        for (k, v), (k0, v0) in zip(kv.layers, snap):
+            assert torch.equal(k[held], k0) and torch.equal(v[held], v0)
+        # big's cached pages are the next prompt's prefix: it hits them
+        assert len(eng.scheduler.cache.match(big + mid, len(big), touch=False)) == len(big) // PS
+        got = eng.generate([big + mid], SP)[0]
+    finally:
+        eng.close()
+    assert got["output_ids"] == want["output_ids"]
