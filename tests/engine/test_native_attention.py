@@ -56,6 +56,25 @@ def _paged_equals_gathered(o, kp, vp, kf, vf, table, lens, groups, g):  # type: 
     return got
 
 
+def _paged_cases(o, kp: torch.Tensor, vp: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
+                 batches: tuple[list[int], ...], groups: int, g: torch.Generator) -> None:
+    """Each batch of context lengths on scattered slots of the pool [pages, page, kvh, d]: the
+    paged kernel equals the gathered path (_paged_equals_gathered); then a slot outside the
+    pool (one past the end, -1) is an error, not a read."""
+    pages, page, kvh, d = kp.shape
+    for lens in batches:
+        table = torch.zeros(len(lens), max(lens), dtype=torch.long)
+        for i, n in enumerate(lens):
+            table[i, :n] = torch.randperm(pages * page, generator=g)[:n]
+        _paged_equals_gathered(o, kp, vp, kf, vf, table.view(-1), lens, groups, g)
+    q = torch.randn(1, kvh, groups, d, generator=g)
+    table = torch.randperm(pages * page, generator=g)[:700]
+    for bad in (pages * page, -1):
+        table[5] = bad
+        with pytest.raises(RuntimeError, match="outside the pool"):
+            o.decode_attention_paged(q, kp, vp, table, None, 0.125)
+
+
 @pytest.mark.parametrize("groups", [1, 3, 4])
 def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
     """At a long context (3,000 slots, scattered in a paged pool), the paged kernel equals to
@@ -66,19 +85,8 @@ def test_paged_decode_attention_reads_the_pool_in_place(groups: int) -> None:
     kvh, d, pages, page = 2, 64, 400, 8
     kp = torch.randn(pages, page, kvh, d, generator=g)
     vp = torch.randn(pages, page, kvh, d, generator=g)
-    kf, vf = kp.view(-1, kvh, d), vp.view(-1, kvh, d)
-    for lens in ([3000], [3000, 17, 1500]):
-        b, w = len(lens), max(lens)
-        table = torch.zeros(b, w, dtype=torch.long)
-        for i, n in enumerate(lens):
-            table[i, :n] = torch.randperm(pages * page, generator=g)[:n]
-        _paged_equals_gathered(o, kp, vp, kf, vf, table.view(-1), lens, groups, g)
-    q = torch.randn(1, kvh, groups, d, generator=g)
-    table = torch.randperm(pages * page, generator=g)[:700]
-    for bad in (pages * page, -1):
-        table[5] = bad
-        with pytest.raises(RuntimeError, match="outside the pool"):
-            o.decode_attention_paged(q, kp, vp, table, None, 0.125)
+    _paged_cases(o, kp, vp, kp.view(-1, kvh, d), vp.view(-1, kvh, d),
+                 ([3000], [3000, 17, 1500]), groups, g)
 
 
 @pytest.mark.parametrize("groups", [1, 3, 4])
@@ -92,19 +100,8 @@ def test_paged_decode_attention_reads_a_bf16_pool_in_place(groups: int) -> None:
     kvh, d, pages, page = 2, 64, 400, 8
     kp = torch.randn(pages, page, kvh, d, generator=g).bfloat16()
     vp = torch.randn(pages, page, kvh, d, generator=g).bfloat16()
-    kf, vf = kp.float().view(-1, kvh, d), vp.float().view(-1, kvh, d)
-    for lens in ([3000], [700], [3000, 17, 1500], [5, 9]):
-        b, w = len(lens), max(lens)
-        table = torch.zeros(b, w, dtype=torch.long)
-        for i, n in enumerate(lens):
-            table[i, :n] = torch.randperm(pages * page, generator=g)[:n]
-        _paged_equals_gathered(o, kp, vp, kf, vf, table.view(-1), lens, groups, g)
-    q = torch.randn(1, kvh, groups, d, generator=g)
-    table = torch.randperm(pages * page, generator=g)[:700]
-    for bad in (pages * page, -1):
-        table[5] = bad
-        with pytest.raises(RuntimeError, match="outside the pool"):
-            o.decode_attention_paged(q, kp, vp, table, None, 0.125)
+    _paged_cases(o, kp, vp, kp.float().view(-1, kvh, d), vp.float().view(-1, kvh, d),
+                 ([3000], [700], [3000, 17, 1500], [5, 9]), groups, g)
 
 
 @pytest.mark.parametrize("kvh,d", [(1, 64), (8, 64), (2, 128)])

@@ -23,20 +23,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void head_tile_b
     const uint16_t* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t n0,
     const float* b) {
   __m512 acc[MB][2];
-  PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 2) {  // one pair: 128 bytes of the panel, read in order
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 2 * PD_PF) * PANEL), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 2 * PD_PF) * PANEL + 32), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * PANEL);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k * PANEL + 32);
-    PD_UNROLL for (int m = 0; m < MB; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * K + k, sizeof(pair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xv);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
-    }
-  }
+  pair_dots<MB>(x, K, w, acc);  // gemm.h: the pairs in k order, 128 bytes of the panel a pair
   const __mmask16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (b) {

@@ -39,15 +39,13 @@ bool bf16_gemm_supported() {
 
 #if defined(PD_ISA_AVX512)
 
+// acc[m][0 / 1] = the MB rows' sums over the pairs (k, k + 1) in k order, from zero, of the
+// panel's 32 outputs: one vdpbf16ps per 16 outputs and pair (the bf16 GEMM's tiles and the
+// bf16-dot lm_head's, bf16_head.h, share it)
 template <int MB>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile_bf16(
-    const uint16_t* x, int64_t K, const uint16_t* w, uint16_t* y, int64_t N, int64_t n0,
-    const uint16_t* b) {
-  __m512 acc[MB][2];
-  PD_UNROLL for (int m = 0; m < MB; ++m) {
-    acc[m][0] = _mm512_setzero_ps();
-    acc[m][1] = _mm512_setzero_ps();
-  }
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void pair_dots(
+    const uint16_t* x, int64_t K, const uint16_t* w, __m512 (&acc)[MB][2]) {
+  PD_UNROLL for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 2 * PD_PF) * PANEL), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 2 * PD_PF) * PANEL + 32), _MM_HINT_T0);
@@ -61,6 +59,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile_
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
     }
   }
+}
+
+template <int MB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_tile_bf16(
+    const uint16_t* x, int64_t K, const uint16_t* w, uint16_t* y, int64_t N, int64_t n0,
+    const uint16_t* b) {
+  __m512 acc[MB][2];
+  pair_dots<MB>(x, K, w, acc);
   const __mmask16 m0 = lane_mask(N - n0), m1 = lane_mask(N - n0 - 16);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (b) {  // bf16 bias widened to float32 (a shift: exact)
