@@ -81,6 +81,9 @@ SCHED_COUNTERS: list[tuple[str, str, str]] = [
     ("sglang:num_aborted_requests", "Number of requests aborted.", "aborted_total"),
     ("pdserve_radix_cache_evicted_pages", "KV pages evicted from the prefix cache",
      "radix_cache_evicted_pages_total"),
+    ("pdserve_kv_pages_given_back_bytes", ("Bytes of free KV pool pages handed back to the "
+     "kernel (madvise DONTNEED) when the engine went idle, since start"),
+     "kv_pages_given_back_bytes_total"),
     ("pdserve_disagg_prefix_reused_tokens", ("Prompt tokens whose KV decode took from its "
      "prefix cache instead of receiving it"), "disagg_prefix_reused_tokens_total"),
     ("pdserve_disagg_prefix_reused_bytes", ("KV bytes decode did not receive thanks to its "

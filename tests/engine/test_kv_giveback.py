@@ -1,7 +1,8 @@
 """#48: at idle the engine hands the KV pool's free, written pages back to the kernel
 (engine/kv/giveback.py, ModelRunner.release_caches). The attacks: the pool's resident pages drop
 (mincore), a page the prefix cache holds keeps its K/V to the bit and still serves a hit, and
-the next request after the give-back generates what a fresh engine does."""
+the next request after the give-back generates what a fresh engine does; the bytes given back
+are on the stats report and /metrics (pdserve_kv_pages_given_back_bytes_total)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.giveback import runs
 from pdcore.messages.io import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.server.metrics import ServerMetrics
 from pdcore.testing.pages import pages_at_rest
 from pdcore.testing.tiny_models import make_tiny_model
 
@@ -117,3 +119,50 @@ def test_pages_the_prefix_cache_holds_keep_their_kv(tmp_path) -> None:
     finally:
         eng.close()
     assert got["output_ids"] == want["output_ids"]
+
+
+GIVEN = "pdserve_kv_pages_given_back_bytes_total"
+
+
+def _scraped(report) -> dict[str, float]:
+    """The unlabelled samples of /metrics rendered from `report`, and `TYPE <name>` -> 0 for
+    a counter, 1 otherwise."""
+    m = ServerMetrics()
+    m.update_from_stats(report)
+    text = m.render().decode()
+    assert "# HELP " + GIVEN + " Bytes of free KV pool pages handed back to the kernel" in text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            out["TYPE " + line.split()[2]] = float(line.split()[3] != "counter")
+        elif line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_the_bytes_given_back_at_idle_are_on_metrics(tmp_path) -> None:
+    big, mid, _ = _prompts()
+    eng = LLMEngine(ServerArgs(model_path=_model(tmp_path), max_total_tokens=2048, page_size=PS,
+                               disable_radix_cache=True))
+    try:
+        eng.loop.release_caches()  # idle before any request: nothing written, nothing given
+        cold = eng.loop.stats()
+        assert cold["kv_pages_given_back_bytes_total"] == 0
+        assert "kv_pages_given_back_bytes_total" in cold.counters()
+        scraped = _scraped(cold)
+        assert scraped[GIVEN] == 0 and scraped["TYPE " + GIVEN] == 0  # a counter
+        assert not any(k.startswith("pdserve_scheduler_kv_pages_given") for k in scraped)
+        eng.generate([big, mid], SP)
+        assert eng.loop.stats()["kv_pages_given_back_bytes_total"] == 0  # not idle yet
+        eng.loop.release_caches()
+        given = eng.loop.runner.model_runner.given_back
+        assert given > 0
+        warm = eng.loop.stats()
+        assert warm["kv_pages_given_back_bytes_total"] == given
+        assert _scraped(warm)[GIVEN] == given
+        eng.generate([mid], SP)
+        eng.loop.release_caches()  # a second idle adds its bytes: a counter, never reset
+        assert eng.loop.stats()["kv_pages_given_back_bytes_total"] > given
+    finally:
+        eng.close()

@@ -63,6 +63,7 @@ def scheduler_stats(s: Any, runner: Any, spec: Any) -> StatsReport:
         "forward_extend_seconds_total": c.extend_seconds})
     _native_stats(s, runner, r)
     _cache_stats(s, r)
+    _giveback_stats(runner, r)
     r.update(s.ext.stats())
     _grammar_stats(s, getattr(runner, "grammar", None), r)  # test runners may have none
     if spec is not None:
@@ -99,6 +100,14 @@ def _native_stats(s: Any, runner: Any, r: StatsReport) -> None:
     r.add(Kind.TOTAL, {f"sampler_batches_{path}_total": n  # test runners may not count
                        for path, n in getattr(runner, "sampler_paths", {}).items()})
     r.add(Kind.INFO, {f"gemm_weights_{k}": v for k, v in s.gemm_layouts.items()})
+
+
+def _giveback_stats(runner: Any, r: StatsReport) -> None:
+    """Bytes of free, written KV pool pages handed back to the kernel at idle, since start
+    (engine/kv/giveback.py; ModelRunner.given_back: 0 where the pool is not a plain host pool).
+    Rank 0's: every TP rank gives back the same pages of its own shard."""
+    mr = getattr(runner, "model_runner", None)  # test runners may have none
+    r.add(Kind.TOTAL, {"kv_pages_given_back_bytes_total": int(getattr(mr, "given_back", 0))})
 
 
 def _cache_stats(s: Any, r: StatsReport) -> None:
