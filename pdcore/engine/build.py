@@ -35,6 +35,7 @@ from pdcore.config import (
     spec_gate,
 )
 from pdcore.constrained.backend import GrammarBackend
+from pdcore.engine.kv import giveback
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.cache import KVCache, KVSpec
 from pdcore.engine.kv.radix import RadixCache
@@ -358,6 +359,7 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
     eos_ids = frozenset(e for e in eos if e is not None)
     model_runner = ModelRunner(model, kv, blocks, tp)
+    model_runner.give_back_pages = giveback.allowed(args.disaggregation_mode)
     runner = BatchRunner(model_runner, _grammar(args, cfg, [e for e in eos if e is not None]))
     speculator = _speculator(args, model, blocks,
                              None if resolved.gguf_file else resolved.path, kv, runner=model_runner)

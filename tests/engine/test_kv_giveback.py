@@ -13,6 +13,8 @@ import torch
 
 from pdcore.config import ServerArgs
 from pdcore.engine.kv.blocks import BlockManager
+from pdcore.engine.build import build_engine
+from pdcore.engine.kv import giveback
 from pdcore.engine.kv.giveback import runs
 from pdcore.messages.io import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
@@ -166,3 +168,31 @@ def test_the_bytes_given_back_at_idle_are_on_metrics(tmp_path) -> None:
         assert eng.loop.stats()["kv_pages_given_back_bytes_total"] > given
     finally:
         eng.close()
+
+
+def test_a_pd_server_never_gives_pages_back(tmp_path) -> None:
+    """A prefill or decode server's pool is registered with a transfer backend: an RDMA
+    registration pins the physical pages, and a page advised away would fault back in as other
+    memory than the NIC writes. Built as a decode or prefill server, the runner gives nothing
+    back at idle, its free written pages staying resident; a unified server does (the attack:
+    before, every server gave pages back)."""
+    model = _model(tmp_path)
+    for mode, gives in (("null", True), ("decode", False), ("prefill", False)):
+        assert giveback.allowed(mode) is gives
+        eng = build_engine(ServerArgs(model_path=model, max_total_tokens=256, page_size=PS,
+                                      disaggregation_mode=mode))
+        try:
+            mr = eng.loop.runner.model_runner
+            assert mr.give_back_pages is gives, mode
+            pages = eng.blocks.alloc(4)
+            for k, v in eng.kv.layers:  # the steps' K/V writes, then the pages come free
+                for t in (k, v):
+                    t.view(t.shape[0], -1)[pages] = 1.0
+            eng.blocks.free(pages)
+            before = sum(resident_pages(k) + resident_pages(v) for k, v in eng.kv.layers)
+            mr.release_caches()
+            after = sum(resident_pages(k) + resident_pages(v) for k, v in eng.kv.layers)
+            assert (mr.given_back > 0 and after < before) if gives else \
+                (mr.given_back == 0 and after == before), (mode, before, after, mr.given_back)
+        finally:
+            eng.close()

@@ -11,7 +11,8 @@ writes each position before attention reads it; engine/kv/blocks.py), so zeroing
 
 Only the plain host `torch` pool: a shared-memory pool would need MADV_REMOVE (its pages live in
 the segment, not the process) and the THP pool's huge pages would be split; both are left as
-they are, as are device (CUDA) and pinned pools and a draft head's buffers."""
+they are, as are device (CUDA) and pinned pools and a draft head's buffers. A PD server (prefill
+or decode) gives nothing back (`allowed`): its pool is registered with a transfer backend."""
 
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ def runs(pages: list[int]) -> list[tuple[int, int]]:
         else:
             out.append((p, p + 1))
     return out
+
+
+def allowed(disaggregation_mode: str) -> bool:
+    """Whether a server gives pages back at all: a unified server ("null") only. A prefill or
+    decode server registers its pool with a transfer backend, and an RDMA registration pins the
+    physical pages: a page advised away would fault back in as another physical page than the
+    one the NIC reads or writes, and transfers would go to memory the process no longer sees."""
+    return disaggregation_mode == "null"
 
 
 def plain_host_pool(kv) -> bool:

@@ -45,13 +45,14 @@ class ModelRunner:
         # concatenated ([n, len * hidden]; CausalLM.forward, engine/model/eagle3.py)
         self.capture_layers: tuple[int, ...] | None = None
         self.given_back = 0  # bytes of free KV pages advised away at idle, in all
+        self.give_back_pages = True  # engine/build.py: False on a PD server (giveback.allowed)
 
     def release_caches(self) -> None:
         """Going idle: drop what only a running batch uses (the decode K/V view)."""
         view = getattr(self.model, "decode_kv", None)
         if view is not None:
             view.release()
-        if self.blocks is not None:  # the free pages the steps wrote (engine/kv/giveback.py)
+        if self.blocks is not None and self.give_back_pages:  # engine/kv/giveback.py
             given = give_back(self.kv, self.blocks.take_free_written())
             self.given_back += given
             if given:
