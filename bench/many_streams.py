@@ -49,11 +49,12 @@ def start(system: str, args: argparse.Namespace, flags: list[str]) -> Group:
     vLLM's through vllm_launch."""
     if system in VLLM:
         # the mix's longest request (2048 in + 512 out by default) must fit vLLM's window
-        return start_system(system, args.model_path, "float32", args.vllm_python,
+        return start_system(system, args.model_path, args.dtype, args.vllm_python,
                             args.vllm_bind, args.vllm_kv_gib,
                             max_model_len=args.vllm_max_model_len)
     py, port = sys.executable, free_port()
     model = ["--model-path", args.model_path] if args.model_path else []
+    model += ["--dtype", args.dtype]
     g = Group()
     if system == "pdserve-unified":
         g.add(Proc([py, "-m", "pdcore", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -162,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def system_args(ap: argparse.ArgumentParser, name: str) -> None:
     """The flags every serving bench of the mix shares: model, vLLM, seed, limits, output."""
     ap.add_argument("--model-path", default=None, help="default: SmolLM2 (vLLM: an HF folder)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="every system's weights and activations (pdserve and vLLM alike)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
     ap.add_argument("--vllm-bind", default="0-1")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
