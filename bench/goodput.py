@@ -97,7 +97,8 @@ def trial(url: str, rate: float, args: argparse.Namespace, shape: Shape, voc: in
           ) -> dict[str, Any]:
     sets = trial_requests(rate, args, shape, voc)
     load0 = os.getloadavg()
-    results, wall = asyncio.run(open_loop(url, [r for s in sets for r in s], args.timeout))
+    results, wall = asyncio.run(open_loop(url, [r for s in sets for r in s], args.timeout,
+                                          args.sampling))
     st = level_stats(results, wall)
     t99 = st["ttft_s"].get("p99", math.inf)
     p99 = st["tpot_s"].get("p99", math.inf)

@@ -97,7 +97,8 @@ def measure(system: str, flags: list[str], args: argparse.Namespace, shape: Shap
             # server, and a repeated prompt would be answered from the prefix cache
             reqs = requests(n, voc, args.seed + c, shape)
             load0 = os.getloadavg()
-            results, wall = asyncio.run(closed_loop(group.url, reqs, c, args.timeout))
+            results, wall = asyncio.run(closed_loop(group.url, reqs, c, args.timeout,
+                                                    args.sampling))
             st = level_stats(results, wall)
             st["loadavg_before"], st["loadavg_after"] = list(load0), list(os.getloadavg())
             out["levels"][str(c)] = st
@@ -165,6 +166,9 @@ def system_args(ap: argparse.ArgumentParser, name: str) -> None:
     ap.add_argument("--model-path", default=None, help="default: SmolLM2 (vLLM: an HF folder)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="every system's weights and activations (pdserve and vLLM alike)")
+    ap.add_argument("--sampling", choices=("default", "greedy"), default="default",
+                    help="default: no temperature sent (the server's 1.0, what most clients "
+                    "get); greedy: temperature 0")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
     ap.add_argument("--vllm-bind", default="0-1")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)

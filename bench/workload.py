@@ -9,8 +9,10 @@ sigma 1.0 (mean ~265) clipped to [4, 2048]; outputs median 96 and sigma 0.8 (mea
 clipped to [4, 512]. Every parameter is a field of `Shape`; the bench results record it.
 
 Also the streaming client both benches use (bench/many_streams.py, bench/goodput.py): one
-streamed /v1/completions request per `Request`, greedy, ignore_eos (each request produces
-exactly its drawn output length), timed per chunk (serving.py's client).
+streamed /v1/completions request per `Request`, ignore_eos (each request produces
+exactly its drawn output length), timed per chunk (serving.py's client); the benches send no
+temperature by default (`--sampling default`: the server's default, 1.0, as most clients get),
+or temperature 0 with `--sampling greedy`.
 """
 
 from __future__ import annotations
@@ -91,9 +93,10 @@ def _client(concurrency: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits)
 
 
-async def closed_loop(url: str, reqs: list[Request], concurrency: int, timeout: float
-                      ) -> tuple[list[Any], float]:
-    """Every request, at most `concurrency` in flight; (results, wall seconds)."""
+async def closed_loop(url: str, reqs: list[Request], concurrency: int, timeout: float,
+                      sampling: str = "greedy") -> tuple[list[Any], float]:
+    """Every request, at most `concurrency` in flight; (results, wall seconds). `sampling`: a
+    serving.SAMPLINGS key (greedy, or default: no temperature sent, what most clients do)."""
     from serving import stream_completion
 
     queue = list(reversed(reqs))
@@ -103,14 +106,15 @@ async def closed_loop(url: str, reqs: list[Request], concurrency: int, timeout: 
             while queue:
                 r = queue.pop()
                 results.append(await stream_completion(client, url, r.prompt, r.max_tokens,
-                                                       timeout=timeout))
+                                                       timeout=timeout, sampling=sampling))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return results, time.perf_counter() - t0
 
 
-async def open_loop(url: str, reqs: list[Request], timeout: float) -> tuple[list[Any], float]:
+async def open_loop(url: str, reqs: list[Request], timeout: float, sampling: str = "greedy"
+                    ) -> tuple[list[Any], float]:
     """Each request sent at its arrival time whatever is in flight (Poisson: an open loop);
     (results in the order of `reqs`, wall seconds until the last one ended)."""
     from serving import stream_completion
@@ -124,7 +128,7 @@ async def open_loop(url: str, reqs: list[Request], timeout: float) -> tuple[list
             if delay > 0:
                 await asyncio.sleep(delay)
             results[i] = await stream_completion(client, url, r.prompt, r.max_tokens,
-                                                 timeout=timeout)
+                                                 timeout=timeout, sampling=sampling)
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
         return results, time.perf_counter() - t0
