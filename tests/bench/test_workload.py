@@ -63,7 +63,7 @@ def test_a_trial_is_judged_by_p99s_or_by_attainment(monkeypatch) -> None:
 
     results = [result(0.2)] * 9 + [result(5.0)]
 
-    async def fake_loop(url, reqs, timeout):
+    async def fake_loop(url, reqs, timeout, sampling):
         return results, 10.0
 
     monkeypatch.setattr(goodput, "open_loop", fake_loop)
@@ -88,7 +88,8 @@ def test_a_trial_of_several_seeds_is_one_stream_judged_per_seed(monkeypatch) -> 
         return Result(prompt_len=8, start=0.0, ttft=ttft, tokens=11, end=ttft + 0.5,
                       chunk_times=[ttft + 0.05 * i for i in range(11)])
 
-    async def fake_loop(url, reqs, timeout):
+    async def fake_loop(url, reqs, timeout, sampling):
+        assert sampling == "default"  # no temperature sent, as most clients do
         sent.extend(reqs)
         # the second set's requests all start late: that set attains 0, the others 1
         return [result(5.0 if 4 <= i < 8 else 0.2) for i in range(len(reqs))], 10.0
