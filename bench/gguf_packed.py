@@ -11,7 +11,13 @@ Measured side by side in one run:
   before the timed rounds: the decode K/V view, when a server keeps one, lives only then);
 - decode TPOT at batch 1 and 8: B concurrent /generate requests of --prompt tokens (greedy,
   ignore_eos), once with 1 new token and once with 1 + --new; TPOT = (t_long - t_short) / --new.
-  Rounds alternate the servers' order; the median is reported, every round is kept.
+  Rounds alternate the servers' order; the median is reported, every round is kept. Each round
+  also streams the 1 + --new request set once (`tpot_stream_ms`): per request, the time from its
+  first token event to its last over the tokens between, the median of the B requests. It leaves
+  the prefills out, whose batching (the B requests arrive a few ms apart) moves t_long and
+  t_short independently by more than a batch-8 step's differences (s12: the same code's packed
+  batch-8 TPOT read 9.4-13.3 ms over four runs). And the engine's own forward time per decode
+  step over each long request set (`forward_ms_per_decode_step_rounds`, from /metrics).
 
 - `--before TREE`: one more server per system (float32 and each packed --dots) running TREE's
   code (PYTHONPATH=TREE, e.g. a checkout of main), so a change is measured against what it
@@ -136,6 +142,66 @@ def _timed(url: str, batch: int, prompt: int, new: int) -> float:
     return time.perf_counter() - t0
 
 
+def decode_tpot(events: list[tuple[float, int]]) -> float:
+    """Decode TPOT of one request from its stream's (arrival time, completion_tokens) events:
+    the time from the first event to the last over the tokens generated between them (an event
+    may carry several tokens), so the prefill, the queueing and the HTTP round trip are out."""
+    if len(events) < 2 or events[-1][1] <= events[0][1]:
+        raise ValueError(f"a decode TPOT needs two events tokens apart, got {events}")
+    return (events[-1][0] - events[0][0]) / (events[-1][1] - events[0][1])
+
+
+def _stream_tpot(url: str, ids: list[int], new: int) -> float:
+    """decode_tpot of one streamed /generate of `new` tokens."""
+    import json
+
+    import httpx
+
+    events: list[tuple[float, int]] = []
+    with httpx.stream("POST", url + "/generate", timeout=600, json={
+            "input_ids": ids, "stream": True, "sampling_params": {
+                "max_new_tokens": new, "temperature": 0, "ignore_eos": True}}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            t, event = time.perf_counter(), json.loads(line[6:])
+            if "meta_info" not in event:
+                raise RuntimeError(f"stream error event: {line[:300]}")
+            events.append((t, event["meta_info"]["completion_tokens"]))
+    return decode_tpot(events)
+
+
+def _timed_stream(url: str, batch: int, prompt: int, new: int) -> float:
+    """The median over `batch` concurrent streamed requests (the prompts of _timed) of each
+    one's decode TPOT (_stream_tpot)."""
+    prompts = [[(7 * i + 31 * j) % 5000 + 100 for j in range(prompt)] for i in range(batch)]
+    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+        return statistics.median(pool.map(lambda p: _stream_tpot(url, p, new), prompts))
+
+
+FORWARD = ("pdserve_scheduler_forward_decode_seconds_total",
+           "pdserve_scheduler_forward_decode_steps_total")
+
+
+def _forward_totals(url: str) -> tuple[float | None, ...]:
+    return tuple(_metric(url, k) for k in FORWARD)
+
+
+def _per_step(before: tuple[float | None, ...], after: tuple[float | None, ...]) -> float | None:
+    """Seconds of engine forward per decode step between two _forward_totals (None when the
+    server does not export them or ran no decode step): how much of a TPOT the model's forward
+    is, the rest being the scheduler, the sampler and the HTTP side."""
+    if None in before or None in after or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def _median_ms(v: list[float | None]) -> str:
+    v = [x for x in v if x is not None]
+    return f"{statistics.median(v):.1f} ms" if v else "n/a"
+
+
 def peak_memory_mib(pid: int, url: str, prompt: int, new: int) -> float:
     """The most 'resident' (tree_memory_mib) seen while 8 requests of `prompt` tokens decode
     `new` tokens each, sampled every 50 ms."""
@@ -202,6 +268,8 @@ def main() -> None:
                for name, env in systems.items()}
     out: dict[str, Any] = {"systems": {}}
     samples: dict[str, dict[int, list[float]]] = {}
+    streamed: dict[str, dict[int, list[float]]] = {}  # _timed_stream's, the same rounds
+    forward: dict[str, dict[int, float | None]] = {}  # the engine's forward per decode step
     try:
         for name, s in servers.items():
             _timed(s.url, 8, args.prompt, 4)  # warm-up: every batch size's buffers
@@ -218,9 +286,14 @@ def main() -> None:
                 url = servers[name].url
                 for b in batches:
                     short = _timed(url, b, args.prompt, 1)
+                    before = _forward_totals(url)
                     long = _timed(url, b, args.prompt, 1 + args.new)
+                    forward.setdefault(name, {}).setdefault(b, []).append(
+                        _per_step(before, _forward_totals(url)))
                     samples.setdefault(name, {}).setdefault(b, []).append(
                         max(long - short, 1e-9) / args.new)
+                    streamed.setdefault(name, {}).setdefault(b, []).append(
+                        _timed_stream(url, b, args.prompt, 1 + args.new))
         for name, s in servers.items():  # after the runs too: the peak working set
             out["systems"][name]["memory_mib_after"] = tree_memory_mib(s.proc.pid)
     finally:
@@ -229,7 +302,12 @@ def main() -> None:
     for name, per in samples.items():
         out["systems"][name]["decode"] = {
             str(b): {"tpot_ms": 1e3 * statistics.median(v), "tokens_per_s": b / statistics.median(v),
-                     "tpot_ms_rounds": [1e3 * x for x in v]} for b, v in per.items()}
+                     "tpot_ms_rounds": [1e3 * x for x in v],
+                     "tpot_stream_ms": 1e3 * statistics.median(streamed[name][b]),
+                     "tpot_stream_ms_rounds": [1e3 * x for x in streamed[name][b]],
+                     "forward_ms_per_decode_step_rounds": [
+                         None if x is None else 1e3 * x for x in forward[name][b]]}
+            for b, v in per.items()}
     out["ratios"] = {}
     for name in systems:
         if name.startswith("float32"):
@@ -241,14 +319,20 @@ def main() -> None:
             **{f"{k}_{tag}_over_{btag}": p["memory_mib_after"][k]["total"]
                / f["memory_mib_after"][k]["total"] for k in ("resident", "pss", "rss")},
             **{f"tpot_{tag}_over_{btag}_batch{b}":
-               p["decode"][str(b)]["tpot_ms"] / f["decode"][str(b)]["tpot_ms"] for b in batches}})
+               p["decode"][str(b)]["tpot_ms"] / f["decode"][str(b)]["tpot_ms"] for b in batches},
+            **{f"tpot_stream_{tag}_over_{btag}_batch{b}":
+               p["decode"][str(b)]["tpot_stream_ms"] / f["decode"][str(b)]["tpot_stream_ms"]
+               for b in batches}})
     out["note"] = load_note(run)
     for name, m in out["systems"].items():
         mem = m["memory_mib_after"]
         print(f"{name}: resident {mem['resident']['total']:.0f} MiB (peak "
               f"{m['memory_mib_peak']:.0f}, PSS "
               f"{mem['pss']['total']:.0f}, RSS {mem['rss']['total']:.0f}), " + ", ".join(
-            f"batch {b} TPOT {m['decode'][str(b)]['tpot_ms']:.1f} ms" for b in batches),
+            f"batch {b} TPOT {m['decode'][str(b)]['tpot_ms']:.1f} ms (streamed "
+            f"{m['decode'][str(b)]['tpot_stream_ms']:.1f}, forward "
+            f"{_median_ms(m['decode'][str(b)]['forward_ms_per_decode_step_rounds'])})"
+            for b in batches),
               flush=True)
     print({k: round(v, 3) for k, v in out["ratios"].items()})
     print(run.finish(out))
