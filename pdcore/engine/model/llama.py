@@ -22,7 +22,8 @@ from torch import nn
 from pdcore.engine.kv.fp8 import dequantize, is_fp8, store_rows
 from pdcore.engine.model.base import CausalLM, _native_op
 from pdcore.engine.model.batch import DecodeGroup, ForwardBatch, VerifyGroup
-from pdcore.engine.model.decode_view import PAGED as _PAGED, DecodeKV, reads_in_place, widened
+from pdcore.engine.model.decode_view import (PAGED as _PAGED, DecodeKV, bf16_pool, reads_in_place,
+                                              widened)
 from pdcore.engine.model.layers import (
     ColumnLinear,
     RMSNorm,
@@ -442,8 +443,8 @@ class LlamaForCausalLM(CausalLM):
         view_dtype = torch.float32 if h.dtype in (torch.bfloat16, torch.float16) else h.dtype
         view = None
         dkv = self.decode_kv
-        if dkv is not None and dkv.begin(batch, view_dtype, in_place=dkv.prefer_pool and bool(kv)
-                                         and reads_in_place(h, kv[0][0])):
+        if dkv is not None and dkv.begin(batch, view_dtype, in_place=bool(kv) and (
+                dkv.prefer_pool or bf16_pool(h, kv[0][0])) and reads_in_place(h, kv[0][0])):
             view = batch.kv_view = self.decode_kv
         return LlamaStep(cos, sin, kv, batch, view, view_dtype)
 

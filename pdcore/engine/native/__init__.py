@@ -1,7 +1,7 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
 (decode_step.cpp with the headers beside it: gemm.h, panel_gemm.h, bf16_head.h, int8_gemm.h,
-int8_act.h, attention.h, prefill_attention.h, attn_block.h, elementwise.h, common.h and vec.h,
-the vector layer they are written against):
+int8_act.h, attention.h, prefill_attention.h, bf16_attn.h, attn_block.h, elementwise.h, common.h
+and vec.h, the vector layer they are written against):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
   `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight), kernels
@@ -20,7 +20,8 @@ the vector layer they are written against):
 - `pdcore_native::prefill_attention_paged` (prefill_attention.h): a prefill chunk's causal
   attention over the pool in place (prefix and chunk; float32, bf16 or FP8 pool), flash-style
   tiles, GQA-grouped, parallel over (KV head, query block); models/llama.py takes it for every
-  chunk of two or more tokens;
+  chunk of two or more tokens. bf16 queries over a bf16 pool (a bf16 model) take bf16_attn.h's
+  order in both attention kernels where the CPU has vdpbf16ps (bf16 pair dots, bf16 weights);
 - `pdcore_native::rope_store`: rotary over q and k with the K/V pool store, in one pass (equal
   to the bit to the aten operators); `silu_mul`: silu(gate) * up in one pass (float32: equal to
   the bit to aten's two operators); `add_rms_norm`: the residual add and the next RMSNorm in

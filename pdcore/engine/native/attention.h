@@ -1,5 +1,6 @@
 #pragma once
 #include "attn_block.h"
+#include "bf16_attn.h"
 #include "common.h"
 
 namespace {
@@ -315,6 +316,13 @@ typename Family::Fn kernel_for(int64_t D, int64_t G) {
   }
 }
 
+#if defined(PD_ISA_AVX512)
+struct AllHeadsBf16 {  // the paged kernel in the bf16 order (bf16_attn.h)
+  using Fn = HeadsFn<uint16_t>;
+  template <int DV, int G> static Fn at() { return attend_heads_bf16<DV, G>; }
+};
+#endif
+
 struct OneHead {  // the view's kernel: a (sequence, KV head) a call
   using Fn = AttendFn;
   template <int DV, int G> static Fn at() { return attend_one<DV, G>; }
@@ -399,8 +407,8 @@ void paged_run(HeadsFn<T> fn, const float* qp, const T* kp, const T* vp, const i
 }
 
 // ---- paged decode attention: the same sums reading the K/V pool in place (attend_heads) ----
-// q [B, KVH, G, D] float32; k_pool, v_pool: the layer's pool (float32, or bf16 widened as it
-// is read: a bf16 model's q cast to float32, as its float32 view holds the pool's values),
+// q [B, KVH, G, D] float32 or bf16; k_pool, v_pool: the layer's pool (float32, or bf16 widened
+// as it is read; bf16 queries over a bf16 pool: bf16_attn.h's order where it applies),
 // contiguous, viewed as slots [S, KVH, D] ([pages, page_size, KVH, D] is that); table [B * W] long: the slots of each sequence's
 // context, padded to W (padding masked by bias [B, W], or no padding). No gather, no copy
 // per step: what the decode K/V view saves, without its second copy of the contexts (it
@@ -423,7 +431,8 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   const auto pt = k_pool.scalar_type();
   const bool bf16 = pt == at::kBFloat16;
   const bool ok = kernel_for<AllHeads<float>>(D, G) != nullptr && panel_gemm_supported() &&
-                  q_in.scalar_type() == at::kFloat && (pt == at::kFloat || bf16) &&
+                  (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16) &&
+                  (pt == at::kFloat || bf16) &&
                   v_pool.scalar_type() == pt &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   table.scalar_type() == at::kLong && table.is_contiguous() &&
@@ -433,18 +442,30 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
     const auto shape = std::vector<int64_t>{B, W, H, D};
     Tensor kb = k_pool.reshape({S, H, D}).index_select(0, table).view(shape).transpose(1, 2);
     Tensor vb = v_pool.reshape({S, H, D}).index_select(0, table).view(shape).transpose(1, 2);
-    return decode_attention(q_in, kb.to(q_in.scalar_type()), vb.to(q_in.scalar_type()),
+    return decode_attention(q_in.to(at::kFloat), kb.to(at::kFloat), vb.to(at::kFloat),
                             bias_in, scale);
   }
   const int64_t* tp = table.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * W; ++i)
     TORCH_CHECK(tp[i] >= 0 && tp[i] < S, "decode_attention_paged: slot ", tp[i],
                 " outside the pool (", S, " slots)");
-  Tensor q = q_in.contiguous();
+  // bf16 queries over a bf16 pool: the bf16 order (bf16_attn.h) where it applies, else widened
+  const bool dot = bf16_attn_applies(q_in.scalar_type(), pt, D);
+  Tensor q = q_in.to(at::kFloat).contiguous();
   Tensor bias;
   if (bias_in.has_value()) bias = bias_in->contiguous();
   Tensor out = at::empty({B, H, G, D}, q.options());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+#if defined(PD_ISA_AVX512)
+  if (dot) {
+    paged_run(kernel_for<AllHeadsBf16>(D, G), q.data_ptr<float>(),
+              reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
+              reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), tp, bp,
+              out.data_ptr<float>(), B, H, G, D, W, scale);
+    return out;
+  }
+#endif
+  (void)dot;
   if (bf16)
     paged_run(kernel_for<AllHeads<uint16_t>>(D, G), q.data_ptr<float>(),
               reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),

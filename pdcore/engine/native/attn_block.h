@@ -15,6 +15,10 @@
 //   in order, then vreduce_add), ob = sum_j e_j v_j (FMAs in key order from zero);
 // - the blocks joined in key order into (M, L, O) (ab_weights, ab_mix): a block with no
 //   visible key leaves the row as it is; the row's output is O * (1 / L).
+// bf16 queries over a bf16 pool where the CPU has vdpbf16ps (bf16_attn.h): the same blocks and
+// join, but a score is the vdpbf16ps dot of the unscaled bf16 query (lane l sums the d-pairs
+// (32c + 2l, 32c + 2l + 1), c ascending, the same tree) times the scale, e is rounded to bf16
+// (lb sums the rounded e) and ob sums vdpbf16ps over key pairs (2i, 2i + 1) in key order.
 // Blocks are independent until the join, so a long context can be computed in parts by
 // several threads and joined after in the same order (attention.h: da_split).
 #include "common.h"
@@ -24,8 +28,9 @@ namespace {
 constexpr int AB_KB = 64;  // keys per block
 
 // one row's block: s[0, lim) its visible scores (s[lim, kn) masked; any may be -inf, masked by a
-// bias): e in place (0 where masked), mb and lb; false (s zeroed) when no key is visible
-inline bool ab_softmax(float* s, int lim, int kn, float& mb, float& lb) {
+// bias): e in place (0 where masked), mb and lb; false (s zeroed) when no key is visible.
+// bf16_p: e rounded to bf16 (nearest even) before it is stored and summed (bf16_attn.h)
+inline bool ab_softmax(float* s, int lim, int kn, float& mb, float& lb, bool bf16_p = false) {
   const V16 ninf = vset1(-INFINITY);
   V16 mx = ninf;
   for (int j = 0; j < lim; j += 16) mx = vmax(mx, vmask_load(ninf, lane_mask(lim - j), s + j));
@@ -38,7 +43,8 @@ inline bool ab_softmax(float* s, int lim, int kn, float& mb, float& lb) {
   V16 sum = vzero();
   for (int j = 0; j < kn; j += 16) {
     const M16 live = lane_mask(lim - j), in = lane_mask(kn - j);
-    const V16 e = vmaskz(live, exp_ps(vsub(vmask_load(mv, live, s + j), mv)));
+    V16 e = vmaskz(live, exp_ps(vsub(vmask_load(mv, live, s + j), mv)));
+    if (bf16_p) e = vround_bf16(e);
     vmask_store(s + j, in, e);
     sum = vadd(sum, e);
   }

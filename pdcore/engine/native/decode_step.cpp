@@ -69,9 +69,9 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
     if (mode == 2) {  // no view: attention reads the pool in place
       Tensor qk = rope_store(qkv, cos, sin, k_pool[i], v_pool[i], out_slots, num_heads, kv_heads,
                              head_dim);
-      Tensor qb = qk.slice(1, 0, num_heads)
-                      .reshape({T, kv_heads, num_heads / kv_heads, head_dim})
-                      .to(at::kFloat);
+      // bf16 queries stay bf16 (over a bf16 pool: bf16_attn.h's order; else widened there)
+      Tensor qb = qk.slice(1, 0, num_heads).reshape({T, kv_heads, num_heads / kv_heads, head_dim});
+      if (qb.scalar_type() != at::kBFloat16) qb = qb.to(at::kFloat);
       o = decode_attention_paged(qb, k_pool[i], v_pool[i], table, attn_bias, scale);
     } else {
       Tensor kb_all = view_k[i];

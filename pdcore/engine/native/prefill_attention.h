@@ -1,5 +1,6 @@
 #pragma once
 #include "attn_block.h"
+#include "bf16_attn.h"
 #include "common.h"
 
 #include <c10/util/BFloat16.h>
@@ -27,7 +28,8 @@ namespace {
 // packed once per KV head into key blocks transposed ([KB][D][PF_KB], the pool's values as
 // float32: the S kernel's operand), V is read from the pool in place (float32) or widened once
 // (bf16 / FP8). Tasks, heaviest (latest queries) first, are taken from a shared counter by
-// the OpenMP team (static halves of a causal triangle are unequal).
+// the OpenMP team (static halves of a causal triangle are unequal). bf16 queries over a bf16
+// pool take bf16_attn.h's order (vdpbf16ps; K and V packed as bf16 pairs) where it applies.
 // Where it does not apply (head_dim not a multiple of 16, other dtypes) the rows are gathered
 // and SDPA runs with the causal mask.
 
@@ -270,8 +272,8 @@ Tensor prefill_attention_sdpa(const Tensor& q, const Tensor& k_pool, const Tenso
   return o[0].transpose(0, 1).contiguous();
 }
 
-// `out` (optional): [n, H, D] in q's dtype, written and returned (the caller's rows of the
-// step's attention output: no copy of a returned tensor into them)
+// `out` (optional): [n, H, D] in q's dtype (or float32: the rows unrounded), written and
+// returned (the caller's rows of the step's attention output: no copy of a returned tensor)
 Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Tensor& v_pool,
                                const Tensor& table, double scale, double k_scale,
                                double v_scale, int64_t kv_heads,
@@ -301,8 +303,9 @@ Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const T
                   (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16);
   const bool has_out = out_opt.has_value() && out_opt->defined();
   if (has_out)
-    TORCH_CHECK(out_opt->sizes() == q_in.sizes() && out_opt->scalar_type() == q_in.scalar_type(),
-                "prefill_attention_paged: out is not [n, H, D] in q's dtype");
+    TORCH_CHECK(out_opt->sizes() == q_in.sizes() && (out_opt->scalar_type() == q_in.scalar_type()
+                || out_opt->scalar_type() == at::kFloat),
+                "prefill_attention_paged: out is not [n, H, D] in q's dtype or float32");
   if (!ok) {
     Tensor r = prefill_attention_sdpa(q_in, k_pool, v_pool, tabc, scale, k_scale, v_scale, KVH);
     return has_out ? out_opt->copy_(r) : r;
@@ -318,12 +321,26 @@ Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const T
   const int64_t want_qb = std::max<int64_t>(1, (4 * nth + KVH - 1) / KVH);
   s.QB = std::clamp<int64_t>((n + want_qb - 1) / want_qb, 1, std::max<int64_t>(1, PF_ROWS / s.G));
   s.nqb = (n + s.QB - 1) / s.QB;
-  Tensor kt_all = at::empty({KVH * s.nkb * D * PF_KB}, q.options().dtype(at::kFloat));
-  Tensor v_wide;
-  if (pt != at::kFloat) v_wide = at::empty({KVH * ctx * D}, kt_all.options());
+  // bf16 queries over a bf16 pool: the bf16 order (bf16_attn.h) where it applies
+  const bool dot = bf16_attn_applies(q_in.scalar_type(), pt, D);
+  Tensor kt_all = at::empty({dot ? 0 : KVH * s.nkb * D * PF_KB}, q.options().dtype(at::kFloat));
+  Tensor v_wide, pairs;  // pairs: the bf16 order's K and V blocks [2][KVH][nkb][D * PF_KB]
+  if (pt != at::kFloat && !dot) v_wide = at::empty({KVH * ctx * D}, kt_all.options());
   float* ktp = kt_all.data_ptr<float>();
   float* vwp = v_wide.defined() ? v_wide.data_ptr<float>() : nullptr;
-  switch (pt) {
+  uint16_t* kpp = nullptr;
+  if (dot) {
+    pairs = at::empty({2 * KVH * s.nkb * D * PF_KB}, q.options().dtype(at::kBFloat16));
+    kpp = reinterpret_cast<uint16_t*>(pairs.data_ptr<at::BFloat16>());
+    const auto* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>());
+    const auto* vp = reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>());
+    const int64_t nb = KVH * s.nkb, bsz = D * PF_KB;
+    at::parallel_for(0, nb, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        ba_pack_block(kp, vp, tab, ctx, KVH, D, i / s.nkb, i % s.nkb, kpp + i * bsz,
+                      kpp + (nb + i) * bsz);
+    });
+  } else switch (pt) {
     case at::kFloat: pf_pack_all<float>(s, k_pool, v_pool, tab, 1.0, 1.0, ktp, vwp); break;
     case at::kBFloat16:
       pf_pack_all<c10::BFloat16>(s, k_pool, v_pool, tab, 1.0, 1.0, ktp, vwp);
@@ -333,8 +350,9 @@ Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const T
       break;
     default: pf_pack_all<c10::Float8_e5m2>(s, k_pool, v_pool, tab, k_scale, v_scale, ktp, vwp);
   }
-  const bool direct = has_out && q_in.scalar_type() == at::kFloat && out_opt->is_contiguous();
+  const bool direct = has_out && out_opt->scalar_type() == at::kFloat && out_opt->is_contiguous();
   Tensor out = direct ? *out_opt : at::empty({n, H, D}, kt_all.options());
+  const uint16_t* vpp = dot ? kpp + KVH * s.nkb * D * PF_KB : nullptr;
   const float* qp = q.data_ptr<float>();
   const float* vip = pt == at::kFloat ? v_pool.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
@@ -344,11 +362,18 @@ Tensor prefill_attention_paged(const Tensor& q_in, const Tensor& k_pool, const T
     std::vector<float> buf;
     for (int64_t t; (t = next.fetch_add(1)) < ntask;) {
       const int64_t qb = s.nqb - 1 - t / KVH, h = t % KVH;  // the latest queries first
+#if defined(PD_ISA_AVX512)
+      if (dot) {
+        pf_task_bf16(s, qp, q.stride(0), q.stride(1), kpp, vpp, h, qb * s.QB, op, buf);
+        continue;
+      }
+#endif
       pf_task(s, qp, q.stride(0), q.stride(1), ktp, vip, vwp, tab, h, qb * s.QB, op, buf);
     }
   });
   if (direct) return out;
-  Tensor r = q_in.scalar_type() == at::kFloat ? out : out.to(q_in.scalar_type());
+  const auto want = has_out ? out_opt->scalar_type() : q_in.scalar_type();
+  Tensor r = want == at::kFloat ? out : out.to(want);
   return has_out ? out_opt->copy_(r) : r;
 }
 
