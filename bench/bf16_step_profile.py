@@ -7,6 +7,8 @@ Lifecycle:
    the native decode_layers path the server takes) timed by phase with the wall clock:
    begin (embedding, rotary, the decode group), the layer loop (fast_layers: the C++ step),
    logits (final norm + lm_head) and the sampler at temperature 1 over the B x vocab logits;
+   with --co-runner D, a process of our own beside it the whole time, busy a fraction D of
+   every 4 ms on one core (what a server's HTTP process and its clients do to a 2-core box);
 3. with --perf, `perf record` of the same loop (this process only) and its self time by
    symbol, grouped (bf16 GEMM, attention, norms/rope/silu, OpenMP runtime, libtorch,
    python, sampler, other);
@@ -22,6 +24,7 @@ Run: `python bench/bf16_step_profile.py [--shapes 8x512 16x1024] [--iters 30] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +87,25 @@ def sample_states(batch: int) -> list[Any]:
     return [SampleState.create(SamplingParams(temperature=1.0, max_new_tokens=1 << 20,
                                               ignore_eos=True), [1, 2, 3])
             for _ in range(batch)]
+
+
+HOG = ("import sys, time\nd, p = float(sys.argv[1]), 0.004\nwhile True:\n"
+       "    t = time.perf_counter()\n    while time.perf_counter() - t < p * d: pass\n"
+       "    time.sleep(p * (1 - d))\n")
+
+
+@contextlib.contextmanager
+def co_runner(duty: float) -> Iterator[None]:
+    """A busy-then-sleep process beside the timed loop (duty 0: none); killed on the way out."""
+    if duty <= 0:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", HOG, str(duty)])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def perf_start(out: Path) -> subprocess.Popen[bytes] | None:
@@ -219,10 +242,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--perf", action="store_true")
+    ap.add_argument("--co-runner", type=float, default=0.0,
+                    help="duty (0-1) of a busy process of ours beside the timed loops")
     ap.add_argument("--bandwidth-rows", type=int, nargs="*", default=[1, 6, 8, 12, 16])
     ap.add_argument("--suffix", default="_s13")
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)
+    if not 0.0 <= args.co_runner < 1.0:
+        ap.error(f"--co-runner {args.co_runner}: a duty in [0, 1)")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     torch.set_num_threads(args.threads)
     run = Run(NAME + args.suffix, {k: str(v) if isinstance(v, Path) else v
@@ -235,8 +262,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for k, v in kv.layers:
             for t in (k, v):
                 t.copy_(torch.randn(t.shape, generator=g))
-        results = [profile_shape(runner, b, c, args.iters, args.perf) for b, c in shapes]
-        bw = [bandwidth(runner, r, args.iters) for r in args.bandwidth_rows]
+        with co_runner(args.co_runner):
+            results = [profile_shape(runner, b, c, args.iters, args.perf) for b, c in shapes]
+            bw = [bandwidth(runner, r, args.iters) for r in args.bandwidth_rows]
     finally:
         runner.close()
     path = run.finish({"shapes": results, "bandwidth": bw}, args.out_dir)
