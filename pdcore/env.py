@@ -99,6 +99,16 @@ def _host_count(name: str, raw: str) -> int:
     return n
 
 
+def _seconds_at_least_zero(name: str, raw: str) -> float:
+    try:
+        s = float(raw.strip())
+    except ValueError:
+        s = -1.0
+    if not 0 <= s < float("inf"):  # also NaN
+        raise EnvError(f"{name} must be a number of seconds >= 0; got {raw.strip()!r}")
+    return s
+
+
 def _cpu_isa(name: str, raw: str) -> str:
     """'' (this CPU as it is), 'avx2' or 'avx512'."""
     value = raw.strip().lower()
@@ -241,6 +251,9 @@ class Engine(Group):
         "(once per machine, under a lock)", shown="~/.cache/pdserve/native")
     pdcore_decode_kv_view_mb = Var(128.0, _mib_at_least_zero, "MiB of decode K/V kept "
                                    "contiguous per request beside the pool; 0 gathers every step")
+    pdserve_kv_giveback_idle_s = Var(
+        2.0, _seconds_at_least_zero, "a unified server hands its KV pool's free, written pages "
+        "back to the kernel once it has been idle this many seconds (docs/cpu.md); 0: at once")
     pdserve_cpu_omp_threads_bind = Var(
         "auto", text, "CPU placement of the engine's OpenMP threads (`--cpu-omp-threads-bind`)")
     pdserve_cpu_team_adapt = Var(True, flag, "shrink the OpenMP team off busy cores (docs/cpu.md)")

@@ -109,9 +109,14 @@ class StepLoop:
                 if req.error is None:
                     self.spec.remember(req)
 
-    def release_caches(self) -> None:
-        """Going idle: drop what only a running batch uses (the decode K/V view)."""
-        self.runner.release_caches()
+    def release_caches(self, give_back: bool = True) -> None:
+        """Going idle: drop what only a running batch uses (the decode K/V view); with
+        `give_back`, hand the free KV pages back to the kernel now too."""
+        self.runner.release_caches(give_back)
+
+    def give_back_free(self, idle_s: float) -> int:
+        """Idle `idle_s` seconds: hand the free KV pages back (engine/kv/giveback.py)."""
+        return self.runner.model_runner.give_back_free(idle_s)
 
     def stats(self) -> StatsReport:
         """The engine's report (/get_load, /metrics): the scheduler's, the model side's

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdcore.messages.io import AbortReq, GenerateReq, TokenOut
 from pdcore.errors import InvalidRequestError
+from pdcore.runtime_env import trim_heap
 
 if TYPE_CHECKING:
     from pdcore.engine.build import Engine
@@ -40,6 +41,11 @@ class StepHeader:
     # speculative decoding's measured verify/decode cost ratio: every rank gates drafts on
     # rank 0's value (engine/sched/speculative.py)
     spec_ratio: float | None = None
+    # rank 0 went idle (before this header): drop the decode K/V view, trim the heap
+    going_idle: bool = False
+    # rank 0 had been idle this many seconds and handed its free KV pages back: do the same
+    # (engine/kv/giveback.py; each rank advises its own pool); None: not now
+    give_back_s: float | None = None
 
 
 class Lockstep:
@@ -57,6 +63,20 @@ class Lockstep:
         self.dp = sync_for(self.tp, self.sched)
         self.stopped = False  # DP attention: a stop agreed with the other DP ranks
         self.peers_busy = False  # DP attention: some DP rank ran at the last agreement
+        # rank 0's releases since the last header (`go_idle`, `give_back`), for the others
+        self._going_idle, self._give_back_s = False, None
+
+    def go_idle(self) -> None:
+        """Rank 0 went idle: drop what only a running batch uses (the free KV pages stay for
+        `give_back`) and trim the heap; the other ranks do the same at the next header."""
+        self._going_idle = True
+        _release(self.sched)
+
+    def give_back(self, idle_s: float) -> int:
+        """Rank 0 has been idle `idle_s` seconds: hand its free KV pages back to the kernel;
+        the other ranks do the same at the next header. Returns rank 0's bytes."""
+        self._give_back_s = idle_s
+        return self.sched.give_back_free(idle_s)
 
     def _apply(self, msgs: list[Any]) -> None:
         # a decode server's parallel samples come inside sample 0's message (`forks`): they
@@ -97,7 +117,9 @@ class Lockstep:
         now = time.monotonic()
         if self.tp.size > 1:
             self.tp.broadcast_object(StepHeader(msgs, run, stop, now, idle,
-                                                self.sched.spec_ratio))
+                                                self.sched.spec_ratio, self._going_idle,
+                                                self._give_back_s))
+        self._going_idle, self._give_back_s = False, None
         self.sched.set_clock(now)
         if not run:
             if idle:
@@ -142,6 +164,10 @@ class Lockstep:
     def follow(self) -> bool:
         """Other ranks: one iteration as rank 0 decided; False once told to stop."""
         head: StepHeader = self.tp.broadcast_object(None)
+        if head.going_idle:  # in rank 0's order: its releases came before these messages
+            _release(self.sched)
+        if head.give_back_s is not None:
+            self.sched.give_back_free(head.give_back_s)
         self._apply(head.msgs)
         if head.stop:
             return False
@@ -152,3 +178,10 @@ class Lockstep:
         elif head.idle:
             self.dp.idle_forward()  # type: ignore[union-attr]
         return True
+
+
+def _release(sched: RuntimeAPI) -> None:
+    """Going idle, on every rank: the decode K/V view goes, and what the steps freed on the
+    heap goes back to the OS (the free KV pages wait for the give-back)."""
+    sched.release_caches(give_back=False)
+    trim_heap()

@@ -46,7 +46,8 @@ from pdcore.runtime.lifeline import (
 from pdcore.runtime.lockstep import Lockstep
 from pdcore.runtime.ranks import RankGroup
 from pdcore.runtime.roles import attach_role
-from pdcore.runtime_env import trim_heap
+from pdcore.engine.kv.giveback import IdleTimer
+from pdcore.env import ENV
 
 log = logging.getLogger("pdcore.scheduler")
 
@@ -63,6 +64,8 @@ class SchedulerLoop:
         self.profiler: Any = None
         self.stop = False
         self.busy = False  # the last loop had work: going idle trims the heap once
+        # the free KV pages go back once the engine has been idle this long (engine/kv/giveback)
+        self.idle = IdleTimer(ENV.pdserve_kv_giveback_idle_s)
         self.lockstep = Lockstep(engine)
         self.sched = self.lockstep.sched  # the scheduler's runtime surface (RuntimeAPI)
         self.inbox: list[Any] = []  # requests and aborts for the next lockstep iteration
@@ -139,8 +142,11 @@ class SchedulerLoop:
                 timeout = IDLE_POLL_MS
                 if self.busy:  # what the steps freed would stay resident until reused
                     self.busy = False
-                    self.sched.release_caches()
-                    trim_heap()
+                    self.lockstep.go_idle()
+                    self.idle.idle(time.monotonic())
+                gap = self.idle.due(time.monotonic())
+                if gap is not None:  # idle long enough: the free KV pages go back too
+                    self.lockstep.give_back(gap)
             elif self.sched.step_due():
                 timeout = 0
             elif self.grammar.pending:
@@ -148,7 +154,9 @@ class SchedulerLoop:
             else:  # only PD queues waiting on the network: do not spin (with TP every
                 # iteration costs collectives on every rank, so wait a little longer)
                 timeout = PD_WAIT_MS if self.sched.tp_group.size == 1 else PD_WAIT_TP_MS
-            self.busy = self.busy or timeout != IDLE_POLL_MS
+            if timeout != IDLE_POLL_MS:
+                self.busy = True
+                self.idle.busy()
             if poller.poll(timeout):
                 while True:
                     try:

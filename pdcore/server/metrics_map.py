@@ -82,7 +82,8 @@ SCHED_COUNTERS: list[tuple[str, str, str]] = [
     ("pdserve_radix_cache_evicted_pages", "KV pages evicted from the prefix cache",
      "radix_cache_evicted_pages_total"),
     ("pdserve_kv_pages_given_back_bytes", ("Bytes of free KV pool pages handed back to the "
-     "kernel (madvise DONTNEED) when the engine went idle, since start"),
+     "kernel (madvise DONTNEED) once the engine had been idle PDSERVE_KV_GIVEBACK_IDLE_S "
+     "seconds, since start"),
      "kv_pages_given_back_bytes_total"),
     ("pdserve_disagg_prefix_reused_tokens", ("Prompt tokens whose KV decode took from its "
      "prefix cache instead of receiving it"), "disagg_prefix_reused_tokens_total"),

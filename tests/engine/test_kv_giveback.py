@@ -196,3 +196,46 @@ def test_a_pd_server_never_gives_pages_back(tmp_path) -> None:
                 (mr.given_back == 0 and after == before), (mode, before, after, mr.given_back)
         finally:
             eng.close()
+
+
+def _segment_bytes(pid: int) -> int:
+    """Bytes /dev/shm holds for this process's shm pool segments (tmpfs blocks allocated)."""
+    from pathlib import Path
+
+    return sum(p.stat().st_blocks * 512 for p in Path("/dev/shm").glob(f"pdserve_*_{pid}_*"))
+
+
+def test_a_shm_pools_reservation_is_kept(tmp_path) -> None:
+    """A unified server may run its pool in /dev/shm (--memory-pool shm). Its segments are
+    reserved whole at start (posix_fallocate: a full /dev/shm fails the start, never a later
+    write with SIGBUS); MADV_REMOVE would free the written pages only by giving that
+    reservation up, and DONTNEED frees nothing there. So idle hands nothing back: the segments'
+    allocated bytes stay whole (the attack: a give-back by MADV_REMOVE drops them) and the next
+    request still generates what a fresh engine does."""
+    import os
+
+    path = _model(tmp_path)
+    big, _, small = _prompts()
+    args = dict(model_path=path, max_total_tokens=2048, page_size=PS, disable_radix_cache=True,
+                memory_pool="shm")
+    fresh = LLMEngine(ServerArgs(**args))
+    try:
+        want = fresh.generate([small], SP, return_logprob=True)[0]
+    finally:
+        fresh.close()
+    eng = LLMEngine(ServerArgs(**args))
+    try:
+        kv = eng.engine.kv
+        assert kv.pool.name == "shm"
+        whole = sum(t.numel() * t.element_size() for k, v in kv.layers for t in (k, v))
+        eng.generate([big, big[::-1]], SP)
+        assert _segment_bytes(os.getpid()) >= whole
+        eng.loop.release_caches()
+        assert eng.loop.runner.model_runner.given_back == 0
+        assert _segment_bytes(os.getpid()) >= whole  # every page still reserved
+        got = eng.generate([small], SP, return_logprob=True)[0]
+        assert pages_at_rest(eng.scheduler)
+    finally:
+        eng.close()
+    assert got["output_ids"] == want["output_ids"]
+    assert got["output_logprobs"] == want["output_logprobs"]

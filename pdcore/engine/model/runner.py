@@ -47,16 +47,27 @@ class ModelRunner:
         self.given_back = 0  # bytes of free KV pages advised away at idle, in all
         self.give_back_pages = True  # engine/build.py: False on a PD server (giveback.allowed)
 
-    def release_caches(self) -> None:
-        """Going idle: drop what only a running batch uses (the decode K/V view)."""
+    def release_caches(self, give_back: bool = True) -> None:
+        """Going idle: drop what only a running batch uses (the decode K/V view) and, with
+        `give_back`, hand the free KV pages back now (the scheduler process waits for a
+        minimum idle time instead: `give_back_free`)."""
         view = getattr(self.model, "decode_kv", None)
         if view is not None:
             view.release()
-        if self.blocks is not None and self.give_back_pages:  # engine/kv/giveback.py
-            given = give_back(self.kv, self.blocks.take_free_written())
-            self.given_back += given
-            if given:
-                log.debug("gave %d bytes of free KV pages back to the kernel", given)
+        if give_back:
+            self.give_back_free(0.0)
+
+    def give_back_free(self, idle_s: float) -> int:
+        """Hand the free, written KV pages back to the kernel (engine/kv/giveback.py), the
+        engine having been idle `idle_s` seconds; returns the bytes (0 on a PD server)."""
+        if self.blocks is None or not self.give_back_pages:
+            return 0
+        given = give_back(self.kv, self.blocks.take_free_written())
+        self.given_back += given
+        if given:
+            log.debug("rank %d gave %d bytes of free KV pages back to the kernel after %.3f s "
+                      "idle", self.tp.rank, given, idle_s)
+        return given
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOut:

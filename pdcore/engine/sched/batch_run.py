@@ -96,8 +96,8 @@ class BatchRunner:
     def tp(self) -> TPInfo:
         return self.model_runner.tp
 
-    def release_caches(self) -> None:
-        self.model_runner.release_caches()
+    def release_caches(self, give_back: bool = True) -> None:
+        self.model_runner.release_caches(give_back)
 
     def pack(self, items: list[tuple[Req, int]]) -> tuple[ForwardBatch, Plan]:
         ids: list[int] = []

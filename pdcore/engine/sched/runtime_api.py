@@ -151,9 +151,14 @@ class RuntimeAPI:
         """The grammar backend constrained requests compile with (None: none)."""
         return getattr(self._l.runner, "grammar", None)
 
-    def release_caches(self) -> None:
-        """Going idle: give back the buffers the steps grew (pinned/scratch tensors)."""
-        self._l.release_caches()
+    def release_caches(self, give_back: bool = True) -> None:
+        """Going idle: give back the buffers the steps grew (pinned/scratch tensors); with
+        `give_back`, the free KV pages too (else `give_back_free`, later)."""
+        self._l.release_caches(give_back)
+
+    def give_back_free(self, idle_s: float) -> int:
+        """Idle `idle_s` seconds: hand the free KV pages back to the kernel (their bytes)."""
+        return self._l.give_back_free(idle_s)
 
     @property
     def model(self) -> Any:
