@@ -278,6 +278,8 @@ def test_a_float32_pool_is_read_in_place_not_viewed(monkeypatch: pytest.MonkeyPa
     assert reads_in_place(torch.zeros(1), kv[0][0].to(torch.bfloat16))
     assert not reads_in_place(torch.zeros(1, dtype=torch.float16), kv[0][0])
     assert not reads_in_place(torch.zeros(1), kv[0][0].to(torch.float16))
+    # FP8 pools too (s13: widened and scaled as loaded, native/fp8_load.h)
+    assert reads_in_place(torch.zeros(1, dtype=torch.bfloat16), kv[0][0].to(torch.float8_e5m2))
 
 
 def test_decode_kv_view_budget(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -153,3 +153,57 @@ def test_the_checkpoints_kv_scales_are_read_else_one() -> None:
     assert _kv_scale({}, p, "k") == 1.0
     assert _kv_scale({p + "k_scale": torch.tensor(0.5)}, p, "k") == 0.5
     assert _kv_scale({p + "v_proj.output_scale": torch.tensor([0.25])}, p, "v") == 0.25
+
+
+@pytest.mark.parametrize("dtype,scales", [("fp8_e4m3", None), ("fp8_e4m3", (0.37, 1.9)),
+                                          ("fp8_e5m2", (1.9, 0.37))])
+def test_fp8_decode_in_place_has_the_views_bits(tmp_path, monkeypatch, dtype, scales) -> None:
+    """head_dim 64, two query heads a KV head (the paged decode kernel's shapes), an FP8 pool:
+    greedy tokens and logprobs with the decode K/V view (float32 copies of float(x) * scale)
+    and without it (PDCORE_DECODE_KV_VIEW_MB=0: the paged kernel reads the pool in place,
+    fp8_load.h) are the same bits, alone and in a padded batch; pages freed. Unit scales: the
+    native decode loop serves both (without the view it refused FP8 before #48's s13 work);
+    scaled: the Python layer loop, its attention in place as well."""
+    from safetensors.torch import load_file, save_file
+
+    from pdcore.config import ServerArgs
+    from pdcore.env import Env
+    from pdcore.messages.io import SamplingParams
+    from pdcore.runtime.llm_engine import LLMEngine
+    from pdcore.testing.pages import pages_at_rest
+    from pdcore.testing.tiny_models import make_tiny_model
+
+    path = make_tiny_model(str(tmp_path / "m"), arch="llama", vocab_size=512, seed=5,
+                           hidden=256, heads=4, kv_heads=2)
+    if scales is not None:
+        (f,) = (tmp_path / "m").glob("*.safetensors")
+        sd = load_file(str(f))
+        for i in {k.split(".")[2] for k in sd if k.startswith("model.layers.")}:
+            sd[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(scales[0])
+            sd[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(scales[1])
+        save_file(sd, str(f), metadata={"format": "pt"})
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (300, 7, 90)]
+    sp = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for view in ("default", "0"):
+        if view == "0":
+            monkeypatch.setenv(Env.pdcore_decode_kv_view_mb.name, "0")
+        eng = LLMEngine(ServerArgs(model_path=path, kv_cache_dtype=dtype, max_total_tokens=4096,
+                                   log_level="warning"))
+        try:
+            outs = eng.generate(prompts[:1], sp, return_logprob=True) + \
+                eng.generate(prompts, sp, return_logprob=True)
+            model = eng.engine.model
+            runs[view] = ([o["output_ids"] for o in outs],
+                          [[lp[0] for lp in o["output_logprobs"]] for o in outs],
+                          model.native_steps)
+            assert pages_at_rest(eng.scheduler)
+            want = 1.0 if scales is None else float(torch.tensor(scales[0]))  # float32's
+            assert model.layers[0].self_attn.k_scale == want
+        finally:
+            eng.close()
+    assert runs["0"][0] == runs["default"][0]
+    assert runs["0"][1] == runs["default"][1]  # logprobs: the same floats
+    if native.ops() is not None:
+        assert (runs["0"][2] > 0) == (scales is None), runs  # unit scales: the native loop

@@ -23,6 +23,7 @@ NATIVE_TESTS = Path(__file__).with_name("test_native.py")
 ATTENTION_TESTS = Path(__file__).with_name("test_native_attention.py")  # split from it
 PANEL_TESTS = Path(__file__).with_name("test_native_panels.py")  # split from it too
 BF16_ATTN_TESTS = Path(__file__).with_name("test_native_bf16_attention.py")  # #47's bf16 order
+FP8_ATTN_TESTS = Path(__file__).with_name("test_native_fp8_attention.py")  # FP8 pools in place
 SAMPLER_TESTS = Path(__file__).with_name("test_sampler_native.py")
 INT8_TESTS = Path(__file__).with_name("test_native_int8.py")  # the W8A8 int8 GEMM's paths
 # the default model's logprobs bit-equal at 1 and 2 threads (the team may resize mid-request)
@@ -63,8 +64,8 @@ def test_the_native_tests_on_every_isa(isa: str) -> None:
     env = {**os.environ, native.ISA_ENV: isa}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-p", "no:xdist", str(NATIVE_TESTS), str(ATTENTION_TESTS), str(PANEL_TESTS),
-                        str(BF16_ATTN_TESTS), str(SAMPLER_TESTS), str(INT8_TESTS), str(THREAD_TESTS),
-                        str(LONE_TESTS)],
+                        str(BF16_ATTN_TESTS), str(FP8_ATTN_TESTS), str(SAMPLER_TESTS),
+                        str(INT8_TESTS), str(THREAD_TESTS), str(LONE_TESTS)],
                        env=env, capture_output=True, text=True,
                        timeout=900, check=False, cwd=NATIVE_TESTS.parent)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

@@ -151,6 +151,11 @@ class DecodeKV:
 # the dtypes the native paged decode kernel takes, of queries and of the pool (a bf16 pool's
 # values widened as they are read: the sums over a float32 view's copies of them)
 PAGED = (torch.float32, torch.bfloat16)
+# the pools it reads in place: those and FP8, each value widened as it is read and times the
+# layer's scale (float(x) * scale: dequantize's value over a float32 view, and the prefill
+# kernel's pf_widen, so a row has the same bits in both phases; a bf16 model attends over FP8 in
+# float32, as through its float32 view)
+POOLS = PAGED + (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def widened(fn):
@@ -158,8 +163,9 @@ def widened(fn):
     back in the queries' dtype. The queries go in as bf16: over a bf16 pool the kernel takes
     the bf16 order of attn_block.h where the CPU has vdpbf16ps (the prefill kernel's, so a row
     has the same bits in both phases), else widens them as over a float32 pool."""
-    def run(q, k_flat, v_flat, table, bias, scale):
-        o = fn(q, k_flat, v_flat, table, None if bias is None else bias.float(), scale)
+    def run(q, k_flat, v_flat, table, bias, scale, k_scale=1.0, v_scale=1.0):
+        o = fn(q, k_flat, v_flat, table, None if bias is None else bias.float(), scale, k_scale,
+               v_scale)
         return o.to(q.dtype)
     return run
 
@@ -173,8 +179,8 @@ def bf16_pool(h: torch.Tensor, pool: torch.Tensor) -> bool:
 
 def reads_in_place(h: torch.Tensor, pool: torch.Tensor) -> bool:
     """The native paged decode kernel reads `pool` as it is for a model whose activations are
-    `h`'s: each of PAGED on the CPU, the pool contiguous, the kernels built."""
-    if h.dtype not in PAGED or pool.dtype not in PAGED or pool.device.type != "cpu" \
+    `h`'s: h of PAGED, the pool of POOLS, on the CPU, the pool contiguous, the kernels built."""
+    if h.dtype not in PAGED or pool.dtype not in POOLS or pool.device.type != "cpu" \
             or h.device.type != "cpu" or not pool.is_contiguous():
         return False
     from pdcore.engine.model.base import _native_op

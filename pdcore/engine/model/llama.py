@@ -22,8 +22,8 @@ from torch import nn
 from pdcore.engine.kv.fp8 import dequantize, is_fp8, store_rows
 from pdcore.engine.model.base import CausalLM, _native_op
 from pdcore.engine.model.batch import DecodeGroup, ForwardBatch, VerifyGroup
-from pdcore.engine.model.decode_view import (PAGED as _PAGED, DecodeKV, bf16_pool, reads_in_place,
-                                              widened)
+from pdcore.engine.model.decode_view import (PAGED as _PAGED, POOLS as _POOLS, DecodeKV, bf16_pool,
+                                              reads_in_place, widened)
 from pdcore.engine.model.layers import (
     ColumnLinear,
     RMSNorm,
@@ -152,8 +152,9 @@ class Attention(nn.Module):
             if paged is not None:
                 kvh = self.num_kv_heads
                 qb = q[a:b].reshape(1, kvh, self.num_heads // kvh, self.head_dim)
-                out[a:b] = paged(qb, k_flat, v_flat, s.ctx_slots.contiguous(), None,
-                                 self.scale).reshape(1, self.num_heads, self.head_dim)
+                out[a:b] = paged(qb, k_flat, v_flat, s.ctx_slots.contiguous(), None, self.scale,
+                                 self.k_scale, self.v_scale).reshape(1, self.num_heads,
+                                                                     self.head_dim)
                 continue
             native = self._prefill_native(q, k_flat) if n > 1 else None
             if native is not None:  # the native causal kernel: the pool read in place
@@ -234,8 +235,8 @@ class Attention(nn.Module):
         paged = self._paged(qs, k_flat)
         if paged is not None:  # the pool read in place: no gather
             qb = qs.reshape(B, kvh, self.num_heads // kvh, d)
-            return paged(qb, k_flat, v_flat, g.table, g.bias(qb.dtype), self.scale).reshape(
-                B, self.num_heads, d)
+            return paged(qb, k_flat, v_flat, g.table, g.bias(qb.dtype), self.scale, self.k_scale,
+                         self.v_scale).reshape(B, self.num_heads, d)
         kb = dequantize(k_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2),
                         q.dtype, self.k_scale)
         vb = dequantize(v_flat.index_select(0, g.table).view(B, W, kvh, d).transpose(1, 2),
@@ -245,10 +246,10 @@ class Attention(nn.Module):
     @staticmethod
     def _paged(q: torch.Tensor, k_flat: torch.Tensor):
         """The native paged decode attention where it reads this pool as it is (on the CPU, a
-        float32 or bf16 model, a contiguous float32 or bf16 pool: bf16 values widened as they
-        are read), else None. bf16 queries go in as float32 and the output comes back in bf16,
-        as through a bf16 model's float32 decode view: the same bits."""
-        if q.dtype not in _PAGED or k_flat.dtype not in _PAGED or not k_flat.is_contiguous():
+        float32 or bf16 model, a contiguous float32, bf16 or FP8 pool: widened as read, FP8
+        times the scale), else None. bf16 queries go in as float32 and the output comes back
+        in bf16, as through a bf16 model's float32 decode view: the same bits."""
+        if q.dtype not in _PAGED or k_flat.dtype not in _POOLS or not k_flat.is_contiguous():
             return None
         fn = _native_for("decode_attention_paged", q)
         return fn if fn is None or q.dtype == torch.float32 else widened(fn)
@@ -460,8 +461,8 @@ class LlamaForCausalLM(CausalLM):
         if self.native is None or group is None or not group.whole \
                 or (not self.native["unit_scales"] and is_fp8(step.kv[0][0].dtype)):
             return None
-        if step.view is None and (step.kv[0][0].dtype not in _PAGED or h.dtype not in _PAGED):
-            return None  # no view: the paged kernel reads float32 and bf16 pools only
+        if step.view is None and (step.kv[0][0].dtype not in _POOLS or h.dtype not in _PAGED):
+            return None  # no view: the paged kernel reads float32, bf16 and FP8 pools only
         self.native_steps += 1
         return self._native_layers(h, step.cos, step.sin, step.kv, step.batch, group,
                                    view=step.view, view_dtype=step.view_dtype)

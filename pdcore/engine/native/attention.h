@@ -2,6 +2,7 @@
 #include "attn_block.h"
 #include "bf16_attn.h"
 #include "common.h"
+#include "fp8_load.h"
 
 namespace {
 
@@ -128,15 +129,14 @@ void attend_one(
 // key: the sums of attend_one) and asks for the key's V row meanwhile; the V pass then runs
 // head by head over rows in cache. The same blocks, sums and join as attend_one: the same bits.
 // out [H, G, D] (joined here) or blocks (head h's at blocks + h * hstride, joined by da_split);
-// work: H * G * (D + AB_KB + 2) floats. T: the pool's element, float or bf16 (uint16_t, each
-// lane widened exactly as it is loaded: the sums of float32 copies of it, the same bits).
-inline V16 kv_load(const float* p) { return vload(p); }
-inline V16 kv_load(const uint16_t* p) { return vload_bf16(p); }
+// work: H * G * (D + AB_KB + 2) floats. T: the pool's element, float, bf16 (uint16_t) or FP8
+// (ks, vs: K's and V's scales), each lane widened exactly as it is loaded (fp8_load.h: float(x)
+// * scale, prefill's pf_widen): the sums of float32 copies of it, the same bits.
 
 template <typename T, int DV, int G>
 void attend_heads(const float* q, const T* kp, const T* vp, int64_t H,
                   const int64_t* tab, const float* bias, int64_t W, float scale, float* out,
-                  float* blocks, int64_t hstride, float* work) {
+                  float* blocks, int64_t hstride, float* work, float ks, float vs) {
   constexpr int64_t D = DV * 16;
   const int64_t rs = H * D, HG = H * G;
   float* qs = work;                // [H, G, D] the queries times the scale
@@ -166,7 +166,7 @@ void attend_heads(const float* q, const T* kp, const T* vp, int64_t H,
         V16 acc[G];
         PD_UNROLL for (int g = 0; g < G; ++g) acc[g] = vzero();
         PD_UNROLL for (int d = 0; d < DV; ++d) {
-          const V16 kv = kv_load(kh + d * 16);
+          const V16 kv = kv_load(kh + d * 16, ks);
           PD_UNROLL for (int g = 0; g < G; ++g)
             acc[g] = vfmadd(kv, vload(qh + (g * DV + d) * 16), acc[g]);
         }
@@ -193,7 +193,7 @@ void attend_heads(const float* q, const T* kp, const T* vp, int64_t H,
       for (int i = 0; i < kn; ++i) {
         V16 vr[DV];
         const T* vi = vp + tab[b0 + i] * rs + h * D;
-        PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = kv_load(vi + d * 16);
+        PD_UNROLL for (int d = 0; d < DV; ++d) vr[d] = kv_load(vi + d * 16, vs);
         PD_UNROLL for (int g = 0; g < G; ++g) {
           const V16 p = vset1(sh[g * AB_KB + i]);
           PD_UNROLL for (int d = 0; d < DV; ++d) acc[g][d] = vfmadd(vr[d], p, acc[g][d]);
@@ -220,6 +220,9 @@ void attend_heads(const float* q, const T* kp, const T* vp, int64_t H,
 template <typename T>
 using HeadsFn = void (*)(const float*, const T*, const T*, int64_t, const int64_t*,
                          const float*, int64_t, float, float*, float*, int64_t, float*);
+template <typename T>  // attend_heads: K's and V's scales last
+using ScaledFn = void (*)(const float*, const T*, const T*, int64_t, const int64_t*, const float*,
+                          int64_t, float, float*, float*, int64_t, float*, float, float);
 
 using AttendFn = void (*)(const float*, const float*, int64_t, const float*, int64_t,
                           const float*, int64_t, float, float*, float*, float*);
@@ -330,7 +333,7 @@ struct OneHead {  // the view's kernel: a (sequence, KV head) a call
 
 template <typename T>
 struct AllHeads {  // the paged kernel: every KV head of a sequence a call, a T pool
-  using Fn = HeadsFn<T>;
+  using Fn = ScaledFn<T>;
   template <int DV, int G> static Fn at() { return attend_heads<T, DV, G>; }
 };
 
@@ -382,11 +385,12 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k, const Tensor& v,
   return out;
 }
 
-// the paged kernel's tasks (whole sequences, or parts joined by da_split) over a T pool
-template <typename T>
-void paged_run(HeadsFn<T> fn, const float* qp, const T* kp, const T* vp, const int64_t* tp,
+// the paged kernel's tasks (whole sequences, or parts joined by da_split) over a T pool (fn:
+// HeadsFn<T>, or ScaledFn<T> with ks_vs: K's and V's scales)
+template <typename T, typename Fn, typename... S>
+void paged_run(Fn fn, const float* qp, const T* kp, const T* vp, const int64_t* tp,
                const float* bp, float* op, int64_t B, int64_t H, int64_t G, int64_t D,
-               int64_t W, double scale) {
+               int64_t W, double scale, S... ks_vs) {
   const int64_t part = dp_part_len(W), wsz = H * G * (D + AB_KB + 2);
   const float sc = static_cast<float>(scale);
   if (dp_use_parts(B, W, part)) {
@@ -394,7 +398,7 @@ void paged_run(HeadsFn<T> fn, const float* qp, const T* kp, const T* vp, const i
              [&](int64_t b, int64_t w0, int64_t wn, float* blk, int64_t hstride) {
       std::vector<float> work(wsz);
       fn(qp + b * H * G * D, kp, vp, H, tp + b * W + w0, bp ? bp + b * W + w0 : nullptr, wn,
-         sc, nullptr, blk, hstride, work.data());
+         sc, nullptr, blk, hstride, work.data(), ks_vs...);
     });
     return;
   }
@@ -402,14 +406,16 @@ void paged_run(HeadsFn<T> fn, const float* qp, const T* kp, const T* vp, const i
     std::vector<float> work(wsz);
     for (int64_t b = b0; b < b1; ++b)
       fn(qp + b * H * G * D, kp, vp, H, tp + b * W, bp ? bp + b * W : nullptr, W, sc,
-         op + b * H * G * D, nullptr, 0, work.data());
+         op + b * H * G * D, nullptr, 0, work.data(), ks_vs...);
   });
 }
 
 // ---- paged decode attention: the same sums reading the K/V pool in place (attend_heads) ----
-// q [B, KVH, G, D] float32 or bf16; k_pool, v_pool: the layer's pool (float32, or bf16 widened
-// as it is read; bf16 queries over a bf16 pool: bf16_attn.h's order where it applies),
-// contiguous, viewed as slots [S, KVH, D] ([pages, page_size, KVH, D] is that); table [B * W] long: the slots of each sequence's
+// q [B, KVH, G, D] float32 or bf16; k_pool, v_pool: the layer's pool (float32, or bf16 or FP8
+// widened as it is read, FP8 times k_scale / v_scale as pf_widen; bf16 queries: as float32 but
+// over a bf16 pool where bf16_attn.h's order applies), contiguous, viewed as slots
+// [S, KVH, D] ([pages, page_size, KVH, D] is that); table [B * W] long: the slots of each
+// sequence's
 // context, padded to W (padding masked by bias [B, W], or no padding). No gather, no copy
 // per step: what the decode K/V view saves, without its second copy of the contexts (it
 // stops at its memory budget; this has none). Equal to the bit to decode_attention over
@@ -418,7 +424,7 @@ void paged_run(HeadsFn<T> fn, const float* qp, const T* kp, const T* vp, const i
 // (or SDPA) runs on them. A slot outside the pool is refused (an error, not a read).
 Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Tensor& v_pool,
                               const Tensor& table, const std::optional<Tensor>& bias_in,
-                              double scale) {
+                              double scale, double k_scale = 1.0, double v_scale = 1.0) {
   TORCH_CHECK(q_in.dim() == 4 && table.dim() == 1, "decode_attention_paged: q [B, KVH, G, D], "
               "table [B * W]");
   const int64_t B = q_in.size(0), H = q_in.size(1), G = q_in.size(2), D = q_in.size(3);
@@ -430,9 +436,10 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   const int64_t S = k_pool.numel() / (H * D);
   const auto pt = k_pool.scalar_type();
   const bool bf16 = pt == at::kBFloat16;
+  const bool fp8 = pt == at::kFloat8_e4m3fn || pt == at::kFloat8_e5m2;
   const bool ok = kernel_for<AllHeads<float>>(D, G) != nullptr && panel_gemm_supported() &&
                   (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16) &&
-                  (pt == at::kFloat || bf16) &&
+                  (pt == at::kFloat || bf16 || fp8) &&
                   v_pool.scalar_type() == pt &&
                   k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   table.scalar_type() == at::kLong && table.is_contiguous() &&
@@ -442,8 +449,10 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
     const auto shape = std::vector<int64_t>{B, W, H, D};
     Tensor kb = k_pool.reshape({S, H, D}).index_select(0, table).view(shape).transpose(1, 2);
     Tensor vb = v_pool.reshape({S, H, D}).index_select(0, table).view(shape).transpose(1, 2);
-    return decode_attention(q_in.to(at::kFloat), kb.to(at::kFloat), vb.to(at::kFloat),
-                            bias_in, scale);
+    const auto wide = [&](const Tensor& x, double sc) {  // pf_widen's values
+      return fp8 && sc != 1.0 ? x.to(at::kFloat) * sc : x.to(at::kFloat); };
+    return decode_attention(q_in.to(at::kFloat), wide(kb, k_scale), wide(vb, v_scale), bias_in,
+                            scale);
   }
   const int64_t* tp = table.data_ptr<int64_t>();
   for (int64_t i = 0; i < B * W; ++i)
@@ -466,14 +475,24 @@ Tensor decode_attention_paged(const Tensor& q_in, const Tensor& k_pool, const Te
   }
 #endif
   (void)dot;
-  if (bf16)
+  const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+  if (pt == at::kFloat8_e4m3fn)
+    paged_run(kernel_for<AllHeads<c10::Float8_e4m3fn>>(D, G), q.data_ptr<float>(),
+              k_pool.data_ptr<c10::Float8_e4m3fn>(), v_pool.data_ptr<c10::Float8_e4m3fn>(), tp,
+              bp, out.data_ptr<float>(), B, H, G, D, W, scale, ks, vs);
+  else if (pt == at::kFloat8_e5m2)
+    paged_run(kernel_for<AllHeads<c10::Float8_e5m2>>(D, G), q.data_ptr<float>(),
+              k_pool.data_ptr<c10::Float8_e5m2>(), v_pool.data_ptr<c10::Float8_e5m2>(), tp, bp,
+              out.data_ptr<float>(), B, H, G, D, W, scale, ks, vs);
+  else if (bf16)
     paged_run(kernel_for<AllHeads<uint16_t>>(D, G), q.data_ptr<float>(),
               reinterpret_cast<const uint16_t*>(k_pool.data_ptr<at::BFloat16>()),
               reinterpret_cast<const uint16_t*>(v_pool.data_ptr<at::BFloat16>()), tp, bp,
-              out.data_ptr<float>(), B, H, G, D, W, scale);
+              out.data_ptr<float>(), B, H, G, D, W, scale, ks, vs);
   else
     paged_run(kernel_for<AllHeads<float>>(D, G), q.data_ptr<float>(), k_pool.data_ptr<float>(),
-              v_pool.data_ptr<float>(), tp, bp, out.data_ptr<float>(), B, H, G, D, W, scale);
+              v_pool.data_ptr<float>(), tp, bp, out.data_ptr<float>(), B, H, G, D, W, scale, ks,
+              vs);
   return out;
 }
 

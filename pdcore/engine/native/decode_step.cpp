@@ -171,7 +171,7 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CompositeExplicitAutograd, &decode_attention);
   m.def("decode_attention_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, "
-        "Tensor? bias, float scale) -> Tensor");
+        "Tensor? bias, float scale, float k_scale=1.0, float v_scale=1.0) -> Tensor");
   m.impl("decode_attention_paged", c10::DispatchKey::CompositeExplicitAutograd,
          &decode_attention_paged);
   m.def("prefill_attention_paged(Tensor q, Tensor k_pool, Tensor v_pool, Tensor table, "
