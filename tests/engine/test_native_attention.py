@@ -36,6 +36,21 @@ def test_decode_attention_matches_float64(d: int, groups: int) -> None:
             assert (got.double() - ref).abs().max().item() < 2e-6, (width, mask is None)
 
 
+def _padded_group(pos: int, slots: torch.Tensor, other: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode group around the row at `pos` (its context: slots[: pos + 1], row 1): a longer
+    context and a shorter one of `other`'s slots beside it, padded to the longest and masked;
+    (table [3, w], bias [3, 1, 1, w])."""
+    lens = [pos + 40, pos + 1, max(1, pos // 3)]
+    w = max(lens)
+    table = torch.zeros(3, w, dtype=torch.long)
+    table[0], table[1, : pos + 1] = other[:w], slots[: pos + 1]
+    table[2, : lens[2]] = other[: lens[2]].flip(0)
+    bias = torch.zeros(3, 1, 1, w).masked_fill_(
+        ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :], float("-inf"))
+    return table, bias
+
+
 def _paged_equals_gathered(o, kp, vp, kf, vf, table, lens, groups, g):  # type: ignore
     """Random queries over the slots `table` names (rows of `lens`, padded and masked): the
     paged kernel equals to the bit the kernel over the gathered rows, and float64 SDPA within
@@ -256,19 +271,12 @@ def test_a_rows_attention_has_the_same_bits_in_every_phase(kvh, groups, d, ctx) 
         lone = o.decode_attention_paged(qb, kp, vp, slots[: pos + 1], None, scale)
         assert torch.equal(lone, want), ("lone decode", pos)
         # a decode group: a longer context, this one, a shorter one (padded, masked)
-        lens = [pos + 40, pos + 1, max(1, pos // 3)]
-        w = max(lens)
-        table = torch.zeros(3, w, dtype=torch.long)
-        table[0], table[1, : pos + 1] = other[:w], slots[: pos + 1]
-        table[2, : lens[2]] = other[: lens[2]].flip(0)
-        bias = torch.zeros(3, 1, 1, w).masked_fill_(
-            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
-            float("-inf"))
+        table, bias = _padded_group(pos, slots, other)
         qg = torch.randn(3, kvh, groups, d, generator=g)
         qg[1] = qb[0]
         grp = o.decode_attention_paged(qg, kp, vp, table.view(-1), bias, scale)
         assert torch.equal(grp[1:2], want), ("decode group", pos)
-        kb = kf.index_select(0, table.view(-1)).view(3, w, kvh, d).transpose(1, 2)
-        vb = vf.index_select(0, table.view(-1)).view(3, w, kvh, d).transpose(1, 2)
+        kb = kf.index_select(0, table.view(-1)).view(*table.shape, kvh, d).transpose(1, 2)
+        vb = vf.index_select(0, table.view(-1)).view(*table.shape, kvh, d).transpose(1, 2)
         dense = o.decode_attention(qg, kb, vb, bias, scale)
         assert torch.equal(dense[1:2], want), ("the view's kernel", pos)

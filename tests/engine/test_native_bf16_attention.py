@@ -12,7 +12,7 @@ import torch
 
 from pdcore.engine import native
 from test_native import _panels
-from test_native_attention import _causal_reference
+from test_native_attention import _causal_reference, _padded_group
 
 
 def _dot_order() -> bool:
@@ -63,14 +63,7 @@ def test_bf16_rows_have_the_same_bits_in_every_phase(kvh, groups, d, ctx) -> Non
         qb = q[pos].reshape(1, kvh, groups, d)
         lone = o.decode_attention_paged(qb, kp, vp, slots[: pos + 1], None, scale)
         assert lone.dtype == torch.float32 and torch.equal(lone, want), ("lone", pos)
-        lens = [pos + 40, pos + 1, max(1, pos // 3)]
-        w = max(lens)
-        table = torch.zeros(3, w, dtype=torch.long)
-        table[0], table[1, : pos + 1] = other[:w], slots[: pos + 1]
-        table[2, : lens[2]] = other[: lens[2]].flip(0)
-        bias = torch.zeros(3, 1, 1, w).masked_fill_(
-            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
-            float("-inf"))
+        table, bias = _padded_group(pos, slots, other)
         qg = torch.randn(3, kvh, groups, d, generator=g).bfloat16()
         qg[1] = qb[0]
         grp = o.decode_attention_paged(qg, kp, vp, table.view(-1), bias, scale)

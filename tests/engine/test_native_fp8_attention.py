@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from test_native import _panels
+from test_native_attention import _padded_group
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 SCALES = [(1.0, 1.0), (0.37, 1.9), (1.9, 0.37)]
@@ -119,14 +120,7 @@ def test_a_rows_bits_are_the_prefill_kernels_over_fp8(dtype) -> None:
         qb = q[pos].reshape(1, kvh, groups, d)
         lone = o.decode_attention_paged(qb, kp, vp, slots[: pos + 1], None, scale, ks, vs)
         assert torch.equal(lone, want), ("lone decode", pos)
-        lens = [pos + 40, pos + 1, max(1, pos // 3)]
-        w = max(lens)
-        table = torch.zeros(3, w, dtype=torch.long)
-        table[0], table[1, : pos + 1] = other[:w], slots[: pos + 1]
-        table[2, : lens[2]] = other[: lens[2]].flip(0)
-        bias = torch.zeros(3, 1, 1, w).masked_fill_(
-            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
-            float("-inf"))
+        table, bias = _padded_group(pos, slots, other)
         qg = torch.randn(3, kvh, groups, d, generator=g)
         qg[1] = qb[0]
         grp = o.decode_attention_paged(qg, kp, vp, table.view(-1), bias, scale, ks, vs)
