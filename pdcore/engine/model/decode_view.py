@@ -163,9 +163,8 @@ def widened(fn):
     back in the queries' dtype. The queries go in as bf16: over a bf16 pool the kernel takes
     the bf16 order of attn_block.h where the CPU has vdpbf16ps (the prefill kernel's, so a row
     has the same bits in both phases), else widens them as over a float32 pool."""
-    def run(q, k_flat, v_flat, table, bias, scale, k_scale=1.0, v_scale=1.0):
-        o = fn(q, k_flat, v_flat, table, None if bias is None else bias.float(), scale, k_scale,
-               v_scale)
+    def run(q, k_flat, v_flat, table, bias, scale, *scales):  # scales: the pool's K, V (FP8)
+        o = fn(q, k_flat, v_flat, table, None if bias is None else bias.float(), scale, *scales)
         return o.to(q.dtype)
     return run
 
