@@ -403,8 +403,9 @@ class LlamaForCausalLM(CausalLM):
             "shape": (a0.num_heads, a0.num_kv_heads, a0.head_dim, layers[0].mlp.inter,
                       float(layers[0].input_layernorm.eps), float(a0.scale)),
             # W8A8: the int8 GEMMs' inputs quantized in the norm / silu_mul pass that makes
-            # them (native int8_act.h, the same bits); False: the separate operators (benches)
-            "int8_fused": True,
+            # them (native int8_act.h), 2: and the step in one parallel region (team_step.h),
+            # the same bits; 1: per operator; 0 / False: the separate operators (benches)
+            "int8_fused": 2,
         }
 
     def _native_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -1,7 +1,7 @@
 """Native (C++) pieces of the engine, compiled on first use against the installed torch
 (decode_step.cpp with the headers beside it: gemm.h, panel_gemm.h, bf16_head.h, int8_gemm.h,
-int8_act.h, attention.h, prefill_attention.h, bf16_attn.h, attn_block.h, elementwise.h, common.h
-and vec.h, the vector layer they are written against):
+int8_act.h, team_step.h, attention.h, prefill_attention.h, bf16_attn.h, attn_block.h,
+elementwise.h, common.h and vec.h, the vector layer they are written against):
 
 - `pdcore_native::linear` / `linear_bf16`: float32 / bf16 GEMM over weight panels (the layout
   `pack_panels` / `pack_panels_bf16` make once at load, replacing the original weight), kernels
@@ -34,7 +34,9 @@ and vec.h, the vector layer they are written against):
   quantized in the pass that makes them (x_q and s_x equal to the separate operators');
 - `pdcore_native::decode_layers`: a Llama-family decode step's layer loop, the same operators
   in the same order as the Python loop in models/llama.py (equal to the bit); what it saves is
-  the interpreter between ~25 small operators a layer.
+  the interpreter between ~25 small operators a layer; a W8A8 step (int8 panels, the float32
+  view appended to) runs as one OpenMP parallel region (team_step.h: each phase shared out
+  between the threads, a barrier after it; the same bits; `team_steps` counts them).
 
 One library per ISA, from the same source: `avx512` (AVX-512 F/BW/VL/DQ, 16 float lanes in one
 register; the bf16 GEMM besides, for CPUs with AVX-512 BF16) and `avx2` (AVX2 + FMA, the 16

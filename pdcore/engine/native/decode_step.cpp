@@ -16,6 +16,7 @@
 #include "int8_gemm.h"
 #include "prefill_attention.h"
 #include "sampler.h"
+#include "team_step.h"
 
 namespace {
 
@@ -31,7 +32,8 @@ std::optional<Tensor> opt(const Tensor& t) {
 // 2: no view (view lists empty): attention reads the pool through table (paged).
 // int8_fused (W8A8, int8 panels): qkv's and gate_up's inputs quantized in the add_rms_norm pass
 // that makes them, down's in the silu_mul pass (int8_act.h: the same bits); 0: the separate
-// operators (the bench's "before").
+// operators (the bench's "before"); 2: as 1, the whole step in one parallel region where
+// team_fits holds (team_step.h: the same bits), else as 1.
 Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor& sin,
                      at::TensorList ln1, at::TensorList ln2, at::TensorList qkv_w,
                      at::TensorList qkv_b, at::TensorList o_w, at::TensorList gu_w,
@@ -41,6 +43,13 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
                      const Tensor& bias, int64_t mode, int64_t width, int64_t num_heads,
                      int64_t kv_heads, int64_t head_dim, int64_t inter, double eps,
                      double scale, int64_t int8_fused) {
+  if (int8_fused == 2 &&
+      team_fits(residual_in, cos, sin, ln1, ln2, qkv_w, qkv_b, o_w, gu_w, down_w, k_pool, v_pool,
+                view_k, view_v, out_slots, rows, cols, bias, mode, width, num_heads, kv_heads,
+                head_dim, inter))
+    return team_decode_layers(residual_in, cos, sin, ln1, ln2, qkv_w, qkv_b, o_w, gu_w, down_w,
+                              k_pool, v_pool, view_k, view_v, out_slots, rows, cols, bias, width,
+                              num_heads, kv_heads, head_dim, inter, eps, scale);
   static const auto lin = c10::Dispatcher::singleton().findSchemaOrThrow(
       "mkldnn::_linear_pointwise", "");
   const int64_t T = residual_in.size(0), hidden = residual_in.size(1);
@@ -137,6 +146,7 @@ TORCH_LIBRARY(pdcore_native, m) {
         "int num_heads, int kv_heads, int head_dim, int inter, float eps, float scale, "
         "int int8_fused=1) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CompositeExplicitAutograd, &decode_layers);
+  m.def("team_steps() -> int", &team_steps);
   m.def("linear(Tensor x, Tensor panels, int n, Tensor? b) -> Tensor");
   m.impl("linear", c10::DispatchKey::CompositeExplicitAutograd, &panel_linear);
   m.def("panel_gemm_supported() -> bool", &panel_gemm_supported);

@@ -92,48 +92,87 @@ inline void rotate_head(const X* xh, const X* c, const X* s, int64_t D, float* r
 // out: the rotated heads, [T, OH, D] in V: OH = H (q only: a decode step, whose k goes to the
 // view) or H + KVH (q and k). With a view ([B, KVH, cap, D] in V), k and v also go to
 // (rows[t], :, cols[t]).
+// what rope_store_impl reads and writes, as pointers: row t's work is rope_store_row (the
+// decode step's team region, team_step.h, runs its rows through it too)
+template <typename X, typename V>
+struct RopeRows {
+  const X *src, *cp, *sp;
+  X *kp, *vp;
+  V *vk, *vv, *op;
+  const int64_t *slot, *rp, *colp;
+  int64_t row, OH, vsb, vsh, vsc, H, KVH, D;
+};
+
+template <typename X, typename V>
+void rope_store_row(const RopeRows<X, V>& a, int64_t t, float* rot) {
+  const int64_t H = a.H, KVH = a.KVH, D = a.D, OH = a.OH;
+  const X* x = a.src + t * a.row;
+  const X* c = a.cp + t * D;
+  const X* s = a.sp + t * D;
+  X* kd = a.kp + a.slot[t] * KVH * D;
+  X* vd = a.vp + a.slot[t] * KVH * D;
+  V* vk = a.vk;
+  V* vv = a.vv;
+  const int64_t vbase = vk ? a.rp[t] * a.vsb + a.colp[t] * a.vsc : 0, vsh = a.vsh;
+  for (int64_t h = 0; h < H + KVH; ++h) {
+    rotate_head<X>(x + h * D, c, s, D, rot);
+    if (h < OH) store_rounded<V>(a.op + (t * OH + h) * D, rot, D);
+    if (h >= H) {
+      const int64_t kh = h - H;
+      store_rounded<X>(kd + kh * D, rot, D);
+      if (vk) store_rounded<V>(vk + vbase + kh * vsh, rot, D);
+    }
+  }
+  const X* xv = x + (H + KVH) * D;
+  std::memcpy(vd, xv, sizeof(X) * KVH * D);
+  if (vv)
+    for (int64_t kh = 0; kh < KVH; ++kh)
+      for (int64_t d = 0; d < D; ++d)
+        vv[vbase + kh * vsh + d] = V(static_cast<float>(xv[kh * D + d]));
+}
+
+template <typename X, typename V>
+RopeRows<X, V> rope_rows(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
+                         const Tensor& k_pool, const Tensor& v_pool, const Tensor* view_k,
+                         const Tensor* view_v, const Tensor& out_slots, const int64_t* rp,
+                         const int64_t* colp, Tensor& out, int64_t H, int64_t KVH, int64_t D) {
+  RopeRows<X, V> a;
+  a.src = qkv.data_ptr<X>();
+  a.cp = cos.data_ptr<X>();
+  a.sp = sin.data_ptr<X>();
+  a.kp = k_pool.data_ptr<X>();
+  a.vp = v_pool.data_ptr<X>();
+  a.vk = view_k ? view_k->data_ptr<V>() : nullptr;
+  a.vv = view_v ? view_v->data_ptr<V>() : nullptr;
+  a.op = out.data_ptr<V>();
+  a.slot = out_slots.data_ptr<int64_t>();
+  a.rp = rp;
+  a.colp = colp;
+  a.row = qkv.stride(0);
+  a.OH = out.size(1);
+  a.vsb = a.vk ? view_k->stride(0) : 0;
+  a.vsh = a.vk ? view_k->stride(1) : 0;
+  a.vsc = a.vk ? view_k->stride(2) : 0;
+  a.H = H;
+  a.KVH = KVH;
+  a.D = D;
+  return a;
+}
+
+// qkv [T, (H + 2 KVH) D] (unit inner stride), cos/sin [T, 1, D], pools [S, KVH, D] in X.
+// out: the rotated heads, [T, OH, D] in V: OH = H (q only: a decode step, whose k goes to the
+// view) or H + KVH (q and k). With a view ([B, KVH, cap, D] in V), k and v also go to
+// (rows[t], :, cols[t]).
 template <typename X, typename V>
 void rope_store_impl(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& k_pool,
                      const Tensor& v_pool, const Tensor* view_k, const Tensor* view_v,
                      const Tensor& out_slots, const int64_t* rp, const int64_t* colp,
                      Tensor& out, int64_t H, int64_t KVH, int64_t D) {
-  const int64_t T = qkv.size(0), row = qkv.stride(0), OH = out.size(1);
-  const X* src = qkv.data_ptr<X>();
-  const X* cp = cos.data_ptr<X>();
-  const X* sp = sin.data_ptr<X>();
-  X* kp = k_pool.data_ptr<X>();
-  X* vp = v_pool.data_ptr<X>();
-  V* vk = view_k ? view_k->data_ptr<V>() : nullptr;
-  V* vv = view_v ? view_v->data_ptr<V>() : nullptr;
-  V* op = out.data_ptr<V>();
-  const int64_t* slot = out_slots.data_ptr<int64_t>();
-  const int64_t vsb = vk ? view_k->stride(0) : 0, vsh = vk ? view_k->stride(1) : 0,
-                vsc = vk ? view_k->stride(2) : 0;
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+  const RopeRows<X, V> a = rope_rows<X, V>(qkv, cos, sin, k_pool, v_pool, view_k, view_v,
+                                           out_slots, rp, colp, out, H, KVH, D);
+  at::parallel_for(0, qkv.size(0), 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> rot(D);
-    for (int64_t t = t0; t < t1; ++t) {
-      const X* x = src + t * row;
-      const X* c = cp + t * D;
-      const X* s = sp + t * D;
-      X* kd = kp + slot[t] * KVH * D;
-      X* vd = vp + slot[t] * KVH * D;
-      const int64_t vbase = vk ? rp[t] * vsb + colp[t] * vsc : 0;
-      for (int64_t h = 0; h < H + KVH; ++h) {
-        rotate_head<X>(x + h * D, c, s, D, rot.data());
-        if (h < OH) store_rounded<V>(op + (t * OH + h) * D, rot.data(), D);
-        if (h >= H) {
-          const int64_t kh = h - H;
-          store_rounded<X>(kd + kh * D, rot.data(), D);
-          if (vk) store_rounded<V>(vk + vbase + kh * vsh, rot.data(), D);
-        }
-      }
-      const X* xv = x + (H + KVH) * D;
-      std::memcpy(vd, xv, sizeof(X) * KVH * D);
-      if (vv)
-        for (int64_t kh = 0; kh < KVH; ++kh)
-          for (int64_t d = 0; d < D; ++d)
-            vv[vbase + kh * vsh + d] = V(static_cast<float>(xv[kh * D + d]));
-    }
+    for (int64_t t = t0; t < t1; ++t) rope_store_row<X, V>(a, t, rot.data());
   });
 }
 

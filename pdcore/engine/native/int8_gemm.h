@@ -283,24 +283,29 @@ void i8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, bool u8,
   });
 }
 
-// the GEMM of quantized rows xq [M, Kp] down the panels into o
-void i8_gemm(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* wp, int64_t P, int64_t path,
-             const I8Out& o) {
+// the rows [m, m + rows) of xq [M, Kp] down panel p into o: one work item of i8_gemm (and of
+// the decode step's team region, team_step.h)
+inline void i8_gemm_item(const int8_t* xq, int64_t Kp, const int8_t* wp, int64_t path,
+                         const I8Out& o, int64_t m, int64_t rows, int64_t p) {
   const int64_t bytes = Kp * I8_PANEL + I8_TAIL;
 #if defined(PD_ISA_AVX512)
   if (path == 2) {
-    const auto* xu = reinterpret_cast<const uint8_t*>(xq);
-    for_tiles(Tiling(M), P, [&](int64_t m, int64_t rows, int64_t p) {
-      I8_VNNI[rows - 1](xu + m * Kp, Kp, wp + p * bytes, o, m, p * I8_PANEL);
-    });
+    I8_VNNI[rows - 1](reinterpret_cast<const uint8_t*>(xq) + m * Kp, Kp, wp + p * bytes, o, m,
+                      p * I8_PANEL);
     return;
   }
 #endif
+  for (int64_t r = 0; r < rows; r += I8_ROWS2) {
+    const int64_t n = std::min<int64_t>(I8_ROWS2, rows - r);
+    I8_AVX2[n - 1](xq + (m + r) * Kp, Kp, wp + p * bytes, o, m + r, p * I8_PANEL, r == 0);
+  }
+}
+
+// the GEMM of quantized rows xq [M, Kp] down the panels into o
+void i8_gemm(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* wp, int64_t P, int64_t path,
+             const I8Out& o) {
   for_tiles(Tiling(M), P, [&](int64_t m, int64_t rows, int64_t p) {
-    for (int64_t r = 0; r < rows; r += I8_ROWS2) {
-      const int64_t n = std::min<int64_t>(I8_ROWS2, rows - r);
-      I8_AVX2[n - 1](xq + (m + r) * Kp, Kp, wp + p * bytes, o, m + r, p * I8_PANEL, r == 0);
-    }
+    i8_gemm_item(xq, Kp, wp, path, o, m, rows, p);
   });
 }
 

@@ -1,0 +1,60 @@
+"""#48: a W8A8 decode step's layer loop in one OpenMP parallel region (native team_step.h, the
+plan's int8_fused = 2, the default) gives the bits of the loop that runs each operator on its
+own (int8_fused = 1) and of the separate operators (0): the same token ids and logprobs over
+the steps of a batch of sequences of different lengths, at each of their contexts. Where its
+conditions do not hold (here head_dim 16: no view attention kernel) the step runs the
+operators, and the team's step counter says which ran."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdcore.config import ServerArgs
+from pdcore.engine import native
+from pdcore.messages.io import SamplingParams
+from pdcore.runtime.llm_engine import LLMEngine
+from pdcore.testing.quant_models import make_w8a8_model
+from pdserve_testing import build_tiny_llama
+
+PROMPTS = [[1, 17, 42, 99, 7, 300, 5], [2, 250, 251, 9], list(range(30, 70)),
+           list(range(400, 421)), [5, 6]]
+NEW = 12
+# head_dim 32 (the attention kernel's), 2 query heads a KV head, hidden and inter the
+# norm's and silu_mul's multiples; head_dim 16: the team region does not apply
+SHAPES = {"team": {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "num_hidden_layers": 3},
+          "no_kernel": {}}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_team_region_leaves_the_decode_steps_bits(shape, tmp_path, monkeypatch):
+    if native.op("team_steps") is None:
+        pytest.skip("no native kernels here")
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "float")
+    src = build_tiny_llama(tmp_path / "f", **SHAPES[shape])
+    path = make_w8a8_model(str(src), str(tmp_path / "m"))
+    eng = LLMEngine(ServerArgs(model_path=path, max_total_tokens=1024, page_size=4,
+                               disable_radix_cache=True))
+    try:
+        model = eng.engine.model
+        if model.native is None:
+            pytest.skip("no native decode loop here")
+        assert model.native["int8_fused"] == 2  # the default
+        runs, team = [], []
+        for fused in (2, 1, 0, 2):
+            model.native["int8_fused"] = fused
+            steps, before = model.native_steps, native.op("team_steps")()
+            outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0.0,
+                                                        ignore_eos=True), return_logprob=True)
+            assert model.native_steps > steps
+            team.append(native.op("team_steps")() - before)
+            runs.append([(o["output_ids"], [lp for lp, *_ in o["output_logprobs"]])
+                         for o in outs])
+    finally:
+        eng.close()
+    assert runs[0] == runs[1] == runs[2] == runs[3]
+    assert all(len(ids) == NEW for ids, _ in runs[0])
+    if shape == "team":
+        assert team[0] > 0 and team[3] > 0 and team[1] == team[2] == 0, team
+    else:
+        assert team == [0, 0, 0, 0]
