@@ -13,11 +13,13 @@ w8a8_int8_head, PDCORE_W8A8_LM_HEAD=int8) and, at batch 1-8, is
 bound by the memory's read bandwidth; bytes / bandwidth is the fastest a step can be. The
 bandwidth is measured in each round beside the systems (a sum over a 512 MiB float32 buffer on
 the engine's threads, best of 3). The W8A8 engine's int8 GEMM path (native VNNI / AVX2, or
-torch) and the CPU's flags are in the JSON. A W8A8 system named with the suffix _unfused is its twin whose native decode loop
-quantizes the int8 GEMMs' inputs apart from the norm / silu_mul passes that make them (the loop
-before engine/native/int8_act.h: before and after in one run); one with the suffix _lonepy
-(after any other) is its twin whose lone decode runs the Python loop, decode_group's rule
-before #48 (batch 1 only; batch 8 is the same code). On a shared box record the load: the numbers are
+torch) and the CPU's flags are in the JSON. A W8A8 system named with the suffix _op is its twin
+whose native decode loop runs each operator in its own parallel region (the loop before
+engine/native/team_step.h); one with _unfused its twin whose native decode loop quantizes the
+int8 GEMMs' inputs apart from the norm / silu_mul passes that make them (the loop before
+engine/native/int8_act.h: before and after in one run); one with the suffix _lonepy (after any
+other) is its twin whose lone decode runs the Python loop, decode_group's rule before #48
+(batch 1 only; batch 8 is the same code). On a shared box record the load: the numbers are
 what the machine gave, not what the code can do.
 
 Run: `python bench/quant_speed.py [--rounds 2] [--new 32]`; JSON + PNG in
@@ -46,13 +48,16 @@ HEADS = {"w8a8_int8": "float", "w8a8_int8_head": "int8", "w8a8_int8_bf16head": "
          "w8a8_int8_bf16dot": "bf16_dot"}
 
 UNFUSED = "_unfused"  # a system's twin with the native plan's int8_fused off
+# a system's twin whose native loop runs each operator in its own parallel region (int8_fused
+# 1: the loop before team_step.h, session 13)
+PER_OP = "_op"
 # a system's twin whose lone decode (batch 1) runs the Python loop: decode_group's rule before
 # #48 (a group needs two sequences), set around that twin's calls only
 LONE_PY = "_lonepy"
 
 
 def _base(name: str) -> str:
-    return name.removesuffix(LONE_PY).removesuffix(UNFUSED)
+    return name.removesuffix(LONE_PY).removesuffix(UNFUSED).removesuffix(PER_OP)
 
 
 @contextlib.contextmanager
@@ -79,14 +84,15 @@ def lone_rule(name: str) -> Iterator[None]:
 def unfuse(eng: Any, name: str) -> None:
     """For a system named ...UNFUSED: its native decode loop quantizes the int8 GEMMs' inputs
     apart (int8_fused off); exit 2 where it has no native loop to change."""
-    if not name.removesuffix(LONE_PY).endswith(UNFUSED):
+    stem = name.removesuffix(LONE_PY)
+    if not stem.endswith((UNFUSED, PER_OP)):
         return
     plan = eng.engine.model.native
     if plan is None:
         print(f"{name}: this engine has no native decode loop (native kernels off?)",
               file=sys.stderr)
         sys.exit(2)
-    plan["int8_fused"] = False
+    plan["int8_fused"] = 1 if stem.endswith(PER_OP) else 0
 
 
 def _time(eng: Any, batch: int, prompt: int, new: int) -> float:
@@ -147,8 +153,10 @@ def main() -> None:
                          "w8a8_int8_head (PDCORE_W8A8_LM_HEAD=int8), w8a8_int8_bf16head "
                          "(PDCORE_W8A8_LM_HEAD=bf16) and w8a8_int8_bf16dot "
                          "(PDCORE_W8A8_LM_HEAD=bf16_dot); a W8A8 one + '_unfused': its twin with "
-                         "the activation quantization apart (the loop before int8_act.h); "
-                         "any + '_lonepy': its twin whose lone decode runs the Python loop "
+                         "the activation quantization apart (the loop before int8_act.h), "
+                         "+ '_op': its twin whose native loop runs each operator in its own "
+                         "parallel region (the loop before team_step.h); any + '_lonepy': its "
+                         "twin whose lone decode runs the Python loop "
                          "(before #48)")
     ap.add_argument("--tag", default=None, help="results in quant_speed_<tag>.json / .png")
     args = ap.parse_args()

@@ -1,15 +1,18 @@
 #pragma once
 // A W8A8 decode step's layer loop in ONE OpenMP parallel region (#48). decode_layers (in
 // decode_step.cpp) runs each operator on its own: a GEMM, the attention and silu_mul each fork
-// and join the team, and between them the calling thread alone runs the norms, the rotary and
-// K/V stores, o_proj's quantization and the tensors' allocation while the other threads wait
-// (perf of SmolLM2 W8A8 at batch 8, s11: 20% of the samples in libgomp's waits). Here the team
-// is made once a step: every buffer is allocated before it, and each phase of a layer is shared
-// out between the threads, a barrier after it:
-//   qkv GEMM (panels) | rotary + K/V stores (rows) | attention + o_proj's quantization (rows:
-//   a sequence's heads, then its row quantized) | o GEMM | add + RMSNorm + quantization (rows)
-//   | gate_up GEMM | silu * up + quantization (rows) | down GEMM | add + RMSNorm + quantization
-//   of the next layer's input, or the last residual add (rows).
+// and join the team (a fork and a join each wake the sleeping threads under the engine's
+// passive or bounded-spin wait, runtime_env.py), and between them the calling thread alone
+// runs the norms, the rotary and K/V stores and o_proj's quantization while the others wait.
+// Here the team is made once a step (every shared buffer allocated before it) and a layer has
+// five barriers, one after each shared phase:
+//   qkv GEMM (panels) | rotary + K/V stores, attention, o_proj's quantization (a thread's
+//   rows) | o GEMM | [every row's add + RMSNorm + quantization, by each thread for itself]
+//   gate_up GEMM | [every row's silu * up + quantization, each thread] down GEMM | [the next
+//   layer's add + RMSNorm + quantization, each thread]
+// Each thread keeps its own copy of the residual stream (thread 0's is the result): a GEMM's
+// panels need every row of its input, so a thread making all of them itself (a few us at
+// decode sizes) needs no barrier between the row pass and the GEMM.
 // Every phase calls the functions the separate operators call (i8_gemm_item, rope_store_row,
 // the attention kernel, add_rms_norm_row, silu_mul_rows_f32, i8_quantize_row) on the same
 // rows and panels, and no sum crosses a row or a panel, so the residual stream is the
@@ -109,6 +112,7 @@ Tensor team_decode_layers(const Tensor& residual_in, const Tensor& cos, const Te
                           const Tensor& rows, const Tensor& cols, const Tensor& bias_in,
                           int64_t width, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
                           int64_t inter, double eps, double scale) {
+  TEAM_STEPS.fetch_add(1);
   const int64_t path = int8_resolve_path(0);
   const bool u8 = path == 2;
   const int64_t T = residual_in.size(0), hidden = residual_in.size(1), L = ln1.size();
@@ -116,56 +120,71 @@ Tensor team_decode_layers(const Tensor& residual_in, const Tensor& cos, const Te
   const int64_t qs = num_heads * D, ks = kv_heads * D, nqkv = qs + 2 * ks;
   const int64_t Kh = i8_kp(hidden), Kq = i8_kp(qs), Ki = i8_kp(I);
   const auto f32 = residual_in.options().dtype(at::kFloat);
-  const auto i8 = residual_in.options().dtype(at::kChar);
   Tensor residual = residual_in.contiguous().clone();  // the caller's embedding is not written
   Tensor qkv = at::empty({T, nqkv}, f32), q = at::empty({T, num_heads, D}, f32);
   Tensor att = at::empty({T, qs}, f32), x = at::empty({T, hidden}, f32);
   Tensor gu = at::empty({T, 2 * I}, f32), down = at::empty({T, hidden}, f32);
-  Tensor xq_h = at::empty({T, Kh}, i8), xq_q = at::empty({T, Kq}, i8);
-  Tensor xq_i = at::empty({T, Ki}, i8), xs = at::empty({3, T}, f32);
+  Tensor xq_q = at::empty({T, Kq}, f32.dtype(at::kChar)), xs_q = at::empty({T}, f32);
   Tensor bias;
   if (bias_in.defined() && bias_in.numel() > 0) bias = bias_in.contiguous();
   std::vector<Tensor> qb(L);  // each layer's qkv bias in float32, or undefined
   std::vector<RopeRows<float, float>> rope(L);
+  std::vector<const float*> n1(L), n2(L);
   for (int64_t i = 0; i < L; ++i) {
     if (qkv_b[i].defined() && qkv_b[i].numel() > 0) qb[i] = qkv_b[i].to(at::kFloat).contiguous();
     rope[i] = rope_rows<float, float>(qkv, cos, sin, k_pool[i], v_pool[i], &view_k[i],
                                       &view_v[i], out_slots, rows.data_ptr<int64_t>(),
                                       cols.data_ptr<int64_t>(), q, num_heads, kv_heads, D);
+    n1[i] = ln1[i].data_ptr<float>();
+    n2[i] = ln2[i].data_ptr<float>();
   }
+  // token t's K/V go to view row t (a decode batch's usual rows): a thread's rotary rows are
+  // its attention rows, no barrier between
+  bool own_rows = true;
+  for (int64_t t = 0; t < T; ++t) own_rows = own_rows && rows.data_ptr<int64_t>()[t] == t;
   const Tiling tiling(T);
   const AttendFn fn = kernel_for<OneHead>(D, G);
-  float* rp = residual.data_ptr<float>();
+  float* res0 = residual.data_ptr<float>();
   float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *ap = att.data_ptr<float>();
   float *xp = x.data_ptr<float>(), *gup = gu.data_ptr<float>(), *dp = down.data_ptr<float>();
-  int8_t *xh = xq_h.data_ptr<int8_t>(), *xqq = xq_q.data_ptr<int8_t>();
-  int8_t* xi = xq_i.data_ptr<int8_t>();
-  float *sh = xs.data_ptr<float>(), *sq = sh + T, *si = sh + 2 * T;
+  int8_t* xqq = xq_q.data_ptr<int8_t>();
+  float* sq = xs_q.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const float e = static_cast<float>(eps), sc = static_cast<float>(scale);
-  TEAM_STEPS.fetch_add(1);
   const int want = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+  // Every thread keeps its own copy of the residual stream and makes every row's norm / silu
+  // rows and their quantization itself (a few us of arithmetic at decode sizes): its GEMM
+  // panels need all the rows, so this saves the barrier a shared copy would need after each
+  // of those passes. The copies hold the same bits (the same operations in the same order);
+  // thread 0's is the result.
 #pragma omp parallel num_threads(want)
   {
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const auto [r0, r1] = team_share(T, tid, nt);  // this thread's rows
-    std::vector<float> tmp(std::max({hidden, I, D})), sqs(hidden);
+    const auto [r0, r1] = team_share(T, tid, nt);  // this thread's rows of the attention
+    std::vector<float> mine(tid == 0 ? 0 : T * hidden);
+    if (tid != 0) std::memcpy(mine.data(), res0, sizeof(float) * T * hidden);
+    float* rp = tid == 0 ? res0 : mine.data();
+    std::vector<int8_t> xh(T * Kh), xi(T * Ki);
+    std::vector<float> sh(T), si(T), tmp(std::max({hidden, I, D})), sqs(hidden);
     std::vector<float> scores(G * AB_KB);
-    // layer 0's input norm (no add: the residual is not written) and quantization
-    for (int64_t t = r0; t < r1; ++t) {
-      add_rms_norm_row(rp + t * hidden, nullptr, ln1[0].data_ptr<float>(), hidden, e, sqs.data(),
-                       tmp.data());
-      sh[t] = i8_quantize_row(tmp.data(), hidden, Kh, u8, xh + t * Kh);
-    }
-#pragma omp barrier
+    const auto norm_rows = [&](const float* add, const float* w) {  // residual += add; x_q
+      for (int64_t t = 0; t < T; ++t) {
+        add_rms_norm_row(rp + t * hidden, add ? add + t * hidden : nullptr, w, hidden, e,
+                         sqs.data(), tmp.data());
+        sh[t] = i8_quantize_row(tmp.data(), hidden, Kh, u8, xh.data() + t * Kh);
+      }
+    };
+    norm_rows(nullptr, n1[0]);  // layer 0's input norm: no add, the residual is not written
     for (int64_t i = 0; i < L; ++i) {
       const Tensor& vk = view_k[i];
-      team_gemm({xh, Kh, qkv_w[i].data_ptr<int8_t>(), qkv_w[i].size(0),
-                 {qkvp, nqkv, sh, qb[i].defined() ? qb[i].data_ptr<float>() : nullptr}},
+      team_gemm({xh.data(), Kh, qkv_w[i].data_ptr<int8_t>(), qkv_w[i].size(0),
+                 {qkvp, nqkv, sh.data(), qb[i].defined() ? qb[i].data_ptr<float>() : nullptr}},
                 tiling, path, tid, nt);
 #pragma omp barrier
       for (int64_t t = r0; t < r1; ++t) rope_store_row<float, float>(rope[i], t, tmp.data());
+      if (!own_rows) {
 #pragma omp barrier
+      }
       // attention: sequence b's heads (b = the query row), then its o_proj input quantized
       const float* kp = vk.data_ptr<float>();
       const float* vp = view_v[i].data_ptr<float>();
@@ -184,34 +203,24 @@ Tensor team_decode_layers(const Tensor& residual_in, const Tensor& cos, const Te
       team_gemm({xqq, Kq, o_w[i].data_ptr<int8_t>(), o_w[i].size(0), {xp, hidden, sq, nullptr}},
                 tiling, path, tid, nt);
 #pragma omp barrier
-      for (int64_t t = r0; t < r1; ++t) {
-        add_rms_norm_row(rp + t * hidden, xp + t * hidden, ln2[i].data_ptr<float>(), hidden, e,
-                         sqs.data(), tmp.data());
-        sh[t] = i8_quantize_row(tmp.data(), hidden, Kh, u8, xh + t * Kh);
-      }
-#pragma omp barrier
-      team_gemm({xh, Kh, gu_w[i].data_ptr<int8_t>(), gu_w[i].size(0), {gup, 2 * I, sh, nullptr}},
+      norm_rows(xp, n2[i]);
+      team_gemm({xh.data(), Kh, gu_w[i].data_ptr<int8_t>(), gu_w[i].size(0),
+                 {gup, 2 * I, sh.data(), nullptr}},
                 tiling, path, tid, nt);
 #pragma omp barrier
-      for (int64_t t = r0; t < r1; ++t) {
+      for (int64_t t = 0; t < T; ++t) {
         silu_mul_rows_f32(gup + t * 2 * I, 2 * I, tmp.data(), I, 0, 1);
-        si[t] = i8_quantize_row(tmp.data(), I, Ki, u8, xi + t * Ki);
+        si[t] = i8_quantize_row(tmp.data(), I, Ki, u8, xi.data() + t * Ki);
       }
-#pragma omp barrier
-      team_gemm({xi, Ki, down_w[i].data_ptr<int8_t>(), down_w[i].size(0),
-                 {dp, hidden, si, nullptr}},
+      team_gemm({xi.data(), Ki, down_w[i].data_ptr<int8_t>(), down_w[i].size(0),
+                 {dp, hidden, si.data(), nullptr}},
                 tiling, path, tid, nt);
 #pragma omp barrier
-      for (int64_t t = r0; t < r1; ++t) {
-        if (i + 1 < L) {
-          add_rms_norm_row(rp + t * hidden, dp + t * hidden, ln1[i + 1].data_ptr<float>(),
-                           hidden, e, sqs.data(), tmp.data());
-          sh[t] = i8_quantize_row(tmp.data(), hidden, Kh, u8, xh + t * Kh);
-        } else {
-          for (int64_t k = 0; k < hidden; ++k) rp[t * hidden + k] += dp[t * hidden + k];
-        }
+      if (i + 1 < L) {
+        norm_rows(dp, n1[i + 1]);
+      } else {
+        for (int64_t k = 0; k < T * hidden; ++k) rp[k] += dp[k];
       }
-#pragma omp barrier
     }
   }
   return residual;
