@@ -108,7 +108,8 @@ def trial(url: str, rate: float, args: argparse.Namespace, shape: Shape, voc: in
         i += len(s)
     out = {"rate": rate, "ttft_p99_s": t99, "tpot_p99_s": p99,
            "ttft_p50_s": st["ttft_s"].get("p50"), "tpot_p50_s": st["tpot_s"].get("p50"),
-           "output_tok_s": st["output_tok_s"], "errors": st["errors"], "wall_s": wall,
+           "output_tok_s": st["output_tok_s"], "errors": st["errors"],
+           "error_samples": st.get("error_samples", []), "wall_s": wall,
            "seeds": seeds_at(rate, args), "requests": len(results),
            "attainment": statistics.fmean(per_seed) if per_seed else 0.0,
            "attainment_per_seed": per_seed,
