@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
 from common import Run, alternating, bar_groups, figure, load_note, save_figure, start_unified
-from gguf_packed import tree_rss_mib
+from serving import sse_lines
+from gguf_packed import tree_memory_mib
 
 NAME = "gguf_vs_llamacpp"
 EOS_TOKEN = 2  # when the file names none
@@ -113,7 +114,7 @@ async def stream_text(client: httpx.AsyncClient, url: str, prompt: str, new: int
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-        async for line in r.aiter_lines():
+        async for line in sse_lines(r.aiter_text()):
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
@@ -200,8 +201,8 @@ def main() -> None:
                     samples.setdefault(name, {}).setdefault(c, []).append(
                         one(servers[name].url, PROMPTS[: max(c, 4)] if c > 1 else PROMPTS[:3],
                             args.new, c, extras[name]))
-        out["rss_mib"] = {"pdserve": tree_rss_mib(servers["pdserve"].proc.pid)["total"],
-                          "llama.cpp": tree_rss_mib(servers["llama.cpp"].proc.pid)["total"]}
+        out["rss_mib"] = {name: tree_memory_mib(servers[name].proc.pid)["resident"]["total"]
+                          for name in ("pdserve", "llama.cpp")}
     finally:
         for s in servers.values():
             s.stop()

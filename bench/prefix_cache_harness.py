@@ -15,6 +15,7 @@ from typing import Any, Self
 
 import httpx
 from common import ratio
+from serving import sse_lines
 
 from pdcore.testing.processes import PDCluster, ServerProcess, free_port
 
@@ -46,7 +47,7 @@ async def generate(client: httpx.AsyncClient, url: str, ids: list[int], max_new:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_text()):
                 data = line[5:].strip() if line.startswith("data:") else ""
                 if not data or data == "[DONE]":
                     continue

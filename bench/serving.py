@@ -26,12 +26,14 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -85,6 +87,24 @@ class Result:
 SAMPLINGS = {"greedy": {"temperature": 0.0}, "default": {}}
 
 
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A server-sent event stream's lines, split only where SSE ends a line (CR LF, LF, CR).
+    httpx's aiter_lines splits as str.splitlines does, also at U+0085, U+2028, U+2029 and the
+    other separators JSON allows raw inside a string: a sampled token that decodes to one of
+    them (s13: vLLM, temperature 1, one request in ~200) cut its event in two, and the client
+    counted a good answer as an error."""
+    buf = ""
+    async for chunk in chunks:
+        buf += chunk
+        held = buf.endswith("\r")  # maybe the first half of a CR LF: decide with the next chunk
+        parts = re.split(r"\r\n|\r|\n", buf[:-1] if held else buf)
+        buf = parts.pop() + ("\r" if held else "")
+        for line in parts:
+            yield line
+    if buf:
+        yield buf.removesuffix("\r")
+
+
 async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[int],
                             max_tokens: int, kind: str = "", timeout: float = 600.0,
                             sink: list[Result] | None = None, sampling: str = "greedy"
@@ -103,7 +123,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, prompt: list[in
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_text()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -130,3 +130,30 @@ def test_the_quiet_lock_waits_for_its_holder(tmp_path) -> None:
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(other)
+
+
+def test_sse_lines_keep_json_strings_with_unicode_line_separators_whole() -> None:
+    """A token's text may hold U+2028, U+0085 or another separator JSON allows raw in a string:
+    the event stays one line (httpx's aiter_lines cut it, and the client counted a good answer
+    as an error); CR LF split across chunks is one line end."""
+    import asyncio
+    import json
+
+    from serving import sse_lines
+
+    events = [{"choices": [{"text": t}]} for t in ("a\u2028b", "c\x85d", "\u2029\x1c\x0b")]
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events)
+    body += "data: [DONE]\n\n"
+
+    async def chunks():  # odd-sized pieces: CR LF and the separators fall across chunk ends
+        for i in range(0, len(body), 7):
+            yield body[i:i + 7]
+
+    async def collect():
+        return [line async for line in sse_lines(chunks())]
+
+    lines = asyncio.run(collect())
+    data = [line[len("data: "):] for line in lines if line.startswith("data:")]
+    assert [json.loads(d) for d in data[:-1]] == events and data[-1] == "[DONE]"
+    assert all(line == "" for line in lines if not line.startswith("data:"))
+    assert len(lines) == 2 * len(events) + 2
