@@ -462,7 +462,7 @@ def test_seed_commands_serve_behind_sglang_router_as_written(model_dir, outsider
             assert took[name] < 5, took  # under P's one claim timeout (5 s)
         assert r.status_code == 403, r.text  # ours passes decode's answer on
         print(f"refused route answered in {took} s")
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90  # 30 s ran out once under a loaded CI (s13)
         while True:  # every room P had ended on decode's notice, none at the claim timeout
             m = {line.split()[0]: float(line.split()[-1]) for line in httpx.get(
                 p.url + "/metrics", timeout=10).text.splitlines()
