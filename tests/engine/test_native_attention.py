@@ -36,6 +36,14 @@ def test_decode_attention_matches_float64(d: int, groups: int) -> None:
             assert (got.double() - ref).abs().max().item() < 2e-6, (width, mask is None)
 
 
+def _pad_bias(lens: list[int]) -> torch.Tensor:
+    """The additive mask [b, 1, 1, max(lens)] of rows `lens` long, padded to the longest: 0
+    where a row has a key, -inf past its end."""
+    w = max(lens)
+    return torch.zeros(len(lens), 1, 1, w).masked_fill_(
+        ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :], float("-inf"))
+
+
 def _padded_group(pos: int, slots: torch.Tensor, other: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode group around the row at `pos` (its context: slots[: pos + 1], row 1): a longer
@@ -46,9 +54,7 @@ def _padded_group(pos: int, slots: torch.Tensor, other: torch.Tensor
     table = torch.zeros(3, w, dtype=torch.long)
     table[0], table[1, : pos + 1] = other[:w], slots[: pos + 1]
     table[2, : lens[2]] = other[: lens[2]].flip(0)
-    bias = torch.zeros(3, 1, 1, w).masked_fill_(
-        ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :], float("-inf"))
-    return table, bias
+    return table, _pad_bias(lens)
 
 
 def _paged_equals_gathered(o, kp, vp, kf, vf, table, lens, groups, g):  # type: ignore
@@ -56,9 +62,7 @@ def _paged_equals_gathered(o, kp, vp, kf, vf, table, lens, groups, g):  # type: 
     paged kernel equals to the bit the kernel over the gathered rows, and float64 SDPA within
     2e-6. The paged kernel's output."""
     b, w, kvh, d = len(lens), max(lens), kf.shape[-2], kf.shape[-1]
-    bias = None if b == 1 else torch.zeros(b, 1, 1, w).masked_fill_(
-        ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
-        float("-inf"))
+    bias = None if b == 1 else _pad_bias(lens)
     q = torch.randn(b, kvh, groups, d, generator=g)
     kb = kf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
     vb = vf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)

@@ -12,7 +12,7 @@ import torch
 
 from pdcore.engine import native
 from test_native import _panels
-from test_native_attention import _causal_reference, _padded_group
+from test_native_attention import _causal_reference, _pad_bias, _padded_group
 
 
 def _dot_order() -> bool:
@@ -95,8 +95,7 @@ def test_bf16_attention_is_close_and_takes_the_dot_order_where_it_can(kvh, group
     lens = [ctx - 3, ctx - 2, ctx - 1, ctx]
     table = torch.stack([slots if i == 3 else torch.cat([slots[:lens[i]], slots[:ctx - lens[i]]])
                          for i in range(4)])
-    bias = torch.zeros(4, 1, 1, ctx).masked_fill_(
-        ~(torch.arange(ctx)[None] < torch.tensor(lens)[:, None])[:, None, None, :], float("-inf"))
+    bias = _pad_bias(lens)
     dec = o.decode_attention_paged(qd, kp, vp, table.view(-1), bias, scale)
     assert torch.equal(dec.view(4, h, d), out[-4:])
     dwide = o.decode_attention_paged(qd.float(), kp, vp, table.view(-1), bias, scale)

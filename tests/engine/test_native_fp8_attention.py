@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from test_native import _panels
-from test_native_attention import _padded_group
+from test_native_attention import _pad_bias, _padded_group
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 SCALES = [(1.0, 1.0), (0.37, 1.9), (1.9, 0.37)]
@@ -80,9 +80,7 @@ def test_paged_decode_reads_an_fp8_pool_in_place(dtype, ks, vs, groups) -> None:
     for lens in ([3000], [700], [3000, 17, 1500], [5, 9]):
         b, w = len(lens), max(lens)
         table = _tables(lens, pages * page, g)
-        bias = None if b == 1 else torch.zeros(b, 1, 1, w).masked_fill_(
-            ~(torch.arange(w)[None] < torch.tensor(lens)[:, None])[:, None, None, :],
-            float("-inf"))
+        bias = None if b == 1 else _pad_bias(lens)
         q = torch.randn(b, kvh, groups, d, generator=g)
         kb = kf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
         vb = vf.index_select(0, table).view(b, w, kvh, d).transpose(1, 2)
