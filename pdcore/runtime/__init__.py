@@ -12,7 +12,7 @@ checks of the parallel flags, `run_node` (a further node of a multi-node server)
 server's start-up checks ask of the model the engine will load (`resolve_model`,
 `default_model_file`: where the model is; `checked_quantization`: its quantization, against
 --quantization, `checked_draft_quantization` the draft head's; `check_mtp_folder`: a NEXTN/MTP draft's layers), so the
-server imports nothing of engine/model."""
+server imports nothing of engine/model; and `lower_own_priority` (PDSERVE_HTTP_NICE)."""
 
 from pdcore.engine.model.mtp import check_mtp_folder
 from pdcore.engine.model.quant_config import checked_draft_quantization, checked_quantization
@@ -21,10 +21,12 @@ from pdcore.runtime.dp.client import DPEngineClient
 from pdcore.runtime.engine_handle import EngineHandle
 from pdcore.runtime.engines import make_engine
 from pdcore.runtime.handle import EngineClient, EngineError, EngineState, SchedulerTarget, new_rid
+from pdcore.runtime.lifeline import lower_own_priority
 from pdcore.runtime.node import run_node
 from pdcore.runtime.topology import check_parallel_args
 
 __all__ = ["DPEngineClient", "EngineClient", "EngineError", "EngineHandle", "EngineState",
            "SchedulerTarget", "check_mtp_folder", "check_parallel_args",
            "checked_draft_quantization", "checked_quantization",
-           "default_model_file", "make_engine", "new_rid", "resolve_model", "run_node"]
+           "default_model_file", "lower_own_priority", "make_engine", "new_rid", "resolve_model",
+           "run_node"]

@@ -298,10 +298,10 @@ class EngineClient:
         assert self._pull is not None
         while True:
             obj = await self._pull.recv_pyobj()
-            if isinstance(obj, TokenOut):
-                q = self._reqs.get(obj.rid)
-                if q is not None:  # else: aborted / finished here already
-                    q.put_nowait(obj)
+            if isinstance(obj, (list, TokenOut)):  # a step's TokenOuts come as one list
+                for out in obj if isinstance(obj, list) else [obj]:
+                    if (q := self._reqs.get(out.rid)) is not None:  # else: aborted / done here
+                        q.put_nowait(out)
             elif isinstance(obj, ControlResp):
                 fut = self._calls.get(obj.call_id)
                 if fut is not None and not fut.done():

@@ -179,6 +179,24 @@ def carry_nice(pid: int) -> None:
         log.debug("session nice not carried to pid %d: %s", pid, e)  # CAP_SYS_NICE for < 0
 
 
+def lower_own_priority(by: int) -> int:
+    """Raise the nice of every thread of this process by `by` (at most to 19); the number of
+    threads changed. Linux keeps a nice per thread (setpriority on the process id changes the
+    main thread only) and a new thread starts with its starter's, so threads started later
+    follow. Processes started before keep theirs; those started after inherit it."""
+    if by <= 0 or not sys.platform.startswith("linux"):
+        return 0
+    done = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            now = os.getpriority(os.PRIO_PROCESS, int(tid))
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, now + by))
+            done += 1
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return done
+
+
 def popen_session(argv: list[str], sig: int = signal.SIGTERM, **kw: Any) -> subprocess.Popen:
     """subprocess.Popen(argv, **kw) in a session of its own (its process group is its whole
     tree), sent `sig` when the starting thread dies (preexec_die_with_parent) and given this

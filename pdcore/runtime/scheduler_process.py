@@ -6,8 +6,8 @@
 2. report readiness (or the start-up error) on `ready_conn`;
 3. loop: drain incoming GenerateReq / AbortReq / ControlReq; control calls are answered here;
    requests and aborts go through the Lockstep, which hands them to every rank and runs one
-   scheduler step when there is work; push TokenOut back; block on the socket (bounded) when
-   idle;
+   scheduler step when there is work; push the step's TokenOuts back (one list a step); block
+   on the socket (bounded) when idle;
 4. on shutdown (parent gone, SIGTERM) tell the other ranks to stop, close the extension and
    the pool.
 
@@ -166,8 +166,8 @@ class SchedulerLoop:
                     self.handle(pickle.loads(raw))
             msgs, ended = self.grammar.admit(self.inbox)
             self.inbox = []
-            for out in ended:
-                self.send.send(pickle.dumps(out))
+            if ended:
+                self.send.send(pickle.dumps(ended))
             self.watchdog.begin(f"{len(msgs)} new messages, {self.sched.num_running} running, "
                                 f"{self.sched.num_waiting} waiting requests")
             outs = self.lockstep.lead(msgs)
@@ -175,8 +175,9 @@ class SchedulerLoop:
             self.watchdog.end()
             self.sched.log_decode(self.decode_log)
             self.team.tick(timeout != IDLE_POLL_MS)
-            for out in outs:
-                self.send.send(pickle.dumps(out))
+            if outs:  # a step's TokenOuts in one message: one pickle and one send on this
+                # thread between steps, one wake-up of the HTTP process (not one per request)
+                self.send.send(pickle.dumps(outs))
             if self.profiler is not None:
                 self.profiler.step()
         self.lockstep.lead([], stop=True)  # the other TP ranks leave their loops too

@@ -21,17 +21,25 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from starlette.datastructures import Headers, MutableHeaders
 
 from pdcore.config import ServerArgs
 from pdcore.edge import tracing
 from pdcore.edge.auth import install_auth, log_admin_policy
 from pdcore.edge.limits import install_limits
+from pdcore.env import ENV
 from pdcore.route_auth import SERVER_ID_HEADER, RouteGuard
-from pdcore.runtime import EngineError, EngineHandle, SchedulerTarget, make_engine
+from pdcore.runtime import (
+    EngineError,
+    EngineHandle,
+    SchedulerTarget,
+    lower_own_priority,
+    make_engine,
+)
 from pdcore.route_refusal import RefusalNotifier
 from pdcore.server import (
     admin_routes,
@@ -66,11 +74,50 @@ async def _warm_up(engine: EngineHandle) -> None:
     log.info("warm-up generate done in %.0f ms", (time.monotonic() - t0) * 1000)
 
 
+class RequestHeaders:
+    """Pure ASGI (a stream's chunks pass straight through; `@app.middleware("http")` would
+    relay each through a memory stream and a task of its own): echoes `x-request-id` (routers
+    correlate logs with it), adds the server id a PD router signs routes for, and counts the
+    generate routes' answers by status."""
+
+    def __init__(self, app: Any, args: ServerArgs, metrics: ServerMetrics) -> None:
+        self.app, self.args, self.metrics = app, args, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = Headers(scope=scope).get("x-request-id")
+        path, args = scope.get("path"), self.args
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if rid and "x-request-id" not in headers:
+                    headers["x-request-id"] = rid
+                if args.disaggregation_mode != "null":
+                    headers[SERVER_ID_HEADER] = args.server_id
+                if path in GENERATE_ROUTES:
+                    self.metrics.requests.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def _lower_http_priority() -> None:
+    """PDSERVE_HTTP_NICE: this process's threads yield the cores to its engine's (docs/cpu.md)."""
+    by = ENV.pdserve_http_nice
+    if by > 0:
+        n = lower_own_priority(by)
+        log.info("HTTP process: %d threads at nice +%d (PDSERVE_HTTP_NICE)", n, by)
+
+
 async def _start_engine(app: FastAPI) -> None:
     engine: EngineHandle = app.state.engine
     args: ServerArgs = app.state.args
     try:
         await engine.start()
+        _lower_http_priority()
         if args.skip_server_warmup:
             log.info("warm-up skipped (--skip-server-warmup)")
         elif args.disaggregation_mode != "null":
@@ -145,18 +192,7 @@ def create_app(args: ServerArgs, *, engine: EngineHandle | None = None,
 
     install_auth(app, args.api_key, args.admin_api_key, OPEN_PATHS)
 
-    @app.middleware("http")
-    async def count_requests(request: Request,
-                             call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        rid = request.headers.get("x-request-id")
-        if rid and "x-request-id" not in response.headers:
-            response.headers["x-request-id"] = rid  # routers correlate logs with it
-        if args.disaggregation_mode != "null":  # the router signs routes for this id
-            response.headers[SERVER_ID_HEADER] = args.server_id
-        if request.url.path in GENERATE_ROUTES:
-            app.state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(RequestHeaders, args=args, metrics=app.state.metrics)
 
     app.include_router(native_routes.router)
     app.include_router(openai_routes.router)

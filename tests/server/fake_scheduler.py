@@ -98,6 +98,7 @@ def run_fake_scheduler(args: Any, recv_addr: str, send_addr: str, ready_conn: An
                 elif msg.kind in ("start_profile", "stop_profile"):
                     data = {"args": msg.args}
                 push.send_pyobj(ControlResp(msg.call_id, True, data))
+        step: list[TokenOut] = []  # sent as one message, as the real scheduler sends a step's
         for rid, r in list(running.items()):
             req, sp = r.req, r.req.sampling
             ids = req.input_ids
@@ -128,6 +129,8 @@ def run_fake_scheduler(args: Any, recv_addr: str, send_addr: str, ready_conn: An
                 out.finished, out.finish_reason = True, {"type": "stop", "matched": tok}
             if out.finished:
                 del running[rid]
-            push.send_pyobj(out)
+            step.append(out)
+        if step:
+            push.send_pyobj(step)
         if running:
             time.sleep(delay)
