@@ -268,6 +268,42 @@ BA_TARGET inline void ba_pv_cols(const uint16_t* pb, int np, const uint16_t* vt,
   for (; c0 < D; c0 += 16) ba_pv<RB, 1>(pb, np, vt, D, c0, a, cw, o);
 }
 
+// ab_softmax(s, lim, kn, mb, lb, true) for the prefill task, e written as bf16 straight into
+// pb [kn rounded up to 16] (zero past lim) for ba_pv, s left as it is; lb = 0 where no key is
+// visible. The same bits: vcvtneps2bf16 rounds to nearest even as vround_bf16 does for these e
+// (0, or normal in [2^-126, 1]: exp_ps_le0 is 0 below -87; the instruction would flush
+// denormals), lb sums the rounded e, and the max (exact in any order) is taken across lanes in
+// the register, with no scalar round trip.
+BA_TARGET inline bool ba_softmax(const float* s, int lim, int kn, float& mb, float& lb,
+                                 uint16_t* pb) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 mx = ninf;
+  for (int j = 0; j < lim; j += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, lane_mask(lim - j), s + j));
+  mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0x4E));
+  mx = _mm512_max_ps(mx, _mm512_shuffle_f32x4(mx, mx, 0xB1));
+  mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0x4E));
+  mx = _mm512_max_ps(mx, _mm512_permute_ps(mx, 0xB1));
+  mb = _mm512_cvtss_f32(mx);
+  if (mb == -INFINITY) {
+    for (int j = 0; j < kn; j += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), _mm256_setzero_si256());
+    lb = 0.0f;
+    return false;
+  }
+  const V16 mv{mx};
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < kn; j += 16) {
+    const M16 live = lane_mask(lim - j);
+    const V16 e = vmaskz(live, exp_ps_le0(vsub(vmask_load(mv, live, s + j), mv)));
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(e.v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + j), h);
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+  lb = _mm512_reduce_add_ps(sum);
+  return true;
+}
+
 // one task (KV head h, queries q0 .. q0 + nq): pf_task's blocks, softmax and join; kt_all /
 // vt_all: the packed blocks [KVH][nkb][D * AB_KB] (ba_pack_block). Shape: prefill_attention.h's
 template <typename Shape>
@@ -276,14 +312,16 @@ BA_TARGET void pf_task_bf16(const Shape& s, const float* q, int64_t qs0, int64_t
                             int64_t q0, float* out, std::vector<float>& buf) {
   constexpr int RB = 4;
   const int64_t D = s.D, G = s.G, nq = std::min(s.QB, s.n - q0), R = nq * G;
-  buf.resize(R * D + R * AB_KB + R * 4 + 2 * RB * 2 * 16 + R * D / 2 + R * AB_KB / 2);
+  buf.resize(R * D + R * AB_KB + R * 6 + 2 * RB * 2 * 16 + R * D / 2 + R * AB_KB / 2);
   float* o = buf.data();          // [R, D] the running output; row r = i * G + g
   float* sc = o + R * D;          // [R, AB_KB] scores, then weights
   float* m = sc + R * AB_KB;      // [R] running max, sum, the block's a and c
   float* l = m + R;
   float* alpha = l + R;
   float* cw = alpha + R;
-  float* spill = cw + R;          // ba_qk's upper levels
+  float* mbs = cw + R;            // [R] the block's max and sum (-inf and 0: none visible)
+  float* lbs = mbs + R;
+  float* spill = lbs + R;         // ba_qk's upper levels
   uint16_t* qb = reinterpret_cast<uint16_t*>(spill + 2 * RB * 2 * 16);  // [R, D] bf16
   uint16_t* pb = qb + R * D;      // [R, AB_KB] the block's weights in bf16
   for (int64_t i = 0; i < nq; ++i)
@@ -312,13 +350,9 @@ BA_TARGET void pf_task_bf16(const Shape& s, const float* q, int64_t qs0, int64_t
     for (r = 0; r < R; ++r) {  // a row with no visible key here: a = 1, c = 0 (unchanged)
       const int64_t pos = first + r / G;
       const int lim = static_cast<int>(std::clamp<int64_t>(pos - k0 + 1, 0, kn));
-      float mb, lb;
-      alpha[r] = 1.0f, cw[r] = 0.0f;
-      float* sr = sc + r * AB_KB;
-      if (ab_softmax(sr, lim, kn, mb, lb, true)) ab_weights(m[r], l[r], mb, lb, alpha[r], cw[r]);
-      for (int j = 0; j < kn; j += 16)
-        vstore_upper_halves(pb + r * AB_KB + j, vmaskz_load(lane_mask(kn - j), sr + j));
+      ba_softmax(sc + r * AB_KB, lim, kn, mbs[r], lbs[r], pb + r * AB_KB);
     }
+    ab_weights_rows(m, l, mbs, lbs, alpha, cw, R);
     const int np = (kn + 1) / 2;
     for (r = 0; r + RB <= R; r += RB)
       ba_pv_cols<RB>(pb + r * AB_KB, np, vt, D, alpha + r, cw + r, o + r * D);

@@ -165,7 +165,7 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
              const float* v_in_place, const float* v_wide, const int64_t* tab, int64_t h,
              int64_t q0, float* out, std::vector<float>& buf) {
   const int64_t D = s.D, G = s.G, nq = std::min(s.QB, s.n - q0), R = nq * G;
-  buf.resize(R * D * 2 + R * PF_KB + R * 4 + 2 * PF_QK_RB * PF_QK_NH * 16);
+  buf.resize(R * D * 2 + R * PF_KB + R * 6 + 2 * PF_QK_RB * PF_QK_NH * 16);
   float* qp = buf.data();           // [R, D] the queries, times the scale; row r = i * G + g
   float* o = qp + R * D;            // [R, D] the running output
   float* sc = o + R * D;            // [R, PF_KB] scores, then weights
@@ -173,7 +173,9 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
   float* l = m + R;                 // [R] running sum
   float* alpha = l + R;             // [R] this block's weights: the row's so far (a)
   float* cw = alpha + R;            // [R] and the block's (c), attn_block.h
-  float* spill = cw + R;            // pf_qk's upper levels
+  float* mbs = cw + R;              // [R] the block's max and sum (-inf and 0: none visible)
+  float* lbs = mbs + R;
+  float* spill = lbs + R;           // pf_qk's upper levels
   const float* vrow[PF_KB];          // the block's V rows (float32)
   const V16 sv = vset1(s.scale);
   for (int64_t i = 0; i < nq; ++i)
@@ -213,11 +215,9 @@ void pf_task(const PfShape& s, const float* q, int64_t qs0, int64_t qs1, const f
     for (r = 0; r < R; ++r) {  // a row with no visible key here: a = 1, c = 0 (unchanged)
       const int64_t pos = first + r / G;
       const int lim = static_cast<int>(std::clamp<int64_t>(pos - k0 + 1, 0, kn));
-      float mb, lb;
-      alpha[r] = 1.0f, cw[r] = 0.0f;
-      if (ab_softmax(sc + r * PF_KB, lim, kn, mb, lb))
-        ab_weights(m[r], l[r], mb, lb, alpha[r], cw[r]);
+      if (!ab_softmax(sc + r * PF_KB, lim, kn, mbs[r], lbs[r])) lbs[r] = 0.0f;
     }
+    ab_weights_rows(m, l, mbs, lbs, alpha, cw, R);
     for (r = 0; r + PF_PV_RB <= R; r += PF_PV_RB)
       pf_pv_cols<PF_PV_RB>(sc + r * PF_KB, kn, vrow, D, alpha + r, cw + r, o + r * D);
     for (; r < R; ++r) pf_pv_cols<1>(sc + r * PF_KB, kn, vrow, D, alpha + r, cw + r, o + r * D);

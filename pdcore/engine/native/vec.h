@@ -56,6 +56,7 @@ inline V16 vneg(V16 a) {  // the sign bit flipped
       _mm512_xor_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(static_cast<int>(0x80000000u))))};
 }
 inline float vreduce_add(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline float vfirst(V16 a) { return _mm512_cvtss_f32(a.v); }
 inline float vreduce_max(V16 a) { return _mm512_reduce_max_ps(a.v); }
 inline M16 vlt(V16 a, V16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ); }
 inline V16 vround(V16 a) {
@@ -141,6 +142,7 @@ inline V16 vneg(V16 a) {
   const __m256 s = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u)));
   return {_mm256_xor_ps(a.lo, s), _mm256_xor_ps(a.hi, s)};
 }
+inline float vfirst(V16 a) { return _mm256_cvtss_f32(a.lo); }
 // _mm512_reduce_add_ps's order: the 256-bit halves, the 128-bit halves, then pairs
 inline float vreduce_add(V16 a) {
   const __m256 t3 = _mm256_add_ps(a.hi, a.lo);
@@ -205,10 +207,13 @@ inline void vstore_upper_halves(uint16_t* p, V16 a) {
 
 // exp of 16 floats: a degree-6 polynomial on the reduced argument (relative error ~2e-7); below
 // -87 it is exactly 0 (masked scores weigh nothing)
-inline V16 exp_ps(V16 x) {
-  const V16 lo = vset1(-87.0f), hi = vset1(88.0f);
+// HI: clamp above (x > 88); exp_ps_le0 leaves it out for x <= 0 (or -inf), the same bits there
+template <bool HI = true>
+inline V16 exp_ps_t(V16 x) {
+  const V16 lo = vset1(-87.0f);
   const M16 dead = vlt(x, lo);
-  x = vmin(vmax(x, lo), hi);
+  x = vmax(x, lo);
+  if constexpr (HI) x = vmin(x, vset1(88.0f));
   const V16 n = vround(vmul(x, vset1(1.44269504088896341f)));
   V16 r = vfnmadd(n, vset1(0.693359375f), x);
   r = vfnmadd(n, vset1(-2.12194440e-4f), r);
@@ -221,5 +226,7 @@ inline V16 exp_ps(V16 x) {
   p = vfmadd(p, r, vset1(1.0f));
   return vmaskz(static_cast<M16>(~dead), vscalef(p, n));
 }
+inline V16 exp_ps(V16 x) { return exp_ps_t<true>(x); }
+inline V16 exp_ps_le0(V16 x) { return exp_ps_t<false>(x); }
 
 }  // namespace
