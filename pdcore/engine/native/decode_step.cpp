@@ -16,6 +16,7 @@
 #include "int8_gemm.h"
 #include "prefill_attention.h"
 #include "sampler.h"
+#include "team_f32.h"
 #include "team_step.h"
 
 namespace {
@@ -33,7 +34,8 @@ std::optional<Tensor> opt(const Tensor& t) {
 // int8_fused (W8A8, int8 panels): qkv's and gate_up's inputs quantized in the add_rms_norm pass
 // that makes them, down's in the silu_mul pass (int8_act.h: the same bits); 0: the separate
 // operators (the bench's "before"); 2: as 1, the whole step in one parallel region where
-// team_fits holds (team_step.h: the same bits), else as 1.
+// team_fits holds (team_step.h: the same bits), else as 1; 3: as 2, and a float32 model's step
+// (float32 panels) in one region with its work handed out by phase (team_f32.h: the same bits).
 Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor& sin,
                      at::TensorList ln1, at::TensorList ln2, at::TensorList qkv_w,
                      at::TensorList qkv_b, at::TensorList o_w, at::TensorList gu_w,
@@ -43,7 +45,14 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
                      const Tensor& bias, int64_t mode, int64_t width, int64_t num_heads,
                      int64_t kv_heads, int64_t head_dim, int64_t inter, double eps,
                      double scale, int64_t int8_fused) {
-  if (int8_fused == 2 &&
+  if (int8_fused == 3 &&
+      team_fits(residual_in, cos, sin, ln1, ln2, qkv_w, qkv_b, o_w, gu_w, down_w, k_pool, v_pool,
+                view_k, view_v, out_slots, rows, cols, bias, mode, width, num_heads, kv_heads,
+                head_dim, inter, true))
+    return team_f32_layers(residual_in, cos, sin, ln1, ln2, qkv_w, qkv_b, o_w, gu_w, down_w,
+                           k_pool, v_pool, view_k, view_v, out_slots, rows, cols, bias, width,
+                           num_heads, kv_heads, head_dim, inter, eps, scale);
+  if (int8_fused >= 2 &&
       team_fits(residual_in, cos, sin, ln1, ln2, qkv_w, qkv_b, o_w, gu_w, down_w, k_pool, v_pool,
                 view_k, view_v, out_slots, rows, cols, bias, mode, width, num_heads, kv_heads,
                 head_dim, inter))

@@ -57,7 +57,8 @@ inline void team_gemm(const TeamGemm& g, const Tiling& tiling, int64_t path, int
   }
 }
 
-// Whether the team region runs this step: W8A8 (every GEMM weight int8 panels), float32, the
+// Whether the team region runs this step: W8A8 (every GEMM weight int8 panels; f32: float32
+// panels, team_f32.h), float32, the
 // view appended to (mode 0) in float32 with one row per token, and the fused rotary, the
 // norm's, silu_mul's and the view attention's fast kernels (not in parts) all applying
 bool team_fits(const Tensor& residual, const Tensor& cos, const Tensor& sin, at::TensorList ln1,
@@ -66,7 +67,8 @@ bool team_fits(const Tensor& residual, const Tensor& cos, const Tensor& sin, at:
                at::TensorList k_pool, at::TensorList v_pool, at::TensorList view_k,
                at::TensorList view_v, const Tensor& out_slots, const Tensor& rows,
                const Tensor& cols, const Tensor& bias, int64_t mode, int64_t width,
-               int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t inter) {
+               int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
+               bool f32 = false) {
   const int64_t L = static_cast<int64_t>(ln1.size());
   if (L == 0 || mode != 0 || residual.dim() != 2 || view_k.size() != ln1.size() ||
       kv_heads <= 0 || num_heads % kv_heads != 0 || width <= 0 || inter % 32 != 0 ||
@@ -85,8 +87,18 @@ bool team_fits(const Tensor& residual, const Tensor& cos, const Tensor& sin, at:
   const Tensor qkv_like = at::empty({T, qs + 2 * ks}, residual.options());
   const Tensor none = at::empty({0}, residual.options());
   for (int64_t i = 0; i < L; ++i) {
-    for (const Tensor* w : {&qkv_w[i], &o_w[i], &gu_w[i], &down_w[i]})
-      if (w->scalar_type() != at::kChar || w->dim() != 2 || !w->is_contiguous()) return false;
+    if (!f32) {
+      for (const Tensor* w : {&qkv_w[i], &o_w[i], &gu_w[i], &down_w[i]})
+        if (w->scalar_type() != at::kChar || w->dim() != 2 || !w->is_contiguous()) return false;
+    } else {  // float32 panels [ceil(N / 32), K, 32] (team_f32.h)
+      const std::pair<const Tensor*, std::pair<int64_t, int64_t>> ws[] = {
+          {&qkv_w[i], {hidden, qs + 2 * ks}}, {&o_w[i], {qs, hidden}},
+          {&gu_w[i], {hidden, 2 * inter}}, {&down_w[i], {inter, hidden}}};
+      for (const auto& [w, kn] : ws)
+        if (w->scalar_type() != at::kFloat || w->dim() != 3 || !w->is_contiguous() ||
+            w->size(1) != kn.first || w->size(2) != PANEL || w->size(0) * PANEL < kn.second)
+          return false;
+    }
     if (!add_rms_norm_fits(residual, none, ln1[i]) ||
         !add_rms_norm_fits(residual, none, ln2[i]))
       return false;
