@@ -35,7 +35,8 @@ std::optional<Tensor> opt(const Tensor& t) {
 // that makes them, down's in the silu_mul pass (int8_act.h: the same bits); 0: the separate
 // operators (the bench's "before"); 2: as 1, the whole step in one parallel region where
 // team_fits holds (team_step.h: the same bits), else as 1; 3: as 2, and a float32 model's step
-// (float32 panels) in one region with its work handed out by phase (team_f32.h: the same bits).
+// (float32 panels; the view appended to, or the pool read in place) in one region with its
+// work handed out by phase (team_f32.h: the same bits).
 Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor& sin,
                      at::TensorList ln1, at::TensorList ln2, at::TensorList qkv_w,
                      at::TensorList qkv_b, at::TensorList o_w, at::TensorList gu_w,
@@ -48,10 +49,10 @@ Tensor decode_layers(const Tensor& residual_in, const Tensor& cos, const Tensor&
   if (int8_fused == 3 &&
       team_fits(residual_in, cos, sin, ln1, ln2, qkv_w, qkv_b, o_w, gu_w, down_w, k_pool, v_pool,
                 view_k, view_v, out_slots, rows, cols, bias, mode, width, num_heads, kv_heads,
-                head_dim, inter, true))
+                head_dim, inter, true, &table))
     return team_f32_layers(residual_in, cos, sin, ln1, ln2, qkv_w, qkv_b, o_w, gu_w, down_w,
-                           k_pool, v_pool, view_k, view_v, out_slots, rows, cols, bias, width,
-                           num_heads, kv_heads, head_dim, inter, eps, scale);
+                           k_pool, v_pool, view_k, view_v, out_slots, rows, cols, table, bias,
+                           mode, width, num_heads, kv_heads, head_dim, inter, eps, scale);
   if (int8_fused >= 2 &&
       team_fits(residual_in, cos, sin, ln1, ln2, qkv_w, qkv_b, o_w, gu_w, down_w, k_pool, v_pool,
                 view_k, view_v, out_slots, rows, cols, bias, mode, width, num_heads, kv_heads,

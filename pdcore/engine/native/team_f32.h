@@ -6,11 +6,13 @@
 // OS keeps the preempted thread off (a bf16 step measured 1.8x slower beside half a core's
 // load, where a quarter of the CPU lost explains 1.33x). Here a layer is eight phases:
 //   input norm (rows) | qkv GEMM (panels) | [rotary + K/V stores (rows), where token t's K/V
-//   do not go to view row t] | rotary + attention (rows) | o GEMM (panels) | add + norm
-//   (rows) | gate_up GEMM (panels) | silu * up (rows) | down GEMM (panels)
+//   do not go to view row t, and over the pool] | rotary + attention (rows: a sequence's
+//   heads) | o GEMM (panels) | add + norm (rows) | gate_up GEMM (panels) | silu * up (rows) |
+//   down GEMM (panels)
 // then the next layer's add + norm (the last layer: the add alone). Each item calls the
 // function the separate operator calls on the same row or panel (add_rms_norm_row, the panel
-// GEMM's tiles, rope_store_row, the view's attention kernel, silu_mul_rows_f32) and no sum
+// GEMM's tiles, rope_store_row, the view's or the paged attention kernel (mode 0 / 2),
+// silu_mul_rows_f32) and no sum
 // crosses a row or a panel, so the residual stream is the operators' to the bit, whatever
 // thread runs which item and however many there are. Where team_fits(f32) does not hold,
 // decode_layers runs the operators.
@@ -46,8 +48,8 @@ Tensor team_f32_layers(const Tensor& residual_in, const Tensor& cos, const Tenso
                        at::TensorList qkv_b, at::TensorList o_w, at::TensorList gu_w,
                        at::TensorList down_w, at::TensorList k_pool, at::TensorList v_pool,
                        at::TensorList view_k, at::TensorList view_v, const Tensor& out_slots,
-                       const Tensor& rows, const Tensor& cols, const Tensor& bias_in,
-                       int64_t width, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                       const Tensor& rows, const Tensor& cols, const Tensor& table,
+                       const Tensor& bias_in, int64_t mode, int64_t width, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
                        int64_t inter, double eps, double scale) {
   TEAM_STEPS.fetch_add(1);
   const int64_t T = residual_in.size(0), hidden = residual_in.size(1), L = ln1.size();
@@ -63,18 +65,24 @@ Tensor team_f32_layers(const Tensor& residual_in, const Tensor& cos, const Tenso
   if (bias_in.defined() && bias_in.numel() > 0) bias = bias_in.contiguous();
   std::vector<Tensor> qb(L);  // each layer's qkv bias in float32, or undefined
   std::vector<RopeRows<float, float>> rope(L);
+  const bool paged = mode == 2;  // no view: the pool read in place through table
   for (int64_t i = 0; i < L; ++i) {
     if (qkv_b[i].defined() && qkv_b[i].numel() > 0) qb[i] = qkv_b[i].to(at::kFloat).contiguous();
-    rope[i] = rope_rows<float, float>(qkv, cos, sin, k_pool[i], v_pool[i], &view_k[i],
-                                      &view_v[i], out_slots, rows.data_ptr<int64_t>(),
-                                      cols.data_ptr<int64_t>(), q, num_heads, kv_heads, D);
+    rope[i] = rope_rows<float, float>(qkv, cos, sin, k_pool[i], v_pool[i],
+                                      paged ? nullptr : &view_k[i], paged ? nullptr : &view_v[i],
+                                      out_slots, paged ? nullptr : rows.data_ptr<int64_t>(),
+                                      paged ? nullptr : cols.data_ptr<int64_t>(), q, num_heads,
+                                      kv_heads, D);
   }
   // token t's K/V go to view row t (a decode batch's usual rows): row b's attention item runs
-  // its rotary first; else the rotary is a phase of its own before the attention
-  bool own_rows = true;
-  for (int64_t t = 0; t < T; ++t) own_rows = own_rows && rows.data_ptr<int64_t>()[t] == t;
+  // its rotary first; else (and over the pool, where a sequence's slots are its table's) the
+  // rotary is a phase of its own before the attention
+  bool own_rows = !paged;
+  for (int64_t t = 0; own_rows && t < T; ++t) own_rows = rows.data_ptr<int64_t>()[t] == t;
   const Tiling tiling(T);
-  const AttendFn fn = kernel_for<OneHead>(D, G);
+  const AttendFn fn = paged ? nullptr : kernel_for<OneHead>(D, G);
+  const ScaledFn<float> pfn = paged ? kernel_for<AllHeads<float>>(D, G) : nullptr;
+  const int64_t* tp = paged ? table.data_ptr<int64_t>() : nullptr;
   float* rp = residual.data_ptr<float>();
   float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *ap = att.data_ptr<float>();
   float *nxp = nx.data_ptr<float>(), *xp = x.data_ptr<float>(), *gup = gu.data_ptr<float>();
@@ -87,7 +95,7 @@ Tensor team_f32_layers(const Tensor& residual_in, const Tensor& cos, const Tenso
   {
     PhaseCursor cur{phases};
     std::vector<float> sq(hidden), tmp(std::max<int64_t>(D, 16));
-    std::vector<float> scores(G * AB_KB);
+    std::vector<float> scores(G * AB_KB), work(paged ? H * G * (D + AB_KB + 2) : 0);
     const auto norm_phase = [&](const float* add, const float* w) {  // residual += add; nx
       cur.run(T, [&](int64_t t) {
         add_rms_norm_row(rp + t * hidden, add ? add + t * hidden : nullptr, w, hidden, e,
@@ -99,10 +107,18 @@ Tensor team_f32_layers(const Tensor& residual_in, const Tensor& cos, const Tenso
     };
     norm_phase(nullptr, ln1[0].data_ptr<float>());  // layer 0's: no add
     for (int64_t i = 0; i < L; ++i) {
-      const Tensor &vk = view_k[i], &vv = view_v[i];
       gemm_phase({nxp, hidden, qkv_w[i].data_ptr<float>(), qkv_w[i].size(0), qkvp, nqkv,
                   qb[i].defined() ? qb[i].data_ptr<float>() : nullptr});
       if (!own_rows) cur.run(T, [&](int64_t t) { rope_store_row<float, float>(rope[i], t, tmp.data()); });
+      if (paged) {  // sequence b, every head, reading the pool through its table row
+        const float* kp = k_pool[i].data_ptr<float>();
+        const float* vp = v_pool[i].data_ptr<float>();
+        cur.run(T, [&](int64_t b) {
+          pfn(qp + b * H * G * D, kp, vp, H, tp + b * width, bp ? bp + b * width : nullptr, width,
+              sc, ap + b * H * G * D, nullptr, 0, work.data(), 1.0f, 1.0f);
+        });
+      } else {
+      const Tensor &vk = view_k[i], &vv = view_v[i];
       const float* kp = vk.data_ptr<float>();
       const float* vp = vv.data_ptr<float>();
       const int64_t ksb = vk.stride(0), ksh = vk.stride(1), ksw = vk.stride(2);
@@ -115,6 +131,7 @@ Tensor team_f32_layers(const Tensor& residual_in, const Tensor& cos, const Tenso
              bp ? bp + b * width : nullptr, width, sc, ap + r * G * D, scores.data(), nullptr);
         }
       });
+      }
       gemm_phase({ap, qs, o_w[i].data_ptr<float>(), o_w[i].size(0), xp, hidden, nullptr});
       norm_phase(xp, ln2[i].data_ptr<float>());
       gemm_phase({nxp, hidden, gu_w[i].data_ptr<float>(), gu_w[i].size(0), gup, 2 * I, nullptr});

@@ -58,9 +58,10 @@ inline void team_gemm(const TeamGemm& g, const Tiling& tiling, int64_t path, int
 }
 
 // Whether the team region runs this step: W8A8 (every GEMM weight int8 panels; f32: float32
-// panels, team_f32.h), float32, the
-// view appended to (mode 0) in float32 with one row per token, and the fused rotary, the
-// norm's, silu_mul's and the view attention's fast kernels (not in parts) all applying
+// panels, team_f32.h), float32, the view appended to (mode 0) in float32 with one row per
+// token, or (f32 only) the float32 pool read in place (mode 2: table, the paged kernel whole,
+// not in parts), and the fused rotary, the norm's, silu_mul's and the attention's fast kernels
+// (not in parts) all applying
 bool team_fits(const Tensor& residual, const Tensor& cos, const Tensor& sin, at::TensorList ln1,
                at::TensorList ln2, at::TensorList qkv_w, at::TensorList qkv_b,
                at::TensorList o_w, at::TensorList gu_w, at::TensorList down_w,
@@ -68,19 +69,36 @@ bool team_fits(const Tensor& residual, const Tensor& cos, const Tensor& sin, at:
                at::TensorList view_v, const Tensor& out_slots, const Tensor& rows,
                const Tensor& cols, const Tensor& bias, int64_t mode, int64_t width,
                int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t inter,
-               bool f32 = false) {
+               bool f32 = false, const Tensor* table = nullptr) {
   const int64_t L = static_cast<int64_t>(ln1.size());
-  if (L == 0 || mode != 0 || residual.dim() != 2 || view_k.size() != ln1.size() ||
-      kv_heads <= 0 || num_heads % kv_heads != 0 || width <= 0 || inter % 32 != 0 ||
-      !panel_gemm_supported())
+  const bool paged = f32 && mode == 2 && table != nullptr;
+  if (L == 0 || (mode != 0 && !paged) || residual.dim() != 2 ||
+      view_k.size() != (paged ? 0 : ln1.size()) || kv_heads <= 0 ||
+      num_heads % kv_heads != 0 || width <= 0 || inter % 32 != 0 || !panel_gemm_supported())
     return false;
   const int64_t T = residual.size(0), hidden = residual.size(1);
   const int64_t qs = num_heads * head_dim, ks = kv_heads * head_dim;
   const int64_t G = num_heads / kv_heads;
-  if (T == 0 || !long_rows(rows, T) || !long_rows(cols, T) ||
-      kernel_for<OneHead>(head_dim, G) == nullptr ||
-      da_use_parts(T, kv_heads, width, da_part_len(kv_heads, head_dim)))
+  if (T == 0)
     return false;
+  if (paged) {  // decode_attention_paged's float32 kernel, whole sequences, slots in the pool
+    if (kernel_for<AllHeads<float>>(head_dim, G) == nullptr ||
+        dp_use_parts(T, width, dp_part_len(width)) || table->scalar_type() != at::kLong ||
+        !table->is_contiguous() || table->numel() != T * width)
+      return false;
+    for (int64_t i = 0; i < L; ++i)
+      if (k_pool[i].scalar_type() != at::kFloat || !k_pool[i].is_contiguous() ||
+          k_pool[i].sizes() != k_pool[0].sizes())
+        return false;
+    const int64_t S = k_pool[0].numel() / (kv_heads * head_dim);
+    const int64_t* tp = table->data_ptr<int64_t>();
+    for (int64_t j = 0; j < T * width; ++j)
+      if (tp[j] < 0 || tp[j] >= S) return false;  // the operator refuses it (an error)
+  } else if (!long_rows(rows, T) || !long_rows(cols, T) ||
+             kernel_for<OneHead>(head_dim, G) == nullptr ||
+             da_use_parts(T, kv_heads, width, da_part_len(kv_heads, head_dim))) {
+    return false;
+  }
   if (bias.defined() && bias.numel() > 0 &&
       !(bias.scalar_type() == at::kFloat && bias.numel() == T * width))
     return false;
@@ -102,12 +120,17 @@ bool team_fits(const Tensor& residual, const Tensor& cos, const Tensor& sin, at:
     if (!add_rms_norm_fits(residual, none, ln1[i]) ||
         !add_rms_norm_fits(residual, none, ln2[i]))
       return false;
-    const Tensor& vk = view_k[i];
-    if (vk.scalar_type() != at::kFloat || vk.dim() != 4 || vk.size(0) != T ||
-        vk.size(1) != kv_heads || vk.size(2) < width || vk.size(3) != head_dim ||
-        !rope_store_fits(qkv_like, cos, sin, k_pool[i], v_pool[i], &view_k[i], &view_v[i],
-                         out_slots, num_heads, kv_heads, head_dim))
+    if (paged) {
+      if (!rope_store_fits(qkv_like, cos, sin, k_pool[i], v_pool[i], nullptr, nullptr, out_slots,
+                           num_heads, kv_heads, head_dim))
+        return false;
+    } else if (const Tensor& vk = view_k[i];
+               vk.scalar_type() != at::kFloat || vk.dim() != 4 || vk.size(0) != T ||
+               vk.size(1) != kv_heads || vk.size(2) < width || vk.size(3) != head_dim ||
+               !rope_store_fits(qkv_like, cos, sin, k_pool[i], v_pool[i], &view_k[i],
+                                &view_v[i], out_slots, num_heads, kv_heads, head_dim)) {
       return false;
+    }
     if (qkv_b[i].defined() && qkv_b[i].numel() > 0 && qkv_b[i].numel() != qs + 2 * ks)
       return false;
   }
