@@ -36,7 +36,10 @@ elementwise.h, common.h and vec.h, the vector layer they are written against):
   in the same order as the Python loop in models/llama.py (equal to the bit); what it saves is
   the interpreter between ~25 small operators a layer; a W8A8 step (int8 panels, the float32
   view appended to) runs as one OpenMP parallel region (team_step.h: each phase shared out
-  between the threads, a barrier after it; the same bits; `team_steps` counts them).
+  between the threads, a barrier after it; the same bits; `team_steps` counts them). With
+  int8_fused = 3 (opt-in) a float32 step (float32 panels; the view appended to, or the pool
+  read in place) runs as one region too, its work handed out by phase (team_f32.h,
+  team_phase.h: an atomic item counter a phase, no barrier; the same bits).
 
 One library per ISA, from the same source: `avx512` (AVX-512 F/BW/VL/DQ, 16 float lanes in one
 register; the bf16 GEMM besides, for CPUs with AVX-512 BF16) and `avx2` (AVX2 + FMA, the 16
