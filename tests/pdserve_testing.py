@@ -101,3 +101,37 @@ def merge_calls(calls: list, deltas: list) -> None:
         else:
             assert k == len(calls) - 1 and "name" not in d["function"], d  # in order
         calls[k]["function"]["arguments"] += d["function"].get("arguments", "")
+
+
+# five sequences of different lengths (an odd batch, a padding mask) for the team-step tests
+TEAM_PROMPTS = [[1, 17, 42, 99, 7, 300, 5], [2, 250, 251, 9], list(range(30, 70)),
+                list(range(400, 421)), [5, 6]]
+
+
+def team_runs(eng, modes: list[int], new: int, threads: int | None = None) -> tuple[list, list]:
+    """Greedy runs of TEAM_PROMPTS on `eng`, one per native["int8_fused"] mode in `modes` (at
+    `threads` threads where given): each run's (token ids, logprobs) per sequence, and how many
+    steps the team region (native team_steps) took in each."""
+    import torch
+
+    from pdcore.engine import native
+    from pdcore.messages.io import SamplingParams
+
+    model = eng.engine.model
+    runs, team = [], []
+    before_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for fused in modes:
+            model.native["int8_fused"] = fused
+            steps, before = model.native_steps, native.op("team_steps")()
+            outs = eng.generate(TEAM_PROMPTS, SamplingParams(max_new_tokens=new, temperature=0.0,
+                                                             ignore_eos=True), return_logprob=True)
+            assert model.native_steps > steps
+            team.append(native.op("team_steps")() - before)
+            runs.append([(o["output_ids"], [lp for lp, *_ in o["output_logprobs"]])
+                         for o in outs])
+    finally:
+        torch.set_num_threads(before_threads)
+    return runs, team

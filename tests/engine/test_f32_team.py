@@ -10,37 +10,14 @@ ran; a W8A8 model is not taken by the float32 team either (its own team runs).""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdcore.config import ServerArgs
 from pdcore.engine import native
-from pdcore.messages.io import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.tiny_models import make_tiny_model
+from pdserve_testing import team_runs
 
-PROMPTS = [[1, 17, 42, 99, 7, 300, 5], [2, 250, 251, 9], list(range(30, 70)),
-           list(range(400, 421)), [5, 6]]  # five: an odd batch, of different lengths
-NEW = 10
-
-
-def _runs(eng: LLMEngine, modes: list[int], threads: int) -> tuple[list, list]:
-    model = eng.engine.model
-    runs, team = [], []
-    before_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for fused in modes:
-            model.native["int8_fused"] = fused
-            steps, before = model.native_steps, native.op("team_steps")()
-            outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0.0,
-                                                        ignore_eos=True), return_logprob=True)
-            assert model.native_steps > steps
-            team.append(native.op("team_steps")() - before)
-            runs.append([(o["output_ids"], [lp for lp, *_ in o["output_logprobs"]])
-                         for o in outs])
-    finally:
-        torch.set_num_threads(before_threads)
-    return runs, team
+NEW = 10  # tokens a sequence (the prompts: pdserve_testing.TEAM_PROMPTS)
 
 
 @pytest.mark.parametrize("pool", ["view", "paged"])
@@ -60,7 +37,7 @@ def test_the_f32_team_leaves_the_decode_steps_bits(arch, pool, tmp_path, monkeyp
             pytest.skip("no native decode loop here")
         assert (eng.engine.model.decode_kv.budget == 0) == (pool == "paged")
         for threads in (1, 2, 3):
-            runs, team = _runs(eng, [3, 1, 0, 3], threads)
+            runs, team = team_runs(eng, [3, 1, 0, 3], NEW, threads)
             assert runs[0] == runs[1] == runs[2] == runs[3], threads
             assert all(len(ids) == NEW for ids, _ in runs[0])
             assert team[0] > 0 and team[3] > 0 and team[1] == team[2] == 0, (threads, team)
@@ -78,7 +55,7 @@ def test_where_the_f32_team_does_not_fit_the_operators_run(tmp_path):
     try:
         if eng.engine.model.native is None:
             pytest.skip("no native decode loop here")
-        runs, team = _runs(eng, [3, 1], 2)
+        runs, team = team_runs(eng, [3, 1], NEW, 2)
     finally:
         eng.close()
     assert runs[0] == runs[1]

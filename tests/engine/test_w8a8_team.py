@@ -11,14 +11,11 @@ import pytest
 
 from pdcore.config import ServerArgs
 from pdcore.engine import native
-from pdcore.messages.io import SamplingParams
 from pdcore.runtime.llm_engine import LLMEngine
 from pdcore.testing.quant_models import make_w8a8_model
-from pdserve_testing import build_tiny_llama
+from pdserve_testing import build_tiny_llama, team_runs
 
-PROMPTS = [[1, 17, 42, 99, 7, 300, 5], [2, 250, 251, 9], list(range(30, 70)),
-           list(range(400, 421)), [5, 6]]
-NEW = 12
+NEW = 12  # tokens a sequence; the prompts: pdserve_testing.TEAM_PROMPTS
 # head_dim 32 (the attention kernel's), 2 query heads a KV head, hidden and inter the
 # norm's and silu_mul's multiples; head_dim 16: the team region does not apply
 SHAPES = {"team": {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
@@ -40,16 +37,7 @@ def test_the_team_region_leaves_the_decode_steps_bits(shape, tmp_path, monkeypat
         if model.native is None:
             pytest.skip("no native decode loop here")
         assert model.native["int8_fused"] == 2  # the default
-        runs, team = [], []
-        for fused in (2, 1, 0, 2):
-            model.native["int8_fused"] = fused
-            steps, before = model.native_steps, native.op("team_steps")()
-            outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, temperature=0.0,
-                                                        ignore_eos=True), return_logprob=True)
-            assert model.native_steps > steps
-            team.append(native.op("team_steps")() - before)
-            runs.append([(o["output_ids"], [lp for lp, *_ in o["output_logprobs"]])
-                         for o in outs])
+        runs, team = team_runs(eng, [2, 1, 0, 2], NEW)
     finally:
         eng.close()
     assert runs[0] == runs[1] == runs[2] == runs[3]
