@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Run, cpu_by_process, figure, load_note, save_figure
 from goodput import trial
 from many_streams import system_args, vocab
+from pdcore.runtime.lifeline import lower_own_priority
 from vllm_launch import Group, Proc, free_port
 from workload import QUICK, Shape, closed_loop, requests
 
@@ -58,23 +59,10 @@ def start(args: argparse.Namespace, env: dict[str, str], flags: list[str]) -> Gr
     port = free_port()
     g = Group()
     g.add(Proc([sys.executable, "-m", "pdcore", "serve", "--host", "127.0.0.1", "--port",
-                str(port), "--model-path", args.model_path, "--dtype", args.dtype, *flags],
+                str(port), *(["--model-path", args.model_path] if args.model_path else []),
+                "--dtype", args.dtype, *flags],
                f"http://127.0.0.1:{port}", env=env, name="pdserve"))
     return g
-
-
-def renice_threads(pid: int, inc: int) -> list[int]:
-    """Raise the nice of every thread of `pid` (Linux nice is per thread) by `inc`."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        tid = int(task.name)
-        try:
-            n = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, n + inc))
-            out.append(tid)
-        except OSError:
-            pass
-    return out
 
 
 def roles(pid: int) -> dict[int, str]:
@@ -154,7 +142,7 @@ def one(args: argparse.Namespace, rate: float, label: str, env: dict[str, str],
         out["startup_s"] = group.wait_ready(args.startup_timeout)
         pid = group.procs[0].proc.pid
         if nice:
-            out["reniced_threads"] = len(renice_threads(pid, nice))
+            out["reniced_threads"] = lower_own_priority(nice, pid)
         asyncio.run(closed_loop(group.url, requests(4, voc, args.seed + 99, shape), 2,
                                 args.timeout, args.sampling))
         spy = None
@@ -238,7 +226,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--pyspy-s", type=float, default=60.0)
     system_args(ap, NAME)
     args = ap.parse_args(argv)
-    args.model_path = args.model_path or "/work/smollm2-hf"
     shape = QUICK if args.quick else Shape()
     voc = vocab(args.model_path)
     run = Run(args.name, {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})

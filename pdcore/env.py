@@ -258,9 +258,10 @@ class Engine(Group):
         "auto", text, "CPU placement of the engine's OpenMP threads (`--cpu-omp-threads-bind`)")
     pdserve_cpu_team_adapt = Var(True, flag, "shrink the OpenMP team off busy cores (docs/cpu.md)")
     pdserve_http_nice = Var(
-        0, count(0, "a nice increment"), "once its engine started, the HTTP process (tokenizer, detokenizer, SSE) "
-        "raises its own threads' nice by this much (0-19), so it preempts the engine's OpenMP "
-        "threads less (docs/cpu.md); the engine keeps the server's nice")
+        0, count(0, "a nice increment"),
+        "once its engine started, the HTTP process (tokenizer, detokenizer, SSE) raises its own "
+        "threads' nice by this much (0-19), so it preempts the engine's OpenMP threads less "
+        "(docs/cpu.md); the engine keeps the server's nice")
     pdcore_host_servers = Var(
         1, _host_count, "servers sharing this host's KV budget (`pdserve up` sets it)")
     pdcore_tp_timeout = Var(600.0, number, "seconds a TP collective may wait")

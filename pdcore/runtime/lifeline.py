@@ -179,15 +179,15 @@ def carry_nice(pid: int) -> None:
         log.debug("session nice not carried to pid %d: %s", pid, e)  # CAP_SYS_NICE for < 0
 
 
-def lower_own_priority(by: int) -> int:
-    """Raise the nice of every thread of this process by `by` (at most to 19); the number of
-    threads changed. Linux keeps a nice per thread (setpriority on the process id changes the
-    main thread only) and a new thread starts with its starter's, so threads started later
-    follow. Processes started before keep theirs; those started after inherit it."""
+def lower_own_priority(by: int, pid: int | str = "self") -> int:
+    """Raise the nice of every thread of this process (or of `pid`) by `by` (at most to 19); the
+    number of threads changed. Linux keeps a nice per thread (setpriority on the process id
+    changes the main thread only) and a new thread starts with its starter's, so threads started
+    later follow. Processes started before keep theirs; those started after inherit it."""
     if by <= 0 or not sys.platform.startswith("linux"):
         return 0
     done = 0
-    for tid in os.listdir("/proc/self/task"):
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             now = os.getpriority(os.PRIO_PROCESS, int(tid))
             os.setpriority(os.PRIO_PROCESS, int(tid), min(19, now + by))
