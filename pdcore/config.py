@@ -114,8 +114,11 @@ class ServerArgs(CommonFlags):
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192
     # the prefill tokens a step may carry while it also runs decodes (their gap between tokens
-    # grows ~0.7 ms a prefill token on SmolLM2, 2 Zen 5 cores); -1: --chunked-prefill-size
-    decode_step_prefill_tokens: int = 256
+    # grows ~0.7 ms a prefill token on SmolLM2, 2 Zen 5 cores); -1: --chunked-prefill-size;
+    # auto: chosen each step to keep the decodes' TPOT within --decode-tpot-target-ms
+    # (engine/sched/budget.py)
+    decode_step_prefill_tokens: int | str = 256
+    decode_tpot_target_ms: float = 100.0
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     # structured output (pdcore.constrained): xgrammar, as SGLang's default, or none
@@ -183,8 +186,10 @@ class ServerArgs(CommonFlags):
             self.chunked_prefill_size = 1 << 30  # -1 disables chunking, as in SGLang
         if self.chunked_prefill_size < 1:
             raise ConfigError("--chunked-prefill-size must be >= 1 (or -1 to disable chunking)")
-        if self.decode_step_prefill_tokens < 1 and self.decode_step_prefill_tokens != -1:
-            raise ConfigError("--decode-step-prefill-tokens must be >= 1 (or -1: the chunk size)")
+        self.decode_step_prefill_tokens = _step_prefill(self.decode_step_prefill_tokens)
+        if not 0 < self.decode_tpot_target_ms <= 60_000:
+            raise ConfigError(f"--decode-tpot-target-ms {self.decode_tpot_target_ms}: must be "
+                              "in (0, 60000] milliseconds")
         if self.context_length is not None and self.context_length < 2:
             raise ConfigError("--context-length must be >= 2")
         if not 0 < self.port < 65536 or not 0 < self.disaggregation_bootstrap_port < 65536:
@@ -341,6 +346,18 @@ CLUSTER_SECRET_ENV = Env.pdserve_disaggregation_auth_token.name
 # variable that every process of the container and `kubectl describe` of a crash can show)
 CLUSTER_SECRET_FILE_ENV = Env.pdserve_disaggregation_auth_token_file.name
 MAX_SECRET_FILE_BYTES = 4096
+
+
+def _step_prefill(value: int | str) -> int | str:
+    """--decode-step-prefill-tokens: `auto`, a count >= 1 or -1 (the chunk size)."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    n = int(text) if text.lstrip("-").isdigit() and not isinstance(value, bool) else 0
+    if n < 1 and n != -1:
+        raise ConfigError(f"--decode-step-prefill-tokens {value}: must be auto, a count >= 1 or "
+                          "-1 (the chunk size)")
+    return n
 
 
 def cluster_secret(flag_value: str | None, env: Mapping[str, str] | None = None) -> str | None:

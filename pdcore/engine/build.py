@@ -375,8 +375,9 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
     sched = Scheduler(blocks, SchedulerConfig(
         max_running=args.max_running_requests, chunk_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens, context_length=context,
-        decode_step_prefill=(args.decode_step_prefill_tokens
-                             if args.decode_step_prefill_tokens > 0 else None),
+        decode_step_prefill=_fixed_step_prefill(args.decode_step_prefill_tokens),
+        decode_step_auto=args.decode_step_prefill_tokens == "auto",
+        tpot_target_s=args.decode_tpot_target_ms / 1e3,
         eos_ids=eos_ids,
         schedule_policy=args.schedule_policy,
         conservativeness=args.schedule_conservativeness), cache=_prefix_cache(args, blocks),
@@ -404,3 +405,8 @@ def build_engine(args: ServerArgs, tp: TPInfo | None = None) -> Engine:
              num_pages, args.page_size, num_pages * args.page_size * per_token / 2**20,
              info.kv_cache_dtype, pool_name, context)
     return Engine(args, model, cfg, kv, blocks, sched, info, StepLoop(sched, runner, speculator))
+
+
+def _fixed_step_prefill(value: int | str) -> int | None:
+    """--decode-step-prefill-tokens as a fixed cap: None for -1 (the chunk) and for auto."""
+    return value if isinstance(value, int) and value > 0 else None

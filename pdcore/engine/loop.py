@@ -80,7 +80,7 @@ class StepLoop:
             spec.observe(items, results)
         took = time.perf_counter() - t0
         kind = step_kind(items, spec)
-        self.sched.count_step(kind, took)
+        self.sched.count_step(kind, took, items)
         if spec is not None and kind != "extend":
             spec.timed(len(items), took, verify=kind == "verify")
         return results

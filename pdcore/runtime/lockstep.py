@@ -46,6 +46,8 @@ class StepHeader:
     # rank 0 had been idle this many seconds and handed its free KV pages back: do the same
     # (engine/kv/giveback.py; each rank advises its own pool); None: not now
     give_back_s: float | None = None
+    # --decode-step-prefill-tokens auto: rank 0's step cost estimates (engine/sched/budget.py)
+    budget_est: tuple[float | None, float | None] | None = None
 
 
 class Lockstep:
@@ -118,7 +120,7 @@ class Lockstep:
         if self.tp.size > 1:
             self.tp.broadcast_object(StepHeader(msgs, run, stop, now, idle,
                                                 self.sched.spec_ratio, self._going_idle,
-                                                self._give_back_s))
+                                                self._give_back_s, self.sched.budget_est))
         self._going_idle, self._give_back_s = False, None
         self.sched.set_clock(now)
         if not run:
@@ -174,6 +176,7 @@ class Lockstep:
         if head.run:
             self.sched.set_clock(head.now)
             self.sched.spec_ratio = head.spec_ratio  # kept when None (no speculation on rank 0)
+            self.sched.budget_est = head.budget_est
             self._step()  # outputs are rank 0's business
         elif head.idle:
             self.dp.idle_forward()  # type: ignore[union-attr]

@@ -109,7 +109,9 @@ def test_the_budget_flag_parses_and_refuses_nonsense() -> None:
     from pdcore.server.startup.args_parser import build_parser
 
     ns = build_parser().parse_args(["--decode-step-prefill-tokens", "64"])
-    assert ns.decode_step_prefill_tokens == 64
+    args = ServerArgs(decode_step_prefill_tokens=ns.decode_step_prefill_tokens)
+    args.validate()  # the flag takes auto too (test_prefill_budget_auto), so it parses as text
+    assert args.decode_step_prefill_tokens == 64
     assert ServerArgs().decode_step_prefill_tokens >= 1  # on by default
     for bad in (0, -2):
         with pytest.raises(ConfigError, match="decode-step-prefill-tokens"):

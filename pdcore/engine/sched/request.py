@@ -46,6 +46,7 @@ class Req:
     error_status: int = 500
     error_code: str | None = None  # a named reason (pdcore.messages.codes.ErrorCode) or None
     preempted: bool = False
+    first_token_at: float | None = None  # first decode step's start (engine/sched/budget.py)
     ctx_slots: torch.Tensor | None = None  # cached slot table for positions < num_computed
     disagg: Any = None  # the role extension's per-request state
     spec: Any = None  # speculative decoding: this request's drafting state (ReqSpec)

@@ -105,6 +105,16 @@ class RuntimeAPI:
             self._l.spec.ratio = ratio
 
     @property
+    def budget_est(self) -> tuple[float | None, float | None] | None:
+        """The auto prefill budget's step cost estimates (None: a fixed budget)."""
+        return self._s.budget.estimates()
+
+    @budget_est.setter
+    def budget_est(self, est: tuple[float | None, float | None] | None) -> None:
+        """Every TP rank budgets on rank 0's estimates, so all schedule the same step."""
+        self._s.budget.adopt(est)
+
+    @property
     def tp_group(self) -> TPInfo:
         """The TP group whose ranks run this scheduler in lockstep."""
         return self._s.tp

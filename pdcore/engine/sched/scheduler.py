@@ -32,6 +32,7 @@ from pdcore.messages.io import TokenOut
 from pdcore.engine.kv.blocks import BlockManager
 from pdcore.engine.kv.radix import RadixCache
 from pdcore.engine.model.layers import TPInfo
+from pdcore.engine.sched.budget import make_budget
 from pdcore.engine.sched.extension import Extension
 from pdcore.engine.sched.outputs import take_output
 from pdcore.engine.sched.pages import KVPages
@@ -52,8 +53,11 @@ class SchedulerConfig:
     chunk_size: int = 2048
     max_prefill_tokens: int = 8192
     # --decode-step-prefill-tokens: the prefill budget of a step that also runs decodes (None:
-    # the same as a step without: the chunk)
+    # the same as a step without: the chunk); `auto` (decode_step_auto) chooses it each step
+    # (engine/sched/budget.py) to keep the decodes' TPOT within --decode-tpot-target-ms
     decode_step_prefill: int | None = None
+    decode_step_auto: bool = False
+    tpot_target_s: float = 0.1
     context_length: int = 8192
     eos_ids: frozenset[int] = frozenset()
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
@@ -90,6 +94,7 @@ class Scheduler:
         self.dropped: list[Req] = []  # dropped since the step loop last looked (take_dropped)
         self.tp = tp or TPInfo()  # a role extension agrees on per-request states over its group
         self.step_time: float | None = None  # rank 0's clock for this step (set under TP)
+        self.budget = make_budget(cfg, blocks.page_size)  # a mixed step's (engine/sched/budget.py)
 
     def now(self) -> float:
         """The step's time: the same value on every TP rank, so time-based decisions agree."""
@@ -222,9 +227,7 @@ class Scheduler:
         """`items` (the decodes) plus the prefill budget spent on partly filled requests, then
         on waiting ones; a step with decodes spends at most cfg.decode_step_prefill. The
         partly filled ones go first, so a long prompt progresses every step."""
-        budget = min(self.cfg.chunk_size, self.cfg.max_prefill_tokens)
-        if items and self.cfg.decode_step_prefill is not None:
-            budget = min(budget, self.cfg.decode_step_prefill)
+        budget = decode_step_budget(self, items)
         scheduled = {id(r) for r, _ in items}
         for req in [r for r in self.running if r.remaining > 1 and id(r) not in scheduled]:
             if budget <= 0:
@@ -247,9 +250,10 @@ class Scheduler:
         self.last_ran = bool(items)
         return items
 
-    def count_step(self, kind: str, took: float) -> None:
-        """One forward's time by the step's kind (Counters.book)."""
+    def count_step(self, kind: str, took: float, items: list[tuple[Req, int]]) -> None:
+        """One forward's time by the step's kind (Counters.book; the auto budget's too)."""
         self.counters.book(kind, took)
+        self.budget.observe(kind, took, items)
 
     def after_step(self, results: list[StepResult]) -> None:
         """The step's results are applied: the role extension sees them."""
@@ -367,6 +371,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.outbox or self.uncollected
                     or self.ext.busy())
+
+
+def decode_step_budget(sched: Scheduler, items: list[tuple[Req, int]]) -> int:
+    """The prefill budget of a step: the chunk; with decodes (`items`), what
+    --decode-step-prefill-tokens (N, -1 or auto: engine/sched/budget.py) allows."""
+    chunk = min(sched.cfg.chunk_size, sched.cfg.max_prefill_tokens)
+    if not items:
+        return chunk
+    waits = bool(sched.waiting) or any(r.remaining > 1 for r in sched.running)
+    return min(chunk, sched.budget.for_step([r for r, _ in items], waits, sched.now()))
 
 
 def room_for_running(sched: Scheduler, req: Req, budget: int) -> bool:

@@ -61,6 +61,7 @@ def scheduler_stats(s: Any, runner: Any, spec: Any) -> StatsReport:
         "forward_decode_seconds_total": c.decode_seconds,
         "forward_extend_steps_total": c.extend_steps,
         "forward_extend_seconds_total": c.extend_seconds})
+    _budget_stats(s, r)
     _native_stats(s, runner, r)
     _cache_stats(s, r)
     _giveback_stats(runner, r)
@@ -69,6 +70,12 @@ def scheduler_stats(s: Any, runner: Any, spec: Any) -> StatsReport:
     if spec is not None:
         r.add_named(spec.stats(), loads=("spec_cache_entries",))
     return r
+
+
+def _budget_stats(s: Any, r: StatsReport) -> None:
+    """The prefill budget of a step that also runs decodes: the fixed one or the last one
+    given (auto, with its estimates and the mixed steps' count and budgets' sum)."""
+    r.add_named(s.budget.stats())
 
 
 def _grammar_stats(s: Any, g: Any, r: StatsReport) -> None:

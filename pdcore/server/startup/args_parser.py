@@ -105,7 +105,13 @@ HELP: dict[str, str] = {
     "max_prefill_tokens": "token budget of one prefill batch",
     "decode_step_prefill_tokens": "prefill tokens a step may carry while it also runs decodes "
                                   "(bounds their gap between tokens; a step with no decodes "
-                                  "takes --chunked-prefill-size; -1: the chunk size there too)",
+                                  "takes --chunked-prefill-size; -1: the chunk size there too; "
+                                  "auto: chosen each step from the measured step costs, at "
+                                  "least 256, so the decodes' TPOT stays within "
+                                  "--decode-tpot-target-ms)",
+    "decode_tpot_target_ms": "with --decode-step-prefill-tokens auto: the time between a "
+                             "running request's tokens (its mean, TPOT) the budget keeps "
+                             "within, in milliseconds",
     "disable_radix_cache": "turn the prefix cache (RadixAttention) off: every prompt is "
                            "computed in full",
     "schedule_policy": "queue order: fcfs (arrival) or lpm (longest cached prefix first)",
