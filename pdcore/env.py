@@ -270,6 +270,11 @@ class Engine(Group):
                              "weights packed, as the file holds them; 0: de-quantized at load")
     pdcore_gguf_dot = Var("int8", choice("float", "int8", listing="float or int8"), "packed GGUF "
                           "GEMMs: float32 on de-quantized weights, or `int8` x and integer dots")
+    pdcore_w8a8_gemm = Var("auto", choice("auto", "amx", "vnni", "avx2",
+                                          listing="auto, amx, vnni or avx2"),
+                           "the W8A8 int8 GEMM's path at most (A/B runs): `auto` the best the "
+                           "CPU and the native library have (AMX-INT8, AVX-512 VNNI, AVX2), "
+                           "else the named one, or the best below it the CPU has")
     pdcore_w8a8_lm_head = Var("bf16", choice("float", "bf16", "bf16_dot", "int8",
                                              listing="float, bf16, bf16_dot or int8"),
                               "a W8A8 model's lm_head: `bf16` weights (half the bytes of the "

@@ -1,5 +1,6 @@
 """#48: the native W8A8 int8 GEMM (pdcore/engine/native/int8_gemm.h). Every path this library
-runs (AVX-512 VNNI where the CPU has avx512_vnni, AVX2 always) computes the int32 sums equal to
+runs (AMX-INT8 where the CPU has amx_int8, AVX-512 VNNI where it has avx512_vnni, AVX2 always)
+computes the int32 sums equal to
 torch._int_mm, and the whole layer (per-token quantization, GEMM, scales, bias) equal to the bit
 to engine/model/quant.py's torch path, over shapes that reach every tile size, a K that is not a
 multiple of 4, an N that is not a multiple of the 32-channel panel, and a prefill's blocks of
@@ -28,7 +29,7 @@ def _paths() -> list[int]:
     o = native.ops()
     if o is None:
         pytest.skip(f"native kernels unavailable here: {native.status()}")
-    return [1, 2] if int(o.int8_best_path()) == 2 else [1]
+    return list(range(1, int(o.int8_best_path()) + 1))  # 3: AMX, 2: VNNI, 1: AVX2
 
 
 def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -98,13 +99,67 @@ def test_the_layer_equals_the_torch_path_to_the_bit():
         o.int8_linear(torch.randn(2, 60), packed, 48, None, 1)
 
 
-def test_int8_weight_runs_the_chosen_path_and_keeps_one_copy():
+def test_the_amx_path_sums_equal_int_mm_over_its_tails():
+    """The AMX path (two 16-row A tiles and a panel's two B tiles per work item, 64 k a step)
+    against torch._int_mm over M that end inside a tile (1, 3, 8, 15, 17, 100, 513: 513 = 16
+    tiles of 32 and one row) or fill it (16), K that end inside a 64-k step (4, 60, 68: the
+    zero-padded tail) or not (64, 576, 1536, 8192), and N with a partial last panel."""
+    if 3 not in _paths():
+        pytest.skip("no AMX path here: " + (torch.ops.pdcore_native.int8_amx_why() or
+                                            "the library's best path is below 3"))
+    g = torch.Generator().manual_seed(7)
+    o = torch.ops.pdcore_native
+    bad = []
+    before = int(o.int8_amx_min_rows(1))  # the tiles at every M (by default 1-3 rows run VNNI)
+    try:
+        for k in (4, 60, 64, 68, 576, 1536, 8192):
+            for n in (40, 96) if k < 8192 else (33,):
+                q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+                q[0, : min(k, 5)] = -128
+                packed = o.int8_pack(q, torch.rand(n, generator=g))
+                for m in (1, 3, 8, 15, 16, 17, 100, 513):
+                    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
+                    xq[0] = -127
+                    xq[-1, : k // 2] = 127
+                    if not torch.equal(o.int8_gemm(xq, packed, n, 3), torch._int_mm(xq, q.t())):
+                        bad.append((m, k, n))
+                x = torch.randn(5, k, generator=g)  # and the layer, 1-row and 5-row
+                for rows in (x[:1], x):
+                    if not torch.equal(o.int8_linear(rows, packed, n, None, 3),
+                                       o.int8_linear(rows, packed, n, None, 1)):
+                        bad.append(("linear", rows.shape[0], k, n))
+    finally:
+        o.int8_amx_min_rows(before)
+    assert before == 4 and not bad, (before, bad)
+
+
+def test_int8_weight_runs_the_chosen_path_and_keeps_one_copy(caplog):
     """Int8Weight (what the model's linear layers hold) packs its matrix once for the path the
-    CPU's flags call for and keeps no second copy; the matrix comes back out of the panels."""
+    CPU's flags call for and keeps no second copy; the matrix comes back out of the panels.
+    The path is logged once and set as the library's (the decode loop's path 0)."""
+    import logging
+
     _paths()
     flags = cpu_flags()
-    want = 2 if native.isa() == "avx512" and "avx512_vnni" in flags else 1
-    assert native.int8_path() == want, (native.status(), sorted(f for f in flags if "vnni" in f))
+    o = torch.ops.pdcore_native
+    vnni = native.isa() == "avx512" and "avx512_vnni" in flags
+    amx = vnni and "amx_int8" in flags and not o.int8_amx_why()
+    want = 3 if amx else 2 if vnni else 1
+    before = native._state.pop("int8", None)
+    try:
+        with caplog.at_level(logging.INFO, logger="pdcore.engine.native"):
+            assert native.int8_path() == want, (
+                native.status(), o.int8_amx_why(),
+                sorted(f for f in flags if "vnni" in f or "amx" in f))
+    finally:
+        if before is not None:
+            native._state["int8"] = before
+    names = {3: "amx_int8", 2: "avx512_vnni", 1: "avx2"}
+    assert f"W8A8 int8 GEMM: {names[want]} (" in caplog.text, caplog.text
+    assert "no kernel" not in caplog.text
+    if "amx_int8" in flags and native.isa() == "avx512" and not amx:
+        assert "no AMX: " in caplog.text, caplog.text  # the reason is logged
+    assert int(o.int8_set_path(0)) == want
     g = torch.Generator().manual_seed(2)
     q = torch.randint(-128, 128, (70, 90), dtype=torch.int8, generator=g)
     s = torch.rand(70, generator=g)

@@ -43,7 +43,8 @@ x = torch.randn(3, 16)
 ok = torch.allclose(layers.linear(x, keep, None, packed), torch.nn.functional.linear(x, w),
                     atol=1e-5)
 print(json.dumps({"status": native.status(), "ops": native.ops() is not None, "ok": ok,
-                  "int8": native.int8_path()}))
+                  "int8": native.int8_path(),
+                  "int8_default": int(native.ops().int8_set_path(0)) if native.ops() else 0}))
 """
 
 
@@ -92,6 +93,38 @@ def test_an_avx2_cpu_loads_the_avx2_library(tmp_path) -> None:
     r = _child(PDCORE_NATIVE="1", PDCORE_NATIVE_ISA="avx512", PDCORE_CPUINFO=str(info))
     assert r["status"].startswith("off (PDCORE_NATIVE_ISA=avx512: this CPU lacks avx512"), r
     assert r["ok"] and not r["ops"], r
+
+
+# an AMD Zen 4's flags: AVX-512 with VNNI, no AMX
+ZEN4_FLAGS = ("flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2 avx512f "
+              "avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bf16\n")
+
+
+def test_amx_where_the_cpu_has_it_and_vnni_or_avx2_where_forced_down(tmp_path) -> None:
+    """#48: on a CPU with amx_int8 the W8A8 int8 GEMM runs AMX (path 3); PDCORE_CPU_ISA=avx512
+    (cpu_features drops the amx flags) runs VNNI in the avx512 library, PDCORE_CPU_ISA=avx2 the
+    avx2 library's AVX2 path, a Zen 4 (AVX-512 VNNI, no AMX: PDCORE_CPUINFO) VNNI, and
+    PDCORE_W8A8_GEMM=vnni / avx2 caps the path; the library's own default (what the decode
+    loop's GEMMs take) follows the choice each time."""
+    from pdcore.engine.cpu_features import cpu_flags
+
+    if "amx_int8" not in cpu_flags() or not native._cpu_has("avx512"):
+        pytest.skip("this CPU lacks amx_int8 (or the avx512 library): no AMX path to choose")
+    base = {"PDCORE_NATIVE": "1", "PDCORE_NATIVE_ISA": "", "PDCORE_CPU_ISA": "",
+            "PDCORE_W8A8_GEMM": "auto"}
+    r = _child(**base)
+    assert r["status"] == "native (avx512)" and r["int8"] == 3 == r["int8_default"], r
+    r = _child(**{**base, "PDCORE_CPU_ISA": "avx512"})
+    assert r["status"] == "native (avx512)" and r["int8"] == 2 == r["int8_default"], r
+    r = _child(**{**base, "PDCORE_CPU_ISA": "avx2"})
+    assert r["status"] == "native (avx2)" and r["int8"] == 1 == r["int8_default"], r
+    info = tmp_path / "cpuinfo"
+    info.write_text(ZEN4_FLAGS)
+    r = _child(**{**base, "PDCORE_CPUINFO": str(info)})
+    assert r["status"] == "native (avx512)" and r["int8"] == 2 == r["int8_default"], r
+    for cap, want in (("vnni", 2), ("avx2", 1), ("amx", 3)):
+        r = _child(**{**base, "PDCORE_W8A8_GEMM": cap})
+        assert r["int8"] == want == r["int8_default"], (cap, r)
 
 
 # an Intel Skylake-SP's flags: AVX-512 F/BW/VL/DQ, no AVX-512 VNNI

@@ -46,3 +46,42 @@ def test_the_team_region_leaves_the_decode_steps_bits(shape, tmp_path, monkeypat
         assert team[0] > 0 and team[3] > 0 and team[1] == team[2] == 0, team
     else:
         assert team == [0, 0, 0, 0]
+
+
+def test_every_int8_path_serves_the_same_tokens(tmp_path, monkeypatch):
+    """#48: the W8A8 model served on each int8 GEMM path this library and CPU run (1 AVX2, 2
+    AVX-512 VNNI, 3 AMX-INT8: PDCORE_W8A8_GEMM caps the engine's choice) gives the same greedy
+    token ids and logprobs, through the prefill (a 40-token prompt: AMX's 32-row tiles and a
+    tail) and the decode steps, in the team region and operator by operator: every path's int32
+    sums are exact and its epilogue the same."""
+    o = native.ops()
+    if o is None:
+        pytest.skip("no native kernels here")
+    paths = list(range(1, int(o.int8_best_path()) + 1))
+    if len(paths) < 2:
+        pytest.skip(f"one int8 path here ({paths}): nothing to compare")
+    monkeypatch.setenv("PDCORE_W8A8_LM_HEAD", "float")
+    src = build_tiny_llama(tmp_path / "f", **SHAPES["team"])
+    model_path = make_w8a8_model(str(src), str(tmp_path / "m"))
+    before = native.int8_path()
+    runs = {}
+    try:
+        for p in paths:
+            monkeypatch.setenv("PDCORE_W8A8_GEMM", {1: "avx2", 2: "vnni", 3: "amx"}[p])
+            native._state.pop("int8", None)  # chosen again, for this engine
+            eng = LLMEngine(ServerArgs(model_path=model_path, max_total_tokens=1024, page_size=4,
+                                       disable_radix_cache=True))
+            try:
+                assert native.int8_path() == p and int(o.int8_set_path(0)) == p
+                layer = eng.engine.model.layers[0]
+                assert layer.mlp.down.int8.path == p
+                runs[p], team = team_runs(eng, [2, 1], NEW)
+                assert team[0] > 0, team
+            finally:
+                eng.close()
+    finally:
+        native._state["int8"] = before
+        o.int8_set_path(before)
+    for p in paths[1:]:
+        assert runs[p] == runs[paths[0]], p
+    assert runs[paths[0]][0] == runs[paths[0]][1]

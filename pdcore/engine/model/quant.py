@@ -65,7 +65,7 @@ class Int8Weight:
             raise ValueError(f"weight_scale holds {scale.numel()} values for {q.shape[0]} output "
                              "channels (W8A8 scales are per output channel)")
         self.scale = scale
-        self.path = 0  # the native GEMM's (engine/native.int8_path: 2 VNNI, 1 AVX2), 0: torch
+        self.path = 0  # native.int8_path: 3 AMX, 2 VNNI, 1 AVX2; 0: torch._int_mm
         self.packed: torch.Tensor | None = None  # its panels, where it serves
         if q.device.type == "cpu":
             from pdcore.engine import native

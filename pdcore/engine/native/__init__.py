@@ -29,7 +29,8 @@ elementwise.h, common.h and vec.h, the vector layer they are written against):
 - `pdcore_native::sample_rows`: a batch's token sampling, one row per task (sampler.h; the
   torch path of engine/sched/sampler.py where the library is not built);
 - `pdcore_native::int8_linear` / `int8_pack` / `int8_gemm`: the W8A8 int8 GEMM (int8_gemm.h:
-  AVX-512 VNNI or AVX2, `int8_path()`), equal to the bit to engine/model/quant.py's torch path;
+  AMX-INT8, AVX-512 VNNI or AVX2, `int8_path()`), equal to the bit to engine/model/quant.py's
+  torch path;
   `add_rms_norm_quant` / `silu_mul_quant` (int8_act.h): the decode loop's int8 GEMM inputs
   quantized in the pass that makes them (x_q and s_x equal to the separate operators');
 - `pdcore_native::decode_layers`: a Llama-family decode step's layer loop, the same operators
@@ -315,35 +316,48 @@ def bf16_gemm() -> bool:
     return bool(_state["bf16"])
 
 
-INT8_PATHS = {2: "avx512_vnni", 1: "avx2", 0: "torch"}  # int8_path()'s values and names
+INT8_PATHS = {3: "amx_int8", 2: "avx512_vnni", 1: "avx2", 0: "torch"}  # int8_path()'s values
+INT8_CAPS = {"auto": 3, "amx": 3, "vnni": 2, "avx2": 1}  # PDCORE_W8A8_GEMM: the highest path
 
 
 def int8_path() -> int:
-    """The W8A8 int8 GEMM's path (int8_gemm.h), chosen once and logged: 2, AVX-512 VNNI (the
-    avx512 library on a CPU with avx512_vnni); 1, AVX2 (either library: the avx2 one, or an
-    AVX-512 CPU without VNNI); 0 where no native library serves (engine/model/quant.py then
-    runs torch._int_mm). AMX-INT8 has no kernel here: a CPU with it runs VNNI, and the log
-    says so."""
+    """The W8A8 int8 GEMM's path (int8_gemm.h), chosen once, set in the library (the decode
+    loop's GEMMs and fused quantization take it too) and logged: 3, AMX-INT8 (the avx512
+    library on a CPU with amx_int8, as cpu_features sees it: PDCORE_CPU_ISA=avx512 or avx2
+    hides it, and Linux's tile permission); 2, AVX-512 VNNI (the avx512 library on a CPU with
+    avx512_vnni); 1, AVX2 (either library: the avx2 one, or an AVX-512 CPU without VNNI); 0
+    where no native library serves (engine/model/quant.py then runs torch._int_mm).
+    PDCORE_W8A8_GEMM=vnni / avx2 caps it (A/B runs)."""
     with _lock:
         if "int8" in _state:
             return int(_state["int8"])
     o = ops()
     from pdcore.engine.cpu_features import cpu_flags
 
-    flags = cpu_flags()
+    flags, cap = cpu_flags(), INT8_CAPS[ENV.pdcore_w8a8_gemm]
+    best = int(o.int8_best_path()) if o is not None else 0
+    vnni = isa() == "avx512" and "avx512_vnni" in flags and best >= 2
+    amx = vnni and "amx_int8" in flags
+    capped = f"{Env.pdcore_w8a8_gemm.name}={ENV.pdcore_w8a8_gemm}"
     if o is None:
         path, why = 0, f"native kernels off: {_state.get('why')}"
-    elif isa() == "avx512" and "avx512_vnni" in flags and int(o.int8_best_path()) == 2:
-        path, why = 2, "the avx512 library on a CPU with avx512_vnni"
+    elif amx and cap >= 3 and best == 3:
+        path, why = 3, "the avx512 library on a CPU with amx_int8"
+    elif vnni and cap >= 2:
+        path, why = 2, "the avx512 library on a CPU with avx512_vnni" + (
+            "" if not amx else f"; no AMX: {capped}" if cap < 3 else
+            f"; no AMX: {o.int8_amx_why()}")
     else:
         path, why = 1, (f"the {isa()} library" + ("" if isa() == "avx2" else
+                                                    f", {capped}" if vnni else
                                                     " on a CPU without avx512_vnni"))
     with _lock:
         if "int8" not in _state:
+            if o is not None:
+                o.int8_set_path(path)
             _state["int8"] = path
-            log.info("W8A8 int8 GEMM: %s (%s)%s", INT8_PATHS[path] if path else "torch._int_mm",
-                     why, "; this CPU has AMX-INT8, which pdserve has no kernel for yet"
-                     if "amx_int8" in flags and path else "")
+            log.info("W8A8 int8 GEMM: %s (%s)", INT8_PATHS[path] if path else "torch._int_mm",
+                     why)
         return int(_state["int8"])
 
 

@@ -183,6 +183,9 @@ TORCH_LIBRARY(pdcore_native, m) {
   m.def("int8_gemm(Tensor xq, Tensor packed, int n, int path) -> Tensor");
   m.impl("int8_gemm", c10::DispatchKey::CompositeExplicitAutograd, &int8_gemm);
   m.def("int8_best_path() -> int", &int8_best_path);
+  m.def("int8_set_path(int path) -> int", &int8_set_path);
+  m.def("int8_amx_why() -> str", &int8_amx_why);
+  m.def("int8_amx_min_rows(int m) -> int", &int8_amx_min_rows);
   m.def("add_rms_norm_quant(Tensor(a!) residual, Tensor x, Tensor weight, float eps, int path) "
         "-> (Tensor, Tensor)");
   m.impl("add_rms_norm_quant", c10::DispatchKey::CompositeExplicitAutograd, &add_rms_norm_quant);

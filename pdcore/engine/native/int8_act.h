@@ -13,7 +13,7 @@
 namespace {
 
 // A GEMM input quantized for the int8 GEMM: xq [M, Kp] as int8_linear lays it out (x_q + 128 as
-// bytes on the VNNI path, path 2), xs [M]; undefined where the fused pass does not apply
+// bytes on the VNNI and AMX paths, 2 and 3), xs [M]; undefined where the fused pass does not apply
 struct I8Rows {
   Tensor xq, xs;
   int64_t K = 0, path = 0;
@@ -48,7 +48,7 @@ I8Rows add_rms_norm_i8(const Tensor& residual, const Tensor& x, const Tensor& we
     std::vector<float> sq(H), row(H);
     for (int64_t t = t0; t < t1; ++t) {
       add_rms_norm_row(rp + t * H, xp ? xp + t * H : nullptr, wp, H, e, sq.data(), row.data());
-      sp[t] = i8_quantize_row(row.data(), H, Kp, path == 2, qp + t * Kp);
+      sp[t] = i8_quantize_row(row.data(), H, Kp, i8_u8(path), qp + t * Kp);
     }
   });
   return q;
@@ -70,7 +70,7 @@ I8Rows silu_mul_i8(const Tensor& gu, int64_t I, int64_t path) {
     std::vector<float> row(I);
     for (int64_t m = m0; m < m1; ++m) {
       silu_mul_rows_f32(src + m * ld, ld, row.data(), I, 0, 1);
-      sp[m] = i8_quantize_row(row.data(), I, Kp, path == 2, qp + m * Kp);
+      sp[m] = i8_quantize_row(row.data(), I, Kp, i8_u8(path), qp + m * Kp);
     }
   });
   return q;
@@ -96,7 +96,7 @@ Tensor int8_linear_rows(const I8Rows& q, const Tensor& packed, int64_t N,
 std::tuple<Tensor, Tensor> i8_rows_out(const I8Rows& q, const char* what) {
   TORCH_CHECK(q.defined(), what, ": the fused pass does not apply to these tensors");
   Tensor xq = q.xq.slice(1, 0, q.K);
-  xq = q.path == 2 ? (xq.view(at::kByte).to(at::kInt) - 128).to(at::kChar) : xq.contiguous();
+  xq = i8_u8(q.path) ? (xq.view(at::kByte).to(at::kInt) - 128).to(at::kChar) : xq.contiguous();
   return {xq, q.xs.view({-1, 1})};
 }
 

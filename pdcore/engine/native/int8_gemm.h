@@ -8,20 +8,40 @@
 // The weight is packed once at load (`int8_pack`): panels of 32 output channels, int8
 // [ceil(N / 32), Kp * 32 + 256] with Kp = K rounded up to 4. A panel holds, for each group of 4
 // k, the 32 channels' 4 consecutive weights (128 bytes: one 64-byte line per 16 channels), then
-// 32 int32 (128 * sum_k w[n, k], the VNNI path's correction) and 32 float32 (s_w). Two paths,
+// 32 int32 (128 * sum_k w[n, k], the u8 paths' correction) and 32 float32 (s_w). Three paths,
 // one layout:
-// - VNNI (AVX-512 VNNI, in the avx512 library where the CPU has avx512_vnni): vpdpbusd adds the
+// - AMX (AMX-INT8, in the avx512 library where the CPU has amx_int8 and Linux grants the tile
+//   state; path 3): the panel's 64 k (16 groups of 4) of 16 channels are tdpbusd's B tile as
+//   they lie (16 lines of 64 bytes, 128 apart), so 32 rows x one panel is 4 int32 tiles, 2 A
+//   tiles of u8 x (as VNNI's) and the 2 B tiles; the same correction and epilogue as VNNI
+//   (i8_tile_amx below). Measured (bench/amx_int8.py, Xeon with AMX, 2 threads, the whole layer
+//   with the quantization, load 3.5-4): 2.2-3.5 TOPS from 64 rows up against VNNI's 0.9-1.3
+//   and oneDNN's torch._int_mm 1.0-4.1 (int32 GEMM alone). Decode sizes stream the weight:
+//   at 1-2 rows AMX is not faster (within -8%..+15% of VNNI over the 8 shapes, load 6-7,
+//   bench/results/amx_int8_smallm.json), from 4 rows up it is as fast or faster (SmolLM2
+//   gate_up 873 against 673 GOPS at 4 rows, 1560 against 874 at 8; the 1B shapes -7%..+11%),
+//   so below 4 rows (int8_amx_min_rows) the AMX path runs VNNI (the same u8 rows: the same sums);
+// - VNNI (AVX-512 VNNI, in the avx512 library where the CPU has avx512_vnni; 2): vpdpbusd adds the
 //   4 products of unsigned x bytes and signed w bytes of each 32-bit lane to an int32
 //   accumulator, no intermediate saturation; x goes in as x_q + 128 (0..255) and the correction
 //   takes 128 * sum_k w back off. A tile of up to 12 rows runs down one panel: per 4 k, two
 //   64-byte loads of the panel, one broadcast of the row's 4 bytes, two vpdpbusd per row;
-// - AVX2 (both libraries; the only one without AVX-512 VNNI): vpmaddubsw multiplies |w| (0..128
+// - AVX2 (both libraries; the only one without AVX-512 VNNI; 1): vpmaddubsw multiplies |w| (0..128
 //   as unsigned) by x_q with w's sign (sign_epi8), adding pairs into int16 (at most 2 * 128 * 127
 //   = 32512: no saturation, which is why x_q stops at -127), and vpmaddwd by 1 adds those pairs
 //   into int32. Passes of up to 3 rows (16 ymm registers) down each 8-channel quarter.
 // The raw integer product (`int8_gemm`, int32 out) is what the tests compare with torch._int_mm.
 // Work is shared out as the float panel GEMM's (gemm.h: Tiling, for_tiles): a decode step's
-// panels between the threads, a prefill's blocks of rows down one panel after another.
+// panels between the threads, a prefill's blocks of rows down one panel after another (AMX:
+// tiles of 32 rows, blocks of 16 tiles).
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <cerrno>
+
 #include "common.h"
 #include "gemm.h"
 
@@ -49,16 +69,81 @@ bool int8_vnni_supported() {
 #endif
 }
 
-// 2 (VNNI) where this library and CPU run it, else 1 (AVX2)
-int64_t int8_best_path() { return int8_vnni_supported() ? 2 : 1; }
+// Whether this process runs the AMX path: the avx512 library, a CPU with amx_tile and amx_int8
+// (CPUID 7.0 EDX bits 24, 25) and avx512_vnni (small M and the epilogue), and Linux's permission
+// for the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once per
+// process: without it the first tile instruction faults); `why` says what is missing
+struct I8AmxState {
+  bool ok;
+  std::string why;
+};
+
+const I8AmxState& i8_amx_state() {
+  static const I8AmxState s = []() -> I8AmxState {
+#if defined(PD_ISA_AVX512) && defined(__linux__)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1))
+      return {false, "the CPU lacks amx_tile / amx_int8"};
+    if (!int8_vnni_supported()) return {false, "the CPU lacks avx512_vnni"};
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0)
+      return {false, std::string("Linux refused the AMX tile permission (arch_prctl "
+                                 "ARCH_REQ_XCOMP_PERM: ") + std::strerror(errno) + ")"};
+    return {true, ""};
+#else
+    return {false, "only the avx512 library on Linux has the AMX path"};
+#endif
+  }();
+  return s;
+}
+
+bool int8_amx_supported() { return i8_amx_state().ok; }
+std::string int8_amx_why() { return i8_amx_state().why; }
+
+// 3 (AMX) or 2 (VNNI) where this library and CPU run it, else 1 (AVX2)
+int64_t int8_best_path() { return int8_amx_supported() ? 3 : int8_vnni_supported() ? 2 : 1; }
+
+// the path that `path` 0 means: at first the best, then what int8_set_path set (native/
+// __init__.py's int8_path(): the decode loop's GEMMs and fused quantization take it too)
+int64_t& int8_default_path() {
+  static int64_t path = int8_best_path();
+  return path;
+}
 
 int64_t int8_resolve_path(int64_t path) {
   TORCH_CHECK(isa_supported(), "the int8 GEMM needs AVX2 and FMA");
-  if (path == 0) return int8_best_path();
-  TORCH_CHECK(path == 1 || path == 2, "int8 GEMM path: 0 (best), 1 (avx2) or 2 (vnni), got ", path);
-  TORCH_CHECK(path == 1 || int8_vnni_supported(),
+  if (path == 0) return int8_default_path();
+  TORCH_CHECK(path >= 1 && path <= 3, "int8 GEMM path: 0 (the process's), 1 (avx2), 2 (vnni) ",
+              "or 3 (amx), got ", path);
+  TORCH_CHECK(path != 2 || int8_vnni_supported(),
               "the VNNI int8 path needs the avx512 library on a CPU with avx512_vnni");
+  TORCH_CHECK(path != 3 || int8_amx_supported(), "the AMX int8 path: ", int8_amx_why());
   return path;
+}
+
+// sets the path int8_linear(path 0) and the decode loop take; returns the one in force
+int64_t int8_set_path(int64_t path) {
+  if (path != 0) int8_default_path() = int8_resolve_path(path);
+  return int8_default_path();
+}
+
+// whether `path` quantizes x as u8 bytes (x_q + 128: VNNI's vpdpbusd, AMX's tdpbusd)
+inline bool i8_u8(int64_t path) { return path >= 2; }
+
+// Below this many rows (4) a GEMM on the AMX path runs VNNI (the same u8 rows and correction:
+// the same int32 sums): AMX is not faster there (the numbers above). int8_amx_min_rows(m) sets
+// it (m > 0; tests: 1 runs the tiles at every M) and returns the one in force
+int64_t& i8_amx_min_m() {
+  static int64_t m = 4;
+  return m;
+}
+
+int64_t int8_amx_min_rows(int64_t m) {
+  if (m > 0) i8_amx_min_m() = m;
+  return i8_amx_min_m();
+}
+
+inline int64_t i8_gemm_path(int64_t path, int64_t M) {
+  return path == 3 && M < i8_amx_min_m() ? 2 : path;
 }
 
 // q int8 [N, K], scale float [N] (or [N, 1]) -> the panels described above
@@ -121,6 +206,47 @@ __attribute__((target("avx512f,avx512vnni"))) inline __m512i i8_dpbusd(__m512i a
   return acc;
 }
 
+// The u8 paths' epilogue (VNNI, AMX), one panel's 32 channels: a row's two int32 sums less the
+// correction (128 * sum_k w), as they are (raw) or times s_x times s_w (+ b) in float32
+struct I8Epi {
+  __mmask16 k0, k1;
+  __m512i c0, c1;
+  __m512 s0, s1, b0, b1;
+  int64_t n0;
+  I8Epi(const int8_t* panel, int64_t Kp, const I8Out& o, int64_t n) : n0(n) {
+    const int32_t* comp = reinterpret_cast<const int32_t*>(panel + Kp * I8_PANEL);
+    const float* sw = reinterpret_cast<const float*>(comp + I8_PANEL);
+    k0 = lane_mask(o.N - n0);
+    k1 = lane_mask(o.N - n0 - 16);
+    c0 = _mm512_loadu_si512(comp);
+    c1 = _mm512_loadu_si512(comp + 16);
+    s0 = _mm512_loadu_ps(sw);
+    s1 = _mm512_loadu_ps(sw + 16);
+    b0 = o.b ? _mm512_maskz_loadu_ps(k0, o.b + n0) : _mm512_setzero_ps();
+    b1 = o.b ? _mm512_maskz_loadu_ps(k1, o.b + n0 + 16) : _mm512_setzero_ps();
+  }
+  inline void row(const I8Out& o, int64_t m, __m512i acc0, __m512i acc1) const {
+    const __m512i a0 = _mm512_sub_epi32(acc0, c0), a1 = _mm512_sub_epi32(acc1, c1);
+    const int64_t at = m * o.N + n0;
+    if (o.xs == nullptr) {
+      int32_t* y = static_cast<int32_t*>(o.y) + at;
+      _mm512_mask_storeu_epi32(y, k0, a0);
+      _mm512_mask_storeu_epi32(y + 16, k1, a1);
+      return;
+    }
+    const __m512 xs = _mm512_set1_ps(o.xs[m]);
+    __m512 f0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), xs), s0);
+    __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), xs), s1);
+    if (o.b) {
+      f0 = _mm512_add_ps(f0, b0);
+      f1 = _mm512_add_ps(f1, b1);
+    }
+    float* y = static_cast<float*>(o.y) + at;
+    _mm512_mask_storeu_ps(y, k0, f0);
+    _mm512_mask_storeu_ps(y + 16, k1, f1);
+  }
+};
+
 // MB rows (u8: x_q + 128, rows Kp bytes apart) down one panel
 template <int MB>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))) void i8_tile_vnni(
@@ -141,36 +267,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))) void i8
       acc[m][1] = i8_dpbusd(acc[m][1], xv, w1);
     }
   }
-  const int32_t* comp = reinterpret_cast<const int32_t*>(panel + Kp * I8_PANEL);
-  const float* sw = reinterpret_cast<const float*>(comp + I8_PANEL);
-  const __mmask16 k0 = lane_mask(o.N - n0), k1 = lane_mask(o.N - n0 - 16);
-  const __m512i c0 = _mm512_loadu_si512(comp), c1 = _mm512_loadu_si512(comp + 16);
-  const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (o.b) {
-    b0 = _mm512_maskz_loadu_ps(k0, o.b + n0);
-    b1 = _mm512_maskz_loadu_ps(k1, o.b + n0 + 16);
-  }
-  PD_UNROLL for (int m = 0; m < MB; ++m) {
-    const __m512i a0 = _mm512_sub_epi32(acc[m][0], c0), a1 = _mm512_sub_epi32(acc[m][1], c1);
-    const int64_t row = (m0 + m) * o.N + n0;
-    if (o.xs == nullptr) {
-      int32_t* y = static_cast<int32_t*>(o.y) + row;
-      _mm512_mask_storeu_epi32(y, k0, a0);
-      _mm512_mask_storeu_epi32(y + 16, k1, a1);
-      continue;
-    }
-    const __m512 xs = _mm512_set1_ps(o.xs[m0 + m]);
-    __m512 f0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0), xs), s0);
-    __m512 f1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1), xs), s1);
-    if (o.b) {
-      f0 = _mm512_add_ps(f0, b0);
-      f1 = _mm512_add_ps(f1, b1);
-    }
-    float* y = static_cast<float*>(o.y) + row;
-    _mm512_mask_storeu_ps(y, k0, f0);
-    _mm512_mask_storeu_ps(y + 16, k1, f1);
-  }
+  const I8Epi e(panel, Kp, o, n0);
+  PD_UNROLL for (int m = 0; m < MB; ++m) e.row(o, m0 + m, acc[m][0], acc[m][1]);
 }
 
 using I8VnniFn = void (*)(const uint8_t*, int64_t, const int8_t*, const I8Out&, int64_t, int64_t);
@@ -178,6 +276,111 @@ const I8VnniFn I8_VNNI[TILE] = {i8_tile_vnni<1>, i8_tile_vnni<2>,  i8_tile_vnni<
                                 i8_tile_vnni<4>, i8_tile_vnni<5>,  i8_tile_vnni<6>,
                                 i8_tile_vnni<7>, i8_tile_vnni<8>,  i8_tile_vnni<9>,
                                 i8_tile_vnni<10>, i8_tile_vnni<11>, i8_tile_vnni<12>};
+
+// AMX (path 3): the panel already is tdpbusd's B layout: 16 groups of 4 k (64 k) of one half of
+// the panel (16 channels x 4 bytes a line) are a B tile, 16 lines 128 bytes apart. Tiles 0-3
+// hold the int32 sums (row block r of 16 rows, half h: tile 2r + h), 4 and 5 the row blocks'
+// 64 k of u8 x (rows Kp apart), 6 and 7 the halves' B tiles. A K that is not a multiple of 64
+// ends with its last Kp % 64 bytes copied into zero-padded scratch (zero weights: whatever x
+// holds past Kp adds 0), so one tile configuration serves every K; rows < 16 configure fewer
+// tile rows (the configuration is a thread's: loaded at the start of each thread's share of a
+// GEMM (I8AmxCfg), again only where the rows change, and released after).
+struct alignas(64) I8TileCfg {  // ldtilecfg's 64 bytes, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct I8AmxCfg {  // a thread's tile configuration for one share of work
+  int key = -1;
+  __attribute__((target("amx-tile"))) void set(int r0, int r1) {
+    if (key == r0 * 32 + r1) return;
+    I8TileCfg c;
+    const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = static_cast<uint8_t>(rows[t]);
+      c.colsb[t] = rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&c);
+    key = r0 * 32 + r1;
+  }
+  __attribute__((target("amx-tile"))) ~I8AmxCfg() {
+    if (key >= 0) _tile_release();
+  }
+};
+
+constexpr int I8_AMX_ROWS = 32;  // rows per AMX work item (two A tiles)
+
+// GCC 12's tile loads and stores are asm statements that name no memory: without this fence
+// it dropped the stores into the scratch the loads read (as dead) and could read the sums
+// before the tile stores wrote them
+inline void i8_tile_fence(const void* a, const void* b) {
+  asm volatile("" : : "r"(a), "r"(b) : "memory");
+}
+
+// rows (1..32) of u8 x down one panel
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512dq"))) void i8_tile_amx(
+    const uint8_t* x, int64_t Kp, const int8_t* panel, const I8Out& o, int64_t m0, int rows,
+    int64_t n0, I8AmxCfg& cfg) {
+  const int r0 = std::min(rows, 16), r1 = rows - r0;
+  i8_tile_fence(x, panel);
+  cfg.set(r0, r1);
+  _tile_zero(0);
+  _tile_zero(1);
+  if (r1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t KB = Kp / 64, tail = Kp % 64;
+  const uint8_t* x1 = x + 16 * Kp;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const int8_t* w = panel + kb * 16 * I8_PANEL * 4;
+    _tile_loadd(6, w, 128);
+    _tile_loadd(7, w + 64, 128);
+    _tile_loadd(4, x + kb * 64, Kp);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if (r1) {
+      _tile_loadd(5, x1 + kb * 64, Kp);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  if (tail) {
+    alignas(64) uint8_t xt[I8_AMX_ROWS * 64];
+    alignas(64) int8_t wt[16 * I8_PANEL * 4];
+    std::memset(xt, 0, sizeof(xt));
+    std::memset(wt, 0, sizeof(wt));
+    for (int r = 0; r < rows; ++r) std::memcpy(xt + r * 64, x + r * Kp + KB * 64, tail);
+    std::memcpy(wt, panel + KB * 16 * I8_PANEL * 4, tail / 4 * I8_PANEL * 4);
+    i8_tile_fence(xt, wt);
+    _tile_loadd(6, wt, 128);
+    _tile_loadd(7, wt + 64, 128);
+    _tile_loadd(4, xt, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if (r1) {
+      _tile_loadd(5, xt + 16 * 64, 64);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  alignas(64) int32_t acc[I8_AMX_ROWS * I8_PANEL];
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  if (r1) {
+    _tile_stored(2, acc + 16 * I8_PANEL, 128);
+    _tile_stored(3, acc + 16 * I8_PANEL + 16, 128);
+  }
+  i8_tile_fence(acc, acc);
+  const I8Epi e(panel, Kp, o, n0);
+  for (int m = 0; m < rows; ++m)
+    e.row(o, m0 + m, _mm512_load_si512(acc + m * I8_PANEL),
+          _mm512_load_si512(acc + m * I8_PANEL + 16));
+}
+#else
+struct I8AmxCfg {};
+constexpr int I8_AMX_ROWS = TILE;
 #endif
 
 // MB (<= 3) rows (int8 x_q, rows Kp bytes apart) down one panel, 8 channels (a quarter) at a time
@@ -284,11 +487,17 @@ void i8_quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, bool u8,
 }
 
 // the rows [m, m + rows) of xq [M, Kp] down panel p into o: one work item of i8_gemm (and of
-// the decode step's team region, team_step.h)
+// the decode step's team region, team_step.h); rows <= 32 on the AMX path (path 3, which takes
+// the thread's tile configuration `cfg`), <= 12 on the others
 inline void i8_gemm_item(const int8_t* xq, int64_t Kp, const int8_t* wp, int64_t path,
-                         const I8Out& o, int64_t m, int64_t rows, int64_t p) {
+                         const I8Out& o, int64_t m, int64_t rows, int64_t p, I8AmxCfg& cfg) {
   const int64_t bytes = Kp * I8_PANEL + I8_TAIL;
 #if defined(PD_ISA_AVX512)
+  if (path == 3) {
+    i8_tile_amx(reinterpret_cast<const uint8_t*>(xq) + m * Kp, Kp, wp + p * bytes, o, m,
+                static_cast<int>(rows), p * I8_PANEL, cfg);
+    return;
+  }
   if (path == 2) {
     I8_VNNI[rows - 1](reinterpret_cast<const uint8_t*>(xq) + m * Kp, Kp, wp + p * bytes, o, m,
                       p * I8_PANEL);
@@ -301,11 +510,20 @@ inline void i8_gemm_item(const int8_t* xq, int64_t Kp, const int8_t* wp, int64_t
   }
 }
 
-// the GEMM of quantized rows xq [M, Kp] down the panels into o
+// the GEMM of quantized rows xq [M, Kp] down the panels into o: for_tiles's work split, each
+// thread's share under one tile configuration on the AMX path (32-row tiles there)
 void i8_gemm(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* wp, int64_t P, int64_t path,
              const I8Out& o) {
-  for_tiles(Tiling(M), P, [&](int64_t m, int64_t rows, int64_t p) {
-    i8_gemm_item(xq, Kp, wp, path, o, m, rows, p);
+  path = i8_gemm_path(path, M);
+  const Tiling tiling = path == 3 ? Tiling(M, I8_AMX_ROWS) : Tiling(M);
+  if (tiling.tiles.empty()) return;
+  at::parallel_for(0, P * tiling.blocks(), 1, [&](int64_t i0, int64_t i1) {
+    I8AmxCfg cfg;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t mb = i / P, p = i % P;
+      for (int64_t t = tiling.first[mb]; t < tiling.first[mb + 1]; ++t)
+        i8_gemm_item(xq, Kp, wp, path, o, tiling.tiles[t].first, tiling.tiles[t].second, p, cfg);
+    }
   });
 }
 
@@ -329,7 +547,7 @@ Tensor int8_linear(const Tensor& x_in, const Tensor& packed, int64_t N,
   Tensor xs = at::empty({M}, x.options());
   Tensor bc;
   if (b.has_value() && b->defined() && b->numel() > 0) bc = b->to(at::kFloat).contiguous();
-  i8_quantize_rows(x.data_ptr<float>(), M, K, Kp, path == 2, xq.data_ptr<int8_t>(),
+  i8_quantize_rows(x.data_ptr<float>(), M, K, Kp, i8_u8(path), xq.data_ptr<int8_t>(),
                    xs.data_ptr<float>());
   const I8Out o{y.data_ptr<float>(), N, xs.data_ptr<float>(),
                 bc.defined() ? bc.data_ptr<float>() : nullptr};
@@ -346,8 +564,8 @@ Tensor int8_gemm(const Tensor& xq_in, const Tensor& packed, int64_t N, int64_t p
   i8_check(packed, K, N);
   TORCH_CHECK(M == 0 || xq_in.min().item<int8_t>() >= -127,
               "int8_gemm: activations must lie in [-127, 127] (the AVX2 path negates them)");
-  Tensor xq = at::full({M, Kp}, path == 2 ? -128 : 0, xq_in.options());  // 128 as a byte
-  if (path == 2) {
+  Tensor xq = at::full({M, Kp}, i8_u8(path) ? -128 : 0, xq_in.options());  // 128 as a byte
+  if (i8_u8(path)) {
     xq.slice(1, 0, K).copy_(xq_in.to(at::kInt).add(128).to(at::kByte).view(at::kChar));
   } else {
     xq.slice(1, 0, K).copy_(xq_in);
