@@ -110,8 +110,9 @@ def test_the_amx_path_sums_equal_int_mm_over_its_tails():
     g = torch.Generator().manual_seed(7)
     o = torch.ops.pdcore_native
     bad = []
-    before = int(o.int8_amx_min_rows(1))  # the tiles at every M (by default 1-3 rows run VNNI)
+    before = int(o.int8_amx_min_rows(0))  # 0: read; by default 1-3 rows run VNNI
     try:
+        assert int(o.int8_amx_min_rows(1)) == 1  # the tiles at every M
         for k in (4, 60, 64, 68, 576, 1536, 8192):
             for n in (40, 96) if k < 8192 else (33,):
                 q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
