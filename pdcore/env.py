@@ -247,6 +247,13 @@ class Engine(Group):
         "auto", choice("auto", "off", "avx512", "avx2", listing="auto, avx512, avx2 or off"),
         "which native library: `avx512`, `avx2` (an ISA the CPU lacks: none, and the log says "
         "why) or `off`; auto: the best the CPU has; any other value stops the server (exit 2)")
+    pdcore_prefill_attention = Var(
+        "auto", choice("auto", "native", "sdpa", listing="auto, native or sdpa"),
+        "which kernel attends a prefill chunk on the CPU: `native` (engine/native's causal "
+        "kernel: a row has the same bits in every phase), `sdpa` (torch's flash attention; its "
+        "rows differ in bits from the decode kernel's) or `auto`: SDPA for bf16 chunks of at "
+        "least 16 tokens on a CPU with amx_bf16 (PDCORE_CPU_ISA hides it), else native "
+        "(docs/cpu.md)")
     pdserve_native_dir: Var[str | None] = Var(None, text, "where the native library is built "
         "(once per machine, under a lock)", shown="~/.cache/pdserve/native")
     pdcore_decode_kv_view_mb = Var(128.0, _mib_at_least_zero, "MiB of decode K/V kept "

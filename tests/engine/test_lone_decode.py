@@ -228,6 +228,9 @@ def test_a_bf16_models_rows_equal_alone_batched_and_teacher_forced(head64_dir, m
     if not native.bf16_gemm():  # oneDNN's bf16 GEMMs: a row's bits depend on the row count
         pytest.skip(f"no bf16 panel GEMM here ({native.status()})")
     monkeypatch.setenv(Env.pdcore_gemm_layout.name, "panels")  # not a load-time timing's pick
+    # the native prefill kernel: on an AMX host `auto` attends bf16 chunks through SDPA, whose
+    # prefill rows are not the decode kernel's bits (engine/model/prefill_route.py)
+    monkeypatch.setenv(Env.pdcore_prefill_attention.name, "native")
     new = 10
     sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
     one = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)

@@ -24,15 +24,9 @@ from pdcore.engine.model.base import CausalLM, _native_op
 from pdcore.engine.model.batch import DecodeGroup, ForwardBatch, VerifyGroup
 from pdcore.engine.model.decode_view import (PAGED as _PAGED, POOLS as _POOLS, DecodeKV, bf16_pool,
                                               reads_in_place, widened)
-from pdcore.engine.model.layers import (
-    ColumnLinear,
-    RMSNorm,
-    RowLinear,
-    TPInfo,
-    kv_head_span,
-    pack_linears,
-    q_head_span,
-)
+from pdcore.engine.model.layers import (ColumnLinear, RMSNorm, RowLinear, TPInfo, kv_head_span,
+                                        pack_linears, q_head_span)
+from pdcore.engine.model import prefill_route
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -98,6 +92,7 @@ class Attention(nn.Module):
         self.layer_id = 0  # set by the model: this layer's buffers in the decode K/V view
         # an FP8 pool's per-layer scales (kv/fp8.py): the checkpoint's k_scale / v_scale, else 1
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.sdpa_from = prefill_route.NEVER  # chunks this long take SDPA (prefill_route.py)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -156,8 +151,11 @@ class Attention(nn.Module):
                                  self.k_scale, self.v_scale).reshape(1, self.num_heads,
                                                                      self.head_dim)
                 continue
-            native = self._prefill_native(q, k_flat) if n > 1 else None
-            if native is not None:  # the native causal kernel: the pool read in place
+            # the native causal kernel (the pool read in place), but SDPA for chunks of at least
+            # sdpa_from tokens (prefill_route: bf16 on AMX; its rows differ in bits from decode's)
+            native = self._prefill_native(q, k_flat) if 1 < n and (
+                n < self.sdpa_from or k_flat.dtype != q.dtype) else None
+            if native is not None:
                 native(q[a:b], k_flat, v_flat, s.ctx_slots, self.scale, self.k_scale,
                        self.v_scale, self.num_kv_heads, out[a:b])  # written in place
                 batch.native_prefill += self.layer_id == 0
@@ -361,6 +359,7 @@ class LlamaForCausalLM(CausalLM):
         pack_linears(self)
         self.pack_lm_head()
         self.native = self._native_plan()
+        prefill_route.apply(self)  # which kernel attends prefill chunks (logged once)
 
     def _native_plan(self) -> dict | None:
         """The per-layer weight lists of the native decode step (engine/native), or None where
