@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdcore.engine import cpu_features, native
-from pdcore.engine.model import prefill_route
+from pdcore.engine.model import layers, prefill_route
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.model.llama import LlamaForCausalLM
 from pdcore.env import EnvError
@@ -96,6 +96,8 @@ def _model(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausa
             layer.post_attention_layernorm.weight.fill_(1.0)
     model.to(dtype)
     monkeypatch.setenv(ENV, "native")
+    # plain F.linear: oneDNN packs bf16 weights only on AVX-512 (PDCORE_CPU_ISA=avx2 runs here)
+    monkeypatch.setenv(layers.PACKED_GEMM_ENV, "0")
     model.prepare_for_inference()
     return model
 
