@@ -519,11 +519,9 @@ void i8_gemm(const int8_t* xq, int64_t M, int64_t Kp, const int8_t* wp, int64_t 
   if (tiling.tiles.empty()) return;
   at::parallel_for(0, P * tiling.blocks(), 1, [&](int64_t i0, int64_t i1) {
     I8AmxCfg cfg;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t mb = i / P, p = i % P;
-      for (int64_t t = tiling.first[mb]; t < tiling.first[mb + 1]; ++t)
-        i8_gemm_item(xq, Kp, wp, path, o, tiling.tiles[t].first, tiling.tiles[t].second, p, cfg);
-    }
+    tiles_of_share(tiling, P, i0, i1, [&](int64_t m, int64_t rows, int64_t p) {
+      i8_gemm_item(xq, Kp, wp, path, o, m, rows, p, cfg);
+    });
   });
 }
 

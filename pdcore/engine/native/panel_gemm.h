@@ -268,16 +268,22 @@ struct Tiling {
 // parallel. Work items are (block of rows, panel): a decode step has one block, so its panels
 // are shared out; a prefill's rows come in blocks (Tiling), each block's rows (in L2) run down
 // one panel after another.
+// tile(m, rows, p) over the work items [i0, i1) of that split: one thread's share (for_tiles's,
+// or a team region's: team_step.h)
+template <typename Tile>
+void tiles_of_share(const Tiling& tiling, int64_t P, int64_t i0, int64_t i1, const Tile& tile) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t mb = i / P, p = i % P;
+    for (int64_t t = tiling.first[mb]; t < tiling.first[mb + 1]; ++t)
+      tile(tiling.tiles[t].first, tiling.tiles[t].second, p);
+  }
+}
+
 template <typename Tile>
 void for_tiles(const Tiling& tiling, int64_t P, const Tile& tile) {
   if (tiling.tiles.empty()) return;
-  at::parallel_for(0, P * tiling.blocks(), 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t mb = i / P, p = i % P;
-      for (int64_t t = tiling.first[mb]; t < tiling.first[mb + 1]; ++t)
-        tile(tiling.tiles[t].first, tiling.tiles[t].second, p);
-    }
-  });
+  at::parallel_for(0, P * tiling.blocks(), 1,
+                   [&](int64_t i0, int64_t i1) { tiles_of_share(tiling, P, i0, i1, tile); });
 }
 
 // x [M, K] copied tile by tile into k-major order: tile (m, rows) at offset m * K holds

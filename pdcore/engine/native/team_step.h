@@ -48,15 +48,11 @@ struct TeamGemm {  // one int8 GEMM of the step: its tiles x panels, shared out 
 };
 
 inline void team_gemm(const TeamGemm& g, const Tiling& tiling, int64_t path, int tid, int nt) {
-  const int64_t P = g.P;
-  const auto [i0, i1] = team_share(P * tiling.blocks(), tid, nt);
+  const auto [i0, i1] = team_share(g.P * tiling.blocks(), tid, nt);
   I8AmxCfg cfg;  // AMX: this thread's tile configuration, for its share of this GEMM
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t mb = i / P, p = i % P;
-    for (int64_t t = tiling.first[mb]; t < tiling.first[mb + 1]; ++t)
-      i8_gemm_item(g.xq, g.Kp, g.w, path, g.o, tiling.tiles[t].first, tiling.tiles[t].second, p,
-                   cfg);
-  }
+  tiles_of_share(tiling, g.P, i0, i1, [&](int64_t m, int64_t rows, int64_t p) {
+    i8_gemm_item(g.xq, g.Kp, g.w, path, g.o, m, rows, p, cfg);
+  });
 }
 
 // Whether the team region runs this step: W8A8 (every GEMM weight int8 panels; f32: float32
@@ -152,8 +148,9 @@ Tensor team_decode_layers(const Tensor& residual_in, const Tensor& cos, const Te
   TEAM_STEPS.fetch_add(1);
   const int64_t T = residual_in.size(0), hidden = residual_in.size(1), L = ln1.size();
   // the quantization's path; the GEMMs' (i8_gemm_path: VNNI for few rows on the AMX path)
-  const bool u8 = i8_u8(int8_resolve_path(0));
-  const int64_t path = i8_gemm_path(int8_resolve_path(0), T);
+  const int64_t chosen = int8_resolve_path(0);
+  const bool u8 = i8_u8(chosen);
+  const int64_t path = i8_gemm_path(chosen, T);
   const int64_t H = kv_heads, G = num_heads / kv_heads, D = head_dim, I = inter;
   const int64_t qs = num_heads * D, ks = kv_heads * D, nqkv = qs + 2 * ks;
   const int64_t Kh = i8_kp(hidden), Kq = i8_kp(qs), Ki = i8_kp(I);
