@@ -202,6 +202,21 @@ def timed(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(xs)
 
 
+def prefill_timer(eng: Any, rng: Any) -> Callable[[int], float]:
+    """A function timing one prompt of n random token ids through an in-process LLMEngine
+    `eng` (1 new token, greedy): the prompt's prefill, in seconds."""
+    from pdcore.messages.io import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefill(n: int) -> float:
+        ps = [[rng.randrange(100, 40000) for _ in range(n)]]
+        t = time.perf_counter()
+        eng.generate(ps, sp)
+        return time.perf_counter() - t
+    return prefill
+
+
 def timed_map(fn: Callable[[Any], Any], items: Sequence[Any], concurrency: int) -> tuple[float, list[Any]]:
     """fn over items on `concurrency` client threads: (wall seconds, results in order)."""
     from concurrent.futures import ThreadPoolExecutor

@@ -24,7 +24,6 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from common import Run, load_note, timed
+from common import Run, load_note, prefill_timer, timed
 
 NAME = "prefill_attention"
 KVH, G, D = 3, 3, 64  # SmolLM2-135M
@@ -100,7 +99,6 @@ def kernel_part(lengths: list[int], threads: list[int], reps: int) -> list[dict[
 def engine_part(lengths: list[int], rounds: int, threads: int) -> list[dict[str, Any]]:
     from pdcore.config import ServerArgs
     from pdcore.engine.model import llama
-    from pdcore.messages.io import SamplingParams
     from pdcore.runtime.llm_engine import LLMEngine
 
     torch.set_num_threads(threads)
@@ -108,14 +106,8 @@ def engine_part(lengths: list[int], rounds: int, threads: int) -> list[dict[str,
     eng = LLMEngine(ServerArgs(model_path=None, max_total_tokens=max(lengths) + 2048,
                                log_level="warning"))
     model = eng.loop.runner.model
-    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
-
-    def prefill(n: int) -> float:
-        ps = [[rng.randrange(100, 40000) for _ in range(n)]]
-        t = time.perf_counter()
-        eng.generate(ps, sp)
-        return time.perf_counter() - t
+    prefill = prefill_timer(eng, rng)
 
     real = llama._native_op
 

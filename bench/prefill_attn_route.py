@@ -22,7 +22,6 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from common import Run, bar_groups, figure, load_note, save_figure, timed
+from common import Run, bar_groups, figure, load_note, prefill_timer, save_figure, timed
 
 NAME = "prefill_attn_route"
 SHAPES = {"1b": (8, 4, 64), "smollm2": (3, 3, 64)}  # KV heads, query heads per KV head, dim
@@ -90,7 +89,6 @@ def kernel_part(cases: list[tuple[int, int]], shapes: list[str], reps: int) -> l
 def engine_part(lengths: list[int], rounds: int, model_path: str) -> list[dict]:
     from pdcore.config import ServerArgs
     from pdcore.engine.model import prefill_route
-    from pdcore.messages.io import SamplingParams
     from pdcore.runtime.llm_engine import LLMEngine
 
     rng = random.Random(0)
@@ -99,14 +97,8 @@ def engine_part(lengths: list[int], rounds: int, model_path: str) -> list[dict]:
     model = eng.loop.runner.model
     attns = [la.self_attn for la in model.layers]
     auto = prefill_route.choose(torch.bfloat16, "cpu", mode="auto").sdpa_from
-    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
-
-    def prefill(n: int) -> float:
-        ps = [[rng.randrange(100, 40000) for _ in range(n)]]
-        t = time.perf_counter()
-        eng.generate(ps, sp)
-        return time.perf_counter() - t
+    prefill = prefill_timer(eng, rng)
 
     try:
         prefill(64)

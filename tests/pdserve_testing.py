@@ -71,6 +71,27 @@ def build_tiny_llama(dest: Path, seed: int = 0, **overrides: Any) -> Path:
     return dest
 
 
+def random_llama(std: float, final_norm: bool = True, **cfg: Any) -> Any:
+    """pdcore's LlamaForCausalLM of the LlamaConfig `cfg`, eval mode, seeded (0): every weight
+    drawn from N(0, std), then the layers' norms (and with `final_norm` the final one) at 1."""
+    import torch
+    from transformers import LlamaConfig
+
+    from pdcore.engine.model.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(architectures=["LlamaForCausalLM"], **cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+        for layer in model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        if final_norm:
+            model.norm.weight.fill_(1.0)
+    return model
+
+
 def parse_or_bf16_refusal(argv: list[str], prog: str = "pdserve serve") -> Any:
     """parse_server_args(argv), where this CPU can compute in a `--dtype bfloat16` the line asks
     for; on one without bf16 hardware (or with PDCORE_CPU_ISA=avx2) the line must instead exit 2

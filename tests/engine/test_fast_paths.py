@@ -20,6 +20,7 @@ from pdcore.engine.model import layers
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.model.llama import LlamaForCausalLM
 from pdcore.errors import ConfigError
+from pdserve_testing import random_llama
 
 needs_mkl = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available()
@@ -58,21 +59,10 @@ def test_packing_follows_env_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _tiny_model(packed: bool, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
-    from transformers import LlamaConfig
-
     monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1" if packed else "0")
-    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-        for layer in model.layers:
-            layer.input_layernorm.weight.fill_(1.0)
-            layer.post_attention_layernorm.weight.fill_(1.0)
-        model.norm.weight.fill_(1.0)
+    model = random_llama(0.2, vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512)
     model.prepare_for_inference()
     return model
 

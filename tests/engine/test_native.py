@@ -25,6 +25,7 @@ from pdcore.engine.model import layers
 from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.model.llama import LlamaForCausalLM
 from pdcore.errors import ConfigError
+from pdserve_testing import random_llama
 
 
 def _ops():
@@ -163,23 +164,12 @@ def _llama(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
            layout: str = "panels") -> LlamaForCausalLM:
     """A tiny random Llama with SmolLM2's head size (64) and grouping (3 query heads per KV
     head), so every native kernel applies (`layout`: the GEMMs' weight layout)."""
-    from transformers import LlamaConfig
-
     _bf16_model(dtype)
     monkeypatch.setenv(layers.PACKED_GEMM_ENV, "1")
     monkeypatch.setenv(LAYOUT_ENV, layout)
-    cfg = LlamaConfig(vocab_size=500, hidden_size=384, intermediate_size=512,
-                      num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-                      max_position_embeddings=1024, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-        for layer in model.layers:
-            layer.input_layernorm.weight.fill_(1.0)
-            layer.post_attention_layernorm.weight.fill_(1.0)
-        model.norm.weight.fill_(1.0)
+    model = random_llama(0.1, vocab_size=500, hidden_size=384, intermediate_size=512,
+                         num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                         max_position_embeddings=1024)
     model.to(dtype)
     model.prepare_for_inference()
     return model

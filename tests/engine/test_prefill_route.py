@@ -20,6 +20,7 @@ from pdcore.engine.model.batch import ForwardBatch, SeqSpan
 from pdcore.engine.model.llama import LlamaForCausalLM
 from pdcore.env import EnvError
 from pdcore.runtime_env import ISA_ENV
+from pdserve_testing import random_llama
 
 ENV = "PDCORE_PREFILL_ATTENTION"
 XEON = "flags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile\n"
@@ -81,19 +82,9 @@ def test_a_bad_value_exits_2_at_start_up() -> None:
 
 def _model(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> LlamaForCausalLM:
     """Two layers, GQA (8 query heads over 2 KV heads of 32), weights in `dtype`."""
-    from transformers import LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                      max_position_embeddings=1024, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-        for layer in model.layers:
-            layer.input_layernorm.weight.fill_(1.0)
-            layer.post_attention_layernorm.weight.fill_(1.0)
+    model = random_llama(0.1, final_norm=False, vocab_size=300, hidden_size=256,
+                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, max_position_embeddings=1024)
     model.to(dtype)
     monkeypatch.setenv(ENV, "native")
     # plain F.linear: oneDNN packs bf16 weights only on AVX-512 (PDCORE_CPU_ISA=avx2 runs here)
